@@ -1,0 +1,64 @@
+"""Command line: ``gpu-topology-agent <subcommand>`` and ``python -m agent``.
+
+Each subcommand lives in ``agent/commands/<name>.py`` and exposes ``add_parser(subparsers)``
+(which sets ``func`` on its parser) and is imported here. Exit codes: 0 ok, 2 usage or bad
+input (one clear line on stderr), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from agent import __version__
+from agent.errors import AgentError
+
+SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage + exit 2 anyway
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="gpu-topology-agent",
+        description="Kubernetes GPU node agent: device plugin, labels and metrics, topology-aware.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"agent.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"agent.commands.{name}":
+                continue  # not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    try:
+        return int(args.func(args) or 0)
+    except AgentError as exc:
+        print(f"gpu-topology-agent {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
