@@ -1,0 +1,183 @@
+"""``gpu-topology-agent discover``: print the node's GPU topology.
+
+The table looks like ``nvidia-smi topo -m`` (GPU and NIC rows, CPU/NUMA affinity) followed
+by the derived facts. The JSON follows the contract in DESIGN.md: one object with ``gpus``
+(index, uuid, name, pci_bus_id, numa_node), ``links`` (a, b, nvlinks, pcie), ``nvlink_islands``,
+``nvlink_cliques`` and ``nics``, plus a few extra keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from agent.commands._common import add_format_flag, add_simulate_flag, load_topology
+from agent.topology.model import Link, PcieLevel, Topology
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("discover", help="print the GPU topology (NVML, sysfs or a simulation)")
+    add_simulate_flag(p)
+    add_format_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.simulate == "list":
+        from agent.hw.machines import BUILTIN_MACHINES
+
+        print("\n".join(BUILTIN_MACHINES))
+        return 0
+    topology = load_topology(args.simulate)
+    if args.format == "json":
+        json.dump(topology_to_json(topology), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_table(topology))
+    return 0
+
+
+def _level_name(level: PcieLevel | None) -> str | None:
+    return level.name if level is not None else None
+
+
+def topology_to_json(t: Topology) -> dict[str, Any]:
+    """The DESIGN.md ``discover --format json`` contract (and a few extra keys)."""
+    return {
+        "source": t.source,
+        "machine": t.machine,
+        "driver_version": t.driver_version,
+        "cuda_driver_version": t.cuda_driver_version,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "pci_bus_id": g.pci_bus_id,
+                "numa_node": g.numa_node,
+                "memory_mib": g.memory_mib,
+                "minor_number": g.minor_number,
+                "compute_capability": (
+                    f"{g.compute_capability[0]}.{g.compute_capability[1]}"
+                    if g.compute_capability
+                    else None
+                ),
+                "cpu_affinity": g.cpu_affinity,
+                "mig_enabled": g.mig_enabled,
+                "mig_devices": [
+                    {"uuid": m.uuid, "profile": m.profile, "memory_mib": m.memory_mib}
+                    for m in g.mig_devices
+                ],
+                "fabric_cluster_uuid": g.fabric_cluster_uuid,
+                "fabric_clique_id": g.fabric_clique_id,
+                "lost": g.lost,
+            }
+            for g in t.gpus
+        ],
+        "links": [
+            {
+                "a": link.a,
+                "b": link.b,
+                "nvlinks": link.nvlinks,
+                "pcie": _level_name(link.pcie),
+                "nvswitch": link.nvswitch,
+                "score": link.score,
+            }
+            for link in t.links
+        ],
+        "nvlink_islands": [list(i) for i in t.nvlink_islands],
+        "nvlink_cliques": [list(c) for c in t.nvlink_cliques],
+        "numa_groups": [
+            {"numa_node": node, "gpus": list(gpus)} for node, gpus in t.numa_groups.items()
+        ],
+        "nics": [
+            {
+                "name": nic.name,
+                "pci_bus_id": nic.pci_bus_id,
+                "numa_node": nic.numa_node,
+                "levels": [_level_name(level) for level in nic.levels],
+            }
+            for nic in t.nics
+        ],
+        "notes": list(t.notes),
+    }
+
+
+def _cell(link: Link) -> str:
+    if link.nvlinks:
+        return f"NV{link.nvlinks}"
+    return link.pcie.name if link.pcie is not None else "?"
+
+
+def render_table(t: Topology) -> str:
+    """A matrix like ``nvidia-smi topo -m``, then islands, cliques, NUMA groups and NICs."""
+    n = t.gpu_count
+    heads = [f"GPU{i}" for i in range(n)] + [nic.name for nic in t.nics]
+    width = max([6] + [len(h) + 2 for h in heads])
+    out: list[str] = []
+    title = t.machine or t.source or "this node"
+    out.append(f"{title}: {n} GPU(s)" + (f", driver {t.driver_version}" if t.driver_version else ""))
+    out.append("")
+    out.append(" " * 8 + "".join(h.ljust(width) for h in heads) + "CPU Affinity".ljust(16) + "NUMA")
+    for g in t.gpus:
+        cells = []
+        for j in range(n):
+            cells.append(" X" if j == g.index else _cell(t.link(g.index, j)))
+        for nic in t.nics:
+            lvl = nic.levels[g.index] if g.index < len(nic.levels) else None
+            cells.append(lvl.name if lvl is not None else "?")
+        numa = "N/A" if g.numa_node is None else str(g.numa_node)
+        out.append(
+            f"GPU{g.index}".ljust(8)
+            + "".join(c.ljust(width) for c in cells)
+            + (g.cpu_affinity or "N/A").ljust(16)
+            + numa
+        )
+    out.append("")
+    for g in t.gpus:
+        extra = []
+        if g.mig_enabled:
+            extra.append(f"MIG: {', '.join(m.profile for m in g.mig_devices) or 'no instances'}")
+        if g.fabric_clique_id is not None:
+            extra.append(f"clique {g.fabric_clique_id}")
+        if g.lost:
+            extra.append("LOST")
+        mem = f"{g.memory_mib} MiB" if g.memory_mib else "? MiB"
+        out.append(
+            f"  GPU{g.index}  {g.name}  {mem}  {g.pci_bus_id or '-'}  {g.uuid}"
+            + (f"  [{'; '.join(extra)}]" if extra else "")
+        )
+    out.append("")
+
+    def groups(items: tuple[tuple[int, ...], ...]) -> str:
+        return " ".join("{" + ",".join(map(str, g)) + "}" for g in items) or "none"
+
+    out.append(f"NVLink islands: {groups(t.nvlink_islands)}")
+    out.append(f"NVLink cliques: {groups(t.nvlink_cliques)}")
+    numa = ", ".join(
+        f"{'?' if node is None else node}: {{{','.join(map(str, gpus))}}}"
+        for node, gpus in t.numa_groups.items()
+    )
+    out.append(f"NUMA groups:    {numa or 'none'}")
+    if t.nics:
+        out.append("NICs:")
+        for nic in t.nics:
+            near = [
+                i
+                for i, lvl in enumerate(nic.levels)
+                if lvl is not None and lvl <= PcieLevel.PXB
+            ]
+            out.append(
+                f"  {nic.name}  {nic.pci_bus_id or '-'}  numa {nic.numa_node if nic.numa_node is not None else '?'}"
+                + (f"  near GPU {','.join(map(str, near))}" if near else "")
+            )
+    else:
+        out.append("NICs:           none")
+    for note in t.notes:
+        out.append(f"note: {note}")
+    out.append("")
+    out.append("Legend: X self; NV# bonded NVLinks; PIX one PCIe switch; PXB several switches;")
+    out.append("        PHB host bridge; NODE across host bridges in a NUMA node; SYS across sockets")
+    return "\n".join(out) + "\n"
