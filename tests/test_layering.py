@@ -1,0 +1,58 @@
+"""The layering DESIGN.md writes down, checked on the source (imports point downward)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+AGENT = Path(__file__).resolve().parent.parent / "agent"
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def sources():
+    for path in sorted(AGENT.rglob("*.py")):
+        if "_proto" in path.parts:
+            continue
+        yield path.relative_to(AGENT.parent).as_posix(), imports_of(path)
+
+
+def test_only_the_nvml_backend_imports_pynvml():
+    offenders = [p for p, mods in sources() if "pynvml" in mods and p != "agent/hw/nvml.py"]
+    assert offenders == []
+
+
+def test_hw_and_topology_layers_import_nothing_of_ours_above_them():
+    above = ("agent.deviceplugin", "agent.metrics", "agent.labels", "agent.daemon", "agent.cli",
+             "agent.commands", "agent.health")
+    for path, mods in sources():
+        if path.startswith(("agent/hw/", "agent/topology/", "agent/config.py")):
+            bad = sorted(m for m in mods if m.startswith(above))
+            assert bad == [], f"{path} imports {bad}"
+
+
+def test_config_imports_nothing_of_ours_but_errors():
+    for path, mods in sources():
+        if path == "agent/config.py":
+            ours = {m for m in mods if m.startswith("agent")}
+            assert ours <= {"agent.errors", "agent.errors.ConfigError", "agent.errors.UsageError"}
+
+
+def test_grpc_is_imported_only_by_the_kubelet_facing_modules():
+    # agent/metrics/podresources.py is the one exception outside deviceplugin/: it is a
+    # client of the kubelet's pod-resources API, read for pod attribution.
+    allowed = ("agent/deviceplugin/", "agent/metrics/podresources.py", "agent/daemon.py",
+               "agent/commands/demo.py", "agent/demo")
+    for path, mods in sources():
+        if any(m == "grpc" or m.startswith("grpc.") for m in mods):
+            assert path.startswith(allowed), f"{path} imports grpc"
