@@ -10,7 +10,17 @@ The loader (``load_config``) lives here too; field documentation says unit, defa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import logging
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+import yaml
+
+from agent.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: XIDs that do not indicate a GPU fault (application errors), skipped by the health
 #: watcher unless configured otherwise; the same defaults as NVIDIA's device plugin.
@@ -67,3 +77,394 @@ class Config:
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+SHARED_POLICIES = ("distributed", "packed")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: Environment variables read by :func:`load_config` (the anchor's names) -> Config field.
+ENV_FIELDS: Mapping[str, str] = {
+    "MIG_STRATEGY": "mig_strategy",
+    "FAIL_ON_INIT_ERROR": "fail_on_init_error",
+    "NVIDIA_DRIVER_ROOT": "nvidia_driver_root",
+    "PASS_DEVICE_SPECS": "pass_device_specs",
+    "DEVICE_LIST_STRATEGY": "device_list_strategy",
+    "DEVICE_ID_STRATEGY": "device_id_strategy",
+    "CDI_ANNOTATION_PREFIX": "cdi_annotation_prefix",
+    "NODE_NAME": "node_name",
+    "KUBELET_DIR": "kubelet_dir",
+    "METRICS_ADDRESS": "metrics_address",
+    "LOG_FORMAT": "log_format",
+    "LOG_LEVEL": "log_level",
+    "HEALTH_RECOVERY_S": "health_recovery_s",
+}
+
+# Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
+# MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
+_IGNORED_FLAG_KEYS = (
+    "gfd", "mpsRoot", "gdsEnabled", "mofedEnabled", "useNodeFeatureAPI",
+    "deviceDiscoveryStrategy", "imexChannelIDs", "imexRequired",
+)
+_IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
+
+
+def _expect_bool(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", ""):
+        return False
+    raise ValueError(f"{where}: expected true or false, got {value!r}")
+
+
+def _expect_choice(value: object, choices: tuple[str, ...], where: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ValueError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+def _expect_number(value: object, where: str, minimum: float = 0.0) -> float:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if number < minimum or number != number:
+        raise ValueError(f"{where}: expected a number >= {minimum:g}, got {value!r}")
+    return number
+
+
+def _expect_str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _expect_list_strategy(value: object, where: str) -> tuple[str, ...]:
+    items: list[object]
+    if isinstance(value, str):
+        items = [v for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"{where}: expected a strategy name or a list of them, got {value!r}")
+    if not items:
+        raise ValueError(f"{where}: expected at least one of {', '.join(DEVICE_LIST_STRATEGIES)}")
+    out: list[str] = []
+    for item in items:
+        choice = _expect_choice(item, DEVICE_LIST_STRATEGIES, where)
+        if choice not in out:
+            out.append(choice)
+    return tuple(out)
+
+
+def _expect_xids(value: object, where: str) -> tuple[int, ...]:
+    items: list[object]
+    if isinstance(value, str):
+        items = [v for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"{where}: expected a list of XID numbers, got {value!r}")
+    out: list[int] = []
+    for item in items:
+        try:
+            if isinstance(item, bool):
+                raise TypeError
+            xid = int(str(item).strip())
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected XID numbers, got {item!r}") from None
+        if xid < 0:
+            raise ValueError(f"{where}: expected XID numbers >= 0, got {item!r}")
+        out.append(xid)
+    return tuple(sorted(set(out)))
+
+
+def _expect_mapping(value: object, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(section: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in section:
+        if key not in allowed:
+            prefix = f"{where}." if where else ""
+            raise ValueError(
+                f"{prefix}{key}: unknown key (expected one of {', '.join(allowed)})"
+            )
+
+
+def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> None:
+    where = "sharing.timeSlicing"
+    _check_keys(section, ("renameByDefault", "failRequestsGreaterThanOne", "resources"), where)
+    if "renameByDefault" in section:
+        out["rename_by_default"] = _expect_bool(section["renameByDefault"], f"{where}.renameByDefault")
+    if "failRequestsGreaterThanOne" in section:
+        out["fail_requests_greater_than_one"] = _expect_bool(
+            section["failRequestsGreaterThanOne"], f"{where}.failRequestsGreaterThanOne"
+        )
+    resources = section.get("resources") or []
+    if not isinstance(resources, list):
+        raise ValueError(f"{where}.resources: expected a list, got {type(resources).__name__}")
+    parsed: list[TimeSlicingResource] = []
+    for i, entry in enumerate(resources):
+        at = f"{where}.resources[{i}]"
+        entry = _expect_mapping(entry, at)
+        _check_keys(entry, ("name", "replicas", "rename", "devices"), at)
+        name = _expect_str(entry.get("name"), f"{at}.name")
+        if name != "nvidia.com/gpu" and not name.startswith("nvidia.com/mig-"):
+            raise ValueError(f"{at}.name: expected nvidia.com/gpu or nvidia.com/mig-<profile>, got {name!r}")
+        replicas = entry.get("replicas")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"{at}.replicas: expected an integer >= 1, got {replicas!r}")
+        rename = entry.get("rename")
+        if rename is not None:
+            rename = _expect_str(rename, f"{at}.rename")
+            if "/" in rename or not rename:
+                raise ValueError(f"{at}.rename: expected a resource name without a domain, got {rename!r}")
+        devices_raw = entry.get("devices", "all")
+        devices: tuple[str, ...] | None
+        if devices_raw is None or devices_raw == "all":
+            devices = None
+        elif isinstance(devices_raw, list) and devices_raw:
+            devices = tuple(str(d).strip() for d in devices_raw)
+            for d in devices:
+                if not (d.isdigit() or d.startswith("GPU-") or d.startswith("MIG-")):
+                    raise ValueError(f"{at}.devices: expected GPU indices, GPU or MIG UUIDs, got {d!r}")
+        else:
+            raise ValueError(f"{at}.devices: expected \"all\" or a non-empty list, got {devices_raw!r}")
+        parsed.append(TimeSlicingResource(name=name, replicas=replicas, rename=rename, devices=devices))
+    out["time_slicing"] = tuple(parsed)
+
+
+def _parse_file_document(doc: object) -> dict[str, object]:
+    """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
+    doc = _expect_mapping(doc, "(top level)")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "health"), "")
+    if doc.get("version") != "v1":
+        raise ValueError(f"version: expected \"v1\", got {doc.get('version')!r}")
+    out: dict[str, object] = {}
+    flags = _expect_mapping(doc.get("flags"), "flags")
+    _check_keys(
+        flags,
+        ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
+         "sharedDevicesAllocationPolicy", "allocationPolicy") + _IGNORED_FLAG_KEYS,
+        "flags",
+    )
+    if "migStrategy" in flags:
+        out["mig_strategy"] = _expect_choice(flags["migStrategy"], MIG_STRATEGIES, "flags.migStrategy")
+    if "failOnInitError" in flags:
+        out["fail_on_init_error"] = _expect_bool(flags["failOnInitError"], "flags.failOnInitError")
+    if "nvidiaDriverRoot" in flags:
+        out["nvidia_driver_root"] = _expect_str(flags["nvidiaDriverRoot"], "flags.nvidiaDriverRoot")
+    if "sharedDevicesAllocationPolicy" in flags:
+        out["shared_devices_allocation_policy"] = _expect_choice(
+            flags["sharedDevicesAllocationPolicy"], SHARED_POLICIES, "flags.sharedDevicesAllocationPolicy"
+        )
+    if "allocationPolicy" in flags:
+        out["allocation_policy"] = _expect_str(flags["allocationPolicy"], "flags.allocationPolicy")
+    plugin = _expect_mapping(flags.get("plugin"), "flags.plugin")
+    _check_keys(
+        plugin,
+        ("passDeviceSpecs", "deviceListStrategy", "deviceIDStrategy", "cdiAnnotationPrefix")
+        + _IGNORED_PLUGIN_KEYS,
+        "flags.plugin",
+    )
+    if "passDeviceSpecs" in plugin:
+        out["pass_device_specs"] = _expect_bool(plugin["passDeviceSpecs"], "flags.plugin.passDeviceSpecs")
+    if "deviceListStrategy" in plugin:
+        out["device_list_strategy"] = _expect_list_strategy(
+            plugin["deviceListStrategy"], "flags.plugin.deviceListStrategy"
+        )
+    if "deviceIDStrategy" in plugin:
+        out["device_id_strategy"] = _expect_choice(
+            plugin["deviceIDStrategy"], DEVICE_ID_STRATEGIES, "flags.plugin.deviceIDStrategy"
+        )
+    if "cdiAnnotationPrefix" in plugin:
+        out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
+    sharing = _expect_mapping(doc.get("sharing"), "sharing")
+    _check_keys(sharing, ("timeSlicing", "mps"), "sharing")
+    if sharing.get("mps"):
+        raise ValueError("sharing.mps: MPS sharing is not supported by gpu-topology-agent (use timeSlicing)")
+    if "timeSlicing" in sharing:
+        _parse_time_slicing(_expect_mapping(sharing["timeSlicing"], "sharing.timeSlicing"), out)
+    health = _expect_mapping(doc.get("health"), "health")
+    _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds"), "health")
+    if "enabled" in health:
+        out["health_checks_enabled"] = _expect_bool(health["enabled"], "health.enabled")
+    if "ignoredXids" in health:
+        out["ignored_xids"] = _expect_xids(health["ignoredXids"], "health.ignoredXids")
+    if "criticalXids" in health:
+        out["extra_critical_xids"] = _expect_xids(health["criticalXids"], "health.criticalXids")
+    if "recoverySeconds" in health:
+        out["health_recovery_s"] = _expect_number(health["recoverySeconds"], "health.recoverySeconds")
+    return out
+
+
+def _read_config_file(path: str) -> dict[str, object]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        # JSON is YAML too, but json gives better messages for JSON files.
+        doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {detail}") from None
+    try:
+        return _parse_file_document(doc)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+_FIELD_PARSERS: Mapping[str, Any] = {
+    "mig_strategy": lambda v, w: _expect_choice(v, MIG_STRATEGIES, w),
+    "fail_on_init_error": _expect_bool,
+    "pass_device_specs": _expect_bool,
+    "device_list_strategy": _expect_list_strategy,
+    "device_id_strategy": lambda v, w: _expect_choice(v, DEVICE_ID_STRATEGIES, w),
+    "shared_devices_allocation_policy": lambda v, w: _expect_choice(v, SHARED_POLICIES, w),
+    "rename_by_default": _expect_bool,
+    "fail_requests_greater_than_one": _expect_bool,
+    "health_checks_enabled": _expect_bool,
+    "ignored_xids": _expect_xids,
+    "extra_critical_xids": _expect_xids,
+    "health_recovery_s": _expect_number,
+    "sample_interval_s": lambda v, w: _expect_number(v, w, 0.001),
+    "pod_resources_refresh_s": _expect_number,
+    "idle_utilization_threshold_pct": _expect_number,
+    "log_format": lambda v, w: _expect_choice(v, LOG_FORMATS, w),
+    "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
+}
+
+
+def _parse_field(name: str, value: object, where: str) -> object:
+    parser = _FIELD_PARSERS.get(name)
+    if parser is not None:
+        return parser(value, where)
+    return _expect_str(value, where) if not isinstance(value, str) else value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for var, name in ENV_FIELDS.items():
+        if var in env and env[var] != "":
+            out[name] = _parse_field(name, env[var], f"environment {var}")
+    # The anchor's health switches: DP_DISABLE_HEALTHCHECKS=all|xids|<list of XIDs to skip>,
+    # DP_ENABLE_HEALTHCHECKS=all|<list of XIDs to treat as critical although ignored>.
+    disable = env.get("DP_DISABLE_HEALTHCHECKS", "").strip().lower()
+    if disable:
+        words = {w.strip() for w in disable.split(",") if w.strip()}
+        if "all" in words or "xids" in words:
+            out["health_checks_enabled"] = False
+        else:
+            out["_disable_xids"] = _expect_xids(disable, "environment DP_DISABLE_HEALTHCHECKS")
+    enable = env.get("DP_ENABLE_HEALTHCHECKS", "").strip().lower()
+    if enable:
+        if {w.strip() for w in enable.split(",")} & {"all", "xids"}:
+            out["ignored_xids"] = ()
+        else:
+            out["_enable_xids"] = _expect_xids(enable, "environment DP_ENABLE_HEALTHCHECKS")
+    return out
+
+
+def _check_consistency(config: Config) -> None:
+    where = config.config_file or "configuration"
+    if config.metrics_address:
+        host, sep, port = config.metrics_address.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"{where}: metrics_address: expected HOST:PORT, got {config.metrics_address!r}")
+    if config.mig_strategy == "single" or config.mig_strategy == "none":
+        for ts in config.time_slicing:
+            if ts.name.startswith("nvidia.com/mig-"):
+                raise ConfigError(
+                    f"{where}: sharing.timeSlicing.resources: {ts.name} needs migStrategy mixed,"
+                    f" got {config.mig_strategy}"
+                )
+
+
+def load_config(
+    config_file: str | None,
+    env: Mapping[str, str],
+    flags: Mapping[str, object],
+) -> Config:
+    """Build the effective :class:`Config`.
+
+    Precedence: ``flags`` > ``env`` > the config file > defaults. ``config_file`` (or, when
+    None, ``env["CONFIG_FILE"]``) is an NVIDIA device plugin config (``version: v1``, YAML or
+    JSON) plus our optional ``health:`` section. ``flags`` maps Config field names to values;
+    None values mean "not given". Raises :class:`ConfigError` naming the file (or variable),
+    the key and what was expected.
+    """
+    path = config_file or env.get("CONFIG_FILE") or None
+    values: dict[str, object] = {}
+    if path:
+        values.update(_read_config_file(path))
+        values["config_file"] = path
+    try:
+        values.update(_env_overrides(env))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    known = {f.name for f in fields(Config)}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        if name not in known:
+            raise ConfigError(f"unknown setting {name!r}")
+        try:
+            values[name] = _parse_field(name, value, f"--{name.replace('_', '-')}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    disable_xids = values.pop("_disable_xids", ())
+    enable_xids = values.pop("_enable_xids", ())
+    config = Config(**values)  # type: ignore[arg-type]
+    if disable_xids or enable_xids:
+        config = replace(
+            config,
+            ignored_xids=tuple(sorted(set(config.ignored_xids) | set(disable_xids))),  # type: ignore[arg-type]
+            extra_critical_xids=tuple(sorted(set(config.extra_critical_xids) | set(enable_xids))),  # type: ignore[arg-type]
+        )
+    _check_consistency(config)
+    return config
+
+
+def is_critical_xid(config: Config, xid: int) -> bool:
+    """True when the health watcher treats ``xid`` as a GPU fault."""
+    return xid in config.extra_critical_xids or xid not in config.ignored_xids
+
+
+def describe_config(config: Config) -> dict[str, object]:
+    """The effective configuration as plain data, for the start-up log line."""
+    out: dict[str, object] = {}
+    for f in fields(Config):
+        if f.name == "extra":
+            continue
+        value = getattr(config, f.name)
+        if f.name == "time_slicing":
+            value = [
+                {"name": t.name, "replicas": t.replicas, "rename": t.rename,
+                 "devices": list(t.devices) if t.devices is not None else "all"}
+                for t in value
+            ]
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def default_environ() -> Mapping[str, str]:
+    """The process environment (the only place the agent reads it; for the CLI)."""
+    return os.environ

@@ -1,0 +1,187 @@
+"""load_config: the NVIDIA device plugin file (v1), environment, flags, precedence, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.config import DEFAULT_IGNORED_XIDS, Config, describe_config, is_critical_xid, load_config
+from agent.errors import ConfigError
+
+ANCHOR_FILE = """\
+version: v1
+flags:
+  migStrategy: mixed
+  failOnInitError: false
+  nvidiaDriverRoot: /run/nvidia/driver
+  plugin:
+    passDeviceSpecs: true
+    deviceListStrategy: [envvar, cdi-cri]
+    deviceIDStrategy: index
+    cdiAnnotationPrefix: cdi.example.com/
+  gfd:
+    oneshot: false
+sharing:
+  timeSlicing:
+    renameByDefault: true
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+      devices: [0, "GPU-aaaa"]
+    - name: nvidia.com/mig-1g.10gb
+      replicas: 2
+      rename: small
+"""
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_no_sources_gives_the_real_node_defaults():
+    assert load_config(None, {}, {}) == Config()
+
+
+def test_anchor_config_file_sets_every_field_it_names(tmp_path):
+    path = write(tmp_path, "config.yaml", ANCHOR_FILE)
+    c = load_config(path, {}, {})
+    assert c.mig_strategy == "mixed"
+    assert c.fail_on_init_error is False
+    assert c.nvidia_driver_root == "/run/nvidia/driver"
+    assert c.pass_device_specs is True
+    assert c.device_list_strategy == ("envvar", "cdi-cri")
+    assert c.device_id_strategy == "index"
+    assert c.cdi_annotation_prefix == "cdi.example.com/"
+    assert c.rename_by_default is True and c.fail_requests_greater_than_one is True
+    gpu, mig = c.time_slicing
+    assert (gpu.name, gpu.replicas, gpu.devices, gpu.rename) == ("nvidia.com/gpu", 4, ("0", "GPU-aaaa"), None)
+    assert (mig.name, mig.replicas, mig.devices, mig.rename) == ("nvidia.com/mig-1g.10gb", 2, None, "small")
+    assert c.config_file == path
+
+
+def test_json_config_file_is_read_like_yaml(tmp_path):
+    doc = {"version": "v1", "flags": {"plugin": {"deviceListStrategy": "volume-mounts"}}}
+    c = load_config(write(tmp_path, "c.json", json.dumps(doc)), {}, {})
+    assert c.device_list_strategy == ("volume-mounts",)
+
+
+def test_precedence_is_flags_over_env_over_file(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nflags:\n  migStrategy: single\n  plugin:\n    deviceIDStrategy: index\n")
+    env = {"MIG_STRATEGY": "mixed", "DEVICE_ID_STRATEGY": "uuid"}
+    c = load_config(path, env, {"mig_strategy": "none", "device_id_strategy": None})
+    assert c.mig_strategy == "none"  # flag wins
+    assert c.device_id_strategy == "uuid"  # env wins over file; a None flag is "not given"
+
+
+def test_config_file_comes_from_config_file_env_when_no_flag(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nflags:\n  migStrategy: single\n")
+    assert load_config(None, {"CONFIG_FILE": path}, {}).mig_strategy == "single"
+
+
+def test_anchor_env_vars_are_honoured():
+    env = {
+        "FAIL_ON_INIT_ERROR": "false",
+        "PASS_DEVICE_SPECS": "true",
+        "DEVICE_LIST_STRATEGY": "envvar,volume-mounts",
+        "NODE_NAME": "node-7",
+    }
+    c = load_config(None, env, {})
+    assert c.fail_on_init_error is False and c.pass_device_specs is True
+    assert c.device_list_strategy == ("envvar", "volume-mounts")
+    assert c.node_name == "node-7"
+
+
+def test_dp_disable_healthchecks_all_turns_health_checks_off():
+    assert load_config(None, {"DP_DISABLE_HEALTHCHECKS": "all"}, {}).health_checks_enabled is False
+
+
+def test_dp_disable_healthchecks_list_adds_ignored_xids():
+    c = load_config(None, {"DP_DISABLE_HEALTHCHECKS": "48, 79"}, {})
+    assert c.health_checks_enabled is True
+    assert not is_critical_xid(c, 48) and not is_critical_xid(c, 79)
+    assert is_critical_xid(c, 94)
+
+
+def test_dp_enable_healthchecks_makes_ignored_xids_critical():
+    c = load_config(None, {"DP_ENABLE_HEALTHCHECKS": "13"}, {})
+    assert is_critical_xid(c, 13) and not is_critical_xid(c, 31)
+    assert all(is_critical_xid(load_config(None, {"DP_ENABLE_HEALTHCHECKS": "all"}, {}), x) for x in DEFAULT_IGNORED_XIDS)
+
+
+def test_default_ignored_xids_are_the_anchors():
+    c = Config()
+    assert [x for x in (13, 31, 43, 45, 68, 109, 48, 79) if not is_critical_xid(c, x)] == [13, 31, 43, 45, 68, 109]
+
+
+def test_health_section_sets_xids_and_recovery_period(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nhealth:\n  ignoredXids: [13]\n  criticalXids: [13]\n  recoverySeconds: 2.5\n")
+    c = load_config(path, {}, {})
+    assert c.ignored_xids == (13,) and is_critical_xid(c, 13) and c.health_recovery_s == 2.5
+
+
+@pytest.mark.parametrize(
+    "text, key, expected",
+    [
+        ("version: v2\n", "version", "v1"),
+        ("version: v1\nflags:\n  migStrategy: some\n", "flags.migStrategy", "none, single, mixed"),
+        ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, bogus]\n", "flags.plugin.deviceListStrategy", "envvar"),
+        ("version: v1\nflags:\n  plugin:\n    deviceIDStrategy: serial\n", "flags.plugin.deviceIDStrategy", "uuid, index"),
+        ("version: v1\nflags:\n  failOnInitError: maybe\n", "flags.failOnInitError", "true or false"),
+        ("version: v1\nflagz: {}\n", "flagz", "unknown key"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 0\n", "sharing.timeSlicing.resources[0].replicas", "integer >= 1"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: amd.com/gpu\n      replicas: 2\n", "sharing.timeSlicing.resources[0].name", "nvidia.com/gpu"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [fast]\n", "devices", "GPU indices"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      rename: a/b\n", "rename", "without a domain"),
+        ("version: v1\nhealth:\n  recoverySeconds: soon\n", "health.recoverySeconds", "a number"),
+        ("version: v1\nsharing:\n  mps:\n    resources: []\n    x: 1\n", "sharing.mps", "not supported"),
+        ("version: v1\nflags: [1]\n", "flags", "mapping"),
+    ],
+)
+def test_bad_file_names_file_key_and_expectation(tmp_path, text, key, expected):
+    path = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {}, {})
+    message = str(info.value)
+    assert path in message and key in message and expected in message
+    assert "\n" not in message
+    assert info.value.exit_code == 2
+
+
+def test_unparseable_yaml_is_a_one_line_config_error(tmp_path):
+    path = write(tmp_path, "bad.yaml", "version: v1\nflags: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as info:
+        load_config(path, {}, {})
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "absent.yaml"), {}, {})
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="environment MIG_STRATEGY: expected one of none, single, mixed"):
+        load_config(None, {"MIG_STRATEGY": "half"}, {})
+
+
+def test_bad_flag_value_names_the_flag():
+    with pytest.raises(ConfigError, match="--log-format"):
+        load_config(None, {}, {"log_format": "xml"})
+    with pytest.raises(ConfigError, match="metrics_address"):
+        load_config(None, {}, {"metrics_address": "localhost"})
+
+
+def test_mig_time_slicing_needs_mixed_strategy(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n")
+    with pytest.raises(ConfigError, match="needs migStrategy mixed"):
+        load_config(path, {}, {})
+
+
+def test_effective_config_description_is_json_serialisable(tmp_path):
+    c = load_config(write(tmp_path, "c.yaml", ANCHOR_FILE), {}, {})
+    text = json.dumps(describe_config(c))
+    assert '"replicas": 4' in text and '"mig_strategy": "mixed"' in text
