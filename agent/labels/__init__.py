@@ -1,0 +1,331 @@
+"""Node labels: a pure function of the node's :class:`Topology` and the :class:`Config`.
+
+``compute_labels(topology, config)`` returns GPU Feature Discovery's labels (same keys, same
+value formats, so existing ``nodeSelector``/``nodeAffinity`` terms keep working) plus our
+topology labels under ``topology.gpu-agent.io/``. Every key and value is a valid Kubernetes
+label (checked by :func:`is_valid_label_key` / :func:`is_valid_label_value`).
+
+GFD-compatible labels (``nvidia.com/``):
+
+=====================================  ===============================================
+key                                    value
+=====================================  ===============================================
+gpu.product                            model name, sanitised (``NVIDIA-H100-80GB-HBM3``);
+                                       ``-SHARED`` when time-sliced and not renamed;
+                                       ``<model>-MIG-<profile>`` under ``mig-strategy=single``
+gpu.count / gpu.memory (MiB)           of that model
+gpu.family, gpu.compute.major/minor    from the compute capability
+gpu.machine                            DMI product name, spaces as ``-`` (``unknown``)
+gpu.replicas, gpu.sharing-strategy     ``1``/``none`` or time-slicing replicas
+gpu.mode                               ``compute`` or ``graphics`` (see :func:`_gpu_mode`)
+cuda.driver-version.*, cuda.driver.*   from the driver version ``535.104.05``
+cuda.runtime-version.*, cuda.runtime.* from the CUDA driver API version ``12.2``
+mig.capable, mig.strategy, mps.capable
+mig-<profile>.*                        per MIG profile under ``mig-strategy=mixed``
+gpu.clique                             ``<cluster-uuid>.<clique-id>`` (NVLink fabric)
+=====================================  ===============================================
+
+Heterogeneous nodes: GFD describes whichever model its map iteration visits last, so its
+labels flip between runs. Ours describe the model with the most GPUs (ties: the
+lexicographically smallest name), always.
+
+Ours (``topology.gpu-agent.io/``): ``nvlink-fabric`` (nvswitch|mesh|bridge|none),
+``nvlink-islands``, ``nvlink-largest-island``, ``nvlink-largest-clique``,
+``nvlink-max-links-per-pair``, ``numa-nodes`` (NUMA nodes holding GPUs),
+``max-gpus-per-numa-node``, ``rdma-nics``, ``gpu-nic-same-switch`` (every GPU has an RDMA
+NIC at PIX or closer), ``gpu-models`` (distinct GPU models on the node), ``gpu-count``
+(all GPUs, whatever the model).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Mapping
+
+from agent.config import Config
+from agent.topology.model import Gpu, PcieLevel, Topology
+
+GFD_PREFIX = "nvidia.com/"
+TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
+FULL_GPU_RESOURCE = "nvidia.com/gpu"
+
+_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_PRODUCT_DROP_RE = re.compile(r"[^A-Za-z0-9\-_. ]")
+_MIG_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
+#: Model-name fragments of GPUs that support MIG (NVML's MIG mode query is the real
+#: source; the topology records only whether MIG is enabled, so the name decides the rest).
+_MIG_CAPABLE_RE = re.compile(r"\b(A100|A30|H100|H200|H800|H20|GH200|B100|B200|GB200|B300|GB300)\b")
+#: Model-name fragments of display-class boards (PCI class 0x0300): GFD's ``gpu.mode``
+#: reads the PCI class, which the topology does not record.
+_GRAPHICS_RE = re.compile(r"GeForce|Quadro|TITAN|\bRTX\b(?! PRO \d+ Blackwell Server)", re.IGNORECASE)
+
+
+def is_valid_label_value(value: str) -> bool:
+    """Kubernetes label value: <= 63 characters, alphanumeric at both ends, ``-_.`` inside."""
+    return len(value) <= 63 and bool(_VALUE_RE.match(value))
+
+
+def is_valid_label_key(key: str) -> bool:
+    """Kubernetes label key: optional DNS-subdomain prefix (<= 253) + ``/`` + name (<= 63)."""
+    prefix, _, name = key.rpartition("/")
+    if prefix:
+        if len(prefix) > 253 or not all(_DNS_LABEL_RE.match(p) for p in prefix.split(".")):
+            return False
+    return len(name) <= 63 and bool(_NAME_RE.match(name))
+
+
+def sanitize_value(text: str) -> str:
+    """GFD's product-name rule: drop characters outside ``[A-Za-z0-9-_. ]``, join words with
+    ``-``; then cut to 63 characters and trim non-alphanumerics at both ends so the result
+    is always a valid label value (possibly empty)."""
+    words = _PRODUCT_DROP_RE.sub("", text).split()
+    value = "-".join(words)[:63]
+    return value.strip("-_.")
+
+
+def arch_family(major: int, minor: int) -> str:
+    """GFD's architecture family for a CUDA compute capability."""
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ada-lovelace" if minor >= 9 else "ampere"
+    return {
+        1: "tesla",
+        2: "fermi",
+        3: "kepler",
+        5: "maxwell",
+        6: "pascal",
+        9: "hopper",
+        10: "blackwell",
+        12: "blackwell",
+    }.get(major, "undefined")
+
+
+def compute_labels(topology: Topology, config: Config) -> dict[str, str]:
+    """All node labels for ``topology`` under ``config``; pure and deterministic.
+
+    A node without GPUs gets no labels (as GFD). Labels whose value is unknown (no driver
+    version, no compute capability) are left out rather than written empty.
+    """
+    if not topology.gpus:
+        return {}
+    labels: dict[str, str] = {}
+    labels.update(_machine_labels(topology))
+    labels.update(_version_labels(topology))
+    labels.update(_capability_labels(topology, config))
+    labels.update(_resource_labels(topology, config))
+    labels.update(_clique_labels(topology))
+    labels.update(_topology_labels(topology))
+    return dict(sorted(labels.items()))
+
+
+# ------------------------------------------------------------------ GFD labels
+def _machine_labels(topology: Topology) -> dict[str, str]:
+    machine = sanitize_value(topology.machine or "") or "unknown"
+    return {GFD_PREFIX + "gpu.machine": machine}
+
+
+def _version_labels(topology: Topology) -> dict[str, str]:
+    out: dict[str, str] = {}
+    driver = (topology.driver_version or "").strip()
+    parts = driver.split(".")
+    if 2 <= len(parts) <= 3 and all(p.isalnum() for p in parts):
+        for old, new, value in (
+            ("major", "major", parts[0]),
+            ("minor", "minor", parts[1]),
+            ("rev", "revision", parts[2] if len(parts) > 2 else ""),
+        ):
+            if value:
+                out[f"{GFD_PREFIX}cuda.driver.{old}"] = value  # deprecated by GFD, still read
+                out[f"{GFD_PREFIX}cuda.driver-version.{new}"] = value
+        out[GFD_PREFIX + "cuda.driver-version.full"] = driver
+    cuda = (topology.cuda_driver_version or "").strip()
+    cparts = cuda.split(".")
+    if len(cparts) >= 2 and cparts[0].isdigit() and cparts[1].isdigit():
+        major, minor = str(int(cparts[0])), str(int(cparts[1]))
+        out[GFD_PREFIX + "cuda.runtime.major"] = major
+        out[GFD_PREFIX + "cuda.runtime.minor"] = minor
+        out[GFD_PREFIX + "cuda.runtime-version.major"] = major
+        out[GFD_PREFIX + "cuda.runtime-version.minor"] = minor
+        out[GFD_PREFIX + "cuda.runtime-version.full"] = f"{major}.{minor}"
+    return out
+
+
+def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
+    mig_capable = any(g.mig_enabled or _MIG_CAPABLE_RE.search(g.name) for g in topology.gpus)
+    out = {
+        GFD_PREFIX + "mig.capable": str(bool(mig_capable)).lower(),
+        # MPS sharing is not offered by this agent's configuration, so never capable here.
+        GFD_PREFIX + "mps.capable": "false",
+        GFD_PREFIX + "gpu.mode": _gpu_mode(topology),
+    }
+    if config.mig_strategy != "none":
+        out[GFD_PREFIX + "mig.strategy"] = config.mig_strategy
+    return out
+
+
+def _gpu_mode(topology: Topology) -> str:
+    """``graphics`` when every GPU is a display-class board by name, else ``compute``
+    (datacenter boards are PCI 3D controllers, GFD's ``compute``)."""
+    modes = {"graphics" if _GRAPHICS_RE.search(g.name) else "compute" for g in topology.gpus}
+    return modes.pop() if len(modes) == 1 else "compute"
+
+
+def _time_slicing_replicas(config: Config, resource: str) -> tuple[int, bool]:
+    """(replicas, renamed) for ``resource`` from ``sharing.timeSlicing``; (1, False) if not
+    shared."""
+    for r in config.time_slicing:
+        if r.name == resource and r.replicas > 1:
+            return r.replicas, bool(r.rename) or config.rename_by_default
+    return 1, False
+
+
+def _product(parts: list[str], shared: bool, renamed: bool) -> str:
+    words = [sanitize_value(p) for p in parts if p]
+    if shared and not renamed:
+        words.append("SHARED")
+    return sanitize_value("-".join(w for w in words if w))
+
+
+def _majority_model(gpus: tuple[Gpu, ...] | list[Gpu]) -> tuple[str, list[Gpu]]:
+    counts = Counter(g.name for g in gpus)
+    name = min(counts, key=lambda n: (-counts[n], n))
+    return name, [g for g in gpus if g.name == name]
+
+
+def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
+    out: dict[str, str] = {}
+    key = FULL_GPU_RESOURCE + "."
+    name, same_model = _majority_model(topology.gpus)
+    replicas, renamed = _time_slicing_replicas(config, FULL_GPU_RESOURCE)
+    shared = replicas > 1
+    out[key + "product"] = _product([name], shared, renamed)
+    out[key + "count"] = str(len(same_model))
+    out[key + "replicas"] = str(replicas)
+    out[key + "sharing-strategy"] = "time-slicing" if shared else "none"
+    memories = [g.memory_mib for g in same_model if g.memory_mib]
+    if memories:
+        out[key + "memory"] = str(min(memories))
+    caps = sorted({g.compute_capability for g in same_model if g.compute_capability})
+    if caps and caps[0][0] > 0:
+        major, minor = caps[0]
+        out[key + "family"] = arch_family(major, minor)
+        out[key + "compute.major"] = str(major)
+        out[key + "compute.minor"] = str(minor)
+
+    migs = [m for g in topology.gpus if g.mig_enabled for m in g.mig_devices]
+    if config.mig_strategy == "single":
+        out.update(_mig_single_labels(topology, config, name))
+    elif config.mig_strategy == "mixed":
+        by_profile: dict[str, list] = {}
+        for m in migs:
+            by_profile.setdefault(m.profile, []).append(m)
+        for profile in sorted(by_profile):
+            devices = by_profile[profile]
+            parent = topology.gpus[devices[0].parent_index].name
+            resource = f"nvidia.com/mig-{profile}"
+            out.update(_mig_resource_labels(resource, config, parent, profile, devices))
+    return out
+
+
+def _mig_single_labels(topology: Topology, config: Config, model: str) -> dict[str, str]:
+    enabled = [g for g in topology.gpus if g.mig_enabled]
+    if not enabled:
+        return {}  # no MIG-enabled GPU: single behaves as none
+    key = FULL_GPU_RESOURCE + "."
+    migs = [m for g in enabled for m in g.mig_devices]
+    profiles = {m.profile for m in migs}
+    invalid = (
+        any(not g.mig_devices for g in enabled)
+        or len(enabled) != len(topology.gpus)
+        or len(profiles) != 1
+    )
+    if invalid:
+        return {
+            key + "product": _product([enabled[0].name, "MIG", "INVALID"], False, False),
+            key + "count": "0",
+            key + "replicas": "0",
+            key + "memory": "0",
+        }
+    profile = profiles.pop()
+    parent = enabled[0].name
+    return _mig_resource_labels(FULL_GPU_RESOURCE, config, parent, profile, migs)
+
+
+def _mig_resource_labels(resource: str, config: Config, parent_model: str, profile: str,
+                         devices: list) -> dict[str, str]:
+    replicas, renamed = _time_slicing_replicas(config, resource)
+    key = resource + "."
+    out = {
+        key + "product": _product([parent_model, "MIG", profile], replicas > 1, renamed),
+        key + "count": str(len(devices)),
+        key + "replicas": str(replicas),
+        key + "memory": str(min(m.memory_mib for m in devices)),
+    }
+    match = _MIG_PROFILE_RE.match(profile)
+    if match:
+        ci, gi = match.group(1), match.group(2)
+        out[key + "slices.gi"] = gi
+        out[key + "slices.ci"] = ci or gi
+    return out
+
+
+def _clique_labels(topology: Topology) -> dict[str, str]:
+    """``gpu.clique`` only when every fabric-attached GPU agrees on cluster and clique
+    (GFD omits it otherwise)."""
+    attached = [g for g in topology.gpus if g.fabric_cluster_uuid]
+    ids = {(g.fabric_cluster_uuid, g.fabric_clique_id) for g in attached}
+    if len(ids) != 1:
+        return {}
+    cluster, clique = ids.pop()
+    if clique is None:
+        return {}
+    value = f"{cluster}.{clique}"
+    return {GFD_PREFIX + "gpu.clique": value} if is_valid_label_value(value) else {}
+
+
+# ------------------------------------------------------------------ our topology labels
+def nvlink_fabric_kind(topology: Topology) -> str:
+    """``nvswitch`` (NVLinks through NVSwitches), ``bridge`` (only NVLinked pairs),
+    ``mesh`` (direct NVLinks joining three or more GPUs), ``none``."""
+    if not topology.nvlink_islands:
+        return "none"
+    if any(link.nvswitch and link.nvlinks > 0 for link in topology.links):
+        return "nvswitch"
+    if all(len(island) == 2 for island in topology.nvlink_islands):
+        return "bridge"
+    return "mesh"
+
+
+def _topology_labels(topology: Topology) -> dict[str, str]:
+    p = TOPOLOGY_PREFIX
+    numa_counts = [len(v) for k, v in topology.numa_groups.items() if k is not None]
+    gpus_with_nic = {
+        i
+        for nic in topology.nics
+        for i, level in enumerate(nic.levels)
+        if level is not None and level <= PcieLevel.PIX
+    }
+    return {
+        p + "nvlink-fabric": nvlink_fabric_kind(topology),
+        p + "nvlink-islands": str(len(topology.nvlink_islands)),
+        p + "nvlink-largest-island": str(max((len(i) for i in topology.nvlink_islands), default=0)),
+        p + "nvlink-largest-clique": str(max((len(c) for c in topology.nvlink_cliques), default=0)),
+        p + "nvlink-max-links-per-pair": str(max((lk.nvlinks for lk in topology.links), default=0)),
+        p + "numa-nodes": str(len(numa_counts)),
+        p + "max-gpus-per-numa-node": str(max(numa_counts, default=0)),
+        p + "rdma-nics": str(len(topology.nics)),
+        p + "gpu-nic-same-switch": str(
+            bool(topology.nics) and len(gpus_with_nic) == topology.gpu_count
+        ).lower(),
+        p + "gpu-models": str(len({g.name for g in topology.gpus})),
+        p + "gpu-count": str(topology.gpu_count),
+    }
+
+
+def format_labels(labels: Mapping[str, str]) -> str:
+    """``key=value`` lines sorted by key, newline-terminated (the NFD feature-file format)."""
+    return "".join(f"{k}={v}\n" for k, v in sorted(labels.items()))

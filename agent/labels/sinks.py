@@ -1,0 +1,83 @@
+"""Where labels go. A sink is the only I/O of the labels feature.
+
+:class:`FeatureFileSink` writes Node Feature Discovery's *local* source format: one file in
+``features.d`` holding ``key=value`` lines, which NFD's worker turns into node labels. NFD
+may read the directory at any moment, so the file is written to a dot-file in the same
+directory (NFD skips dot-files) and renamed over the old one: readers see the old or the
+new content, never half a file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Mapping, Protocol
+
+from agent.labels import format_labels
+
+log = logging.getLogger(__name__)
+
+
+class LabelSink(Protocol):
+    """Destination for node labels."""
+
+    def write(self, labels: Mapping[str, str]) -> bool:
+        """Publish ``labels`` (the complete set); True if what was published changed."""
+        ...
+
+    def remove(self) -> None:
+        """Withdraw the labels (clean shutdown). No error if nothing was written."""
+        ...
+
+
+class FeatureFileSink:
+    """NFD feature file ``<features_dir>/<filename>``; rewritten only when labels change."""
+
+    def __init__(self, features_dir: str, filename: str = "gpu-topology-agent") -> None:
+        if not filename or "/" in filename or filename.startswith("."):
+            raise ValueError(f"invalid feature file name {filename!r}")
+        self.features_dir = features_dir
+        self.filename = filename
+        self.path = os.path.join(features_dir, filename)
+
+    def _current(self) -> str | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def write(self, labels: Mapping[str, str]) -> bool:
+        """Write ``labels`` atomically unless the file already holds exactly them.
+
+        Compares against the file on disk (not a cached copy), so a file deleted or edited
+        by someone else is restored. Raises ``OSError`` when the directory is unwritable.
+        """
+        text = format_labels(labels)
+        if self._current() == text:
+            return False
+        os.makedirs(self.features_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.filename}.", dir=self.features_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; NFD may run as another user
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        log.info("wrote %d labels to %s", len(labels), self.path)
+        return True
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+            log.info("removed %s", self.path)
+        except FileNotFoundError:
+            pass
