@@ -91,3 +91,432 @@ def maximal_cliques(adjacency):
     _expand(0, everyone, 0, adj, found, n)
     found.sort()
     return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocation solver: the same objective, results and tie-breaks as
+# agent/topology/_pure.py:AllocationSolver (read that one for the contract).
+# ---------------------------------------------------------------------------------------------
+
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+EXACT_MAX_GPUS = 16
+cdef int _EXACT = 16
+cdef int _SUB_CACHE_SIZE = 16
+
+
+cdef inline uint64_t _low(uint64_t m) noexcept nogil:
+    return m & (~m + 1)
+
+
+cdef inline int _better(uint64_t ga, long long c1a, long long sca, int nua, long long cua,
+                        uint64_t gb, long long c1b, long long scb, int nub, long long cub) noexcept nogil:
+    """1 when set a ranks before set b (criteria 1-5)."""
+    cdef uint64_t diff
+    if c1a != c1b:
+        return c1a > c1b
+    if sca != scb:
+        return sca > scb
+    if nua != nub:
+        return nua < nub
+    if cua != cub:
+        return cua < cub
+    # equal-sized sets: the lexicographically smaller sorted list holds the lowest element
+    # of the symmetric difference
+    diff = ga ^ gb
+    return (ga & _low(diff)) != 0
+
+
+cdef class _TopList:
+    """The best ``cap`` entries seen so far, best first."""
+    cdef int cap, count
+    cdef uint64_t* g
+    cdef long long* c1
+    cdef long long* sc
+    cdef int* nu
+    cdef long long* cu
+
+    def __cinit__(self, int cap):
+        self.cap = cap
+        self.count = 0
+        self.g = <uint64_t*>malloc(cap * sizeof(uint64_t))
+        self.c1 = <long long*>malloc(cap * sizeof(long long))
+        self.sc = <long long*>malloc(cap * sizeof(long long))
+        self.nu = <int*>malloc(cap * sizeof(int))
+        self.cu = <long long*>malloc(cap * sizeof(long long))
+        if not (self.g and self.c1 and self.sc and self.nu and self.cu):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.g); free(self.c1); free(self.sc); free(self.nu); free(self.cu)
+
+    cdef inline bint rejects(self, long long c1, long long sc) noexcept:
+        """Cannot enter: the list is full and (c1, sc) is below its last entry's."""
+        cdef int w = self.count - 1
+        if self.count < self.cap:
+            return False
+        return c1 < self.c1[w] or (c1 == self.c1[w] and sc < self.sc[w])
+
+    cdef void insert(self, uint64_t g, long long c1, long long sc, int nu, long long cu) noexcept:
+        cdef int pos = self.count, j
+        while pos > 0 and _better(g, c1, sc, nu, cu, self.g[pos - 1], self.c1[pos - 1],
+                                  self.sc[pos - 1], self.nu[pos - 1], self.cu[pos - 1]):
+            pos -= 1
+        if pos >= self.cap:
+            return
+        j = self.count if self.count < self.cap else self.cap - 1
+        while j > pos:
+            self.g[j] = self.g[j - 1]; self.c1[j] = self.c1[j - 1]; self.sc[j] = self.sc[j - 1]
+            self.nu[j] = self.nu[j - 1]; self.cu[j] = self.cu[j - 1]
+            j -= 1
+        self.g[pos] = g; self.c1[pos] = c1; self.sc[pos] = sc; self.nu[pos] = nu; self.cu[pos] = cu
+        if self.count < self.cap:
+            self.count += 1
+
+    cdef list result(self):
+        return [(int(self.g[i]), int(self.c1[i]), int(self.sc[i]), int(self.nu[i]), int(self.cu[i]))
+                for i in range(self.count)]
+
+
+cdef class AllocationSolver:
+    """See ``agent.topology._pure.AllocationSolver``: identical contract and results."""
+    cdef public int n
+    cdef long long s[64][64]
+    cdef uint64_t numa_bit[64]
+    cdef long long* table
+    cdef long long* memo[17]
+    cdef dict _subs
+
+    def __cinit__(self):
+        self.table = NULL
+        memset(self.memo, 0, sizeof(self.memo))
+
+    def __init__(self, scores, numa):
+        cdef int n = len(scores), i, j
+        if len(numa) != n:
+            raise ValueError(f"numa has {len(numa)} entries for {n} GPUs")
+        if n > 64:
+            raise ValueError(f"at most 64 GPUs, got {n}")
+        if any(not 0 <= int(x) < 64 for x in numa):
+            raise ValueError("numa ids must be in 0..63")
+        self.n = n
+        for i in range(n):
+            row = scores[i]
+            for j in range(n):
+                self.s[i][j] = int(row[j])
+            self.numa_bit[i] = (<uint64_t>1) << <int>int(numa[i])
+        self._subs = {}
+
+    def __dealloc__(self):
+        cdef int k
+        free(self.table)
+        for k in range(17):
+            free(self.memo[k])
+
+    # ------------------------------------------------------------------ small helpers
+    cdef long long _set_score(self, uint64_t mask) noexcept:
+        cdef int members[64]
+        cdef int c = 0, a, b
+        cdef long long total = 0
+        while mask:
+            members[c] = __builtin_ctzll(mask)
+            c += 1
+            mask &= mask - 1
+        for a in range(c):
+            for b in range(a + 1, c):
+                total += self.s[members[a]][members[b]]
+        return total
+
+    def set_score(self, mask):
+        return int(self._set_score(<uint64_t>mask))
+
+    cdef int _numa_count(self, uint64_t mask) noexcept:
+        cdef uint64_t seen = 0
+        while mask:
+            seen |= self.numa_bit[__builtin_ctzll(mask)]
+            mask &= mask - 1
+        return __builtin_popcountll(seen)
+
+    cdef long long _cut(self, uint64_t g, uint64_t rest) noexcept:
+        cdef long long total = 0
+        cdef uint64_t r
+        cdef int a
+        while g:
+            a = __builtin_ctzll(g)
+            g &= g - 1
+            r = rest
+            while r:
+                total += self.s[a][__builtin_ctzll(r)]
+                r &= r - 1
+        return total
+
+    # ------------------------------------------------------------------ exact tables
+    cdef long long* _table(self) except NULL:
+        cdef uint64_t mask, rest, size
+        cdef int i
+        cdef long long add
+        if self.table == NULL:
+            size = (<uint64_t>1) << self.n
+            self.table = <long long*>malloc(size * sizeof(long long))
+            if self.table == NULL:
+                raise MemoryError()
+            self.table[0] = 0
+            for mask in range(1, size):
+                i = __builtin_ctzll(mask)
+                rest = mask & (mask - 1)
+                add = 0
+                while rest:
+                    add += self.s[i][__builtin_ctzll(rest)]
+                    rest &= rest - 1
+                self.table[mask] = self.table[mask & (mask - 1)] + add
+        return self.table
+
+    cdef long long* _memo_for(self, int k) except NULL:
+        cdef uint64_t size
+        if self.memo[k] == NULL:
+            size = (<uint64_t>1) << self.n
+            self.memo[k] = <long long*>malloc(size * sizeof(long long))
+            if self.memo[k] == NULL:
+                raise MemoryError()
+            memset(self.memo[k], 0xff, size * sizeof(long long))  # all -1
+            self.memo[k][0] = 0
+        return self.memo[k]
+
+    def partition_value(self, mask, int k):
+        self._table()
+        return int(self._partition(<uint64_t>mask, k, self._memo_for(k)))
+
+    cdef long long _partition(self, uint64_t mask, int k, long long* memo) noexcept:
+        cdef long long v = memo[mask], best = -1
+        if v >= 0:
+            return v
+        cdef uint64_t low = _low(mask), rest = mask ^ low
+        cdef uint64_t members[64]
+        cdef int c = 0, count, remainder
+        while rest:
+            members[c] = _low(rest)
+            rest ^= members[c]
+            c += 1
+        count = c + 1
+        remainder = count % k
+        if count >= k:
+            v = self._groups(mask, low, members, c, k - 1, k, memo)
+            if v > best:
+                best = v
+        if remainder:
+            v = self._groups(mask, low, members, c, remainder - 1, k, memo)
+            if v > best:
+                best = v
+        memo[mask] = best
+        return best
+
+    cdef long long _groups(self, uint64_t mask, uint64_t low, uint64_t* members, int c, int t,
+                           int k, long long* memo) noexcept:
+        """Best of table[g] + P(mask - g) over groups g = low + t of ``members``."""
+        cdef int idx[64]
+        cdef uint64_t acc[65]
+        cdef long long best = -1, v
+        cdef int i, j
+        cdef uint64_t g
+        if t > c:
+            return -1
+        acc[0] = low
+        for i in range(t):
+            idx[i] = i
+            acc[i + 1] = acc[i] | members[i]
+        while True:
+            g = acc[t]
+            v = self.table[g] + self._partition(mask ^ g, k, memo)
+            if v > best:
+                best = v
+            i = t - 1
+            while i >= 0 and idx[i] == c - t + i:
+                i -= 1
+            if i < 0:
+                break
+            idx[i] += 1
+            acc[i + 1] = acc[i] | members[idx[i]]
+            for j in range(i + 1, t):
+                idx[j] = idx[j - 1] + 1
+                acc[j + 1] = acc[j] | members[idx[j]]
+        return best
+
+    def best_score(self, int k):
+        cdef uint64_t mask, size, everyone
+        cdef long long best = -1, v
+        cdef long long* table
+        cdef int i
+        if not 1 <= k <= self.n:
+            raise ValueError(f"size {k} outside 1..{self.n}")
+        if self.n <= _EXACT:
+            table = self._table()
+            size = (<uint64_t>1) << self.n
+            for mask in range(size):
+                if __builtin_popcountll(mask) == k and table[mask] > best:
+                    best = table[mask]
+            return int(best)
+        everyone = ((<uint64_t>1) << self.n) - 1 if self.n < 64 else <uint64_t>0xFFFFFFFFFFFFFFFF
+        for i in range(self.n):
+            v = self._set_score(self._grow((<uint64_t>1) << i, everyone, k))
+            if v > best:
+                best = v
+        return int(best)
+
+    # ------------------------------------------------------------------ ranking
+    def rank(self, available_obj, required_obj, int k, int top=1):
+        cdef uint64_t available, required
+        if available_obj < 0 or required_obj < 0 or available_obj >> self.n:
+            raise ValueError("available names a GPU the node does not have")
+        available = <uint64_t>available_obj
+        required = <uint64_t>required_obj
+        if required & ~available:
+            raise ValueError("required GPUs must be available")
+        cdef int n_avail = __builtin_popcountll(available)
+        if not (__builtin_popcountll(required) <= k <= n_avail) or k < 1:
+            raise ValueError(f"size {k} impossible with {n_avail} available")
+        if top < 1:
+            raise ValueError("top must be >= 1")
+        if n_avail > _EXACT:
+            return self._heuristic(available, required, k, top)
+        if self.n > _EXACT:
+            return self._ranked_compressed(available_obj, required_obj, k, top)
+        return self._exact(available, required, k, top)
+
+    cdef list _exact(self, uint64_t available, uint64_t required, int k, int top):
+        cdef long long* table = self._table()
+        cdef long long* memo = self._memo_for(k)
+        cdef _TopList best = _TopList(top)
+        cdef uint64_t members[64]
+        cdef uint64_t acc[65]
+        cdef int idx[64]
+        cdef uint64_t free_mask = available & ~required, g
+        cdef int c = 0, t = k - __builtin_popcountll(required), i, j
+        cdef long long sc, c1
+        while free_mask:
+            members[c] = _low(free_mask)
+            free_mask ^= members[c]
+            c += 1
+        acc[0] = required
+        for i in range(t):
+            idx[i] = i
+            acc[i + 1] = acc[i] | members[i]
+        while True:
+            g = acc[t]
+            sc = table[g]
+            c1 = sc + self._partition(available ^ g, k, memo)
+            if not best.rejects(c1, sc):
+                best.insert(g, c1, sc, self._numa_count(g), self._cut(g, available ^ g))
+            i = t - 1
+            while i >= 0 and idx[i] == c - t + i:
+                i -= 1
+            if i < 0:
+                break
+            idx[i] += 1
+            acc[i + 1] = acc[i] | members[idx[i]]
+            for j in range(i + 1, t):
+                idx[j] = idx[j - 1] + 1
+                acc[j + 1] = acc[j] | members[idx[j]]
+        return best.result()
+
+    cdef list _ranked_compressed(self, available, required, int k, int top):
+        cdef int i
+        sub = self._subs.get(available)
+        if sub is None:
+            members = [i for i in range(self.n) if (available >> i) & 1]
+            sub_scores = [[self.s[a][b] for b in members] for a in members]
+            numa = [__builtin_ctzll(self.numa_bit[a]) for a in members]
+            if len(self._subs) >= _SUB_CACHE_SIZE:
+                self._subs.clear()
+            sub = self._subs[available] = (members, AllocationSolver(sub_scores, numa))
+        members, solver = sub
+        sub_required = 0
+        for i, gpu in enumerate(members):
+            if (required >> gpu) & 1:
+                sub_required |= 1 << i
+        out = []
+        for g, c1, sc, numa_count, cut in solver.rank((1 << len(members)) - 1, sub_required, k, top):
+            real = 0
+            for i, gpu in enumerate(members):
+                if (g >> i) & 1:
+                    real |= 1 << gpu
+            out.append((real, c1, sc, numa_count, cut))
+        return out
+
+    # ------------------------------------------------------------------ bounded search
+    cdef uint64_t _grow(self, uint64_t g, uint64_t pool, int size) noexcept:
+        cdef long long gain[64]
+        cdef long long best_gain
+        cdef uint64_t candidates = pool & ~g, r, m
+        cdef int j, best_j, cnt = __builtin_popcountll(g)
+        r = candidates
+        while r:
+            j = __builtin_ctzll(r)
+            r &= r - 1
+            gain[j] = 0
+            m = g
+            while m:
+                gain[j] += self.s[j][__builtin_ctzll(m)]
+                m &= m - 1
+        while cnt < size:
+            best_j = -1
+            best_gain = -1
+            r = candidates
+            while r:
+                j = __builtin_ctzll(r)
+                r &= r - 1
+                if gain[j] > best_gain:
+                    best_gain = gain[j]
+                    best_j = j
+            candidates ^= (<uint64_t>1) << best_j
+            g |= (<uint64_t>1) << best_j
+            cnt += 1
+            r = candidates
+            while r:
+                j = __builtin_ctzll(r)
+                r &= r - 1
+                gain[j] += self.s[j][best_j]
+        return g
+
+    cdef long long _greedy_partition(self, uint64_t mask, int k) noexcept:
+        cdef long long total = 0
+        cdef uint64_t group
+        cdef int cnt
+        while mask:
+            cnt = __builtin_popcountll(mask)
+            group = self._grow(_low(mask), mask, k if k < cnt else cnt)
+            total += self._set_score(group)
+            mask ^= group
+        return total
+
+    cdef list _heuristic(self, uint64_t available, uint64_t required, int k, int top):
+        cdef _TopList best = _TopList(top)
+        cdef uint64_t seen[64]
+        cdef int n_seen = 0, i, dup
+        cdef uint64_t seeds = available & ~required, seed, g
+        cdef long long sc, c1
+        cdef bint only_required = __builtin_popcountll(required) == k
+        while True:
+            if only_required:
+                seed = required
+            else:
+                if not seeds:
+                    break
+                seed = required | _low(seeds)
+                seeds &= seeds - 1
+            g = self._grow(seed, available, k)
+            dup = 0
+            for i in range(n_seen):
+                if seen[i] == g:
+                    dup = 1
+                    break
+            if not dup:
+                seen[n_seen] = g
+                n_seen += 1
+                sc = self._set_score(g)
+                c1 = sc + self._greedy_partition(available ^ g, k)
+                if not best.rejects(c1, sc):
+                    best.insert(g, c1, sc, self._numa_count(g), self._cut(g, available ^ g))
+            if only_required:
+                break
+        return best.result()
