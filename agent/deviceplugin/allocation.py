@@ -1,0 +1,224 @@
+"""Request handling behind the gRPC servicer: validation, preferred allocation through the
+allocation engine, and the Allocate response per device-list strategy.
+
+Nothing here calls NVML: answers come from the frozen :class:`Topology` and the resource's
+device table. Invalid requests raise :class:`AllocationError`, which the servicer turns into
+``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from agent.config import Config
+from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
+from agent.errors import AllocationError
+from agent.topology.model import Topology
+
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
+VOLUME_MOUNTS_HOST_PATH = "/dev/null"
+CDI_KIND = "nvidia.com/gpu"
+CDI_ANNOTATION_PLUGIN = "nvidia-device-plugin"
+TOPOLOGY_ENV_PREFIX = "GPU_TOPOLOGY_"
+#: Control device nodes passed with ``passDeviceSpecs`` where they exist on the host.
+CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+_DEVICE_ID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+(::[0-9]+)?$")
+
+
+@dataclass
+class ContainerAllocation:
+    """What one container gets; mirrors ``ContainerAllocateResponse``."""
+
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (container, host, read_only)
+    devices: list[tuple[str, str, str]] = field(default_factory=list)  # (container, host, permissions)
+    annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: list[str] = field(default_factory=list)
+
+
+def _lookup(resource: PluginResource, ids: Sequence[str], what: str) -> list[PluginDevice]:
+    out: list[PluginDevice] = []
+    seen: set[str] = set()
+    for device_id in ids:
+        if device_id in seen:
+            raise AllocationError(f"{what}: device ID {device_id!r} given twice")
+        seen.add(device_id)
+        device = resource.by_id.get(device_id)
+        if device is None:
+            shape = "unknown" if _DEVICE_ID_RE.match(device_id) else "malformed"
+            raise AllocationError(f"{what}: {shape} device ID {device_id!r} for resource {resource.name}")
+        out.append(device)
+    return out
+
+
+class RequestHandler:
+    """Answers GetPreferredAllocation and Allocate for one resource. Thread-safe: it only
+    reads frozen state."""
+
+    def __init__(
+        self,
+        resource: PluginResource,
+        topology: Topology,
+        config: Config,
+        engine: object | None = None,
+        *,
+        path_exists: Callable[[str], bool] = os.path.exists,
+    ) -> None:
+        self.resource = resource
+        self.topology = topology
+        self.config = config
+        self._engine = engine
+        self._path_exists = path_exists
+
+    @property
+    def engine(self) -> object:
+        """The allocation engine, built on first use (one per handler; it only reads the
+        frozen topology, so sharing it between threads is safe)."""
+        if self._engine is None:
+            from agent.topology.allocator import AllocationEngine
+
+            self._engine = AllocationEngine(self.topology)
+        return self._engine
+
+    # ------------------------------------------------------------------ preferred
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """The device IDs to prefer; raises AllocationError on any invalid input."""
+        what = f"preferred allocation for {self.resource.name}"
+        avail = _lookup(self.resource, available, f"{what}: available")
+        must = _lookup(self.resource, must_include, f"{what}: must-include")
+        if size < 1:
+            raise AllocationError(f"{what}: allocation size must be >= 1, got {size}")
+        if size > len(avail):
+            raise AllocationError(f"{what}: allocation size {size} exceeds the {len(avail)} available devices")
+        avail_ids = {d.id for d in avail}
+        outside = [d.id for d in must if d.id not in avail_ids]
+        if outside:
+            raise AllocationError(f"{what}: must-include devices {outside} are not in the available list")
+        if len(must) > size:
+            raise AllocationError(f"{what}: {len(must)} must-include devices exceed allocation size {size}")
+        self._check_shared_size(size, what)
+        kind = self.resource.kind
+        engine = self.engine
+        if kind == "gpu":
+            indices = engine.best_set([d.gpu_index for d in avail], [d.gpu_index for d in must], size)  # type: ignore[attr-defined]
+            by_index = {d.gpu_index: d.id for d in avail}
+            return [by_index[i] for i in indices]
+        pairs = [(d.id, d.gpu_index) for d in avail]
+        if kind == "mig":
+            return list(engine.mig(pairs, [d.id for d in must], size))  # type: ignore[attr-defined]
+        return list(
+            engine.replicas(  # type: ignore[attr-defined]
+                pairs, [d.id for d in must], size, self.config.shared_devices_allocation_policy
+            )
+        )
+
+    def _check_shared_size(self, size: int, what: str) -> None:
+        if self.config.fail_requests_greater_than_one and self.resource.shared and size > 1:
+            raise AllocationError(
+                f"{what}: request for {size} devices is too large: the maximum request size"
+                f" for shared resources is 1 (failRequestsGreaterThanOne)"
+            )
+
+    # ------------------------------------------------------------------ allocate
+    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        """The container response for ``device_ids``; raises AllocationError when invalid."""
+        what = f"allocate {self.resource.name}"
+        if not device_ids:
+            raise AllocationError(f"{what}: empty device list")
+        requested = _lookup(self.resource, device_ids, what)
+        self._check_shared_size(len(requested), what)
+        devices = physical_devices(requested)
+        ids = [self._visible_id(d) for d in devices]
+        out = ContainerAllocation()
+        strategies = self.config.device_list_strategy
+        cdi = [s for s in strategies if s.startswith("cdi-")]
+        if cdi:
+            names = [f"{CDI_KIND}={i}" for i in ids]
+            if "cdi-annotations" in strategies:
+                key = f"{self.config.cdi_annotation_prefix}{CDI_ANNOTATION_PLUGIN}_{uuidlib.uuid4()}"
+                out.annotations[key] = ",".join(names)
+            if "cdi-cri" in strategies:
+                out.cdi_devices.extend(names)
+        if len(cdi) < len(strategies):  # at least one non-CDI strategy: the anchor's env/mounts
+            if "envvar" in strategies:
+                out.envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
+            if "volume-mounts" in strategies:
+                out.envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_ROOT
+                out.mounts.extend((f"{VOLUME_MOUNTS_ROOT}/{i}", VOLUME_MOUNTS_HOST_PATH, False) for i in ids)
+            if self.config.pass_device_specs:
+                out.devices.extend(self._device_specs(devices))
+        out.envs.update(self._topology_envs(devices))
+        return out
+
+    def _visible_id(self, device: PluginDevice) -> str:
+        if self.config.device_id_strategy == "index":
+            if device.mig is not None:
+                return f"{device.gpu_index}:{device.mig.index}"
+            return str(device.gpu_index)
+        return device.uuid
+
+    def _host_path(self, path: str) -> str:
+        root = self.config.nvidia_driver_root.rstrip("/")
+        return f"{root}{path}" if root else path
+
+    def _device_specs(self, devices: Sequence[PluginDevice]) -> list[tuple[str, str, str]]:
+        specs: list[tuple[str, str, str]] = []
+        for node in CONTROL_DEVICE_NODES:
+            if self._path_exists(self._host_path(node)):
+                specs.append((node, self._host_path(node), "rw"))
+        seen: set[str] = set()
+        for d in devices:
+            gpu = self.topology.gpus[d.gpu_index]
+            minor = gpu.minor_number if gpu.minor_number is not None else gpu.index
+            paths = [f"/dev/nvidia{minor}"]
+            if d.mig is not None:
+                paths.extend(self._mig_cap_nodes(minor, d))
+            for path in paths:
+                if path not in seen:
+                    seen.add(path)
+                    specs.append((path, self._host_path(path), "rw"))
+        return specs
+
+    def _mig_cap_nodes(self, minor: int, device: PluginDevice) -> list[str]:
+        """``/dev/nvidia-caps/nvidia-cap<N>`` for the MIG device's GPU and compute instance,
+        N read from the driver's ``/proc/driver/nvidia/capabilities`` files (skipped where
+        the driver does not publish them)."""
+        mig = device.mig
+        assert mig is not None
+        if mig.gi_id is None:
+            return []
+        base = f"/proc/driver/nvidia/capabilities/gpu{minor}/mig/gi{mig.gi_id}"
+        files = [f"{base}/access"]
+        if mig.ci_id is not None:
+            files.append(f"{base}/ci{mig.ci_id}/access")
+        out = []
+        for f in files:
+            try:
+                with open(self._host_path(f), encoding="ascii") as fh:
+                    for line in fh:
+                        if line.startswith("DeviceFileMinor:"):
+                            out.append(f"/dev/nvidia-caps/nvidia-cap{int(line.split(':', 1)[1])}")
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def _topology_envs(self, devices: Sequence[PluginDevice]) -> dict[str, str]:
+        indices = sorted({d.gpu_index for d in devices})
+        envs = {f"{TOPOLOGY_ENV_PREFIX}GPU_INDICES": ",".join(map(str, indices))}
+        numa = sorted({d.numa_node for d in devices if d.numa_node is not None})
+        if numa and all(d.numa_node is not None for d in devices):
+            envs[f"{TOPOLOGY_ENV_PREFIX}NUMA_NODES"] = ",".join(map(str, numa))
+            cpulists = [self.topology.numa_cpulists[n] for n in numa if n in self.topology.numa_cpulists]
+            if len(cpulists) == len(numa):
+                envs[f"{TOPOLOGY_ENV_PREFIX}CPULIST"] = ",".join(cpulists)
+        if len(indices) > 1:
+            one_island = any(set(indices) <= set(island) for island in self.topology.nvlink_islands)
+            envs[f"{TOPOLOGY_ENV_PREFIX}NVLINK_CONNECTED"] = "true" if one_island else "false"
+            envs[f"{TOPOLOGY_ENV_PREFIX}SCORE"] = str(self.topology.set_score(indices))
+        return envs

@@ -1,0 +1,210 @@
+"""The kubelet-facing gRPC pieces: one thin servicer per resource, its unix-socket server,
+and the Register call.
+
+The servicer translates messages to :class:`RequestHandler` calls and back, nothing more.
+``ListAndWatch`` follows grpc's ``HealthServicer.Watch``: it blocks on the health state's
+condition until something changes (or shutdown), then sends the whole list again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+
+from agent._proto import deviceplugin_v1beta1_pb2 as pb
+from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from agent.deviceplugin.allocation import RequestHandler
+from agent.deviceplugin.resources import PluginResource
+from agent.errors import AgentError, AllocationError
+from agent.health import HealthState
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) -> pb.ListAndWatchResponse:
+    """The full ListAndWatch message: every device, in the resource's order, with its health
+    and, when every device's NUMA node is known, its TopologyInfo."""
+    with_numa = resource.numa_consistent()
+    out = pb.ListAndWatchResponse()
+    for d in resource.devices:
+        dev = out.devices.add(ID=d.id, health=UNHEALTHY if d.gpu_index in unhealthy else HEALTHY)
+        if with_numa:
+            dev.topology.nodes.add(ID=d.numa_node)
+    return out
+
+
+class DevicePluginServicer(pb_grpc.DevicePluginServicer):
+    """``/v1beta1.DevicePlugin/*`` for one resource."""
+
+    def __init__(self, handler: RequestHandler, health: HealthState, metrics: object | None = None) -> None:
+        self.handler = handler
+        self.resource = handler.resource
+        self.health = health
+        self.metrics = metrics
+        self._stopped = threading.Event()
+        self.streams_open = 0
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        """End every open ListAndWatch stream."""
+        self._stopped.set()
+        self.health.wake()
+
+    def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
+        context.add_callback(self.health.wake)
+        with self._lock:
+            self.streams_open += 1
+        try:
+            sent = -1
+            while not self._stopped.is_set() and context.is_active():
+                generation = self.health.generation
+                if generation != sent:
+                    sent = generation
+                    yield device_list(self.resource, self.health.snapshot())
+                self.health.wait_for_change(sent, 1.0)
+        finally:
+            with self._lock:
+                self.streams_open -= 1
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        started = time.perf_counter()
+        out = pb.PreferredAllocationResponse()
+        try:
+            for creq in request.container_requests:
+                ids = self.handler.preferred(
+                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
+                )
+                out.container_responses.add(deviceIDs=ids)
+        except AgentError as exc:
+            self._abort(context, exc)
+        observe = getattr(self.metrics, "observe_preferred_allocation", None)
+        if observe is not None:
+            observe(time.perf_counter() - started)
+        return out
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        out = pb.AllocateResponse()
+        try:
+            if not request.container_requests:
+                raise AllocationError(f"allocate {self.resource.name}: no container requests")
+            for creq in request.container_requests:
+                a = self.handler.allocate(list(creq.devices_ids))
+                resp = out.container_responses.add()
+                resp.envs.update(a.envs)
+                resp.annotations.update(a.annotations)
+                for cpath, hpath, ro in a.mounts:
+                    resp.mounts.add(container_path=cpath, host_path=hpath, read_only=ro)
+                for cpath, hpath, perms in a.devices:
+                    resp.devices.add(container_path=cpath, host_path=hpath, permissions=perms)
+                for name in a.cdi_devices:
+                    resp.cdi_devices.add(name=name)
+        except AgentError as exc:
+            self._abort(context, exc)
+        return out
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+    def _abort(self, context: grpc.ServicerContext, exc: AgentError) -> None:
+        code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, AllocationError) else grpc.StatusCode.INTERNAL
+        log.warning("%s: %s", self.resource.name, exc)
+        context.abort(code, str(exc))
+
+
+class PluginServer:
+    """A gRPC server for one resource on ``<socket_dir>/<resource.socket_name>``.
+
+    ``max_workers`` sizes the thread pool: each open ListAndWatch holds a worker for its
+    lifetime, the rest serve unary calls.
+    """
+
+    def __init__(
+        self,
+        handler: RequestHandler,
+        health: HealthState,
+        socket_dir: str,
+        *,
+        metrics: object | None = None,
+        max_workers: int = 16,
+    ) -> None:
+        self.resource = handler.resource
+        self.path = os.path.join(socket_dir, self.resource.socket_name)
+        self.servicer = DevicePluginServicer(handler, health, metrics)
+        self.max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self._inode: int | None = None
+
+    def start(self) -> None:
+        """Remove a stale socket file, then serve. Raises AgentError if it cannot bind."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"dp-{self.resource.name}"),
+        )
+        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        try:
+            bound = server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError as exc:
+            bound = 0
+            log.debug("bind %s: %s", self.path, exc)
+        if not bound:
+            server.stop(0)
+            raise AgentError(f"cannot listen on {self.path}")
+        server.start()
+        self._server = server
+        try:
+            self._inode = os.stat(self.path).st_ino
+        except OSError:
+            self._inode = None
+
+    def socket_present(self) -> bool:
+        """True while our socket file is still in place (the kubelet removes it on restart)."""
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except OSError:
+            return False
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Close the streams, stop serving, remove our socket file."""
+        self.servicer.stop()
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1.0)
+            self._server = None
+        if self.socket_present():
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+def register(kubelet_socket: str, resource: PluginResource, timeout_s: float = 5.0) -> None:
+    """Call ``/v1beta1.Registration/Register`` on the kubelet. Raises grpc.RpcError when the
+    kubelet is absent or refuses (its reason is in ``.details()``)."""
+    request = pb.RegisterRequest(
+        version=API_VERSION,
+        endpoint=resource.socket_name,
+        resource_name=resource.name,
+        options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
+    )
+    with grpc.insecure_channel(f"unix:{kubelet_socket}") as channel:
+        pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout_s)

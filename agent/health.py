@@ -1,0 +1,220 @@
+"""GPU health: one mutable state object, one watcher thread that owns it.
+
+:class:`HealthState` holds which physical GPUs are unhealthy and why; it is shared between
+threads and consumers (the device-plugin streams) block on :meth:`HealthState.wait_for_change`
+instead of polling NVML. :class:`HealthWatcher` is the only writer in production: it waits on
+NVML events through ``backend.wait_events(timeout_ms)`` (critical XIDs, double-bit ECC, lost
+GPUs), marks the GPU unhealthy, and brings it back once it has answered NVML normally
+(``backend.probe(index)``) for ``config.health_recovery_s`` with no new critical event. If the
+watcher itself fails, it *fences*: every GPU is marked unhealthy and an error is logged,
+because advertising GPUs nobody watches hides faults from the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Protocol, Sequence
+
+from agent.config import Config, is_critical_xid
+
+log = logging.getLogger(__name__)
+
+FENCED_REASON_PREFIX = "fenced: "
+
+
+class EventSource(Protocol):
+    """What the watcher needs of the NVML backend (``agent.hw.nvml.NvmlBackend``)."""
+
+    def wait_events(self, timeout_ms: int) -> Sequence[object]: ...
+
+    def probe(self, index: int) -> bool: ...
+
+
+class HealthState:
+    """Per-GPU health, thread-safe. ``generation`` increases on every change."""
+
+    def __init__(self, gpu_count: int) -> None:
+        self.gpu_count = gpu_count
+        self._cond = threading.Condition()
+        self._unhealthy: dict[int, str] = {}
+        self.generation = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    def snapshot(self) -> dict[int, str]:
+        """Unhealthy GPU index -> reason, a copy."""
+        with self._cond:
+            return dict(self._unhealthy)
+
+    def is_healthy(self, index: int) -> bool:
+        with self._cond:
+            return index not in self._unhealthy
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (outside the lock) after every change."""
+        self._listeners.append(callback)
+
+    def _changed(self) -> None:
+        self.generation += 1
+        self._cond.notify_all()
+
+    def _notify(self) -> None:
+        for cb in list(self._listeners):
+            try:
+                cb()
+            except Exception:  # a listener must not break the watcher
+                log.exception("health listener failed")
+
+    def mark_unhealthy(self, index: int, reason: str) -> bool:
+        """Mark GPU ``index`` unhealthy; True if that changed its state."""
+        with self._cond:
+            if not 0 <= index < self.gpu_count:
+                raise IndexError(f"no GPU {index} (have {self.gpu_count})")
+            was = self._unhealthy.get(index)
+            self._unhealthy[index] = reason
+            changed = was is None
+            if changed:
+                self._changed()
+        if changed:
+            self._notify()
+        return changed
+
+    def mark_healthy(self, index: int) -> bool:
+        with self._cond:
+            changed = self._unhealthy.pop(index, None) is not None
+            if changed:
+                self._changed()
+        if changed:
+            self._notify()
+        return changed
+
+    def fence(self, reason: str) -> None:
+        """Mark every GPU unhealthy (the watcher cannot vouch for any of them)."""
+        with self._cond:
+            for i in range(self.gpu_count):
+                self._unhealthy.setdefault(i, FENCED_REASON_PREFIX + reason)
+            self._changed()
+        self._notify()
+
+    def wait_for_change(self, generation: int, timeout_s: float | None) -> int:
+        """Block until ``self.generation != generation``, :meth:`wake`, or the timeout;
+        returns the current generation."""
+        with self._cond:
+            if self.generation == generation:
+                self._cond.wait(timeout_s)
+            return self.generation
+
+    def wake(self) -> None:
+        """Wake every waiter without a change (used to close streams at shutdown)."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+class HealthWatcher:
+    """The thread that turns NVML events into :class:`HealthState` changes.
+
+    ``poll_ms`` bounds each ``wait_events`` call, hence how often recovery is checked and
+    how fast :meth:`stop` returns. ``clock`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        backend: EventSource,
+        state: HealthState,
+        config: Config,
+        *,
+        poll_ms: int = 500,
+        retry_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.state = state
+        self.config = config
+        self.poll_ms = poll_ms
+        self.retry_s = retry_s
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
+        self.fenced = False
+        self.events_seen = 0
+        self.failures = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="health-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ work
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception as exc:
+                self.failures += 1
+                self._fence(exc)
+                self._stop.wait(self.retry_s)
+
+    def _fence(self, exc: BaseException) -> None:
+        log.error(
+            "HEALTH WATCHER FAILED (%s: %s): fencing all %d GPUs as unhealthy until it recovers",
+            type(exc).__name__, exc, self.state.gpu_count,
+        )
+        self.fenced = True
+        self.state.fence(f"health watcher failed: {exc}")
+        now = self._clock()
+        for i in range(self.state.gpu_count):
+            self._last_bad_s[i] = now
+
+    def step(self) -> None:
+        """One round: wait for events (up to ``poll_ms``), apply them, then try recovery.
+        Exceptions propagate (the thread fences on them)."""
+        events = self.backend.wait_events(self.poll_ms)
+        if self.fenced:
+            log.warning("health watcher is receiving events again; GPUs recover after %.0f s quiet",
+                        self.config.health_recovery_s)
+            self.fenced = False
+        self.apply(events)
+        self.recover()
+
+    def apply(self, events: Iterable[object]) -> None:
+        now = self._clock()
+        for event in events:
+            index = getattr(event, "gpu_index")
+            kind = getattr(event, "kind")
+            xid = getattr(event, "xid", None)
+            self.events_seen += 1
+            if kind == "xid" and xid is not None and not is_critical_xid(self.config, xid):
+                log.info("GPU %d: XID %d is not critical (ignored)", index, xid)
+                continue
+            reason = f"XID {xid}" if kind == "xid" else ("double-bit ECC error" if kind == "ecc_dbe" else "GPU lost")
+            self._last_bad_s[index] = now
+            if self.state.mark_unhealthy(index, reason):
+                log.error("GPU %d marked unhealthy: %s", index, reason)
+
+    def recover(self) -> None:
+        """Unhealthy GPUs quiet for the recovery period and answering NVML become healthy;
+        a failed probe restarts the quiet period."""
+        now = self._clock()
+        for index in sorted(self.state.snapshot()):
+            if not self.backend.probe(index):
+                self._last_bad_s[index] = now
+                continue
+            last_bad = self._last_bad_s.setdefault(index, now)
+            if now - last_bad >= self.config.health_recovery_s:
+                if self.state.mark_healthy(index):
+                    self._last_bad_s.pop(index, None)
+                    log.warning("GPU %d healthy again after %.0f s without faults", index, now - last_bad)
