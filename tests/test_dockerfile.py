@@ -1,0 +1,362 @@
+"""The Dockerfile builds the agent the way the project packages it, without a docker engine.
+
+No docker exists where these tests run, so the Dockerfile is parsed (a small parser below:
+comments, line continuations, stages, ``ARG`` substitution in ``FROM``, exec and shell
+forms) and checked against the repository: two stages from the same slim Python image, a
+builder with a compiler that builds our wheel into ``/opt/venv``, a runtime stage that copies
+only that venv, the NVIDIA container toolkit variables, the console script as entrypoint,
+and every path copied from the build context present in the repository and not excluded by
+``.dockerignore``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+import shlex
+import subprocess
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from agent.cli import SUBCOMMANDS
+from agent.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = "/opt/venv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    keyword: str  # upper case
+    arguments: str  # the rest of the logical line, continuations joined
+    line: int  # 1-based line where it starts
+
+
+@dataclasses.dataclass
+class Stage:
+    base: str  # the FROM image after ARG substitution
+    name: str | None
+    instructions: list[Instruction]
+
+    def of(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+
+def parse_dockerfile(text: str) -> list[Instruction]:
+    """Logical instructions: comment lines dropped (also inside continuations, as docker
+    does), backslash-continued lines joined."""
+    out: list[Instruction] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if stripped.startswith("#") or (not stripped and not pending):
+            continue
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending.append(stripped[:-1].strip())
+            continue
+        pending.append(stripped)
+        logical = " ".join(p for p in pending if p)
+        pending = []
+        keyword, _, arguments = logical.partition(" ")
+        out.append(Instruction(keyword.upper(), arguments.strip(), start))
+    assert not pending, "the Dockerfile ends inside a line continuation"
+    return out
+
+
+def split_stages(instructions: list[Instruction]) -> list[Stage]:
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for ins in instructions:
+        if ins.keyword == "ARG" and not stages:
+            name, _, default = ins.arguments.partition("=")
+            global_args[name.strip()] = default.strip().strip('"')
+        elif ins.keyword == "FROM":
+            words = ins.arguments.split()
+            words = [w for w in words if not w.startswith("--platform")]
+            base = re.sub(
+                r"\$\{?(\w+)\}?", lambda m: global_args.get(m.group(1), m.group(0)), words[0]
+            )
+            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
+            stages.append(Stage(base, name, []))
+        else:
+            assert stages, f"line {ins.line}: {ins.keyword} before the first FROM"
+            stages[-1].instructions.append(ins)
+    return stages
+
+
+def copy_parts(ins: Instruction) -> tuple[dict[str, str], list[str], str]:
+    """COPY/ADD -> (flags, sources, destination)."""
+    rest = ins.arguments
+    flags = {}
+    while rest.startswith("--"):
+        flag, _, rest = rest.partition(" ")
+        key, _, value = flag[2:].partition("=")
+        flags[key] = value
+        rest = rest.lstrip()
+    words = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+    return flags, words[:-1], words[-1]
+
+
+def env_pairs(ins: Instruction) -> dict[str, str]:
+    words = shlex.split(ins.arguments, posix=True)
+    if words and "=" not in words[0]:  # legacy `ENV KEY value with spaces`
+        return {words[0]: " ".join(words[1:])}
+    return dict(w.split("=", 1) for w in words)
+
+
+def exec_form(ins: Instruction) -> list[str]:
+    assert ins.arguments.startswith("["), (
+        f"line {ins.line}: {ins.keyword} should use the exec form so signals reach the agent"
+    )
+    return json.loads(ins.arguments)
+
+
+# ----------------------------------------------------------------------------- .dockerignore
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    out = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out += "(?:.*/)?"
+            i += 3
+        elif pattern.startswith("**", i):
+            out += ".*"
+            i += 2
+        elif pattern[i] == "*":
+            out += "[^/]*"
+            i += 1
+        elif pattern[i] == "?":
+            out += "[^/]"
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.index("]", i)
+            out += pattern[i : end + 1]
+            i = end + 1
+        else:
+            out += re.escape(pattern[i])
+            i += 1
+    return re.compile(out)
+
+
+@lru_cache(maxsize=1)
+def dockerignore_rules() -> tuple[tuple[bool, re.Pattern[str]], ...]:
+    rules = []
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        pattern = line[1:].strip() if negated else line
+        rules.append((negated, _pattern_regex(pattern.strip("/"))))
+    return tuple(rules)
+
+
+def is_dockerignored(path: str) -> bool:
+    """Docker's rule: the last matching pattern wins; a pattern matching a directory
+    excludes everything under it."""
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    excluded = False
+    for negated, regex in dockerignore_rules():
+        if any(regex.fullmatch(p) for p in prefixes):
+            excluded = not negated
+    return excluded
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[Stage]:
+    return split_stages(parse_dockerfile((ROOT / "Dockerfile").read_text()))
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        return tomllib.load(fh)
+
+
+def _context_sources(stages: list[Stage]) -> list[str]:
+    sources = []
+    for stage in stages:
+        for ins in stage.of("COPY") + stage.of("ADD"):
+            flags, srcs, _ = copy_parts(ins)
+            if "from" not in flags:
+                sources += [s.rstrip("/") or "." for s in srcs]
+    return sources
+
+
+def _tracked_files() -> list[str]:
+    result = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    if result.returncode != 0:
+        pytest.skip("not a git checkout: cannot list the tracked files")
+    return result.stdout.splitlines()
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def test_parser_joins_continuations_drops_comments_and_substitutes_args() -> None:
+    text = (
+        "# syntax comment\n"
+        "ARG IMG=python:3.11-slim\n"
+        "FROM ${IMG} AS builder\n"
+        "RUN a \\\n"
+        "    # a comment inside a continuation\n"
+        " && b\n"
+        "FROM $IMG\n"
+        'COPY --from=builder ["/opt/venv", "/opt/venv"]\n'
+        "ENV A=1 \\\n    B=\"two words\"\n"
+    )
+    builder, runtime = split_stages(parse_dockerfile(text))
+    assert (builder.base, builder.name) == ("python:3.11-slim", "builder")
+    assert [i.arguments for i in builder.of("RUN")] == ["a && b"]
+    assert runtime.base == "python:3.11-slim" and runtime.name is None
+    assert copy_parts(runtime.of("COPY")[0]) == ({"from": "builder"}, ["/opt/venv"], "/opt/venv")
+    assert env_pairs(runtime.of("ENV")[0]) == {"A": "1", "B": "two words"}
+
+
+def test_dockerignore_matcher_follows_docker_rules() -> None:
+    assert is_dockerignored(".venv/bin/python")  # a directory pattern covers its contents
+    assert is_dockerignored("agent/hw/__pycache__/fake.cpython-311.pyc")  # ** spans dirs
+    assert not is_dockerignored("agent/cli.py")
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def test_dockerfile_has_a_builder_stage_and_a_runtime_stage_on_the_same_slim_python(
+    stages: list[Stage], pyproject: dict
+) -> None:
+    assert len(stages) == 2
+    builder, runtime = stages
+    assert builder.name == "builder"
+    # Same image: the extension built in the builder must match the runtime's Python ABI,
+    # and the venv's interpreter symlinks point into the base image.
+    assert builder.base == runtime.base
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?(@sha256:[0-9a-f]{64})?", runtime.base)
+
+
+def test_builder_installs_a_compiler_and_builds_the_wheel_into_the_venv(stages: list[Stage]) -> None:
+    runs = " ".join(i.arguments for i in stages[0].of("RUN"))
+    assert "build-essential" in runs
+    assert re.search(r"\bpip wheel\b.* \.(\s|$)", runs), "the builder must `pip wheel .`"
+    assert f"python -m venv {VENV}" in runs
+    assert f"{VENV}/bin/pip install" in runs
+
+
+def test_runtime_stage_copies_only_the_venv_from_the_builder(stages: list[Stage]) -> None:
+    runtime = stages[1]
+    assert not runtime.of("ADD")
+    copies = [copy_parts(i) for i in runtime.of("COPY")]
+    assert copies == [({"from": "builder"}, [VENV], VENV)]
+
+
+def test_runtime_installs_nothing_and_bakes_in_no_nvidia_library(stages: list[Stage]) -> None:
+    runtime = stages[1]
+    assert "nvidia" not in runtime.base and "cuda" not in runtime.base
+    for ins in runtime.of("RUN"):
+        assert not re.search(r"apt-get|apt |pip |nvidia|cuda", ins.arguments), ins.arguments
+
+
+def test_runtime_sets_the_nvidia_toolkit_variables_and_the_venv_path(stages: list[Stage]) -> None:
+    env: dict[str, str] = {}
+    for ins in stages[1].of("ENV"):
+        env.update(env_pairs(ins))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert env["PATH"].split(":")[0] == f"{VENV}/bin"
+
+
+def test_entrypoint_is_the_console_script_and_cmd_is_run(stages: list[Stage], pyproject: dict) -> None:
+    runtime = stages[1]
+    (entrypoint,) = runtime.of("ENTRYPOINT")
+    (cmd,) = runtime.of("CMD")
+    (script,) = exec_form(entrypoint)
+    assert pyproject["project"]["scripts"][script] == "agent.cli:main"
+    assert exec_form(cmd) == ["run"]
+    assert "run" in SUBCOMMANDS
+
+
+def test_runtime_user_is_not_root(stages: list[Stage]) -> None:
+    users = stages[1].of("USER")
+    assert users, "the runtime stage must set a USER"
+    uid, _, gid = users[-1].arguments.partition(":")
+    # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
+    assert uid.isdigit() and int(uid) != 0
+    assert not gid or (gid.isdigit() and int(gid) != 0)
+
+
+def test_exposed_port_is_the_agents_default_metrics_port(stages: list[Stage]) -> None:
+    exposed = {int(w.split("/")[0]) for i in stages[1].of("EXPOSE") for w in i.arguments.split()}
+    assert exposed == {int(Config().metrics_address.rpartition(":")[2])}
+
+
+# ----------------------------------------------------------------------------- build context
+
+
+def test_every_path_copied_from_the_context_exists_and_is_not_dockerignored(
+    stages: list[Stage],
+) -> None:
+    sources = _context_sources(stages)
+    assert sources
+    for source in sources:
+        assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+        assert not is_dockerignored(source), f"COPY {source}: excluded by .dockerignore"
+
+
+def test_builder_copies_everything_the_package_build_reads(
+    stages: list[Stage], pyproject: dict
+) -> None:
+    copied = {s.split("/")[0] for s in _context_sources(stages[:1])}
+    needed = {"pyproject.toml", "setup.py", pyproject["project"]["readme"]}
+    needed |= {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    # Top-level paths setup.py names (the Cython sources, the .proto files, ...).
+    top_level = {p.name for p in ROOT.iterdir()}
+    for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in top_level:
+            needed.add(node.value)
+    assert needed <= copied, f"the builder does not COPY {sorted(needed - copied)}"
+
+
+def test_every_tracked_file_under_the_copied_paths_reaches_the_build(stages: list[Stage]) -> None:
+    copied = _context_sources(stages)
+    tracked = [
+        f for f in _tracked_files()
+        if any(f == c or f.startswith(c + "/") for c in copied)
+    ]
+    assert tracked
+    ignored = [f for f in tracked if is_dockerignored(f)]
+    assert not ignored, f".dockerignore drops tracked sources: {ignored}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".git/HEAD",
+        ".venv/bin/python",
+        "agent/_topo.cpython-311-x86_64-linux-gnu.so",
+        "agent/_proto/deviceplugin_v1beta1_pb2.py",
+        "agent/_proto/podresources_v1_pb2_grpc.py",
+        "ext/_topo.c",
+        "agent/__pycache__/cli.cpython-311.pyc",
+        "build/lib/agent/cli.py",
+        "gpu_topology_agent.egg-info/PKG-INFO",
+    ],
+)
+def test_dockerignore_keeps_build_outputs_and_local_state_out_of_the_context(path: str) -> None:
+    # Stale local builds (another Python's .so, old stubs) must not shadow the builder's.
+    assert is_dockerignored(path)
