@@ -49,3 +49,18 @@ def nvlink_islands(adjacency: list[int]) -> list[list[int]]:
 
 def maximal_cliques(adjacency: list[int]) -> list[list[int]]:
     return impl.maximal_cliques(adjacency)
+
+
+#: Largest number of available GPUs for which allocation is exact (bitmask DP).
+EXACT_MAX_GPUS = 16
+
+
+def allocation_solver(scores: list[list[int]], numa: list[int]):  # -> impl.AllocationSolver
+    """A solver of the issue-3 objective on the current implementation.
+
+    ``scores`` is the pair-score matrix, ``numa[i]`` a small id (0..63) of GPU i's NUMA node.
+    The solver memoises partition tables across calls; keep one per topology. See
+    ``agent.topology._pure.AllocationSolver`` for the contract of ``rank``, ``best_score``,
+    ``partition_value`` and ``set_score`` (masks are int bitmasks over GPU indices).
+    """
+    return impl.AllocationSolver(scores, numa)

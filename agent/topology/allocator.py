@@ -1,0 +1,387 @@
+"""Preferred allocation: which GPUs (replicas, MIG devices) a container should get.
+
+The policy (``best-effort``, issue 3) chooses k GPUs G with R ⊆ G ⊆ A (A available,
+R must-include) maximising, in this order:
+
+1. the anchor's criterion, computed exactly: ``score(G) + P_k(A \\ G)``, where ``P_k(S)`` is
+   the best total set score of splitting S into ``|S| // k`` groups of k GPUs plus, when
+   ``r = |S| mod k`` is not 0, exactly one group of the remaining r GPUs. (go-gpuallocator
+   pads A with empty slots to a multiple of k; a padded group holds either no padding or
+   all of it, so it is exactly this one smaller group, and padding scores 0.) Because
+   ``|G| = k``, r is ``|A| mod k`` for every candidate;
+2. ``score(G)``;
+3. fewer distinct NUMA nodes in G (an unknown node counts as one node, "unknown");
+4. the smaller cut, the total pair score between G and A \\ G (best fit: take GPUs whose
+   partners are gone, leave intact pairs and cliques for later);
+5. the lexicographically smallest sorted index list.
+
+Pair and set scores are the anchor's (``agent.topology.model.pair_score``). The result is
+always k distinct real GPUs. Exact when at most 16 GPUs are available; above that (up to 64)
+a bounded greedy search (one candidate grown from each available GPU, the rest partitioned
+greedily) answers in O(n^3) pair look-ups: well under 100 ms compiled, but not exact.
+
+One :class:`AllocationEngine` per topology: it memoises partition tables across calls and
+serialises calls with a lock, so one instance may be shared by gRPC worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from agent.errors import AllocationError
+from agent.topology import engine
+from agent.topology.model import Topology
+
+#: What separated a runner-up from the winner, by the index of the first differing criterion.
+CRITERIA: tuple[str, ...] = (
+    "anchor criterion (set score + best split of the rest into groups of the same size)",
+    "set score",
+    "NUMA nodes spanned",
+    "cut to the GPUs left free",
+    "lowest indices",
+)
+
+REPLICA_POLICIES = ("distributed", "packed")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate set and its values under criteria 1-4 (5 is ``indices`` itself)."""
+
+    indices: tuple[int, ...]
+    anchor_score: int  # criterion 1: score + best partition of the rest
+    score: int  # criterion 2
+    numa_nodes: int  # criterion 3
+    cut: int  # criterion 4
+
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.anchor_score, self.score, -self.numa_nodes, -self.cut)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The winning set, the runners-up (best first) and, for each runner-up, the criterion
+    (an index into :data:`CRITERIA`) that ranked it below the winner."""
+
+    chosen: Candidate
+    runners_up: tuple[tuple[Candidate, int], ...]
+    exact: bool
+    implementation: str
+
+    def lines(self) -> list[str]:
+        """A human-readable account, one line per item."""
+        c = self.chosen
+        out = [
+            f"chosen {list(c.indices)}: anchor criterion {c.anchor_score}, set score {c.score}, "
+            f"NUMA nodes {c.numa_nodes}, cut {c.cut}",
+            f"search: {'exact' if self.exact else 'bounded (not exact, more than 16 available)'}"
+            f", engine {self.implementation}",
+        ]
+        if not self.runners_up:
+            out.append("no other candidate: the request fixes the set")
+        for r, criterion in self.runners_up:
+            out.append(
+                f"runner-up {list(r.indices)}: anchor criterion {r.anchor_score}, set score "
+                f"{r.score}, NUMA nodes {r.numa_nodes}, cut {r.cut}; lost on {CRITERIA[criterion]}"
+            )
+        return out
+
+
+def _separating_criterion(winner: Candidate, other: Candidate) -> int:
+    for i, (a, b) in enumerate(zip(winner.key(), other.key())):
+        if a != b:
+            return i
+    return 4
+
+
+def _natural_key(device_id: str) -> tuple[str, int, str]:
+    """Orders ``<uuid>::2`` before ``<uuid>::10``; other IDs by their text."""
+    head, sep, tail = device_id.rpartition("::")
+    if sep and tail.isdigit():
+        return (head, int(tail), "")
+    return (device_id, -1, device_id)
+
+
+class AllocationEngine:
+    """The allocation policy for one topology (see the module docstring)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._n = topology.gpu_count
+        if self._n > 64:
+            raise AllocationError(f"at most 64 GPUs per node are supported, got {self._n}")
+        known = sorted({g.numa_node for g in topology.gpus if g.numa_node is not None})
+        ids = {node: i for i, node in enumerate(known)}
+        unknown_id = len(known)  # "unknown" is one node of its own
+        self._numa = [ids.get(g.numa_node, unknown_id) if g.numa_node is not None else unknown_id
+                      for g in topology.gpus]
+        scores = [list(row) for row in topology.scores] if self._n else []
+        self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
+        self.implementation = engine.IMPLEMENTATION
+        self._lock = threading.Lock()
+        self._best_by_size: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ validation
+    def _check_indices(self, what: str, values: Sequence[int]) -> list[int]:
+        out = []
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise AllocationError(f"{what}: {v!r} is not a GPU index")
+            if not 0 <= v < self._n:
+                raise AllocationError(
+                    f"{what}: unknown GPU index {v} (this node has GPUs 0-{self._n - 1})"
+                    if self._n else f"{what}: unknown GPU index {v} (this node has no GPUs)"
+                )
+            out.append(v)
+        dup = sorted(i for i, c in Counter(out).items() if c > 1)
+        if dup:
+            raise AllocationError(f"{what}: duplicate GPU index {dup[0]}")
+        return out
+
+    @staticmethod
+    def _check_request(n_available: int, n_required: int, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise AllocationError(f"size must be an integer, got {size!r}")
+        if size < 1:
+            raise AllocationError(f"size must be at least 1, got {size}")
+        if size > n_available:
+            raise AllocationError(f"size {size} is more than the {n_available} available devices")
+        if n_required > size:
+            raise AllocationError(f"{n_required} must-include devices do not fit in size {size}")
+
+    def _masks(self, available: Sequence[int], must_include: Sequence[int], size: int) -> tuple[int, int]:
+        avail = self._check_indices("available", available)
+        required = self._check_indices("must-include", must_include)
+        outside = sorted(set(required) - set(avail))
+        if outside:
+            raise AllocationError(f"must-include GPU {outside[0]} is not available")
+        self._check_request(len(avail), len(required), size)
+        return sum(1 << i for i in avail), sum(1 << i for i in required)
+
+    @staticmethod
+    def _indices(mask: int) -> tuple[int, ...]:
+        return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
+
+    def _candidate(self, entry: tuple[int, int, int, int, int]) -> Candidate:
+        mask, c1, score, numa_nodes, cut = entry
+        return Candidate(self._indices(mask), c1, score, numa_nodes, cut)
+
+    # ------------------------------------------------------------------ GPUs
+    def best_set(self, available: Sequence[int], must_include: Sequence[int], size: int) -> list[int]:
+        """The k = ``size`` GPU indices to allocate, sorted. Raises AllocationError on an
+        invalid request (size < 1 or above |available|, must-include outside available or
+        larger than size, unknown or duplicate indices)."""
+        avail, required = self._masks(available, must_include, size)
+        assert self._solver is not None  # a node with no GPUs fails validation above
+        with self._lock:
+            best = self._solver.rank(avail, required, size, 1)[0]
+        return list(self._indices(best[0]))
+
+    def explain(self, available: Sequence[int], must_include: Sequence[int], size: int,
+                runners_up: int = 5) -> Explanation:
+        """:meth:`best_set`'s winner with its criterion values and the next ``runners_up``
+        candidates, each with the criterion that ranked it lower."""
+        avail, required = self._masks(available, must_include, size)
+        assert self._solver is not None
+        with self._lock:
+            ranked = self._solver.rank(avail, required, size, runners_up + 1)
+        cands = [self._candidate(e) for e in ranked]
+        winner = cands[0]
+        return Explanation(
+            chosen=winner,
+            runners_up=tuple((c, _separating_criterion(winner, c)) for c in cands[1:]),
+            exact=bin(avail).count("1") <= engine.EXACT_MAX_GPUS,
+            implementation=self.implementation,
+        )
+
+    def best_score_for_size(self, size: int) -> int:
+        """Best set score of any ``size`` GPUs of the node (exact up to 16 GPUs; above, the
+        best the greedy search finds), the denominator of the placement-quality ratio."""
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= self._n:
+            raise AllocationError(f"size must be in 1..{self._n}, got {size!r}")
+        cached = self._best_by_size.get(size)
+        if cached is None:
+            assert self._solver is not None
+            with self._lock:
+                cached = self._best_by_size[size] = int(self._solver.best_score(size))
+        return cached
+
+    # ------------------------------------------------------------------ shared devices
+    def _devices(self, what: str, available: Sequence[tuple[str, int]],
+                 must_include: Sequence[str], size: int) -> tuple[dict[str, int], list[str]]:
+        parent: dict[str, int] = {}
+        for entry in available:
+            try:
+                device_id, gpu = entry
+            except (TypeError, ValueError):
+                raise AllocationError(f"{what}: {entry!r} is not a (device ID, GPU index) pair") from None
+            if not isinstance(device_id, str) or not device_id:
+                raise AllocationError(f"{what}: {device_id!r} is not a device ID")
+            self._check_indices(f"{what} {device_id}", [gpu])
+            if device_id in parent:
+                raise AllocationError(f"{what}: duplicate device ID {device_id}")
+            parent[device_id] = gpu
+        required = list(must_include)
+        seen: set[str] = set()
+        for device_id in required:
+            if device_id not in parent:
+                raise AllocationError(f"must-include device {device_id!r} is not available")
+            if device_id in seen:
+                raise AllocationError(f"must-include: duplicate device ID {device_id}")
+            seen.add(device_id)
+        self._check_request(len(parent), len(required), size)
+        return parent, required
+
+    def replicas(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
+                 size: int, policy: str = "distributed", *,
+                 replicas_per_gpu: int | Mapping[int, int] | None = None) -> list[str]:
+        """Time-sliced replica IDs (``<uuid>::<n>``) to allocate; ``available`` pairs each
+        free replica ID with its GPU index. Returned sorted by GPU index, then replica number.
+
+        A GPU's load is its replicas already allocated: ``replicas_per_gpu`` (a count for
+        every GPU, or per GPU index) minus its free replicas. Without it every GPU is assumed
+        to have the same number of replicas (as the device plugin's time-slicing config
+        gives), so load ranks GPUs by fewest free replicas.
+
+        ``distributed``: spread over distinct GPUs, least-loaded first, then second replicas
+        and so on; ``packed``: fill the most-loaded GPU first (GPUs already holding a
+        must-include replica first). Among equally loaded GPUs the GPU policy above chooses,
+        given the GPUs already in the request. Deterministic.
+        """
+        if policy not in REPLICA_POLICIES:
+            raise AllocationError(f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}")
+        parent, required = self._devices("available", available, must_include, size)
+        required_set = set(required)
+        free: dict[int, list[str]] = {}
+        all_free = Counter(parent.values())
+        for device_id, gpu in parent.items():
+            if device_id not in required_set:
+                free.setdefault(gpu, []).append(device_id)
+        for ids in free.values():
+            ids.sort(key=_natural_key)
+        if replicas_per_gpu is None:
+            uniform = max(all_free.values())
+            total = {g: uniform for g in all_free}
+        elif isinstance(replicas_per_gpu, int):
+            total = {g: replicas_per_gpu for g in all_free}
+        else:
+            total = {g: int(replicas_per_gpu.get(g, all_free[g])) for g in all_free}
+        load = {g: max(total[g] - all_free[g], 0) for g in all_free}
+        taken = Counter(parent[d] for d in required)
+        chosen = list(required)
+        need = size - len(required)
+
+        def take(gpu: int, count: int) -> None:
+            chosen.extend(free[gpu][:count])
+            del free[gpu][:count]
+            taken[gpu] += count
+
+        while need > 0:
+            eligible = [g for g, ids in free.items() if ids]
+            if policy == "distributed":
+                key = {g: (taken[g], load[g]) for g in eligible}
+            else:
+                key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
+            best_key = min(key.values())
+            tier = sorted(g for g in eligible if key[g] == best_key)
+            if policy == "distributed":
+                if len(tier) <= need:
+                    picks = tier
+                elif best_key[0] > 0:
+                    # every tier GPU is already in the request: topology cannot tell them apart
+                    picks = tier[:need]
+                else:
+                    picks = self._extend(sorted(g for g in taken if taken[g]), tier, need)
+                for g in picks:
+                    take(g, 1)
+                need -= len(picks)
+            else:
+                if len(tier) == 1 or best_key[0] == 0:
+                    # GPUs already in the request and equally loaded: topology cannot tell
+                    gpu = tier[0]
+                else:
+                    (gpu,) = self._extend(sorted(g for g in taken if taken[g]), tier, 1)
+                count = min(need, len(free[gpu]))
+                take(gpu, count)
+                need -= count
+        return sorted(chosen, key=lambda d: (parent[d], _natural_key(d)))
+
+    def _extend(self, in_request: list[int], tier: list[int], count: int) -> list[int]:
+        """``count`` GPUs of ``tier`` that the GPU policy adds to ``in_request``."""
+        pool = sorted(set(in_request) | set(tier))
+        best = self.best_set(pool, in_request, len(in_request) + count)
+        return [g for g in best if g not in in_request]
+
+    def mig(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
+            size: int) -> list[str]:
+        """MIG device IDs to allocate; ``available`` pairs each free MIG device with its
+        parent GPU index. Prefers all on one parent GPU, else on one NUMA node, else
+        anywhere; best fit throughout: the parent (NUMA node) with the fewest free instances
+        that can take the rest first, parents already in the request first. Returned sorted
+        by parent index, then ID."""
+        parent, required = self._devices("available", available, must_include, size)
+        required_set = set(required)
+        free: dict[int, list[str]] = {}
+        for device_id, gpu in parent.items():
+            if device_id not in required_set:
+                free.setdefault(gpu, []).append(device_id)
+        for ids in free.values():
+            ids.sort(key=_natural_key)
+        need = size - len(required)
+        used = sorted({parent[d] for d in required})
+        numa_of = {g.index: g.numa_node for g in self.topology.gpus}
+
+        def numa_key(node: int | None) -> tuple[bool, int]:
+            return (node is None, node or 0)
+
+        def fill(parents: list[int]) -> list[str]:
+            counts = {p: len(free.get(p, [])) for p in parents}
+            out: list[str] = []
+            remaining = need
+            # parents already in the request first, best fit among them
+            order = sorted((p for p in used if p in counts), key=lambda p: (counts[p], p))
+            pool = [p for p in parents if p not in used]
+            for p in order:
+                n_take = min(remaining, counts[p])
+                out.extend(free.get(p, [])[:n_take])
+                remaining -= n_take
+            while remaining > 0:
+                fitting = [p for p in pool if counts[p] >= remaining]
+                if fitting:
+                    p = min(fitting, key=lambda q: (counts[q], q))
+                else:
+                    p = min(pool, key=lambda q: (-counts[q], q))
+                pool.remove(p)
+                n_take = min(remaining, counts[p])
+                out.extend(free.get(p, [])[:n_take])
+                remaining -= n_take
+            return out
+
+        picked: list[str] | None = None
+        if need == 0:
+            picked = []
+        if picked is None and len(used) <= 1:
+            options = [p for p in (used or free) if len(free.get(p, [])) >= need]
+            if options:
+                p = min(options, key=lambda q: (len(free[q]), q))
+                picked = free[p][:need]
+        if picked is None:
+            used_nodes = {numa_of[p] for p in used}
+            if len(used_nodes) <= 1:
+                nodes: dict[int | None, list[int]] = {}
+                for p in sorted(set(free) | set(used)):
+                    nodes.setdefault(numa_of[p], []).append(p)
+                options_n = [
+                    node for node, ps in nodes.items()
+                    if (not used_nodes or node in used_nodes)
+                    and sum(len(free.get(p, [])) for p in ps) >= need
+                ]
+                if options_n:
+                    node = min(options_n, key=lambda u: (sum(len(free.get(p, [])) for p in nodes[u]), numa_key(u)))
+                    picked = fill(nodes[node])
+        if picked is None:
+            picked = fill(sorted(set(free) | set(used)))
+        return sorted(required + picked, key=lambda d: (parent[d], _natural_key(d)))
