@@ -70,7 +70,7 @@ class DevicePluginManager:
         self._slots: list[_Slot] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._kubelet_inode: int | None = None
+        self._kubelet_inode: tuple[int, int, int] | None = None
         self._seen_kubelet = False
         self.resources: tuple[PluginResource, ...] = ()
         self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
@@ -159,11 +159,15 @@ class DevicePluginManager:
             for d in resource.devices:
                 set_health(resource.name, d.id, d.gpu_index not in unhealthy)
 
-    def _kubelet_inode_now(self) -> int | None:
+    def _kubelet_inode_now(self) -> tuple[int, int, int] | None:
+        # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
+        # to the next file, so a re-created kubelet.sock can get the same one. The change
+        # time (ns) tells the new file apart.
         try:
-            return os.stat(self.kubelet_socket).st_ino
+            st = os.stat(self.kubelet_socket)
         except OSError:
             return None
+        return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
     def _watch(self) -> None:
         while True:

@@ -1,0 +1,410 @@
+"""The device plugin as the kubelet sees it: a stand-in kubelet drives the agent's servers
+over real unix sockets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+
+import grpc
+import pytest
+from kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
+
+from agent.config import Config, TimeSlicingResource
+from agent.deviceplugin.manager import DevicePluginManager
+from agent.health import HealthState
+
+
+def allocation_engine():
+    return pytest.importorskip("agent.topology.allocator", reason="allocation engine not landed").AllocationEngine
+
+
+@pytest.fixture
+def kubelet_dir():
+    # unix socket paths are limited to 108 bytes: keep the directory short
+    path = tempfile.mkdtemp(prefix="dp", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Node:
+    """A running manager + stand-in kubelet, stopped by the fixture."""
+
+    def __init__(self, kubelet_dir):
+        self.kubelet_dir = kubelet_dir
+        self.kubelet: KubeletStub | None = None
+        self.manager: DevicePluginManager | None = None
+        self.clients: list[PluginClient] = []
+
+    def start(self, topology, config=None, *, kubelet=True, **kwargs):
+        config = config or Config()
+        from dataclasses import replace
+
+        config = replace(config, kubelet_dir=self.kubelet_dir)
+        if kubelet:
+            self.kubelet = KubeletStub(self.kubelet_dir).start()
+        self.health = HealthState(topology.gpu_count)
+        self.manager = DevicePluginManager(topology, config, self.health, poll_s=0.05, **kwargs)
+        self.manager.start()
+        return self
+
+    def client(self, resource="nvidia.com/gpu"):
+        res = next(r for r in self.manager.resources if r.name == resource)
+        c = PluginClient(os.path.join(self.kubelet_dir, res.socket_name))
+        self.clients.append(c)
+        return c
+
+    def stop(self):
+        for c in self.clients:
+            c.close()
+        if self.manager is not None:
+            self.manager.stop(0.5)
+        if self.kubelet is not None:
+            self.kubelet.stop()
+
+
+@pytest.fixture
+def node(kubelet_dir):
+    n = Node(kubelet_dir)
+    yield n
+    n.stop()
+
+
+# ---------------------------------------------------------------------- registration
+def test_plugin_registers_with_version_endpoint_resource_and_preferred_option(node):
+    node.start(hgx8_topology())
+    assert node.kubelet.wait_for(lambda: node.kubelet.registered("nvidia.com/gpu"))
+    reg = node.kubelet.registered("nvidia.com/gpu")[0]
+    assert reg.request.version == "v1beta1"
+    assert reg.request.endpoint == "nvidia-gpu.sock"
+    assert reg.request.options.get_preferred_allocation_available is True
+    assert node.manager.wait_ready(2.0)
+
+
+def test_kubelet_gets_options_from_the_plugin_during_register(node):
+    node.start(hgx8_topology())
+    assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
+    options = node.kubelet.registrations[0].options
+    assert options.get_preferred_allocation_available is True and options.pre_start_required is False
+
+
+def test_one_registration_per_resource(node):
+    config = Config(mig_strategy="mixed")
+    node.start(hgx8_topology(mig=True), config)
+    expected = {"nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"}
+    assert node.kubelet.wait_for(lambda: {r.request.resource_name for r in node.kubelet.registrations} == expected)
+    assert sorted(os.listdir(node.kubelet_dir)) == sorted(
+        ["kubelet.sock", "nvidia-gpu.sock", "nvidia-mig-1g.10gb.sock", "nvidia-mig-3g.40gb.sock"]
+    )
+
+
+def test_refused_registration_is_retried_until_the_kubelet_accepts(node):
+    node.kubelet = KubeletStub(node.kubelet_dir, refuse_reason="resource already registered").start()
+    node.start(hgx8_topology(), kubelet=False, max_backoff_s=0.2)
+    assert not node.manager.wait_ready(0.5)
+    node.kubelet.refuse_reason = None
+    assert node.manager.wait_ready(3.0)
+
+
+def test_stale_socket_file_is_replaced(node):
+    open(os.path.join(node.kubelet_dir, "nvidia-gpu.sock"), "w").close()
+    node.start(hgx8_topology())
+    assert node.manager.wait_ready(2.0)
+    assert node.client().options().get_preferred_allocation_available
+
+
+# ---------------------------------------------------------------------- ListAndWatch
+def test_device_list_has_every_gpu_healthy_with_its_numa_node(node):
+    topo = hgx8_topology()
+    node.start(topo)
+    assert node.kubelet.wait_for(lambda: node.kubelet.latest("nvidia.com/gpu") is not None)
+    devices = node.kubelet.latest("nvidia.com/gpu").devices
+    assert [d.ID for d in devices] == [g.uuid for g in topo.gpus]
+    assert {d.health for d in devices} == {"Healthy"}
+    assert [[n.ID for n in d.topology.nodes] for d in devices] == [[0]] * 4 + [[1]] * 4
+
+
+def test_device_list_has_no_topology_when_numa_is_unknown(node):
+    node.start(hgx8_topology(numa=False))
+    assert node.kubelet.wait_for(lambda: node.kubelet.latest("nvidia.com/gpu") is not None)
+    assert all(not d.HasField("topology") for d in node.kubelet.latest("nvidia.com/gpu").devices)
+
+
+def test_unhealthy_gpu_is_sent_at_once_with_all_its_replicas(node):
+    config = Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),))
+    node.start(pcie4_topology(), config)
+    assert node.kubelet.wait_for(lambda: node.kubelet.latest("nvidia.com/gpu") is not None)
+    node.health.mark_unhealthy(2, "XID 79")
+    assert node.kubelet.wait_for(
+        lambda: any(d.health == "Unhealthy" for d in node.kubelet.latest("nvidia.com/gpu").devices), 2.0
+    )
+    devices = node.kubelet.latest("nvidia.com/gpu").devices
+    assert [d.ID.split("::")[0] for d in devices if d.health == "Unhealthy"] == [pcie4_topology().gpus[2].uuid] * 2
+    node.health.mark_healthy(2)
+    assert node.kubelet.wait_for(
+        lambda: all(d.health == "Healthy" for d in node.kubelet.latest("nvidia.com/gpu").devices), 2.0
+    )
+
+
+def test_stop_closes_streams_and_removes_sockets(node):
+    node.start(hgx8_topology())
+    assert node.kubelet.wait_for(lambda: node.kubelet.latest("nvidia.com/gpu") is not None)
+    node.manager.stop(0.5)
+    assert os.listdir(node.kubelet_dir) == ["kubelet.sock"]
+    stream_threads = [t for _, _, t in node.kubelet._streams]
+    for t in stream_threads:
+        t.join(2.0)
+    assert not any(t.is_alive() for t in stream_threads)
+
+
+# ---------------------------------------------------------------------- kubelet lifecycle
+def test_kubelet_restart_triggers_reregistration_within_two_seconds(node):
+    node.start(hgx8_topology())
+    assert node.manager.wait_ready(2.0)
+    node.kubelet.restart()
+    assert node.kubelet.wait_for(lambda: len(node.kubelet.registrations) == 2, 2.0)
+    assert node.manager.kubelet_restarts == 1
+    assert node.manager.wait_ready(1.0)
+    assert node.kubelet.wait_for(lambda: node.kubelet.latest("nvidia.com/gpu") is not None)
+    assert node.client().options().get_preferred_allocation_available
+
+
+def test_kubelet_that_starts_after_the_agent_gets_a_registration(node):
+    node.start(hgx8_topology(), kubelet=False)
+    assert not node.manager.ready()
+    node.kubelet = KubeletStub(node.kubelet_dir).start()
+    assert node.kubelet.wait_for(lambda: node.kubelet.registrations, 2.0)
+    assert node.manager.kubelet_restarts == 0 and node.manager.wait_ready(1.0)
+
+
+def test_removed_plugin_socket_is_served_again_and_reregistered(node):
+    node.start(hgx8_topology())
+    assert node.manager.wait_ready(2.0)
+    os.unlink(os.path.join(node.kubelet_dir, "nvidia-gpu.sock"))
+    assert node.kubelet.wait_for(lambda: len(node.kubelet.registrations) == 2, 2.0)
+    assert node.manager.socket_losses == 1
+    assert node.client().options().get_preferred_allocation_available
+
+
+def test_reload_serves_the_new_configuration(node):
+    topo = pcie4_topology()
+    node.start(topo)
+    assert node.manager.wait_ready(2.0)
+    from dataclasses import replace
+
+    new = replace(node.manager.config, time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),))
+    node.manager.reload(topo, new)
+    assert node.kubelet.wait_for(
+        lambda: (lst := node.kubelet.latest("nvidia.com/gpu")) is not None and len(lst.devices) == 8, 3.0
+    )
+
+
+# ---------------------------------------------------------------------- preferred allocation
+@pytest.mark.parametrize("make_topology", [hgx8_topology, pcie4_topology])
+def test_preferred_allocation_is_the_engines_best_set(node, make_topology):
+    AllocationEngine = allocation_engine()
+    topo = make_topology()
+    node.start(topo)
+    client = node.client()
+    engine = AllocationEngine(topo)
+    uuids = [g.uuid for g in topo.gpus]
+    for available, must, size in [(range(topo.gpu_count), [], 2), (range(1, topo.gpu_count), [3], 2), ([0, 2, 3], [], 2)]:
+        got = client.preferred([uuids[i] for i in available], [uuids[i] for i in must], size)
+        want = [uuids[i] for i in engine.best_set(list(available), list(must), size)]
+        assert got == want and len(got) == size and all(uuids[m] in got for m in must)
+
+
+def test_preferred_allocation_on_pcie_pairs_keeps_the_nvlink_pair(node):
+    allocation_engine()
+    topo = pcie4_topology()
+    node.start(topo)
+    got = node.client().preferred([g.uuid for g in topo.gpus], [topo.gpus[3].uuid], 2)
+    assert sorted(got) == sorted([topo.gpus[2].uuid, topo.gpus[3].uuid])
+
+
+def test_preferred_allocation_of_replicas_returns_replica_ids(node):
+    allocation_engine()
+    topo = pcie4_topology()
+    node.start(topo, Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),)))
+    ids = [d.id for d in node.manager.resources[0].devices]
+    got = node.client().preferred(ids, [], 3)
+    assert len(got) == 3 and set(got) <= set(ids)
+
+
+# ---------------------------------------------------------------------- Allocate
+def envs_of(response, i=0):
+    return dict(response.container_responses[i].envs)
+
+
+def test_allocate_envvar_uuid_strategy_lists_gpu_uuids(node):
+    topo = hgx8_topology()
+    node.start(topo)
+    resp = node.client().allocate([topo.gpus[5].uuid, topo.gpus[4].uuid], [topo.gpus[0].uuid])
+    assert envs_of(resp)["NVIDIA_VISIBLE_DEVICES"] == f"{topo.gpus[5].uuid},{topo.gpus[4].uuid}"
+    assert envs_of(resp, 1)["NVIDIA_VISIBLE_DEVICES"] == topo.gpus[0].uuid
+    assert envs_of(resp)["GPU_TOPOLOGY_NUMA_NODES"] == "1"
+    assert envs_of(resp)["GPU_TOPOLOGY_CPULIST"] == "56-111,168-223"
+    assert envs_of(resp)["GPU_TOPOLOGY_NVLINK_CONNECTED"] == "true"
+    assert not resp.container_responses[0].mounts and not resp.container_responses[0].devices
+
+
+def test_allocate_index_strategy_lists_indices_and_mig_pairs(node):
+    topo = hgx8_topology(mig=True)
+    node.start(topo, Config(mig_strategy="mixed", device_id_strategy="index"))
+    resp = node.client().allocate([topo.gpus[1].uuid])
+    assert envs_of(resp)["NVIDIA_VISIBLE_DEVICES"] == "1"
+    mig = node.client("nvidia.com/mig-3g.40gb").allocate([topo.gpus[6].mig_devices[1].uuid])
+    assert envs_of(mig)["NVIDIA_VISIBLE_DEVICES"] == "6:1"
+
+
+def test_allocate_volume_mounts_strategy_mounts_dev_null_per_device(node):
+    topo = pcie4_topology()
+    node.start(topo, Config(device_list_strategy=("volume-mounts",)))
+    resp = node.client().allocate([topo.gpus[0].uuid, topo.gpus[1].uuid])
+    c = resp.container_responses[0]
+    assert c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+    assert [(m.container_path, m.host_path) for m in c.mounts] == [
+        (f"/var/run/nvidia-container-devices/{topo.gpus[i].uuid}", "/dev/null") for i in (0, 1)
+    ]
+
+
+def test_allocate_cdi_annotations_strategy_sets_one_annotation_and_no_env(node):
+    topo = pcie4_topology()
+    node.start(topo, Config(device_list_strategy=("cdi-annotations",), cdi_annotation_prefix="cdi.k8s.io/"))
+    c = node.client().allocate([topo.gpus[2].uuid, topo.gpus[3].uuid]).container_responses[0]
+    ((key, value),) = c.annotations.items()
+    assert key.startswith("cdi.k8s.io/nvidia-device-plugin_")
+    assert value == f"nvidia.com/gpu={topo.gpus[2].uuid},nvidia.com/gpu={topo.gpus[3].uuid}"
+    assert "NVIDIA_VISIBLE_DEVICES" not in c.envs and not c.cdi_devices
+
+
+def test_allocate_cdi_cri_strategy_returns_cdi_devices(node):
+    topo = pcie4_topology()
+    node.start(topo, Config(device_list_strategy=("cdi-cri", "envvar")))
+    c = node.client().allocate([topo.gpus[1].uuid]).container_responses[0]
+    assert [d.name for d in c.cdi_devices] == [f"nvidia.com/gpu={topo.gpus[1].uuid}"]
+    assert c.envs["NVIDIA_VISIBLE_DEVICES"] == topo.gpus[1].uuid
+
+
+def test_pass_device_specs_adds_present_control_nodes_and_one_node_per_gpu(node, tmp_path):
+    root = tmp_path / "driver"
+    (root / "dev").mkdir(parents=True)
+    for name in ("nvidiactl", "nvidia-uvm"):
+        (root / "dev" / name).touch()
+    topo = hgx8_topology()
+    node.start(topo, Config(pass_device_specs=True, nvidia_driver_root=str(root)))
+    c = node.client().allocate([topo.gpus[3].uuid, topo.gpus[1].uuid]).container_responses[0]
+    assert [(d.container_path, d.host_path, d.permissions) for d in c.devices] == [
+        ("/dev/nvidiactl", f"{root}/dev/nvidiactl", "rw"),
+        ("/dev/nvidia-uvm", f"{root}/dev/nvidia-uvm", "rw"),
+        ("/dev/nvidia3", f"{root}/dev/nvidia3", "rw"),
+        ("/dev/nvidia1", f"{root}/dev/nvidia1", "rw"),
+    ]
+
+
+def test_mig_device_specs_add_the_parent_and_its_caps_nodes(node, tmp_path):
+    root = tmp_path / "driver"
+    gi = root / "proc/driver/nvidia/capabilities/gpu6/mig/gi2"
+    (gi / "ci0").mkdir(parents=True)
+    (gi / "access").write_text("DeviceFileMinor: 21\nDeviceFileMode: 292\n")
+    (gi / "ci0" / "access").write_text("DeviceFileMinor: 22\nDeviceFileMode: 292\n")
+    topo = hgx8_topology(mig=True)
+    node.start(topo, Config(mig_strategy="mixed", pass_device_specs=True, nvidia_driver_root=str(root)))
+    c = node.client("nvidia.com/mig-3g.40gb").allocate([topo.gpus[6].mig_devices[1].uuid]).container_responses[0]
+    assert [d.container_path for d in c.devices] == ["/dev/nvidia6", "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"]
+
+
+def test_allocate_reduces_replicas_to_their_gpu_once(node):
+    topo = pcie4_topology()
+    node.start(topo, Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=4),)))
+    u = [g.uuid for g in topo.gpus]
+    resp = node.client().allocate([f"{u[1]}::3", f"{u[1]}::0", f"{u[0]}::2"])
+    assert envs_of(resp)["NVIDIA_VISIBLE_DEVICES"] == f"{u[1]},{u[0]}"
+
+
+def test_pre_start_container_succeeds_and_does_nothing(node):
+    from agent._proto import deviceplugin_v1beta1_pb2 as pb
+
+    node.start(pcie4_topology())
+    resp = node.client().stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["x"]), timeout=5)
+    assert resp == pb.PreStartContainerResponse()
+
+
+# ---------------------------------------------------------------------- bad input
+def invalid(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value.details()
+
+
+def test_every_bad_input_is_invalid_argument_and_the_server_keeps_serving(node):
+    topo = pcie4_topology()
+    u = [g.uuid for g in topo.gpus]
+    node.start(topo)
+    c = node.client()
+    assert "unknown device ID 'GPU-ffffffff-0000'" in invalid(lambda: c.allocate(["GPU-ffffffff-0000"]))
+    assert "malformed device ID 'not a device'" in invalid(lambda: c.allocate(["not a device"]))
+    assert "empty device list" in invalid(lambda: c.allocate([]))
+    assert "no container requests" in invalid(lambda: c.allocate())
+    assert "given twice" in invalid(lambda: c.allocate([u[0], u[0]]))
+    assert "replica" not in invalid(lambda: c.allocate([f"{u[0]}::1"]))
+    assert "must be >= 1" in invalid(lambda: c.preferred(u, [], 0))
+    assert "exceeds the 2 available" in invalid(lambda: c.preferred(u[:2], [], 3))
+    assert "not in the available list" in invalid(lambda: c.preferred(u[:2], [u[3]], 2))
+    assert "exceed allocation size 1" in invalid(lambda: c.preferred(u, u[:2], 1))
+    assert "unknown device ID" in invalid(lambda: c.preferred(u + ["GPU-0000-dead"], [], 1))
+    assert envs_of(c.allocate([u[0]]))["NVIDIA_VISIBLE_DEVICES"] == u[0]
+
+
+def test_fail_requests_greater_than_one_refuses_multi_replica_requests(node):
+    topo = pcie4_topology()
+    config = Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),), fail_requests_greater_than_one=True)
+    node.start(topo, config)
+    ids = [d.id for d in node.manager.resources[0].devices]
+    c = node.client()
+    assert "maximum request size for shared resources is 1" in invalid(lambda: c.allocate(ids[:2]))
+    assert "maximum request size" in invalid(lambda: c.preferred(ids, [], 2))
+    assert envs_of(c.allocate(ids[:1]))["NVIDIA_VISIBLE_DEVICES"] == topo.gpus[0].uuid
+
+
+# ---------------------------------------------------------------------- load
+def test_32_threads_of_mixed_calls_all_succeed(node):
+    allocation_engine()
+    topo = hgx8_topology()
+    node.start(topo)
+    socket = os.path.join(node.kubelet_dir, "nvidia-gpu.sock")
+    uuids = [g.uuid for g in topo.gpus]
+    errors: list[BaseException] = []
+    calls_per_thread = 500
+
+    def worker(seed: int) -> None:
+        client = PluginClient(socket)
+        try:
+            for i in range(calls_per_thread):
+                k = (seed + i) % 4
+                if k == 0:
+                    client.options()
+                elif k == 1:
+                    got = client.preferred(uuids, [uuids[seed % 8]], 1 + i % 8)
+                    assert uuids[seed % 8] in got
+                elif k == 2:
+                    client.allocate(uuids[: 1 + i % 8])
+                else:
+                    try:
+                        client.allocate(["GPU-bad"])
+                    except grpc.RpcError as exc:
+                        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        except BaseException as exc:  # collected and re-raised in the test thread
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and not any(t.is_alive() for t in threads)
