@@ -1,0 +1,183 @@
+"""The Cython engine and its pure-Python twin agree with each other and with brute force.
+
+Brute force here enumerates the issue-3 objective directly from its definition: every k-set
+G with R ⊆ G ⊆ A, criterion 1 from every partition of A \\ G into k-groups plus one group of
+the ``|A \\ G| mod k`` remaining GPUs (the same remainder definition as the allocator's
+docstring), then criteria 2-5.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent import _topo
+from agent.topology import _pure
+
+PAIR_VALUES = [0, 10, 20, 30, 40, 50, 60, 100, 110, 150, 200, 230, 250, 1200, 1810]
+
+
+def _set_score(s, group):
+    return sum(s[a][b] for a, b in itertools.combinations(group, 2))
+
+
+def _partitions(items, k):
+    """Every split of ``items`` into k-groups plus one group of len(items) % k (if any)."""
+    if not items:
+        yield []
+        return
+    low, others = items[0], items[1:]
+    sizes = ([k] if len(items) >= k else []) + ([len(items) % k] if len(items) % k else [])
+    for size in sizes:
+        for combo in itertools.combinations(others, size - 1):
+            left = [x for x in others if x not in combo]
+            for rest in _partitions(left, k):
+                yield [(low, *combo), *rest]
+
+
+def brute_force_best(s, numa, available, required, k):
+    best_key, best_set = None, None
+    free = [a for a in available if a not in required]
+    for extra in itertools.combinations(free, k - len(required)):
+        g = sorted([*required, *extra])
+        rest = [a for a in available if a not in g]
+        part = max(sum(_set_score(s, grp) for grp in p) for p in _partitions(rest, k))
+        score = _set_score(s, g)
+        cut = sum(s[a][b] for a in g for b in rest)
+        key = (-(score + part), -score, len({numa[x] for x in g}), cut, g)
+        if best_key is None or key < best_key:
+            best_key, best_set = key, g
+    return best_set
+
+
+@st.composite
+def problems(draw, max_gpus=10):
+    n = draw(st.integers(1, max_gpus))
+    s = [[0] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(a + 1, n):
+            s[a][b] = s[b][a] = draw(st.sampled_from(PAIR_VALUES))
+    numa = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    available = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    k = draw(st.integers(1, len(available)))
+    required = sorted(draw(st.sets(st.sampled_from(available), max_size=min(k, 3))))
+    return s, numa, available, required, k
+
+
+def _mask(indices):
+    return sum(1 << i for i in indices)
+
+
+def _members(mask):
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_extension_and_twin_choose_the_brute_force_optimum(problem):
+    s, numa, available, required, k = problem
+    expected = brute_force_best(s, numa, available, required, k)
+    for impl in (_topo, _pure):
+        ranked = impl.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, 1)
+        assert _members(ranked[0][0]) == expected, impl.__name__
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(max_gpus=12), st.integers(1, 8))
+def test_extension_and_twin_rank_runners_up_identically(problem, top):
+    s, numa, available, required, k = problem
+    a = _topo.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, top)
+    b = _pure.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, top)
+    assert a == b
+    assert len({entry[0] for entry in a}) == len(a)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_extension_and_twin_agree_on_the_bounded_search_above_16_available(data):
+    n = data.draw(st.integers(17, 24))
+    s = [[0] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(a + 1, n):
+            s[a][b] = s[b][a] = data.draw(st.sampled_from(PAIR_VALUES))
+    numa = [i * 2 // n for i in range(n)]
+    available = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=17)))
+    k = data.draw(st.integers(1, len(available)))
+    required = sorted(data.draw(st.sets(st.sampled_from(available), max_size=min(k, 2))))
+    a = _topo.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, 3)
+    b = _pure.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, 3)
+    assert a == b
+    best = _members(a[0][0])
+    assert len(best) == k and set(required) <= set(best) <= set(available)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_large_node_with_few_available_is_solved_exactly_on_the_available_gpus(data):
+    n = data.draw(st.integers(17, 40))
+    s = [[0] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(a + 1, n):
+            s[a][b] = s[b][a] = data.draw(st.sampled_from(PAIR_VALUES))
+    numa = [i % 3 for i in range(n)]
+    available = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=9)))
+    k = data.draw(st.integers(1, len(available)))
+    expected = brute_force_best(s, numa, available, [], k)
+    for impl in (_topo, _pure):
+        ranked = impl.AllocationSolver(s, numa).rank(_mask(available), 0, k, 2)
+        assert _members(ranked[0][0]) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.lists(
+    st.sampled_from(PAIR_VALUES), min_size=n * n, max_size=n * n))))
+def test_best_score_for_each_size_is_the_best_set_score(args):
+    n, flat = args
+    s = [[0 if a == b else flat[min(a, b) * n + max(a, b)] for b in range(n)] for a in range(n)]
+    for impl in (_topo, _pure):
+        solver = impl.AllocationSolver(s, [0] * n)
+        for k in range(1, n + 1):
+            assert solver.best_score(k) == max(
+                _set_score(s, g) for g in itertools.combinations(range(n), k)
+            )
+
+
+@st.composite
+def graphs(draw):
+    n = draw(st.integers(0, 16))
+    adjacency = [0] * n
+    for a in range(n):
+        for b in range(a + 1, n):
+            if draw(st.booleans()):
+                adjacency[a] |= 1 << b
+                adjacency[b] |= 1 << a
+    return adjacency
+
+
+@settings(max_examples=120, deadline=None)
+@given(graphs())
+def test_islands_and_cliques_agree_between_extension_and_twin(adjacency):
+    assert _topo.nvlink_islands(adjacency) == _pure.nvlink_islands(adjacency)
+    assert _topo.maximal_cliques(adjacency) == _pure.maximal_cliques(adjacency)
+    # every clique is complete and maximal
+    n = len(adjacency)
+    for clique in _pure.maximal_cliques(adjacency):
+        members = _mask(clique)
+        assert all((adjacency[v] | 1 << v) & members == members for v in clique)
+        assert not any(
+            v not in clique and adjacency[v] & members == members for v in range(n)
+        )
+
+
+def test_solvers_refuse_impossible_requests_alike():
+    s = [[0, 10], [10, 0]]
+    for impl in (_topo, _pure):
+        solver = impl.AllocationSolver(s, [0, 0])
+        for args in ((0b11, 0b00, 3), (0b01, 0b10, 1), (0b100, 0, 1), (0b11, 0, 0)):
+            try:
+                solver.rank(*args)
+            except ValueError:
+                continue
+            raise AssertionError(f"{impl.__name__} accepted {args}")
