@@ -92,10 +92,13 @@ class HealthState:
     def fence(self, reason: str) -> None:
         """Mark every GPU unhealthy (the watcher cannot vouch for any of them)."""
         with self._cond:
-            for i in range(self.gpu_count):
-                self._unhealthy.setdefault(i, FENCED_REASON_PREFIX + reason)
-            self._changed()
-        self._notify()
+            added = [i for i in range(self.gpu_count) if i not in self._unhealthy]
+            for i in added:
+                self._unhealthy[i] = FENCED_REASON_PREFIX + reason
+            if added:
+                self._changed()
+        if added:
+            self._notify()
 
     def wait_for_change(self, generation: int, timeout_s: float | None) -> int:
         """Block until ``self.generation != generation``, :meth:`wake`, or the timeout;
@@ -169,10 +172,13 @@ class HealthWatcher:
                 self._stop.wait(self.retry_s)
 
     def _fence(self, exc: BaseException) -> None:
-        log.error(
-            "HEALTH WATCHER FAILED (%s: %s): fencing all %d GPUs as unhealthy until it recovers",
-            type(exc).__name__, exc, self.state.gpu_count,
-        )
+        if self.fenced:  # already said loudly; keep the log readable while it keeps failing
+            log.debug("health watcher still failing: %s", exc)
+        else:
+            log.error(
+                "HEALTH WATCHER FAILED (%s: %s): fencing all %d GPUs as unhealthy until it recovers",
+                type(exc).__name__, exc, self.state.gpu_count,
+            )
         self.fenced = True
         self.state.fence(f"health watcher failed: {exc}")
         now = self._clock()
