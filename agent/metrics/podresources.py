@@ -1,0 +1,228 @@
+"""Which container holds which GPU: the kubelet's pod-resources API v1, cached.
+
+``PodResourcesCache`` calls ``List`` on the kubelet's ``pod-resources/kubelet.sock`` on its
+own timer (``refresh_s``) and publishes an immutable :class:`Attribution`; scrapes read the
+latest one and never call the kubelet. (dcgm-exporter calls ``List`` on every scrape, which
+is slow and rate-limited by the kubelet on busy nodes.) When a call fails the last good
+attribution stays in place: pods do not vanish because the kubelet restarts.
+
+Layering note: this module imports ``grpc`` and ``agent._proto`` although it is outside
+``agent/deviceplugin/`` — it is a client of a kubelet API, like the device plugin.
+
+Device IDs map back to GPU indices through the topology: a GPU UUID, a time-sliced replica
+``<uuid>::<n>``, a MIG device UUID (its parent GPU), or with ``deviceIDStrategy: index`` a
+GPU index ``"3"`` or MIG ``"3:1"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+import grpc
+
+from agent._proto import podresources_v1_pb2, podresources_v1_pb2_grpc
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+#: Resources attributed to GPUs: ``nvidia.com/gpu``, renamed/shared variants, ``mig-*``.
+GPU_RESOURCE_PREFIX = "nvidia.com/"
+
+
+@dataclass(frozen=True, order=True)
+class ContainerRef:
+    """A container of a pod, the unit GPU series are attributed to."""
+
+    namespace: str
+    pod: str
+    container: str
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Immutable GPU <-> container map. ``containers[c]`` are the distinct GPU indices of
+    container ``c`` (sorted); ``by_gpu[i]`` the containers holding GPU ``i`` (sorted);
+    ``first_seen[(c, i)]`` when this agent first saw ``c`` holding ``i`` (wall clock)."""
+
+    containers: Mapping[ContainerRef, tuple[int, ...]] = field(default_factory=dict)
+    by_gpu: Mapping[int, tuple[ContainerRef, ...]] = field(default_factory=dict)
+    first_seen: Mapping[tuple[ContainerRef, int], float] = field(default_factory=dict)
+    fetched_at: float = 0.0
+
+
+EMPTY_ATTRIBUTION = Attribution()
+
+
+class DeviceIdResolver:
+    """Maps the device IDs the kubelet reports to GPU indices of ``topology``."""
+
+    def __init__(self, topology: Topology, index_ids: bool = False) -> None:
+        self.index_ids = index_ids
+        self._by_id: dict[str, int] = {}
+        for g in topology.gpus:
+            self._by_id[g.uuid] = g.index
+            for m in g.mig_devices:
+                self._by_id[m.uuid] = g.index
+        self._count = topology.gpu_count
+
+    def resolve(self, device_id: str) -> int | None:
+        """The GPU index behind ``device_id``; None when it is not one of this node's."""
+        base = device_id.split("::", 1)[0]
+        index = self._by_id.get(base)
+        if index is not None:
+            return index
+        if self.index_ids:
+            head = base.split(":", 1)[0]
+            if head.isdigit() and int(head) < self._count:
+                return int(head)
+        return None
+
+
+def attribute(pod_resources: Iterable[Any], resolver: DeviceIdResolver) -> dict[ContainerRef, tuple[int, ...]]:
+    """Containers -> sorted distinct GPU indices, from ``ListPodResourcesResponse.pod_resources``.
+
+    Pure. Non-GPU resources and device IDs unknown to this node are ignored; containers
+    without GPUs are left out.
+    """
+    out: dict[ContainerRef, tuple[int, ...]] = {}
+    for pod in pod_resources:
+        for c in pod.containers:
+            gpus: set[int] = set()
+            for dev in c.devices:
+                if not dev.resource_name.startswith(GPU_RESOURCE_PREFIX):
+                    continue
+                for device_id in dev.device_ids:
+                    index = resolver.resolve(device_id)
+                    if index is not None:
+                        gpus.add(index)
+            if gpus:
+                out[ContainerRef(pod.namespace, pod.name, c.name)] = tuple(sorted(gpus))
+    return out
+
+
+class PodResourcesClient:
+    """A ``PodResourcesLister`` client on a unix socket; the channel is reused."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+
+    def list(self) -> Any:
+        """``List`` -> ``ListPodResourcesResponse``; raises ``grpc.RpcError`` on failure."""
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._stub = podresources_v1_pb2_grpc.PodResourcesListerStub(self._channel)
+        return self._stub.List(podresources_v1_pb2.ListPodResourcesRequest(),
+                               timeout=self.timeout_s)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+
+class PodResourcesCache:
+    """Refreshes an :class:`Attribution` every ``refresh_s`` on its own thread."""
+
+    def __init__(
+        self,
+        client: PodResourcesClient,
+        topology: Topology,
+        *,
+        refresh_s: float,
+        index_ids: bool = False,
+        clock: Callable[[], float] = time.time,
+        on_error: Callable[[], None] | None = None,
+        on_refresh: Callable[[Attribution], None] | None = None,
+    ) -> None:
+        if refresh_s <= 0:
+            raise ValueError(f"pod-resources refresh must be > 0 s, got {refresh_s}")
+        self.client = client
+        self.resolver = DeviceIdResolver(topology, index_ids)
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self.on_error = on_error
+        self.on_refresh = on_refresh
+        self.current: Attribution = EMPTY_ATTRIBUTION
+        self.list_calls = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._logged_failure = False
+
+    def refresh_once(self) -> bool:
+        """Call ``List`` now and publish the result; False (and the old attribution kept)
+        when the kubelet could not be asked."""
+        with self._lock:
+            self.list_calls += 1
+            try:
+                response = self.client.list()
+            except grpc.RpcError as exc:
+                if not self._logged_failure:
+                    self._logged_failure = True
+                    log.warning("pod-resources List on %s failed: %s (keeping the last answer)",
+                                self.client.socket_path, _rpc_message(exc))
+                if self.on_error is not None:
+                    self.on_error()
+                return False
+            if self._logged_failure:
+                log.info("pod-resources List on %s works again", self.client.socket_path)
+            self._logged_failure = False
+            now = self.clock()
+            containers = attribute(response.pod_resources, self.resolver)
+            old_seen = self.current.first_seen
+            first_seen: dict[tuple[ContainerRef, int], float] = {}
+            by_gpu: dict[int, list[ContainerRef]] = {}
+            for ref in sorted(containers):
+                for index in containers[ref]:
+                    first_seen[(ref, index)] = old_seen.get((ref, index), now)
+                    by_gpu.setdefault(index, []).append(ref)
+            self.current = Attribution(
+                containers=MappingProxyType(containers),
+                by_gpu=MappingProxyType({i: tuple(v) for i, v in sorted(by_gpu.items())}),
+                first_seen=MappingProxyType(first_seen),
+                fetched_at=now,
+            )
+            attribution = self.current
+        if self.on_refresh is not None:
+            self.on_refresh(attribution)
+        return True
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="pod-resources", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self.client.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh_once()
+            except Exception:  # keep attributing after any unexpected answer
+                log.exception("pod-resources refresh failed")
+            self._stop.wait(self.refresh_s)
+
+
+def _rpc_message(exc: grpc.RpcError) -> str:
+    code = getattr(exc, "code", None)
+    details = getattr(exc, "details", None)
+    try:
+        return f"{code().name if code else 'UNKNOWN'}: {details() if details else exc}"
+    except Exception:  # an RpcError that is not a Call
+        return str(exc)

@@ -1,0 +1,136 @@
+"""The one thread that polls NVML, and the immutable snapshot it publishes.
+
+``Sampler.sample_once()`` reads every GPU through :class:`GpuReader` and replaces
+``Sampler.snapshot`` with a new :class:`Snapshot` (a single reference assignment, so readers
+never see half a round and never take a lock). Scrapes only read ``snapshot``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from agent.metrics.fields import GpuReader
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One sampling round. ``gpus[index]`` maps metric name -> value; a GPU or field that
+    could not be read is simply absent. ``last_busy_at[index]`` is the wall-clock time
+    (``time.time()``) the GPU's utilisation was last seen above the idle threshold (the
+    sampler's start when never)."""
+
+    taken_at: float = 0.0
+    duration_s: float = 0.0
+    gpus: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    last_busy_at: Mapping[int, float] = field(default_factory=dict)
+    rounds: int = 0
+
+
+EMPTY_SNAPSHOT = Snapshot()
+
+
+class Sampler:
+    """Polls NVML every ``interval_s`` on its own thread (``start``/``stop``), or on demand
+    with ``sample_once`` (tests, benchmarks)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        topology: Topology,
+        *,
+        interval_s: float,
+        idle_threshold_pct: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        on_round: Callable[[Snapshot], None] | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"sample interval must be > 0 s, got {interval_s}")
+        self.backend = backend
+        self.topology = topology
+        self.interval_s = interval_s
+        self.idle_threshold_pct = idle_threshold_pct
+        self.clock = clock
+        self.on_round = on_round
+        self.snapshot: Snapshot = EMPTY_SNAPSHOT
+        self._readers = {g.index: GpuReader(backend, g.index) for g in topology.gpus}
+        self._xids: dict[int, int] = {}
+        self._xid_lock = threading.Lock()
+        started = clock()
+        self._last_busy_at = {g.index: started for g in topology.gpus}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._round_lock = threading.Lock()
+
+    def record_xid(self, gpu_index: int, xid: int) -> None:
+        """Remember the last XID of a GPU (fed by the health watcher's NVML events); shown
+        as ``DCGM_FI_DEV_XID_ERRORS`` from the next round."""
+        with self._xid_lock:
+            self._xids[gpu_index] = int(xid)
+
+    def sample_once(self) -> Snapshot:
+        """Read all GPUs now and publish the result; returns the new snapshot."""
+        with self._round_lock:  # sample_once from a test while the thread runs: one at a time
+            t0 = time.perf_counter()
+            now = self.clock()
+            with self._xid_lock:
+                xids = dict(self._xids)
+            gpus: dict[int, Mapping[str, float]] = {}
+            lost = getattr(self.backend, "lost_gpus", ())
+            for index, reader in self._readers.items():
+                if index in lost:
+                    continue  # the health watcher probes lost GPUs; we wait for it
+                values = reader.read()
+                if not values:
+                    continue
+                values["DCGM_FI_DEV_XID_ERRORS"] = float(xids.get(index, 0))
+                util = values.get("DCGM_FI_DEV_GPU_UTIL")
+                if util is not None and util > self.idle_threshold_pct:
+                    self._last_busy_at[index] = now
+                gpus[index] = MappingProxyType(values)
+            snap = Snapshot(
+                taken_at=now,
+                duration_s=time.perf_counter() - t0,
+                gpus=MappingProxyType(gpus),
+                last_busy_at=MappingProxyType(dict(self._last_busy_at)),
+                rounds=self.snapshot.rounds + 1,
+            )
+            self.snapshot = snap
+        if self.on_round is not None:
+            self.on_round(snap)
+        return snap
+
+    # ---------------------------------------------------------------- thread
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        with self._round_lock:
+            for reader in self._readers.values():
+                reader.close()
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.sample_once()
+            except Exception:  # the sampler must outlive any single bad round
+                log.exception("metrics sampling round failed")
+            # fixed-rate schedule; after an overrun start the next round at once, not a burst
+            next_at = max(next_at + self.interval_s, time.monotonic())
+            self._stop.wait(max(0.0, next_at - time.monotonic()))

@@ -1,0 +1,195 @@
+"""The metrics service: sampler thread + pod-resources cache + HTTP server.
+
+``MetricsService(backend, topology, config, hostname=..., ready=...)`` owns a registry (not
+the global one) holding the GPU collector and the agent's self-metrics. HTTP endpoints on
+``config.metrics_address`` (``HOST:PORT``, ``:PORT`` for all interfaces, ``[::1]:PORT``;
+port 0 picks a free one, see ``.port``):
+
+- ``/metrics``: Prometheus text format of the latest snapshot; never calls NVML.
+- ``/health``: 200 while the process is alive (liveness).
+- ``/ready``: 200 when ``ready()`` is True (registered with the kubelet, topology read),
+  else 503 (readiness).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry
+
+from agent.config import Config
+from agent.errors import ConfigError
+from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
+from agent.metrics.podresources import (
+    EMPTY_ATTRIBUTION,
+    Attribution,
+    PodResourcesCache,
+    PodResourcesClient,
+)
+from agent.metrics.sampler import Sampler, Snapshot
+from agent.metrics.self_metrics import AgentMetrics
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9400"`` -> ("127.0.0.1", 9400); ``":9400"`` -> ("", 9400) (all
+    interfaces); ``"[::1]:9400"`` -> ("::1", 9400). Raises ConfigError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"metrics address {address!r}: expected HOST:PORT or :PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class MetricsService:
+    """Samples NVML, attributes GPUs to pods and serves ``/metrics``, ``/health``, ``/ready``."""
+
+    def __init__(
+        self,
+        backend: Any,
+        topology: Topology,
+        config: Config,
+        *,
+        hostname: str,
+        ready: Callable[[], bool],
+        pod_resources: PodResourcesCache | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.topology = topology
+        self.config = config
+        self.hostname = hostname
+        self.ready = ready
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.agent_metrics = AgentMetrics(self.registry, backend)
+        self.sampler = Sampler(
+            backend, topology,
+            interval_s=config.sample_interval_s,
+            idle_threshold_pct=config.idle_utilization_threshold_pct,
+            clock=clock, on_round=self._on_round,
+        )
+        self.scorer = PlacementScorer(topology)
+        if pod_resources is None:
+            pod_resources = PodResourcesCache(
+                PodResourcesClient(config.pod_resources_socket), topology,
+                refresh_s=config.pod_resources_refresh_s,
+                index_ids=config.device_id_strategy == "index",
+                clock=clock,
+            )
+        pod_resources.on_error = self.agent_metrics.pod_resources_errors.inc
+        pod_resources.on_refresh = self._warm_scores
+        self.pod_resources = pod_resources
+        self.collector = GpuCollector(
+            topology, hostname=hostname,
+            snapshot=lambda: self.sampler.snapshot,
+            attribution=self._attribution,
+            scorer=self.scorer, clock=clock,
+        )
+        self.registry.register(self.collector)
+        self._server: _Server | None = None
+        self._server_thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    # ---------------------------------------------------------------- hooks
+    def record_xid(self, gpu_index: int, xid: int) -> None:
+        """The health watcher reports an XID; exported as ``DCGM_FI_DEV_XID_ERRORS``."""
+        self.sampler.record_xid(gpu_index, xid)
+
+    def _attribution(self) -> Attribution:
+        return self.pod_resources.current if self.pod_resources else EMPTY_ATTRIBUTION
+
+    def _on_round(self, snap: Snapshot) -> None:
+        self.agent_metrics.sampler_duration.set(snap.duration_s)
+        self.agent_metrics.samples.inc()
+
+    def _warm_scores(self, attribution: Attribution) -> None:
+        # best scores are computed here, on the refresh thread, so no scrape pays for them
+        for gpus in attribution.containers.values():
+            self.scorer.best_score(len(gpus))
+
+    def render(self) -> bytes:
+        """The ``/metrics`` body."""
+        return render_text(self.registry)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Bind the HTTP server (raises ConfigError for a bad address, OSError when the
+        port is taken), then start sampling and pod attribution."""
+        host, port = parse_address(self.config.metrics_address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_cls = type("_BoundServer", (_Server,), {"address_family": family})
+        self._server = server_cls((host, port), _make_handler(self))
+        self.port = self._server.server_address[1]
+        self._server_thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+            name="metrics-http", daemon=True,
+        )
+        self._server_thread.start()
+        self.sampler.start()
+        self.pod_resources.start()
+        log.info("metrics on %s:%d (/metrics, /health, /ready)", host or "*", self.port)
+
+    def stop(self) -> None:
+        """Stop serving and sampling; idempotent."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._server_thread is not None:
+            self._server_thread.join(5.0)
+            self._server_thread = None
+        self.pod_resources.stop()
+        self.sampler.stop()
+
+
+def _make_handler(service: MetricsService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                try:
+                    body, status = service.render(), 200
+                except Exception:  # a scrape must answer; say why in the log
+                    log.exception("rendering /metrics failed")
+                    body, status = b"internal error\n", 500
+                self._reply(status, body, CONTENT_TYPE)
+            elif path == "/health":
+                self._reply(200, b"ok\n")
+            elif path == "/ready":
+                try:
+                    ok = bool(service.ready())
+                except Exception:
+                    log.exception("readiness check failed")
+                    ok = False
+                self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            else:
+                self._reply(404, b"not found: try /metrics, /health or /ready\n")
+
+        def _reply(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            log.debug("metrics http: " + format, *args)
+
+    return Handler

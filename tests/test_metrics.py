@@ -1,0 +1,440 @@
+"""Metrics: dcgm-exporter names/types/labels, snapshot semantics, pod attribution, service."""
+
+from __future__ import annotations
+
+import csv
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.config import Config
+from agent.errors import ConfigError
+from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
+from agent.metrics.fields import DCGM_METRICS
+from agent.metrics.podresources import (
+    Attribution,
+    ContainerRef,
+    DeviceIdResolver,
+    PodResourcesCache,
+    PodResourcesClient,
+)
+from agent.metrics.sampler import Sampler
+from agent.metrics.service import MetricsService, parse_address
+
+try:
+    from tests.test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
+except ImportError:  # tests/ is not a package: pytest put it on sys.path
+    from test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def dcgm_default_counters() -> dict[str, tuple[str, str]]:
+    """name -> (type, help) of the uncommented lines of dcgm-exporter's default list."""
+    out = {}
+    with open(FIXTURES / "dcgm-exporter-default-counters.csv") as f:
+        for row in csv.reader(line for line in f if line.strip() and not line.startswith("#")):
+            name, kind, help_text = (c.strip() for c in row[:3])
+            out[name] = (kind, help_text)
+    return out
+
+
+def collect_text(backend, topology, attribution=None, clock=None, rounds=2) -> str:
+    clock = clock or Clock()
+    sampler = Sampler(backend, topology, interval_s=1.0, clock=clock)
+    for _ in range(rounds):
+        sampler.sample_once()
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(
+        topology, hostname="node-a", snapshot=lambda: sampler.snapshot,
+        attribution=(lambda: attribution) if attribution else (lambda: Attribution()),
+        clock=clock))
+    return render_text(registry).decode()
+
+
+class Sample:
+    def __init__(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.name, self.labels, self.value = name, labels, value
+
+
+_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_PAIR = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Sample lines of the text format, names as written (prometheus_client's parser would
+    append ``_total`` to dcgm-exporter's counter samples)."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        assert m, line
+        out.append(Sample(m.group(1), dict(_PAIR.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def samples_of(text: str, name: str) -> list[Sample]:
+    return [s for s in parse_samples(text) if s.name == name]
+
+
+# ------------------------------------------------------------------ names, types, help
+def test_every_exported_default_counter_has_dcgm_exporters_type_and_help():
+    defaults = dcgm_default_counters()
+    ours = {m.name: m for m in DCGM_METRICS}
+    for name, (kind, help_text) in defaults.items():
+        if kind == "label" or name == "DCGM_FI_DEV_VGPU_LICENSE_STATUS":
+            continue  # the driver version is a label; vGPU licensing exists only in guests
+        assert name in ours, name
+        assert ours[name].kind == kind, name
+        assert ours[name].help.rstrip(".") == help_text.rstrip("."), name
+
+
+def test_counters_are_typed_under_their_dcgm_name_without_total_suffix():
+    text = collect_text(StandInBackend(2), small_topology(2))
+    assert "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n" in text
+    assert re.search(r"^DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION\{", text, re.M)
+    assert "_total_total" not in text and "_created" not in text
+
+
+def test_series_carry_dcgm_exporters_labels_with_nvml_bus_id_spelling():
+    text = collect_text(StandInBackend(2), small_topology(2))
+    line = next(ln for ln in text.splitlines() if ln.startswith("DCGM_FI_DEV_GPU_TEMP{gpu=\"1\""))
+    assert line == (
+        'DCGM_FI_DEV_GPU_TEMP{gpu="1",UUID="GPU-00000001-aaaa-bbbb-cccc-000000000000",'
+        'pci_bus_id="00000000:28:00.0",device="nvidia1",modelName="NVIDIA H100 80GB HBM3",'
+        'Hostname="node-a",DCGM_FI_DRIVER_VERSION="550.54.15"} 51.0'
+    )
+
+
+def test_values_are_in_dcgm_exporters_units():
+    text = collect_text(StandInBackend(1), small_topology(1))
+    value = {s.name: s.value for s in parse_samples(text) if s.labels.get("gpu") == "0"}
+    assert value["DCGM_FI_DEV_POWER_USAGE"] == 300.0  # W from mW
+    assert value["DCGM_FI_DEV_SM_CLOCK"] == 1980 and value["DCGM_FI_DEV_MEM_CLOCK"] == 2619
+    assert value["DCGM_FI_DEV_FB_USED"] == 1024 and value["DCGM_FI_DEV_FB_RESERVED"] == 512
+    assert value["DCGM_FI_DEV_FB_FREE"] == 80 * 1024 - 1024 - 512
+    assert value["DCGM_FI_DEV_MEMORY_TEMP"] == 45
+    assert value["DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL"] == 123456789
+    assert value["DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"] == 7 and value["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"] == 0
+    assert value["DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"] == 2
+    assert value["DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"] == 1
+    assert value["DCGM_FI_PROF_GR_ENGINE_ACTIVE"] == pytest.approx(0.60)
+    assert value["DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"] == pytest.approx(0.25)
+    assert value["DCGM_FI_PROF_DRAM_ACTIVE"] == pytest.approx(0.10)
+    assert value["DCGM_FI_PROF_PCIE_TX_BYTES"] == 3 * 2**20
+    assert value["DCGM_FI_DEV_XID_ERRORS"] == 0
+    assert value["DCGM_FI_DEV_DEC_UTIL"] == 5
+
+
+def test_every_default_counter_is_exported_for_a_gpm_capable_gpu():
+    text = collect_text(StandInBackend(1), small_topology(1))
+    names = {s.name for s in parse_samples(text)}
+    assert {m.name for m in DCGM_METRICS} <= names
+
+
+# ------------------------------------------------------------------ GPM and fallbacks
+def test_gpm_ratios_appear_from_the_second_round_on():
+    text = collect_text(StandInBackend(1), small_topology(1), rounds=1)
+    assert "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" not in text
+    assert "DCGM_FI_DEV_GPU_TEMP" in text
+
+
+def test_without_gpm_ratios_are_absent_and_pcie_bytes_come_from_pcie_throughput():
+    text = collect_text(StandInBackend(1, gpm=False), small_topology(1))
+    assert "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" not in text
+    tx = list(samples_of(text, "DCGM_FI_PROF_PCIE_TX_BYTES"))
+    assert [s.value for s in tx] == [1000 * 1024]
+
+
+def test_memory_info_falls_back_to_v1_without_reserved():
+    backend = StandInBackend(1)
+    original = backend._nvmlDeviceGetMemoryInfo
+    backend._nvmlDeviceGetMemoryInfo = (
+        lambda gpu, h, version=None: None if version else original(gpu, h))
+    text = collect_text(backend, small_topology(1))
+    assert "DCGM_FI_DEV_FB_USED{" in text
+    assert "DCGM_FI_DEV_FB_RESERVED{" not in text
+
+
+# ------------------------------------------------------------------ missing data
+def test_unsupported_field_is_an_absent_series_and_the_rest_is_served():
+    backend = StandInBackend(2)
+    backend.unsupported.add(("nvmlDeviceGetTotalEccErrors", 1))
+    text = collect_text(backend, small_topology(2))
+    ecc = [s.labels["gpu"] for s in samples_of(text, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL")]
+    assert ecc == ["0"]
+    assert len(list(samples_of(text, "DCGM_FI_DEV_GPU_TEMP"))) == 2
+
+
+def test_failing_nvml_function_drops_that_field_only():
+    backend = StandInBackend(2)
+    backend.failing.add(("nvmlDeviceGetPowerUsage", 0))
+    text = collect_text(backend, small_topology(2))
+    assert [s.labels["gpu"] for s in samples_of(text, "DCGM_FI_DEV_POWER_USAGE")] == ["1"]
+    assert len(list(samples_of(text, "DCGM_FI_DEV_GPU_UTIL"))) == 2
+
+
+def test_lost_gpu_disappears_from_the_scrape_and_the_others_stay():
+    backend = StandInBackend(3)
+    backend.lost_gpus.add(1)
+    text = collect_text(backend, small_topology(3))
+    assert sorted(s.labels["gpu"] for s in samples_of(text, "DCGM_FI_DEV_GPU_TEMP")) == ["0", "2"]
+
+
+def test_a_scrape_never_calls_nvml():
+    backend = StandInBackend(2)
+    sampler = Sampler(backend, small_topology(2), interval_s=1.0)
+    sampler.sample_once()
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(small_topology(2), hostname="h",
+                                   snapshot=lambda: sampler.snapshot))
+    before = backend.calls
+    for _ in range(5):
+        render_text(registry)
+    assert backend.calls == before
+
+
+def test_scrape_before_the_first_round_serves_topology_but_no_telemetry():
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(small_topology(2), hostname="h"))
+    text = render_text(registry).decode()
+    assert "DCGM_FI_DEV_GPU_TEMP" not in text
+    assert text.count("gpu_topology_info{") == 2
+
+
+def test_recorded_xid_is_exported_as_the_last_xid():
+    backend = StandInBackend(2)
+    sampler = Sampler(backend, small_topology(2), interval_s=1.0)
+    sampler.record_xid(1, 48)
+    sampler.record_xid(1, 79)
+    snap = sampler.sample_once()
+    assert snap.gpus[1]["DCGM_FI_DEV_XID_ERRORS"] == 79
+    assert snap.gpus[0]["DCGM_FI_DEV_XID_ERRORS"] == 0
+
+
+def test_sampler_rejects_a_non_positive_interval():
+    with pytest.raises(ValueError):
+        Sampler(StandInBackend(1), small_topology(1), interval_s=0)
+
+
+# ------------------------------------------------------------------ topology metrics
+def test_topology_info_names_numa_node_island_clique_and_nearest_nic():
+    text = collect_text(StandInBackend(4), small_topology(4))
+    info = {s.labels["gpu"]: s.labels for s in samples_of(text, "gpu_topology_info")}
+    assert info["0"]["numa_node"] == "0" and info["3"]["numa_node"] == "1"
+    assert info["0"]["nvlink_island"] == "0" and info["2"]["nvlink_island"] == "1"
+    assert info["1"]["nvlink_clique"] == "0" and info["3"]["nvlink_clique"] == "1"
+    assert info["2"]["nearest_nic"] == "mlx5_1"
+
+
+def test_placement_quality_is_one_for_an_ideal_pair_and_lower_for_a_split_pair():
+    topo = small_topology(4)
+    scorer = PlacementScorer(topo)
+    assert scorer.ratio([0, 1]) == 1.0
+    assert scorer.ratio([0, 2]) == pytest.approx(topo.pair_score(0, 2) / topo.pair_score(0, 1))
+    assert scorer.ratio([3]) == 1.0
+
+
+def test_idle_seconds_count_from_the_last_busy_sample_or_the_allocation():
+    clock = Clock(1000.0)
+    backend = StandInBackend(2)
+    topo = small_topology(2)
+    sampler = Sampler(backend, topo, interval_s=1.0, idle_threshold_pct=5.0, clock=clock)
+    sampler.sample_once()  # both GPUs busy (40 %, 41 %) at t=1000
+    backend.set_value(0, "util", 0)
+    backend.set_value(1, "util", 0)
+    clock.t = 1600.0
+    sampler.sample_once()
+    ref_a, ref_b = ContainerRef("ml", "trainer", "main"), ContainerRef("ml", "late", "main")
+    attribution = Attribution(
+        containers={ref_a: (0,), ref_b: (1,)}, by_gpu={0: (ref_a,), 1: (ref_b,)},
+        first_seen={(ref_a, 0): 500.0, (ref_b, 1): 1500.0})
+    clock.t = 2800.0
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(topo, hostname="h", snapshot=lambda: sampler.snapshot,
+                                   attribution=lambda: attribution, clock=clock))
+    assert registry.get_sample_value("gpu_topology_allocated_idle_seconds",
+                                     {"gpu": "0", "UUID": topo.gpus[0].uuid, "Hostname": "h",
+                                      "container": "main", "namespace": "ml",
+                                      "pod": "trainer"}) == 1800.0
+    assert registry.get_sample_value("gpu_topology_allocated_idle_seconds",
+                                     {"gpu": "1", "UUID": topo.gpus[1].uuid, "Hostname": "h",
+                                      "container": "main", "namespace": "ml",
+                                      "pod": "late"}) == 1300.0
+
+
+# ------------------------------------------------------------------ pod attribution
+def test_device_ids_map_back_to_gpus_through_the_topology():
+    topo = small_topology(4)
+    r = DeviceIdResolver(topo)
+    assert r.resolve(topo.gpus[2].uuid) == 2
+    assert r.resolve(topo.gpus[2].uuid + "::3") == 2
+    assert r.resolve(topo.gpus[3].mig_devices[0].uuid) == 3
+    assert r.resolve("GPU-unknown") is None
+    assert r.resolve("1") is None
+    assert DeviceIdResolver(topo, index_ids=True).resolve("1") == 1
+    assert DeviceIdResolver(topo, index_ids=True).resolve("3:0") == 3
+    assert DeviceIdResolver(topo, index_ids=True).resolve("9") is None
+
+
+@pytest.fixture
+def kubelet(tmp_path):
+    with PodResourcesStandIn(str(tmp_path / "kubelet.sock")) as server:
+        yield server
+
+
+def test_pods_sharing_a_gpu_each_get_their_own_series(kubelet):
+    topo = small_topology(4)
+    g = topo.gpus
+    kubelet.pods = [
+        pod("ml", "a", {"main": [("nvidia.com/gpu", [g[0].uuid + "::0"])]}),
+        pod("ml", "b", {"main": [("nvidia.com/gpu", [g[0].uuid + "::1"])]}),
+        pod("web", "c", {"side": [("nvidia.com/mig-1g.10gb", [g[3].mig_devices[0].uuid])],
+                         "nogpu": [("example.com/foo", ["x"])]}),
+    ]
+    cache = PodResourcesCache(PodResourcesClient(kubelet.socket_path), topo, refresh_s=60)
+    assert cache.refresh_once()
+    cache.client.close()
+    text = collect_text(StandInBackend(4), topo, attribution=cache.current)
+    temps = [(s.labels["gpu"], s.labels.get("pod"), s.labels.get("namespace"),
+              s.labels.get("container")) for s in samples_of(text, "DCGM_FI_DEV_GPU_TEMP")]
+    assert sorted(temps, key=str) == sorted([
+        ("0", "a", "ml", "main"), ("0", "b", "ml", "main"), ("1", None, None, None),
+        ("2", None, None, None), ("3", "c", "web", "side")], key=str)
+
+
+def test_multi_gpu_container_gets_a_placement_ratio(kubelet):
+    topo = small_topology(4)
+    g = topo.gpus
+    kubelet.pods = [pod("ml", "good", {"m": [("nvidia.com/gpu", [g[0].uuid, g[1].uuid])]}),
+                    pod("ml", "bad", {"m": [("nvidia.com/gpu", [g[1].uuid, g[2].uuid])]})]
+    cache = PodResourcesCache(PodResourcesClient(kubelet.socket_path), topo, refresh_s=60)
+    cache.refresh_once()
+    cache.client.close()
+    text = collect_text(StandInBackend(4), topo, attribution=cache.current)
+    ratio = {s.labels["pod"]: s for s in samples_of(text, "gpu_topology_placement_quality_ratio")}
+    assert ratio["good"].value == 1.0
+    assert ratio["bad"].value < 0.5
+    assert ratio["bad"].labels["gpu_count"] == "2" and ratio["bad"].labels["gpus"] == "1,2"
+
+
+def test_failed_list_keeps_the_last_attribution_and_counts_the_error(kubelet):
+    topo = small_topology(2)
+    kubelet.pods = [pod("ml", "a", {"main": [("nvidia.com/gpu", [topo.gpus[0].uuid])]})]
+    errors = []
+    cache = PodResourcesCache(PodResourcesClient(kubelet.socket_path, timeout_s=2), topo,
+                              refresh_s=60, on_error=lambda: errors.append(1))
+    assert cache.refresh_once()
+    kubelet.fail = True
+    assert cache.refresh_once() is False
+    cache.client.close()
+    assert errors == [1]
+    assert cache.current.by_gpu[0] == (ContainerRef("ml", "a", "main"),)
+
+
+def test_first_seen_is_kept_across_refreshes(kubelet):
+    topo = small_topology(2)
+    kubelet.pods = [pod("ml", "a", {"main": [("nvidia.com/gpu", [topo.gpus[0].uuid])]})]
+    clock = Clock(100.0)
+    cache = PodResourcesCache(PodResourcesClient(kubelet.socket_path), topo, refresh_s=60,
+                              clock=clock)
+    cache.refresh_once()
+    clock.t = 200.0
+    cache.refresh_once()
+    cache.client.close()
+    assert cache.current.first_seen[(ContainerRef("ml", "a", "main"), 0)] == 100.0
+    assert cache.current.fetched_at == 200.0
+
+
+# ------------------------------------------------------------------ service over HTTP
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_service_serves_metrics_health_and_readiness(kubelet):
+    topo = small_topology(2)
+    kubelet.pods = [pod("ml", "a", {"main": [("nvidia.com/gpu", [topo.gpus[1].uuid])]})]
+    ready = {"value": False}
+    config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
+                    sample_interval_s=60, pod_resources_refresh_s=60)
+    service = MetricsService(StandInBackend(2), topo, config, hostname="node-a",
+                             ready=lambda: ready["value"])
+    service.start()
+    try:
+        base = f"http://127.0.0.1:{service.port}"
+        assert get(base + "/health") == (200, "ok\n")
+        assert get(base + "/ready")[0] == 503
+        ready["value"] = True
+        assert get(base + "/ready")[0] == 200
+        assert get(base + "/nope")[0] == 404
+        service.sampler.sample_once()
+        service.pod_resources.refresh_once()
+        calls = kubelet.list_calls
+        for _ in range(5):
+            status, body = get(base + "/metrics")
+            assert status == 200
+        assert kubelet.list_calls == calls  # never one List per scrape
+        assert 'DCGM_FI_DEV_GPU_TEMP{gpu="1"' in body and 'pod="a"' in body
+        assert "gpu_agent_samples_total" in body
+    finally:
+        service.stop()
+        service.stop()
+
+
+def test_agent_metrics_record_what_other_components_report():
+    backend = StandInBackend(1)
+    backend.error_counts["nvmlDeviceGetPowerUsage"] = 3
+    service = MetricsService(backend, small_topology(1), Config(metrics_address="127.0.0.1:0"),
+                             hostname="h", ready=lambda: True)
+    am = service.agent_metrics
+    am.observe_preferred_allocation(0.0004)
+    am.registration("nvidia.com/gpu")
+    am.registration("nvidia.com/gpu")
+    am.kubelet_restart()
+    am.set_device_health("nvidia.com/gpu", "GPU-1", False)
+    reg = service.registry
+    assert reg.get_sample_value("gpu_agent_preferred_allocation_seconds_count") == 1
+    assert reg.get_sample_value("gpu_agent_preferred_allocation_seconds_bucket",
+                                {"le": "0.0005"}) == 1
+    assert reg.get_sample_value("gpu_agent_registrations_total",
+                                {"resource": "nvidia.com/gpu"}) == 2
+    assert reg.get_sample_value("gpu_agent_kubelet_restarts_total") == 1
+    assert reg.get_sample_value("gpu_agent_device_healthy",
+                                {"resource": "nvidia.com/gpu", "device": "GPU-1"}) == 0
+    assert reg.get_sample_value("gpu_agent_nvml_errors_total",
+                                {"function": "nvmlDeviceGetPowerUsage"}) == 3
+    assert am.nvml_errors == {"nvmlDeviceGetPowerUsage": 3}
+    text = service.render().decode()
+    assert "# TYPE gpu_agent_nvml_errors_total counter" in text
+    assert "# TYPE gpu_agent_preferred_allocation_seconds histogram" in text
+    assert list(text_string_to_metric_families(text))  # the whole body parses
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("127.0.0.1:9400", ("127.0.0.1", 9400)), (":9400", ("", 9400)), ("[::1]:0", ("::1", 0))])
+def test_metrics_address_forms(address, expected):
+    assert parse_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["9400", "host:port", "x:70000", ""])
+def test_bad_metrics_address_is_a_config_error(address):
+    with pytest.raises(ConfigError):
+        parse_address(address)
