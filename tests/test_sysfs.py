@@ -66,7 +66,9 @@ def test_vmd_domains_wider_than_four_digits_survive_conversion() -> None:
     assert sysfs_to_nvml_bus_id("10000:01:00.0") == "00010000:01:00.0"
 
 
-@pytest.mark.parametrize("bad", ["", "3b:00.0", "0000:3b:00", "0000:3b:00.8", "0000:3b:20.0", "gpu0"])
+@pytest.mark.parametrize(
+    "bad", ["", "3b:00.0", "0000:3b:00", "0000:3b:00.8", "0000:3b:20.0", "gpu0"]
+)
 def test_malformed_bus_id_raises_a_usage_error_that_is_also_a_value_error(bad: str) -> None:
     with pytest.raises(BusIdError, match="not a PCI bus id") as info:
         nvml_to_sysfs_bus_id(bad)
@@ -74,9 +76,7 @@ def test_malformed_bus_id_raises_a_usage_error_that_is_also_a_value_error(bad: s
     assert info.value.exit_code == 2
 
 
-@given(
-    st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7)
-)
+@given(st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7))
 @settings(max_examples=50)
 def test_bus_id_spellings_round_trip(domain: int, bus: int, dev: int, fn: int) -> None:
     sysfs = f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
@@ -184,6 +184,24 @@ def test_pcie_level_is_unknown_for_a_device_that_is_not_there(reader: SysfsReade
     assert reader.pcie_level(GPU_SW0, "0000:ee:00.0") is None
 
 
+def test_host_bridges_below_other_devices_are_found_as_in_hyper_v_guests(
+    tmp_path: Path,
+) -> None:
+    vmbus = "devices/LNXSYSTM:00/LNXSYBUS:00/ACPI0004:00/VMBUS:00"
+    gpus = {
+        "0001:00:00.0": f"{vmbus}/47505500-0001-0000-3130-444531303244/pci0001:00/0001:00:00.0",
+        "0002:00:00.0": f"{vmbus}/47505500-0002-0000-3130-444531303244/pci0002:00/0002:00:00.0",
+    }
+    for bdf, path in gpus.items():
+        (tmp_path / path).mkdir(parents=True)
+        (tmp_path / path / "numa_node").write_text("0\n")
+        link = tmp_path / "bus" / "pci" / "devices" / bdf
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink("../../../" + path, link)
+    r = SysfsReader(str(tmp_path))
+    assert r.pcie_level("00000001:00:00.0", "00000002:00:00.0") == PcieLevel.NODE
+
+
 # --------------------------------------------------------------------------- missing / broken files
 def _assert_knows_nothing(r: SysfsReader) -> None:
     assert r.pci_numa_node(GPU_SW0) is None
@@ -241,21 +259,53 @@ def test_a_dangling_bus_link_reads_as_a_missing_device(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- writer
-def _dev(bus_id: str, hb: str, switches: tuple[str, ...] = (), numa: int | None = 0, **kw: object) -> PciDeviceSpec:
-    return PciDeviceSpec(bus_id, numa, "0-3" if numa == 0 else "4-7", hb, switches, **kw)  # type: ignore[arg-type]
+def _dev(
+    bus_id: str,
+    hb: str,
+    switches: tuple[str, ...] = (),
+    numa: int | None = 0,
+    rdma_name: str | None = None,
+) -> PciDeviceSpec:
+    """A device spec whose local CPUs are its NUMA node's (node 0: 0-3, else 4-7)."""
+    cpulist = "0-3" if numa == 0 else "4-7"
+    return PciDeviceSpec(bus_id, numa, cpulist, hb, switches, rdma_name)
 
 
 TWO_NODES = {0: ("0-3", (10, 21)), 1: ("4-7", (21, 10))}
 
 WRITER_LEVELS = [
     # a, b, level by contract (1)
-    (_dev("00000000:1A:00.0", "pci0000:17", ("s0",)), _dev("0000:1b:00.0", "pci0000:17", ("s0",)), PcieLevel.PIX),
-    (_dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")), _dev("0000:1b:00.0", "pci0000:17", ("s0", "s1")), PcieLevel.PIX),
-    (_dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")), _dev("0000:1b:00.0", "pci0000:17", ("s0", "s2")), PcieLevel.PXB),
-    (_dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")), _dev("0000:1b:00.0", "pci0000:17", ("s0",)), PcieLevel.PXB),
-    (_dev("0000:1a:00.0", "pci0000:17", ("s0",)), _dev("0000:1b:00.0", "pci0000:17", ("s1",)), PcieLevel.PHB),
+    (
+        _dev("00000000:1A:00.0", "pci0000:17", ("s0",)),
+        _dev("0000:1b:00.0", "pci0000:17", ("s0",)),
+        PcieLevel.PIX,
+    ),
+    (
+        _dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")),
+        _dev("0000:1b:00.0", "pci0000:17", ("s0", "s1")),
+        PcieLevel.PIX,
+    ),
+    (
+        _dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")),
+        _dev("0000:1b:00.0", "pci0000:17", ("s0", "s2")),
+        PcieLevel.PXB,
+    ),
+    (
+        _dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")),
+        _dev("0000:1b:00.0", "pci0000:17", ("s0",)),
+        PcieLevel.PXB,
+    ),
+    (
+        _dev("0000:1a:00.0", "pci0000:17", ("s0",)),
+        _dev("0000:1b:00.0", "pci0000:17", ("s1",)),
+        PcieLevel.PHB,
+    ),
     (_dev("0000:1a:00.0", "pci0000:17", ()), _dev("0000:1b:00.0", "pci0000:17", ()), PcieLevel.PHB),
-    (_dev("0000:1a:00.0", "pci0000:17", ("s0",)), _dev("0000:3b:00.0", "pci0000:3a", ("s9",)), PcieLevel.NODE),
+    (
+        _dev("0000:1a:00.0", "pci0000:17", ("s0",)),
+        _dev("0000:3b:00.0", "pci0000:3a", ("s9",)),
+        PcieLevel.NODE,
+    ),
     (_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:9b:00.0", "pci0000:9a", numa=1), PcieLevel.SYS),
     (_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:9b:00.0", "pci0000:9a", numa=None), None),
 ]
@@ -272,18 +322,27 @@ def test_written_tree_reads_back_each_pcie_level(
 
 
 def test_devices_without_numa_node_on_a_one_node_machine_are_node_apart(tmp_path: Path) -> None:
-    spec = SysfsTreeSpec(None, {0: ("0-7", (10,))}, [
-        _dev("0000:1a:00.0", "pci0000:17", numa=None), _dev("0000:3b:00.0", "pci0000:3a", numa=None),
-    ])
+    spec = SysfsTreeSpec(
+        None,
+        {0: ("0-7", (10,))},
+        [
+            _dev("0000:1a:00.0", "pci0000:17", numa=None),
+            _dev("0000:3b:00.0", "pci0000:3a", numa=None),
+        ],
+    )
     write_tree(str(tmp_path), spec)
     assert SysfsReader(str(tmp_path)).pcie_level("0000:1a:00.0", "0000:3b:00.0") == PcieLevel.NODE
 
 
 def test_device_on_the_root_bus_sits_directly_on_the_host_bridge_as_in_a_vm(tmp_path: Path) -> None:
-    spec = SysfsTreeSpec(None, {}, [
-        PciDeviceSpec("0000:00:05.0", None, None, "pci0000:00"),
-        PciDeviceSpec("0000:00:06.0", None, None, "pci0000:00"),
-    ])
+    spec = SysfsTreeSpec(
+        None,
+        {},
+        [
+            PciDeviceSpec("0000:00:05.0", None, None, "pci0000:00"),
+            PciDeviceSpec("0000:00:06.0", None, None, "pci0000:00"),
+        ],
+    )
     write_tree(str(tmp_path), spec)
     link = tmp_path / "bus" / "pci" / "devices" / "0000:00:05.0"
     assert os.readlink(link) == "../../../devices/pci0000:00/0000:00:05.0"
@@ -291,10 +350,14 @@ def test_device_on_the_root_bus_sits_directly_on_the_host_bridge_as_in_a_vm(tmp_
 
 
 def test_functions_of_one_device_share_their_port_and_are_pix(tmp_path: Path) -> None:
-    spec = SysfsTreeSpec(None, {}, [
-        _dev("0000:1b:00.0", "pci0000:17", rdma_name="mlx5_0"),
-        _dev("0000:1b:00.1", "pci0000:17", rdma_name="mlx5_1"),
-    ])
+    spec = SysfsTreeSpec(
+        None,
+        {},
+        [
+            _dev("0000:1b:00.0", "pci0000:17", rdma_name="mlx5_0"),
+            _dev("0000:1b:00.1", "pci0000:17", rdma_name="mlx5_1"),
+        ],
+    )
     write_tree(str(tmp_path), spec)
     r = SysfsReader(str(tmp_path))
     assert r.pcie_level("0000:1b:00.0", "0000:1b:00.1") == PcieLevel.PIX
@@ -302,17 +365,23 @@ def test_functions_of_one_device_share_their_port_and_are_pix(tmp_path: Path) ->
 
 
 def test_written_tree_uses_the_kernels_links_and_file_contents(tmp_path: Path) -> None:
-    spec = SysfsTreeSpec("DGX H100", TWO_NODES, [
-        _dev("00000000:1A:00.0", "pci0000:17", ("s0",)),
-        PciDeviceSpec("0000:1b:00.0", None, None, "pci0000:17", ("s0",), "mlx5_0"),
-    ])
+    spec = SysfsTreeSpec(
+        "DGX H100",
+        TWO_NODES,
+        [
+            _dev("00000000:1A:00.0", "pci0000:17", ("s0",)),
+            PciDeviceSpec("0000:1b:00.0", None, None, "pci0000:17", ("s0",), "mlx5_0"),
+        ],
+    )
     write_tree(str(tmp_path), spec)
     gpu_link = tmp_path / "bus" / "pci" / "devices" / "0000:1a:00.0"
     target = os.readlink(gpu_link)
     # host bridge / root port / switch upstream port / switch downstream port / device
     parts = target.split("/")
     assert parts[:4] == ["..", "..", "..", "devices"]
-    assert parts[4] == "pci0000:17" and parts[5].startswith("0000:17:") and parts[-1] == "0000:1a:00.0"
+    assert (
+        parts[4] == "pci0000:17" and parts[5].startswith("0000:17:") and parts[-1] == "0000:1a:00.0"
+    )
     assert len(parts) == 9
     for bridge in parts[5:8]:
         assert (tmp_path / "bus" / "pci" / "devices" / bridge / "class").read_text() == "0x060400\n"
@@ -323,7 +392,10 @@ def test_written_tree_uses_the_kernels_links_and_file_contents(tmp_path: Path) -
     nic = tmp_path / "bus" / "pci" / "devices" / "0000:1b:00.0"
     assert (nic / "numa_node").read_text() == "-1\n"
     assert not (nic / "local_cpulist").exists()
-    assert os.readlink(tmp_path / "class" / "infiniband" / "mlx5_0" / "device") == "../../../0000:1b:00.0"
+    assert (
+        os.readlink(tmp_path / "class" / "infiniband" / "mlx5_0" / "device")
+        == "../../../0000:1b:00.0"
+    )
     assert os.path.islink(tmp_path / "class" / "dmi" / "id")
     assert (tmp_path / "class" / "dmi" / "id" / "product_name").read_text() == "DGX H100\n"
     node = tmp_path / "devices" / "system" / "node"
@@ -333,7 +405,9 @@ def test_written_tree_uses_the_kernels_links_and_file_contents(tmp_path: Path) -
 
 
 def test_writing_a_tree_twice_into_one_root_replaces_it_in_place(tmp_path: Path) -> None:
-    spec = SysfsTreeSpec("A", TWO_NODES, [_dev("0000:1a:00.0", "pci0000:17", ("s0",), rdma_name="mlx5_0")])
+    spec = SysfsTreeSpec(
+        "A", TWO_NODES, [_dev("0000:1a:00.0", "pci0000:17", ("s0",), rdma_name="mlx5_0")]
+    )
     write_tree(str(tmp_path), spec)
     write_tree(str(tmp_path), SysfsTreeSpec("B", spec.numa_nodes, spec.devices))
     r = SysfsReader(str(tmp_path))
@@ -344,14 +418,38 @@ def test_writing_a_tree_twice_into_one_root_replaces_it_in_place(tmp_path: Path)
 @pytest.mark.parametrize(
     "devices,message",
     [
-        ([_dev("0000:1a:00.0", "pci0000:17"), _dev("00000000:1A:00.0", "pci0000:17")], "given twice"),
-        ([_dev("0000:1a:00.0", "pci0000:17", ("s0",)), _dev("0000:1b:00.0", "pci0000:3a", ("s0",))], "two parents"),
-        ([_dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")), _dev("0000:1b:00.0", "pci0000:17", ("s1",))], "two parents"),
+        (
+            [_dev("0000:1a:00.0", "pci0000:17"), _dev("00000000:1A:00.0", "pci0000:17")],
+            "given twice",
+        ),
+        (
+            [
+                _dev("0000:1a:00.0", "pci0000:17", ("s0",)),
+                _dev("0000:1b:00.0", "pci0000:3a", ("s0",)),
+            ],
+            "two parents",
+        ),
+        (
+            [
+                _dev("0000:1a:00.0", "pci0000:17", ("s0", "s1")),
+                _dev("0000:1b:00.0", "pci0000:17", ("s1",)),
+            ],
+            "two parents",
+        ),
         ([_dev("0000:1a:00.0", "pci0000:17", ("s0", "s0"))], "twice"),
         ([_dev("0001:1a:00.0", "pci0000:17")], "domain"),
-        ([_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:1a:00.1", "pci0000:17", ("s0",))], "shares bus"),
+        (
+            [_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:1a:00.1", "pci0000:17", ("s0",))],
+            "shares bus",
+        ),
         ([_dev("0000:1a:00.0", "17")], "host bridge"),
-        ([_dev("0000:1a:00.0", "pci0000:17", rdma_name="a"), _dev("0000:1b:00.0", "pci0000:17", rdma_name="a")], "RDMA"),
+        (
+            [
+                _dev("0000:1a:00.0", "pci0000:17", rdma_name="a"),
+                _dev("0000:1b:00.0", "pci0000:17", rdma_name="a"),
+            ],
+            "RDMA",
+        ),
     ],
 )
 def test_write_tree_rejects_specs_no_pcie_tree_can_have(
@@ -376,7 +474,9 @@ def tree_specs(draw: st.DrawFn) -> SysfsTreeSpec:
         )
         for i in range(n_nodes)
     }
-    hb_buses = draw(st.lists(st.sampled_from(HOST_BRIDGE_BUSES), min_size=1, max_size=3, unique=True))
+    hb_buses = draw(
+        st.lists(st.sampled_from(HOST_BRIDGE_BUSES), min_size=1, max_size=3, unique=True)
+    )
     bridges = []  # (name, numa, switch chains)
     for hb_bus in hb_buses:
         name = f"pci0000:{hb_bus:02x}"
@@ -396,7 +496,10 @@ def tree_specs(draw: st.DrawFn) -> SysfsTreeSpec:
             PciDeviceSpec(
                 bus_id=draw(st.sampled_from([bdf, sysfs_to_nvml_bus_id(bdf)])),
                 numa_node=numa if draw(st.booleans()) or numa is None else None,
-                local_cpulist=draw(st.none() | st.sets(st.integers(0, 63), min_size=1, max_size=8).map(format_cpulist)),
+                local_cpulist=draw(
+                    st.none()
+                    | st.sets(st.integers(0, 63), min_size=1, max_size=8).map(format_cpulist)
+                ),
                 host_bridge=name,
                 switches=draw(st.sampled_from(chains)),
                 rdma_name=draw(st.sampled_from([None, f"mlx5_{k}"])),
@@ -426,7 +529,8 @@ def test_random_tree_specs_round_trip_through_the_files(spec: SysfsTreeSpec) -> 
         r = SysfsReader(root)
         assert r.product_name() == spec.product_name
         assert r.numa_nodes() == {
-            i: NumaNode(i, cpulist, distances) for i, (cpulist, distances) in spec.numa_nodes.items()
+            i: NumaNode(i, cpulist, distances)
+            for i, (cpulist, distances) in spec.numa_nodes.items()
         }
         for dev in spec.devices:
             assert r.pci_numa_node(dev.bus_id) == dev.numa_node
@@ -440,4 +544,6 @@ def test_random_tree_specs_round_trip_through_the_files(spec: SysfsTreeSpec) -> 
             key=lambda n: n.name,
         )
         for a, b in itertools.combinations(spec.devices, 2):
-            assert r.pcie_level(a.bus_id, b.bus_id) == _level_by_contract(a, b, len(spec.numa_nodes)), (a, b)
+            assert r.pcie_level(a.bus_id, b.bus_id) == _level_by_contract(
+                a, b, len(spec.numa_nodes)
+            ), (a, b)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 from agent.errors import InputFormatError
 from agent.topology.model import PcieLevel
@@ -57,6 +57,9 @@ _BUS_ID_RE = re.compile(
     r"^(?P<domain>[0-9a-fA-F]{1,8}):(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})"
     r"\.(?P<fn>[0-7])$"
 )
+
+#: a host bridge directory under devices/: "pci0000:17"
+_HOST_BRIDGE_RE = re.compile(r"^pci(?P<domain>[0-9a-f]{4,8}):(?P<bus>[0-9a-f]{2})$")
 
 
 def _parse_bus_id(bus_id: str) -> tuple[int, int, int, int]:
@@ -199,8 +202,13 @@ class SysfsReader:
         return os.path.join(self.root, "bus", "pci", "devices", bdf)
 
     def _pci_path(self, bus_id: str) -> tuple[str, ...] | None:
-        """The device's components under ``devices/``: ``("pci0000:17", "0000:17:01.0",
-        ..., "0000:1a:00.0")``; None if the link is missing or does not land there."""
+        """The device's place in the PCIe tree: the components of its real path from the
+        host bridge down, ``("pci0000:17", "0000:17:01.0", ..., "0000:1a:00.0")``; None if
+        the link is missing or does not land under ``devices/`` below a host bridge.
+
+        Host bridges need not sit at the top of ``devices/``: Hyper-V guests have them under
+        ``LNXSYSTM:00/.../VMBUS:00/<guid>/``, some arm64 servers under ``platform/<name>/``.
+        """
         d = self._pci_dir(bus_id)
         if d is None or not os.path.isdir(d):
             return None
@@ -210,10 +218,15 @@ class SysfsReader:
             rel = os.path.relpath(real, devices)
         except (OSError, ValueError):
             return None
-        parts = tuple(rel.split(os.sep))
-        if rel.startswith("..") or not parts or not parts[0].startswith("pci"):
+        parts = rel.split(os.sep)
+        if parts[0] == "..":
             return None
-        return parts
+        for i, part in enumerate(parts):
+            if _HOST_BRIDGE_RE.match(part):
+                # the prefix above the host bridge keeps bridges of different VMBus
+                # channels (same "pci" name in different domains) apart
+                return ("/".join(parts[: i + 1]), *parts[i + 1 :])
+        return None
 
     @staticmethod
     def _parse_int(text: str | None) -> int | None:
@@ -240,7 +253,7 @@ class SysfsReader:
         if d is None:
             return None
         text = self._read(d, "local_cpulist")
-        return text.strip() or None if text is not None else None
+        return (text.strip() or None) if text is not None else None
 
     def pcie_level(self, bus_id_a: str, bus_id_b: str) -> PcieLevel | None:
         """How devices ``a`` and ``b`` are connected, from their real paths in the PCIe tree.
@@ -306,7 +319,9 @@ class SysfsReader:
             node_id = int(m[1])
             cpulist = (self._read(base, name, "cpulist") or "").strip()
             try:
-                distances = tuple(int(x) for x in (self._read(base, name, "distance") or "").split())
+                distances = tuple(
+                    int(x) for x in (self._read(base, name, "distance") or "").split()
+                )
             except ValueError:
                 distances = ()
             nodes[node_id] = NumaNode(node_id, cpulist, distances)
@@ -370,8 +385,6 @@ class SysfsTreeSpec:
     devices: Sequence[PciDeviceSpec] = field(default_factory=list)
 
 
-_HOST_BRIDGE_RE = re.compile(r"^pci(?P<domain>[0-9a-f]{4,8}):(?P<bus>[0-9a-f]{2})$")
-
 # decorative identity of the fake devices (vendor, device, class)
 _ROOT_PORT_ID = ("0x8086", "0x352a", "0x060400")  # Intel Sapphire Rapids root port
 _SWITCH_UP_ID = ("0x1000", "0xc030", "0x060400")  # Broadcom PEX890xx upstream port
@@ -423,7 +436,9 @@ def _symlink(target: str, path: str) -> None:
 def _write_dmi(root: str, product_name: str | None) -> None:
     if product_name is None:
         return
-    _write_file(os.path.join(root, "devices", "virtual", "dmi", "id", "product_name"), product_name + "\n")
+    _write_file(
+        os.path.join(root, "devices", "virtual", "dmi", "id", "product_name"), product_name + "\n"
+    )
     _symlink("../../devices/virtual/dmi/id", os.path.join(root, "class", "dmi", "id"))
 
 
@@ -529,7 +544,9 @@ def _layout(devices: Sequence[PciDeviceSpec]) -> dict[str, _Node]:
                 up = switch_below(node, domain, hb_bus)
                 assert up.secondary_bus is not None
                 if child_key not in up.children:
-                    up.children[child_key] = fresh_port(domain, up.secondary_bus, 0, _SWITCH_DOWN_ID)
+                    up.children[child_key] = fresh_port(
+                        domain, up.secondary_bus, 0, _SWITCH_DOWN_ID
+                    )
                 node = up.children[child_key]  # a downstream port
             node.secondary_bus = addr[1]
         leaf = _Node(_sysfs_spelling(*addr), _NIC_ID if dev.rdma_name else _GPU_ID)
@@ -556,7 +573,9 @@ def _write_pci(root: str, devices: Sequence[PciDeviceSpec]) -> None:
             _write_file(os.path.join(path, "class"), cls + "\n")
             _symlink("../../../devices/" + rel, os.path.join(bus_dir, node.name))
             spec = node.spec
-            node_numa = numa if spec is None else (spec.numa_node if spec.numa_node is not None else -1)
+            node_numa = (
+                numa if spec is None else (spec.numa_node if spec.numa_node is not None else -1)
+            )
             _write_file(os.path.join(path, "numa_node"), f"{node_numa}\n")
             if spec is not None and spec.local_cpulist is not None:
                 cpus = parse_cpulist(spec.local_cpulist)
