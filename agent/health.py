@@ -118,7 +118,8 @@ class HealthWatcher:
     """The thread that turns NVML events into :class:`HealthState` changes.
 
     ``poll_ms`` bounds each ``wait_events`` call, hence how often recovery is checked and
-    how fast :meth:`stop` returns. ``clock`` is injectable for tests.
+    how fast :meth:`stop` returns. ``clock`` is injectable for tests. ``config`` may be
+    replaced (SIGHUP) by assigning the attribute.
     """
 
     def __init__(
@@ -130,8 +131,10 @@ class HealthWatcher:
         poll_ms: int = 500,
         retry_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        on_xid: Callable[[int, int], None] | None = None,
     ) -> None:
         self.backend = backend
+        self.on_xid = on_xid  # (gpu_index, xid), every XID seen: the metrics' XID counter
         self.state = state
         self.config = config
         self.poll_ms = poll_ms
@@ -203,6 +206,11 @@ class HealthWatcher:
             kind = getattr(event, "kind")
             xid = getattr(event, "xid", None)
             self.events_seen += 1
+            if kind == "xid" and xid is not None and self.on_xid is not None:
+                try:
+                    self.on_xid(index, xid)
+                except Exception:  # metrics must never break health
+                    log.exception("XID hook failed")
             if kind == "xid" and xid is not None and not is_critical_xid(self.config, xid):
                 log.info("GPU %d: XID %d is not critical (ignored)", index, xid)
                 continue

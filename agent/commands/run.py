@@ -1,0 +1,77 @@
+"""``gpu-topology-agent run``: the node agent (device plugin + labels + metrics).
+
+Settings come from the NVIDIA device plugin config file (``--config`` or ``CONFIG_FILE``),
+its environment variables and these flags; flags win (see ``agent.config.load_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from agent.config import Config, load_config
+
+_DEFAULTS = Config()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run the node agent: kubelet device plugin, labels and metrics",
+        description="Run the node agent until SIGTERM/SIGINT. SIGHUP reloads the configuration "
+        "and re-registers with the kubelet. Precedence: flags > environment > config file > defaults.",
+    )
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="NVIDIA device plugin config file (version: v1), YAML or JSON "
+                        "(default: $CONFIG_FILE, else none)")
+    p.add_argument("--simulate", metavar="MACHINE", default=None,
+                   help="run on a simulated machine (built-in name, spec file, or `nvidia-smi topo -m` "
+                        "output) instead of NVML")
+    p.add_argument("--kubelet-dir", metavar="DIR", dest="kubelet_dir", default=None,
+                   help=f"kubelet device-plugin directory holding kubelet.sock (default: {_DEFAULTS.kubelet_dir})")
+    p.add_argument("--pod-resources-socket", metavar="PATH", dest="pod_resources_socket", default=None,
+                   help=f"kubelet pod-resources socket, for pod attribution (default: {_DEFAULTS.pod_resources_socket})")
+    p.add_argument("--features-dir", metavar="DIR", dest="features_dir", default=None,
+                   help=f"NFD features.d directory for the labels file (default: {_DEFAULTS.features_dir})")
+    p.add_argument("--metrics-address", metavar="HOST:PORT", dest="metrics_address", default=None,
+                   help=f"where /metrics, /health and /ready listen; port 0 picks one (default: {_DEFAULTS.metrics_address})")
+    p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
+                   help="node name for the Hostname metric label (default: $NODE_NAME, else the host name)")
+    p.add_argument("--log-format", choices=("text", "json"), dest="log_format", default=None,
+                   help="log line format (default: text)")
+    p.add_argument("--log-level", metavar="LEVEL", dest="log_level", default=None,
+                   help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    p.add_argument("--mig-strategy", choices=("none", "single", "mixed"), dest="mig_strategy", default=None,
+                   help="how MIG devices are advertised (default: none; env MIG_STRATEGY)")
+    p.add_argument("--device-list-strategy", metavar="LIST", dest="device_list_strategy", default=None,
+                   help="comma-separated: envvar, volume-mounts, cdi-annotations, cdi-cri (default: envvar)")
+    p.add_argument("--device-id-strategy", choices=("uuid", "index"), dest="device_id_strategy", default=None,
+                   help="IDs in NVIDIA_VISIBLE_DEVICES (default: uuid)")
+    p.add_argument("--pass-device-specs", action="store_true", dest="pass_device_specs", default=None,
+                   help="add /dev/nvidia* device nodes to Allocate responses")
+    p.add_argument("--health-recovery-s", metavar="SECONDS", type=float, dest="health_recovery_s", default=None,
+                   help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
+    p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
+                   help="where sysfs is mounted (default: /sys)")
+    p.set_defaults(func=run)
+
+
+FLAG_FIELDS = (
+    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
+    "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
+    "pass_device_specs", "health_recovery_s", "sysfs_root",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.daemon import Daemon, setup_logging
+
+    flags = {name: getattr(args, name) for name in FLAG_FIELDS}
+    env = dict(os.environ)
+
+    def loader() -> Config:
+        return load_config(args.config, env, flags)
+
+    config = loader()
+    setup_logging(config)
+    return Daemon(config, simulate=args.simulate, config_loader=loader).run()
