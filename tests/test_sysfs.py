@@ -443,6 +443,8 @@ def test_writing_a_tree_twice_into_one_root_replaces_it_in_place(tmp_path: Path)
             "shares bus",
         ),
         ([_dev("0000:1a:00.0", "17")], "host bridge"),
+        ([_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:1b", "pci0000:17")], "not a PCI bus id"),
+        ([PciDeviceSpec("0000:1a:00.0", 0, "0-x", "pci0000:17")], "cpulist"),
         (
             [
                 _dev("0000:1a:00.0", "pci0000:17", rdma_name="a"),
@@ -456,7 +458,8 @@ def test_write_tree_rejects_specs_no_pcie_tree_can_have(
     tmp_path: Path, devices: list[PciDeviceSpec], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        write_tree(str(tmp_path), SysfsTreeSpec(None, {}, devices))
+        write_tree(str(tmp_path / "sys"), SysfsTreeSpec("X", TWO_NODES, devices))
+    assert not (tmp_path / "sys").exists()  # nothing half-written
 
 
 # --------------------------------------------------------------------------- random round trip

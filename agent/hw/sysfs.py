@@ -190,7 +190,7 @@ class SysfsReader:
     # ------------------------------------------------------------------ helpers
     def _read(self, *parts: str) -> str | None:
         try:
-            with open(os.path.join(self.root, *parts), encoding="ascii", errors="replace") as f:
+            with open(os.path.join(self.root, *parts), encoding="utf-8", errors="replace") as f:
                 return f.read()
         except (OSError, ValueError):
             return None
@@ -412,17 +412,23 @@ def write_tree(root: str, spec: SysfsTreeSpec) -> None:
     Bridges (root ports, switch upstream/downstream ports) get bus numbers not used by any
     device of the spec. Raises ``ValueError`` for a spec no PCIe tree can have (duplicate
     bus ids or RDMA names, a switch with two parents, functions of one device placed
-    apart, a bus id outside its host bridge's domain, no bus numbers left).
+    apart, a bus id outside its host bridge's domain, no bus numbers left, a malformed bus
+    id or cpulist) before writing anything.
     """
+    host_bridges = _layout(spec.devices)
+    for cpulist, _ in spec.numa_nodes.values():
+        parse_cpulist(cpulist)
+    for dev in spec.devices:
+        parse_cpulist(dev.local_cpulist or "")
     os.makedirs(root, exist_ok=True)
     _write_dmi(root, spec.product_name)
     _write_numa(root, spec.numa_nodes)
-    _write_pci(root, spec.devices)
+    _write_pci(root, host_bridges)
 
 
 def _write_file(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="ascii") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
 
 
@@ -555,13 +561,13 @@ def _layout(devices: Sequence[PciDeviceSpec]) -> dict[str, _Node]:
     return host_bridges
 
 
-def _write_pci(root: str, devices: Sequence[PciDeviceSpec]) -> None:
-    host_bridges = _layout(devices)
+def _write_pci(root: str, host_bridges: Mapping[str, _Node]) -> None:
     devices_dir = os.path.join(root, "devices")
     bus_dir = os.path.join(root, "bus", "pci", "devices")
 
     def subtree_max_bus(node: _Node) -> int:
-        return max([node.secondary_bus or 0] + [subtree_max_bus(c) for c in node.children.values()])
+        below = [subtree_max_bus(c) for c in node.children.values()]
+        return max([node.secondary_bus or 0, *below])
 
     def walk(node: _Node, rel: str, numa: int) -> None:
         path = os.path.join(devices_dir, rel)
