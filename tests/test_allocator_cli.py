@@ -1,0 +1,118 @@
+"""``gpu-topology-agent allocate``: output contract, lists of indices/UUIDs, errors.
+
+Machines come from the real ``nvidia-smi topo -m`` fixtures in ``tests/fixtures/topo/`` (read
+by ``agent.hw.topo_matrix``), patched in where the command loads its topology, so these tests
+exercise the command itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import cli
+from agent.commands import allocate
+from agent.hw.topo_matrix import read_topo_matrix
+
+TOPO = Path(__file__).parent / "fixtures" / "topo"
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Make ``--simulate NAME`` read ``tests/fixtures/topo/NAME.txt``; records the names asked."""
+    asked: list[object] = []
+
+    def fake_load(simulate):
+        asked.append(simulate)
+        return read_topo_matrix(str(TOPO / f"{simulate}.txt"))
+
+    monkeypatch.setattr(allocate, "load_topology", fake_load)
+    return asked
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(["allocate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_output_follows_the_design_contract(machine, capsys):
+    rc, out, err = run(capsys, "--size", "2", "--simulate", "h200-8gpu-8nic-epyc9534", "--format", "json")
+    assert rc == 0 and err == ""
+    doc = json.loads(out)
+    assert set(doc) == {"devices", "indices", "score"}
+    topo = read_topo_matrix(str(TOPO / "h200-8gpu-8nic-epyc9534.txt"))
+    assert doc["indices"] == [0, 1]
+    assert doc["devices"] == [topo.gpus[0].uuid, topo.gpus[1].uuid]
+    assert doc["score"] == topo.set_score([0, 1])
+
+
+def test_available_and_must_include_accept_indices_and_uuids(machine, capsys):
+    topo = read_topo_matrix(str(TOPO / "dgx1-v100-8gpu-4nic.txt"))
+    uuid5 = topo.gpus[5].uuid
+    rc, out, _ = run(capsys, "--size", "2", "--simulate", "dgx1-v100-8gpu-4nic", "--format", "json",
+                     "--available", f"0,1,2,3,{uuid5}", "--must-include", uuid5)
+    assert rc == 0
+    doc = json.loads(out)
+    assert 5 in doc["indices"] and len(doc["indices"]) == 2
+    assert set(doc["indices"]) <= {0, 1, 2, 3, 5}
+
+
+def test_default_machine_is_dgx_h100(machine, capsys, monkeypatch):
+    monkeypatch.setattr(allocate, "load_topology",
+                        lambda simulate: machine.append(simulate) or read_topo_matrix(
+                            str(TOPO / "h200-8gpu-8nic-epyc9534.txt")))
+    rc, _, _ = run(capsys, "--size", "1")
+    assert rc == 0 and machine == ["dgx-h100"]
+
+
+def test_nvml_flag_asks_for_the_real_node(machine, capsys, monkeypatch):
+    monkeypatch.setattr(allocate, "load_topology",
+                        lambda simulate: machine.append(simulate) or read_topo_matrix(
+                            str(TOPO / "h200-8gpu-8nic-epyc9534.txt")))
+    rc, _, _ = run(capsys, "--size", "1", "--nvml")
+    assert rc == 0 and machine == [None]
+
+
+def test_explain_table_shows_winner_runners_up_and_separating_criterion(machine, capsys):
+    rc, out, _ = run(capsys, "--size", "4", "--simulate", "h200-8gpu-8nic-epyc9534", "--explain")
+    assert rc == 0
+    assert "indices   [0, 1, 2, 3]" in out
+    assert "chosen [0, 1, 2, 3]" in out
+    assert "runner-up [4, 5, 6, 7]" in out and "lost on lowest indices" in out
+    # a cross-socket quad is a runner-up that loses on NUMA nodes (same NVSwitch score)
+    assert "lost on" in out and "best possible for 4 GPUs" in out
+
+
+def test_explain_json_adds_the_explanation(machine, capsys):
+    rc, out, _ = run(capsys, "--size", "2", "--simulate", "l40s-4gpu-2socket-2nic", "--format", "json", "--explain")
+    doc = json.loads(out)
+    assert rc == 0 and doc["explanation"]["chosen"]["indices"] == doc["indices"]
+    assert doc["explanation"]["exact"] is True
+    assert all("lost_on" in r for r in doc["explanation"]["runners_up"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "9"], "size 9 is more than the 8 available"),
+        (["--size", "0"], "size must be at least 1"),
+        (["--size", "2", "--available", "0,12"], "--available: no GPU 12"),
+        (["--size", "2", "--available", "0,,1"], "--available: empty item"),
+        (["--size", "2", "--must-include", "GPU-nope"], "neither a GPU index nor a GPU UUID"),
+        (["--size", "1", "--available", "0,1", "--must-include", "3"], "must-include GPU 3 is not available"),
+        (["--size", "1", "--available", "1,1"], "duplicate GPU index 1"),
+    ],
+)
+def test_bad_requests_exit_2_with_one_line(machine, capsys, argv, message):
+    rc, out, err = run(capsys, *argv, "--simulate", "dgx1-v100-8gpu-4nic")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and err.startswith("gpu-topology-agent allocate: error:")
+
+
+def test_size_flag_is_required(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["allocate"])
+    assert exc.value.code == 2
