@@ -1,0 +1,244 @@
+"""The agent's lifecycle: start order, readiness, health in the kubelet's stream, fencing,
+SIGHUP reload, and a real ``python -m agent run`` process stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+from kubelet_stub import KubeletStub, hgx8_topology
+
+from agent.config import Config, TimeSlicingResource
+from agent.daemon import Daemon
+from agent.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Event:
+    gpu_index: int
+    kind: str
+    xid: int | None = None
+
+
+class StubBackend:
+    """The NvmlBackend methods the daemon and the health watcher use, over a fixed topology
+    and a queue of events (for in-process tests that do not need a simulated NVML)."""
+
+    def __init__(self, topology) -> None:
+        self.topology = topology
+        self.cond = threading.Condition()
+        self.events: list[Event] = []
+        self.fail_with: Exception | None = None
+        self.shut_down = False
+
+    def init(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    def read_topology(self, source: str = "nvml"):
+        return self.topology
+
+    def inject(self, event: Event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def wait_events(self, timeout_ms: int):
+        with self.cond:
+            if self.fail_with is not None:
+                raise self.fail_with
+            if not self.events:
+                self.cond.wait(timeout_ms / 1000)
+            out, self.events = self.events, []
+            return out
+
+    def probe(self, index: int) -> bool:
+        return True
+
+
+class InProcessDaemon(Daemon):
+    """The real Daemon with the stub backend and no metrics server."""
+
+    def __init__(self, config, backend, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        self._stub = backend
+
+    def _open_backend(self):
+        return self._stub
+
+    def _start_metrics(self) -> None:
+        self.metrics = None
+
+
+@pytest.fixture
+def dirs():
+    base = tempfile.mkdtemp(prefix="dd", dir="/tmp")
+    paths = {name: os.path.join(base, name) for name in ("k", "features")}
+    for p in paths.values():
+        os.makedirs(p)
+    yield paths
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def running(dirs):
+    """Start an in-process daemon against a stand-in kubelet; stopped afterwards."""
+    made = []
+
+    def start(config=None, loader=None, topology=None):
+        config = replace(config or Config(), kubelet_dir=dirs["k"], features_dir=dirs["features"])
+        kubelet = KubeletStub(dirs["k"]).start()
+        backend = StubBackend(topology or hgx8_topology())
+        daemon = InProcessDaemon(config, backend, config_loader=loader)
+        made.append((daemon, kubelet))
+        assert daemon.start()
+        return daemon, kubelet, backend
+
+    yield start
+    for daemon, kubelet in made:
+        daemon.shutdown()
+        kubelet.stop()
+
+
+def health_of(kubelet, resource="nvidia.com/gpu"):
+    latest = kubelet.latest(resource)
+    return [d.health for d in latest.devices] if latest is not None else None
+
+
+def test_daemon_becomes_ready_once_registered_and_writes_labels(running, dirs):
+    daemon, kubelet, _ = running(Config(health_recovery_s=60))
+    deadline = time.monotonic() + 2.0
+    while not daemon.ready() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.ready()
+    assert kubelet.registered("nvidia.com/gpu")
+    assert os.listdir(dirs["features"]), "the labels feature file is written at start"
+
+
+def test_injected_xid_turns_the_gpu_unhealthy_in_the_stream_then_it_recovers(running):
+    daemon, kubelet, backend = running(Config(health_recovery_s=0.3))
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8)
+    daemon.watcher.poll_ms = 20
+    backend.inject(Event(5, "xid", 79))
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 5 + ["Unhealthy"] + ["Healthy"] * 2, 3.0)
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
+
+
+def test_ignored_xid_leaves_every_gpu_healthy(running):
+    daemon, kubelet, backend = running(Config(health_recovery_s=60))
+    daemon.watcher.poll_ms = 20
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8)
+    backend.inject(Event(1, "xid", 13))
+    backend.inject(Event(2, "xid", 48))  # critical: proves events were processed in order
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy", "Healthy", "Unhealthy"] + ["Healthy"] * 5, 3.0)
+
+
+def test_failing_health_watcher_fences_every_device(running, caplog):
+    daemon, kubelet, backend = running(Config(health_recovery_s=60))
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8)
+    with caplog.at_level(logging.ERROR, logger="agent.health"):
+        backend.fail_with = RuntimeError("NVML event set lost")
+        backend.inject(Event(0, "xid", 13))  # wake the watcher
+        assert kubelet.wait_for(lambda: health_of(kubelet) == ["Unhealthy"] * 8, 3.0)
+    assert any("HEALTH WATCHER FAILED" in r.message for r in caplog.records)
+
+
+def test_health_checks_disabled_starts_no_watcher(running):
+    daemon, kubelet, _ = running(Config(health_checks_enabled=False))
+    assert daemon.watcher is None
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8)
+
+
+def test_reload_serves_the_new_config_and_reregisters(running):
+    holder: dict[str, Config] = {}
+    daemon, kubelet, _ = running(Config(), loader=lambda: holder["config"])
+    assert kubelet.wait_for(lambda: len(kubelet.registrations) == 1)
+    holder["config"] = replace(daemon.config, time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),))
+    daemon.reload()
+    assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2, 3.0)
+    assert kubelet.wait_for(lambda: len(kubelet.latest("nvidia.com/gpu").devices) == 16, 3.0)
+    assert daemon.config.time_slicing[0].replicas == 2
+
+
+def test_reload_with_a_bad_config_keeps_the_running_one(running, caplog):
+    def broken():
+        raise ConfigError("/etc/config.yaml: flags.migStrategy: expected one of none, single, mixed")
+
+    daemon, kubelet, _ = running(Config(), loader=broken)
+    before = daemon.config
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        daemon.reload()
+    assert daemon.config is before
+    assert any("keeping the running configuration" in r.message for r in caplog.records)
+
+
+def test_shutdown_removes_sockets_and_shuts_nvml_down(running, dirs):
+    daemon, kubelet, backend = running(Config())
+    assert kubelet.wait_for(lambda: kubelet.registrations)
+    daemon.shutdown()
+    assert os.listdir(dirs["k"]) == ["kubelet.sock"] and backend.shut_down
+    assert daemon.watcher is not None and not daemon.watcher.alive
+
+
+# ---------------------------------------------------------------------- a real process
+def have_simulated_machines() -> bool:
+    try:
+        from agent.hw.machines import open_simulated  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def agent_process(args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("CONFIG_FILE", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", *args], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+@pytest.mark.skipif(not have_simulated_machines(), reason="simulated machines (agent.hw.machines) not landed")
+def test_sigterm_stops_a_real_agent_process_cleanly(dirs):
+    kubelet = KubeletStub(dirs["k"]).start()
+    proc = agent_process([
+        "run", "--simulate", "dgx-h100", "--kubelet-dir", dirs["k"], "--features-dir", dirs["features"],
+        "--metrics-address", "127.0.0.1:0", "--pod-resources-socket", os.path.join(dirs["k"], "podres.sock"),
+    ])
+    try:
+        assert kubelet.wait_for(lambda: kubelet.registered("nvidia.com/gpu"), 20.0), proc.stderr and "no registration"
+        assert kubelet.wait_for(lambda: kubelet.latest("nvidia.com/gpu") is not None, 5.0)
+        assert len(kubelet.latest("nvidia.com/gpu").devices) == 8
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kubelet.stop()
+    assert proc.returncode == 0, stderr
+    assert os.listdir(dirs["k"]) == []
+    assert "effective configuration" in stderr
+
+
+def test_bad_config_file_exits_2_with_one_line(dirs, tmp_path):
+    bad = tmp_path / "config.yaml"
+    bad.write_text("version: v1\nflags:\n  migStrategy: sometimes\n")
+    proc = agent_process(["run", "--config", str(bad), "--kubelet-dir", dirs["k"]])
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and "flags.migStrategy" in lines[0]
