@@ -408,3 +408,35 @@ def test_32_threads_of_mixed_calls_all_succeed(node):
     for t in threads:
         t.join(120)
     assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+def test_preferred_allocation_of_mig_devices_keeps_them_on_one_parent(node):
+    allocation_engine()
+    topo = hgx8_topology(mig=True)
+    node.start(topo, Config(mig_strategy="mixed"))
+    ids = [m.uuid for m in topo.gpus[7].mig_devices]
+    got = node.client("nvidia.com/mig-1g.10gb").preferred(ids, [ids[1]], 2)
+    assert sorted(got) == sorted(ids)
+
+
+def test_packed_replica_policy_fills_the_loaded_gpu_first(node):
+    allocation_engine()
+    topo = pcie4_topology()
+    config = Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=4),),
+                    shared_devices_allocation_policy="packed")
+    node.start(topo, config)
+    u = [g.uuid for g in topo.gpus]
+    # GPU 1 already runs two replicas (only ::2 and ::3 free); the others are idle
+    available = [f"{u[0]}::{n}" for n in range(4)] + [f"{u[1]}::2", f"{u[1]}::3"] + [f"{u[2]}::{n}" for n in range(4)]
+    got = node.client().preferred(available, [], 2)
+    assert got == [f"{u[1]}::2", f"{u[1]}::3"]
+
+
+def test_distributed_replica_policy_spreads_over_idle_gpus(node):
+    allocation_engine()
+    topo = pcie4_topology()
+    node.start(topo, Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=4),)))
+    u = [g.uuid for g in topo.gpus]
+    available = [f"{u[0]}::{n}" for n in range(4)] + [f"{u[1]}::3"] + [f"{u[2]}::{n}" for n in range(4)]
+    got = node.client().preferred(available, [], 2)
+    assert len({g.split("::")[0] for g in got}) == 2 and not any(g.startswith(u[1]) for g in got)

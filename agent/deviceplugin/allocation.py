@@ -74,6 +74,11 @@ class RequestHandler:
         self.topology = topology
         self.config = config
         self._engine = engine
+        # Advertised devices per GPU: per-GPU sharing gives GPUs different replica counts,
+        # and the engine needs them to tell a GPU's load from its free replicas.
+        self._replicas_per_gpu: dict[int, int] = {}
+        for d in resource.devices:
+            self._replicas_per_gpu[d.gpu_index] = self._replicas_per_gpu.get(d.gpu_index, 0) + 1
         self._path_exists = path_exists
 
     @property
@@ -114,7 +119,8 @@ class RequestHandler:
             return list(engine.mig(pairs, [d.id for d in must], size))  # type: ignore[attr-defined]
         return list(
             engine.replicas(  # type: ignore[attr-defined]
-                pairs, [d.id for d in must], size, self.config.shared_devices_allocation_policy
+                pairs, [d.id for d in must], size, self.config.shared_devices_allocation_policy,
+                replicas_per_gpu=self._replicas_per_gpu,
             )
         )
 
