@@ -144,6 +144,7 @@ class HealthWatcher:
         self._thread: threading.Thread | None = None
         self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
         self.fenced = False
+        self._seen_lost: set[int] = set()
         self.events_seen = 0
         self.failures = 0
 
@@ -197,7 +198,20 @@ class HealthWatcher:
                         self.config.health_recovery_s)
             self.fenced = False
         self.apply(events)
+        self._check_lost()
         self.recover()
+
+    def _check_lost(self) -> None:
+        """GPUs the backend found lost on any call (``backend.lost_gpus``, e.g. while the
+        metrics sampler read them) are unhealthy too; each newly lost one once."""
+        lost = set(getattr(self.backend, "lost_gpus", ()) or ())
+        now = self._clock()
+        for index in sorted(lost - self._seen_lost):
+            if 0 <= index < self.state.gpu_count:
+                self._last_bad_s[index] = now
+                if self.state.mark_unhealthy(index, "GPU lost"):
+                    log.error("GPU %d marked unhealthy: GPU lost (NVML answered GPU_IS_LOST)", index)
+        self._seen_lost = lost
 
     def apply(self, events: Iterable[object]) -> None:
         now = self._clock()

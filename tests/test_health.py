@@ -192,3 +192,15 @@ def _wait(predicate, timeout_s=5.0):
             return True
         time.sleep(0.005)
     return predicate()
+
+
+def test_gpu_the_backend_found_lost_is_marked_unhealthy_once():
+    source, state, clock, w = watcher(Config(health_recovery_s=10))
+    source.lost_gpus = {3}
+    source.answering[3] = False
+    w.step()
+    assert state.snapshot() == {3: "GPU lost"}
+    source.answering[3] = True
+    clock.now += 10
+    w.step()
+    assert state.is_healthy(3)  # still listed by the backend, but not newly lost
