@@ -438,3 +438,18 @@ def test_metrics_address_forms(address, expected):
 def test_bad_metrics_address_is_a_config_error(address):
     with pytest.raises(ConfigError):
         parse_address(address)
+
+
+def test_served_body_equals_the_rendered_registry_and_follows_new_snapshots():
+    clock = Clock()
+    backend = StandInBackend(2)
+    service = MetricsService(backend, small_topology(2), Config(metrics_address="127.0.0.1:0"),
+                             hostname="h", ready=lambda: True, clock=clock)
+    service.sampler.sample_once()
+    assert service.render() == render_text(service.registry)
+    assert service.render() == render_text(service.registry)  # from the cache this time
+    backend.set_value(0, "temp", 77)
+    service.sampler.sample_once()
+    body = service.render().decode()
+    assert 'DCGM_FI_DEV_GPU_TEMP{gpu="0"' in body and "} 77.0\n" in body
+    assert service.render() == render_text(service.registry)

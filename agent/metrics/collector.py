@@ -106,6 +106,8 @@ class GpuCollector(Collector):
         driver = topology.driver_version or ""
         self._labels = {g.index: gpu_labels(g, hostname, driver) for g in topology.gpus}
         self._info_labels = self._topology_info_labels()
+        self._info_text = render_families([self._info_family()])  # static: the topology's
+        self._cache: tuple[Snapshot, Attribution, bytes] | None = None
 
     def describe(self) -> Iterable[Metric]:
         # names only: lets the registry detect clashes without a (cheap anyway) collect
@@ -118,6 +120,24 @@ class GpuCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         attr = self._attribution()
+        yield from self._dcgm_families(snap, attr)
+        yield self._info_family()
+        yield from self._dynamic_families(snap, attr)
+
+    def exposition(self) -> bytes:
+        """Text exposition of everything :meth:`collect` yields, the same bytes as
+        ``render_text`` of it. The part that depends only on the snapshot and attribution
+        (nearly all of it) is rendered once per snapshot/attribution pair and reused by
+        every scrape in between; only the clock-dependent series are rendered each time."""
+        snap = self._snapshot()
+        attr = self._attribution()
+        cached = self._cache
+        if cached is None or cached[0] is not snap or cached[1] is not attr:
+            static = render_families(self._dcgm_families(snap, attr)) + self._info_text
+            cached = self._cache = (snap, attr, static)
+        return cached[2] + render_families(self._dynamic_families(snap, attr))
+
+    def _dcgm_families(self, snap: Snapshot, attr: Attribution) -> Iterator[Metric]:
         # per GPU: the label sets its series carry (one per container holding it)
         series_labels: dict[int, list[dict[str, str]]] = {}
         for index, base in self._labels.items():
@@ -136,7 +156,6 @@ class GpuCollector(Collector):
                     family.add_sample(m.name, labels, value)
             if family.samples:
                 yield family
-        yield from self._topology_metrics(snap, attr)
 
     # ---------------------------------------------------------------- ours
     def _topology_info_labels(self) -> dict[int, dict[str, str]]:
@@ -168,14 +187,15 @@ class GpuCollector(Collector):
             }
         return out
 
-    def _topology_metrics(self, snap: Snapshot, attr: Attribution) -> Iterator[Metric]:
+    def _info_family(self) -> Metric:
         info = Metric("gpu_topology_info",
                       "GPU topology facts as labels: NUMA node, NVLink island and clique "
                       "(indices into the node's lists), nearest RDMA NIC.", "gauge")
         for labels in self._info_labels.values():
             info.add_sample("gpu_topology_info", labels, 1.0)
-        yield info
+        return info
 
+    def _dynamic_families(self, snap: Snapshot, attr: Attribution) -> Iterator[Metric]:
         quality = Metric("gpu_topology_placement_quality_ratio",
                          "Per container: score of its GPU set over the best score of any set "
                          "of the same size on this node (1 = ideal placement).", "gauge")
@@ -226,8 +246,13 @@ def render_text(registry: Collector) -> bytes:
     (dcgm-exporter style) is typed under that name; a client_python counter (samples
     ``<name>_total``) under ``<name>_total``. ``_created`` samples are left out.
     """
+    return render_families(registry.collect())
+
+
+def render_families(metrics: Iterable[Metric]) -> bytes:
+    """:func:`render_text` of these metric families."""
     out: list[str] = []
-    for metric in registry.collect():
+    for metric in metrics:
         mtype = metric.type
         name = metric.name
         samples = [s for s in metric.samples if not s.name.endswith("_created")]

@@ -18,9 +18,11 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from agent.config import Config
 from agent.errors import ConfigError
@@ -75,8 +77,12 @@ class MetricsService:
         self.config = config
         self.hostname = hostname
         self.ready = ready
+        # Two registries: the agent's self-metrics on their own (rendered on every scrape),
+        # and `registry` holding everything (GPU collector + a view of the self-metrics) for
+        # callers that want one registry (tests, `get_sample_value`).
+        self._agent_registry = CollectorRegistry(auto_describe=True)
+        self.agent_metrics = AgentMetrics(self._agent_registry, backend)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.agent_metrics = AgentMetrics(self.registry, backend)
         self.sampler = Sampler(
             backend, topology,
             interval_s=config.sample_interval_s,
@@ -101,6 +107,7 @@ class MetricsService:
             scorer=self.scorer, clock=clock,
         )
         self.registry.register(self.collector)
+        self.registry.register(_RegistryView(self._agent_registry))
         self._server: _Server | None = None
         self._server_thread: threading.Thread | None = None
         self.port: int | None = None
@@ -123,8 +130,9 @@ class MetricsService:
             self.scorer.best_score(len(gpus))
 
     def render(self) -> bytes:
-        """The ``/metrics`` body."""
-        return render_text(self.registry)
+        """The ``/metrics`` body: ``render_text(self.registry)``, with the GPU part reused
+        from the previous scrape while the snapshot and attribution are unchanged."""
+        return self.collector.exposition() + render_text(self._agent_registry)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -155,6 +163,19 @@ class MetricsService:
             self._server_thread = None
         self.pod_resources.stop()
         self.sampler.stop()
+
+
+class _RegistryView(Collector):
+    """Yields another registry's metrics (a registry cannot be registered directly)."""
+
+    def __init__(self, inner: CollectorRegistry) -> None:
+        self._inner = inner
+
+    def describe(self) -> list:
+        return []  # no name-clash bookkeeping across the two registries
+
+    def collect(self) -> Iterator[Metric]:
+        return self._inner.collect()
 
 
 def _make_handler(service: MetricsService) -> type[BaseHTTPRequestHandler]:
