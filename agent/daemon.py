@@ -52,8 +52,9 @@ def setup_logging(config: Config, stream: Any = None) -> None:
         root.removeHandler(h)
     handler = logging.StreamHandler(stream or sys.stderr)
     if config.log_format == "json":
-        handler.setFormatter(JsonFormatter())
-        logging.Formatter.converter = time.gmtime
+        formatter = JsonFormatter()
+        formatter.converter = time.gmtime  # type: ignore[method-assign]  # the "Z" in the time field
+        handler.setFormatter(formatter)
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)

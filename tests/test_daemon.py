@@ -212,7 +212,7 @@ def agent_process(args, **kwargs):
 
 
 @pytest.mark.skipif(not have_simulated_machines(), reason="simulated machines (agent.hw.machines) not landed")
-def test_sigterm_stops_a_real_agent_process_cleanly(dirs):
+def test_sighup_reregisters_and_sigterm_stops_a_real_agent_process_cleanly(dirs):
     kubelet = KubeletStub(dirs["k"]).start()
     proc = agent_process([
         "run", "--simulate", "dgx-h100", "--kubelet-dir", dirs["k"], "--features-dir", dirs["features"],
@@ -222,6 +222,8 @@ def test_sigterm_stops_a_real_agent_process_cleanly(dirs):
         assert kubelet.wait_for(lambda: kubelet.registered("nvidia.com/gpu"), 20.0), proc.stderr and "no registration"
         assert kubelet.wait_for(lambda: kubelet.latest("nvidia.com/gpu") is not None, 5.0)
         assert len(kubelet.latest("nvidia.com/gpu").devices) == 8
+        proc.send_signal(signal.SIGHUP)  # reload: serve again and re-register
+        assert kubelet.wait_for(lambda: len(kubelet.registered("nvidia.com/gpu")) == 2, 10.0)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
@@ -242,3 +244,86 @@ def test_bad_config_file_exits_2_with_one_line(dirs, tmp_path):
     assert proc.returncode == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and str(bad) in lines[0] and "flags.migStrategy" in lines[0]
+
+
+# ---------------------------------------------------------------------- on the simulated NVML
+def have_nvml_backend() -> bool:
+    try:
+        from agent.hw.nvml import NvmlBackend  # noqa: F401
+    except ImportError:
+        return False
+    return have_simulated_machines()
+
+
+needs_simulation = pytest.mark.skipif(not have_nvml_backend(), reason="NVML backend / simulated machines not landed")
+
+
+@pytest.fixture
+def simulated(dirs):
+    """The real Daemon (NvmlBackend over FakeNvml, metrics included) on dgx-h100."""
+    made = []
+
+    def start(config=None):
+        config = replace(
+            config or Config(), kubelet_dir=dirs["k"], features_dir=dirs["features"],
+            metrics_address="127.0.0.1:0", pod_resources_socket=os.path.join(dirs["k"], "podres.sock"),
+        )
+        kubelet = KubeletStub(dirs["k"]).start()
+        daemon = Daemon(config, simulate="dgx-h100")
+        made.append((daemon, kubelet))
+        assert daemon.start()
+        daemon.watcher.poll_ms = 20 if daemon.watcher else 0
+        return daemon, kubelet
+
+    yield start
+    for daemon, kubelet in made:
+        daemon.shutdown()
+        kubelet.stop()
+
+
+@needs_simulation
+def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
+    daemon, kubelet = simulated(Config(health_recovery_s=0.3))
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
+    assert daemon.manager.wait_ready(2.0) and daemon.ready()
+    daemon.sim.lib.inject_xid(3, 79)
+    assert kubelet.wait_for(lambda: (health_of(kubelet) or [])[3:4] == ["Unhealthy"], 5.0)
+    assert health_of(kubelet).count("Unhealthy") == 1
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
+
+
+@needs_simulation
+def test_fake_nvml_lost_gpu_stays_unhealthy_until_it_answers_again(simulated):
+    daemon, kubelet = simulated(Config(health_recovery_s=0.2))
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
+    daemon.sim.lib.lose_gpu(6)
+    assert kubelet.wait_for(lambda: (health_of(kubelet) or [])[6:7] == ["Unhealthy"], 5.0)
+    time.sleep(0.5)  # longer than the recovery period: a GPU that does not answer stays out
+    assert health_of(kubelet)[6] == "Unhealthy"
+    daemon.sim.lib.recover_gpu(6)
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
+
+
+def test_json_log_format_writes_one_object_per_line():
+    import io
+    import json
+
+    from agent.daemon import setup_logging
+
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        setup_logging(Config(log_format="json", log_level="INFO"), stream)
+        logging.getLogger("agent.test").info("registered %s", "nvidia.com/gpu")
+        logging.getLogger("agent.test").debug("not at INFO")
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+    (line,) = stream.getvalue().splitlines()
+    record = json.loads(line)
+    assert record["message"] == "registered nvidia.com/gpu" and record["level"] == "INFO"
+    assert record["logger"] == "agent.test" and record["time"].endswith("Z")
