@@ -343,9 +343,11 @@ class GpuReader:
             return  # a ratio needs two samples: values from the next round on
         try:
             request = self._gpm_request(prev, sample)
-            if request is not None and self._call("nvmlGpmMetricsGet", request) is not None:
+            # pynvml fills the request in place and returns it
+            result = self._call("nvmlGpmMetricsGet", request) if request is not None else None
+            if result is not None:
                 for k, (_const, name, scale) in enumerate(self._gpm_ids):
-                    metric = request.metrics[k]
+                    metric = result.metrics[k]
                     if getattr(metric, "nvmlReturn", 0) == 0:
                         out[name] = float(metric.value) * scale
         finally:
