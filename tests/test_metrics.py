@@ -27,9 +27,11 @@ from agent.metrics.sampler import Sampler
 from agent.metrics.service import MetricsService, parse_address
 
 try:
-    from tests.test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
+    from tests.test_metrics_support import (PodResourcesStandIn, StandInBackend, parse_samples,
+                                            pod, samples_of, small_topology)
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
+    from test_metrics_support import (PodResourcesStandIn, StandInBackend, parse_samples, pod,
+                                      samples_of, small_topology)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 
@@ -63,32 +65,6 @@ def collect_text(backend, topology, attribution=None, clock=None, rounds=2) -> s
         attribution=(lambda: attribution) if attribution else (lambda: Attribution()),
         clock=clock))
     return render_text(registry).decode()
-
-
-class Sample:
-    def __init__(self, name: str, labels: dict[str, str], value: float) -> None:
-        self.name, self.labels, self.value = name, labels, value
-
-
-_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)$')
-_PAIR = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_samples(text: str) -> list[Sample]:
-    """Sample lines of the text format, names as written (prometheus_client's parser would
-    append ``_total`` to dcgm-exporter's counter samples)."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        assert m, line
-        out.append(Sample(m.group(1), dict(_PAIR.findall(m.group(2) or "")), float(m.group(3))))
-    return out
-
-
-def samples_of(text: str, name: str) -> list[Sample]:
-    return [s for s in parse_samples(text) if s.name == name]
 
 
 # ------------------------------------------------------------------ names, types, help

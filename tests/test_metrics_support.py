@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent import futures
 from typing import Any
@@ -229,3 +230,30 @@ class PodResourcesStandIn:
 
     def __exit__(self, *exc: object) -> None:
         self.server.stop(None).wait(5)
+
+
+# ---------------------------------------------------------------------- exposition
+class Sample:
+    def __init__(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.name, self.labels, self.value = name, labels, value
+
+
+_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_PAIR = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Sample lines of the text format, names as written (prometheus_client's parser would
+    append ``_total`` to dcgm-exporter's counter samples)."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        assert m, line
+        out.append(Sample(m.group(1), dict(_PAIR.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def samples_of(text: str, name: str) -> list[Sample]:
+    return [s for s in parse_samples(text) if s.name == name]
