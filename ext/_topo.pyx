@@ -98,6 +98,7 @@ def maximal_cliques(adjacency):
 # agent/topology/_pure.py:AllocationSolver (read that one for the contract).
 # ---------------------------------------------------------------------------------------------
 
+cimport cython
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
@@ -179,6 +180,7 @@ cdef class _TopList:
                 for i in range(self.count)]
 
 
+@cython.final
 cdef class AllocationSolver:
     """See ``agent.topology._pure.AllocationSolver``: identical contract and results."""
     cdef public int n
@@ -327,7 +329,11 @@ cdef class AllocationSolver:
             acc[i + 1] = acc[i] | members[i]
         while True:
             g = acc[t]
-            v = self.table[g] + self._partition(mask ^ g, k, memo)
+            # most look-ups hit the memo: check it here rather than paying for a call
+            v = memo[mask ^ g]
+            if v < 0:
+                v = self._partition(mask ^ g, k, memo)
+            v += self.table[g]
             if v > best:
                 best = v
             i = t - 1

@@ -97,12 +97,20 @@ def _separating_criterion(winner: Candidate, other: Candidate) -> int:
     return 4
 
 
+_NATURAL_KEYS: dict[str, tuple[str, int, str]] = {}
+
+
 def _natural_key(device_id: str) -> tuple[str, int, str]:
-    """Orders ``<uuid>::2`` before ``<uuid>::10``; other IDs by their text."""
-    head, sep, tail = device_id.rpartition("::")
-    if sep and tail.isdigit():
-        return (head, int(tail), "")
-    return (device_id, -1, device_id)
+    """Orders ``<uuid>::2`` before ``<uuid>::10``; other IDs by their text. Cached: the
+    same replica IDs come back on every kubelet request."""
+    key = _NATURAL_KEYS.get(device_id)
+    if key is None:
+        head, sep, tail = device_id.rpartition("::")
+        key = (head, int(tail), "") if sep and tail.isdigit() else (device_id, -1, device_id)
+        if len(_NATURAL_KEYS) > 100_000:  # bound the cache on a node whose IDs churn
+            _NATURAL_KEYS.clear()
+        _NATURAL_KEYS[device_id] = key
+    return key
 
 
 class AllocationEngine:
@@ -152,18 +160,31 @@ class AllocationEngine:
         if n_required > size:
             raise AllocationError(f"{n_required} must-include devices do not fit in size {size}")
 
+    def _mask(self, what: str, values: Sequence[int]) -> tuple[int, int]:
+        """(bitmask, count) of valid distinct GPU indices; the slow checker names the
+        first problem otherwise. (This runs on every kubelet request: kept cheap.)"""
+        mask = 0
+        n = self._n
+        for v in values:
+            if type(v) is not int or not 0 <= v < n or mask >> v & 1:
+                self._check_indices(what, values)  # raises with the precise message
+                raise AssertionError("unreachable")  # pragma: no cover
+            mask |= 1 << v
+        return mask, len(values)
+
     def _masks(self, available: Sequence[int], must_include: Sequence[int], size: int) -> tuple[int, int]:
-        avail = self._check_indices("available", available)
-        required = self._check_indices("must-include", must_include)
-        outside = sorted(set(required) - set(avail))
+        avail, n_avail = self._mask("available", available)
+        required, n_required = self._mask("must-include", must_include)
+        outside = required & ~avail
         if outside:
-            raise AllocationError(f"must-include GPU {outside[0]} is not available")
-        self._check_request(len(avail), len(required), size)
-        return sum(1 << i for i in avail), sum(1 << i for i in required)
+            first = (outside & -outside).bit_length() - 1
+            raise AllocationError(f"must-include GPU {first} is not available")
+        self._check_request(n_avail, n_required, size)
+        return avail, required
 
     @staticmethod
     def _indices(mask: int) -> tuple[int, ...]:
-        return tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
+        return tuple(i for i, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1")
 
     def _candidate(self, entry: tuple[int, int, int, int, int]) -> Candidate:
         mask, c1, score, numa_nodes, cut = entry
@@ -210,30 +231,51 @@ class AllocationEngine:
         return cached
 
     # ------------------------------------------------------------------ shared devices
-    def _devices(self, what: str, available: Sequence[tuple[str, int]],
-                 must_include: Sequence[str], size: int) -> tuple[dict[str, int], list[str]]:
-        parent: dict[str, int] = {}
+    def _devices(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
+                 size: int) -> tuple[dict[str, int], list[str], dict[int, list[str]]]:
+        """Validated (device ID -> GPU, must-include IDs, GPU -> its free IDs not in
+        must-include, unsorted). One pass: this runs on every kubelet request."""
+        try:
+            parent: dict[str, int] = dict(available)
+        except (TypeError, ValueError):
+            parent = {}
+        n = self._n
+        if (
+            len(parent) != len(available)
+            or not all(type(d) is str and d for d in parent)
+            or not all(type(g) is int and 0 <= g < n for g in set(parent.values()))
+        ):
+            self._explain_bad_devices(available)  # raises with the precise message
+        by_gpu: dict[int, list[str]] = {g: [] for g in set(parent.values())}
+        for device_id, gpu in parent.items():
+            by_gpu[gpu].append(device_id)
+        required = list(must_include)
+        if required:
+            seen: set[str] = set()
+            for device_id in required:
+                if device_id not in parent:
+                    raise AllocationError(f"must-include device {device_id!r} is not available")
+                if device_id in seen:
+                    raise AllocationError(f"must-include: duplicate device ID {device_id}")
+                seen.add(device_id)
+                by_gpu[parent[device_id]].remove(device_id)
+        self._check_request(len(parent), len(required), size)
+        return parent, required, by_gpu
+
+    def _explain_bad_devices(self, available: Sequence[tuple[str, int]]) -> None:
+        seen: set[str] = set()
         for entry in available:
             try:
                 device_id, gpu = entry
             except (TypeError, ValueError):
-                raise AllocationError(f"{what}: {entry!r} is not a (device ID, GPU index) pair") from None
-            if not isinstance(device_id, str) or not device_id:
-                raise AllocationError(f"{what}: {device_id!r} is not a device ID")
-            self._check_indices(f"{what} {device_id}", [gpu])
-            if device_id in parent:
-                raise AllocationError(f"{what}: duplicate device ID {device_id}")
-            parent[device_id] = gpu
-        required = list(must_include)
-        seen: set[str] = set()
-        for device_id in required:
-            if device_id not in parent:
-                raise AllocationError(f"must-include device {device_id!r} is not available")
+                raise AllocationError(f"available: {entry!r} is not a (device ID, GPU index) pair") from None
+            if type(device_id) is not str or not device_id:
+                raise AllocationError(f"available: {device_id!r} is not a device ID")
+            self._check_indices(f"available {device_id}", [gpu])
             if device_id in seen:
-                raise AllocationError(f"must-include: duplicate device ID {device_id}")
+                raise AllocationError(f"available: duplicate device ID {device_id}")
             seen.add(device_id)
-        self._check_request(len(parent), len(required), size)
-        return parent, required
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def replicas(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
                  size: int, policy: str = "distributed", *,
@@ -253,15 +295,10 @@ class AllocationEngine:
         """
         if policy not in REPLICA_POLICIES:
             raise AllocationError(f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}")
-        parent, required = self._devices("available", available, must_include, size)
-        required_set = set(required)
-        free: dict[int, list[str]] = {}
-        all_free = Counter(parent.values())
-        for device_id, gpu in parent.items():
-            if device_id not in required_set:
-                free.setdefault(gpu, []).append(device_id)
-        for ids in free.values():
-            ids.sort(key=_natural_key)
+        parent, required, free = self._devices(available, must_include, size)
+        all_free = {g: len(ids) for g, ids in free.items()}
+        for d in required:
+            all_free[parent[d]] += 1
         if replicas_per_gpu is None:
             uniform = max(all_free.values())
             total = {g: uniform for g in all_free}
@@ -270,27 +307,33 @@ class AllocationEngine:
         else:
             total = {g: int(replicas_per_gpu.get(g, all_free[g])) for g in all_free}
         load = {g: max(total[g] - all_free[g], 0) for g in all_free}
+        sorted_gpus: set[int] = set()
         taken = Counter(parent[d] for d in required)
         chosen = list(required)
         need = size - len(required)
 
         def take(gpu: int, count: int) -> None:
+            if gpu not in sorted_gpus:  # sort only the GPUs we take from
+                free[gpu].sort(key=_natural_key)
+                sorted_gpus.add(gpu)
             chosen.extend(free[gpu][:count])
             del free[gpu][:count]
             taken[gpu] += count
 
-        while need > 0:
-            eligible = [g for g, ids in free.items() if ids]
-            if policy == "distributed":
-                key = {g: (taken[g], load[g]) for g in eligible}
-            else:
-                key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
-            best_key = min(key.values())
-            tier = sorted(g for g in eligible if key[g] == best_key)
-            if policy == "distributed":
+        while need > 0 and policy == "distributed":
+            # one round: each GPU at the lowest level of use in this request gets one more
+            # replica, least loaded first; a partly taken tier of equal load goes to topology
+            level = min(taken[g] for g, ids in free.items() if ids)
+            group = sorted((load[g], g) for g, ids in free.items() if ids and taken[g] == level)
+            start = 0
+            while start < len(group) and need > 0:
+                end = start + 1
+                while end < len(group) and group[end][0] == group[start][0]:
+                    end += 1
+                tier = [g for _, g in group[start:end]]
                 if len(tier) <= need:
                     picks = tier
-                elif best_key[0] > 0:
+                elif level > 0:
                     # every tier GPU is already in the request: topology cannot tell them apart
                     picks = tier[:need]
                 else:
@@ -298,15 +341,20 @@ class AllocationEngine:
                 for g in picks:
                     take(g, 1)
                 need -= len(picks)
+                start = end
+        while need > 0:  # packed
+            eligible = [g for g, ids in free.items() if ids]
+            key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
+            best_key = min(key.values())
+            tier = sorted(g for g in eligible if key[g] == best_key)
+            if len(tier) == 1 or best_key[0] == 0:
+                # GPUs already in the request and equally loaded: topology cannot tell
+                gpu = tier[0]
             else:
-                if len(tier) == 1 or best_key[0] == 0:
-                    # GPUs already in the request and equally loaded: topology cannot tell
-                    gpu = tier[0]
-                else:
-                    (gpu,) = self._extend(sorted(g for g in taken if taken[g]), tier, 1)
-                count = min(need, len(free[gpu]))
-                take(gpu, count)
-                need -= count
+                (gpu,) = self._extend(sorted(g for g in taken if taken[g]), tier, 1)
+            count = min(need, len(free[gpu]))
+            take(gpu, count)
+            need -= count
         return sorted(chosen, key=lambda d: (parent[d], _natural_key(d)))
 
     def _extend(self, in_request: list[int], tier: list[int], count: int) -> list[int]:
@@ -322,12 +370,7 @@ class AllocationEngine:
         anywhere; best fit throughout: the parent (NUMA node) with the fewest free instances
         that can take the rest first, parents already in the request first. Returned sorted
         by parent index, then ID."""
-        parent, required = self._devices("available", available, must_include, size)
-        required_set = set(required)
-        free: dict[int, list[str]] = {}
-        for device_id, gpu in parent.items():
-            if device_id not in required_set:
-                free.setdefault(gpu, []).append(device_id)
+        parent, required, free = self._devices(available, must_include, size)
         for ids in free.values():
             ids.sort(key=_natural_key)
         need = size - len(required)
