@@ -298,7 +298,7 @@ def test_every_label_is_valid_whatever_the_names(names, machine, driver):
                           cuda_driver_version=driver)
     for key, value in compute_labels(topo, Config()).items():
         assert is_valid_label_key(key), key
-        assert is_valid_label_value(value), (key, value)
+        assert is_valid_label_value(value) and value, (key, value)
 
 
 def test_format_is_sorted_key_value_lines():
@@ -343,3 +343,15 @@ def test_feature_file_name_must_be_a_plain_visible_name(tmp_path):
     for bad in ("", ".hidden", "a/b"):
         with pytest.raises(ValueError):
             FeatureFileSink(str(tmp_path), filename=bad)
+
+
+def test_nvlinks_beyond_a_gpus_port_count_are_recognised_as_nvswitch():
+    # as read from a pasted `nvidia-smi topo -m` of an 8x H200 board: NV18 to every peer
+    gpus = [Gpu(i, f"GPU-{i}", "NVIDIA H200") for i in range(8)]
+    links = [Link(a, b, nvlinks=18) for a in range(8) for b in range(a + 1, 8)]
+    assert nvlink_fabric_kind(Topology.build(gpus, links)) == "nvswitch"
+    # a DGX-1 hybrid cube mesh: at most 6 links per V100
+    v100 = [Gpu(i, f"GPU-{i}", "Tesla V100-SXM2-16GB") for i in range(4)]
+    mesh = [Link(0, 1, 1), Link(0, 2, 1), Link(0, 3, 2), Link(1, 2, 2), Link(1, 3, 1),
+            Link(2, 3, 1)]
+    assert nvlink_fabric_kind(Topology.build(v100, mesh)) == "mesh"

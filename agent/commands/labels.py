@@ -37,6 +37,11 @@ def load_effective_config(config_file: str | None) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.simulate == "list":
+        from agent.hw.machines import BUILTIN_MACHINES
+
+        print("\n".join(BUILTIN_MACHINES))
+        return 0
     config = load_effective_config(args.config)
     topology = load_topology(args.simulate)
     sys.stdout.write(format_labels(compute_labels(topology, config)))

@@ -47,6 +47,9 @@ from agent.config import Config
 from agent.topology.model import Gpu, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
+#: NVLink ports of the GPUs with the most (H100/H200, B200); more links than this on one GPU
+#: means NVSwitches.
+MAX_NVLINK_PORTS_PER_GPU = 18
 TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
 FULL_GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -108,7 +111,7 @@ def compute_labels(topology: Topology, config: Config) -> dict[str, str]:
     """All node labels for ``topology`` under ``config``; pure and deterministic.
 
     A node without GPUs gets no labels (as GFD). Labels whose value is unknown (no driver
-    version, no compute capability) are left out rather than written empty.
+    version, no compute capability, no model name) are left out, never written empty.
     """
     if not topology.gpus:
         return {}
@@ -119,7 +122,7 @@ def compute_labels(topology: Topology, config: Config) -> dict[str, str]:
     labels.update(_resource_labels(topology, config))
     labels.update(_clique_labels(topology))
     labels.update(_topology_labels(topology))
-    return dict(sorted(labels.items()))
+    return dict(sorted((k, v) for k, v in labels.items() if v))
 
 
 # ------------------------------------------------------------------ GFD labels
@@ -202,7 +205,9 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
     name, same_model = _majority_model(topology.gpus)
     replicas, renamed = _time_slicing_replicas(config, FULL_GPU_RESOURCE)
     shared = replicas > 1
-    out[key + "product"] = _product([name], shared, renamed)
+    product = _product([name], shared, renamed)
+    if product:  # a pasted topology matrix names no model
+        out[key + "product"] = product
     out[key + "count"] = str(len(same_model))
     out[key + "replicas"] = str(replicas)
     out[key + "sharing-strategy"] = "time-slicing" if shared else "none"
@@ -294,6 +299,15 @@ def nvlink_fabric_kind(topology: Topology) -> str:
     if not topology.nvlink_islands:
         return "none"
     if any(link.nvswitch and link.nvlinks > 0 for link in topology.links):
+        return "nvswitch"
+    # A pasted `nvidia-smi topo -m` cannot say NVSwitch, but a GPU showing more NVLinks to
+    # its peers than any GPU has ports (18, Hopper and Blackwell) must be switched: an H200
+    # board shows NV18 to each of 7 peers.
+    per_gpu = [0] * topology.gpu_count
+    for link in topology.links:
+        per_gpu[link.a] += link.nvlinks
+        per_gpu[link.b] += link.nvlinks
+    if max(per_gpu, default=0) > MAX_NVLINK_PORTS_PER_GPU:
         return "nvswitch"
     if all(len(island) == 2 for island in topology.nvlink_islands):
         return "bridge"
