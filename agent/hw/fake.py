@@ -1194,7 +1194,7 @@ class FakeNvml:
             for key in ((name, gpu), (name, None)):
                 if key in self._failures:
                     raise NVMLError(self._failures[key])
-            if gpu is not None and gpu in self._lost:
+            if any(isinstance(a, _Handle) and a.gpu in self._lost for a in args):
                 raise _err("NVML_ERROR_GPU_IS_LOST")
             if (name, gpu) in self._unsupported or (name, None) in self._unsupported:
                 raise _err("NVML_ERROR_NOT_SUPPORTED")
