@@ -170,10 +170,18 @@ def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
     return out
 
 
+def _known_model(name: str) -> bool:
+    return bool(name.strip()) and name.strip().lower() != "unknown"
+
+
 def _gpu_mode(topology: Topology) -> str:
-    """``graphics`` when every GPU is a display-class board by name, else ``compute``
-    (datacenter boards are PCI 3D controllers, GFD's ``compute``)."""
-    modes = {"graphics" if _GRAPHICS_RE.search(g.name) else "compute" for g in topology.gpus}
+    """``graphics`` when every GPU is a display-class board by name, ``compute`` otherwise
+    (datacenter boards are PCI 3D controllers, GFD's ``compute``); GFD's ``unknown`` when
+    no GPU has a model name (a pasted topology matrix)."""
+    named = [g for g in topology.gpus if _known_model(g.name)]
+    if not named:
+        return "unknown"
+    modes = {"graphics" if _GRAPHICS_RE.search(g.name) else "compute" for g in named}
     return modes.pop() if len(modes) == 1 else "compute"
 
 
@@ -205,8 +213,8 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
     name, same_model = _majority_model(topology.gpus)
     replicas, renamed = _time_slicing_replicas(config, FULL_GPU_RESOURCE)
     shared = replicas > 1
-    product = _product([name], shared, renamed)
-    if product:  # a pasted topology matrix names no model
+    product = _product([name], shared, renamed) if _known_model(name) else ""
+    if product:  # a pasted topology matrix names no model ("unknown")
         out[key + "product"] = product
     out[key + "count"] = str(len(same_model))
     out[key + "replicas"] = str(replicas)
