@@ -67,6 +67,7 @@ _CPULIST = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
 _LEGEND_ENTRY = re.compile(r"\s*([A-Za-z][\w.-]*)\s*:\s*(\S+)\s*")
 _UNKNOWN_CELLS = frozenset({"", "N/A"})
 _TAB_STOP = 8  # terminals expand nvidia-smi's tabs to 8-column stops
+_MAX_PAIRS_LISTED = 12  # longer pair lists in notes are summarised as a count
 _ALIGN_SLACK = 1  # a cell may start/end one column off its header name (" X ")
 
 
@@ -303,7 +304,8 @@ class _Parser:
         return self.error("cannot read the row", line_no, line)
 
     def split_tabs(self, label: str, line: str) -> tuple[list[_Cell], list[str]] | None:
-        parts = [p.strip() for p in line.strip().split("\t")]
+        # Strip only the indentation: a trailing tab ends an empty last cell.
+        parts = [p.strip() for p in line.lstrip().split("\t")]
         if any(len(p.split()) > 1 for p in parts) or parts[0] != label:
             return None
         n = len(self.devices)
@@ -365,9 +367,19 @@ class _Parser:
         if found is None:
             by_count = self.split_by_count(label, tokens)
             by_position = self.split_by_position(label, tokens)
-            # Aligned text read by position is the more faithful reading when both work:
-            # only it sees an empty cell followed by an N/A value.
-            found = by_position or by_count
+            found = by_count or by_position
+            if by_count and by_position and by_count != by_position:
+                # Both readings work only when an empty matrix cell is followed by an N/A
+                # value: the count reading then shifts N/A into the matrix and comes up
+                # short of affinity values. Believe the columns only in that case, so
+                # loosely spaced text is never misread by position.
+                n_trailing = len(self.trailing)
+                if (
+                    label in self.gpu_labels
+                    and len(by_count[1]) < n_trailing
+                    and len(by_position[1]) <= n_trailing
+                ):
+                    found = by_position
         if found is None:
             if len(tokens) < n:
                 raise self.error(
@@ -470,6 +482,7 @@ class _Parser:
         gpus = []
         has_numa = NUMA_AFFINITY in self.trailing_names
         gpu_numa_ids: list[str] = []
+        multi_node: list[str] = []
         for i in range(n):
             row = rows[f"GPU{i}"]
             cpu = row.trailing.get(CPU_AFFINITY)
@@ -486,15 +499,17 @@ class _Parser:
                         row.text,
                     )
                 if not numa_text.isdigit():
-                    notes.append(
-                        f"GPU{i} NUMA Affinity {numa_text} lists several nodes: numa_node = {numa} (the lowest)"
-                    )
+                    multi_node.append(f"GPU{i} {numa_text} -> {numa}")
             gnid = row.trailing.get(GPU_NUMA_ID)
             if gnid is not None:
                 if not gnid.isdigit():
                     raise self.error(f"GPU NUMA ID {gnid!r} of GPU{i} is not a number or N/A", row.line_no, row.text)
                 gpu_numa_ids.append(f"GPU{i}={int(gnid)}")
             gpus.append(Gpu(index=i, uuid=synthetic_uuid(i), name="unknown", numa_node=numa, cpu_affinity=cpu))
+        if multi_node:
+            notes.append(
+                "NUMA Affinity lists several nodes; numa_node is the lowest: " + ", ".join(multi_node)
+            )
         if gpu_numa_ids:
             notes.append("GPU NUMA ID (the GPU's own memory NUMA node): " + ", ".join(gpu_numa_ids))
 
@@ -536,7 +551,8 @@ class _Parser:
                     links.append(Link(a, b))
         if inferred[PcieLevel.NODE] or inferred[PcieLevel.SYS]:
             parts = [
-                f"{level.name} for {' '.join(pairs)}"
+                f"{level.name} for {' '.join(pairs)}" if len(pairs) <= _MAX_PAIRS_LISTED
+                else f"{level.name} for {len(pairs)} pairs"
                 for level, pairs in inferred.items()
                 if pairs
             ]
