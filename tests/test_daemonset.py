@@ -15,8 +15,10 @@ and the checks on that object skip, saying so.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import posixpath
+import re
 import shutil
 import subprocess
 import urllib.error
@@ -315,15 +317,11 @@ def test_termination_grace_period_exceeds_the_agent_shutdown_budget(rendered: Re
 
 
 def _agent_shutdown_budget_s() -> float:
-    """The daemon's own figure where it exposes one; else the documented 10 s."""
-    try:
-        import agent.daemon as daemon
-    except ImportError:
-        return 10.0
-    for name in ("SHUTDOWN_BUDGET_S", "SHUTDOWN_TIMEOUT_S", "DEFAULT_SHUTDOWN_BUDGET_S"):
-        if isinstance(getattr(daemon, name, None), (int, float)):
-            return float(getattr(daemon, name))
-    return 10.0
+    """The daemon's default ``shutdown_budget_s`` (what ``run`` uses)."""
+    daemon = pytest.importorskip("agent.daemon", reason="agent/daemon.py has not landed yet")
+    default = inspect.signature(daemon.Daemon).parameters["shutdown_budget_s"].default
+    assert isinstance(default, (int, float))
+    return float(default)
 
 
 # ----------------------------------------------------------------------------- host access
@@ -412,6 +410,28 @@ def test_headless_service_and_service_monitor_select_the_agent_metrics(rendered:
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_service_monitor_keeps_the_workload_pod_labels_of_gpu_series(rendered: Rendered) -> None:
+    podresources = pytest.importorskip(
+        "agent.metrics.podresources", reason="agent/metrics/podresources.py has not landed yet"
+    )
+    # GPU series are attributed to a workload container by labels named like ContainerRef's
+    # fields; the Prometheus Operator would otherwise add target labels of the same names
+    # (the agent's own pod), renaming ours to exported_* or, for unattributed GPUs, making
+    # them look attributed to the agent.
+    attribution_labels = {f.name for f in dataclasses.fields(podresources.ContainerRef)}
+    operator_target_labels = {"namespace", "pod", "container", "service", "endpoint", "job",
+                              "instance"}
+    colliding = attribution_labels & operator_target_labels
+    assert colliding
+    (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+    drops = [re.compile(r["regex"]) for r in endpoint.get("relabelings", [])
+             if r.get("action") == "labeldrop"]
+    for label in colliding:
+        assert any(d.fullmatch(label) for d in drops), f"target label {label} is not dropped"
+    for kept in ("instance", "job"):  # the dashboard selects on instance
+        assert not any(d.fullmatch(kept) for d in drops)
 
 
 def test_daemonset_selector_matches_its_pod_template(rendered: Rendered) -> None:
