@@ -1,8 +1,8 @@
 """``gpu-topology-agent run``: the node agent's lifecycle.
 
 Start order: logging and the effective configuration; NVML (real or simulated); topology;
-labels file; metrics service (so ``/health`` answers early); device-plugin servers and their
-registration; health watcher. Readiness (``/ready``) = the topology is read and every
+labels file; device-plugin servers and their registration (in the background); metrics
+service; health watcher. Readiness (``/ready``) = the topology is read and every
 resource is registered with the running kubelet.
 
 Signals only set flags; the main thread does the work: SIGHUP reloads the configuration and
@@ -169,14 +169,15 @@ class Daemon:
         )
         self._write_labels()
         self.health = HealthState(self.topology.gpu_count)
-        self._start_metrics()
         from agent.deviceplugin.manager import DevicePluginManager
 
-        self.manager = DevicePluginManager(
-            self.topology, self.config, self.health,
-            metrics=getattr(self.metrics, "agent_metrics", None),
-        )
+        # The device plugins start before the metrics service: registration is what the
+        # node waits for (goal: within 2 s of start); the metrics hooks are attached after.
+        self.manager = DevicePluginManager(self.topology, self.config, self.health)
         self.manager.start()
+        self._start_metrics()
+        if self.metrics is not None:
+            self.manager.attach_metrics(getattr(self.metrics, "agent_metrics", None))
         self._start_watcher()
         return True
 

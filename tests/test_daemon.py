@@ -281,6 +281,15 @@ def simulated(dirs):
         kubelet.stop()
 
 
+def _eventually(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @needs_simulation
 def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.3))
@@ -289,7 +298,14 @@ def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     daemon.sim.lib.inject_xid(3, 79)
     assert kubelet.wait_for(lambda: (health_of(kubelet) or [])[3:4] == ["Unhealthy"], 5.0)
     assert health_of(kubelet).count("Unhealthy") == 1
+    reg = daemon.metrics.registry
+    uuid3 = daemon.topology.gpus[3].uuid
+    labels = {"resource": "nvidia.com/gpu", "device": uuid3}
+    # the metrics listener runs right after the stream is woken: poll, do not race it
+    assert _eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 0.0)
+    assert reg.get_sample_value("gpu_agent_registrations_total", {"resource": "nvidia.com/gpu"}) == 1.0
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
+    assert _eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 1.0)
 
 
 @needs_simulation

@@ -114,6 +114,21 @@ class DevicePluginManager:
             self._serve_all(topology, config)
         self._publish_health()
 
+    def attach_metrics(self, metrics: object | None) -> None:
+        """Report to ``metrics`` (an ``AgentMetrics``) from now on: registrations, kubelet
+        restarts, preferred-allocation latency, device health (published at once)."""
+        with self._lock:
+            self.metrics = metrics
+            for slot in self._slots:
+                slot.server.servicer.metrics = metrics
+            if metrics is not None:
+                for slot in self._slots:
+                    if slot.registered:
+                        hook = getattr(metrics, "registration", None)
+                        if hook is not None:
+                            hook(slot.server.resource.name)
+        self._publish_health()
+
     def ready(self) -> bool:
         """Every resource is registered with the running kubelet."""
         with self._lock:
