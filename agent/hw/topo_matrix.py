@@ -84,8 +84,10 @@ class TopoMatrixError(InputFormatError):
         where = f"{source}: line {line}: " if line is not None else f"{source}: "
         shown = ""
         if text is not None:
-            t = " ".join(text.split())
-            shown = f" (in {t[:70] + '...' if len(t) > 70 else t!r})"
+            snippet = " ".join(text.split())
+            if len(snippet) > 70:
+                snippet = snippet[:70] + "..."
+            shown = f" (in {snippet!r})"
         super().__init__(f"{where}{reason}{shown}")
 
 
