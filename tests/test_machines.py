@@ -21,8 +21,23 @@ MACHINES_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "agent", "hw",
 
 
 @pytest.fixture(scope="module")
-def topologies() -> dict[str, Topology]:
-    return {name: load_topology(name) for name in BUILTIN_MACHINES}
+def machines():
+    """Every built-in machine opened once for the module: (SimulatedMachine, Topology)."""
+    opened = {}
+    for name in BUILTIN_MACHINES:
+        sim = open_simulated(name)
+        backend = sim.backend()
+        backend.init()
+        opened[name] = (sim, backend.read_topology(source=f"simulated:{name}"))
+        backend.shutdown()
+    yield opened
+    for sim, _ in opened.values():
+        sim.close()
+
+
+@pytest.fixture(scope="module")
+def topologies(machines) -> dict[str, Topology]:
+    return {name: topo for name, (_, topo) in machines.items()}
 
 
 def nvlink_pairs(topo: Topology) -> dict[tuple[int, int], int]:
@@ -55,15 +70,12 @@ def test_every_builtin_machine_is_discovered_with_its_source_and_versions(topolo
 
 
 @pytest.mark.parametrize("name", BUILTIN_MACHINES)
-def test_nvml_common_ancestor_agrees_with_the_sysfs_tree(name):
-    with open_simulated(name) as sim:
-        backend = sim.backend()
-        backend.init()
-        topo = backend.read_topology()
-        sysfs = SysfsReader(sim.sysfs_root)
-        for link in topo.links:
-            a, b = topo.gpus[link.a].pci_bus_id, topo.gpus[link.b].pci_bus_id
-            assert link.pcie == sysfs.pcie_level(a, b), (link.a, link.b)
+def test_nvml_common_ancestor_agrees_with_the_sysfs_tree(machines, name):
+    sim, topo = machines[name]
+    sysfs = SysfsReader(sim.sysfs_root)
+    for link in topo.links:
+        a, b = topo.gpus[link.a].pci_bus_id, topo.gpus[link.b].pci_bus_id
+        assert link.pcie == sysfs.pcie_level(a, b), (link.a, link.b)
 
 
 @pytest.mark.parametrize("name", [n for n in BUILTIN_MACHINES if load_spec(n).nvswitch])

@@ -12,17 +12,26 @@ from hypothesis import strategies as st
 
 from agent.errors import AgentError
 from agent.hw.fake import FakeNvml, machine_spec_from_dict
-from agent.hw.machines import SimulatedMachine, load_spec, open_simulated
+from agent.hw.machines import load_spec, open_simulated
 from agent.hw.nvml import HealthEvent, NvmlBackend, NvmlError, NvmlUnavailable, mig_memory_gb
 
 
-@pytest.fixture
-def h100():
+@pytest.fixture(scope="module")
+def h100_machine():
     with open_simulated("dgx-h100") as sim:
-        backend = sim.backend()
-        backend.init()
-        yield sim.lib, backend
-        backend.shutdown()
+        yield sim
+
+
+@pytest.fixture
+def h100(h100_machine):
+    """A fresh fake NVML (faults are per test) over the module's fake sysfs tree."""
+    from agent.hw.sysfs import SysfsReader
+
+    fake = FakeNvml(h100_machine.spec)
+    backend = NvmlBackend(lib=fake, sysfs=SysfsReader(h100_machine.sysfs_root))
+    backend.init()
+    yield fake, backend
+    backend.shutdown()
 
 
 # ---------------------------------------------------------------- the call wrapper
@@ -285,11 +294,11 @@ _pairs = st.lists(
 ).map(lambda xs: {(min(a, b), max(a, b)): c for a, b, c in xs if a != b})
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairs=_pairs)
 def test_any_direct_nvlink_wiring_is_read_back_exactly(pairs):
     gpus = [
-        {"bus_id": f"0000:{0x20 * i + 1:02x}:00.0", "model": "NVIDIA A100-SXM4-80GB", "numa_node": i // 3,
+        {"bus_id": f"0000:{0x20 * i + 1:02x}:00.0", "model": "NVIDIA H100 80GB HBM3", "numa_node": i // 3,
          "host_bridge": f"pci0000:{0x20 * i:02x}"}
         for i in range(6)
     ]
@@ -297,11 +306,9 @@ def test_any_direct_nvlink_wiring_is_read_back_exactly(pairs):
         {"name": "prop", "numa_nodes": {0: {"cpus": "0-7"}, 1: {"cpus": "8-15"}}, "gpus": gpus,
          "nvlink": {"pairs": [[a, b, c] for (a, b), c in sorted(pairs.items())]}}
     )
-    sim = SimulatedMachine(spec)
-    with sim:
-        backend = sim.backend()
-        backend.init()
-        topo = backend.read_topology()
+    backend = NvmlBackend(lib=FakeNvml(spec))  # NVML alone: no sysfs tree to write
+    backend.init()
+    topo = backend.read_topology()
     got = {(link.a, link.b): link.nvlinks for link in topo.links if link.nvlinks}
     assert got == pairs
     assert all(not link.nvswitch for link in topo.links)
