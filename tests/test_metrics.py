@@ -9,6 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -429,3 +431,61 @@ def test_served_body_equals_the_rendered_registry_and_follows_new_snapshots():
     body = service.render().decode()
     assert 'DCGM_FI_DEV_GPU_TEMP{gpu="0"' in body and "} 77.0\n" in body
     assert service.render() == render_text(service.registry)
+
+
+# ------------------------------------------------------------------ robustness
+@settings(max_examples=40, deadline=None)
+@given(
+    unsupported=st.sets(st.tuples(
+        st.sampled_from(["nvmlDeviceGetTemperature", "nvmlDeviceGetMemoryInfo",
+                         "nvmlDeviceGetFieldValues", "nvmlGpmQueryDeviceSupport",
+                         "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetRemappedRows",
+                         "nvmlDeviceGetClockInfo", "nvmlGpmMetricsGet"]),
+        st.one_of(st.none(), st.integers(0, 3)))),
+    failing=st.sets(st.tuples(
+        st.sampled_from(["nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEccErrors",
+                         "nvmlGpmSampleGet", "nvmlDeviceGetPcieThroughput"]),
+        st.one_of(st.none(), st.integers(0, 3)))),
+    lost=st.sets(st.integers(0, 3)),
+)
+def test_any_mix_of_missing_failing_and_lost_still_gives_a_valid_scrape(unsupported, failing, lost):
+    backend = StandInBackend(4)
+    backend.unsupported |= unsupported
+    backend.failing |= failing
+    backend.lost_gpus |= lost
+    text = collect_text(backend, small_topology(4))
+    samples = parse_samples(text)
+    assert list(text_string_to_metric_families(text))
+    temps = {s.labels["gpu"] for s in samples if s.name == "DCGM_FI_DEV_GPU_TEMP"}
+    hidden = {str(g) for g in lost} | {
+        str(g) for g in range(4)
+        if ("nvmlDeviceGetTemperature", None) in unsupported
+        or ("nvmlDeviceGetTemperature", g) in unsupported}
+    assert temps == {str(g) for g in range(4)} - hidden
+    # topology info never depends on NVML
+    assert len([s for s in samples if s.name == "gpu_topology_info"]) == 4
+
+
+def test_every_metric_our_dashboard_uses_is_exported():
+    import json
+
+    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" /
+                            "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = set()
+    for expr in exprs:
+        used |= set(re.findall(r"\b((?:DCGM_FI|gpu_topology|gpu_agent)_[A-Za-z0-9_]+)", expr))
+    service = MetricsService(StandInBackend(2), small_topology(2),
+                             Config(metrics_address="127.0.0.1:0"), hostname="h",
+                             ready=lambda: True)
+    service.sampler.sample_once()
+    service.sampler.sample_once()
+    service.agent_metrics.observe_preferred_allocation(0.001)
+    service.agent_metrics.set_device_health("nvidia.com/gpu", "GPU-x", True)
+    service.agent_metrics.registration("nvidia.com/gpu")
+    body = service.render().decode()
+    exported = {m.group(1) for m in re.finditer(r"^# TYPE (\S+) ", body, re.M)}
+    exported |= {n + "_bucket" for n in exported}
+    missing = {u for u in used if u not in exported}
+    # per-container series exist only with pods; they are typed all the same
+    assert missing == set(), missing
