@@ -116,3 +116,20 @@ def test_size_flag_is_required(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["allocate"])
     assert exc.value.code == 2
+
+
+def test_built_in_default_machine_end_to_end_gives_one_numa_node_for_four_gpus(capsys):
+    from agent.hw.machines import load_topology
+
+    rc, out, err = run(capsys, "--size", "4", "--format", "json")
+    assert rc == 0 and err == ""
+    doc = json.loads(out)
+    topo = load_topology("dgx-h100")
+    assert len(doc["indices"]) == 4
+    assert len({topo.gpus[i].numa_node for i in doc["indices"]}) == 1
+    assert doc["devices"] == [topo.gpus[i].uuid for i in doc["indices"]]
+
+
+def test_unknown_machine_is_a_usage_error(capsys):
+    rc, out, err = run(capsys, "--size", "1", "--simulate", "no-such-machine")
+    assert rc == 2 and out == "" and "no-such-machine" in err
