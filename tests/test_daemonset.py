@@ -396,6 +396,8 @@ def test_probes_hit_health_and_ready_on_the_metrics_port(rendered: Rendered) -> 
     liveness = rendered.container["livenessProbe"]["httpGet"]
     readiness = rendered.container["readinessProbe"]["httpGet"]
     assert (liveness["path"], liveness["port"]) == ("/health", "metrics")
+    if "startupProbe" in rendered.container:
+        assert rendered.container["startupProbe"]["httpGet"] == liveness
     assert (readiness["path"], readiness["port"]) == ("/ready", "metrics")
 
 
