@@ -90,6 +90,7 @@ class Daemon:
         self._wake = threading.Event()
         self._stop_requested = False
         self._reload_requested = False
+        self._reread_requested = False
         self._signals = 0
 
     # ------------------------------------------------------------------ signals
@@ -103,6 +104,10 @@ class Daemon:
 
     def _on_hup(self, signum: int, frame: object) -> None:
         self._reload_requested = True
+        self._wake.set()
+
+    def _on_kubelet_restart(self) -> None:
+        self._reread_requested = True
         self._wake.set()
 
     def request_stop(self) -> None:
@@ -174,6 +179,7 @@ class Daemon:
         # The device plugins start before the metrics service: registration is what the
         # node waits for (goal: within 2 s of start); the metrics hooks are attached after.
         self.manager = DevicePluginManager(self.topology, self.config, self.health)
+        self.manager.on_kubelet_restart = self._on_kubelet_restart
         self.manager.start()
         self._start_metrics()
         if self.metrics is not None:
@@ -224,6 +230,8 @@ class Daemon:
         try:
             config = self.config_loader()
             topology = self.backend.read_topology()
+            if not self._same_gpu_count(topology):
+                topology = self.topology
             self.manager.reload(topology, config)
         except AgentError as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
@@ -239,6 +247,42 @@ class Daemon:
                 self.watcher = None
         elif config.health_checks_enabled:
             self._start_watcher()
+
+    def _same_gpu_count(self, topology: Any) -> bool:
+        # Health state and the watcher are sized by GPU count at start; a node whose GPU
+        # count changes (a GPU fell off the bus) is a restart, not a reload.
+        if topology.gpu_count == self.topology.gpu_count:
+            return True
+        log.error(
+            "GPU count changed from %d to %d: keeping the topology read at start; restart the agent",
+            self.topology.gpu_count, topology.gpu_count,
+        )
+        return False
+
+    def reread_topology(self) -> bool:
+        """After a kubelet restart: read the topology again and serve it if it changed
+        (a GPU replaced or MIG reconfigured while the node was in maintenance). True if it
+        changed."""
+        if self.backend is None or self.manager is None:
+            return False
+        try:
+            topology = self.backend.read_topology()
+        except AgentError as exc:
+            log.error("re-reading the topology failed, keeping the current one: %s", exc)
+            return False
+        if topology == self.topology:
+            return False
+        if not self._same_gpu_count(topology):
+            return False
+        log.warning("topology changed since start: serving the new one")
+        try:
+            self.manager.reload(topology, self.config)
+        except AgentError as exc:
+            log.error("cannot serve the new topology, keeping the current one: %s", exc)
+            return False
+        self.topology = topology
+        self._write_labels()
+        return True
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
@@ -275,9 +319,12 @@ class Daemon:
                     self._wake.wait(1.0)
                     self._wake.clear()
                     if self._reload_requested and not self._stop_requested:
-                        self._reload_requested = False
+                        self._reload_requested = self._reread_requested = False
                         log.info("SIGHUP: reloading")
                         self.reload()
+                    if self._reread_requested and not self._stop_requested:
+                        self._reread_requested = False
+                        self.reread_topology()
         finally:
             self.shutdown()
         return 0

@@ -343,3 +343,15 @@ def test_json_log_format_writes_one_object_per_line():
     record = json.loads(line)
     assert record["message"] == "registered nvidia.com/gpu" and record["level"] == "INFO"
     assert record["logger"] == "agent.test" and record["time"].endswith("Z")
+
+
+def test_kubelet_restart_rereads_the_topology_and_serves_a_changed_one(running):
+    daemon, kubelet, backend = running(Config())
+    assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8)
+    backend.topology = hgx8_topology(mig=True)  # GPUs 6 and 7 switched to MIG mode meanwhile
+    kubelet.restart()
+    # the main loop is not running in this test: do what it does when woken
+    assert daemon._wake.wait(3.0) and daemon._reread_requested
+    assert daemon.reread_topology()
+    assert kubelet.wait_for(lambda: (lst := kubelet.latest("nvidia.com/gpu")) is not None and len(lst.devices) == 6, 3.0)
+    assert daemon.reread_topology() is False  # unchanged the second time

@@ -76,6 +76,9 @@ class DevicePluginManager:
         self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
         self.socket_losses = 0  # our socket removed while the kubelet stayed
         self.registrations = 0  # successful Register calls
+        #: Called (on the watch thread) after a kubelet restart was detected; the daemon
+        #: uses it to read the topology again.
+        self.on_kubelet_restart: Callable[[], None] | None = None
         health.add_listener(self._publish_health)
 
     @property
@@ -205,6 +208,8 @@ class DevicePluginManager:
                         hook = getattr(self.metrics, "kubelet_restart", None)
                         if hook is not None:
                             hook()
+                        if self.on_kubelet_restart is not None:
+                            self.on_kubelet_restart()
                     else:
                         log.info("kubelet socket %s found", self.kubelet_socket)
                     self._seen_kubelet = True
