@@ -355,3 +355,19 @@ def test_kubelet_restart_rereads_the_topology_and_serves_a_changed_one(running):
     assert daemon.reread_topology()
     assert kubelet.wait_for(lambda: (lst := kubelet.latest("nvidia.com/gpu")) is not None and len(lst.devices) == 6, 3.0)
     assert daemon.reread_topology() is False  # unchanged the second time
+
+
+def test_second_stop_signal_exits_at_once(monkeypatch):
+    exits = []
+
+    def fake_exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    daemon = Daemon(Config())
+    daemon._on_stop_signal(signal.SIGTERM, None)
+    assert daemon._stop_requested and exits == []
+    with pytest.raises(SystemExit):
+        daemon._on_stop_signal(signal.SIGINT, None)
+    assert exits == [1]
