@@ -489,3 +489,20 @@ def test_every_metric_our_dashboard_uses_is_exported():
     missing = {u for u in used if u not in exported}
     # per-container series exist only with pods; they are typed all the same
     assert missing == set(), missing
+
+
+def test_placement_scores_are_prepared_on_refresh_so_scrapes_never_compute_them(kubelet):
+    topo = small_topology(4)
+    g = topo.gpus
+    kubelet.pods = [pod("ml", "x", {"m": [("nvidia.com/gpu", [g[0].uuid, g[2].uuid, g[3].uuid])]})]
+    config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path)
+    service = MetricsService(StandInBackend(4), topo, config, hostname="h", ready=lambda: True)
+    service.pod_resources.refresh_once()
+    service.pod_resources.client.close()
+
+    def forbidden(size):
+        raise AssertionError(f"best score for size {size} computed during a scrape")
+
+    service.scorer._compute_best = forbidden
+    body = service.render().decode()
+    assert 'gpu_topology_placement_quality_ratio{Hostname="h",container="m",namespace="ml",pod="x",gpu_count="3"' in body

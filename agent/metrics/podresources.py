@@ -185,15 +185,20 @@ class PodResourcesCache:
                 for index in containers[ref]:
                     first_seen[(ref, index)] = old_seen.get((ref, index), now)
                     by_gpu.setdefault(index, []).append(ref)
-            self.current = Attribution(
+            attribution = Attribution(
                 containers=MappingProxyType(containers),
                 by_gpu=MappingProxyType({i: tuple(v) for i, v in sorted(by_gpu.items())}),
                 first_seen=MappingProxyType(first_seen),
                 fetched_at=now,
             )
-            attribution = self.current
-        if self.on_refresh is not None:
-            self.on_refresh(attribution)
+            if self.on_refresh is not None:
+                # before publishing: whatever it prepares (placement scores) is ready when
+                # the first scrape sees the new attribution
+                try:
+                    self.on_refresh(attribution)
+                except Exception:
+                    log.exception("pod-resources refresh hook failed")
+            self.current = attribution
         return True
 
     def start(self) -> None:
