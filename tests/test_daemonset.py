@@ -113,6 +113,7 @@ def _render_with_kubectl(work: Path) -> list[dict[str, Any]]:
         [KUBECTL, "kustomize", str(work)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, f"kubectl kustomize failed: {result.stderr.strip()}"
+    assert not result.stderr.strip(), f"kubectl kustomize warned: {result.stderr.strip()}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
@@ -216,6 +217,14 @@ def test_kustomization_renders_every_object_of_the_deployment(rendered: Rendered
     for obj in rendered.objects:
         if obj["kind"] not in CLUSTER_SCOPED_KINDS:
             assert obj["metadata"].get("namespace") == namespace, obj["metadata"]["name"]
+
+
+def test_every_object_fits_kubectl_apply_last_applied_annotation(rendered: Rendered) -> None:
+    # Client-side `kubectl apply -k` copies each object into an annotation, and annotations
+    # are capped at 256 KiB in total: a bigger dashboard would need --server-side.
+    for obj in rendered.objects:
+        size = len(json.dumps(obj, separators=(",", ":")).encode())
+        assert size < 256 * 1024 - 4096, f"{obj['kind']} {obj['metadata']['name']}: {size} bytes"
 
 
 def test_prometheus_rule_is_part_of_the_deployment(rendered: Rendered) -> None:
