@@ -30,7 +30,7 @@ COPY agent/ agent/
 RUN python -m venv /opt/venv \
  && pip wheel --no-cache-dir --wheel-dir /wheels . \
  && /opt/venv/bin/pip install --no-cache-dir --no-index --find-links /wheels gpu-topology-agent \
- && /opt/venv/bin/python -c "import agent._topo, agent._proto.deviceplugin_v1beta1_pb2_grpc"
+ && /opt/venv/bin/python -c "import agent._topo, agent._proto.deviceplugin_v1beta1_pb2_grpc, agent._proto.podresources_v1_pb2_grpc"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="gpu-topology-agent" \

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import json
 import re
 import shlex
@@ -256,6 +257,18 @@ def test_builder_installs_a_compiler_and_builds_the_wheel_into_the_venv(stages: 
     assert re.search(r"\bpip wheel\b.* \.(\s|$)", runs), "the builder must `pip wheel .`"
     assert f"python -m venv {VENV}" in runs
     assert f"{VENV}/bin/pip install" in runs
+
+
+def test_modules_the_builder_smoke_imports_are_built_by_the_package(stages: list[Stage]) -> None:
+    # The builder fails the image build if the wheel lacks the compiled engine or the gRPC
+    # stubs; the names it imports must be the ones the build produces.
+    runs = " ".join(i.arguments for i in stages[0].of("RUN"))
+    match = re.search(r'python -c "import ([\w., ]+)"', runs)
+    assert match, "the builder should smoke-import the built package"
+    modules = [m.strip() for m in match.group(1).split(",")]
+    assert "agent._topo" in modules
+    for module in modules:
+        importlib.import_module(module)
 
 
 def test_runtime_stage_copies_only_the_venv_from_the_builder(stages: list[Stage]) -> None:
