@@ -3,6 +3,7 @@ dictionary, real pasted ``nvidia-smi topo -m`` outputs, and the ``labels`` subco
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,14 @@ def test_topology_labels_of_real_pasted_matrices(filename, fabric, largest_cliqu
 # ------------------------------------------------------------------ built-in machines
 machines = pytest.importorskip("agent.hw.machines")
 BUILTIN = tuple(getattr(machines, "BUILTIN_MACHINES", ()))
+
+
+@functools.cache
+def topology(name: str):
+    """Built-in machine topologies, read once per test session (they are immutable)."""
+    return machines.load_topology(name)
+
+
 needs_machines = pytest.mark.skipif(
     not BUILTIN or not hasattr(machines, "load_topology"),
     reason="agent.hw.machines (built-in simulated machines) has not landed yet")
@@ -81,7 +90,7 @@ def test_every_built_in_machine_has_an_expected_label_file():
 @needs_machines
 @pytest.mark.parametrize("name", BUILTIN or ["none"])
 def test_built_in_machine_labels_match_the_expected_dictionary(name):
-    labels = compute_labels(machines.load_topology(name), Config())
+    labels = compute_labels(topology(name), Config())
     assert labels == read_expected(FIXTURES / f"{name}.txt")
     for key, value in labels.items():
         assert is_valid_label_key(key) and is_valid_label_value(value) and value, (key, value)
@@ -89,7 +98,7 @@ def test_built_in_machine_labels_match_the_expected_dictionary(name):
 
 @needs_machines
 def test_mig_mixed_strategy_on_the_mig_machine_labels_each_profile():
-    labels = compute_labels(machines.load_topology("a100-mig"), Config(mig_strategy="mixed"))
+    labels = compute_labels(topology("a100-mig"), Config(mig_strategy="mixed"))
     counts = {k.split("/")[1][len("mig-"):-len(".count")]: v for k, v in labels.items()
               if k.startswith("nvidia.com/mig-") and k.endswith(".count")}
     assert counts == {"1g.5gb": "9", "2g.10gb": "1", "3g.20gb": "2", "4g.20gb": "1"}
@@ -101,7 +110,7 @@ def test_mig_mixed_strategy_on_the_mig_machine_labels_each_profile():
 
 @needs_machines
 def test_mig_single_strategy_on_mixed_profiles_is_labelled_invalid():
-    labels = compute_labels(machines.load_topology("a100-mig"), Config(mig_strategy="single"))
+    labels = compute_labels(topology("a100-mig"), Config(mig_strategy="single"))
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-MIG-INVALID"
     assert labels["nvidia.com/gpu.count"] == "0"
 
@@ -111,7 +120,7 @@ def test_mig_single_strategy_on_mixed_profiles_is_labelled_invalid():
 def test_labels_command_prints_sorted_key_value_lines_of_the_default_machine(capsys):
     assert main(["labels"]) == 0
     out = capsys.readouterr().out
-    expected = compute_labels(machines.load_topology("dgx-h100"), Config())
+    expected = compute_labels(topology("dgx-h100"), Config())
     assert out == format_labels(expected)
     assert out.splitlines() == sorted(out.splitlines())
 
