@@ -371,3 +371,25 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
     with pytest.raises(SystemExit):
         daemon._on_stop_signal(signal.SIGINT, None)
     assert exits == [1]
+
+
+@needs_simulation
+def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
+    from agent._proto import podresources_v1_pb2 as pr
+    from kubelet_stub import PodResourcesStub
+
+    daemon_topology = __import__("agent.hw.machines", fromlist=["load_topology"]).load_topology("dgx-h100")
+    uuid3 = daemon_topology.gpus[3].uuid
+    listing = pr.ListPodResourcesResponse()
+    pod = listing.pod_resources.add(name="train-0", namespace="ml")
+    pod.containers.add(name="main").devices.add(resource_name="nvidia.com/gpu", device_ids=[uuid3])
+    stub = PodResourcesStub(os.path.join(dirs["k"], "podres.sock"), listing).start()
+    try:
+        daemon, _ = simulated(Config(pod_resources_refresh_s=0.05, sample_interval_s=0.05))
+        assert daemon.topology.gpus[3].uuid == uuid3
+        assert _eventually(lambda: b'pod="train-0"' in daemon.metrics.render(), 10.0)
+        lines = [line for line in daemon.metrics.render().decode().splitlines() if 'pod="train-0"' in line]
+        dcgm = [line for line in lines if line.startswith("DCGM_FI_DEV_")]
+        assert dcgm and all('gpu="3"' in line and 'namespace="ml"' in line for line in dcgm)
+    finally:
+        stub.stop()
