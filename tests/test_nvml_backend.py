@@ -61,6 +61,17 @@ def test_a_gpu_lost_before_discovery_is_returned_marked_lost_and_the_others_comp
     assert any("lost" in note for note in topo.notes)
 
 
+def test_a_gpu_lost_while_being_read_keeps_what_was_read_and_is_marked_lost(h100):
+    fake, backend = h100
+    fake.fail("nvmlDeviceGetMemoryInfo", FakeNvml.NVML_ERROR_GPU_IS_LOST, 2)
+    topo = backend.read_topology()
+    lost = topo.gpus[2]
+    assert lost.lost and lost.uuid == fake.spec.gpus[2].uuid and lost.memory_mib is None
+    assert lost.pci_bus_id == "00000000:52:00.0" and lost.numa_node == 0  # read before it was lost
+    assert [g.index for g in topo.gpus if g.lost] == [2]
+    assert topo.link(0, 1).nvlinks == 18
+
+
 def test_calls_for_a_lost_gpu_return_none_without_touching_nvml(h100):
     fake, backend = h100
     h = backend.handle(5)

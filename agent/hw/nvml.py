@@ -167,6 +167,7 @@ class NvmlBackend:
         self._handle_gpu: dict[object, int] = {}
         self._event_set: Any = None
         self._events_registered: set[int] = set()
+        self._event_gpus: int | None = None  # GPU count, read once for event registration
         self._initialized = False
 
     # ------------------------------------------------------------------ state
@@ -426,7 +427,9 @@ class NvmlBackend:
                 self._event_set = self.call("nvmlEventSetCreate")
             if self._event_set is None:
                 return False
-        for index in range(self.device_count()):
+        if self._event_gpus is None:
+            self._event_gpus = self.device_count()
+        for index in range(self._event_gpus):
             if index not in self._events_registered:
                 self._register_gpu_events(index)
         return True
@@ -470,7 +473,7 @@ class NvmlBackend:
                     with self._lock:
                         self._errors[wait_name] = self._errors.get(wait_name, 0) + 1
                     if exc.value == self.const("NVML_ERROR_GPU_IS_LOST"):
-                        for index in range(self.device_count()):
+                        for index in range(self._event_gpus or 0):
                             if index not in self._lost:
                                 self.probe(index)
                         timeout = 0
@@ -593,10 +596,11 @@ class NvmlBackend:
     def _read_gpu(self, index: int, numa_nodes: dict[int, Any], notes: list[str]) -> tuple[Gpu, Any]:
         h = self.handle(index)
         call = self.call
+        # identity first: a GPU lost half-way is still known by UUID and bus id
         uuid = call("nvmlDeviceGetUUID", h, gpu=index) if h is not None else None
+        pci = call("nvmlDeviceGetPciInfo", h, gpu=index) if h is not None else None
         name = call("nvmlDeviceGetName", h, gpu=index) if h is not None else None
         memory = call("nvmlDeviceGetMemoryInfo", h, gpu=index) if h is not None else None
-        pci = call("nvmlDeviceGetPciInfo", h, gpu=index) if h is not None else None
         minor = call("nvmlDeviceGetMinorNumber", h, gpu=index) if h is not None else None
         cc = call("nvmlDeviceGetCudaComputeCapability", h, gpu=index) if h is not None else None
         bus_id = _nvml_bus_id(pci.busId) if pci is not None else ""
