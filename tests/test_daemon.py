@@ -393,3 +393,31 @@ def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
         assert dcgm and all('gpu="3"' in line and 'namespace="ml"' in line for line in dcgm)
     finally:
         stub.stop()
+
+
+class NoDriverBackend(StubBackend):
+    def init(self) -> None:
+        from agent.hw.nvml import NvmlUnavailable
+
+        raise NvmlUnavailable("NVML library not found (libnvidia-ml.so.1)")
+
+
+@needs_simulation
+def test_missing_nvml_fails_start_when_fail_on_init_error(dirs):
+    daemon = InProcessDaemon(Config(kubelet_dir=dirs["k"]), NoDriverBackend(hgx8_topology()))
+    with pytest.raises(Exception, match="NVML library not found") as info:
+        daemon.start()
+    assert info.value.exit_code == 1
+
+
+@needs_simulation
+def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplog):
+    daemon = InProcessDaemon(Config(kubelet_dir=dirs["k"], fail_on_init_error=False), NoDriverBackend(hgx8_topology()),
+                             nvml_retry_s=0.01)
+    timer = threading.Timer(0.3, daemon.request_stop)
+    timer.start()
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        assert daemon.start() is False
+    timer.join()
+    assert daemon.manager is None and not daemon.ready()
+    assert any("failOnInitError is false" in r.message for r in caplog.records)
