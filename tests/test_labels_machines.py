@@ -117,12 +117,20 @@ def test_mig_single_strategy_on_mixed_profiles_is_labelled_invalid():
 
 # ------------------------------------------------------------------ the subcommand
 @needs_machines
-def test_labels_command_prints_sorted_key_value_lines_of_the_default_machine(capsys):
-    assert main(["labels"]) == 0
+def test_labels_command_prints_sorted_key_value_lines_of_a_simulated_machine(capsys):
+    assert main(["labels", "--simulate", "dgx-h100"]) == 0
     out = capsys.readouterr().out
     expected = compute_labels(topology("dgx-h100"), Config())
     assert out == format_labels(expected)
     assert out.splitlines() == sorted(out.splitlines())
+
+
+def test_labels_command_without_simulate_reads_nvml_and_says_clearly_when_it_is_missing(capsys):
+    # these machines have no NVIDIA driver: the command must fail with one clear line
+    assert main(["labels"]) == 1
+    err = capsys.readouterr().err
+    assert "NVML is not available" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_labels_command_reads_a_pasted_topology_matrix(capsys):

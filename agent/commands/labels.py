@@ -10,29 +10,20 @@ import os
 import sys
 
 from agent.commands._common import add_simulate_flag, load_topology
-from agent.config import Config
+from agent.config import Config, load_config
 from agent.labels import compute_labels, format_labels
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("labels", help="print the node labels (GFD-compatible + topology)")
-    add_simulate_flag(p, default="dgx-h100")
+    add_simulate_flag(p)
     p.add_argument("--config", metavar="FILE", default=None,
                    help="device plugin config file (version: v1), YAML or JSON")
     p.set_defaults(func=run)
 
 
 def load_effective_config(config_file: str | None) -> Config:
-    """The agent's configuration from ``config_file`` + environment (contract 5); the
-    defaults when the loader is not available in this build."""
-    try:
-        from agent.config import load_config  # type: ignore[attr-defined]
-    except ImportError:
-        if config_file:
-            from agent.errors import UsageError
-
-            raise UsageError("--config is not supported by this build (no config loader)")
-        return Config()
+    """The agent's configuration from ``config_file`` + environment, as ``run`` reads it."""
     return load_config(config_file, dict(os.environ), {})
 
 
