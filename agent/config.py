@@ -205,6 +205,12 @@ def _check_keys(section: Mapping[str, Any], allowed: tuple[str, ...], where: str
             )
 
 
+def _is_device_index(text: str) -> bool:
+    """``"3"`` (a GPU index) or ``"3:1"`` (MIG device 1 of GPU 3)."""
+    parts = text.split(":")
+    return len(parts) in (1, 2) and all(p.isdigit() for p in parts)
+
+
 def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> None:
     where = "sharing.timeSlicing"
     _check_keys(section, ("renameByDefault", "failRequestsGreaterThanOne", "resources"), where)
@@ -240,8 +246,10 @@ def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> N
         elif isinstance(devices_raw, list) and devices_raw:
             devices = tuple(str(d).strip() for d in devices_raw)
             for d in devices:
-                if not (d.isdigit() or d.startswith("GPU-") or d.startswith("MIG-")):
-                    raise ValueError(f"{at}.devices: expected GPU indices, GPU or MIG UUIDs, got {d!r}")
+                if not (_is_device_index(d) or d.startswith("GPU-") or d.startswith("MIG-")):
+                    raise ValueError(
+                        f"{at}.devices: expected GPU indices, MIG indices (GPU:MIG), GPU or MIG UUIDs, got {d!r}"
+                    )
         else:
             raise ValueError(f"{at}.devices: expected \"all\" or a non-empty list, got {devices_raw!r}")
         parsed.append(TimeSlicingResource(name=name, replicas=replicas, rename=rename, devices=devices))

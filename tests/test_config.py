@@ -29,7 +29,7 @@ sharing:
     resources:
     - name: nvidia.com/gpu
       replicas: 4
-      devices: [0, "GPU-aaaa"]
+      devices: [0, "GPU-aaaa", "1:2"]
     - name: nvidia.com/mig-1g.10gb
       replicas: 2
       rename: small
@@ -58,7 +58,7 @@ def test_anchor_config_file_sets_every_field_it_names(tmp_path):
     assert c.cdi_annotation_prefix == "cdi.example.com/"
     assert c.rename_by_default is True and c.fail_requests_greater_than_one is True
     gpu, mig = c.time_slicing
-    assert (gpu.name, gpu.replicas, gpu.devices, gpu.rename) == ("nvidia.com/gpu", 4, ("0", "GPU-aaaa"), None)
+    assert (gpu.name, gpu.replicas, gpu.devices, gpu.rename) == ("nvidia.com/gpu", 4, ("0", "GPU-aaaa", "1:2"), None)
     assert (mig.name, mig.replicas, mig.devices, mig.rename) == ("nvidia.com/mig-1g.10gb", 2, None, "small")
     assert c.config_file == path
 

@@ -94,3 +94,12 @@ def test_physical_devices_reduce_replicas_to_their_gpu_once():
     (res,) = build_resources(topo, Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=3),)))
     phys = physical_devices([res.devices[4], res.devices[3], res.devices[0], res.devices[5]])
     assert [d.id for d in phys] == [topo.gpus[1].uuid, topo.gpus[0].uuid]
+
+
+def test_time_slicing_selects_mig_devices_by_gpu_and_mig_index():
+    topo = hgx8_topology(mig=True)
+    config = Config(mig_strategy="mixed", time_slicing=(TimeSlicingResource("nvidia.com/mig-1g.10gb", replicas=3, devices=("7:1",)),))
+    res = {r.name: r for r in build_resources(topo, config)}["nvidia.com/mig-1g.10gb"]
+    assert [d.id for d in res.devices] == [topo.gpus[7].mig_devices[0].uuid] + [
+        f"{topo.gpus[7].mig_devices[1].uuid}::{n}" for n in range(3)
+    ]

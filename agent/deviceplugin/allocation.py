@@ -28,7 +28,8 @@ TOPOLOGY_ENV_PREFIX = "GPU_TOPOLOGY_"
 #: Control device nodes passed with ``passDeviceSpecs`` where they exist on the host.
 CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 
-_DEVICE_ID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+(::[0-9]+)?$")
+# GPU/MIG UUIDs (including the old "MIG-GPU-<uuid>/<gi>/<ci>" form), optional replica suffix.
+_DEVICE_ID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+(::[0-9]+)?$")
 
 
 @dataclass

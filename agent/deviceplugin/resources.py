@@ -126,6 +126,8 @@ def _selects(entry: TimeSlicingResource, device: PluginDevice, topology: Topolog
             return True
         if sel.isdigit() and device.mig is None and int(sel) == device.gpu_index:
             return True
+        if device.mig is not None and sel == f"{device.gpu_index}:{device.mig.index}":
+            return True
     return False
 
 
