@@ -50,28 +50,57 @@ def test_every_fake_function_exists_in_pynvml_with_the_same_parameters(name):
     assert real is not None, f"pynvml has no {name}"
     real_params = [(p.name, p.kind, p.default) for p in inspect.signature(real).parameters.values()]
     fake_params = [
-        (p.name, p.kind, p.default) for p in inspect.signature(getattr(FakeNvml, name)).parameters.values()
+        (p.name, p.kind, p.default)
+        for p in inspect.signature(getattr(FakeNvml, name)).parameters.values()
     ][1:]  # drop self
     assert fake_params == real_params
 
 
 def test_the_fake_implements_what_the_backend_and_metrics_call():
     needed = {
-        "nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
-        "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPciInfo",
-        "nvmlDeviceGetMinorNumber", "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMigMode",
-        "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex",
-        "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkRemotePciInfo",
-        "nvmlDeviceGetNvLinkRemoteDeviceType", "nvmlDeviceGetTopologyCommonAncestor",
-        "nvmlDeviceGetP2PStatus", "nvmlDeviceGetGpuFabricInfoV", "nvmlSystemGetDriverVersion",
-        "nvmlSystemGetCudaDriverVersion_v2", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature",
-        "nvmlDeviceGetFieldValues", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption",
-        "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetUtilizationRates",
-        "nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetDecoderUtilization",
-        "nvmlDeviceGetRemappedRows", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetPcieThroughput",
-        "nvmlDeviceGetComputeRunningProcesses", "nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc",
-        "nvmlGpmSampleGet", "nvmlGpmSampleFree", "nvmlGpmMetricsGet", "nvmlEventSetCreate",
-        "nvmlDeviceRegisterEvents", "nvmlDeviceGetSupportedEventTypes", "nvmlEventSetWait_v2",
+        "nvmlInit",
+        "nvmlShutdown",
+        "nvmlDeviceGetCount",
+        "nvmlDeviceGetHandleByIndex",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetName",
+        "nvmlDeviceGetMemoryInfo",
+        "nvmlDeviceGetPciInfo",
+        "nvmlDeviceGetMinorNumber",
+        "nvmlDeviceGetCudaComputeCapability",
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceGetMaxMigDeviceCount",
+        "nvmlDeviceGetMigDeviceHandleByIndex",
+        "nvmlDeviceGetNvLinkState",
+        "nvmlDeviceGetNvLinkRemotePciInfo",
+        "nvmlDeviceGetNvLinkRemoteDeviceType",
+        "nvmlDeviceGetTopologyCommonAncestor",
+        "nvmlDeviceGetP2PStatus",
+        "nvmlDeviceGetGpuFabricInfoV",
+        "nvmlSystemGetDriverVersion",
+        "nvmlSystemGetCudaDriverVersion_v2",
+        "nvmlDeviceGetClockInfo",
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetFieldValues",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetPcieReplayCounter",
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetEncoderUtilization",
+        "nvmlDeviceGetDecoderUtilization",
+        "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlGpmQueryDeviceSupport",
+        "nvmlGpmSampleAlloc",
+        "nvmlGpmSampleGet",
+        "nvmlGpmSampleFree",
+        "nvmlGpmMetricsGet",
+        "nvmlEventSetCreate",
+        "nvmlDeviceRegisterEvents",
+        "nvmlDeviceGetSupportedEventTypes",
+        "nvmlEventSetWait_v2",
         "nvmlEventSetFree",
     }
     assert needed <= set(FakeNvml.api_functions())
@@ -90,7 +119,9 @@ def test_every_fake_error_class_exists_in_pynvml_with_the_same_code(name):
     # NVMLError(code) gives the subclass, in both
     assert type(FakeNvml.NVMLError(fake_cls().value)) is fake_cls
     assert type(pynvml.NVMLError(real_cls().value)).__name__ == name
-    assert str(fake_cls()) == pynvml.NVMLError._errcode_to_string.get(real_cls().value, str(fake_cls()))
+    assert str(fake_cls()) == pynvml.NVMLError._errcode_to_string.get(
+        real_cls().value, str(fake_cls())
+    )
 
 
 @pytest.mark.parametrize("name", sorted(STRUCTS))
@@ -103,7 +134,12 @@ def test_every_fake_struct_has_pynvmls_field_names(name):
 
 
 def test_caller_allocated_structs_have_pynvmls_memory_layout():
-    for name in ("c_nvmlGpuFabricInfoV_t", "c_nvmlGpuFabricInfo_t", "c_nvmlFieldValue_t", "c_nvmlValue_t"):
+    for name in (
+        "c_nvmlGpuFabricInfoV_t",
+        "c_nvmlGpuFabricInfo_t",
+        "c_nvmlFieldValue_t",
+        "c_nvmlValue_t",
+    ):
         assert ctypes.sizeof(STRUCTS[name]) == ctypes.sizeof(getattr(pynvml, name)), name
     assert STRUCTS["c_nvmlGpuFabricInfoV_t"]().version == pynvml.c_nvmlGpuFabricInfoV_t().version
 
@@ -140,7 +176,9 @@ def test_switch_links_report_a_switch_at_the_remote_end(h100):
     kinds = {h100.nvmlDeviceGetNvLinkRemoteDeviceType(h, k) for k in range(18)}
     assert kinds == {FakeNvml.NVML_NVLINK_DEVICE_TYPE_SWITCH}
     remote = h100.nvmlDeviceGetNvLinkRemotePciInfo(h, 0).busId
-    assert remote not in {h100.nvmlDeviceGetPciInfo(h100.nvmlDeviceGetHandleByIndex(i)).busId for i in range(8)}
+    assert remote not in {
+        h100.nvmlDeviceGetPciInfo(h100.nvmlDeviceGetHandleByIndex(i)).busId for i in range(8)
+    }
 
 
 def test_gpu_links_report_the_peer_gpus_bus_id(v100):
@@ -156,8 +194,12 @@ def test_a_lost_gpu_raises_gpu_is_lost_only_for_its_own_handles():
     h0, h1 = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(1)
     mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(h0, 0)
     fake.lose_gpu(0)
-    for fn, args in (("nvmlDeviceGetUUID", (h0,)), ("nvmlDeviceGetPowerUsage", (h0,)),
-                     ("nvmlDeviceGetUUID", (mig,)), ("nvmlDeviceGetP2PStatus", (h1, h0, 2))):
+    for fn, args in (
+        ("nvmlDeviceGetUUID", (h0,)),
+        ("nvmlDeviceGetPowerUsage", (h0,)),
+        ("nvmlDeviceGetUUID", (mig,)),
+        ("nvmlDeviceGetP2PStatus", (h1, h0, 2)),
+    ):
         with pytest.raises(FakeNvml.NVMLError_GpuIsLost):
             getattr(fake, fn)(*args)
     assert fake.nvmlDeviceGetUUID(h1).startswith("GPU-")
@@ -239,7 +281,11 @@ def test_an_injected_xid_reaches_a_registered_event_set(h100):
     h100.inject_xid(3, 79)
     h100.inject_xid(4, 48)  # GPU 4 is not registered: not delivered
     data = h100.nvmlEventSetWait_v2(es, 1000)
-    assert (data.device, data.eventType, data.eventData) == (h3, FakeNvml.nvmlEventTypeXidCriticalError, 79)
+    assert (data.device, data.eventType, data.eventData) == (
+        h3,
+        FakeNvml.nvmlEventTypeXidCriticalError,
+        79,
+    )
     with pytest.raises(FakeNvml.NVMLError_Timeout):
         h100.nvmlEventSetWait_v2(es, 0)
     h100.nvmlEventSetFree(es)
@@ -247,7 +293,9 @@ def test_an_injected_xid_reaches_a_registered_event_set(h100):
 
 def test_a_waiter_is_woken_by_an_event_from_another_thread(h100):
     es = h100.nvmlEventSetCreate()
-    h100.nvmlDeviceRegisterEvents(h100.nvmlDeviceGetHandleByIndex(0), FakeNvml.nvmlEventTypeDoubleBitEccError, es)
+    h100.nvmlDeviceRegisterEvents(
+        h100.nvmlDeviceGetHandleByIndex(0), FakeNvml.nvmlEventTypeDoubleBitEccError, es
+    )
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append(h100.nvmlEventSetWait_v2(es, 30_000)))
     waiter.start()
@@ -260,7 +308,9 @@ def test_a_waiter_is_woken_by_an_event_from_another_thread(h100):
 
 def test_losing_a_registered_gpu_wakes_the_waiter_with_gpu_is_lost(h100):
     es = h100.nvmlEventSetCreate()
-    h100.nvmlDeviceRegisterEvents(h100.nvmlDeviceGetHandleByIndex(5), FakeNvml.nvmlEventTypeXidCriticalError, es)
+    h100.nvmlDeviceRegisterEvents(
+        h100.nvmlDeviceGetHandleByIndex(5), FakeNvml.nvmlEventTypeXidCriticalError, es
+    )
     h100.lose_gpu(5)
     with pytest.raises(FakeNvml.NVMLError_GpuIsLost):
         h100.nvmlEventSetWait_v2(es, 1000)
@@ -293,7 +343,8 @@ def test_telemetry_is_deterministic_per_machine_and_gpu(h100_spec):
     for fake in (a, b):
         fake.nvmlInit()
     read = [
-        [f.nvmlDeviceGetUtilizationRates(f.nvmlDeviceGetHandleByIndex(i)).gpu for i in range(8)] for f in (a, b)
+        [f.nvmlDeviceGetUtilizationRates(f.nvmlDeviceGetHandleByIndex(i)).gpu for i in range(8)]
+        for f in (a, b)
     ]
     assert read[0] == read[1]
     assert len(set(read[0])) > 1  # GPUs differ from each other
@@ -314,13 +365,17 @@ def test_field_values_answer_per_field_with_their_own_return_code(h100):
     h = h100.nvmlDeviceGetHandleByIndex(0)
     values = h100.nvmlDeviceGetFieldValues(h, [FakeNvml.NVML_FI_DEV_MEMORY_TEMP, 9999, (138, 0)])
     assert [v.fieldId for v in values] == [82, 9999, 138]
-    assert values[0].nvmlReturn == 0 and values[0].valueType == FakeNvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    assert (
+        values[0].nvmlReturn == 0 and values[0].valueType == FakeNvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    )
     assert 20 < values[0].value.uiVal < 110
     assert values[1].nvmlReturn == FakeNvml.NVML_ERROR_NOT_SUPPORTED
     assert values[2].nvmlReturn == 0 and values[2].scopeId == 0
     l40s = FakeNvml(load_spec("pcie-4gpu"))
     l40s.nvmlInit()
-    no_hbm = l40s.nvmlDeviceGetFieldValues(l40s.nvmlDeviceGetHandleByIndex(0), [FakeNvml.NVML_FI_DEV_MEMORY_TEMP])
+    no_hbm = l40s.nvmlDeviceGetFieldValues(
+        l40s.nvmlDeviceGetHandleByIndex(0), [FakeNvml.NVML_FI_DEV_MEMORY_TEMP]
+    )
     assert no_hbm[0].nvmlReturn == FakeNvml.NVML_ERROR_NOT_SUPPORTED
 
 
@@ -369,13 +424,33 @@ _MINIMAL = {"name": "m", "gpus": [{"bus_id": "0000:3b:00.0", "model": "NVIDIA A1
         ({"colour": "red"}, r"unknown keys \['colour'\]"),
         ({"gpus": []}, "gpus: a machine needs at least one GPU"),
         ({"gpus": [{"bus_id": "3b:00"}]}, r"gpus\[0\].bus_id: not a PCI bus id"),
-        ({"gpus": [{"bus_id": "0000:3b:00.0", "mig": ["1g.5gb"], "model": "NVIDIA A10"}]}, "not MIG capable"),
-        ({"gpus": [{"bus_id": "0000:3b:00.0", "model": "NVIDIA A100-SXM4-40GB", "mig": ["3g.20gb", "4g.20gb", "1g.5gb"]}]},
-         "more than 7"),
+        (
+            {"gpus": [{"bus_id": "0000:3b:00.0", "mig": ["1g.5gb"], "model": "NVIDIA A10"}]},
+            "not MIG capable",
+        ),
+        (
+            {
+                "gpus": [
+                    {
+                        "bus_id": "0000:3b:00.0",
+                        "model": "NVIDIA A100-SXM4-40GB",
+                        "mig": ["3g.20gb", "4g.20gb", "1g.5gb"],
+                    }
+                ]
+            },
+            "more than 7",
+        ),
         ({"nvlink": {"pairs": [[0, 0, 1]]}}, r"nvlink.pairs\[0\]"),
-        ({"gpus": [{"bus_id": "0000:3b:00.0", "model": "Tesla V100-SXM2-16GB"},
-                   {"bus_id": "0000:3c:00.0", "model": "Tesla V100-SXM2-16GB"}],
-          "nvlink": {"pairs": [[0, 1, 7]]}}, "wired with 7 NVLinks but Tesla V100-SXM2-16GB has 6"),
+        (
+            {
+                "gpus": [
+                    {"bus_id": "0000:3b:00.0", "model": "Tesla V100-SXM2-16GB"},
+                    {"bus_id": "0000:3c:00.0", "model": "Tesla V100-SXM2-16GB"},
+                ],
+                "nvlink": {"pairs": [[0, 1, 7]]},
+            },
+            "wired with 7 NVLinks but Tesla V100-SXM2-16GB has 6",
+        ),
         ({"numa_nodes": {"0": {"cpus": "zero"}}}, "numa_nodes.0.cpus: not a cpulist"),
         ({"faults": {"init_error": "no_such_thing"}}, "faults.init_error: unknown NVML error"),
         ({"pcie_levels": {"0-1": "PIX"}}, "pcie_levels.0-1"),
@@ -387,7 +462,10 @@ def test_a_bad_spec_is_an_input_format_error_naming_the_key(change, message):
 
 
 def test_mig_profiles_parse_gpu_and_compute_slices():
-    assert (parse_mig_profile("3g.40gb").gi_slices, parse_mig_profile("3g.40gb").ci_slices) == (3, 3)
+    assert (parse_mig_profile("3g.40gb").gi_slices, parse_mig_profile("3g.40gb").ci_slices) == (
+        3,
+        3,
+    )
     assert parse_mig_profile("1c.3g.40gb").ci_slices == 1
     with pytest.raises(ValueError):
         parse_mig_profile("3g")

@@ -45,7 +45,10 @@ def nvlink_pairs(topo: Topology) -> dict[tuple[int, int], int]:
 
 
 def nic_levels(topo: Topology) -> dict[str, tuple[str | None, ...]]:
-    return {nic.name: tuple(lv.name if lv is not None else None for lv in nic.levels) for nic in topo.nics}
+    return {
+        nic.name: tuple(lv.name if lv is not None else None for lv in nic.levels)
+        for nic in topo.nics
+    }
 
 
 def all_pairs(n: int, count: int) -> dict[tuple[int, int], int]:
@@ -54,7 +57,10 @@ def all_pairs(n: int, count: int) -> dict[tuple[int, int], int]:
 
 # ---------------------------------------------------------------- the built-in list
 def test_every_builtin_machine_ships_a_spec_file_and_every_spec_file_is_builtin():
-    files = {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(MACHINES_DIR, "*.yaml"))}
+    files = {
+        os.path.splitext(os.path.basename(p))[0]
+        for p in glob.glob(os.path.join(MACHINES_DIR, "*.yaml"))
+    }
     assert files == set(BUILTIN_MACHINES)
 
 
@@ -106,8 +112,16 @@ def test_dgx1_v100_is_the_hybrid_cube_mesh_of_the_real_matrix(topologies):
 def test_dgx2_is_sixteen_v100_at_nv6_over_two_sockets(topologies):
     topo = topologies["dgx2"]
     assert topo.gpu_count == 16 and {g.name for g in topo.gpus} == {"Tesla V100-SXM3-32GB"}
-    assert {k: list(v) for k, v in topo.numa_groups.items()} == {0: list(range(8)), 1: list(range(8, 16))}
-    assert [topo.link(0, b).pcie for b in (1, 2, 4, 8)] == [PcieLevel.PIX, PcieLevel.PXB, PcieLevel.NODE, PcieLevel.SYS]
+    assert {k: list(v) for k, v in topo.numa_groups.items()} == {
+        0: list(range(8)),
+        1: list(range(8, 16)),
+    }
+    assert [topo.link(0, b).pcie for b in (1, 2, 4, 8)] == [
+        PcieLevel.PIX,
+        PcieLevel.PXB,
+        PcieLevel.NODE,
+        PcieLevel.SYS,
+    ]
     assert len(topo.nics) == 8
     assert nic_levels(topo)["mlx5_0"] == ("PIX",) * 2 + ("PXB",) * 2 + ("NODE",) * 4 + ("SYS",) * 8
 
@@ -149,7 +163,10 @@ def test_pcie_4gpu_has_no_nvlink_and_a_dual_port_nic_on_socket_one(topologies):
     topo = topologies["pcie-4gpu"]
     assert nvlink_pairs(topo) == {} and topo.nvlink_islands == () and topo.nvlink_cliques == ()
     assert {g.name for g in topo.gpus} == {"NVIDIA L40S"}
-    assert nic_levels(topo) == {"mlx5_0": ("SYS", "SYS", "NODE", "NODE"), "mlx5_1": ("SYS", "SYS", "NODE", "NODE")}
+    assert nic_levels(topo) == {
+        "mlx5_0": ("SYS", "SYS", "NODE", "NODE"),
+        "mlx5_1": ("SYS", "SYS", "NODE", "NODE"),
+    }
     assert [nic.pci_bus_id for nic in topo.nics] == ["0000:c1:00.0", "0000:c1:00.1"]
 
 
@@ -167,10 +184,17 @@ def test_gb200_tray_is_one_fabric_clique(topologies):
 def test_a100_mig_has_mig_devices_in_mixed_profiles(topologies):
     topo = topologies["a100-mig"]
     profiles = [[m.profile for m in g.mig_devices] for g in topo.gpus]
-    assert profiles == [["1g.5gb"] * 7, ["3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb"], [], ["4g.20gb", "3g.20gb"]]
+    assert profiles == [
+        ["1g.5gb"] * 7,
+        ["3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb"],
+        [],
+        ["4g.20gb", "3g.20gb"],
+    ]
     assert [g.mig_enabled for g in topo.gpus] == [True, True, False, True]
     mig = topo.gpus[1].mig_devices[0]
-    assert mig.uuid.startswith("MIG-") and mig.parent_index == 1 and mig.gi_id == 1 and mig.ci_id == 0
+    assert (
+        mig.uuid.startswith("MIG-") and mig.parent_index == 1 and mig.gi_id == 1 and mig.ci_id == 0
+    )
     assert len({m.uuid for g in topo.gpus for m in g.mig_devices}) == 13
     assert nvlink_pairs(topo) == all_pairs(4, 4)
 
@@ -187,7 +211,9 @@ def test_single_gpu_is_one_a10_in_a_vm(topologies):
 def test_a_pasted_matrix_loads_with_the_topo_matrix_reader(path):
     direct = read_topo_matrix(path)
     loaded = load_topology(path)
-    assert loaded.gpus == direct.gpus and loaded.links == direct.links and loaded.nics == direct.nics
+    assert (
+        loaded.gpus == direct.gpus and loaded.links == direct.links and loaded.nics == direct.nics
+    )
 
 
 @pytest.mark.parametrize("path", MATRICES, ids=os.path.basename)
@@ -200,16 +226,26 @@ def test_a_pasted_matrix_runs_as_a_simulated_machine_that_reproduces_it(path):
     assert topo.gpu_count == real.gpu_count
     assert [g.uuid for g in topo.gpus] == [g.uuid for g in real.gpus]
     assert nvlink_pairs(topo) == nvlink_pairs(real)
-    assert [(link.a, link.b, link.pcie) for link in topo.links] == [(link.a, link.b, link.pcie) for link in real.links]
+    assert [(link.a, link.b, link.pcie) for link in topo.links] == [
+        (link.a, link.b, link.pcie) for link in real.links
+    ]
     assert nic_levels(topo) == nic_levels(real)
     known = [(g.index, g.numa_node) for g in real.gpus if g.numa_node is not None]
-    assert known == [(g.index, g.numa_node) for g in topo.gpus if g.numa_node is not None and g.index in dict(known)]
+    assert known == [
+        (g.index, g.numa_node)
+        for g in topo.gpus
+        if g.numa_node is not None and g.index in dict(known)
+    ]
 
 
 def test_a_matrix_too_dense_for_nvlink_ports_is_wired_through_nvswitches():
     spec = load_spec(os.path.join(FIXTURES, "h200-8gpu-8nic-epyc9534.txt"))
-    assert spec.nvswitch is not None and spec.nvswitch.links_per_gpu == 18 and spec.nvlink_pairs == ()
-    bridged = load_spec(os.path.join(FIXTURES, "a100-80gb-pcie-4gpu-nv12-bridge-pairs-4numa-vm.txt"))
+    assert (
+        spec.nvswitch is not None and spec.nvswitch.links_per_gpu == 18 and spec.nvlink_pairs == ()
+    )
+    bridged = load_spec(
+        os.path.join(FIXTURES, "a100-80gb-pcie-4gpu-nv12-bridge-pairs-4numa-vm.txt")
+    )
     assert bridged.nvswitch is None and bridged.nvlink_pairs == ((0, 1, 12), (2, 3, 12))
 
 
@@ -217,7 +253,9 @@ def test_yaml_and_json_spec_files_run_as_machines():
     topo = load_topology(os.path.join(FIXTURES, "custom-spec.yaml"))
     assert topo.source == "simulated:workstation" and topo.machine == "Precision 7960 Tower"
     assert topo.cuda_driver_version == "12.4"
-    assert [g.name for g in topo.gpus] == ["NVIDIA RTX A6000"] * 2 and topo.gpus[0].memory_mib == 49140
+    assert [g.name for g in topo.gpus] == ["NVIDIA RTX A6000"] * 2 and topo.gpus[
+        0
+    ].memory_mib == 49140
     assert topo.link(0, 1).nvlinks == 4 and topo.link(0, 1).pcie == PcieLevel.PIX
     assert nic_levels(topo) == {"mlx5_0": ("NODE", "NODE")}
     box = load_topology(os.path.join(FIXTURES, "custom-spec.json"))

@@ -197,7 +197,11 @@ def test_nvml_missing_is_a_clear_nvml_unavailable():
 
 
 def test_a_spec_can_declare_nvml_missing():
-    data = {"name": "broken", "gpus": [{"bus_id": "0000:3b:00.0"}], "faults": {"init_error": "library_not_found"}}
+    data = {
+        "name": "broken",
+        "gpus": [{"bus_id": "0000:3b:00.0"}],
+        "faults": {"init_error": "library_not_found"},
+    }
     with pytest.raises(NvmlUnavailable, match="libnvidia-ml.so.1"):
         NvmlBackend(lib=FakeNvml(machine_spec_from_dict(data))).init()
 
@@ -292,8 +296,16 @@ def test_gpm_helpers_read_metrics_on_hopper_only():
 
 @pytest.mark.parametrize(
     ("total_mib", "mig_mib", "gb"),
-    [(40960, 4864, 5), (40960, 9856, 10), (40960, 19968, 20), (40960, 40192, 40),
-     (81920, 9728, 10), (81920, 40192, 40), (81559, 9856, 10), (81559, 19968, 20)],
+    [
+        (40960, 4864, 5),
+        (40960, 9856, 10),
+        (40960, 19968, 20),
+        (40960, 40192, 40),
+        (81920, 9728, 10),
+        (81920, 40192, 40),
+        (81559, 9856, 10),
+        (81559, 19968, 20),
+    ],
 )
 def test_mig_profile_memory_is_named_as_nvidias_device_plugin_names_it(total_mib, mig_mib, gb):
     assert mig_memory_gb(total_mib << 20, mig_mib) == gb
@@ -309,13 +321,21 @@ _pairs = st.lists(
 @given(pairs=_pairs)
 def test_any_direct_nvlink_wiring_is_read_back_exactly(pairs):
     gpus = [
-        {"bus_id": f"0000:{0x20 * i + 1:02x}:00.0", "model": "NVIDIA H100 80GB HBM3", "numa_node": i // 3,
-         "host_bridge": f"pci0000:{0x20 * i:02x}"}
+        {
+            "bus_id": f"0000:{0x20 * i + 1:02x}:00.0",
+            "model": "NVIDIA H100 80GB HBM3",
+            "numa_node": i // 3,
+            "host_bridge": f"pci0000:{0x20 * i:02x}",
+        }
         for i in range(6)
     ]
     spec = machine_spec_from_dict(
-        {"name": "prop", "numa_nodes": {0: {"cpus": "0-7"}, 1: {"cpus": "8-15"}}, "gpus": gpus,
-         "nvlink": {"pairs": [[a, b, c] for (a, b), c in sorted(pairs.items())]}}
+        {
+            "name": "prop",
+            "numa_nodes": {0: {"cpus": "0-7"}, 1: {"cpus": "8-15"}},
+            "gpus": gpus,
+            "nvlink": {"pairs": [[a, b, c] for (a, b), c in sorted(pairs.items())]},
+        }
     )
     backend = NvmlBackend(lib=FakeNvml(spec))  # NVML alone: no sysfs tree to write
     backend.init()

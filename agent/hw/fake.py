@@ -46,7 +46,8 @@ import threading
 import uuid as uuid_mod
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from agent.errors import InputFormatError
 
@@ -225,7 +226,7 @@ class NVMLError(Exception):
 
     value: int
 
-    def __new__(cls, value: int) -> "NVMLError":
+    def __new__(cls, value: int) -> NVMLError:
         if cls is NVMLError:
             cls = NVMLError._valClassMapping.get(value, cls)
         obj = Exception.__new__(cls)
@@ -247,7 +248,7 @@ def _make_error_classes() -> dict[str, type]:
         if not name.startswith("NVML_ERROR_"):
             continue
         # NVML_ERROR_GPU_IS_LOST -> NVMLError_GpuIsLost, exactly as pynvml names them
-        cls_name = "NVMLError_" + string.capwords(name[len("NVML_ERROR_"):], "_").replace("_", "")
+        cls_name = "NVMLError_" + string.capwords(name[len("NVML_ERROR_") :], "_").replace("_", "")
 
         def new(cls: type, *args: object, _value: int = value) -> NVMLError:
             return NVMLError.__new__(cls, _value)
@@ -288,7 +289,14 @@ def _struct(name: str, *fields: str) -> type:
 
 
 nvmlPciInfo_t = _struct(
-    "nvmlPciInfo_t", "busIdLegacy", "domain", "bus", "device", "pciDeviceId", "pciSubSystemId", "busId"
+    "nvmlPciInfo_t",
+    "busIdLegacy",
+    "domain",
+    "bus",
+    "device",
+    "pciDeviceId",
+    "pciSubSystemId",
+    "busId",
 )
 c_nvmlMemory_t = _struct("c_nvmlMemory_t", "total", "free", "used")
 c_nvmlMemory_v2_t = _struct("c_nvmlMemory_v2_t", "version", "total", "reserved", "free", "used")
@@ -310,10 +318,23 @@ c_nvmlDeviceAttributes = _struct(
 )
 c_nvmlGpuInstanceProfileInfo_v2_t = _struct(
     "c_nvmlGpuInstanceProfileInfo_v2_t",
-    "version", "id", "isP2pSupported", "sliceCount", "instanceCount", "multiprocessorCount",
-    "copyEngineCount", "decoderCount", "encoderCount", "jpegCount", "ofaCount", "memorySizeMB", "name",
+    "version",
+    "id",
+    "isP2pSupported",
+    "sliceCount",
+    "instanceCount",
+    "multiprocessorCount",
+    "copyEngineCount",
+    "decoderCount",
+    "encoderCount",
+    "jpegCount",
+    "ofaCount",
+    "memorySizeMB",
+    "name",
 )
-c_nvmlProcessInfo_t = _struct("c_nvmlProcessInfo_t", "pid", "usedGpuMemory", "gpuInstanceId", "computeInstanceId")
+c_nvmlProcessInfo_t = _struct(
+    "c_nvmlProcessInfo_t", "pid", "usedGpuMemory", "gpuInstanceId", "computeInstanceId"
+)
 c_nvmlGpmSupport_t = _struct("c_nvmlGpmSupport_t", "version", "isSupportedDevice")
 c_metricInfo_t = _struct("c_metricInfo_t", "shortName", "longName", "unit")
 c_nvmlGpmMetric_t = _struct("c_nvmlGpmMetric_t", "metricId", "nvmlReturn", "value", "metricInfo")
@@ -329,7 +350,8 @@ class c_nvmlGpmMetricsGet_t(_Struct):
         super().__init__(**values)
         if not self.metrics:
             self.metrics = [
-                c_nvmlGpmMetric_t(metricInfo=c_metricInfo_t()) for _ in range(_C["NVML_GPM_METRIC_MAX"])
+                c_nvmlGpmMetric_t(metricInfo=c_metricInfo_t())
+                for _ in range(_C["NVML_GPM_METRIC_MAX"])
             ]
 
 
@@ -388,10 +410,21 @@ class c_nvmlFieldValue_t(ctypes.Structure):
 STRUCTS: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        nvmlPciInfo_t, c_nvmlMemory_t, c_nvmlMemory_v2_t, c_nvmlUtilization_t, c_nvmlEventData_t,
-        c_nvmlDeviceAttributes, c_nvmlGpuInstanceProfileInfo_v2_t, c_nvmlGpmSupport_t,
-        c_nvmlGpmMetric_t, c_nvmlGpmMetricsGet_t, c_nvmlGpuFabricInfo_t, c_nvmlGpuFabricInfoV_t,
-        c_nvmlValue_t, c_nvmlFieldValue_t, c_metricInfo_t,
+        nvmlPciInfo_t,
+        c_nvmlMemory_t,
+        c_nvmlMemory_v2_t,
+        c_nvmlUtilization_t,
+        c_nvmlEventData_t,
+        c_nvmlDeviceAttributes,
+        c_nvmlGpuInstanceProfileInfo_v2_t,
+        c_nvmlGpmSupport_t,
+        c_nvmlGpmMetric_t,
+        c_nvmlGpmMetricsGet_t,
+        c_nvmlGpuFabricInfo_t,
+        c_nvmlGpuFabricInfoV_t,
+        c_nvmlValue_t,
+        c_nvmlFieldValue_t,
+        c_metricInfo_t,
     )
 }
 
@@ -416,7 +449,9 @@ class GpuModel:
 
     @property
     def arch_constant(self) -> int:
-        return _C.get(f"NVML_DEVICE_ARCH_{self.architecture.upper()}", _C["NVML_DEVICE_ARCH_UNKNOWN"])
+        return _C.get(
+            f"NVML_DEVICE_ARCH_{self.architecture.upper()}", _C["NVML_DEVICE_ARCH_UNKNOWN"]
+        )
 
     @property
     def nvlink_version(self) -> int:
@@ -432,28 +467,125 @@ class GpuModel:
 GPU_MODELS: dict[str, GpuModel] = {
     m.name: m
     for m in (
-        GpuModel("Tesla V100-SXM2-16GB", 16160, (7, 0), "volta", 6, pci_device_id=0x1DB110DE,
-                 max_sm_clock_mhz=1530, mem_clock_mhz=877, sm_count=80),
-        GpuModel("Tesla V100-SXM3-32GB", 32510, (7, 0), "volta", 6, pci_device_id=0x1DB810DE,
-                 tdp_w=350, max_sm_clock_mhz=1597, mem_clock_mhz=958, sm_count=80),
-        GpuModel("NVIDIA A100-SXM4-40GB", 40960, (8, 0), "ampere", 12, mig=True,
-                 pci_device_id=0x20B010DE, tdp_w=400),
-        GpuModel("NVIDIA A100-SXM4-80GB", 81920, (8, 0), "ampere", 12, mig=True,
-                 pci_device_id=0x20B210DE, tdp_w=400, mem_clock_mhz=1593),
-        GpuModel("NVIDIA A100 80GB PCIe", 81920, (8, 0), "ampere", 12, mig=True,
-                 pci_device_id=0x20B510DE, mem_clock_mhz=1512),
-        GpuModel("NVIDIA H100 80GB HBM3", 81559, (9, 0), "hopper", 18, mig=True,
-                 pci_device_id=0x233010DE, tdp_w=700, max_sm_clock_mhz=1980, mem_clock_mhz=2619,
-                 sm_count=132),
-        GpuModel("NVIDIA H200", 143771, (9, 0), "hopper", 18, mig=True, pci_device_id=0x233510DE,
-                 tdp_w=700, max_sm_clock_mhz=1980, mem_clock_mhz=3201, sm_count=132),
-        GpuModel("NVIDIA GB200", 189471, (10, 0), "blackwell", 18, mig=True,
-                 pci_device_id=0x294110DE, tdp_w=1200, max_sm_clock_mhz=2062, mem_clock_mhz=3996,
-                 sm_count=152),
-        GpuModel("NVIDIA L40S", 46068, (8, 9), "ada", 0, hbm=False, pci_device_id=0x26B910DE,
-                 tdp_w=350, max_sm_clock_mhz=2520, mem_clock_mhz=9001, sm_count=142),
-        GpuModel("NVIDIA A10", 23028, (8, 6), "ampere", 0, hbm=False, pci_device_id=0x223610DE,
-                 tdp_w=150, max_sm_clock_mhz=1695, mem_clock_mhz=6251, sm_count=72),
+        GpuModel(
+            "Tesla V100-SXM2-16GB",
+            16160,
+            (7, 0),
+            "volta",
+            6,
+            pci_device_id=0x1DB110DE,
+            max_sm_clock_mhz=1530,
+            mem_clock_mhz=877,
+            sm_count=80,
+        ),
+        GpuModel(
+            "Tesla V100-SXM3-32GB",
+            32510,
+            (7, 0),
+            "volta",
+            6,
+            pci_device_id=0x1DB810DE,
+            tdp_w=350,
+            max_sm_clock_mhz=1597,
+            mem_clock_mhz=958,
+            sm_count=80,
+        ),
+        GpuModel(
+            "NVIDIA A100-SXM4-40GB",
+            40960,
+            (8, 0),
+            "ampere",
+            12,
+            mig=True,
+            pci_device_id=0x20B010DE,
+            tdp_w=400,
+        ),
+        GpuModel(
+            "NVIDIA A100-SXM4-80GB",
+            81920,
+            (8, 0),
+            "ampere",
+            12,
+            mig=True,
+            pci_device_id=0x20B210DE,
+            tdp_w=400,
+            mem_clock_mhz=1593,
+        ),
+        GpuModel(
+            "NVIDIA A100 80GB PCIe",
+            81920,
+            (8, 0),
+            "ampere",
+            12,
+            mig=True,
+            pci_device_id=0x20B510DE,
+            mem_clock_mhz=1512,
+        ),
+        GpuModel(
+            "NVIDIA H100 80GB HBM3",
+            81559,
+            (9, 0),
+            "hopper",
+            18,
+            mig=True,
+            pci_device_id=0x233010DE,
+            tdp_w=700,
+            max_sm_clock_mhz=1980,
+            mem_clock_mhz=2619,
+            sm_count=132,
+        ),
+        GpuModel(
+            "NVIDIA H200",
+            143771,
+            (9, 0),
+            "hopper",
+            18,
+            mig=True,
+            pci_device_id=0x233510DE,
+            tdp_w=700,
+            max_sm_clock_mhz=1980,
+            mem_clock_mhz=3201,
+            sm_count=132,
+        ),
+        GpuModel(
+            "NVIDIA GB200",
+            189471,
+            (10, 0),
+            "blackwell",
+            18,
+            mig=True,
+            pci_device_id=0x294110DE,
+            tdp_w=1200,
+            max_sm_clock_mhz=2062,
+            mem_clock_mhz=3996,
+            sm_count=152,
+        ),
+        GpuModel(
+            "NVIDIA L40S",
+            46068,
+            (8, 9),
+            "ada",
+            0,
+            hbm=False,
+            pci_device_id=0x26B910DE,
+            tdp_w=350,
+            max_sm_clock_mhz=2520,
+            mem_clock_mhz=9001,
+            sm_count=142,
+        ),
+        GpuModel(
+            "NVIDIA A10",
+            23028,
+            (8, 6),
+            "ampere",
+            0,
+            hbm=False,
+            pci_device_id=0x223610DE,
+            tdp_w=150,
+            max_sm_clock_mhz=1695,
+            mem_clock_mhz=6251,
+            sm_count=72,
+        ),
     )
 }
 
@@ -551,7 +683,9 @@ def parse_mig_profile(profile: str) -> MigDeviceSpec:
     """``"1g.10gb"`` / ``"1c.3g.40gb"`` -> :class:`MigDeviceSpec`; ValueError otherwise."""
     m = _PROFILE_RE.match(profile.strip())
     if m is None:
-        raise ValueError(f"not a MIG profile: {profile!r} (expected e.g. '3g.40gb' or '1c.3g.40gb')")
+        raise ValueError(
+            f"not a MIG profile: {profile!r} (expected e.g. '3g.40gb' or '1c.3g.40gb')"
+        )
     gi = int(m[2])
     ci = int(m[1]) if m[1] else gi
     if not (1 <= ci <= gi <= 8):
@@ -561,7 +695,9 @@ def parse_mig_profile(profile: str) -> MigDeviceSpec:
 
 def synthetic_gpu_uuid(machine: str, index: int) -> str:
     """A stable, realistic-looking GPU UUID for GPU ``index`` of ``machine``."""
-    return "GPU-" + str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"gpu-topology-agent/{machine}/{index}"))
+    return "GPU-" + str(
+        uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"gpu-topology-agent/{machine}/{index}")
+    )
 
 
 def _mig_uuid(gpu_uuid: str, slot: int) -> str:
@@ -569,8 +705,17 @@ def _mig_uuid(gpu_uuid: str, slot: int) -> str:
 
 
 _LEVEL_NAMES = {
-    "BOARD": 0, "INTERNAL": 0, "PIX": 10, "SINGLE": 10, "PXB": 20, "MULTIPLE": 20,
-    "PHB": 30, "HOSTBRIDGE": 30, "NODE": 40, "SYS": 50, "SYSTEM": 50,
+    "BOARD": 0,
+    "INTERNAL": 0,
+    "PIX": 10,
+    "SINGLE": 10,
+    "PXB": 20,
+    "MULTIPLE": 20,
+    "PHB": 30,
+    "HOSTBRIDGE": 30,
+    "NODE": 40,
+    "SYS": 50,
+    "SYSTEM": 50,
 }
 
 
@@ -623,13 +768,36 @@ class _SpecReader:
 
 
 _GPU_KEYS = {
-    "model", "name", "bus_id", "uuid", "numa_node", "cpus", "host_bridge", "switches",
-    "minor_number", "memory_mib", "compute_capability", "nvlinks", "mig", "fabric",
-    "gpu_numa_id", "board",
+    "model",
+    "name",
+    "bus_id",
+    "uuid",
+    "numa_node",
+    "cpus",
+    "host_bridge",
+    "switches",
+    "minor_number",
+    "memory_mib",
+    "compute_capability",
+    "nvlinks",
+    "mig",
+    "fabric",
+    "gpu_numa_id",
+    "board",
 }
 _TOP_KEYS = {
-    "name", "description", "product_name", "driver_version", "cuda_driver_version", "numa_nodes",
-    "gpu_defaults", "gpus", "nvlink", "nics", "pcie_levels", "faults",
+    "name",
+    "description",
+    "product_name",
+    "driver_version",
+    "cuda_driver_version",
+    "numa_nodes",
+    "gpu_defaults",
+    "gpus",
+    "nvlink",
+    "nics",
+    "pcie_levels",
+    "faults",
 }
 
 
@@ -684,14 +852,17 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
             raise r.fail(where, "NUMA node ids must be integers") from None
         node = r.mapping(node, where)
         cpus = r.cpulist(node.get("cpus"), f"{where}.cpus")
-        distances = tuple(r.int_(d, f"{where}.distances") for d in r.seq(node.get("distances"), where))
+        distances = tuple(
+            r.int_(d, f"{where}.distances") for d in r.seq(node.get("distances"), where)
+        )
         numa[node_id] = (cpus, distances)
     if numa:
         for node_id, (_, distances) in numa.items():
             if distances and len(distances) != len(numa):
                 raise r.fail(f"numa_nodes.{node_id}.distances", f"expected {len(numa)} values")
         numa = {
-            k: (c, d or tuple(10 if j == k else 21 for j in sorted(numa))) for k, (c, d) in numa.items()
+            k: (c, d or tuple(10 if j == k else 21 for j in sorted(numa)))
+            for k, (c, d) in numa.items()
         }
 
     defaults = r.mapping(data.get("gpu_defaults"), "gpu_defaults")
@@ -721,7 +892,9 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         if "nvlinks" in entry:
             ports = r.int_(entry["nvlinks"], f"{where}.nvlinks", minimum=0)
             if ports > _C["NVML_NVLINK_MAX_LINKS"]:
-                raise r.fail(f"{where}.nvlinks", f"at most {_C['NVML_NVLINK_MAX_LINKS']} NVLinks per GPU")
+                raise r.fail(
+                    f"{where}.nvlinks", f"at most {_C['NVML_NVLINK_MAX_LINKS']} NVLinks per GPU"
+                )
             overrides["nvlinks"] = ports
         if overrides:
             model = replace(model, **overrides)
@@ -731,8 +904,10 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
             if numa and node not in numa:
                 raise r.fail(f"{where}.numa_node", f"NUMA node {node} is not in numa_nodes")
         cpus = entry.get("cpus")
-        cpulist = r.cpulist(cpus, f"{where}.cpus") if cpus is not None else (
-            numa[node][0] if node is not None and node in numa else None
+        cpulist = (
+            r.cpulist(cpus, f"{where}.cpus")
+            if cpus is not None
+            else (numa[node][0] if node is not None and node in numa else None)
         )
         mig_enabled = False
         mig: list[MigDeviceSpec] = []
@@ -754,17 +929,30 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
                 index=i,
                 model=model,
                 bus_id=r.bus_id(entry.get("bus_id"), f"{where}.bus_id"),
-                uuid=r.str_(entry["uuid"], f"{where}.uuid") if entry.get("uuid") else synthetic_gpu_uuid(name, i),
+                uuid=r.str_(entry["uuid"], f"{where}.uuid")
+                if entry.get("uuid")
+                else synthetic_gpu_uuid(name, i),
                 numa_node=node,
                 cpulist=cpulist,
                 host_bridge=r.str_(entry.get("host_bridge", "pci0000:00"), f"{where}.host_bridge"),
-                switches=tuple(r.str_(s, f"{where}.switches") for s in r.seq(entry.get("switches"), f"{where}.switches")),
-                minor_number=r.int_(entry.get("minor_number", i), f"{where}.minor_number", minimum=0),
+                switches=tuple(
+                    r.str_(s, f"{where}.switches")
+                    for s in r.seq(entry.get("switches"), f"{where}.switches")
+                ),
+                minor_number=r.int_(
+                    entry.get("minor_number", i), f"{where}.minor_number", minimum=0
+                ),
                 mig_enabled=mig_enabled,
                 mig_devices=tuple(mig),
-                fabric_cluster_uuid=str(uuid_mod.UUID(str(fabric["cluster_uuid"]))) if fabric.get("cluster_uuid") else None,
-                fabric_clique_id=r.int_(clique, f"{where}.fabric.clique_id", minimum=0) if clique is not None else None,
-                gpu_numa_id=r.int_(entry["gpu_numa_id"], f"{where}.gpu_numa_id", minimum=0) if entry.get("gpu_numa_id") is not None else None,
+                fabric_cluster_uuid=str(uuid_mod.UUID(str(fabric["cluster_uuid"])))
+                if fabric.get("cluster_uuid")
+                else None,
+                fabric_clique_id=r.int_(clique, f"{where}.fabric.clique_id", minimum=0)
+                if clique is not None
+                else None,
+                gpu_numa_id=r.int_(entry["gpu_numa_id"], f"{where}.gpu_numa_id", minimum=0)
+                if entry.get("gpu_numa_id") is not None
+                else None,
                 board=str(entry["board"]) if entry.get("board") is not None else None,
             )
         )
@@ -799,12 +987,16 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         sw = r.mapping(nvlink["nvswitch"], "nvlink.nvswitch")
         per_gpu = r.int_(sw.get("links_per_gpu"), "nvlink.nvswitch.links_per_gpu", minimum=1)
         bus_ids = tuple(
-            r.bus_id(b, "nvlink.nvswitch.bus_ids") for b in r.seq(sw.get("bus_ids"), "nvlink.nvswitch.bus_ids")
+            r.bus_id(b, "nvlink.nvswitch.bus_ids")
+            for b in r.seq(sw.get("bus_ids"), "nvlink.nvswitch.bus_ids")
         ) or tuple(f"00000000:{0xC0 + k:02X}:00.0" for k in range(4))
         members = sw.get("gpus")
         member_t = None
         if members is not None:
-            member_t = tuple(r.int_(x, "nvlink.nvswitch.gpus", minimum=0) for x in r.seq(members, "nvlink.nvswitch.gpus"))
+            member_t = tuple(
+                r.int_(x, "nvlink.nvswitch.gpus", minimum=0)
+                for x in r.seq(members, "nvlink.nvswitch.gpus")
+            )
             if any(x >= n for x in member_t):
                 raise r.fail("nvlink.nvswitch.gpus", f"GPU indices must be 0..{n - 1}")
         switch = NvSwitchSpec(per_gpu, bus_ids, member_t)
@@ -833,9 +1025,14 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
             NicSpec(
                 name=r.str_(e.get("name"), f"{where}.name"),
                 bus_id=r.bus_id(e.get("bus_id"), f"{where}.bus_id"),
-                numa_node=r.int_(nnode, f"{where}.numa_node", minimum=0) if nnode is not None else None,
+                numa_node=r.int_(nnode, f"{where}.numa_node", minimum=0)
+                if nnode is not None
+                else None,
                 host_bridge=r.str_(e.get("host_bridge", "pci0000:00"), f"{where}.host_bridge"),
-                switches=tuple(r.str_(s, f"{where}.switches") for s in r.seq(e.get("switches"), f"{where}.switches")),
+                switches=tuple(
+                    r.str_(s, f"{where}.switches")
+                    for s in r.seq(e.get("switches"), f"{where}.switches")
+                ),
             )
         )
 
@@ -852,7 +1049,10 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         levels[(a, b)] = level
 
     faults_raw = r.mapping(data.get("faults"), "faults")
-    lost = tuple(r.int_(x, "faults.lost_gpus", minimum=0) for x in r.seq(faults_raw.get("lost_gpus"), "faults.lost_gpus"))
+    lost = tuple(
+        r.int_(x, "faults.lost_gpus", minimum=0)
+        for x in r.seq(faults_raw.get("lost_gpus"), "faults.lost_gpus")
+    )
     if any(x >= n for x in lost):
         raise r.fail("faults.lost_gpus", f"GPU indices must be 0..{n - 1}")
     unsupported: list[tuple[str, int | None]] = []
@@ -860,8 +1060,10 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         e = r.mapping(raw, f"faults.unsupported[{j}]")
         gpu = e.get("gpu")
         unsupported.append(
-            (r.str_(e.get("function"), f"faults.unsupported[{j}].function"),
-             r.int_(gpu, f"faults.unsupported[{j}].gpu", minimum=0) if gpu is not None else None)
+            (
+                r.str_(e.get("function"), f"faults.unsupported[{j}].function"),
+                r.int_(gpu, f"faults.unsupported[{j}].gpu", minimum=0) if gpu is not None else None,
+            )
         )
     init_error = faults_raw.get("init_error")
     if init_error is not None:
@@ -904,7 +1106,9 @@ def load_machine_spec(path: str) -> MachineSpec:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputFormatError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}") from None
+        raise InputFormatError(
+            f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}"
+        ) from None
     if not isinstance(data, Mapping):
         raise InputFormatError(f"{path}: a machine spec is a mapping with 'name' and 'gpus'")
     return machine_spec_from_dict(data, source=os.path.basename(path))
@@ -971,12 +1175,36 @@ class _Link:
 
 #: Telemetry knobs :meth:`FakeNvml.set_value` accepts.
 TELEMETRY_FIELDS = (
-    "gpu_util_pct", "mem_util_pct", "enc_util_pct", "dec_util_pct", "gpu_temp_c", "memory_temp_c",
-    "power_w", "sm_clock_mhz", "mem_clock_mhz", "video_clock_mhz", "memory_used_mib",
-    "pcie_tx_kbps", "pcie_rx_kbps", "pcie_replay", "ecc_sbe_volatile", "ecc_dbe_volatile",
-    "ecc_sbe_aggregate", "ecc_dbe_aggregate", "remapped_correctable", "remapped_uncorrectable",
-    "remap_pending", "remap_failure", "sm_active_pct", "sm_occupancy_pct", "tensor_active_pct",
-    "dram_active_pct", "fp64_active_pct", "fp32_active_pct", "fp16_active_pct", "processes",
+    "gpu_util_pct",
+    "mem_util_pct",
+    "enc_util_pct",
+    "dec_util_pct",
+    "gpu_temp_c",
+    "memory_temp_c",
+    "power_w",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "video_clock_mhz",
+    "memory_used_mib",
+    "pcie_tx_kbps",
+    "pcie_rx_kbps",
+    "pcie_replay",
+    "ecc_sbe_volatile",
+    "ecc_dbe_volatile",
+    "ecc_sbe_aggregate",
+    "ecc_dbe_aggregate",
+    "remapped_correctable",
+    "remapped_uncorrectable",
+    "remap_pending",
+    "remap_failure",
+    "sm_active_pct",
+    "sm_occupancy_pct",
+    "tensor_active_pct",
+    "dram_active_pct",
+    "fp64_active_pct",
+    "fp32_active_pct",
+    "fp16_active_pct",
+    "processes",
 )
 
 
@@ -986,7 +1214,7 @@ def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
     name = fn.__name__
 
     @functools.wraps(fn)
-    def wrapper(self: "FakeNvml", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         self._check(name, args)
         return fn(self, *args, **kwargs)
 
@@ -1041,13 +1269,18 @@ class FakeNvml:
             nxt[i] += 1
             return k
 
-        gpu_type, switch_type = _C["NVML_NVLINK_DEVICE_TYPE_GPU"], _C["NVML_NVLINK_DEVICE_TYPE_SWITCH"]
+        gpu_type, switch_type = (
+            _C["NVML_NVLINK_DEVICE_TYPE_GPU"],
+            _C["NVML_NVLINK_DEVICE_TYPE_SWITCH"],
+        )
         for a, b, count in spec.nvlink_pairs:
             for _ in range(count):
                 links[a][take(a)] = _Link(gpu_type, b, spec.gpus[b].bus_id)
                 links[b][take(b)] = _Link(gpu_type, a, spec.gpus[a].bus_id)
         if spec.nvswitch is not None:
-            members = spec.nvswitch.gpus if spec.nvswitch.gpus is not None else range(len(spec.gpus))
+            members = (
+                spec.nvswitch.gpus if spec.nvswitch.gpus is not None else range(len(spec.gpus))
+            )
             for i in members:
                 for k in range(spec.nvswitch.links_per_gpu):
                     bus = spec.nvswitch.bus_ids[k % len(spec.nvswitch.bus_ids)]
@@ -1150,7 +1383,9 @@ class FakeNvml:
         """Set telemetry knob ``field`` (one of :data:`TELEMETRY_FIELDS`) of GPU ``index``.
         ``processes`` is a list of ``(pid, used_mib)``."""
         if field not in TELEMETRY_FIELDS:
-            raise ValueError(f"unknown telemetry field {field!r}; expected one of {', '.join(TELEMETRY_FIELDS)}")
+            raise ValueError(
+                f"unknown telemetry field {field!r}; expected one of {', '.join(TELEMETRY_FIELDS)}"
+            )
         with self._lock:
             self._telemetry[self._gpu(index).index][field] = value
 
@@ -1159,15 +1394,19 @@ class FakeNvml:
             self._gpu(index)
             handle = self._handles[index]
             sets = [
-                s for s in self._event_sets
+                s
+                for s in self._event_sets
                 if not s.freed and s.registered.get(index, 0) & event_type
             ]
         for s in sets:
             with s.cond:
                 s.queue.append(
                     c_nvmlEventData_t(
-                        device=handle, eventType=event_type, eventData=data,
-                        gpuInstanceId=_NO_ID, computeInstanceId=_NO_ID,
+                        device=handle,
+                        eventType=event_type,
+                        eventData=data,
+                        gpuInstanceId=_NO_ID,
+                        computeInstanceId=_NO_ID,
                     )
                 )
                 s.cond.notify_all()
@@ -1188,7 +1427,11 @@ class FakeNvml:
             self.calls[name] += 1
             if name in self._missing:
                 raise _err("NVML_ERROR_FUNCTION_NOT_FOUND")
-            if not self._initialized and name not in ("nvmlInit", "nvmlInitWithFlags", "nvmlErrorString"):
+            if not self._initialized and name not in (
+                "nvmlInit",
+                "nvmlInitWithFlags",
+                "nvmlErrorString",
+            ):
                 raise _err("NVML_ERROR_UNINITIALIZED")
             gpu = next((a.gpu for a in args if isinstance(a, _Handle)), None)
             for key in ((name, gpu), (name, None)):
@@ -1246,7 +1489,10 @@ class FakeNvml:
             return False
         ga, gb = self.spec.gpus[a], self.spec.gpus[b]
         if ga.fabric_clique_id is not None and gb.fabric_clique_id is not None:
-            return (ga.fabric_cluster_uuid, ga.fabric_clique_id) == (gb.fabric_cluster_uuid, gb.fabric_clique_id)
+            return (ga.fabric_cluster_uuid, ga.fabric_clique_id) == (
+                gb.fabric_cluster_uuid,
+                gb.fabric_clique_id,
+            )
         return True
 
     # ================================================================== library
@@ -1469,21 +1715,33 @@ class FakeNvml:
         g, mig = self._dev(device)
         if mig is None:
             return c_nvmlDeviceAttributes(
-                multiprocessorCount=g.model.sm_count, sharedCopyEngineCount=7, sharedDecoderCount=5,
-                sharedEncoderCount=0, sharedJpegCount=1, sharedOfaCount=1, gpuInstanceSliceCount=7,
-                computeInstanceSliceCount=7, memorySizeMB=g.model.memory_mib,
+                multiprocessorCount=g.model.sm_count,
+                sharedCopyEngineCount=7,
+                sharedDecoderCount=5,
+                sharedEncoderCount=0,
+                sharedJpegCount=1,
+                sharedOfaCount=1,
+                gpuInstanceSliceCount=7,
+                computeInstanceSliceCount=7,
+                memorySizeMB=g.model.memory_mib,
             )
         d = self._mig(g, mig)
         return c_nvmlDeviceAttributes(
-            multiprocessorCount=g.model.sm_count * d.ci_slices // 7, sharedCopyEngineCount=d.gi_slices,
-            sharedDecoderCount=d.gi_slices // 2, sharedEncoderCount=0,
-            sharedJpegCount=1 if d.gi_slices == 7 else 0, sharedOfaCount=1 if d.gi_slices == 7 else 0,
-            gpuInstanceSliceCount=d.gi_slices, computeInstanceSliceCount=d.ci_slices,
+            multiprocessorCount=g.model.sm_count * d.ci_slices // 7,
+            sharedCopyEngineCount=d.gi_slices,
+            sharedDecoderCount=d.gi_slices // 2,
+            sharedEncoderCount=0,
+            sharedJpegCount=1 if d.gi_slices == 7 else 0,
+            sharedOfaCount=1 if d.gi_slices == 7 else 0,
+            gpuInstanceSliceCount=d.gi_slices,
+            computeInstanceSliceCount=d.ci_slices,
             memorySizeMB=self._mig_memory_mib(d),
         )
 
     @_api
-    def nvmlDeviceGetGpuInstanceProfileInfo(self, device: _Handle, profile: int, version: int = 2) -> Any:
+    def nvmlDeviceGetGpuInstanceProfileInfo(
+        self, device: _Handle, profile: int, version: int = 2
+    ) -> Any:
         g, _ = self._dev(device, mig_ok=False)
         if not g.model.mig:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
@@ -1491,11 +1749,25 @@ class FakeNvml:
         if slices is None:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
         total_gb = -(-g.model.memory_mib // 1024)
-        mem_gb = {1: total_gb // 8, 2: total_gb // 4, 3: total_gb // 2, 4: total_gb // 2, 7: total_gb}[slices]
+        mem_gb = {
+            1: total_gb // 8,
+            2: total_gb // 4,
+            3: total_gb // 2,
+            4: total_gb // 2,
+            7: total_gb,
+        }[slices]
         return c_nvmlGpuInstanceProfileInfo_v2_t(
-            version=0x2000098 if version == 2 else 0, id=profile, isP2pSupported=0, sliceCount=slices,
-            instanceCount=7 // slices if slices != 4 else 1, multiprocessorCount=g.model.sm_count * slices // 7,
-            copyEngineCount=slices, decoderCount=slices // 2, encoderCount=0, jpegCount=0, ofaCount=0,
+            version=0x2000098 if version == 2 else 0,
+            id=profile,
+            isP2pSupported=0,
+            sliceCount=slices,
+            instanceCount=7 // slices if slices != 4 else 1,
+            multiprocessorCount=g.model.sm_count * slices // 7,
+            copyEngineCount=slices,
+            decoderCount=slices // 2,
+            encoderCount=0,
+            jpegCount=0,
+            ofaCount=0,
             memorySizeMB=self._mig_memory_mib(MigDeviceSpec("", slices, slices, mem_gb)),
             name=f"MIG {slices}g.{mem_gb}gb",
         )
@@ -1526,7 +1798,9 @@ class FakeNvml:
         if wired is None:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         device_id = (
-            self.spec.gpus[wired.remote_gpu].model.pci_device_id if wired.remote_gpu is not None else 0x22A310DE
+            self.spec.gpus[wired.remote_gpu].model.pci_device_id
+            if wired.remote_gpu is not None
+            else 0x22A310DE
         )
         return self._pci_info(wired.remote_bus_id, device_id)
 
@@ -1547,7 +1821,8 @@ class FakeNvml:
         if key in self.spec.pcie_levels:
             return self.spec.pcie_levels[key]
         return pcie_tree_level(
-            (a.host_bridge, a.switches, a.numa_node, a.board), (b.host_bridge, b.switches, b.numa_node, b.board)
+            (a.host_bridge, a.switches, a.numa_node, a.board),
+            (b.host_bridge, b.switches, b.numa_node, b.board),
         )
 
     @_api
@@ -1601,7 +1876,9 @@ class FakeNvml:
     @_api
     def nvmlDeviceGetClockInfo(self, handle: _Handle, type: int) -> int:
         _, t = self._t(handle)
-        key = {0: "sm_clock_mhz", 1: "sm_clock_mhz", 2: "mem_clock_mhz", 3: "video_clock_mhz"}.get(type)
+        key = {0: "sm_clock_mhz", 1: "sm_clock_mhz", 2: "mem_clock_mhz", 3: "video_clock_mhz"}.get(
+            type
+        )
         if key is None:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
         return int(t[key])
@@ -1609,7 +1886,12 @@ class FakeNvml:
     @_api
     def nvmlDeviceGetMaxClockInfo(self, handle: _Handle, type: int) -> int:
         g, _ = self._t(handle)
-        values = {0: g.model.max_sm_clock_mhz, 1: g.model.max_sm_clock_mhz, 2: g.model.mem_clock_mhz, 3: 1950}
+        values = {
+            0: g.model.max_sm_clock_mhz,
+            1: g.model.max_sm_clock_mhz,
+            2: g.model.mem_clock_mhz,
+            3: 1950,
+        }
         if type not in values:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
         return values[type]
@@ -1663,8 +1945,10 @@ class FakeNvml:
         if not g.model.hbm or g.model.compute_capability < (8, 0):
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         return (
-            int(t["remapped_correctable"]), int(t["remapped_uncorrectable"]),
-            int(t["remap_pending"]), int(t["remap_failure"]),
+            int(t["remapped_correctable"]),
+            int(t["remapped_uncorrectable"]),
+            int(t["remap_pending"]),
+            int(t["remap_failure"]),
         )
 
     @_api
@@ -1691,7 +1975,12 @@ class FakeNvml:
         gi = _NO_ID if mig is None else 1 + mig
         ci = _NO_ID if mig is None else 0
         return [
-            c_nvmlProcessInfo_t(pid=int(pid), usedGpuMemory=int(used_mib) << 20, gpuInstanceId=gi, computeInstanceId=ci)
+            c_nvmlProcessInfo_t(
+                pid=int(pid),
+                usedGpuMemory=int(used_mib) << 20,
+                gpuInstanceId=gi,
+                computeInstanceId=ci,
+            )
             for pid, used_mib in procs
         ]
 
@@ -1704,7 +1993,9 @@ class FakeNvml:
         return self._processes(handle)
 
     @_api
-    def nvmlDeviceGetFieldValues(self, handle: _Handle, fieldIds: Sequence[int | tuple[int, int]]) -> Any:
+    def nvmlDeviceGetFieldValues(
+        self, handle: _Handle, fieldIds: Sequence[int | tuple[int, int]]
+    ) -> Any:
         g, t = self._t(handle)
         values = (c_nvmlFieldValue_t * len(fieldIds))()
         with self._lock:
@@ -1720,18 +2011,20 @@ class FakeNvml:
             if g.model.hbm:
                 known[_C["NVML_FI_DEV_MEMORY_TEMP"]] = (1, t["memory_temp_c"])
             if g.model.nvlinks:
-                known.update({
-                    _C["NVML_FI_DEV_NVLINK_LINK_COUNT"]: (1, links),
-                    _C["NVML_FI_DEV_NVLINK_BANDWIDTH_C0_TOTAL"]: (3, c["nvlink_kib"] * 2),
-                    _C["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"]: (3, c["nvlink_kib"]),
-                    _C["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"]: (3, c["nvlink_kib"]),
-                    _C["NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX"]: (3, c["nvlink_kib"] * 17 // 16),
-                    _C["NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX"]: (3, c["nvlink_kib"] * 17 // 16),
-                    _C["NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"]: (3, 0),
-                    _C["NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"]: (3, 0),
-                    _C["NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"]: (3, 0),
-                    _C["NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"]: (3, 0),
-                })
+                known.update(
+                    {
+                        _C["NVML_FI_DEV_NVLINK_LINK_COUNT"]: (1, links),
+                        _C["NVML_FI_DEV_NVLINK_BANDWIDTH_C0_TOTAL"]: (3, c["nvlink_kib"] * 2),
+                        _C["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"]: (3, c["nvlink_kib"]),
+                        _C["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"]: (3, c["nvlink_kib"]),
+                        _C["NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX"]: (3, c["nvlink_kib"] * 17 // 16),
+                        _C["NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX"]: (3, c["nvlink_kib"] * 17 // 16),
+                        _C["NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"]: (3, 0),
+                        _C["NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"]: (3, 0),
+                        _C["NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"]: (3, 0),
+                        _C["NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"]: (3, 0),
+                    }
+                )
         for k, fid in enumerate(fieldIds):
             if isinstance(fid, tuple):
                 values[k].fieldId, values[k].scopeId = fid
@@ -1758,7 +2051,9 @@ class FakeNvml:
     @_api
     def nvmlGpmQueryDeviceSupport(self, device: _Handle) -> Any:
         g, _ = self._dev(device, mig_ok=False)
-        return c_nvmlGpmSupport_t(version=_C["NVML_GPM_SUPPORT_VERSION"], isSupportedDevice=int(self._gpm_supported(g)))
+        return c_nvmlGpmSupport_t(
+            version=_C["NVML_GPM_SUPPORT_VERSION"], isSupportedDevice=int(self._gpm_supported(g))
+        )
 
     @_api
     def nvmlGpmSampleAlloc(self) -> _GpmSample:
@@ -1787,8 +2082,10 @@ class FakeNvml:
         s1, s2 = getattr(metricsGet, "sample1", None), getattr(metricsGet, "sample2", None)
         if (
             getattr(metricsGet, "version", None) != _C["NVML_GPM_METRICS_GET_VERSION"]
-            or not isinstance(s1, _GpmSample) or not isinstance(s2, _GpmSample)
-            or s1.gpu is None or s1.gpu != s2.gpu
+            or not isinstance(s1, _GpmSample)
+            or not isinstance(s2, _GpmSample)
+            or s1.gpu is None
+            or s1.gpu != s2.gpu
         ):
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
         v = s2.values
@@ -1827,12 +2124,17 @@ class FakeNvml:
     def nvmlDeviceGetSupportedEventTypes(self, handle: _Handle) -> int:
         self._dev(handle, mig_ok=False)
         return (
-            _C["nvmlEventTypeSingleBitEccError"] | _C["nvmlEventTypeDoubleBitEccError"]
-            | _C["nvmlEventTypePState"] | _C["nvmlEventTypeXidCriticalError"] | _C["nvmlEventTypeClock"]
+            _C["nvmlEventTypeSingleBitEccError"]
+            | _C["nvmlEventTypeDoubleBitEccError"]
+            | _C["nvmlEventTypePState"]
+            | _C["nvmlEventTypeXidCriticalError"]
+            | _C["nvmlEventTypeClock"]
         )
 
     @_api
-    def nvmlDeviceRegisterEvents(self, handle: _Handle, eventTypes: int, eventSet: _EventSet) -> None:
+    def nvmlDeviceRegisterEvents(
+        self, handle: _Handle, eventTypes: int, eventSet: _EventSet
+    ) -> None:
         g, _ = self._dev(handle, mig_ok=False)
         if not isinstance(eventSet, _EventSet) or eventSet.freed:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
@@ -1855,7 +2157,9 @@ class FakeNvml:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
         with eventSet.cond:
             if not eventSet.queue:
-                eventSet.cond.wait_for(lambda: bool(eventSet.queue), timeout=max(0, timeoutms) / 1000)
+                eventSet.cond.wait_for(
+                    lambda: bool(eventSet.queue), timeout=max(0, timeoutms) / 1000
+                )
             if not eventSet.queue:
                 raise _err("NVML_ERROR_TIMEOUT")
             item = eventSet.queue.popleft()

@@ -39,7 +39,8 @@ import time
 import uuid as uuid_mod
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
 
 from agent.errors import AgentError
 from agent.topology.model import Gpu, Link, MigDevice, Nic, PcieLevel, Topology
@@ -66,8 +67,14 @@ class NvmlError(AgentError):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, function_name: str | None = None,
-                 code: int | None = None, gpu: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        function_name: str | None = None,
+        code: int | None = None,
+        gpu: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.function_name = function_name
         self.code = code
@@ -105,7 +112,12 @@ def _nvml_bus_id(value: object) -> str:
 
 def _cpulist_from_words(words: Iterable[int]) -> str:
     """``[0xF000F, 0]`` (64-bit affinity words) -> ``"0-3,16-19"``."""
-    cpus = [w_i * 64 + bit for w_i, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1]
+    cpus = [
+        w_i * 64 + bit
+        for w_i, word in enumerate(words)
+        for bit in range(64)
+        if int(word) >> bit & 1
+    ]
     parts: list[str] = []
     start = prev = None
     for cpu in cpus + [None]:  # type: ignore[list-item]
@@ -155,7 +167,7 @@ class NvmlBackend:
     Thread-safe: calls are serialised by one lock, except event waits.
     """
 
-    def __init__(self, lib: Any = None, sysfs: "SysfsReader | None" = None) -> None:
+    def __init__(self, lib: Any = None, sysfs: SysfsReader | None = None) -> None:
         self._lib: Any = lib
         self._sysfs = sysfs
         self._lock = threading.RLock()
@@ -207,7 +219,9 @@ class NvmlBackend:
         except lib.NVMLError as exc:
             raise NvmlUnavailable(self._init_message(exc)) from exc
         except OSError as exc:  # a broken libnvidia-ml.so.1 (wrong architecture, ...)
-            raise NvmlUnavailable(f"NVML is not available: cannot load libnvidia-ml.so.1: {exc}") from exc
+            raise NvmlUnavailable(
+                f"NVML is not available: cannot load libnvidia-ml.so.1: {exc}"
+            ) from exc
         self._initialized = True
 
     def _init_message(self, exc: Any) -> str:
@@ -248,7 +262,9 @@ class NvmlBackend:
             except NvmlUnavailable as exc:
                 if fail_on_init_error:
                     raise
-                log.error("%s; retrying in %.0f s (fail_on_init_error is false)", exc, retry_interval_s)
+                log.error(
+                    "%s; retrying in %.0f s (fail_on_init_error is false)", exc, retry_interval_s
+                )
             if stop.wait(retry_interval_s):
                 return False
 
@@ -308,7 +324,9 @@ class NvmlBackend:
         """
         return self._invoke(function_name, args, gpu, ())
 
-    def _invoke(self, function_name: str, args: Sequence[Any], gpu: int | None, absent: tuple[int, ...]) -> Any:
+    def _invoke(
+        self, function_name: str, args: Sequence[Any], gpu: int | None, absent: tuple[int, ...]
+    ) -> Any:
         lib = self._lib
         if lib is None:
             raise NvmlError(f"NVML call {function_name} before init()", function_name=function_name)
@@ -343,7 +361,9 @@ class NvmlBackend:
             where = f" for GPU {gpu}" if gpu is not None else ""
             raise NvmlError(
                 f"NVML {function_name}{where} failed: {exc} (NVML error {code})",
-                function_name=function_name, code=code, gpu=gpu,
+                function_name=function_name,
+                code=code,
+                gpu=gpu,
             ) from exc
         except Exception as exc:
             # pynvml raises NVMLLibraryMismatchError for an unversioned function the driver lacks
@@ -357,14 +377,20 @@ class NvmlBackend:
             if function_name in self._missing_logged:
                 return
             self._missing_logged.add(function_name)
-        log.warning("NVML function %s is not available with this driver; its data is skipped", function_name)
+        log.warning(
+            "NVML function %s is not available with this driver; its data is skipped", function_name
+        )
 
     def _mark_lost(self, gpu: int, function_name: str) -> None:
         with self._lock:
             if gpu in self._lost:
                 return
             self._lost.add(gpu)
-        log.error("GPU %d is lost (NVML %s answered GPU_IS_LOST); it is marked unhealthy", gpu, function_name)
+        log.error(
+            "GPU %d is lost (NVML %s answered GPU_IS_LOST); it is marked unhealthy",
+            gpu,
+            function_name,
+        )
 
     # ------------------------------------------------------------------ devices
     def device_count(self) -> int:
@@ -438,10 +464,14 @@ class NvmlBackend:
         h = self.handle(index)
         if h is None:
             return
-        wanted = self.const("nvmlEventTypeXidCriticalError") | self.const("nvmlEventTypeDoubleBitEccError")
+        wanted = self.const("nvmlEventTypeXidCriticalError") | self.const(
+            "nvmlEventTypeDoubleBitEccError"
+        )
         supported = self.call("nvmlDeviceGetSupportedEventTypes", h, gpu=index)
         if supported is None:
-            log.warning("GPU %d: NVML events not supported; XID health checks are off for it", index)
+            log.warning(
+                "GPU %d: NVML events not supported; XID health checks are off for it", index
+            )
             self._events_registered.add(index)
             return
         mask = wanted & int(supported)
@@ -461,7 +491,9 @@ class NvmlBackend:
         if not self.register_events():
             time.sleep(max(0, timeout_ms) / 1000)
         else:
-            wait_name = "nvmlEventSetWait_v2" if hasattr(lib, "nvmlEventSetWait_v2") else "nvmlEventSetWait"
+            wait_name = (
+                "nvmlEventSetWait_v2" if hasattr(lib, "nvmlEventSetWait_v2") else "nvmlEventSetWait"
+            )
             wait = getattr(lib, wait_name)
             timeout = max(0, int(timeout_ms))
             while len(events) < 256:
@@ -480,7 +512,8 @@ class NvmlBackend:
                         continue
                     raise NvmlError(
                         f"NVML {wait_name} failed: {exc} (NVML error {exc.value})",
-                        function_name=wait_name, code=exc.value,
+                        function_name=wait_name,
+                        code=exc.value,
                     ) from exc
                 events.extend(self._health_events(data))
                 timeout = 0  # drain what is already queued, without waiting again
@@ -528,7 +561,9 @@ class NvmlBackend:
         if sample is not None:
             self.call("nvmlGpmSampleFree", sample)
 
-    def gpm_metrics(self, index: int, first: Any, second: Any, metric_ids: Sequence[int]) -> dict[int, float]:
+    def gpm_metrics(
+        self, index: int, first: Any, second: Any, metric_ids: Sequence[int]
+    ) -> dict[int, float]:
         """GPM metric values between two samples of GPU ``index``: ``{metric_id: value}``
         for the metrics NVML computed (unsupported ones are left out)."""
         request = self.const("c_nvmlGpmMetricsGet_t")()
@@ -573,7 +608,9 @@ class NvmlBackend:
         if sysfs is not None:
             for nic in sysfs.rdma_nics():
                 levels = tuple(
-                    sysfs.pcie_level(nic.pci_bus_id, g.pci_bus_id) if nic.pci_bus_id and g.pci_bus_id else None
+                    sysfs.pcie_level(nic.pci_bus_id, g.pci_bus_id)
+                    if nic.pci_bus_id and g.pci_bus_id
+                    else None
                     for g in gpus
                 )
                 nics.append(Nic(nic.name, nic.pci_bus_id, nic.numa_node, levels))
@@ -593,7 +630,9 @@ class NvmlBackend:
             notes=tuple(notes),
         )
 
-    def _read_gpu(self, index: int, numa_nodes: dict[int, Any], notes: list[str]) -> tuple[Gpu, Any]:
+    def _read_gpu(
+        self, index: int, numa_nodes: dict[int, Any], notes: list[str]
+    ) -> tuple[Gpu, Any]:
         h = self.handle(index)
         call = self.call
         # identity first: a GPU lost half-way is still known by UUID and bus id
@@ -621,12 +660,19 @@ class NvmlBackend:
             numa = self._sysfs.pci_numa_node(bus_id)
             cpulist = self._sysfs.pci_local_cpulist(bus_id)
         if cpulist is None and h is not None:
-            words = call("nvmlDeviceGetCpuAffinity", h, max(1, -(-self._cpu_count(numa_nodes) // 64)), gpu=index)
+            words = call(
+                "nvmlDeviceGetCpuAffinity",
+                h,
+                max(1, -(-self._cpu_count(numa_nodes) // 64)),
+                gpu=index,
+            )
             if words is not None:
                 cpulist = _cpulist_from_words(words) or None
         if numa is None and cpulist and numa_nodes:
             mine = _cpus_of(cpulist)
-            matches = [k for k, node in numa_nodes.items() if mine and mine <= _cpus_of(node.cpulist)]
+            matches = [
+                k for k, node in numa_nodes.items() if mine and mine <= _cpus_of(node.cpulist)
+            ]
             if len(matches) == 1:
                 numa = matches[0]
                 notes.append(f"GPU {index}: NUMA node {numa} inferred from its CPU affinity")
@@ -665,7 +711,9 @@ class NvmlBackend:
                 highest = max(highest, max(cpus) + 1)
         return max(highest, 1024)
 
-    def _read_mig(self, index: int, h: Any, total_bytes: int, parent_uuid: str) -> tuple[MigDevice, ...]:
+    def _read_mig(
+        self, index: int, h: Any, total_bytes: int, parent_uuid: str
+    ) -> tuple[MigDevice, ...]:
         count = self.call("nvmlDeviceGetMaxMigDeviceCount", h, gpu=index) or 0
         not_found = (self.const("NVML_ERROR_NOT_FOUND"), self.const("NVML_ERROR_INVALID_ARGUMENT"))
         out: list[MigDevice] = []
@@ -679,7 +727,10 @@ class NvmlBackend:
                 continue
             gi = self.call("nvmlDeviceGetGpuInstanceId", mh, gpu=index)
             ci = self.call("nvmlDeviceGetComputeInstanceId", mh, gpu=index)
-            gi_slices, ci_slices = int(attrs.gpuInstanceSliceCount), int(attrs.computeInstanceSliceCount)
+            gi_slices, ci_slices = (
+                int(attrs.gpuInstanceSliceCount),
+                int(attrs.computeInstanceSliceCount),
+            )
             memory_mib = int(attrs.memorySizeMB)
             base = f"{gi_slices}g.{mig_memory_gb(total_bytes, memory_mib)}gb"
             out.append(
@@ -711,7 +762,9 @@ class NvmlBackend:
                 info = None
         if info is None:
             return None, None
-        if int(info.state) != self.const("NVML_GPU_FABRIC_STATE_COMPLETED") or int(info.status) != self.const("NVML_SUCCESS"):
+        if int(info.state) != self.const("NVML_GPU_FABRIC_STATE_COMPLETED") or int(
+            info.status
+        ) != self.const("NVML_SUCCESS"):
             return None, None
         raw = bytes(bytearray(info.clusterUuid))
         cluster = str(uuid_mod.UUID(bytes=raw)) if any(raw) else None
@@ -739,7 +792,11 @@ class NvmlBackend:
                 remote_gpu = by_bus.get(_nvml_bus_id(remote.busId)) if remote is not None else None
                 if kind is not None and int(kind) == switch_type:
                     switch_links[i] += 1
-                elif remote_gpu is not None and remote_gpu != i and (kind is None or int(kind) == gpu_type):
+                elif (
+                    remote_gpu is not None
+                    and remote_gpu != i
+                    and (kind is None or int(kind) == gpu_type)
+                ):
                     key = (i, remote_gpu)
                     direct[key] = direct.get(key, 0) + 1
                 elif kind is None and remote is not None and remote_gpu is None:
@@ -756,7 +813,12 @@ class NvmlBackend:
                     raw = self.call("nvmlDeviceGetTopologyCommonAncestor", ha, hb, gpu=a)
                     if raw is not None and int(raw) in PcieLevel._value2member_map_:
                         level = PcieLevel(int(raw))
-                if level is None and self._sysfs is not None and gpus[a].pci_bus_id and gpus[b].pci_bus_id:
+                if (
+                    level is None
+                    and self._sysfs is not None
+                    and gpus[a].pci_bus_id
+                    and gpus[b].pci_bus_id
+                ):
                     level = self._sysfs.pcie_level(gpus[a].pci_bus_id, gpus[b].pci_bus_id)
                 count = max(direct.get((a, b), 0), direct.get((b, a), 0))
                 via_switch = False
@@ -778,7 +840,10 @@ class NvmlBackend:
     def _same_fabric(a: Gpu, b: Gpu) -> bool:
         if a.fabric_clique_id is None or b.fabric_clique_id is None:
             return True
-        return (a.fabric_cluster_uuid, a.fabric_clique_id) == (b.fabric_cluster_uuid, b.fabric_clique_id)
+        return (a.fabric_cluster_uuid, a.fabric_clique_id) == (
+            b.fabric_cluster_uuid,
+            b.fabric_clique_id,
+        )
 
 
 def real_pynvml() -> ModuleType | None:

@@ -107,7 +107,7 @@ def load_spec(machine: str) -> MachineSpec:
     return load_machine_spec(machine)
 
 
-def sysfs_tree_spec(spec: MachineSpec) -> "SysfsTreeSpec":
+def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
     """The fake sysfs tree of a machine: DMI name, NUMA nodes, GPUs and RDMA NICs where
     the spec's PCIe tree puts them."""
     from agent.hw.sysfs import PciDeviceSpec, SysfsTreeSpec
@@ -134,7 +134,9 @@ def sysfs_tree_spec(spec: MachineSpec) -> "SysfsTreeSpec":
                 rdma_name=nic.name,
             )
         )
-    return SysfsTreeSpec(product_name=spec.product_name, numa_nodes=dict(spec.numa_nodes), devices=devices)
+    return SysfsTreeSpec(
+        product_name=spec.product_name, numa_nodes=dict(spec.numa_nodes), devices=devices
+    )
 
 
 class SimulatedMachine:
@@ -150,14 +152,16 @@ class SimulatedMachine:
         self.lib = FakeNvml(spec)
         owned = sysfs_root is None
         self.sysfs_root = sysfs_root or tempfile.mkdtemp(prefix=f"gta-sysfs-{_safe(spec.name)}-")
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.sysfs_root, True) if owned else None
+        self._finalizer = (
+            weakref.finalize(self, shutil.rmtree, self.sysfs_root, True) if owned else None
+        )
         try:
             write_tree(self.sysfs_root, sysfs_tree_spec(spec))
         except ValueError as exc:
             self.close()
             raise InputFormatError(f"machine {spec.name}: impossible PCIe tree: {exc}") from None
 
-    def backend(self) -> "NvmlBackend":
+    def backend(self) -> NvmlBackend:
         """A new :class:`NvmlBackend` on this machine's fake NVML and sysfs (not yet
         initialised)."""
         from agent.hw.nvml import NvmlBackend
@@ -170,14 +174,15 @@ class SimulatedMachine:
         if self._finalizer is not None:
             self._finalizer()
 
-    def __enter__(self) -> "SimulatedMachine":
+    def __enter__(self) -> SimulatedMachine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SimulatedMachine({self.name!r}, {len(self.spec.gpus)} GPUs, sysfs={self.sysfs_root!r})"
+        gpus = len(self.spec.gpus)
+        return f"SimulatedMachine({self.name!r}, {gpus} GPUs, sysfs={self.sysfs_root!r})"
 
 
 def _safe(name: str) -> str:
@@ -194,7 +199,12 @@ def load_topology(machine: str) -> Topology:
     """The topology of ``machine``: a pasted topo matrix is read by the topo-matrix reader
     as is; anything else is opened with :func:`open_simulated` and discovered through
     :class:`NvmlBackend` on the fake, source ``simulated:<name>``."""
-    if machine not in BUILTIN_MACHINES and machine and os.path.isfile(machine) and _is_topo_matrix(machine):
+    if (
+        machine not in BUILTIN_MACHINES
+        and machine
+        and os.path.isfile(machine)
+        and _is_topo_matrix(machine)
+    ):
         from agent.hw.topo_matrix import read_topo_matrix
 
         return read_topo_matrix(machine)
@@ -256,12 +266,17 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
         for link in topology.links:
             if link.pcie is not None and link.pcie != PcieLevel.SYS:
                 uf.union(link.a, link.b)
-        next_id = max([x for x in numa_of if x is not None] + list(topology.numa_cpulists) + [-1]) + 1
+        next_id = (
+            max([x for x in numa_of if x is not None] + list(topology.numa_cpulists) + [-1]) + 1
+        )
         group_ids: dict[int, int] = {}
         for i in range(n):
             if numa_of[i] is None:
                 root = uf.find(i)
-                known = next((numa_of[j] for j in range(n) if uf.find(j) == root and numa_of[j] is not None), None)
+                known = next(
+                    (numa_of[j] for j in range(n) if uf.find(j) == root and numa_of[j] is not None),
+                    None,
+                )
                 if known is None:
                     if root not in group_ids:
                         group_ids[root] = next_id
@@ -271,7 +286,11 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
     # --- NIC NUMA nodes: that of a GPU it reaches without crossing sockets
     nic_numa: list[int | None] = []
     for nic in nics_in:
-        near = [numa_of[g] for g, lv in enumerate(nic.levels) if lv is not None and lv != PcieLevel.SYS and g < n]
+        near = [
+            numa_of[g]
+            for g, lv in enumerate(nic.levels)
+            if lv is not None and lv != PcieLevel.SYS and g < n
+        ]
         nic_numa.append(nic.numa_node if nic.numa_node is not None else (near[0] if near else None))
     all_ids = sorted({x for x in numa_of + nic_numa if x is not None} | set(topology.numa_cpulists))
     # a NIC SYS to every GPU sits on a node of its own (as a NIC behind another socket does)
@@ -285,16 +304,23 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
             nic_numa[k] = spare
 
     numa_nodes: dict[int, tuple[str, tuple[int, ...]]] = {}
-    for pos, node in enumerate(sorted(set(all_ids))):
+    for node in sorted(set(all_ids)):
         cpus = topology.numa_cpulists.get(node)
         if cpus is None:
-            affinities = sorted({g.cpu_affinity for g, x in zip(gpus_in, numa_of) if x == node and g.cpu_affinity})
+            affinities = sorted(
+                {
+                    g.cpu_affinity
+                    for g, x in zip(gpus_in, numa_of, strict=True)
+                    if x == node and g.cpu_affinity
+                }
+            )
             cpus = affinities[0] if len(affinities) == 1 else ""
         distances = topology.numa_distances.get(node)
         numa_nodes[node] = (cpus, tuple(distances) if distances else ())
     ids = sorted(numa_nodes)
     numa_nodes = {
-        k: (c, d if len(d) == len(ids) else tuple(10 if j == k else 21 for j in ids)) for k, (c, d) in numa_nodes.items()
+        k: (c, d if len(d) == len(ids) else tuple(10 if j == k else 21 for j in ids))
+        for k, (c, d) in numa_nodes.items()
     }
 
     # --- PCIe tree over GPUs (0..n-1) and NICs (n..): host bridges, outer and inner switches
@@ -303,7 +329,9 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
         (link.a, link.b, link.pcie) for link in topology.links if link.pcie is not None
     ]
     for k, nic in enumerate(nics_in):
-        pair_levels += [(g, n + k, lv) for g, lv in enumerate(nic.levels) if lv is not None and g < n]
+        pair_levels += [
+            (g, n + k, lv) for g, lv in enumerate(nic.levels) if lv is not None and g < n
+        ]
     numa_all = numa_of + nic_numa
     hb_uf, outer_uf, inner_uf = _UnionFind(total), _UnionFind(total), _UnionFind(total)
     for a, b, lv in pair_levels:
@@ -325,7 +353,9 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
         host_bridge = f"pci0000:{root_bus:02x}"
         for pos, m in enumerate(sorted(members)):
             if pos >= 15:
-                raise InputFormatError(f"{topology.source or name}: too many devices under one host bridge")
+                raise InputFormatError(
+                    f"{topology.source or name}: too many devices under one host bridge"
+                )
             bus_of[m] = f"0000:{root_bus + 1 + pos:02x}:00.0"
             if len(members) == 1:
                 place[m] = (host_bridge, ())
@@ -340,14 +370,22 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
         counts = {c for a, b, c in nv_pairs if a in island and b in island}
         pairs_in = [(a, b) for a, b, _ in nv_pairs if a in island and b in island]
         size = len(island)
-        if len(counts) == 1 and len(pairs_in) == size * (size - 1) // 2 and counts.pop() * (size - 1) > max_links:
+        if (
+            len(counts) == 1
+            and len(pairs_in) == size * (size - 1) // 2
+            and counts.pop() * (size - 1) > max_links
+        ):
             per_gpu = next(c for a, b, c in nv_pairs if a in island)
             if switch is not None:
                 raise InputFormatError(
                     f"{topology.source or name}: more than one NVSwitch domain cannot be simulated"
                 )
-            switch = NvSwitchSpec(per_gpu, tuple(f"00000000:{0xE0 + k:02X}:00.0" for k in range(4)), tuple(island))
-    direct = [p for p in nv_pairs if switch is None or not (p[0] in switch.gpus and p[1] in switch.gpus)]  # type: ignore[operator]
+            switch = NvSwitchSpec(
+                per_gpu, tuple(f"00000000:{0xE0 + k:02X}:00.0" for k in range(4)), tuple(island)
+            )
+    direct = [
+        p for p in nv_pairs if switch is None or not (p[0] in switch.gpus and p[1] in switch.gpus)
+    ]  # type: ignore[operator]
     ports = [0] * n
     for a, b, c in direct:
         ports[a] += c
@@ -358,14 +396,21 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
     for i, used in enumerate(ports):
         if used > max_links:
             raise InputFormatError(
-                f"{topology.source or name}: GPU{i} would need {used} NVLink ports (at most {max_links})"
+                f"{topology.source or name}: GPU{i} would need {used} NVLink ports"
+                f" (at most {max_links})"
             )
 
     gpus: list[GpuSpec] = []
     for i, g in enumerate(gpus_in):
         known = GPU_MODELS.get(g.name)
-        model = known or GpuModel(g.name or "unknown", g.memory_mib or 16384, g.compute_capability or (8, 0),
-                                  "ampere", 0, hbm=False)
+        model = known or GpuModel(
+            g.name or "unknown",
+            g.memory_mib or 16384,
+            g.compute_capability or (8, 0),
+            "ampere",
+            0,
+            hbm=False,
+        )
         if model.nvlinks < ports[i]:
             model = replace(model, nvlinks=ports[i])
         host_bridge, switches = place[i]
@@ -376,7 +421,9 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
                 bus_id=nvml_bus_id(bus_of[i]),
                 uuid=g.uuid or synthetic_gpu_uuid(name, i),
                 numa_node=numa_of[i],
-                cpulist=g.cpu_affinity or (numa_nodes[numa_of[i]][0] if numa_of[i] in numa_nodes else None) or None,
+                cpulist=g.cpu_affinity
+                or (numa_nodes[numa_of[i]][0] if numa_of[i] in numa_nodes else None)
+                or None,
                 host_bridge=host_bridge,
                 switches=switches,
                 minor_number=g.minor_number if g.minor_number is not None else i,
