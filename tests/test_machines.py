@@ -292,3 +292,14 @@ def test_closing_a_simulated_machine_removes_its_sysfs_tree():
     assert os.path.isdir(os.path.join(root, "bus", "pci", "devices"))
     sim.close()
     assert not os.path.exists(root)
+
+
+def test_nvlinks_no_gpu_has_ports_for_are_an_input_format_error():
+    from agent.hw.machines import spec_from_topology
+    from agent.topology.model import Gpu, Link
+
+    gpus = [Gpu(i, f"GPU-{i}", "unknown") for i in range(3)]
+    links = [Link(0, 1, 20), Link(0, 2, 20), Link(1, 2, 19)]  # not uniform: no NVSwitch either
+    topo = Topology.build(gpus, links, source="odd.txt")
+    with pytest.raises(InputFormatError, match="odd.txt: GPU0 would need 40 NVLink ports"):
+        spec_from_topology(topo)

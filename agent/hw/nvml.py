@@ -276,6 +276,7 @@ class NvmlBackend:
         with self._lock:
             event_set, self._event_set = self._event_set, None
             self._events_registered.clear()
+            self._event_gpus = None
             self._handles.clear()
             self._handle_gpu.clear()
             self._initialized = False
