@@ -526,3 +526,48 @@ cdef class AllocationSolver:
             if only_required:
                 break
         return best.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
+# ---------------------------------------------------------------------------------------------
+
+def request_masks(available, must_include, int n):
+    """``(available mask, must-include mask, len(available), len(must_include))``; raises
+    ValueError when an entry is not an int in 0..n-1 or is repeated (the caller explains)."""
+    cdef uint64_t a = 0, r = 0, bit
+    cdef int na = 0, nr = 0
+    cdef long long i
+    for v in available:
+        if type(v) is not int:
+            raise ValueError("not an index")
+        i = v
+        if i < 0 or i >= n:
+            raise ValueError("out of range")
+        bit = (<uint64_t>1) << i
+        if a & bit:
+            raise ValueError("duplicate")
+        a |= bit
+        na += 1
+    for v in must_include:
+        if type(v) is not int:
+            raise ValueError("not an index")
+        i = v
+        if i < 0 or i >= n:
+            raise ValueError("out of range")
+        bit = (<uint64_t>1) << i
+        if r & bit:
+            raise ValueError("duplicate")
+        r |= bit
+        nr += 1
+    return a, r, na, nr
+
+
+def mask_indices(mask):
+    """Set bits of ``mask`` (below 2**64), ascending."""
+    cdef uint64_t m = mask
+    cdef list out = []
+    while m:
+        out.append(__builtin_ctzll(m))
+        m &= m - 1
+    return out

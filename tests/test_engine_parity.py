@@ -181,3 +181,25 @@ def test_solvers_refuse_impossible_requests_alike():
             except ValueError:
                 continue
             raise AssertionError(f"{impl.__name__} accepted {args}")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.one_of(st.integers(-2, 20), st.booleans(), st.text(max_size=2)), max_size=12),
+    st.lists(st.integers(-1, 20), max_size=4),
+    st.integers(1, 16),
+)
+def test_request_conversion_agrees_and_rejects_the_same_inputs(available, must_include, n):
+    outcomes = []
+    for impl in (_topo, _pure):
+        try:
+            outcomes.append(impl.request_masks(available, must_include, n))
+        except ValueError:
+            outcomes.append("rejected")
+    assert outcomes[0] == outcomes[1]
+    valid = all(type(v) is int and 0 <= v < n for v in available + must_include) and len(
+        set(available)) == len(available) and len(set(must_include)) == len(must_include)
+    assert (outcomes[0] != "rejected") == valid
+    if valid:
+        mask = outcomes[0][0]
+        assert _topo.mask_indices(mask) == _pure.mask_indices(mask) == sorted(available)

@@ -318,3 +318,33 @@ class AllocationSolver:
             score = self.set_score(g)
             entries.append((g, score + self._greedy_partition(available ^ g, k), score))
         return self._finish(entries, available, top)
+
+
+# ---------------------------------------------------------------------------------------------
+# Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
+# ---------------------------------------------------------------------------------------------
+
+
+def request_masks(available, must_include, n: int) -> tuple[int, int, int, int]:
+    """``(available mask, must-include mask, len(available), len(must_include))``; raises
+    ValueError when an entry is not an int in 0..n-1 or is repeated (the caller explains)."""
+    masks = []
+    for values in (available, must_include):
+        mask = 0
+        count = 0
+        for v in values:
+            if type(v) is not int:
+                raise ValueError("not an index")
+            if not 0 <= v < n:
+                raise ValueError("out of range")
+            if mask >> v & 1:
+                raise ValueError("duplicate")
+            mask |= 1 << v
+            count += 1
+        masks.append((mask, count))
+    return masks[0][0], masks[1][0], masks[0][1], masks[1][1]
+
+
+def mask_indices(mask: int) -> list[int]:
+    """Set bits of ``mask``, ascending."""
+    return _bits(mask)

@@ -128,6 +128,8 @@ class AllocationEngine:
                       for g in topology.gpus]
         scores = [list(row) for row in topology.scores] if self._n else []
         self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
+        self._request_masks = engine.impl.request_masks
+        self._mask_indices = engine.impl.mask_indices
         self.implementation = engine.IMPLEMENTATION
         self._lock = threading.Lock()
         self._best_by_size: dict[int, int] = {}
@@ -160,21 +162,16 @@ class AllocationEngine:
         if n_required > size:
             raise AllocationError(f"{n_required} must-include devices do not fit in size {size}")
 
-    def _mask(self, what: str, values: Sequence[int]) -> tuple[int, int]:
-        """(bitmask, count) of valid distinct GPU indices; the slow checker names the
-        first problem otherwise. (This runs on every kubelet request: kept cheap.)"""
-        mask = 0
-        n = self._n
-        for v in values:
-            if type(v) is not int or not 0 <= v < n or mask >> v & 1:
-                self._check_indices(what, values)  # raises with the precise message
-                raise AssertionError("unreachable")  # pragma: no cover
-            mask |= 1 << v
-        return mask, len(values)
-
     def _masks(self, available: Sequence[int], must_include: Sequence[int], size: int) -> tuple[int, int]:
-        avail, n_avail = self._mask("available", available)
-        required, n_required = self._mask("must-include", must_include)
+        """(available mask, must-include mask) of a valid request, else AllocationError
+        naming the first problem. The conversion runs in the engine: it is on every
+        kubelet request's path."""
+        try:
+            avail, required, n_avail, n_required = self._request_masks(available, must_include, self._n)
+        except (ValueError, TypeError, OverflowError):
+            self._check_indices("available", available)
+            self._check_indices("must-include", must_include)
+            raise AllocationError("invalid GPU index list") from None  # pragma: no cover
         outside = required & ~avail
         if outside:
             first = (outside & -outside).bit_length() - 1
@@ -199,7 +196,7 @@ class AllocationEngine:
         assert self._solver is not None  # a node with no GPUs fails validation above
         with self._lock:
             best = self._solver.rank(avail, required, size, 1)[0]
-        return list(self._indices(best[0]))
+        return self._mask_indices(best[0])
 
     def explain(self, available: Sequence[int], must_include: Sequence[int], size: int,
                 runners_up: int = 5) -> Explanation:
