@@ -571,3 +571,23 @@ def mask_indices(mask):
         out.append(__builtin_ctzll(m))
         m &= m - 1
     return out
+
+
+def group_devices(dict parent, int n):
+    """``{gpu: [device IDs]}`` from ``{device ID: gpu}``, IDs in the dict's order; raises
+    ValueError when an ID is not a non-empty str or a GPU not an int in 0..n-1."""
+    cdef dict out = {}
+    cdef list ids
+    cdef long long g
+    for device_id, gpu in parent.items():
+        if type(device_id) is not str or not device_id or type(gpu) is not int:
+            raise ValueError("bad entry")
+        g = gpu
+        if g < 0 or g >= n:
+            raise ValueError("out of range")
+        ids = out.get(gpu)
+        if ids is None:
+            out[gpu] = [device_id]
+        else:
+            ids.append(device_id)
+    return out

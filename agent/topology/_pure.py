@@ -348,3 +348,16 @@ def request_masks(available, must_include, n: int) -> tuple[int, int, int, int]:
 def mask_indices(mask: int) -> list[int]:
     """Set bits of ``mask``, ascending."""
     return _bits(mask)
+
+
+def group_devices(parent: dict, n: int) -> dict[int, list[str]]:
+    """``{gpu: [device IDs]}`` from ``{device ID: gpu}``, IDs in the dict's order; raises
+    ValueError when an ID is not a non-empty str or a GPU not an int in 0..n-1."""
+    out: dict[int, list[str]] = {}
+    for device_id, gpu in parent.items():
+        if type(device_id) is not str or not device_id or type(gpu) is not int:
+            raise ValueError("bad entry")
+        if not 0 <= gpu < n:
+            raise ValueError("out of range")
+        out.setdefault(gpu, []).append(device_id)
+    return out

@@ -113,6 +113,14 @@ def _natural_key(device_id: str) -> tuple[str, int, str]:
     return key
 
 
+def _natural_sort(ids: list[str]) -> None:
+    """Sort IDs of one GPU in place so that ``<uuid>::2`` comes before ``<uuid>::10``: they
+    share their prefix, so shorter first, then by text, orders them by number. Two C-level
+    sorts (the second is stable): this is on the replica request path."""
+    ids.sort()
+    ids.sort(key=len)
+
+
 class AllocationEngine:
     """The allocation policy for one topology (see the module docstring)."""
 
@@ -130,6 +138,7 @@ class AllocationEngine:
         self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
         self._request_masks = engine.impl.request_masks
         self._mask_indices = engine.impl.mask_indices
+        self._group_devices = engine.impl.group_devices
         self.implementation = engine.IMPLEMENTATION
         self._lock = threading.Lock()
         self._best_by_size: dict[int, int] = {}
@@ -236,16 +245,13 @@ class AllocationEngine:
             parent: dict[str, int] = dict(available)
         except (TypeError, ValueError):
             parent = {}
-        n = self._n
-        if (
-            len(parent) != len(available)
-            or not all(type(d) is str and d for d in parent)
-            or not all(type(g) is int and 0 <= g < n for g in set(parent.values()))
-        ):
+        try:
+            if len(parent) != len(available):
+                raise ValueError("duplicate")
+            by_gpu: dict[int, list[str]] = self._group_devices(parent, self._n)
+        except (ValueError, TypeError, OverflowError):
             self._explain_bad_devices(available)  # raises with the precise message
-        by_gpu: dict[int, list[str]] = {g: [] for g in set(parent.values())}
-        for device_id, gpu in parent.items():
-            by_gpu[gpu].append(device_id)
+            raise  # pragma: no cover
         required = list(must_include)
         if required:
             seen: set[str] = set()
@@ -311,7 +317,7 @@ class AllocationEngine:
 
         def take(gpu: int, count: int) -> None:
             if gpu not in sorted_gpus:  # sort only the GPUs we take from
-                free[gpu].sort(key=_natural_key)
+                _natural_sort(free[gpu])
                 sorted_gpus.add(gpu)
             chosen.extend(free[gpu][:count])
             del free[gpu][:count]
@@ -369,7 +375,7 @@ class AllocationEngine:
         by parent index, then ID."""
         parent, required, free = self._devices(available, must_include, size)
         for ids in free.values():
-            ids.sort(key=_natural_key)
+            _natural_sort(ids)
         need = size - len(required)
         used = sorted({parent[d] for d in required})
         numa_of = {g.index: g.numa_node for g in self.topology.gpus}
