@@ -203,3 +203,22 @@ def test_request_conversion_agrees_and_rejects_the_same_inputs(available, must_i
     if valid:
         mask = outcomes[0][0]
         assert _topo.mask_indices(mask) == _pure.mask_indices(mask) == sorted(available)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.one_of(st.text(max_size=6), st.integers(0, 3)),
+                       st.one_of(st.integers(-1, 9), st.booleans()), max_size=10),
+       st.integers(1, 8))
+def test_device_grouping_agrees_and_rejects_the_same_inputs(parent, n):
+    outcomes = []
+    for impl in (_topo, _pure):
+        try:
+            outcomes.append(impl.group_devices(parent, n))
+        except ValueError:
+            outcomes.append("rejected")
+    assert outcomes[0] == outcomes[1]
+    valid = all(type(d) is str and d and type(g) is int and 0 <= g < n for d, g in parent.items())
+    assert (outcomes[0] != "rejected") == valid
+    if valid:
+        assert sorted(d for ids in outcomes[0].values() for d in ids) == sorted(parent)
+        assert all(parent[d] == g for g, ids in outcomes[0].items() for d in ids)
