@@ -210,7 +210,12 @@ class Daemon:
             return
         hostname = self.config.node_name or socket.gethostname()
         self.metrics = MetricsService(self.backend, self.topology, self.config, hostname=hostname, ready=self.ready)
-        self.metrics.start()
+        try:
+            self.metrics.start()
+        except OSError as exc:
+            self.metrics.stop()
+            self.metrics = None
+            raise AgentError(f"cannot serve metrics on {self.config.metrics_address}: {exc.strerror or exc}") from exc
 
     def _start_watcher(self) -> None:
         assert self.health is not None

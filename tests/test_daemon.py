@@ -421,3 +421,22 @@ def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplo
     timer.join()
     assert daemon.manager is None and not daemon.ready()
     assert any("failOnInitError is false" in r.message for r in caplog.records)
+
+
+@needs_simulation
+def test_metrics_port_in_use_is_a_one_line_error(dirs):
+    import socket as socketlib
+
+    holder = socketlib.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        proc = agent_process(["run", "--simulate", "single-gpu", "--kubelet-dir", dirs["k"], "--features-dir",
+                              dirs["features"], "--metrics-address", f"127.0.0.1:{port}", "--log-level", "ERROR"])
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        holder.close()
+    assert proc.returncode == 1
+    assert stderr.strip().splitlines()[-1].endswith(f"cannot serve metrics on 127.0.0.1:{port}: Address already in use")
+    assert os.listdir(dirs["k"]) == []  # the device plugin it had started is gone again
