@@ -440,3 +440,25 @@ def test_metrics_port_in_use_is_a_one_line_error(dirs):
     assert proc.returncode == 1
     assert stderr.strip().splitlines()[-1].endswith(f"cannot serve metrics on 127.0.0.1:{port}: Address already in use")
     assert os.listdir(dirs["k"]) == []  # the device plugin it had started is gone again
+
+
+@needs_simulation
+def test_ready_endpoint_follows_registration_with_the_kubelet(simulated):
+    import urllib.error
+    import urllib.request
+
+    def status(path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics.port}{path}", timeout=5) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return exc.code
+
+    daemon, kubelet = simulated(Config())
+    assert _eventually(lambda: status("/ready") == 200)
+    kubelet.stop()  # the kubelet goes away: not registered any more
+    assert _eventually(lambda: status("/ready") == 503)
+    assert status("/health") == 200
+    kubelet.start()
+    assert _eventually(lambda: status("/ready") == 200)
