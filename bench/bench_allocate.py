@@ -43,7 +43,9 @@ from agent.topology.model import Gpu, Link, PcieLevel, Topology  # noqa: E402
 def nvswitch_node(n: int, per_numa: int, nvlinks: int, name: str) -> Topology:
     gpus = [Gpu(i, f"GPU-{i:02d}", name, numa_node=i // per_numa) for i in range(n)]
     links = [
-        Link(a, b, nvlinks, PcieLevel.NODE if a // per_numa == b // per_numa else PcieLevel.SYS, True)
+        Link(
+            a, b, nvlinks, PcieLevel.NODE if a // per_numa == b // per_numa else PcieLevel.SYS, True
+        )
         for a in range(n)
         for b in range(a + 1, n)
     ]
@@ -55,7 +57,11 @@ def pcie_pairs_node() -> Topology:
     links = []
     for a in range(8):
         for b in range(a + 1, 8):
-            level = PcieLevel.SYS if a // 4 != b // 4 else (PcieLevel.PIX if a // 2 == b // 2 else PcieLevel.NODE)
+            level = (
+                PcieLevel.SYS
+                if a // 4 != b // 4
+                else (PcieLevel.PIX if a // 2 == b // 2 else PcieLevel.NODE)
+            )
             links.append(Link(a, b, 4 if a // 2 == b // 2 else 0, level))
     return Topology.build(gpus, links, source="synthetic:pcie-pairs")
 
@@ -70,7 +76,13 @@ def dgx1_v100_node() -> Topology:
     for a in range(8):
         for b in range(a + 1, 8):
             nv = 2 if (a, b) in double else 1 if (a, b) in single else 0
-            level = PcieLevel.SYS if a // 4 != b // 4 else PcieLevel.PIX if (a, b) in pix else PcieLevel.PHB
+            level = (
+                PcieLevel.SYS
+                if a // 4 != b // 4
+                else PcieLevel.PIX
+                if (a, b) in pix
+                else PcieLevel.PHB
+            )
             links.append(Link(a, b, nv, level))
     return Topology.build(gpus, links, source="synthetic:dgx1-v100")
 
@@ -79,8 +91,12 @@ def islands_node(islands: int = 8, size: int = 8) -> Topology:
     n = islands * size
     gpus = [Gpu(i, f"GPU-{i}", "synthetic-64", numa_node=(i // size) % 2) for i in range(n)]
     links = [
-        Link(a, b, 18 if a // size == b // size else 0,
-             PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS)
+        Link(
+            a,
+            b,
+            18 if a // size == b // size else 0,
+            PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS,
+        )
         for a in range(n)
         for b in range(a + 1, n)
     ]
@@ -141,12 +157,19 @@ def time_calls(fn, args_list: list[tuple], calls: int) -> dict[str, float]:
         w1 = time.perf_counter_ns()
         cpu.append((c1 - c0) / 1000.0)
         wall.append((w1 - w0) / 1000.0)
-    return {"median_us": statistics.median(cpu), "p99_us": percentile(cpu, 0.99), "max_us": max(cpu),
-            "wall_median_us": statistics.median(wall), "wall_p99_us": percentile(wall, 0.99),
-            "calls": calls}
+    return {
+        "median_us": statistics.median(cpu),
+        "p99_us": percentile(cpu, 0.99),
+        "max_us": max(cpu),
+        "wall_median_us": statistics.median(wall),
+        "wall_p99_us": percentile(wall, 0.99),
+        "calls": calls,
+    }
 
 
-def bench_gpu_machine(topo: Topology, impl: str, calls: int, rng_seed: int) -> dict[int, dict[str, float]]:
+def bench_gpu_machine(
+    topo: Topology, impl: str, calls: int, rng_seed: int
+) -> dict[int, dict[str, float]]:
     engine.use(impl)
     n = topo.gpu_count
     allocator = AllocationEngine(topo)
@@ -173,8 +196,12 @@ def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
         for k in (1, 2, 4, 8, 16):
             args = []
             for _ in range(16):
-                pairs = [(f"{g.uuid}::{r}", g.index) for g in topo.gpus for r in range(16)
-                         if rng.random() < 0.6]
+                pairs = [
+                    (f"{g.uuid}::{r}", g.index)
+                    for g in topo.gpus
+                    for r in range(16)
+                    if rng.random() < 0.6
+                ]
                 if len(pairs) >= k:
                     args.append((pairs, [], k, policy))
             results[f"{policy} k={k}"] = time_calls(allocator.replicas, args, calls)
@@ -188,7 +215,9 @@ def bench_large(impl: str, calls: int, ks: list[int]) -> dict[int, dict[str, flo
     results = {}
     for k in ks:
         rng = random.Random(64 + k)
-        avail = [list(range(64))] + [sorted(rng.sample(range(64), rng.randint(max(k, 17), 64))) for _ in range(7)]
+        avail = [list(range(64))] + [
+            sorted(rng.sample(range(64), rng.randint(max(k, 17), 64))) for _ in range(7)
+        ]
         results[k] = time_calls(allocator.best_set, [(a, [], k) for a in avail], calls)
     return results
 
@@ -218,16 +247,20 @@ def main(argv: list[str] | None = None) -> int:
         py = bench_gpu_machine(topo, "python", calls_py16 if n > 8 else calls_py, 1)
         report[name] = {"source": topo.source, "gpus": n, "cython": cy, "python": py}
         print(f"\n== {name} ({n} GPUs, {topo.source}) ==")
-        print(f"{'k':>3} | {'cython median':>13} {'p99':>12} {'cold':>12} {'wall p99':>12} | {'python median':>13} {'p99':>12} | ratio")
+        print(
+            f"{'k':>3} | {'cython median':>13} {'p99':>12} {'cold':>12} {'wall p99':>12} | {'python median':>13} {'p99':>12} | ratio"
+        )
         worst_p99 = 0.0
         worst_ratio = float("inf")
         for k in range(1, n + 1):
             ratio = py[k]["median_us"] / cy[k]["median_us"]
             worst_p99 = max(worst_p99, cy[k]["p99_us"])
             worst_ratio = min(worst_ratio, ratio)
-            print(f"{k:>3} | {fmt_us(cy[k]['median_us'])} {fmt_us(cy[k]['p99_us'])} {fmt_us(cy[k]['cold_us'])}"
-                  f" {fmt_us(cy[k]['wall_p99_us'])}"
-                  f" | {fmt_us(py[k]['median_us'])} {fmt_us(py[k]['p99_us'])} | {ratio:6.0f}x")
+            print(
+                f"{k:>3} | {fmt_us(cy[k]['median_us'])} {fmt_us(cy[k]['p99_us'])} {fmt_us(cy[k]['cold_us'])}"
+                f" {fmt_us(cy[k]['wall_p99_us'])}"
+                f" | {fmt_us(py[k]['median_us'])} {fmt_us(py[k]['p99_us'])} | {ratio:6.0f}x"
+            )
         worst_cold = max(cy[k]["cold_us"] for k in cy)
         overall = sum(py[k]["median_us"] for k in py) / sum(cy[k]["median_us"] for k in cy)
         goal = 100.0 if n <= 8 else 20_000.0
@@ -246,10 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     for key in rc:
         worst = max(worst, rc[key]["p99_us"])
-        print(f"{key:>18} | cython median {fmt_us(rc[key]['median_us'])} p99 {fmt_us(rc[key]['p99_us'])}"
-              f" wall p99 {fmt_us(rc[key]['wall_p99_us'])}"
-              f" | python median {fmt_us(rp[key]['median_us'])}")
-    verdicts.append(f"8x16 replicas: worst p99 {fmt_us(worst).strip()} (goal <= 100 us: {'MET' if worst <= 100 else 'MISSED'})")
+        print(
+            f"{key:>18} | cython median {fmt_us(rc[key]['median_us'])} p99 {fmt_us(rc[key]['p99_us'])}"
+            f" wall p99 {fmt_us(rc[key]['wall_p99_us'])}"
+            f" | python median {fmt_us(rp[key]['median_us'])}"
+        )
+    verdicts.append(
+        f"8x16 replicas: worst p99 {fmt_us(worst).strip()} (goal <= 100 us: {'MET' if worst <= 100 else 'MISSED'})"
+    )
 
     print("\n== 64-GPU synthetic node (8 NVSwitch islands of 8), bounded search ==")
     ks = [1, 2, 4, 8, 16, 32]
@@ -259,10 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     for k in ks:
         worst = max(worst, lc[k]["max_us"])
-        print(f"k={k:>2} | cython median {fmt_us(lc[k]['median_us'])} max {fmt_us(lc[k]['max_us'])}"
-              f" wall p99 {fmt_us(lc[k]['wall_p99_us'])}"
-              f" | python median {fmt_us(lp[k]['median_us'])} | ratio {lp[k]['median_us'] / lc[k]['median_us']:.0f}x")
-    verdicts.append(f"64 GPUs: worst call {fmt_us(worst).strip()} (goal <= 100 ms: {'MET' if worst <= 100_000 else 'MISSED'})")
+        print(
+            f"k={k:>2} | cython median {fmt_us(lc[k]['median_us'])} max {fmt_us(lc[k]['max_us'])}"
+            f" wall p99 {fmt_us(lc[k]['wall_p99_us'])}"
+            f" | python median {fmt_us(lp[k]['median_us'])} | ratio {lp[k]['median_us'] / lc[k]['median_us']:.0f}x"
+        )
+    verdicts.append(
+        f"64 GPUs: worst call {fmt_us(worst).strip()} (goal <= 100 ms: {'MET' if worst <= 100_000 else 'MISSED'})"
+    )
 
     print("\n== verdicts (one run) ==")
     for v in verdicts:

@@ -69,7 +69,9 @@ def machines() -> list[tuple[str, Topology]]:
     from agent.hw.topo_matrix import read_topo_matrix
 
     for name in REAL_MATRICES:
-        out.append((f"topo:{name}", read_topo_matrix(str(ROOT / "tests" / "fixtures" / "topo" / name))))
+        out.append(
+            (f"topo:{name}", read_topo_matrix(str(ROOT / "tests" / "fixtures" / "topo" / name)))
+        )
     return out
 
 
@@ -130,7 +132,9 @@ def replay(topo: Topology, policy, events: list[tuple[str, int]]) -> dict[str, f
                 multi += 1
                 best = reference.best_score_for_size(value)
                 ratios.append(topo.set_score(got) / best if best else 1.0)
-                nvlink += all(topo.link(a, b).nvlinks > 0 for a, b in itertools.combinations(got, 2))
+                nvlink += all(
+                    topo.link(a, b).nvlinks > 0 for a, b in itertools.combinations(got, 2)
+                )
                 numa_one += len({topo.gpus[g].numa_node for g in got}) == 1
         elif running:
             pod = running.pop(value % len(running))
@@ -153,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=2026)
     args = parser.parse_args(argv)
     verdicts = []
-    print(f"{'machine':<58} {'policy':<15} {'pods':>5} {'score/best':>10} {'NVLink':>7} {'1 NUMA':>7}")
+    print(
+        f"{'machine':<58} {'policy':<15} {'pods':>5} {'score/best':>10} {'NVLink':>7} {'1 NUMA':>7}"
+    )
     for name, topo in machines():
         if topo.gpu_count < 2:
             print(f"{name:<58} (one GPU: nothing to compare)")
@@ -165,13 +171,20 @@ def main(argv: list[str] | None = None) -> int:
             "naive": replay(topo, Naive(), events),
         }
         for policy, r in rows.items():
-            print(f"{name:<58} {policy:<15} {r['pods']:>5} {pct(r['score_ratio']):>10} "
-                  f"{pct(r['nvlink_share']):>7} {pct(r['numa_share']):>7}")
+            print(
+                f"{name:<58} {policy:<15} {r['pods']:>5} {pct(r['score_ratio']):>10} "
+                f"{pct(r['nvlink_share']):>7} {pct(r['numa_share']):>7}"
+            )
         ours, part = rows["ours"], rows["partition-only"]
-        worse = [m for m in ("score_ratio", "nvlink_share", "numa_share")
-                 if ours[m] is not None and part[m] is not None and ours[m] < part[m] - 1e-9]
-        verdicts.append(f"{name}: ours {'>=' if not worse else 'BELOW'} partition-only"
-                        + (f" on {', '.join(worse)}" if worse else " on every measure"))
+        worse = [
+            m
+            for m in ("score_ratio", "nvlink_share", "numa_share")
+            if ours[m] is not None and part[m] is not None and ours[m] < part[m] - 1e-9
+        ]
+        verdicts.append(
+            f"{name}: ours {'>=' if not worse else 'BELOW'} partition-only"
+            + (f" on {', '.join(worse)}" if worse else " on every measure")
+        )
     print("\n== ours vs partition-only (one run, seed %d, %d events) ==" % (args.seed, args.events))
     print("\n".join(verdicts))
     return 0

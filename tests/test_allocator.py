@@ -27,7 +27,9 @@ def nvswitch_node(n: int = 8, per_numa: int = 4, nvlinks: int = 18) -> Topology:
     """Every pair NVLinked through NVSwitch; PCIe NODE within a socket, SYS across."""
     gpus = [Gpu(i, f"GPU-{i:02d}", "H100", numa_node=i // per_numa) for i in range(n)]
     links = [
-        Link(a, b, nvlinks, PcieLevel.NODE if a // per_numa == b // per_numa else PcieLevel.SYS, True)
+        Link(
+            a, b, nvlinks, PcieLevel.NODE if a // per_numa == b // per_numa else PcieLevel.SYS, True
+        )
         for a in range(n)
         for b in range(a + 1, n)
     ]
@@ -55,8 +57,12 @@ def islands_node(islands: int = 8, size: int = 8) -> Topology:
     n = islands * size
     gpus = [Gpu(i, f"GPU-{i}", "B200", numa_node=(i // size) % 2) for i in range(n)]
     links = [
-        Link(a, b, 18 if a // size == b // size else 0,
-             PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS)
+        Link(
+            a,
+            b,
+            18 if a // size == b // size else 0,
+            PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS,
+        )
         for a in range(n)
         for b in range(a + 1, n)
     ]
@@ -91,7 +97,11 @@ def test_fewer_numa_nodes_breaks_a_tie_on_score(impl):
 
 
 def test_unknown_numa_node_counts_as_one_node_of_its_own(impl):
-    gpus = [Gpu(0, "a", "x", numa_node=None), Gpu(1, "b", "x", numa_node=0), Gpu(2, "c", "x", numa_node=None)]
+    gpus = [
+        Gpu(0, "a", "x", numa_node=None),
+        Gpu(1, "b", "x", numa_node=0),
+        Gpu(2, "c", "x", numa_node=None),
+    ]
     links = [Link(a, b, 0, PcieLevel.SYS) for a in range(3) for b in range(a + 1, 3)]
     allocator = AllocationEngine(Topology.build(gpus, links))
     assert allocator.best_set([0, 1, 2], [], 2) == [0, 2]
@@ -105,7 +115,9 @@ def test_must_include_is_always_in_the_answer(impl):
 
 def test_result_is_sorted_and_does_not_depend_on_input_order(impl):
     allocator = AllocationEngine(pcie_pairs_node())
-    assert allocator.best_set([7, 6, 5, 4], [], 2) == allocator.best_set([4, 5, 6, 7], [], 2) == [4, 5]
+    assert (
+        allocator.best_set([7, 6, 5, 4], [], 2) == allocator.best_set([4, 5, 6, 7], [], 2) == [4, 5]
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,9 +159,10 @@ def test_explain_reports_the_anchor_criterion_as_the_separator_when_it_decides(i
     explanation = allocator.explain([0, 1, 2, 3], [], 2, runners_up=10)
     separators = {c.indices: i for c, i in explanation.runners_up}
     assert separators[(0, 2)] == 0  # breaks both pairs: worse split of the rest
-    assert explanation.chosen.anchor_score > dict(
-        (c.indices, c.anchor_score) for c, _ in explanation.runners_up
-    )[(0, 2)]
+    assert (
+        explanation.chosen.anchor_score
+        > dict((c.indices, c.anchor_score) for c, _ in explanation.runners_up)[(0, 2)]
+    )
 
 
 def test_best_score_for_size_is_the_best_set_score_on_the_node(impl):
@@ -267,7 +280,9 @@ def test_replicas_are_deterministic(impl):
         ([("a::0", 0)], [], 0, "distributed", "at least 1"),
     ],
 )
-def test_invalid_replica_requests_raise_one_clear_allocation_error(impl, pairs, must, size, policy, message):
+def test_invalid_replica_requests_raise_one_clear_allocation_error(
+    impl, pairs, must, size, policy, message
+):
     allocator = AllocationEngine(pcie_pairs_node())
     with pytest.raises(AllocationError, match=message):
         allocator.replicas(pairs, must, size, policy)
@@ -312,7 +327,9 @@ def test_invalid_mig_requests_raise_one_clear_allocation_error(impl):
 
 def test_mig_topology_from_the_model_is_usable(impl):
     mig = tuple(MigDevice(f"MIG-a-{i}", 0, i, "1g.10gb", 9856) for i in range(3))
-    topo = Topology.build([Gpu(0, "GPU-a", "A100", mig_enabled=True, mig_devices=mig, numa_node=0)], [])
+    topo = Topology.build(
+        [Gpu(0, "GPU-a", "A100", mig_enabled=True, mig_devices=mig, numa_node=0)], []
+    )
     got = AllocationEngine(topo).mig([(m.uuid, m.parent_index) for m in mig], [], 2)
     assert got == ["MIG-a-0", "MIG-a-1"]
 
@@ -325,7 +342,9 @@ def builtin_topologies():
     return {name: load_topology(name) for name in BUILTIN_MACHINES}
 
 
-def test_every_built_in_machine_answers_every_size_with_distinct_available_gpus(impl, builtin_topologies):
+def test_every_built_in_machine_answers_every_size_with_distinct_available_gpus(
+    impl, builtin_topologies
+):
     for name, topo in builtin_topologies.items():
         n = topo.gpu_count
         if impl == "python" and n > 8:

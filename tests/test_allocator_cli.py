@@ -39,7 +39,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_json_output_follows_the_design_contract(machine, capsys):
-    rc, out, err = run(capsys, "--size", "2", "--simulate", "h200-8gpu-8nic-epyc9534", "--format", "json")
+    rc, out, err = run(
+        capsys, "--size", "2", "--simulate", "h200-8gpu-8nic-epyc9534", "--format", "json"
+    )
     assert rc == 0 and err == ""
     doc = json.loads(out)
     assert set(doc) == {"devices", "indices", "score"}
@@ -52,8 +54,19 @@ def test_json_output_follows_the_design_contract(machine, capsys):
 def test_available_and_must_include_accept_indices_and_uuids(machine, capsys):
     topo = read_topo_matrix(str(TOPO / "dgx1-v100-8gpu-4nic.txt"))
     uuid5 = topo.gpus[5].uuid
-    rc, out, _ = run(capsys, "--size", "2", "--simulate", "dgx1-v100-8gpu-4nic", "--format", "json",
-                     "--available", f"0,1,2,3,{uuid5}", "--must-include", uuid5)
+    rc, out, _ = run(
+        capsys,
+        "--size",
+        "2",
+        "--simulate",
+        "dgx1-v100-8gpu-4nic",
+        "--format",
+        "json",
+        "--available",
+        f"0,1,2,3,{uuid5}",
+        "--must-include",
+        uuid5,
+    )
     assert rc == 0
     doc = json.loads(out)
     assert 5 in doc["indices"] and len(doc["indices"]) == 2
@@ -61,17 +74,25 @@ def test_available_and_must_include_accept_indices_and_uuids(machine, capsys):
 
 
 def test_default_machine_is_dgx_h100(machine, capsys, monkeypatch):
-    monkeypatch.setattr(allocate, "load_topology",
-                        lambda simulate: machine.append(simulate) or read_topo_matrix(
-                            str(TOPO / "h200-8gpu-8nic-epyc9534.txt")))
+    monkeypatch.setattr(
+        allocate,
+        "load_topology",
+        lambda simulate: (
+            machine.append(simulate) or read_topo_matrix(str(TOPO / "h200-8gpu-8nic-epyc9534.txt"))
+        ),
+    )
     rc, _, _ = run(capsys, "--size", "1")
     assert rc == 0 and machine == ["dgx-h100"]
 
 
 def test_nvml_flag_asks_for_the_real_node(machine, capsys, monkeypatch):
-    monkeypatch.setattr(allocate, "load_topology",
-                        lambda simulate: machine.append(simulate) or read_topo_matrix(
-                            str(TOPO / "h200-8gpu-8nic-epyc9534.txt")))
+    monkeypatch.setattr(
+        allocate,
+        "load_topology",
+        lambda simulate: (
+            machine.append(simulate) or read_topo_matrix(str(TOPO / "h200-8gpu-8nic-epyc9534.txt"))
+        ),
+    )
     rc, _, _ = run(capsys, "--size", "1", "--nvml")
     assert rc == 0 and machine == [None]
 
@@ -87,7 +108,16 @@ def test_explain_table_shows_winner_runners_up_and_separating_criterion(machine,
 
 
 def test_explain_json_adds_the_explanation(machine, capsys):
-    rc, out, _ = run(capsys, "--size", "2", "--simulate", "l40s-4gpu-2socket-2nic", "--format", "json", "--explain")
+    rc, out, _ = run(
+        capsys,
+        "--size",
+        "2",
+        "--simulate",
+        "l40s-4gpu-2socket-2nic",
+        "--format",
+        "json",
+        "--explain",
+    )
     doc = json.loads(out)
     assert rc == 0 and doc["explanation"]["chosen"]["indices"] == doc["indices"]
     assert doc["explanation"]["exact"] is True
@@ -102,14 +132,21 @@ def test_explain_json_adds_the_explanation(machine, capsys):
         (["--size", "2", "--available", "0,12"], "--available: no GPU 12"),
         (["--size", "2", "--available", "0,,1"], "--available: empty item"),
         (["--size", "2", "--must-include", "GPU-nope"], "neither a GPU index nor a GPU UUID"),
-        (["--size", "1", "--available", "0,1", "--must-include", "3"], "must-include GPU 3 is not available"),
+        (
+            ["--size", "1", "--available", "0,1", "--must-include", "3"],
+            "must-include GPU 3 is not available",
+        ),
         (["--size", "1", "--available", "1,1"], "duplicate GPU index 1"),
     ],
 )
 def test_bad_requests_exit_2_with_one_line(machine, capsys, argv, message):
     rc, out, err = run(capsys, *argv, "--simulate", "dgx1-v100-8gpu-4nic")
     assert rc == 2 and out == ""
-    assert err.count("\n") == 1 and message in err and err.startswith("gpu-topology-agent allocate: error:")
+    assert (
+        err.count("\n") == 1
+        and message in err
+        and err.startswith("gpu-topology-agent allocate: error:")
+    )
 
 
 def test_size_flag_is_required(capsys):

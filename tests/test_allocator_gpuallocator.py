@@ -39,7 +39,12 @@ def _topology(name: str) -> Topology:
     n = spec["num_gpus"]
     links = [
         # 4xRTX8000's NVLinked pairs have no PCIe level at all: Link(pcie=None)
-        Link(a, b, spec["nvlinks"][a][b], PcieLevel.parse(spec["pcie"][a][b]) if spec["pcie"][a][b] else None)
+        Link(
+            a,
+            b,
+            spec["nvlinks"][a][b],
+            PcieLevel.parse(spec["pcie"][a][b]) if spec["pcie"][a][b] else None,
+        )
         for a in range(n)
         for b in range(a + 1, n)
     ]
@@ -142,7 +147,7 @@ def test_best_effort_allocator_sequence_matches_upstream_or_a_stated_equal_ancho
     allocator = AllocationEngine(topo)
     feasible = [s for s in seq["steps"] if s["expected"]]
     # upstream's closing step asks for more than is left and gets []: we refuse it
-    assert [s["expected"] for s in seq["steps"][len(feasible):]] == [[]]
+    assert [s["expected"] for s in seq["steps"][len(feasible) :]] == [[]]
     ours = _run_sequence(allocator, topo.gpu_count, [s["size"] for s in feasible])
     with pytest.raises(AllocationError):
         allocator.best_set([], [], seq["steps"][-1]["size"])
@@ -156,7 +161,9 @@ def test_best_effort_allocator_sequence_matches_upstream_or_a_stated_equal_ancho
     # at least as good on the sequence's total set score
     step = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
     available = sorted(set(range(topo.gpu_count)) - {g for s in ours[:step] for g in s})
-    assert _anchor_criterion(topo, available, ours[step]) == _anchor_criterion(topo, available, theirs[step])
+    assert _anchor_criterion(topo, available, ours[step]) == _anchor_criterion(
+        topo, available, theirs[step]
+    )
     assert topo.set_score(ours[step]) >= topo.set_score(theirs[step])
     assert sum(map(topo.set_score, ours)) >= sum(map(topo.set_score, theirs))
 

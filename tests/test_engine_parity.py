@@ -131,8 +131,13 @@ def test_large_node_with_few_available_is_solved_exactly_on_the_available_gpus(d
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.lists(
-    st.sampled_from(PAIR_VALUES), min_size=n * n, max_size=n * n))))
+@given(
+    st.integers(1, 9).flatmap(
+        lambda n: st.tuples(
+            st.just(n), st.lists(st.sampled_from(PAIR_VALUES), min_size=n * n, max_size=n * n)
+        )
+    )
+)
 def test_best_score_for_each_size_is_the_best_set_score(args):
     n, flat = args
     s = [[0 if a == b else flat[min(a, b) * n + max(a, b)] for b in range(n)] for a in range(n)]
@@ -166,9 +171,7 @@ def test_islands_and_cliques_agree_between_extension_and_twin(adjacency):
     for clique in _pure.maximal_cliques(adjacency):
         members = _mask(clique)
         assert all((adjacency[v] | 1 << v) & members == members for v in clique)
-        assert not any(
-            v not in clique and adjacency[v] & members == members for v in range(n)
-        )
+        assert not any(v not in clique and adjacency[v] & members == members for v in range(n))
 
 
 def test_solvers_refuse_impossible_requests_alike():
@@ -197,8 +200,11 @@ def test_request_conversion_agrees_and_rejects_the_same_inputs(available, must_i
         except ValueError:
             outcomes.append("rejected")
     assert outcomes[0] == outcomes[1]
-    valid = all(type(v) is int and 0 <= v < n for v in available + must_include) and len(
-        set(available)) == len(available) and len(set(must_include)) == len(must_include)
+    valid = (
+        all(type(v) is int and 0 <= v < n for v in available + must_include)
+        and len(set(available)) == len(available)
+        and len(set(must_include)) == len(must_include)
+    )
     assert (outcomes[0] != "rejected") == valid
     if valid:
         mask = outcomes[0][0]
@@ -206,9 +212,14 @@ def test_request_conversion_agrees_and_rejects_the_same_inputs(available, must_i
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.dictionaries(st.one_of(st.text(max_size=6), st.integers(0, 3)),
-                       st.one_of(st.integers(-1, 9), st.booleans()), max_size=10),
-       st.integers(1, 8))
+@given(
+    st.dictionaries(
+        st.one_of(st.text(max_size=6), st.integers(0, 3)),
+        st.one_of(st.integers(-1, 9), st.booleans()),
+        max_size=10,
+    ),
+    st.integers(1, 8),
+)
 def test_device_grouping_agrees_and_rejects_the_same_inputs(parent, n):
     outcomes = []
     for impl in (_topo, _pure):

@@ -25,17 +25,33 @@ DEFAULT_MACHINE = "dgx-h100"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("allocate", help="show the preferred allocation for a request")
-    p.add_argument("--size", type=int, required=True, metavar="K", help="number of GPUs to allocate")
-    p.add_argument("--available", metavar="LIST", default=None,
-                   help="comma-separated GPU indices or UUIDs that are free (default: all)")
-    p.add_argument("--must-include", metavar="LIST", default="",
-                   help="comma-separated GPU indices or UUIDs the answer must contain")
+    p.add_argument(
+        "--size", type=int, required=True, metavar="K", help="number of GPUs to allocate"
+    )
+    p.add_argument(
+        "--available",
+        metavar="LIST",
+        default=None,
+        help="comma-separated GPU indices or UUIDs that are free (default: all)",
+    )
+    p.add_argument(
+        "--must-include",
+        metavar="LIST",
+        default="",
+        help="comma-separated GPU indices or UUIDs the answer must contain",
+    )
     add_simulate_flag(p, default=DEFAULT_MACHINE)
-    p.add_argument("--nvml", action="store_true",
-                   help="use this node's GPUs through NVML instead of --simulate")
+    p.add_argument(
+        "--nvml",
+        action="store_true",
+        help="use this node's GPUs through NVML instead of --simulate",
+    )
     add_format_flag(p)
-    p.add_argument("--explain", action="store_true",
-                   help="also show the runners-up and the criterion that separated them")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="also show the runners-up and the criterion that separated them",
+    )
     p.set_defaults(func=run)
 
 
@@ -58,15 +74,22 @@ def parse_gpu_list(text: str, topology: Topology, flag: str) -> list[int]:
             continue
         gpu = topology.gpu_by_uuid(item)
         if gpu is None:
-            raise UsageError(f"{flag}: {item!r} is neither a GPU index nor a GPU UUID of this machine")
+            raise UsageError(
+                f"{flag}: {item!r} is neither a GPU index nor a GPU UUID of this machine"
+            )
         out.append(gpu.index)
     return out
 
 
 def explanation_to_json(e: Explanation) -> dict[str, Any]:
     def cand(c: Any) -> dict[str, Any]:
-        return {"indices": list(c.indices), "anchor_criterion": c.anchor_score, "score": c.score,
-                "numa_nodes": c.numa_nodes, "cut": c.cut}
+        return {
+            "indices": list(c.indices),
+            "anchor_criterion": c.anchor_score,
+            "score": c.score,
+            "numa_nodes": c.numa_nodes,
+            "cut": c.cut,
+        }
 
     return {
         "chosen": cand(e.chosen),

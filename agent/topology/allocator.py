@@ -132,8 +132,10 @@ class AllocationEngine:
         known = sorted({g.numa_node for g in topology.gpus if g.numa_node is not None})
         ids = {node: i for i, node in enumerate(known)}
         unknown_id = len(known)  # "unknown" is one node of its own
-        self._numa = [ids.get(g.numa_node, unknown_id) if g.numa_node is not None else unknown_id
-                      for g in topology.gpus]
+        self._numa = [
+            ids.get(g.numa_node, unknown_id) if g.numa_node is not None else unknown_id
+            for g in topology.gpus
+        ]
         scores = [list(row) for row in topology.scores] if self._n else []
         self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
         self._request_masks = engine.impl.request_masks
@@ -152,7 +154,8 @@ class AllocationEngine:
             if not 0 <= v < self._n:
                 raise AllocationError(
                     f"{what}: unknown GPU index {v} (this node has GPUs 0-{self._n - 1})"
-                    if self._n else f"{what}: unknown GPU index {v} (this node has no GPUs)"
+                    if self._n
+                    else f"{what}: unknown GPU index {v} (this node has no GPUs)"
                 )
             out.append(v)
         dup = sorted(i for i, c in Counter(out).items() if c > 1)
@@ -171,12 +174,16 @@ class AllocationEngine:
         if n_required > size:
             raise AllocationError(f"{n_required} must-include devices do not fit in size {size}")
 
-    def _masks(self, available: Sequence[int], must_include: Sequence[int], size: int) -> tuple[int, int]:
+    def _masks(
+        self, available: Sequence[int], must_include: Sequence[int], size: int
+    ) -> tuple[int, int]:
         """(available mask, must-include mask) of a valid request, else AllocationError
         naming the first problem. The conversion runs in the engine: it is on every
         kubelet request's path."""
         try:
-            avail, required, n_avail, n_required = self._request_masks(available, must_include, self._n)
+            avail, required, n_avail, n_required = self._request_masks(
+                available, must_include, self._n
+            )
         except (ValueError, TypeError, OverflowError):
             self._check_indices("available", available)
             self._check_indices("must-include", must_include)
@@ -197,7 +204,9 @@ class AllocationEngine:
         return Candidate(self._indices(mask), c1, score, numa_nodes, cut)
 
     # ------------------------------------------------------------------ GPUs
-    def best_set(self, available: Sequence[int], must_include: Sequence[int], size: int) -> list[int]:
+    def best_set(
+        self, available: Sequence[int], must_include: Sequence[int], size: int
+    ) -> list[int]:
         """The k = ``size`` GPU indices to allocate, sorted. Raises AllocationError on an
         invalid request (size < 1 or above |available|, must-include outside available or
         larger than size, unknown or duplicate indices)."""
@@ -207,8 +216,9 @@ class AllocationEngine:
             best = self._solver.rank(avail, required, size, 1)[0]
         return self._mask_indices(best[0])
 
-    def explain(self, available: Sequence[int], must_include: Sequence[int], size: int,
-                runners_up: int = 5) -> Explanation:
+    def explain(
+        self, available: Sequence[int], must_include: Sequence[int], size: int, runners_up: int = 5
+    ) -> Explanation:
         """:meth:`best_set`'s winner with its criterion values and the next ``runners_up``
         candidates, each with the criterion that ranked it lower."""
         avail, required = self._masks(available, must_include, size)
@@ -237,8 +247,9 @@ class AllocationEngine:
         return cached
 
     # ------------------------------------------------------------------ shared devices
-    def _devices(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
-                 size: int) -> tuple[dict[str, int], list[str], dict[int, list[str]]]:
+    def _devices(
+        self, available: Sequence[tuple[str, int]], must_include: Sequence[str], size: int
+    ) -> tuple[dict[str, int], list[str], dict[int, list[str]]]:
         """Validated (device ID -> GPU, must-include IDs, GPU -> its free IDs not in
         must-include, unsorted). One pass: this runs on every kubelet request."""
         try:
@@ -271,7 +282,9 @@ class AllocationEngine:
             try:
                 device_id, gpu = entry
             except (TypeError, ValueError):
-                raise AllocationError(f"available: {entry!r} is not a (device ID, GPU index) pair") from None
+                raise AllocationError(
+                    f"available: {entry!r} is not a (device ID, GPU index) pair"
+                ) from None
             if type(device_id) is not str or not device_id:
                 raise AllocationError(f"available: {device_id!r} is not a device ID")
             self._check_indices(f"available {device_id}", [gpu])
@@ -280,9 +293,15 @@ class AllocationEngine:
             seen.add(device_id)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def replicas(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
-                 size: int, policy: str = "distributed", *,
-                 replicas_per_gpu: int | Mapping[int, int] | None = None) -> list[str]:
+    def replicas(
+        self,
+        available: Sequence[tuple[str, int]],
+        must_include: Sequence[str],
+        size: int,
+        policy: str = "distributed",
+        *,
+        replicas_per_gpu: int | Mapping[int, int] | None = None,
+    ) -> list[str]:
         """Time-sliced replica IDs (``<uuid>::<n>``) to allocate; ``available`` pairs each
         free replica ID with its GPU index. Returned sorted by GPU index, then replica number.
 
@@ -297,7 +316,9 @@ class AllocationEngine:
         given the GPUs already in the request. Deterministic.
         """
         if policy not in REPLICA_POLICIES:
-            raise AllocationError(f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}")
+            raise AllocationError(
+                f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}"
+            )
         parent, required, free = self._devices(available, must_include, size)
         all_free = {g: len(ids) for g, ids in free.items()}
         for d in required:
@@ -366,8 +387,9 @@ class AllocationEngine:
         best = self.best_set(pool, in_request, len(in_request) + count)
         return [g for g in best if g not in in_request]
 
-    def mig(self, available: Sequence[tuple[str, int]], must_include: Sequence[str],
-            size: int) -> list[str]:
+    def mig(
+        self, available: Sequence[tuple[str, int]], must_include: Sequence[str], size: int
+    ) -> list[str]:
         """MIG device IDs to allocate; ``available`` pairs each free MIG device with its
         parent GPU index. Prefers all on one parent GPU, else on one NUMA node, else
         anywhere; best fit throughout: the parent (NUMA node) with the fewest free instances
@@ -421,12 +443,16 @@ class AllocationEngine:
                 for p in sorted(set(free) | set(used)):
                     nodes.setdefault(numa_of[p], []).append(p)
                 options_n = [
-                    node for node, ps in nodes.items()
+                    node
+                    for node, ps in nodes.items()
                     if (not used_nodes or node in used_nodes)
                     and sum(len(free.get(p, [])) for p in ps) >= need
                 ]
                 if options_n:
-                    node = min(options_n, key=lambda u: (sum(len(free.get(p, [])) for p in nodes[u]), numa_key(u)))
+                    node = min(
+                        options_n,
+                        key=lambda u: (sum(len(free.get(p, [])) for p in nodes[u]), numa_key(u)),
+                    )
                     picked = fill(nodes[node])
         if picked is None:
             picked = fill(sorted(set(free) | set(used)))

@@ -64,3 +64,19 @@ def allocation_solver(scores: list[list[int]], numa: list[int]):  # -> impl.Allo
     ``partition_value`` and ``set_score`` (masks are int bitmasks over GPU indices).
     """
     return impl.AllocationSolver(scores, numa)
+
+
+def request_masks(available, must_include, n: int) -> tuple[int, int, int, int]:
+    """GPU index lists -> (available mask, must-include mask, counts); ValueError when an
+    entry is not an int in 0..n-1 or repeats. See ``_pure.request_masks``."""
+    return impl.request_masks(available, must_include, n)
+
+
+def mask_indices(mask: int) -> list[int]:
+    """Set bits of ``mask``, ascending."""
+    return impl.mask_indices(mask)
+
+
+def group_devices(parent: dict, n: int) -> dict[int, list[str]]:
+    """``{device ID: gpu}`` -> ``{gpu: [device IDs]}``; ValueError on a bad entry."""
+    return impl.group_devices(parent, n)
