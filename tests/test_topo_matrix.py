@@ -167,6 +167,32 @@ def test_a100_reads_the_extra_empty_cell_before_gpu_numa_id():
     assert not any("GPU NUMA ID" in note for note in topo.notes)  # all N/A
 
 
+def test_space_aligned_output_with_empty_cpu_affinity_cells():
+    topo = read("h200-8gpu-10nic-blank-cpu-affinity.txt")
+    assert [g.cpu_affinity for g in topo.gpus] == [None] * 4 + ["56"] * 4
+    assert [g.numa_node for g in topo.gpus] == [0] * 4 + [1] * 4
+    assert topo.nvlink_cliques == (tuple(range(8)),)
+    assert [n.name for n in topo.nics] == [f"mlx5_{k}" for k in range(10)]
+    pix = [[i for i, lv in enumerate(n.levels) if lv is PcieLevel.PIX] for n in topo.nics]
+    assert pix == [[0], [], [], [1], [2], [3], [4], [5], [6], [7]]
+    assert topo.link(0, 4).pcie is PcieLevel.SYS and topo.link(0, 3).pcie is PcieLevel.NODE
+
+
+def test_hand_aligned_tabs_with_doubled_separators_are_read_by_their_words():
+    topo = read("v100-8gpu-2nic-hand-aligned-tabs.txt")
+    assert nvlinked(topo) == [
+        [0, 1, 1], [0, 2, 2], [0, 3, 1], [0, 7, 2], [1, 2, 1], [1, 3, 2], [1, 6, 2],
+        [2, 3, 2], [2, 5, 1], [3, 4, 1], [4, 5, 2], [4, 6, 2], [4, 7, 1], [5, 6, 1],
+        [5, 7, 2], [6, 7, 1],
+    ]
+    assert [g.numa_node for g in topo.gpus] == [0] * 4 + [1] * 4
+    assert [g.cpu_affinity for g in topo.gpus] == ["0-23,48-71"] * 4 + ["24-47,72-95"] * 4
+    assert [(n.name, [lv.name for lv in n.levels]) for n in topo.nics] == [
+        ("mlx5_0", ["NODE", "NODE", "PIX", "PIX", "SYS", "SYS", "SYS", "SYS"]),
+        ("mlx5_1", ["SYS", "SYS", "SYS", "SYS", "NODE", "NODE", "PIX", "PIX"]),
+    ]
+
+
 # ------------------------------------------------------------------------- variants
 def test_legacy_output_with_soc_indented_rows_and_a_header_named_nic():
     topo = read("variant-legacy-soc-indented-header-nic-no-numa.txt")
@@ -399,7 +425,7 @@ def matrices(draw) -> Truth:
                 values.append(numa[i] if numa[i] is not None else draw(unknown))
             else:
                 values.append(str(gnid[i]) if gnid[i] is not None else draw(unknown))
-        if style != "tabs":
+        if style == "spaces":
             values = [v or "N/A" for v in values]  # an empty value cannot be placed
         elif "GPU NUMA ID" in trailing and draw(st.booleans()):
             values.insert(2, "")  # nvidia-smi's extra empty cell before GPU NUMA ID
@@ -412,12 +438,13 @@ def matrices(draw) -> Truth:
                 row += [""] * len(trailing)  # nvidia-smi pads NIC rows with empty cells
             table.append(row)
 
-    has_blank = any(c == "" for row in table[1:] for c in row)
     if style == "tabs":
         indent = draw(st.sampled_from(["", " ", "\t", "  "]))
         lines = ["\t".join(table[0])] + [indent + "\t".join(r) for r in table[1:]]
+        if draw(st.booleans()):  # an editor that strips trailing whitespace
+            lines = [line.rstrip() for line in lines]
     elif style == "aligned":  # what a terminal shows: tabs expanded to 8-column stops
-        indent = "" if has_blank else draw(st.sampled_from(["", "  "]))
+        indent = draw(st.sampled_from(["", "  ", "    "]))
         lines = ["\t".join(table[0]).expandtabs(8)]
         lines += [(indent + "\t".join(r).expandtabs(8)).rstrip() for r in table[1:]]
     else:

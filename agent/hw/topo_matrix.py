@@ -20,11 +20,11 @@ terminal expanded its tabs), or separated by any run of spaces; rows may be inde
 
 Cells: ``X`` (self), ``NV<n>`` (n bonded NVLinks), a PCIe level (``BOARD PIX PXB PHB NODE
 SYS``, legacy ``SOC`` = SYS, ``CPU`` = NODE; case-insensitive), ``N/A`` or an empty cell
-(unknown). An empty *matrix* cell is found exactly in tab-separated text, and by column
-position in space-aligned text whose cells sit under their header names; in text squeezed
-to single spaces a cell must be ``N/A`` instead. Likewise an empty affinity cell is only
-told apart in tab-separated text: in space-separated text missing trailing values are
-taken to be the last columns.
+(unknown). A row is read, most faithful first, by splitting at tabs; by rebuilding the tabs
+of a terminal's 8-column expansion (so empty cells are found in space-aligned pastes too);
+or by splitting at whitespace, where an empty cell cannot be seen (it must read ``N/A``)
+and missing trailing values are taken to be the last columns. Empty cells at the end of a
+tab-separated or tab-aligned row may have lost their whitespace in a copy and are padded.
 
 What is inferred rather than read is said in ``Topology.notes``:
 
@@ -68,7 +68,6 @@ _LEGEND_ENTRY = re.compile(r"\s*([A-Za-z][\w.-]*)\s*:\s*(\S+)\s*")
 _UNKNOWN_CELLS = frozenset({"", "N/A"})
 _TAB_STOP = 8  # terminals expand nvidia-smi's tabs to 8-column stops
 _MAX_PAIRS_LISTED = 12  # longer pair lists in notes are summarised as a count
-_ALIGN_SLACK = 1  # a cell may start/end one column off its header name (" X ")
 
 
 class TopoMatrixError(InputFormatError):
@@ -172,13 +171,6 @@ class _Token:
 
 
 @dataclass
-class _Column:
-    name: str
-    start: int
-    end: int
-
-
-@dataclass
 class _Row:
     line_no: int
     text: str
@@ -189,6 +181,29 @@ class _Row:
 
 def _tokens(line: str) -> list[_Token]:
     return [_Token(m.group(), m.start(), m.end()) for m in re.finditer(r"\S+", line)]
+
+
+def _cells_from_tab_stops(line: str) -> list[str] | None:
+    """The cells of a row whose tabs a terminal expanded to 8-column stops (counted from
+    the row label), empty cells included; None if the spacing is not such an expansion."""
+    tokens = _tokens(line)
+    if not tokens:
+        return None
+    origin = tokens[0].start
+    cells = [tokens[0].text]
+    end = tokens[0].end - origin
+    for tok in tokens[1:]:
+        start = tok.start - origin
+        cell_start = start - start % _TAB_STOP
+        if start - cell_start > 1:  # only " X " starts a cell with a space
+            return None
+        gap = cell_start - (end // _TAB_STOP + 1) * _TAB_STOP  # a tab always moves on
+        if gap < 0:
+            return None
+        cells.extend([""] * (gap // _TAB_STOP))
+        cells.append(tok.text)
+        end = tok.end - origin
+    return cells
 
 
 def _blank(value: str | None) -> bool:
@@ -234,46 +249,44 @@ class _Parser:
 
     def parse_header(self, i: int) -> None:
         line = self.lines[i]
-        expanded = line.expandtabs(_TAB_STOP)
-        cols: list[_Column] = []
-        for m in _HEADER_TOKEN.finditer(expanded):
+        names = []
+        for m in _HEADER_TOKEN.finditer(line):
             name = m.group()
             for known in _KNOWN_TRAILING:  # normalise the case of the known names
                 if name.lower() == known.lower():
                     name = known
-            cols.append(_Column(name, m.start(), m.end()))
-        devices: list[_Column] = []
-        trailing: list[_Column] = []
-        for col in cols:
-            if trailing or col.name in _KNOWN_TRAILING:
-                trailing.append(col)
+            names.append(name)
+        devices: list[str] = []
+        trailing: list[str] = []
+        for name in names:
+            if trailing or name in _KNOWN_TRAILING:
+                trailing.append(name)
             else:
-                devices.append(col)
+                devices.append(name)
         n_gpus = 0
         for col in devices:
-            m = _GPU_NAME.fullmatch(col.name)
+            m = _GPU_NAME.fullmatch(col)
             if m is None:
                 break
-            if int(m.group(1)) != n_gpus or col.name != f"GPU{n_gpus}":
+            if int(m.group(1)) != n_gpus or col != f"GPU{n_gpus}":
                 raise self.error(
-                    f"GPU columns must be GPU0, GPU1, ... in order; column {n_gpus + 1} is {col.name}",
+                    f"GPU columns must be GPU0, GPU1, ... in order; column {n_gpus + 1} is {col}",
                     i + 1,
                     line,
                 )
             n_gpus += 1
         seen: set[str] = set()
         for j, col in enumerate(devices):
-            if col.name in seen:
-                raise self.error(f"column {col.name} appears twice in the header", i + 1, line)
-            seen.add(col.name)
-            if j >= n_gpus and _GPU_NAME.fullmatch(col.name):
-                raise self.error(f"GPU column {col.name} comes after a non-GPU column", i + 1, line)
+            if col in seen:
+                raise self.error(f"column {col} appears twice in the header", i + 1, line)
+            seen.add(col)
+            if j >= n_gpus and _GPU_NAME.fullmatch(col):
+                raise self.error(f"GPU column {col} comes after a non-GPU column", i + 1, line)
         self.header_line = i + 1
         self.devices = devices
         self.trailing = trailing
-        self.trailing_names = [c.name for c in trailing]
         self.n_gpus = n_gpus
-        self.column_index = {c.name: j for j, c in enumerate(devices)}
+        self.column_index = {name: j for j, name in enumerate(devices)}
 
     # ------------------------------------------------------------------ rows
     def cells_valid(self, label: str, texts: Sequence[str]) -> list[_Cell] | None:
@@ -291,7 +304,7 @@ class _Parser:
         own = self.column_index[label]
         for j, t in enumerate(texts):
             cell = _parse_cell(t)
-            col = self.devices[j].name
+            col = self.devices[j]
             if cell is None:
                 return self.error(
                     f"cell {t.strip()!r} under {col} is not X, NV<n>, a PCIe level "
@@ -305,106 +318,72 @@ class _Parser:
                 return self.error(f"row {label} has {t.strip()!r} under its own column, not X", line_no, line)
         return self.error("cannot read the row", line_no, line)
 
-    def split_tabs(self, label: str, line: str) -> tuple[list[_Cell], list[str]] | None:
-        # Strip only the indentation: a trailing tab ends an empty last cell.
-        parts = [p.strip() for p in line.lstrip().split("\t")]
-        if any(len(p.split()) > 1 for p in parts) or parts[0] != label:
-            return None
+    def split_cells(
+        self, label: str, parts: Sequence[str], *, pad: bool = False
+    ) -> tuple[list[_Cell], list[str]] | None:
+        """Read a row given as its label and cell texts (empty = blank cell): the device
+        cells, then the values for the header's trailing columns. None unless the cells
+        are valid and the values fit the header. ``pad``: the text can show empty cells,
+        so missing last cells are empty ones that lost their whitespace in a copy."""
         n = len(self.devices)
-        values = parts[1:]
-        if len(values) < n:
+        if not parts or parts[0] != label:
             return None
-        cells = self.cells_valid(label, values[:n])
+        if len(parts) - 1 < n:
+            if not pad:
+                return None
+            parts = [*parts, *[""] * (n + 1 - len(parts))]
+        cells = self.cells_valid(label, parts[1 : n + 1])
         if cells is None:
             return None
-        rest = values[n:]
+        rest = list(parts[n + 1 :])
         # nvidia-smi writes an extra empty cell before "GPU NUMA ID" and pads NIC rows with
         # empty cells: drop empties until the values fit the header, from the right.
         while len(rest) > len(self.trailing) and "" in rest:
             del rest[len(rest) - 1 - rest[::-1].index("")]
+        if len(rest) > len(self.trailing):
+            return None
         return cells, rest
 
-    def split_by_count(self, label: str, tokens: list[_Token]) -> tuple[list[_Cell], list[str]] | None:
-        n = len(self.devices)
-        if len(tokens) < n:
-            return None
-        cells = self.cells_valid(label, [t.text for t in tokens[:n]])
-        if cells is None:
-            return None
-        return cells, [t.text for t in tokens[n:]]
-
-    def split_by_position(self, label: str, tokens: list[_Token]) -> tuple[list[_Cell], list[str]] | None:
-        """Cells placed under the header name they overlap; finds empty cells in
-        space-aligned text. None unless every matrix token sits under a distinct column."""
-        texts = [""] * len(self.devices)
-        last_j = -1
-        trailing: list[str] = []
-        end_of_devices = self.devices[-1].end + _ALIGN_SLACK
-        for tok in tokens:
-            if trailing or tok.start >= end_of_devices:
-                trailing.append(tok.text)
-                continue
-            best_j, best_overlap = -1, 0
-            for j in range(last_j + 1, len(self.devices)):
-                col = self.devices[j]
-                overlap = min(tok.end, col.end + _ALIGN_SLACK) - max(tok.start, col.start - _ALIGN_SLACK)
-                if overlap > best_overlap:
-                    best_j, best_overlap = j, overlap
-                if col.start - _ALIGN_SLACK >= tok.end:
-                    break
-            if best_j < 0:
-                return None
-            texts[best_j] = tok.text
-            last_j = best_j
-        cells = self.cells_valid(label, texts)
-        if cells is None:
-            return None
-        return cells, trailing
-
     def parse_row(self, line_no: int, line: str, label: str) -> _Row:
+        """One matrix row. Readings, most faithful first: split at tabs; rebuild the tabs
+        of a terminal's 8-column expansion (finds empty cells); split at whitespace
+        (cells must then be non-empty: N/A)."""
         n = len(self.devices)
         expanded = line.expandtabs(_TAB_STOP)
-        tokens = _tokens(expanded)[1:]
-        found = self.split_tabs(label, line) if "\t" in line else None
+        words = [t.text for t in _tokens(expanded)]
+        found = None
+        if "\t" in line:
+            # Strip only the indentation: a trailing tab ends an empty last cell.
+            tab_parts = [p.strip() for p in line.lstrip().split("\t")]
+            if not any(len(p.split()) > 1 for p in tab_parts):
+                found = self.split_cells(label, tab_parts, pad=True)
         if found is None:
-            by_count = self.split_by_count(label, tokens)
-            by_position = self.split_by_position(label, tokens)
-            found = by_count or by_position
-            if by_count and by_position and by_count != by_position:
-                # Both readings work only when an empty matrix cell is followed by an N/A
-                # value: the count reading then shifts N/A into the matrix and comes up
-                # short of affinity values. Believe the columns only in that case, so
-                # loosely spaced text is never misread by position.
-                n_trailing = len(self.trailing)
-                if (
-                    label in self.gpu_labels
-                    and len(by_count[1]) < n_trailing
-                    and len(by_position[1]) <= n_trailing
-                ):
-                    found = by_position
+            stop_parts = _cells_from_tab_stops(expanded)
+            if stop_parts is not None:
+                found = self.split_cells(label, stop_parts, pad=True)
         if found is None:
-            if len(tokens) < n:
+            found = self.split_cells(label, words)
+        if found is None:
+            values = words[1:]
+            if len(values) < n:
                 raise self.error(
-                    f"row {label} has {len(tokens)} cells, expected {n} (one per column "
-                    f"{self.devices[0].name}..{self.devices[-1].name}); mark unknown cells N/A",
+                    f"row {label} has {len(values)} cells, expected {n} (one per column "
+                    f"{self.devices[0]}..{self.devices[-1]}); mark unknown cells N/A",
                     line_no,
                     line,
                 )
-            raise self.explain_cells(label, [t.text for t in tokens[:n]], line_no, line)
+            if self.cells_valid(label, values[:n]) is None:
+                raise self.explain_cells(label, values[:n], line_no, line)
+            raise self.error(
+                f"row {label} has {len(values) - n} values after the matrix but the header has "
+                f"{len(self.trailing)} ({', '.join(self.trailing) or 'none'})",
+                line_no,
+                line,
+            )
         cells, rest = found
         trailing: dict[str, str | None] = {}
-        if label in self.gpu_labels:
-            if len(rest) > len(self.trailing):
-                extra = [v for v in rest if v]
-                raise self.error(
-                    f"row {label} has {len(extra)} values after the matrix but the header has "
-                    f"{len(self.trailing)} ({', '.join(self.trailing_names) or 'none'})",
-                    line_no,
-                    line,
-                )
-            for name, value in zip(self.trailing_names, rest):
-                trailing.setdefault(name, None if _blank(value) else value)
-        # NIC rows carry no affinity; whatever follows their cells is ignored.
+        for name, value in zip(self.trailing, rest):
+            trailing.setdefault(name, None if _blank(value) else value)
         return _Row(line_no, line, label, cells, trailing)
 
     def parse_rows(self) -> tuple[dict[str, _Row], int]:
@@ -429,8 +408,8 @@ class _Parser:
             rows[label] = self.parse_row(i + 1, line, label)
             i += 1
         for g in self.devices[: self.n_gpus]:
-            if g.name not in rows:
-                raise self.error(f"no row for {g.name} (the header on line {self.header_line} lists it)")
+            if g not in rows:
+                raise self.error(f"no row for {g} (the header on line {self.header_line} lists it)")
         return rows, i
 
     # ------------------------------------------------------------------ legend
@@ -472,7 +451,7 @@ class _Parser:
         self.parse_header(h)
         if self.n_gpus == 0:
             raise self.error("the header lists no GPU columns", h + 1, self.lines[h])
-        self.gpu_labels = {c.name for c in self.devices[: self.n_gpus]}
+        self.gpu_labels = set(self.devices[: self.n_gpus])
         rows, after = self.parse_rows()
         legend = self.parse_nic_legend(after)
         n = self.n_gpus
@@ -482,7 +461,7 @@ class _Parser:
         ]
 
         gpus = []
-        has_numa = NUMA_AFFINITY in self.trailing_names
+        has_numa = NUMA_AFFINITY in self.trailing
         gpu_numa_ids: list[str] = []
         multi_node: list[str] = []
         for i in range(n):
@@ -570,21 +549,21 @@ class _Parser:
         for col in self.devices[n:]:
             levels: list[PcieLevel | None] = []
             for i in range(n):
-                cell = self.resolve(rows, f"GPU{i}", col.name)
+                cell = self.resolve(rows, f"GPU{i}", col)
                 if cell.kind == "nv":
                     row = rows[f"GPU{i}"]
-                    raise self.error(f"GPU{i} shows NVLinks to {col.name}, which is not a GPU", row.line_no, row.text)
+                    raise self.error(f"GPU{i} shows NVLinks to {col}, which is not a GPU", row.line_no, row.text)
                 levels.append(cell.level)
-            if col.name in legend:
-                name = legend[col.name]
+            if col in legend:
+                name = legend[col]
             else:
-                name = col.name
-                if re.fullmatch(r"NIC\d+", col.name):
-                    unnamed.append(col.name)
+                name = col
+                if re.fullmatch(r"NIC\d+", col):
+                    unnamed.append(col)
             nics.append(Nic(name=name, levels=tuple(levels)))
         if unnamed:
             notes.append(f"no NIC Legend entry for {', '.join(unnamed)}: named as in the header")
-        ignored = [c for c in self.trailing_names if c not in _KNOWN_TRAILING]
+        ignored = [c for c in self.trailing if c not in _KNOWN_TRAILING]
         if ignored:
             notes.append(f"ignored unknown columns: {', '.join(ignored)}")
 
