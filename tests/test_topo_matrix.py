@@ -246,6 +246,15 @@ def test_an_empty_cell_in_space_aligned_text_is_found_by_its_column():
     assert [g.numa_node for g in topo.gpus] == [0, 0, 1, 1]
 
 
+@pytest.mark.parametrize("expand", [False, True], ids=["tabs", "terminal-expanded"])
+def test_empty_last_cells_that_lost_their_whitespace_are_empty_cells(expand):
+    lines = ["\tGPU0\tGPU1\tNIC0", "GPU0\t X \tNV2", "GPU1\tNV2\t X \tPHB", "NIC0\t\tPHB\t X "]
+    text = "\n".join(line.expandtabs(8) if expand else line for line in lines) + "\n"
+    topo = parse_topo_matrix(text)
+    assert topo.link(0, 1).nvlinks == 2
+    assert topo.nics[0].levels == (None, PcieLevel.PHB)
+
+
 def test_crlf_text_with_the_shell_prompt_pasted_around_it():
     topo = read("variant-crlf-with-prompt.txt")
     assert topo.gpu_count == 2
