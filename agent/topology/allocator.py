@@ -21,7 +21,10 @@ a bounded greedy search (one candidate grown from each available GPU, the rest p
 greedily) answers in O(n^3) pair look-ups: well under 100 ms compiled, but not exact.
 
 One :class:`AllocationEngine` per topology: it memoises partition tables across calls and
-serialises calls with a lock, so one instance may be shared by gRPC worker threads.
+serialises calls with a lock, so one instance may be shared by gRPC worker threads. Memory on
+a 16-GPU node: a 512 KiB set-score table plus 512 KiB per request size k seen. Without the
+compiled extension the pure-Python twin gives the same answers, 10x to 2000x slower
+(``bench/README.md``).
 """
 
 from __future__ import annotations
