@@ -61,6 +61,11 @@ def setup_logging(config: Config, stream: Any = None) -> None:
     root.setLevel(config.log_level)
 
 
+#: Seconds the ordered shutdown may take before a backstop exits the process; the
+#: DaemonSet's terminationGracePeriodSeconds must stay above it.
+SHUTDOWN_BUDGET_S = 20.0
+
+
 class Daemon:
     """Owns every long-lived part of the agent. ``config_loader`` re-reads the configuration
     (SIGHUP); ``simulate`` names a simulated machine (``--simulate``)."""
@@ -71,7 +76,7 @@ class Daemon:
         *,
         simulate: str | None = None,
         config_loader: Callable[[], Config] | None = None,
-        shutdown_budget_s: float = 20.0,
+        shutdown_budget_s: float = SHUTDOWN_BUDGET_S,
         nvml_retry_s: float = 10.0,
     ) -> None:
         self.config = config
@@ -303,8 +308,13 @@ class Daemon:
                 steps.append(("health watcher", lambda: self.watcher.stop(2.0)))
             if self.metrics is not None:
                 steps.append(("metrics", self.metrics.stop))
+            if self.label_sink is not None:
+                # a clean stop withdraws our labels: NFD drops them from the node
+                steps.append(("labels", self.label_sink.remove))
             if self.backend is not None:
                 steps.append(("NVML", self.backend.shutdown))
+            if self.sim is not None:
+                steps.append(("simulated machine", self.sim.close))
             for name, step in steps:
                 try:
                     step()

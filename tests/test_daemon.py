@@ -233,6 +233,7 @@ def test_sighup_reregisters_and_sigterm_stops_a_real_agent_process_cleanly(dirs)
         kubelet.stop()
     assert proc.returncode == 0, stderr
     assert os.listdir(dirs["k"]) == []
+    assert os.listdir(dirs["features"]) == [], "a clean stop removes the labels feature file"
     assert "effective configuration" in stderr
 
 

@@ -327,11 +327,11 @@ def test_termination_grace_period_exceeds_the_agent_shutdown_budget(rendered: Re
 
 
 def _agent_shutdown_budget_s() -> float:
-    """The daemon's default ``shutdown_budget_s`` (what ``run`` uses)."""
-    daemon = pytest.importorskip("agent.daemon", reason="agent/daemon.py has not landed yet")
-    default = inspect.signature(daemon.Daemon).parameters["shutdown_budget_s"].default
-    assert isinstance(default, (int, float))
-    return float(default)
+    """The daemon's shutdown budget (what ``run`` uses)."""
+    from agent import daemon
+
+    assert inspect.signature(daemon.Daemon).parameters["shutdown_budget_s"].default == daemon.SHUTDOWN_BUDGET_S
+    return daemon.SHUTDOWN_BUDGET_S
 
 
 # ----------------------------------------------------------------------------- host access
