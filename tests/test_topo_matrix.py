@@ -147,7 +147,16 @@ def test_nic_levels_come_from_the_gpu_rows_and_legend_names_replace_nic_columns(
     h200 = read("h200-8gpu-8nic-epyc9534.txt")
     nic0 = h200.nics[0]
     assert nic0.name == "mlx5_0"
-    assert [lv.name for lv in nic0.levels] == ["NODE", "NODE", "PIX", "NODE", "SYS", "SYS", "SYS", "SYS"]
+    assert [lv.name for lv in nic0.levels] == [
+        "NODE",
+        "NODE",
+        "PIX",
+        "NODE",
+        "SYS",
+        "SYS",
+        "SYS",
+        "SYS",
+    ]
     dgx1 = read("dgx1-v100-8gpu-4nic.txt")
     assert dgx1.nics[1].name == "mlx5_2"
     assert [lv.name for lv in dgx1.nics[1].levels] == ["SYS"] * 4 + ["PIX", "PIX", "PHB", "PHB"]
@@ -181,9 +190,22 @@ def test_space_aligned_output_with_empty_cpu_affinity_cells():
 def test_hand_aligned_tabs_with_doubled_separators_are_read_by_their_words():
     topo = read("v100-8gpu-2nic-hand-aligned-tabs.txt")
     assert nvlinked(topo) == [
-        [0, 1, 1], [0, 2, 2], [0, 3, 1], [0, 7, 2], [1, 2, 1], [1, 3, 2], [1, 6, 2],
-        [2, 3, 2], [2, 5, 1], [3, 4, 1], [4, 5, 2], [4, 6, 2], [4, 7, 1], [5, 6, 1],
-        [5, 7, 2], [6, 7, 1],
+        [0, 1, 1],
+        [0, 2, 2],
+        [0, 3, 1],
+        [0, 7, 2],
+        [1, 2, 1],
+        [1, 3, 2],
+        [1, 6, 2],
+        [2, 3, 2],
+        [2, 5, 1],
+        [3, 4, 1],
+        [4, 5, 2],
+        [4, 6, 2],
+        [4, 7, 1],
+        [5, 6, 1],
+        [5, 7, 2],
+        [6, 7, 1],
     ]
     assert [g.numa_node for g in topo.gpus] == [0] * 4 + [1] * 4
     assert [g.cpu_affinity for g in topo.gpus] == ["0-23,48-71"] * 4 + ["24-47,72-95"] * 4
@@ -390,8 +412,14 @@ def matrices(draw) -> Truth:
     blank = "" if style != "spaces" else "N/A"  # squeezed text cannot show an empty cell
     unknown = st.sampled_from(["N/A", blank])
     trailing = draw(
-        st.sampled_from([[], ["CPU Affinity"], ["CPU Affinity", "NUMA Affinity"],
-                         ["CPU Affinity", "NUMA Affinity", "GPU NUMA ID"]])
+        st.sampled_from(
+            [
+                [],
+                ["CPU Affinity"],
+                ["CPU Affinity", "NUMA Affinity"],
+                ["CPU Affinity", "NUMA Affinity", "GPU NUMA ID"],
+            ]
+        )
     )
     cell = st.one_of(
         st.integers(1, 18).map(lambda k: f"NV{k}"),
@@ -411,10 +439,16 @@ def matrices(draw) -> Truth:
     nic_cells = [[draw(level_or_unknown) for _ in range(n)] for _ in range(k)]
     nic_nic = {(x, y): draw(st.sampled_from(LEVELS)) for x in range(k) for y in range(x + 1, k)}
     with_nic_rows = draw(st.booleans())
-    truth = Truth(n, cells, numa if "NUMA Affinity" in trailing else [None] * n,
-                  cpu if trailing else [None] * n,
-                  gnid if "GPU NUMA ID" in trailing else [None] * n,
-                  nic_names, nic_cells, trailing)
+    truth = Truth(
+        n,
+        cells,
+        numa if "NUMA Affinity" in trailing else [None] * n,
+        cpu if trailing else [None] * n,
+        gnid if "GPU NUMA ID" in trailing else [None] * n,
+        nic_names,
+        nic_cells,
+        trailing,
+    )
 
     def gpu_gpu(a: int, b: int) -> str:
         return " X " if a == b else cells[(min(a, b), max(a, b))]
@@ -479,7 +513,9 @@ def _expected_level(truth: Truth, a: int, b: int) -> tuple[int, PcieLevel | None
         return 0, None
     if printed.startswith("NV"):
         na, nb = truth.numa[a], truth.numa[b]
-        lowest = [None if x is None else min(int(p.split("-")[0]) for p in x.split(",")) for x in (na, nb)]
+        lowest = [
+            None if x is None else min(int(p.split("-")[0]) for p in x.split(",")) for x in (na, nb)
+        ]
         if lowest[0] is not None and lowest[1] is not None:
             same = lowest[0] == lowest[1]
         elif lowest[0] is None and lowest[1] is None:
@@ -509,17 +545,43 @@ def test_any_valid_matrix_in_any_layout_parses_to_what_it_says(truth):
         assert any(note.endswith(", ".join(gnids)) for note in topo.notes)
     assert [nic.name for nic in topo.nics] == truth.nic_names
     for nic, cells in zip(topo.nics, truth.nic_cells, strict=True):
-        assert nic.levels == tuple(
-            None if _unknown(c) else PcieLevel.parse(c) for c in cells
-        )
+        assert nic.levels == tuple(None if _unknown(c) else PcieLevel.parse(c) for c in cells)
 
 
 def _mutations():
     texts = [p.read_text() for p in sorted(FIXTURES.glob("*.txt"))][:8]
     junk = st.sampled_from(
-        ["X", " X ", "NV", "NV0", "NV12", "SYS", "N/A", "GPU0", "GPU1", "GPU99", "NIC0", "mlx5_0",
-         "\t", "  ", "\n", "\r", ":", "-", ",", "0-7", "9-3", "Legend:", "NIC Legend:",
-         "CPU Affinity", "NUMA Affinity", "GPU NUMA ID", "\x00", "é", "99999999999999999999"]
+        [
+            "X",
+            " X ",
+            "NV",
+            "NV0",
+            "NV12",
+            "SYS",
+            "N/A",
+            "GPU0",
+            "GPU1",
+            "GPU99",
+            "NIC0",
+            "mlx5_0",
+            "\t",
+            "  ",
+            "\n",
+            "\r",
+            ":",
+            "-",
+            ",",
+            "0-7",
+            "9-3",
+            "Legend:",
+            "NIC Legend:",
+            "CPU Affinity",
+            "NUMA Affinity",
+            "GPU NUMA ID",
+            "\x00",
+            "é",
+            "99999999999999999999",
+        ]
     )
 
     @st.composite
@@ -531,7 +593,7 @@ def _mutations():
                 break
             pos = draw(st.integers(0, len(text) - 1))
             if op == "delete":
-                text = text[:pos] + text[pos + draw(st.integers(1, 12)):]
+                text = text[:pos] + text[pos + draw(st.integers(1, 12)) :]
             elif op == "insert":
                 text = text[:pos] + draw(junk) + text[pos:]
             elif op == "truncate":
@@ -549,7 +611,11 @@ def _mutations():
 
     # mostly near-misses of real output, which reach deep into the reader
     return st.one_of(
-        mutated(), mutated(), mutated(), st.text(max_size=200), st.lists(junk, max_size=40).map("".join)
+        mutated(),
+        mutated(),
+        mutated(),
+        st.text(max_size=200),
+        st.lists(junk, max_size=40).map("".join),
     )
 
 

@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from agent.errors import InputFormatError
 from agent.topology.model import Gpu, Link, Nic, PcieLevel, Topology
@@ -75,7 +75,12 @@ class TopoMatrixError(InputFormatError):
     the source and, where there is one, the line: ``<source>: line 3: <reason> (in '...')``."""
 
     def __init__(
-        self, reason: str, *, source: str = "<text>", line: int | None = None, text: str | None = None
+        self,
+        reason: str,
+        *,
+        source: str = "<text>",
+        line: int | None = None,
+        text: str | None = None,
     ) -> None:
         self.reason = reason
         self.source = source
@@ -101,8 +106,12 @@ def cpu_affinity_groups(topology: Topology) -> dict[str, tuple[int, ...]]:
     """GPUs grouped by identical ``cpu_affinity``, in order of first appearance (GPUs
     without one are left out). For a matrix without a NUMA column this is the NUMA
     grouping we can honestly give; group k of the note is the k-th entry here."""
+    return _affinity_groups(topology.gpus)
+
+
+def _affinity_groups(gpus: Sequence[Gpu]) -> dict[str, tuple[int, ...]]:
     groups: dict[str, list[int]] = {}
-    for gpu in topology.gpus:
+    for gpu in gpus:
         if gpu.cpu_affinity is not None:
             groups.setdefault(gpu.cpu_affinity, []).append(gpu.index)
     return {k: tuple(v) for k, v in groups.items()}
@@ -116,7 +125,9 @@ def read_topo_matrix(path: str | os.PathLike[str]) -> Topology:
         with open(source, "rb") as f:
             raw = f.read()
     except OSError as exc:
-        raise TopoMatrixError(f"cannot read the file: {exc.strerror or exc}", source=source) from None
+        raise TopoMatrixError(
+            f"cannot read the file: {exc.strerror or exc}", source=source
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -228,7 +239,9 @@ class _Parser:
         self.source = source
         self.lines = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
 
-    def error(self, reason: str, line_no: int | None = None, text: str | None = None) -> TopoMatrixError:
+    def error(
+        self, reason: str, line_no: int | None = None, text: str | None = None
+    ) -> TopoMatrixError:
         return TopoMatrixError(reason, source=self.source, line=line_no, text=text)
 
     # ------------------------------------------------------------------ header
@@ -240,7 +253,9 @@ class _Parser:
             if not words or words[0] != "GPU0":
                 continue
             if any(w.upper() == "X" for w in words):
-                raise self.error("a matrix row comes before the header line (GPU0 GPU1 ...)", i + 1, line)
+                raise self.error(
+                    "a matrix row comes before the header line (GPU0 GPU1 ...)", i + 1, line
+                )
             return i
         raise self.error(
             "no `nvidia-smi topo -m` header found: expected a line listing the columns, "
@@ -265,10 +280,9 @@ class _Parser:
                 devices.append(name)
         n_gpus = 0
         for col in devices:
-            m = _GPU_NAME.fullmatch(col)
-            if m is None:
+            if _GPU_NAME.fullmatch(col) is None:
                 break
-            if int(m.group(1)) != n_gpus or col != f"GPU{n_gpus}":
+            if col != f"GPU{n_gpus}":
                 raise self.error(
                     f"GPU columns must be GPU0, GPU1, ... in order; column {n_gpus + 1} is {col}",
                     i + 1,
@@ -300,7 +314,9 @@ class _Parser:
             cells.append(cell)
         return cells
 
-    def explain_cells(self, label: str, texts: Sequence[str], line_no: int, line: str) -> TopoMatrixError:
+    def explain_cells(
+        self, label: str, texts: Sequence[str], line_no: int, line: str
+    ) -> TopoMatrixError:
         own = self.column_index[label]
         for j, t in enumerate(texts):
             cell = _parse_cell(t)
@@ -315,7 +331,9 @@ class _Parser:
             if cell is _SELF and j != own:
                 return self.error(f"X (self) under {col} in the row of {label}", line_no, line)
             if j == own and cell is not _SELF:
-                return self.error(f"row {label} has {t.strip()!r} under its own column, not X", line_no, line)
+                return self.error(
+                    f"row {label} has {t.strip()!r} under its own column, not X", line_no, line
+                )
         return self.error("cannot read the row", line_no, line)
 
     def split_cells(
@@ -401,10 +419,16 @@ class _Parser:
                 break
             if label not in self.column_index:
                 if _ROWLIKE_LABEL.fullmatch(label):
-                    raise self.error(f"row {label} is not a column of the header (line {self.header_line})", i + 1, line)
+                    raise self.error(
+                        f"row {label} is not a column of the header (line {self.header_line})",
+                        i + 1,
+                        line,
+                    )
                 break
             if label in rows:
-                raise self.error(f"second row for {label} (first on line {rows[label].line_no})", i + 1, line)
+                raise self.error(
+                    f"second row for {label} (first on line {rows[label].line_no})", i + 1, line
+                )
             rows[label] = self.parse_row(i + 1, line, label)
             i += 1
         for g in self.devices[: self.n_gpus]:
@@ -421,7 +445,9 @@ class _Parser:
                 continue
             col, name = m.group(1), m.group(2)
             if col in legend and legend[col] != name:
-                raise self.error(f"NIC legend names {col} twice ({legend[col]}, {name})", i + 1, self.lines[i])
+                raise self.error(
+                    f"NIC legend names {col} twice ({legend[col]}, {name})", i + 1, self.lines[i]
+                )
             legend[col] = name
         return legend
 
@@ -437,7 +463,7 @@ class _Parser:
             return cb
         if cb is not _UNKNOWN and ca != cb:
             assert row_a is not None and row_b is not None
-            first, second = sorted((row_a, row_b), key=lambda r: r.line_no)
+            second = max(row_a, row_b, key=lambda r: r.line_no)
             raise self.error(
                 f"the matrix is not symmetric: {a}-{b} is {_show(ca)} on line {row_a.line_no} "
                 f"but {_show(cb)} on line {row_b.line_no}",
@@ -448,16 +474,16 @@ class _Parser:
 
     def parse(self) -> Topology:
         h = self.find_header()
-        self.parse_header(h)
-        if self.n_gpus == 0:
-            raise self.error("the header lists no GPU columns", h + 1, self.lines[h])
+        self.parse_header(h)  # its first column is GPU0, so n_gpus >= 1
         self.gpu_labels = set(self.devices[: self.n_gpus])
         rows, after = self.parse_rows()
         legend = self.parse_nic_legend(after)
         n = self.n_gpus
-        notes: list[str] = [
-            f"read from nvidia-smi topo -m text; GPU UUIDs are synthetic "
-            f"({synthetic_uuid(0)} for GPU0), names and PCI bus IDs unknown"
+        notes = [
+            (
+                "read from nvidia-smi topo -m text; GPU UUIDs are synthetic "
+                f"({synthetic_uuid(0)} for GPU0), names and PCI bus IDs unknown"
+            )
         ]
 
         gpus = []
@@ -468,14 +494,19 @@ class _Parser:
             row = rows[f"GPU{i}"]
             cpu = row.trailing.get(CPU_AFFINITY)
             if cpu is not None and _cpulist_min(cpu) is None:
-                raise self.error(f"CPU Affinity {cpu!r} of GPU{i} is not a CPU list like 0-23,48-71", row.line_no, row.text)
+                raise self.error(
+                    f"CPU Affinity {cpu!r} of GPU{i} is not a CPU list like 0-23,48-71",
+                    row.line_no,
+                    row.text,
+                )
             numa_text = row.trailing.get(NUMA_AFFINITY)
             numa = None
             if numa_text is not None:
                 numa = _cpulist_min(numa_text)
                 if numa is None:
                     raise self.error(
-                        f"NUMA Affinity {numa_text!r} of GPU{i} is not a node number or list like 0,3-9",
+                        f"NUMA Affinity {numa_text!r} of GPU{i} is not a node number "
+                        "or a list like 0,3-9",
                         row.line_no,
                         row.text,
                     )
@@ -484,27 +515,37 @@ class _Parser:
             gnid = row.trailing.get(GPU_NUMA_ID)
             if gnid is not None:
                 if not gnid.isdigit():
-                    raise self.error(f"GPU NUMA ID {gnid!r} of GPU{i} is not a number or N/A", row.line_no, row.text)
+                    raise self.error(
+                        f"GPU NUMA ID {gnid!r} of GPU{i} is not a number or N/A",
+                        row.line_no,
+                        row.text,
+                    )
                 gpu_numa_ids.append(f"GPU{i}={int(gnid)}")
-            gpus.append(Gpu(index=i, uuid=synthetic_uuid(i), name="unknown", numa_node=numa, cpu_affinity=cpu))
+            gpus.append(
+                Gpu(
+                    index=i,
+                    uuid=synthetic_uuid(i),
+                    name="unknown",
+                    numa_node=numa,
+                    cpu_affinity=cpu,
+                )
+            )
         if multi_node:
             notes.append(
-                "NUMA Affinity lists several nodes; numa_node is the lowest: " + ", ".join(multi_node)
+                "NUMA Affinity lists several nodes; numa_node is the lowest: "
+                + ", ".join(multi_node)
             )
         if gpu_numa_ids:
             notes.append("GPU NUMA ID (the GPU's own memory NUMA node): " + ", ".join(gpu_numa_ids))
 
-        affinity_group: dict[str, int] = {}
-        for g in gpus:
-            if g.cpu_affinity is not None:
-                affinity_group.setdefault(g.cpu_affinity, len(affinity_group))
         if not has_numa:
             groups = [
-                f"group {k} = GPU {','.join(str(g.index) for g in gpus if g.cpu_affinity == aff)} ({aff})"
-                for aff, k in affinity_group.items()
+                f"group {k} = GPU {','.join(map(str, members))} ({aff})"
+                for k, (aff, members) in enumerate(_affinity_groups(gpus).items())
             ]
             notes.append(
-                "no NUMA Affinity column: numa_node left unknown; GPUs grouped by identical CPU Affinity"
+                "no NUMA Affinity column: numa_node left unknown; "
+                "GPUs grouped by identical CPU Affinity"
                 + (": " + "; ".join(groups) if groups else " (none given)")
             )
 
@@ -532,17 +573,21 @@ class _Parser:
                     links.append(Link(a, b))
         if inferred[PcieLevel.NODE] or inferred[PcieLevel.SYS]:
             parts = [
-                f"{level.name} for {' '.join(pairs)}" if len(pairs) <= _MAX_PAIRS_LISTED
+                f"{level.name} for {' '.join(pairs)}"
+                if len(pairs) <= _MAX_PAIRS_LISTED
                 else f"{level.name} for {len(pairs)} pairs"
                 for level, pairs in inferred.items()
                 if pairs
             ]
             notes.append(
                 "nvidia-smi shows NV# instead of the PCIe level of NVLinked pairs: inferred "
-                "NODE when on the same NUMA node (or CPU affinity), SYS otherwise: " + "; ".join(parts)
+                "NODE when on the same NUMA node (or CPU affinity), SYS otherwise: "
+                + "; ".join(parts)
             )
         if unknown_pairs:
-            notes.append("PCIe level unknown (N/A or empty cell) for GPU pairs " + " ".join(unknown_pairs))
+            notes.append(
+                "PCIe level unknown (N/A or empty cell) for GPU pairs " + " ".join(unknown_pairs)
+            )
 
         nics = []
         unnamed = []
@@ -552,7 +597,9 @@ class _Parser:
                 cell = self.resolve(rows, f"GPU{i}", col)
                 if cell.kind == "nv":
                     row = rows[f"GPU{i}"]
-                    raise self.error(f"GPU{i} shows NVLinks to {col}, which is not a GPU", row.line_no, row.text)
+                    raise self.error(
+                        f"GPU{i} shows NVLinks to {col}, which is not a GPU", row.line_no, row.text
+                    )
                 levels.append(cell.level)
             if col in legend:
                 name = legend[col]
