@@ -73,7 +73,7 @@ def test_available_and_must_include_accept_indices_and_uuids(machine, capsys):
     assert set(doc["indices"]) <= {0, 1, 2, 3, 5}
 
 
-def test_default_machine_is_dgx_h100(machine, capsys, monkeypatch):
+def test_without_simulate_the_command_asks_this_node_through_nvml(machine, capsys, monkeypatch):
     monkeypatch.setattr(
         allocate,
         "load_topology",
@@ -82,19 +82,13 @@ def test_default_machine_is_dgx_h100(machine, capsys, monkeypatch):
         ),
     )
     rc, _, _ = run(capsys, "--size", "1")
-    assert rc == 0 and machine == ["dgx-h100"]
-
-
-def test_nvml_flag_asks_for_the_real_node(machine, capsys, monkeypatch):
-    monkeypatch.setattr(
-        allocate,
-        "load_topology",
-        lambda simulate: (
-            machine.append(simulate) or read_topo_matrix(str(TOPO / "h200-8gpu-8nic-epyc9534.txt"))
-        ),
-    )
-    rc, _, _ = run(capsys, "--size", "1", "--nvml")
     assert rc == 0 and machine == [None]
+
+
+def test_without_simulate_and_without_a_driver_the_error_is_one_clear_line(capsys):
+    rc, out, err = run(capsys, "--size", "1")
+    assert rc == 1 and out == ""
+    assert "NVML is not available" in err and len(err.strip().splitlines()) == 1
 
 
 def test_explain_table_shows_winner_runners_up_and_separating_criterion(machine, capsys):
@@ -155,10 +149,10 @@ def test_size_flag_is_required(capsys):
     assert exc.value.code == 2
 
 
-def test_built_in_default_machine_end_to_end_gives_one_numa_node_for_four_gpus(capsys):
+def test_simulated_dgx_h100_end_to_end_gives_one_numa_node_for_four_gpus(capsys):
     from agent.hw.machines import load_topology
 
-    rc, out, err = run(capsys, "--size", "4", "--format", "json")
+    rc, out, err = run(capsys, "--size", "4", "--simulate", "dgx-h100", "--format", "json")
     assert rc == 0 and err == ""
     doc = json.loads(out)
     topo = load_topology("dgx-h100")

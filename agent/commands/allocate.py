@@ -1,9 +1,9 @@
 """``gpu-topology-agent allocate``: which GPUs the agent would give a container.
 
-``--size K [--available LIST] [--must-include LIST] [--simulate MACHINE] [--nvml]
+``--size K [--available LIST] [--must-include LIST] [--simulate MACHINE]
 [--format table|json] [--explain]``. LIST is comma-separated GPU indices or UUIDs (mixed is
-fine); ``--available`` defaults to every GPU that is not lost. The machine defaults to the
-built-in ``dgx-h100``; ``--nvml`` asks this node's GPUs instead. JSON output is
+fine); ``--available`` defaults to every GPU that is not lost. Without ``--simulate`` the
+command asks this node's GPUs through NVML, as every subcommand does. JSON output is
 ``{"devices": [...uuids...], "indices": [...], "score": N}`` (plus ``"explanation"`` with
 ``--explain``).
 """
@@ -19,9 +19,6 @@ from agent.commands._common import add_format_flag, add_simulate_flag, load_topo
 from agent.errors import UsageError
 from agent.topology.allocator import CRITERIA, AllocationEngine, Explanation
 from agent.topology.model import Topology
-
-DEFAULT_MACHINE = "dgx-h100"
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("allocate", help="show the preferred allocation for a request")
@@ -40,12 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="",
         help="comma-separated GPU indices or UUIDs the answer must contain",
     )
-    add_simulate_flag(p, default=DEFAULT_MACHINE)
-    p.add_argument(
-        "--nvml",
-        action="store_true",
-        help="use this node's GPUs through NVML instead of --simulate",
-    )
+    add_simulate_flag(p)
     add_format_flag(p)
     p.add_argument(
         "--explain",
@@ -100,7 +92,7 @@ def explanation_to_json(e: Explanation) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    topology = load_topology(None if args.nvml else args.simulate)
+    topology = load_topology(args.simulate)
     if topology.gpu_count == 0:
         raise UsageError("this machine has no GPUs")
     if args.available is None:
