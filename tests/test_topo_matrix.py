@@ -260,7 +260,7 @@ def test_empty_and_na_cells_are_unknown_and_the_other_row_fills_in():
     assert any("unknown" in note and "0-1 1-2" in note for note in topo.notes)
 
 
-def test_an_empty_cell_in_space_aligned_text_is_found_by_its_column():
+def test_an_empty_cell_in_space_aligned_text_is_found_from_the_tab_stops():
     topo = read("variant-empty-cells-aligned.txt")
     assert topo.link(0, 1).pcie is None
     assert topo.link(0, 2).pcie is PcieLevel.SYS
