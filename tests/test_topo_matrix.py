@@ -103,6 +103,18 @@ def test_dgx1_hybrid_cube_mesh_is_one_island_of_two_quads_and_four_cross_pairs()
     assert topo.nvlink_cliques == ((0, 1, 2, 3), (0, 4), (1, 5), (2, 6), (3, 7), (4, 5, 6, 7))
 
 
+def test_dgx1_nvlinks_and_pcie_match_the_anchors_own_dgx1_volta_test_node():
+    # go-gpuallocator's NewDGX1VoltaNode, as data (tests/fixtures/gpuallocator_cases.json,
+    # owned by the allocator tests): an independent account of the same machine.
+    cases = json.loads((FIXTURES.parent / "gpuallocator_cases.json").read_text())
+    volta = next(t for t in cases["topologies"] if t["name"] == "DGX-1-Volta-V100")
+    topo = read("dgx1-v100-8gpu-4nic.txt")
+    assert topo.nvlink_matrix() == volta["nvlinks"]
+    for a, b in itertools.combinations(range(8), 2):
+        if not volta["nvlinks"][a][b]:
+            assert topo.link(a, b).pcie.name == volta["pcie"][a][b], (a, b)
+
+
 @pytest.mark.parametrize("name", REAL_FILES)
 def test_gpus_get_synthetic_stable_uuids_unknown_names_and_the_source(name):
     topo = read(name)
