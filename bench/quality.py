@@ -90,27 +90,18 @@ def trace(n_gpus: int, events: int, seed: int) -> list[tuple[str, int]]:
 
 
 class PartitionOnly:
-    """Criterion 1 alone, ties to the lowest indices."""
+    """Criterion 1 alone, ties to the lowest indices (the anchor's choice)."""
 
     def __init__(self, topo: Topology) -> None:
-        self.topo = topo
-        self.solver = engine.allocation_solver([list(r) for r in topo.scores], [0] * topo.gpu_count)
+        self.engine = AllocationEngine(topo)
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
-        avail = sum(1 << i for i in free)
-        best, best_value = None, -1
-        for combo in itertools.combinations(free, k):  # lexicographic: first max wins
-            g = sum(1 << i for i in combo)
-            value = self.solver.set_score(g) + self.solver.partition_value(avail ^ g, k)
-            if value > best_value:
-                best, best_value = list(combo), value
-        assert best is not None
-        return best
+        return self.engine.partition_only_set(free, k)
 
 
 class Naive:
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
-        return sorted(free)[:k]
+        return AllocationEngine.naive_set(free, k)
 
 
 def replay(topo: Topology, policy, events: list[tuple[str, int]]) -> dict[str, float | None]:

@@ -195,3 +195,34 @@ def test_full_node_pairs_and_quads_fall_on_the_static_dgx_policy_sets(impl, poli
     assert _anchor_criterion(topo, list(range(8)), pair) == max(
         _anchor_criterion(topo, list(range(8)), list(p)) for p in valid["2"]
     )
+
+
+@pytest.mark.parametrize("seq", SEQUENCES)
+def test_partition_only_comparison_policy_reproduces_upstream_sequences(impl, seq):
+    # the demo and the quality benchmark show "what the anchor would choose": it must be
+    # the anchor's own answer, step by step
+    topo = _topology(seq["topology"])
+    allocator = AllocationEngine(topo)
+    remaining = list(range(topo.gpu_count))
+    for step in seq["steps"]:
+        if not step["expected"]:
+            break
+        got = allocator.partition_only_set(remaining, step["size"])
+        assert got == sorted(step["expected"])
+        remaining = [x for x in remaining if x not in got]
+
+
+@pytest.mark.parametrize("topology_name, case", BEST_EFFORT_CASES)
+def test_partition_only_comparison_policy_matches_upstream_cases_without_must_include(
+    impl, topology_name, case
+):
+    if case["must_include"] or not case["expected"]:
+        pytest.skip("the comparison policy takes no must-include and refuses impossible requests")
+    allocator = AllocationEngine(_topology(topology_name))
+    assert allocator.partition_only_set(case["available"], case["size"]) == sorted(case["expected"])
+
+
+def test_naive_comparison_policy_takes_the_lowest_indices():
+    assert AllocationEngine.naive_set([7, 2, 5, 0], 2) == [0, 2]
+    with pytest.raises(AllocationError):
+        AllocationEngine.naive_set([1], 2)

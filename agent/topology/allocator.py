@@ -29,6 +29,7 @@ compiled extension the pure-Python twin gives the same answers, 10x to 2000x slo
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -248,6 +249,54 @@ class AllocationEngine:
             with self._lock:
                 cached = self._best_by_size[size] = int(self._solver.best_score(size))
         return cached
+
+    # ------------------------------------------------------------------ comparisons
+    def partition_only_set(self, available: Sequence[int], size: int) -> list[int]:
+        """What the anchor (go-gpuallocator's best-effort policy) would choose, for the demo
+        and the quality benchmark (not a policy the agent serves).
+
+        The anchor keeps the first best partition of the available GPUs into groups of
+        ``size`` that its enumeration finds (groups hold the lowest remaining GPU, partners
+        in index order), then the best-scoring group of that partition. Where ``size``
+        divides the available count this is reproduced exactly, without enumerating: walk
+        the groups in the anchor's order and keep the first one that still completes a best
+        partition. Otherwise (the anchor pads the last group) the set with the best
+        criterion 1, then criterion 2, then the lowest indices stands in for it."""
+        avail, _ = self._masks(available, (), size)
+        assert self._solver is not None
+        solver = self._solver
+        free = self._mask_indices(avail)
+        with self._lock:
+            if len(free) % size == 0:
+                best_group, best_score, mask = 0, -1, avail
+                while mask:
+                    target = solver.partition_value(mask, size)
+                    members = self._mask_indices(mask)
+                    for combo in itertools.combinations(members[1:], size - 1):
+                        g = (1 << members[0]) | sum(1 << i for i in combo)
+                        score = solver.set_score(g)
+                        if score + solver.partition_value(mask ^ g, size) == target:
+                            break
+                    if score > best_score:  # first best group of the partition
+                        best_group, best_score = g, score
+                    mask ^= g
+                return list(self._mask_indices(best_group))
+            best: list[int] = []
+            best_value = (-1, -1)
+            for combo in itertools.combinations(free, size):  # lexicographic: first max wins
+                g = sum(1 << i for i in combo)
+                score = solver.set_score(g)
+                value = (score + solver.partition_value(avail ^ g, size), score)
+                if value > best_value:
+                    best, best_value = list(combo), value
+            return best
+
+    @staticmethod
+    def naive_set(available: Sequence[int], size: int) -> list[int]:
+        """The lowest ``size`` available indices: what a topology-blind plugin gives."""
+        if not 1 <= size <= len(available):
+            raise AllocationError(f"size must be in 1..{len(available)}, got {size}")
+        return sorted(available)[:size]
 
     # ------------------------------------------------------------------ shared devices
     def _devices(
