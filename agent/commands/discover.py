@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 from agent.commands._common import add_format_flag, add_simulate_flag, load_topology
@@ -111,28 +112,51 @@ def _cell(link: Link) -> str:
     return link.pcie.name if link.pcie is not None else "?"
 
 
-def render_table(t: Topology) -> str:
-    """A matrix like ``nvidia-smi topo -m``, then islands, cliques, NUMA groups and NICs."""
+def render_table(t: Topology, max_columns: int | None = None) -> str:
+    """A matrix like ``nvidia-smi topo -m``, then islands, cliques, NUMA groups and NICs.
+
+    With ``max_columns`` the matrix is narrowed to fit: NIC columns go first (the NIC list
+    below still says which GPUs each NIC is near), then the CPU affinity column."""
     n = t.gpu_count
-    heads = [f"GPU{i}" for i in range(n)] + [nic.name for nic in t.nics]
-    width = max([6] + [len(h) + 2 for h in heads])
+    nic_columns = list(t.nics)
+    show_affinity = True
+
+    def width_of(heads: list[str]) -> int:
+        return max([5] + [len(h) + 1 for h in heads])
+
+    def line_length(heads: list[str], affinity: bool) -> int:
+        return 8 + width_of(heads) * len(heads) + (16 if affinity else 0) + 4
+
+    heads = [f"GPU{i}" for i in range(n)] + [nic.name for nic in nic_columns]
+    if max_columns is not None and line_length(heads, True) > max_columns:
+        nic_columns = []
+        heads = [f"GPU{i}" for i in range(n)]
+        show_affinity = line_length(heads, True) <= max_columns
+        if line_length(heads, False) > max_columns:
+            heads = [str(i) for i in range(n)]  # 16 GPUs: bare indices keep it narrow
+    width = width_of(heads)
     out: list[str] = []
     title = t.machine or t.source or "this node"
     out.append(f"{title}: {n} GPU(s)" + (f", driver {t.driver_version}" if t.driver_version else ""))
     out.append("")
-    out.append(" " * 8 + "".join(h.ljust(width) for h in heads) + "CPU Affinity".ljust(16) + "NUMA")
+    out.append(
+        " " * 8
+        + "".join(h.ljust(width) for h in heads)
+        + ("CPU Affinity".ljust(16) if show_affinity else "")
+        + "NUMA"
+    )
     for g in t.gpus:
         cells = []
         for j in range(n):
             cells.append(" X" if j == g.index else _cell(t.link(g.index, j)))
-        for nic in t.nics:
+        for nic in nic_columns:
             lvl = nic.levels[g.index] if g.index < len(nic.levels) else None
             cells.append(lvl.name if lvl is not None else "?")
         numa = "N/A" if g.numa_node is None else str(g.numa_node)
         out.append(
             f"GPU{g.index}".ljust(8)
             + "".join(c.ljust(width) for c in cells)
-            + (g.cpu_affinity or "N/A").ljust(16)
+            + ((g.cpu_affinity or "N/A").ljust(16) if show_affinity else "")
             + numa
         )
     out.append("")
@@ -180,4 +204,14 @@ def render_table(t: Topology) -> str:
     out.append("")
     out.append("Legend: X self; NV# bonded NVLinks; PIX one PCIe switch; PXB several switches;")
     out.append("        PHB host bridge; NODE across host bridges in a NUMA node; SYS across sockets")
+    if max_columns is not None:
+        out = [
+            wrapped
+            for line in out
+            for wrapped in (
+                textwrap.wrap(line, max_columns, subsequent_indent="      ", break_on_hyphens=False)
+                if len(line) > max_columns
+                else [line]
+            )
+        ]
     return "\n".join(out) + "\n"
