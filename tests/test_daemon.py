@@ -194,14 +194,6 @@ def test_shutdown_removes_sockets_and_shuts_nvml_down(running, dirs):
 
 
 # ---------------------------------------------------------------------- a real process
-def have_simulated_machines() -> bool:
-    try:
-        from agent.hw.machines import open_simulated  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def agent_process(args, **kwargs):
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("CONFIG_FILE", None)
@@ -211,7 +203,6 @@ def agent_process(args, **kwargs):
     )
 
 
-@pytest.mark.skipif(not have_simulated_machines(), reason="simulated machines (agent.hw.machines) not landed")
 def test_sighup_reregisters_and_sigterm_stops_a_real_agent_process_cleanly(dirs):
     kubelet = KubeletStub(dirs["k"]).start()
     proc = agent_process([
@@ -248,17 +239,6 @@ def test_bad_config_file_exits_2_with_one_line(dirs, tmp_path):
 
 
 # ---------------------------------------------------------------------- on the simulated NVML
-def have_nvml_backend() -> bool:
-    try:
-        from agent.hw.nvml import NvmlBackend  # noqa: F401
-    except ImportError:
-        return False
-    return have_simulated_machines()
-
-
-needs_simulation = pytest.mark.skipif(not have_nvml_backend(), reason="NVML backend / simulated machines not landed")
-
-
 @pytest.fixture
 def simulated(dirs):
     """The real Daemon (NvmlBackend over FakeNvml, metrics included) on dgx-h100."""
@@ -291,7 +271,6 @@ def _eventually(predicate, timeout_s=5.0):
     return True
 
 
-@needs_simulation
 def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.3))
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
@@ -309,7 +288,6 @@ def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     assert _eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 1.0)
 
 
-@needs_simulation
 def test_fake_nvml_lost_gpu_stays_unhealthy_until_it_answers_again(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.2))
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
@@ -374,7 +352,6 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
     assert exits == [1]
 
 
-@needs_simulation
 def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
     from agent._proto import podresources_v1_pb2 as pr
     from kubelet_stub import PodResourcesStub
@@ -403,7 +380,6 @@ class NoDriverBackend(StubBackend):
         raise NvmlUnavailable("NVML library not found (libnvidia-ml.so.1)")
 
 
-@needs_simulation
 def test_missing_nvml_fails_start_when_fail_on_init_error(dirs):
     daemon = InProcessDaemon(Config(kubelet_dir=dirs["k"]), NoDriverBackend(hgx8_topology()))
     with pytest.raises(Exception, match="NVML library not found") as info:
@@ -411,7 +387,6 @@ def test_missing_nvml_fails_start_when_fail_on_init_error(dirs):
     assert info.value.exit_code == 1
 
 
-@needs_simulation
 def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplog):
     daemon = InProcessDaemon(Config(kubelet_dir=dirs["k"], fail_on_init_error=False), NoDriverBackend(hgx8_topology()),
                              nvml_retry_s=0.01)
@@ -424,7 +399,6 @@ def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplo
     assert any("failOnInitError is false" in r.message for r in caplog.records)
 
 
-@needs_simulation
 def test_metrics_port_in_use_is_a_one_line_error(dirs):
     import socket as socketlib
 
@@ -443,7 +417,6 @@ def test_metrics_port_in_use_is_a_one_line_error(dirs):
     assert os.listdir(dirs["k"]) == []  # the device plugin it had started is gone again
 
 
-@needs_simulation
 def test_ready_endpoint_follows_registration_with_the_kubelet(simulated):
     import urllib.error
     import urllib.request

@@ -425,9 +425,8 @@ def test_headless_service_and_service_monitor_select_the_agent_metrics(rendered:
 
 
 def test_service_monitor_keeps_the_workload_pod_labels_of_gpu_series(rendered: Rendered) -> None:
-    podresources = pytest.importorskip(
-        "agent.metrics.podresources", reason="agent/metrics/podresources.py has not landed yet"
-    )
+    from agent.metrics import podresources
+
     # GPU series are attributed to a workload container by labels named like ContainerRef's
     # fields; the Prometheus Operator would otherwise add target labels of the same names
     # (the agent's own pod), renaming ours to exported_* or, for unattributed GPUs, making
@@ -462,14 +461,7 @@ def test_container_args_parse_with_the_agent_cli(rendered: Rendered) -> None:
     from agent.cli import build_parser
 
     parser = build_parser()
-    try:
-        args = parser.parse_args(rendered.container["args"])
-    except SystemExit:
-        import agent.commands
-
-        if not (Path(agent.commands.__file__).parent / "run.py").exists():
-            pytest.skip("agent/commands/run.py has not landed yet")
-        raise
+    args = parser.parse_args(rendered.container["args"])
     assert args.command == "run"
     assert args.config == _config_path(rendered)
 
@@ -505,14 +497,9 @@ def test_commented_time_slicing_example_loads_when_uncommented(tmp_path: Path) -
 
 
 def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> None:
-    service_module = pytest.importorskip(
-        "agent.metrics.service", reason="agent/metrics/service.py has not landed yet"
-    )
-    machines = pytest.importorskip(
-        "agent.hw.machines", reason="agent/hw/machines has not landed yet"
-    )
-    if not hasattr(machines, "open_simulated"):
-        pytest.skip("agent.hw.machines.open_simulated has not landed yet")
+    from agent.hw import machines
+    from agent.metrics import service as service_module
+
     container = Rendered(_render_with_yaml(_prepare(tmp_path)[0]), (), "yaml").container
     backend = machines.open_simulated("dgx-h100").backend()
     backend.init()

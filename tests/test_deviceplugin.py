@@ -18,7 +18,9 @@ from agent.health import HealthState
 
 
 def allocation_engine():
-    return pytest.importorskip("agent.topology.allocator", reason="allocation engine not landed").AllocationEngine
+    from agent.topology.allocator import AllocationEngine
+
+    return AllocationEngine
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 
 from agent.cli import main
 from agent.config import Config
+from agent.hw import machines
 from agent.hw.topo_matrix import read_topo_matrix
 from agent.labels import (
     TOPOLOGY_PREFIX,
@@ -66,8 +67,7 @@ def test_topology_labels_of_real_pasted_matrices(filename, fabric, largest_cliqu
 
 
 # ------------------------------------------------------------------ built-in machines
-machines = pytest.importorskip("agent.hw.machines")
-BUILTIN = tuple(getattr(machines, "BUILTIN_MACHINES", ()))
+BUILTIN = machines.BUILTIN_MACHINES
 
 
 @functools.cache
@@ -76,18 +76,11 @@ def topology(name: str):
     return machines.load_topology(name)
 
 
-needs_machines = pytest.mark.skipif(
-    not BUILTIN or not hasattr(machines, "load_topology"),
-    reason="agent.hw.machines (built-in simulated machines) has not landed yet")
-
-
-@needs_machines
 def test_every_built_in_machine_has_an_expected_label_file():
     missing = [m for m in BUILTIN if not (FIXTURES / f"{m}.txt").exists()]
     assert missing == []
 
 
-@needs_machines
 @pytest.mark.parametrize("name", BUILTIN or ["none"])
 def test_built_in_machine_labels_match_the_expected_dictionary(name):
     labels = compute_labels(topology(name), Config())
@@ -96,7 +89,6 @@ def test_built_in_machine_labels_match_the_expected_dictionary(name):
         assert is_valid_label_key(key) and is_valid_label_value(value) and value, (key, value)
 
 
-@needs_machines
 def test_mig_mixed_strategy_on_the_mig_machine_labels_each_profile():
     labels = compute_labels(topology("a100-mig"), Config(mig_strategy="mixed"))
     counts = {k.split("/")[1][len("mig-"):-len(".count")]: v for k, v in labels.items()
@@ -108,7 +100,6 @@ def test_mig_mixed_strategy_on_the_mig_machine_labels_each_profile():
     assert labels["nvidia.com/gpu.count"] == "4"
 
 
-@needs_machines
 def test_mig_single_strategy_on_mixed_profiles_is_labelled_invalid():
     labels = compute_labels(topology("a100-mig"), Config(mig_strategy="single"))
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-MIG-INVALID"
@@ -116,7 +107,6 @@ def test_mig_single_strategy_on_mixed_profiles_is_labelled_invalid():
 
 
 # ------------------------------------------------------------------ the subcommand
-@needs_machines
 def test_labels_command_prints_sorted_key_value_lines_of_a_simulated_machine(capsys):
     assert main(["labels", "--simulate", "dgx-h100"]) == 0
     out = capsys.readouterr().out

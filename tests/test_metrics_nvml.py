@@ -6,12 +6,9 @@ from __future__ import annotations
 import pytest
 
 from agent.config import Config
+from agent.hw import machines
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.service import MetricsService
-
-machines = pytest.importorskip("agent.hw.machines")
-if not hasattr(machines, "open_simulated"):
-    pytest.skip("agent.hw.machines.open_simulated has not landed yet", allow_module_level=True)
 
 try:
     from tests.test_metrics_support import samples_of
