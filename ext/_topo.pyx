@@ -8,6 +8,9 @@ is the readable twin; both must return identical results.
 
 from libc.stdint cimport uint64_t
 
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
+
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
     int __builtin_ctzll(unsigned long long) nogil
@@ -100,7 +103,7 @@ def maximal_cliques(adjacency):
 
 cimport cython
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
+from libc.string cimport memcmp, memset
 
 EXACT_MAX_GPUS = 16
 cdef int _EXACT = 16
@@ -189,6 +192,7 @@ cdef class AllocationSolver:
     cdef long long* table
     cdef long long* memo[17]
     cdef dict _subs
+    cdef _TopList _top1  # reused by the one-answer fast paths (callers serialise calls)
 
     def __cinit__(self):
         self.table = NULL
@@ -209,6 +213,7 @@ cdef class AllocationSolver:
                 self.s[i][j] = int(row[j])
             self.numa_bit[i] = (<uint64_t>1) << <int>int(numa[i])
         self._subs = {}
+        self._top1 = _TopList(1)
 
     def __dealloc__(self):
         cdef int k
@@ -390,9 +395,67 @@ cdef class AllocationSolver:
         return self._exact(available, required, k, top)
 
     cdef list _exact(self, uint64_t available, uint64_t required, int k, int top):
+        cdef _TopList best = _TopList(top)
+        self._exact_into(available, required, k, best)
+        return best.result()
+
+    cdef uint64_t _best_mask(self, uint64_t available, uint64_t required, int k) except? 0:
+        """``rank(available, required, k, 1)[0][0]`` for a valid request, without building
+        the ranking's Python objects on the common (exact) path."""
+        if __builtin_popcountll(available) > _EXACT:
+            return <uint64_t>self._heuristic(available, required, k, 1)[0][0]
+        if self.n > _EXACT:
+            return <uint64_t>self._ranked_compressed(available, required, k, 1)[0][0]
+        self._top1.count = 0
+        self._exact_into(available, required, k, self._top1)
+        return self._top1.g[0]
+
+    cdef object _choose(self, available, must_include, size):
+        cdef uint64_t a = 0, r = 0, bit, best
+        cdef int na = 0, nr = 0, k, overflow = 0
+        cdef long long i
+        cdef list out
+        if type(size) is not int:
+            return None
+        i = PyLong_AsLongLongAndOverflow(size, &overflow)
+        if overflow or i < 1 or i > 64:
+            return None
+        k = <int>i
+        for v in available:
+            if type(v) is not int:
+                return None
+            i = PyLong_AsLongLongAndOverflow(v, &overflow)
+            if overflow or i < 0 or i >= self.n:
+                return None
+            bit = (<uint64_t>1) << i
+            if a & bit:
+                return None
+            a |= bit
+            na += 1
+        for v in must_include:
+            if type(v) is not int:
+                return None
+            i = PyLong_AsLongLongAndOverflow(v, &overflow)
+            if overflow or i < 0 or i >= self.n:
+                return None
+            bit = (<uint64_t>1) << i
+            if r & bit:
+                return None
+            r |= bit
+            nr += 1
+        if r & ~a or k > na or nr > k:
+            return None
+        best = self._best_mask(a, r, k)
+        out = []
+        while best:
+            out.append(__builtin_ctzll(best))
+            best &= best - 1
+        return out
+
+    cdef int _exact_into(self, uint64_t available, uint64_t required, int k,
+                         _TopList best) except -1:
         cdef long long* table = self._table()
         cdef long long* memo = self._memo_for(k)
-        cdef _TopList best = _TopList(top)
         cdef uint64_t members[64]
         cdef uint64_t acc[65]
         cdef int idx[64]
@@ -423,7 +486,7 @@ cdef class AllocationSolver:
             for j in range(i + 1, t):
                 idx[j] = idx[j - 1] + 1
                 acc[j + 1] = acc[j] | members[idx[j]]
-        return best.result()
+        return 0
 
     cdef list _ranked_compressed(self, available, required, int k, int top):
         cdef int i
@@ -528,6 +591,12 @@ cdef class AllocationSolver:
         return best.result()
 
 
+def choose(AllocationSolver solver, available, must_include, size):
+    """See ``agent.topology._pure.choose``: the sorted best ``size`` GPU indices, or None
+    when the request is not plainly valid."""
+    return solver._choose(available, must_include, size)
+
+
 # ---------------------------------------------------------------------------------------------
 # Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
 # ---------------------------------------------------------------------------------------------
@@ -591,3 +660,378 @@ def group_devices(dict parent, int n):
         else:
             ids.append(device_id)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica requests in one call: the same contract and results as
+# agent/topology/_pure.py:select_replicas (read that one for the policy). This one may also
+# return None for a valid request it does not handle (replica counts beyond 2**62, IDs that
+# are not ASCII, replica numbers of more than 18 digits): the allocator then uses the twin.
+# ---------------------------------------------------------------------------------------------
+
+from cpython.object cimport PyObject
+
+cdef extern from "Python.h":
+    Py_ssize_t PyUnicode_GET_LENGTH(PyObject*)
+    int PyUnicode_IS_ASCII(PyObject*)
+    void* PyUnicode_DATA(PyObject*)
+    int PyUnicode_Compare(PyObject*, PyObject*) except? -1
+
+cdef long long _LOAD_LIMIT = (<long long>1) << 62
+
+
+cdef inline int _before_len_text(PyObject* a, PyObject* b) except -1:
+    """1 when ``a`` sorts before ``b`` by (length, text), both str."""
+    cdef Py_ssize_t la = PyUnicode_GET_LENGTH(a), lb = PyUnicode_GET_LENGTH(b)
+    if la != lb:
+        return la < lb
+    return PyUnicode_Compare(a, b) < 0
+
+
+cdef int _sort_len_text(PyObject** items, Py_ssize_t m) except -1:
+    """Sort by (length, text): binary insertion (the IDs of one GPU are distinct)."""
+    cdef Py_ssize_t i, lo, hi, mid, j
+    cdef PyObject* x
+    for i in range(1, m):
+        x = items[i]
+        lo = 0
+        hi = i
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if _before_len_text(x, items[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        j = i
+        while j > lo:
+            items[j] = items[j - 1]
+            j -= 1
+        items[lo] = x
+    return 0
+
+
+cdef inline int _natural_parts(PyObject* d, Py_ssize_t* head_len, long long* num) noexcept:
+    """The natural key of an ASCII ID: (head, number, "") for ``<head>::<digits>``, else
+    (ID, -1, ID); 0 when this one cannot say (not ASCII, more than 18 digits)."""
+    cdef Py_ssize_t n, i, j
+    cdef const unsigned char* s
+    cdef long long v
+    if not PyUnicode_IS_ASCII(d):
+        return 0
+    n = PyUnicode_GET_LENGTH(d)
+    s = <const unsigned char*>PyUnicode_DATA(d)
+    head_len[0] = n
+    num[0] = -1
+    i = n - 2
+    while i >= 0 and not (s[i] == 58 and s[i + 1] == 58):  # "::"
+        i -= 1
+    if i < 0 or i + 2 == n:
+        return 1
+    if n - (i + 2) > 18:
+        for j in range(i + 2, n):
+            if not 48 <= s[j] <= 57:
+                return 1
+        return 0
+    v = 0
+    for j in range(i + 2, n):
+        if not 48 <= s[j] <= 57:
+            return 1
+        v = v * 10 + (s[j] - 48)
+    head_len[0] = i
+    num[0] = v
+    return 1
+
+
+cdef inline int _natural_before(PyObject* a, Py_ssize_t ha, long long na,
+                                PyObject* b, Py_ssize_t hb, long long nb) noexcept:
+    """1 when natural key a < key b (ASCII IDs; equal keys: 0)."""
+    cdef const char* sa = <const char*>PyUnicode_DATA(a)
+    cdef const char* sb = <const char*>PyUnicode_DATA(b)
+    cdef int c = memcmp(sa, sb, ha if ha < hb else hb)
+    if c != 0:
+        return c < 0
+    if ha != hb:
+        return ha < hb
+    # same head: numbers (-1 for a non-numeric ID); then "" == "", or the equal IDs
+    return na < nb
+
+
+cdef int _take(int g, int c, PyObject** grouped, Py_ssize_t* start, int* nfree, int* taken,
+               char* is_sorted, PyObject** chosen, int* chosen_gpu, Py_ssize_t* n_chosen,
+               Py_ssize_t nr) except -1:
+    """Move the first ``c`` free IDs of GPU ``g`` (by (length, text)) into ``chosen``."""
+    cdef int i
+    if not is_sorted[g]:
+        _sort_len_text(grouped + start[g], nfree[g])
+        is_sorted[g] = 1
+    for i in range(c):
+        chosen[n_chosen[0]] = grouped[start[g] + i]
+        chosen_gpu[n_chosen[0]] = g
+        n_chosen[0] += 1
+    start[g] += c
+    nfree[g] -= c
+    taken[g] += c
+    return 0
+
+
+def select_replicas(AllocationSolver solver, available, must_include, size, bint packed,
+                    per_gpu):
+    """See ``agent.topology._pure.select_replicas``."""
+    cdef int n = solver.n, g, overflow = 0, level, i, j, t, start_t, end_t, tier_len
+    cdef long long v, k, need, uniform, best0, best1, key0, key1, c
+    cdef Py_ssize_t count, p, q, nr
+    cdef int cnt[64]
+    cdef int nfree[64]
+    cdef int taken[64]
+    cdef Py_ssize_t start[64]
+    cdef Py_ssize_t end[64]
+    cdef Py_ssize_t fill[64]
+    cdef long long load[64]
+    cdef char is_sorted[64]
+    cdef int order[64]
+    cdef int group[64]
+    cdef int n_order = 0, n_group
+    cdef uint64_t in_req, pool, tier_mask, picks
+    cdef PyObject** grouped = NULL
+    cdef int* gpus = NULL
+    cdef PyObject** chosen = NULL
+    cdef int* chosen_gpu = NULL
+    cdef Py_ssize_t* chosen_head = NULL
+    cdef long long* chosen_num = NULL
+    cdef Py_ssize_t n_chosen = 0
+    cdef PyObject* x
+    cdef PyObject** raw = NULL
+    cdef Py_ssize_t hlen
+    cdef dict parent = {}
+    cdef list required
+    cdef list out
+    if type(size) is not int:
+        return None
+    k = PyLong_AsLongLongAndOverflow(size, &overflow)
+    if overflow or k < 1:
+        return None
+    if type(available) is not list and type(available) is not tuple:
+        available = list(available)
+    count = len(available)
+    if k > count:
+        return None
+    memset(cnt, 0, sizeof(cnt))
+    memset(taken, 0, sizeof(taken))
+    memset(is_sorted, 0, sizeof(is_sorted))
+    gpus = <int*>malloc(count * sizeof(int) + 1)
+    raw = <PyObject**>malloc(count * sizeof(PyObject*) + 1)
+    grouped = <PyObject**>malloc(count * sizeof(PyObject*) + 1)
+    chosen = <PyObject**>malloc(k * sizeof(PyObject*))
+    chosen_gpu = <int*>malloc(k * sizeof(int))
+    chosen_head = <Py_ssize_t*>malloc(k * sizeof(Py_ssize_t))
+    chosen_num = <long long*>malloc(k * sizeof(long long))
+    try:
+        if not (gpus and raw and grouped and chosen and chosen_gpu and chosen_head and chosen_num):
+            raise MemoryError()
+        # validate and count; every ID once (the dict), every GPU index in range
+        for p in range(count):
+            entry = available[p]
+            if type(entry) is tuple:
+                if len(<tuple>entry) != 2:
+                    return None
+                device_id = (<tuple>entry)[0]
+                gpu = (<tuple>entry)[1]
+            elif type(entry) is list:
+                if len(<list>entry) != 2:
+                    return None
+                device_id = (<list>entry)[0]
+                gpu = (<list>entry)[1]
+            else:
+                return None
+            if type(device_id) is not str or PyUnicode_GET_LENGTH(<PyObject*>device_id) == 0:
+                return None
+            if type(gpu) is not int:
+                return None
+            v = PyLong_AsLongLongAndOverflow(gpu, &overflow)
+            if overflow or v < 0 or v >= n:
+                return None
+            g = <int>v
+            parent[device_id] = gpu
+            gpus[p] = g
+            raw[p] = <PyObject*>device_id
+            if cnt[g] == 0:
+                order[n_order] = g
+                n_order += 1
+            cnt[g] += 1
+        if len(parent) != count:
+            return None  # a repeated ID
+        # each GPU's IDs together, in input order
+        q = 0
+        for g in range(n):
+            start[g] = fill[g] = q
+            q += cnt[g]
+            end[g] = q
+        for p in range(count):
+            g = gpus[p]
+            grouped[fill[g]] = raw[p]
+            fill[g] += 1
+        # must-include: available, once each; out of its GPU's free IDs
+        required = []
+        if must_include:
+            seen = set()
+            for device_id in must_include:
+                gpu = parent.get(device_id)
+                if gpu is None or device_id in seen:
+                    return None
+                seen.add(device_id)
+                required.append(device_id)
+                g = <int>(<long long>gpu)
+                for q in range(start[g], end[g]):
+                    if <object>grouped[q] == device_id:
+                        break
+                while q + 1 < end[g]:
+                    grouped[q] = grouped[q + 1]
+                    q += 1
+                end[g] -= 1
+                taken[g] += 1
+        nr = len(required)
+        if nr > k:
+            return None
+        for g in range(n):
+            nfree[g] = <int>(end[g] - start[g])
+        # load: replicas allocated already (count minus free, free counting must-include)
+        if per_gpu is None:
+            uniform = 0
+            for i in range(n_order):
+                if cnt[order[i]] > uniform:
+                    uniform = cnt[order[i]]
+            for i in range(n_order):
+                g = order[i]
+                load[g] = uniform - cnt[g]
+        elif isinstance(per_gpu, int):
+            v = PyLong_AsLongLongAndOverflow(per_gpu, &overflow)
+            if overflow or not -_LOAD_LIMIT <= v <= _LOAD_LIMIT:
+                return None
+            for i in range(n_order):
+                g = order[i]
+                load[g] = v - cnt[g] if v > cnt[g] else 0
+        else:
+            for i in range(n_order):
+                g = order[i]
+                total = int(per_gpu.get(g, cnt[g]))
+                v = PyLong_AsLongLongAndOverflow(total, &overflow)
+                if overflow or not -_LOAD_LIMIT <= v <= _LOAD_LIMIT:
+                    return None
+                load[g] = v - cnt[g] if v > cnt[g] else 0
+        for i in range(nr):
+            chosen[i] = <PyObject*>required[i]
+        n_chosen = nr
+        need = k - nr
+
+        while need > 0 and not packed:
+            # one round: each GPU at the lowest level of use in this request gets one more
+            # replica, least loaded first; a partly taken tier of equal load goes to topology
+            level = -1
+            for i in range(n_order):
+                g = order[i]
+                if nfree[g] and (level < 0 or taken[g] < level):
+                    level = taken[g]
+            if level < 0:
+                return None  # pragma: no cover - need never exceeds the free IDs
+            n_group = 0
+            for g in range(n):  # ascending index, then stable insertion by load
+                if cnt[g] and nfree[g] and taken[g] == level:
+                    j = n_group
+                    while j > 0 and load[group[j - 1]] > load[g]:
+                        group[j] = group[j - 1]
+                        j -= 1
+                    group[j] = g
+                    n_group += 1
+            start_t = 0
+            while start_t < n_group and need > 0:
+                end_t = start_t + 1
+                while end_t < n_group and load[group[end_t]] == load[group[start_t]]:
+                    end_t += 1
+                tier_len = end_t - start_t
+                if tier_len <= need or level > 0:
+                    t = tier_len if tier_len <= need else <int>need
+                    for i in range(start_t, start_t + t):
+                        _take(group[i], 1, grouped, start, nfree, taken, is_sorted, chosen,
+                              chosen_gpu, &n_chosen, nr)
+                    need -= t
+                else:
+                    in_req = 0
+                    for g in range(n):
+                        if taken[g]:
+                            in_req |= (<uint64_t>1) << g
+                    tier_mask = 0
+                    for i in range(start_t, end_t):
+                        tier_mask |= (<uint64_t>1) << group[i]
+                    pool = in_req | tier_mask
+                    picks = solver._best_mask(
+                        pool, in_req, __builtin_popcountll(in_req) + <int>need) & ~in_req
+                    need -= __builtin_popcountll(picks)
+                    while picks:
+                        _take(__builtin_ctzll(picks), 1, grouped, start, nfree, taken, is_sorted,
+                              chosen, chosen_gpu, &n_chosen, nr)
+                        picks &= picks - 1
+                start_t = end_t
+        while need > 0:  # packed: key (not in the request, -(load + taken)), smallest first
+            best0 = 2
+            best1 = 0
+            tier_mask = 0
+            for g in range(n):
+                if not (cnt[g] and nfree[g]):
+                    continue
+                key0 = 0 if taken[g] else 1
+                key1 = -(load[g] + taken[g])
+                if key0 < best0 or (key0 == best0 and key1 < best1):
+                    best0 = key0
+                    best1 = key1
+                    tier_mask = 0
+                if key0 == best0 and key1 == best1:
+                    tier_mask |= (<uint64_t>1) << g
+            if __builtin_popcountll(tier_mask) == 1 or best0 == 0:
+                g = __builtin_ctzll(tier_mask)
+            else:
+                in_req = 0
+                for i in range(n):
+                    if taken[i]:
+                        in_req |= (<uint64_t>1) << i
+                g = __builtin_ctzll(solver._best_mask(
+                    in_req | tier_mask, in_req, __builtin_popcountll(in_req) + 1) & ~in_req)
+            c = need if need < nfree[g] else nfree[g]
+            _take(g, <int>c, grouped, start, nfree, taken, is_sorted, chosen, chosen_gpu,
+                  &n_chosen, nr)
+            need -= c
+
+        # sorted by GPU index, then natural replica order (stable, as sorted() is)
+        for i in range(nr):
+            chosen_gpu[i] = <int>(<long long>parent[required[i]])
+        for p in range(n_chosen):
+            if not _natural_parts(chosen[p], &chosen_head[p], &chosen_num[p]):
+                return None
+        for p in range(1, n_chosen):
+            x = chosen[p]
+            g = chosen_gpu[p]
+            hlen = chosen_head[p]
+            v = chosen_num[p]
+            q = p
+            while q > 0 and (g < chosen_gpu[q - 1] or (
+                    g == chosen_gpu[q - 1] and _natural_before(
+                        x, hlen, v, chosen[q - 1], chosen_head[q - 1], chosen_num[q - 1]))):
+                chosen[q] = chosen[q - 1]
+                chosen_gpu[q] = chosen_gpu[q - 1]
+                chosen_head[q] = chosen_head[q - 1]
+                chosen_num[q] = chosen_num[q - 1]
+                q -= 1
+            chosen[q] = x
+            chosen_gpu[q] = g
+            chosen_head[q] = hlen
+            chosen_num[q] = v
+        out = [<object>chosen[p] for p in range(n_chosen)]
+        return out
+    finally:
+        free(gpus)
+        free(raw)
+        free(grouped)
+        free(chosen)
+        free(chosen_gpu)
+        free(chosen_head)
+        free(chosen_num)
+

@@ -3,7 +3,6 @@ of a simulated machine, with its fault injection."""
 
 from __future__ import annotations
 
-import pytest
 
 from agent.config import Config
 from agent.hw import machines

@@ -361,3 +361,149 @@ def group_devices(parent: dict, n: int) -> dict[int, list[str]]:
             raise ValueError("out of range")
         out.setdefault(gpu, []).append(device_id)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole requests (the allocator's fast paths): validation, policy and result in one call.
+# Each returns None where the request is not a plain valid one; the allocator then names the
+# problem (AllocationError) or, for unusual but valid input, normalises it and asks again.
+# ---------------------------------------------------------------------------------------------
+
+
+def choose(solver: AllocationSolver, available, must_include, size) -> list[int] | None:
+    """``best_set`` in one call: the sorted indices of the best ``size`` GPUs of
+    ``available`` holding ``must_include`` (lists of ints), or None when the request is not
+    plainly valid (an entry not an int in 0..n-1, a repeat, must-include outside available,
+    ``size`` not an int in ``max(1, |must_include|)..|available|``)."""
+    if type(size) is not int:
+        return None
+    try:
+        avail, required, n_avail, n_required = request_masks(available, must_include, solver.n)
+    except ValueError:
+        return None
+    if required & ~avail or not (1 <= size <= n_avail and n_required <= size):
+        return None
+    return _bits(solver.rank(avail, required, size, 1)[0][0])
+
+
+def _natural_key(device_id: str) -> tuple[str, int, str]:
+    """``<uuid>::2`` before ``<uuid>::10``; other IDs by their text."""
+    head, sep, tail = device_id.rpartition("::")
+    return (head, int(tail), "") if sep and tail.isdigit() else (device_id, -1, device_id)
+
+
+def _extend(solver, in_request: list[int], tier: list[int], count: int) -> list[int]:
+    """``count`` GPUs of ``tier`` that the GPU policy adds to ``in_request`` (disjoint)."""
+    pool = sum(1 << g for g in in_request) | sum(1 << g for g in tier)
+    required = sum(1 << g for g in in_request)
+    best = solver.rank(pool, required, len(in_request) + count, 1)[0][0]
+    return _bits(best & ~required)
+
+
+def select_replicas(solver, available, must_include, size, packed, per_gpu) -> list[str] | None:
+    """``AllocationEngine.replicas`` in one call (its docstring has the policy): the replica
+    IDs to allocate, sorted by GPU index then replica number, or None when the request is
+    not plainly valid (an entry not a (non-empty str, int in 0..n-1) tuple or list pair, a
+    repeated ID, a must-include ID not available or repeated, ``size`` not an int in
+    ``max(1, |must_include|)..|available|``). ``per_gpu``: None (every GPU has as many
+    replicas as the one with most free), an int for every GPU, or a mapping GPU -> count
+    (GPUs not in it: their free count). ``solver`` breaks ties among equally loaded GPUs."""
+    n = solver.n
+    if type(size) is not int:
+        return None
+    parent: dict[str, int] = {}
+    free: dict[int, list[str]] = {}  # GPU -> its free IDs not in must-include
+    count = 0
+    for entry in available:
+        if (type(entry) is not tuple and type(entry) is not list) or len(entry) != 2:
+            return None
+        device_id, gpu = entry
+        if type(device_id) is not str or not device_id or type(gpu) is not int:
+            return None
+        if not 0 <= gpu < n:
+            return None
+        parent[device_id] = gpu
+        count += 1
+        ids = free.get(gpu)
+        if ids is None:
+            free[gpu] = [device_id]
+        else:
+            ids.append(device_id)
+    if len(parent) != count:
+        return None  # a repeated ID
+    required: list[str] = []
+    seen: set[str] = set()
+    for device_id in must_include:
+        gpu = parent.get(device_id)
+        if gpu is None or device_id in seen:
+            return None
+        seen.add(device_id)
+        required.append(device_id)
+        free[gpu].remove(device_id)
+    if not (1 <= size <= count and len(required) <= size):
+        return None
+
+    all_free = {g: len(ids) for g, ids in free.items()}
+    for d in required:
+        all_free[parent[d]] += 1
+    if per_gpu is None:
+        uniform = max(all_free.values())
+        total = {g: uniform for g in all_free}
+    elif isinstance(per_gpu, int):
+        total = {g: per_gpu for g in all_free}
+    else:
+        total = {g: int(per_gpu.get(g, all_free[g])) for g in all_free}
+    load = {g: max(total[g] - all_free[g], 0) for g in all_free}
+    taken = dict.fromkeys(free, 0)
+    for d in required:
+        taken[parent[d]] += 1
+    sorted_gpus: set[int] = set()
+    chosen = list(required)
+    need = size - len(required)
+
+    def take(gpu: int, count: int) -> None:
+        ids = free[gpu]
+        if gpu not in sorted_gpus:  # shorter first, then by text: replica number order
+            ids.sort()
+            ids.sort(key=len)
+            sorted_gpus.add(gpu)
+        chosen.extend(ids[:count])
+        del ids[:count]
+        taken[gpu] += count
+
+    while need > 0 and not packed:
+        # one round: each GPU at the lowest level of use in this request gets one more
+        # replica, least loaded first; a partly taken tier of equal load goes to topology
+        level = min(taken[g] for g, ids in free.items() if ids)
+        group = sorted((load[g], g) for g, ids in free.items() if ids and taken[g] == level)
+        start = 0
+        while start < len(group) and need > 0:
+            end = start + 1
+            while end < len(group) and group[end][0] == group[start][0]:
+                end += 1
+            tier = [g for _, g in group[start:end]]
+            if len(tier) <= need:
+                picks = tier
+            elif level > 0:
+                # every tier GPU is already in the request: topology cannot tell them apart
+                picks = tier[:need]
+            else:
+                picks = _extend(solver, sorted(g for g in taken if taken[g]), tier, need)
+            for g in picks:
+                take(g, 1)
+            need -= len(picks)
+            start = end
+    while need > 0:  # packed
+        eligible = [g for g, ids in free.items() if ids]
+        key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
+        best_key = min(key.values())
+        tier = sorted(g for g in eligible if key[g] == best_key)
+        if len(tier) == 1 or best_key[0] == 0:
+            # GPUs already in the request and equally loaded: topology cannot tell
+            gpu = tier[0]
+        else:
+            (gpu,) = _extend(solver, sorted(g for g in taken if taken[g]), tier, 1)
+        count = min(need, len(free[gpu]))
+        take(gpu, count)
+        need -= count
+    return sorted(chosen, key=lambda d: (parent[d], _natural_key(d)))

@@ -145,6 +145,8 @@ class AllocationEngine:
         self._request_masks = engine.impl.request_masks
         self._mask_indices = engine.impl.mask_indices
         self._group_devices = engine.impl.group_devices
+        self._choose = engine.impl.choose
+        self._select_replicas = engine.impl.select_replicas
         self.implementation = engine.IMPLEMENTATION
         self._lock = threading.Lock()
         self._best_by_size: dict[int, int] = {}
@@ -214,11 +216,18 @@ class AllocationEngine:
         """The k = ``size`` GPU indices to allocate, sorted. Raises AllocationError on an
         invalid request (size < 1 or above |available|, must-include outside available or
         larger than size, unknown or duplicate indices)."""
-        avail, required = self._masks(available, must_include, size)
-        assert self._solver is not None  # a node with no GPUs fails validation above
-        with self._lock:
-            best = self._solver.rank(avail, required, size, 1)[0]
-        return self._mask_indices(best[0])
+        solver = self._solver
+        if solver is not None:
+            # one engine call: validation, search and result (None: not a plain request)
+            with self._lock:
+                best = self._choose(solver, available, must_include, size)
+            if best is not None:
+                return best
+        avail, required = self._masks(available, must_include, size)  # names the problem
+        assert solver is not None  # a node with no GPUs fails validation above
+        with self._lock:  # valid but unusual input (an int subclass as size, say)
+            ranked = solver.rank(avail, required, int(size), 1)
+        return self._mask_indices(ranked[0][0])
 
     def explain(
         self, available: Sequence[int], must_include: Sequence[int], size: int, runners_up: int = 5
@@ -371,73 +380,26 @@ class AllocationEngine:
             raise AllocationError(
                 f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}"
             )
-        parent, required, free = self._devices(available, must_include, size)
-        all_free = {g: len(ids) for g, ids in free.items()}
-        for d in required:
-            all_free[parent[d]] += 1
-        if replicas_per_gpu is None:
-            uniform = max(all_free.values())
-            total = {g: uniform for g in all_free}
-        elif isinstance(replicas_per_gpu, int):
-            total = {g: replicas_per_gpu for g in all_free}
-        else:
-            total = {g: int(replicas_per_gpu.get(g, all_free[g])) for g in all_free}
-        load = {g: max(total[g] - all_free[g], 0) for g in all_free}
-        sorted_gpus: set[int] = set()
-        taken = Counter(parent[d] for d in required)
-        chosen = list(required)
-        need = size - len(required)
-
-        def take(gpu: int, count: int) -> None:
-            if gpu not in sorted_gpus:  # sort only the GPUs we take from
-                _natural_sort(free[gpu])
-                sorted_gpus.add(gpu)
-            chosen.extend(free[gpu][:count])
-            del free[gpu][:count]
-            taken[gpu] += count
-
-        while need > 0 and policy == "distributed":
-            # one round: each GPU at the lowest level of use in this request gets one more
-            # replica, least loaded first; a partly taken tier of equal load goes to topology
-            level = min(taken[g] for g, ids in free.items() if ids)
-            group = sorted((load[g], g) for g, ids in free.items() if ids and taken[g] == level)
-            start = 0
-            while start < len(group) and need > 0:
-                end = start + 1
-                while end < len(group) and group[end][0] == group[start][0]:
-                    end += 1
-                tier = [g for _, g in group[start:end]]
-                if len(tier) <= need:
-                    picks = tier
-                elif level > 0:
-                    # every tier GPU is already in the request: topology cannot tell them apart
-                    picks = tier[:need]
-                else:
-                    picks = self._extend(sorted(g for g in taken if taken[g]), tier, need)
-                for g in picks:
-                    take(g, 1)
-                need -= len(picks)
-                start = end
-        while need > 0:  # packed
-            eligible = [g for g, ids in free.items() if ids]
-            key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
-            best_key = min(key.values())
-            tier = sorted(g for g in eligible if key[g] == best_key)
-            if len(tier) == 1 or best_key[0] == 0:
-                # GPUs already in the request and equally loaded: topology cannot tell
-                gpu = tier[0]
-            else:
-                (gpu,) = self._extend(sorted(g for g in taken if taken[g]), tier, 1)
-            count = min(need, len(free[gpu]))
-            take(gpu, count)
-            need -= count
-        return sorted(chosen, key=lambda d: (parent[d], _natural_key(d)))
-
-    def _extend(self, in_request: list[int], tier: list[int], count: int) -> list[int]:
-        """``count`` GPUs of ``tier`` that the GPU policy adds to ``in_request``."""
-        pool = sorted(set(in_request) | set(tier))
-        best = self.best_set(pool, in_request, len(in_request) + count)
-        return [g for g in best if g not in in_request]
+        packed = policy == "packed"
+        solver = self._solver
+        if solver is not None:
+            # one engine call: validation, grouping, the policy and the ordered result
+            with self._lock:
+                got = self._select_replicas(
+                    solver, available, must_include, size, packed, replicas_per_gpu
+                )
+            if got is not None:
+                return got
+        # not a plain request: name the problem, or normalise valid but unusual input
+        # (pairs as other sequences, an int subclass as size) and ask the reference twin,
+        # which also takes what the extension declines (see engine.select_replicas_twin)
+        parent, required, _ = self._devices(available, must_include, size)
+        with self._lock:
+            got = engine.select_replicas_twin(
+                solver, list(parent.items()), required, int(size), packed, replicas_per_gpu
+            )
+        assert got is not None
+        return got
 
     def mig(
         self, available: Sequence[tuple[str, int]], must_include: Sequence[str], size: int

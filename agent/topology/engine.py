@@ -80,3 +80,24 @@ def mask_indices(mask: int) -> list[int]:
 def group_devices(parent: dict, n: int) -> dict[int, list[str]]:
     """``{device ID: gpu}`` -> ``{gpu: [device IDs]}``; ValueError on a bad entry."""
     return impl.group_devices(parent, n)
+
+
+def choose(solver, available, must_include, size) -> list[int] | None:
+    """``AllocationEngine.best_set`` in one engine call; None when the request is not a
+    plain valid one. See ``_pure.choose``."""
+    return impl.choose(solver, available, must_include, size)
+
+
+def select_replicas(solver, available, must_include, size, packed, per_gpu) -> list[str] | None:
+    """``AllocationEngine.replicas`` in one engine call; None when the request is not a plain
+    valid one (the extension also declines a few unusual valid ones). See
+    ``_pure.select_replicas``."""
+    return impl.select_replicas(solver, available, must_include, size, packed, per_gpu)
+
+
+def select_replicas_twin(solver, available, must_include, size, packed, per_gpu):
+    """The pure-Python ``select_replicas`` on any solver: it takes every valid request,
+    including those the extension declines."""
+    from agent.topology import _pure
+
+    return _pure.select_replicas(solver, available, must_include, size, packed, per_gpu)
