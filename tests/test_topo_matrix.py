@@ -640,3 +640,16 @@ def test_mangled_text_either_parses_or_raises_one_topo_matrix_error(text):
         assert "\n" not in str(err)
         return
     assert topo.gpu_count >= 1
+
+
+def test_grace_matrix_keeps_the_numa_node_list_and_the_gpu_memory_node_on_each_gpu():
+    topo = read_topo_matrix(FIXTURES / "gb200-4gpu-8nic.txt")
+    assert [g.numa_node for g in topo.gpus] == [0, 0, 1, 1]
+    assert [g.numa_affinity for g in topo.gpus] == ["0,3-9,11-17"] * 2 + ["1,19-25,27-33"] * 2
+    assert [g.memory_numa_node for g in topo.gpus] == [2, 10, 18, 26]
+
+
+def test_single_node_numa_affinity_is_kept_verbatim_and_no_gpu_numa_id_means_none():
+    topo = read_topo_matrix(FIXTURES / "l40s-4gpu-2socket-2nic.txt")
+    assert [g.numa_affinity for g in topo.gpus] == ["0", "0", "1", "1"]
+    assert all(g.memory_numa_node is None for g in topo.gpus)

@@ -513,6 +513,7 @@ class _Parser:
                 if not numa_text.isdigit():
                     multi_node.append(f"GPU{i} {numa_text} -> {numa}")
             gnid = row.trailing.get(GPU_NUMA_ID)
+            memory_numa = None
             if gnid is not None:
                 if not gnid.isdigit():
                     raise self.error(
@@ -520,7 +521,8 @@ class _Parser:
                         row.line_no,
                         row.text,
                     )
-                gpu_numa_ids.append(f"GPU{i}={int(gnid)}")
+                memory_numa = int(gnid)
+                gpu_numa_ids.append(f"GPU{i}={memory_numa}")
             gpus.append(
                 Gpu(
                     index=i,
@@ -528,6 +530,8 @@ class _Parser:
                     name="unknown",
                     numa_node=numa,
                     cpu_affinity=cpu,
+                    numa_affinity=numa_text,
+                    memory_numa_node=memory_numa,
                 )
             )
         if multi_node:

@@ -80,6 +80,8 @@ class Gpu:
     mig_devices: tuple[MigDevice, ...] = ()
     numa_node: int | None = None
     cpu_affinity: str | None = None  # a cpulist, "0-19,40-59"
+    numa_affinity: str | None = None  # the NUMA node list as reported, "0,3-9" (numa_node = lowest)
+    memory_numa_node: int | None = None  # the GPU's own memory as a NUMA node (Grace systems)
     fabric_cluster_uuid: str | None = None
     fabric_clique_id: int | None = None
     lost: bool = False  # NVML answered GPU_IS_LOST while reading it
