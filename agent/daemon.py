@@ -140,6 +140,9 @@ class Daemon:
 
         return NvmlBackend(sysfs=SysfsReader(self.config.sysfs_root))
 
+    def _read_topology(self) -> Any:
+        return self.backend.read_topology(source=f"simulated:{self.simulate}" if self.simulate else "nvml")
+
     def _init_nvml(self) -> bool:
         """Open NVML; False when stopped while waiting for it (failOnInitError false)."""
         while True:
@@ -170,7 +173,7 @@ class Daemon:
         log.info("effective configuration: %s", json.dumps(describe_config(self.config), sort_keys=True))
         if not self._init_nvml():
             return False
-        self.topology = self.backend.read_topology()
+        self.topology = self._read_topology()
         log.info(
             "topology: %d GPUs from %s, NVLink islands %s, NUMA groups %s",
             self.topology.gpu_count, self.topology.source or "nvml",
@@ -239,7 +242,7 @@ class Daemon:
             return
         try:
             config = self.config_loader()
-            topology = self.backend.read_topology()
+            topology = self._read_topology()
             if not self._same_gpu_count(topology):
                 topology = self.topology
             self.manager.reload(topology, config)
@@ -276,7 +279,7 @@ class Daemon:
         if self.backend is None or self.manager is None:
             return False
         try:
-            topology = self.backend.read_topology()
+            topology = self._read_topology()
         except AgentError as exc:
             log.error("re-reading the topology failed, keeping the current one: %s", exc)
             return False

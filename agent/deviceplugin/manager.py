@@ -167,6 +167,8 @@ class DevicePluginManager:
         for resource in self.resources:
             self._slots.append(_Slot(self._new_server(resource, topology, config)))
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), self._slots[-1].server.path)
+        if self.resources and not os.path.exists(self.kubelet_socket):
+            log.warning("no kubelet socket at %s yet: registering as soon as the kubelet creates it", self.kubelet_socket)
 
     def _publish_health(self) -> None:
         set_health = getattr(self.metrics, "set_device_health", None)
