@@ -33,6 +33,7 @@ def generate_proto_stubs() -> None:
                 f"-I{include}",
                 f"--python_out={out}",
                 f"--grpc_python_out={out}",
+                f"--pyi_out={out}",  # type stubs, so mypy knows the message classes
                 str(proto),
             ]
         )

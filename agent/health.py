@@ -216,8 +216,8 @@ class HealthWatcher:
     def apply(self, events: Iterable[object]) -> None:
         now = self._clock()
         for event in events:
-            index = getattr(event, "gpu_index")
-            kind = getattr(event, "kind")
+            index = event.gpu_index
+            kind = event.kind
             xid = getattr(event, "xid", None)
             self.events_seen += 1
             if kind == "xid" and xid is not None and self.on_xid is not None:
