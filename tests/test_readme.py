@@ -1,0 +1,612 @@
+"""The README is the operator's manual: everything it shows must be true of the code.
+
+- Every command in a README code block is classified: run here (``gpu-topology-agent ...``
+  through ``python -m agent``, ``python bench/...`` with its quickest flags, a ``pytest``
+  run of one test file, ``kubectl kustomize daemonset/`` where kubectl exists), or listed
+  in :data:`NOT_RUNNABLE` with the reason. A command that is neither fails the test, and so
+  does a listed command the README no longer shows.
+- Commands in ``sh`` blocks must exit 0. In ``console`` blocks (``$ command`` then its
+  output) the shown lines must appear in the command's output (stdout and stderr), in
+  order; ``...`` elides lines, a line ending in ``...`` matches by prefix, and a following
+  ``$ echo $?`` gives the expected exit code (0 otherwise).
+- Inline ``gpu-topology-agent ...`` commands in the text are run too.
+- The two quick-start commands are checked against ``.ci/run``: the test command must be
+  exactly the line CI runs, the demo command must share its install part.
+- The configuration, label and metric tables are checked against the code (every ``run``
+  flag, environment variable and config file key, with defaults; every label with its
+  example value; every metric with its type).
+
+Code blocks may only be ``sh``, ``console``, ``yaml``, ``json`` or ``text``; commands live
+in the first two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+TEXT = README.read_text(encoding="utf-8")
+
+COMMAND_TIMEOUT_S = 120
+BLOCK_LANGS = {"sh", "console", "yaml", "json", "text"}
+COMMAND_LANGS = {"sh", "console"}
+
+#: Commands the README shows that cannot run here, with the reason. Exact text.
+NOT_RUNNABLE: dict[str, str] = {
+    "docker build -t gpu-topology-agent:0.1.0 .":
+        "needs a Docker engine; these machines have none (tests/test_dockerfile.py checks "
+        "the Dockerfile's stages and the files it copies instead)",
+    "docker tag gpu-topology-agent:0.1.0 registry.example.com/gpu-topology-agent:0.1.0":
+        "needs a Docker engine and the image built above",
+    "docker push registry.example.com/gpu-topology-agent:0.1.0":
+        "needs a Docker engine, a registry and the network",
+    "cd daemonset && kustomize edit set image "
+    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0":
+        "rewrites daemonset/kustomization.yaml in place (and needs the standalone kustomize)",
+    "kubectl apply -k daemonset/": "changes a live cluster",
+    "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent":
+        "needs a live cluster",
+    ".venv/bin/python -m pytest -q":
+        "the whole test suite, this test included (.ci/run runs it)",
+    ".venv/bin/python -m pytest -q tests/test_readme.py": "this test",
+}
+
+#: The quickest flags of each benchmark (what the test runs instead of the shown flags).
+BENCH_QUICK: dict[str, list[str]] = {
+    "bench/bench_allocate.py": ["--quick", "--json", "{tmp}/allocate.json"],
+    "bench/quality.py": ["--events", "60"],
+    "bench/bench_deviceplugin.py": ["--machines", "dgx-h100", "--calls", "20", "--no-process"],
+    "bench/bench_metrics.py": ["--scrapes", "10", "--duration-s", "1"],
+}
+
+AGENT_PREFIXES = ("gpu-topology-agent", ".venv/bin/gpu-topology-agent")
+PYTHON_PREFIXES = ("python", "python3", ".venv/bin/python")
+
+
+# --------------------------------------------------------------------------- README parsing
+@dataclasses.dataclass
+class Command:
+    text: str  # as shown (continuations joined)
+    lang: str  # "sh", "console" or "inline"
+    line: int  # README line number
+    output: list[str] | None = None  # console: the shown output lines
+    exit_code: int = 0  # console: from a following `$ echo $?`
+
+    @property
+    def id(self) -> str:
+        short = self.text if len(self.text) <= 70 else self.text[:67] + "..."
+        return f"L{self.line}: {short}"
+
+
+@dataclasses.dataclass
+class Block:
+    lang: str
+    lines: list[str]
+    line: int  # README line number of the first content line
+
+
+def code_blocks(text: str) -> list[Block]:
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^( *)```(\S*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang = len(m.group(1)), m.group(2)
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not re.match(r"^ *```\s*$", lines[j]):
+            body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
+            j += 1
+        assert j < len(lines), f"README line {i + 1}: code block never closed"
+        blocks.append(Block(lang, body, i + 2))
+        i = j + 1
+    return blocks
+
+
+def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    pending: tuple[int, str] | None = None
+    for n, line in lines:
+        if pending is not None:
+            n, line = pending[0], pending[1] + " " + line.strip()
+            pending = None
+        if line.rstrip().endswith("\\"):
+            pending = (n, line.rstrip()[:-1].rstrip())
+            continue
+        out.append((n, line.strip()))
+    assert pending is None, f"README line {pending[0]}: continuation at the end of a block"
+    return out
+
+
+def block_commands(block: Block) -> list[Command]:
+    numbered = [(block.line + k, line) for k, line in enumerate(block.lines)]
+    if block.lang == "sh":
+        return [
+            Command(text, "sh", n)
+            for n, text in _join_continuations(numbered)
+            if text and not text.startswith("#")
+        ]
+    commands: list[Command] = []
+    for n, line in numbered:
+        if line.startswith("$ "):
+            text = line[2:].strip()
+            if text == "echo $?":
+                commands.append(Command(text, "echo", n, output=[]))
+            else:
+                commands.append(Command(text, "console", n, output=[]))
+        else:
+            assert commands, f"README line {n}: console output before any `$ ` command"
+            assert commands[-1].output is not None
+            commands[-1].output.append(line.rstrip())
+    # fold `$ echo $?` into the command before it
+    folded: list[Command] = []
+    for cmd in commands:
+        if cmd.lang == "echo":
+            assert folded, f"README line {cmd.line}: `echo $?` with no command before it"
+            shown = [x for x in cmd.output or [] if x.strip()]
+            assert len(shown) == 1 and shown[0].strip().isdigit(), (
+                f"README line {cmd.line}: `echo $?` must be followed by one exit code"
+            )
+            folded[-1].exit_code = int(shown[0])
+        else:
+            folded.append(cmd)
+    return folded
+
+
+def inline_agent_commands(text: str) -> list[Command]:
+    """``gpu-topology-agent ...`` in inline code outside code blocks that is a complete
+    command (no synopsis placeholders)."""
+    out: list[Command] = []
+    in_block = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if re.match(r"^ *```", line):
+            in_block = not in_block
+            continue
+        if in_block:
+            continue
+        for span in re.findall(r"`([^`]+)`", line):
+            if not span.startswith("gpu-topology-agent "):
+                continue
+            if re.search(r"[\[\]{}|<>]|\.\.\.|\b(MACHINE|LIST|FILE|K)\b", span):
+                continue  # a synopsis, not a command
+            out.append(Command(span, "inline", n))
+    return out
+
+
+BLOCKS = code_blocks(TEXT)
+COMMANDS = [c for b in BLOCKS if b.lang in COMMAND_LANGS for c in block_commands(b)]
+INLINE = inline_agent_commands(TEXT)
+
+
+def _section(title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", TEXT, re.S | re.M)
+    assert m, f"README has no section '## {title}'"
+    return m.group(1)
+
+
+# --------------------------------------------------------------------------- .ci/run
+def _ci_command() -> str:
+    lines = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return lines[-1]
+
+
+CI_COMMAND = _ci_command()
+INSTALL = CI_COMMAND.rsplit(" && ", 1)[0]
+
+
+def _quick_start_commands() -> list[str]:
+    return [c.text for b in code_blocks(_section("Quick start")) for c in block_commands(b)]
+
+
+def test_quick_start_matches_ci() -> None:
+    demo, tests = _quick_start_commands()
+    assert tests == CI_COMMAND, "the README's test command must be exactly what .ci/run runs"
+    assert INSTALL == "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]'"
+    assert demo == INSTALL + " && .venv/bin/gpu-topology-agent demo"
+
+
+# --------------------------------------------------------------------------- classification
+def _split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    env: dict[str, str] = {}
+    while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
+    return env, argv
+
+
+def classify(text: str) -> tuple[str, object]:
+    """("run", (argv, env)), ("kubectl", argv), ("skip", reason) or ("unknown", None)."""
+    if text in NOT_RUNNABLE:
+        return "skip", NOT_RUNNABLE[text]
+    if text.startswith(INSTALL + " && "):
+        # a quick-start command: its install part is checked by test_quick_start_matches_ci
+        return classify(text[len(INSTALL) + 4:])
+    env, argv = _split_env(shlex.split(text))
+    if not argv:
+        return "unknown", None
+    if argv[0] in AGENT_PREFIXES:
+        return "run", ([sys.executable, "-m", "agent", *argv[1:]], env)
+    if argv[0] in PYTHON_PREFIXES and argv[1:3] == ["-m", "agent"]:
+        return "run", ([sys.executable, *argv[1:]], env)
+    if argv[0] in PYTHON_PREFIXES and len(argv) >= 2 and argv[1] in BENCH_QUICK:
+        return "bench", (argv[1], env)
+    if (
+        argv[0] in PYTHON_PREFIXES
+        and argv[1:3] == ["-m", "pytest"]
+        and argv[-1].startswith("tests/test_")
+        and argv[-1] != "tests/test_readme.py"
+    ):
+        return "run", ([sys.executable, *argv[1:]], env)
+    if argv == ["kubectl", "kustomize", "daemonset/"]:
+        return "kubectl", argv
+    return "unknown", None
+
+
+def test_readme_has_commands_and_only_known_blocks() -> None:
+    assert len(COMMANDS) >= 10
+    for b in BLOCKS:
+        assert b.lang in BLOCK_LANGS, f"README line {b.line}: code block language {b.lang!r}"
+        if b.lang not in COMMAND_LANGS:
+            for k, line in enumerate(b.lines):
+                assert not re.match(
+                    r"^\s*(\$ |gpu-topology-agent |kubectl |docker |python|\.venv/)", line
+                ), f"README line {b.line + k}: a command in a {b.lang!r} block"
+
+
+def test_every_command_is_run_or_listed() -> None:
+    unknown = [c.id for c in COMMANDS + INLINE if classify(c.text)[0] == "unknown"]
+    assert not unknown, f"README commands neither run by this test nor listed: {unknown}"
+    shown = {c.text for c in COMMANDS}
+    stale = [t for t in NOT_RUNNABLE if t not in shown]
+    assert not stale, f"NOT_RUNNABLE lists commands the README no longer shows: {stale}"
+
+
+# --------------------------------------------------------------------------- running
+def _nvml_present() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def _run(argv: list[str], extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("AGENT_PUREPYTHON", None)  # the README's outputs are the default engine's
+    for name in ("MIG_STRATEGY", "CONFIG_FILE", "LOG_LEVEL", "LOG_FORMAT"):
+        env.pop(name, None)
+    env.update(extra_env)
+    return subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+    )
+
+
+def _match_output(shown: list[str], actual: str) -> str | None:
+    """None when every shown line (``...`` aside) appears in ``actual``, in order."""
+    lines = [line.rstrip() for line in actual.splitlines()]
+    pos = 0
+    for want in shown:
+        if want.strip() in ("", "..."):
+            continue
+        prefix = want.endswith("...")
+        target = want[:-3] if prefix else want
+        while pos < len(lines) and not (
+            lines[pos].startswith(target) if prefix else lines[pos] == target
+        ):
+            pos += 1
+        if pos == len(lines):
+            return f"shown line not found (in order) in the output:\n  {want!r}"
+        pos += 1
+    return None
+
+
+RUNNABLE = [c for c in COMMANDS + INLINE if classify(c.text)[0] != "skip"]
+
+
+@pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
+def test_command(cmd: Command, tmp_path: Path) -> None:
+    kind, detail = classify(cmd.text)
+    if kind == "unknown":
+        pytest.fail(f"not a command this test knows how to run: {cmd.text}")
+    if kind == "kubectl":
+        kubectl = shutil.which("kubectl")
+        if kubectl is None:
+            pytest.skip("kubectl is not installed here")
+        result = _run([kubectl, "kustomize", "daemonset/"], {})
+        assert result.returncode == 0, result.stderr
+        assert "kind: DaemonSet" in result.stdout
+        return
+    if kind == "bench":
+        script, env = detail  # type: ignore[misc]
+        flags = [f.replace("{tmp}", str(tmp_path)) for f in BENCH_QUICK[script]]
+        argv = [sys.executable, script, *flags]
+    else:
+        argv, env = detail  # type: ignore[misc]
+        if (
+            argv[1:3] == ["-m", "agent"]
+            and "--simulate" not in argv
+            and "demo" not in argv
+            and cmd.exit_code != 0
+            and _nvml_present()
+        ):
+            pytest.skip("this machine has NVML: the README shows the driverless answer")
+    result = _run(argv, env)
+    combined = result.stdout + result.stderr
+    assert result.returncode == cmd.exit_code, (
+        f"{cmd.text}: exit {result.returncode}, README says {cmd.exit_code}\n{combined[-3000:]}"
+    )
+    if cmd.output:
+        problem = _match_output(cmd.output, combined)
+        assert problem is None, f"{cmd.text}: {problem}\n--- output ---\n{combined[-4000:]}"
+
+
+# --------------------------------------------------------------------------- tables
+def _tables(header: str) -> list[list[list[str]]]:
+    """Every markdown table whose header row is ``header``: rows of cells."""
+    tables: list[list[list[str]]] = []
+    lines = TEXT.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != header:
+            continue
+        rows: list[list[str]] = []
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                break
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+            rows.append(cells)
+        tables.append(rows)
+    assert tables, f"README has no table with header {header!r}"
+    return tables
+
+
+def _ticks(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def _first_tick(cell: str) -> str | None:
+    found = _ticks(cell)
+    return found[0] if found else None
+
+
+SETTINGS_HEADER = "| Flag | Environment | Config file key | Default | Meaning |"
+
+
+def _run_parser():
+    from agent.cli import build_parser
+
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["run"]
+
+
+def _format_default(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _settings_rows() -> list[dict[str, str | None]]:
+    (rows,) = _tables(SETTINGS_HEADER)
+    out = []
+    for cells in rows:
+        flag, env, key, default, meaning = cells
+        out.append({
+            "flag": (_first_tick(flag) or "").split(" ")[0] or None,
+            "env": _first_tick(env),
+            "key": _first_tick(key),
+            "default_cell": default,
+            "default": _first_tick(default),
+        })
+    return out
+
+
+def test_settings_table_lists_every_flag_and_variable() -> None:
+    from agent.config import ENV_FIELDS
+
+    rows = _settings_rows()
+    flags = {
+        opt
+        for action in _run_parser()._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt != "--help"
+    }
+    assert {r["flag"] for r in rows if r["flag"]} == flags
+    expected_env = set(ENV_FIELDS) | {"CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"}
+    assert {r["env"] for r in rows if r["env"]} == expected_env
+    # the loader really reads the three that are not in ENV_FIELDS
+    source = (ROOT / "agent" / "config.py").read_text(encoding="utf-8")
+    for name in expected_env - set(ENV_FIELDS):
+        assert f'"{name}"' in source
+
+
+def test_settings_defaults_and_mappings() -> None:
+    from agent.config import ENV_FIELDS, Config
+
+    dests = {
+        opt: action.dest
+        for action in _run_parser()._actions
+        for opt in action.option_strings
+        if opt.startswith("--")
+    }
+    defaults = Config()
+    fields = {f.name for f in dataclasses.fields(Config)}
+    for row in _settings_rows():
+        where = row["flag"] or row["env"] or row["key"]
+        field = dests.get(row["flag"]) if row["flag"] else ENV_FIELDS.get(row["env"] or "")
+        if row["flag"] and row["env"] and row["env"] in ENV_FIELDS:
+            assert ENV_FIELDS[row["env"]] == field, f"{where}: flag and variable set different settings"
+        if field in fields:
+            expected = _format_default(getattr(defaults, field))
+            if expected == "":
+                assert "empty" in (row["default_cell"] or ""), f"{where}: default is empty"
+            else:
+                assert row["default"] == expected, f"{where}: README default {row['default']!r}, code {expected!r}"
+        elif row["flag"] in ("--config", "--simulate"):
+            assert row["default_cell"] == "none"
+
+
+def _load_doc(doc: dict, tmp_path: Path):
+    from agent.config import load_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return load_config(str(path), {}, {})
+
+
+def _nested(key: str, value: object) -> dict:
+    doc: dict = {"version": "v1"}
+    node = doc
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return doc
+
+
+def test_documented_config_file_defaults_are_the_codes(tmp_path: Path) -> None:
+    """Setting every documented file key (and variable) to its documented default changes
+    nothing: the key is accepted and the default is the code's."""
+    from agent.config import ENV_FIELDS, Config, load_config
+
+    for row in _settings_rows():
+        if row["key"]:
+            value = yaml.safe_load(row["default"] or "")
+            config = _load_doc(_nested(row["key"], value), tmp_path)
+            assert dataclasses.replace(config, config_file=None) == Config(), row["key"]
+        if row["env"] in ENV_FIELDS and row["default"]:
+            config = load_config(None, {row["env"]: row["default"]}, {})
+            assert config == Config(), row["env"]
+
+
+CONFIG_SECTIONS = {
+    "": {"version": "v1", "zz_unknown": 1},
+    "flags": {"version": "v1", "flags": {"zz_unknown": 1}},
+    "flags.plugin": {"version": "v1", "flags": {"plugin": {"zz_unknown": 1}}},
+    "sharing": {"version": "v1", "sharing": {"zz_unknown": 1}},
+    "sharing.timeSlicing": {"version": "v1", "sharing": {"timeSlicing": {"zz_unknown": 1}}},
+    "sharing.timeSlicing.resources[]": {
+        "version": "v1", "sharing": {"timeSlicing": {"resources": [{"zz_unknown": 1}]}}
+    },
+    "health": {"version": "v1", "health": {"zz_unknown": 1}},
+}
+
+
+def _allowed_keys(section: str, tmp_path: Path) -> list[str]:
+    from agent.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _load_doc(CONFIG_SECTIONS[section], tmp_path)
+    m = re.search(r"unknown key \(expected one of ([^)]*)\)", str(info.value))
+    assert m, str(info.value)
+    return [k.strip() for k in m.group(1).split(",")]
+
+
+def test_every_config_file_key_is_documented(tmp_path: Path) -> None:
+    tokens = set(re.findall(r"`([^`\s]+)`", TEXT))
+    for section in CONFIG_SECTIONS:
+        if section == "sharing.timeSlicing.resources[]":
+            continue
+        for key in _allowed_keys(section, tmp_path):
+            path = f"{section}.{key}" if section else key
+            documented = any(t == path or t.startswith(path + ".") for t in tokens)
+            assert documented, f"config file key {path} is not in the README"
+    (entry_rows,) = _tables("| Key | Default | Meaning |")
+    documented = {_first_tick(cells[0]) for cells in entry_rows}
+    assert documented == set(_allowed_keys("sharing.timeSlicing.resources[]", tmp_path))
+
+
+# --------------------------------------------------------------------------- labels
+def _labels(machine: str, env: dict[str, str]) -> dict[str, str]:
+    from agent.config import load_config
+    from agent.hw.machines import load_topology
+    from agent.labels import compute_labels
+
+    return compute_labels(load_topology(machine), load_config(None, env, {}))
+
+
+def _label_rows() -> dict[str, str]:
+    rows: dict[str, str] = {}
+    for table in _tables("| Label | Meaning | Example |"):
+        for cells in table:
+            key, example = _first_tick(cells[0]), _first_tick(cells[2])
+            assert key and example, f"label row without key or example: {cells}"
+            assert key not in rows, f"label {key} listed twice"
+            rows[key] = example
+    return rows
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(key).replace(re.escape("<profile>"), r".+") + "$")
+
+
+def test_labels_table_matches_the_code() -> None:
+    rows = _label_rows()
+    h100 = _labels("dgx-h100", {})
+    for key, value in h100.items():
+        assert key in rows, f"label {key} (labels --simulate dgx-h100) is not in the README"
+        assert rows[key] == value, f"{key}: README example {rows[key]!r}, the code gives {value!r}"
+    others = {**_labels("a100-mig", {"MIG_STRATEGY": "mixed"}), **_labels("gb200-tray", {})}
+    for key, example in rows.items():
+        if key in h100:
+            continue
+        pattern = _pattern(key)
+        values = [v for k, v in others.items() if pattern.match(k)]
+        assert values, f"README label {key} is produced by none of the example machines"
+        assert example in values, f"{key}: README example {example!r}, the code gives {values}"
+    for key in others:
+        assert any(_pattern(k).match(key) for k in rows), f"label {key} is not in the README"
+
+
+# --------------------------------------------------------------------------- metrics
+def _exported_types() -> dict[str, str]:
+    from prometheus_client import CollectorRegistry
+
+    from agent.hw.machines import load_topology
+    from agent.metrics.collector import GpuCollector, render_text
+    from agent.metrics.self_metrics import AgentMetrics
+
+    registry = CollectorRegistry()
+    AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={"nvmlDeviceGetCount": 1}))
+    registry.register(GpuCollector(load_topology("dgx-h100"), hostname="node"))
+    text = render_text(registry).decode()
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+
+
+def test_metrics_tables_match_the_code() -> None:
+    from agent.metrics.fields import DCGM_METRICS
+
+    (dcgm_rows,) = _tables("| Metric | Type | Unit | NVML source |")
+    documented = {_first_tick(c[0]): c[1] for c in dcgm_rows}
+    assert documented == {m.name: m.kind for m in DCGM_METRICS}
+    (own_rows,) = _tables("| Metric | Type | Unit | Labels | Meaning |")
+    ours = {_first_tick(c[0]): c[1] for c in own_rows}
+    exported = {k: v for k, v in _exported_types().items() if not k.startswith("DCGM_")}
+    assert ours == exported
