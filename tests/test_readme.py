@@ -53,8 +53,8 @@ NOT_RUNNABLE: dict[str, str] = {
         "needs a Docker engine and the image built above",
     "docker push registry.example.com/gpu-topology-agent:0.1.0":
         "needs a Docker engine, a registry and the network",
-    "cd daemonset && kustomize edit set image "
-    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0":
+    "(cd daemonset && kustomize edit set image "
+    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0)":
         "rewrites daemonset/kustomization.yaml in place (and needs the standalone kustomize)",
     "kubectl apply -k daemonset/": "changes a live cluster",
     "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent":
@@ -439,7 +439,8 @@ def test_settings_table_lists_every_flag_and_variable() -> None:
         if opt.startswith("--") and opt != "--help"
     }
     assert {r["flag"] for r in rows if r["flag"]} == flags
-    expected_env = set(ENV_FIELDS) | {"CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"}
+    extra_env = {"CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"}
+    expected_env = set(ENV_FIELDS) | extra_env
     assert {r["env"] for r in rows if r["env"]} == expected_env
     # the loader really reads the three that are not in ENV_FIELDS
     source = (ROOT / "agent" / "config.py").read_text(encoding="utf-8")
@@ -462,13 +463,15 @@ def test_settings_defaults_and_mappings() -> None:
         where = row["flag"] or row["env"] or row["key"]
         field = dests.get(row["flag"]) if row["flag"] else ENV_FIELDS.get(row["env"] or "")
         if row["flag"] and row["env"] and row["env"] in ENV_FIELDS:
-            assert ENV_FIELDS[row["env"]] == field, f"{where}: flag and variable set different settings"
+            assert ENV_FIELDS[row["env"]] == field, f"{where}: flag and variable differ"
         if field in fields:
             expected = _format_default(getattr(defaults, field))
             if expected == "":
                 assert "empty" in (row["default_cell"] or ""), f"{where}: default is empty"
             else:
-                assert row["default"] == expected, f"{where}: README default {row['default']!r}, code {expected!r}"
+                assert row["default"] == expected, (
+                    f"{where}: README default {row['default']!r}, code {expected!r}"
+                )
         elif row["flag"] in ("--config", "--simulate"):
             assert row["default_cell"] == "none"
 
