@@ -291,9 +291,12 @@ def _nvml_present() -> bool:
 
 
 def _run(argv: list[str], extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    from agent.config import ENV_FIELDS
+
     env = dict(os.environ)
     env.pop("AGENT_PUREPYTHON", None)  # the README's outputs are the default engine's
-    for name in ("MIG_STRATEGY", "CONFIG_FILE", "LOG_LEVEL", "LOG_FORMAT"):
+    # the README's outputs are the defaults': no configuration from the caller's environment
+    for name in (*ENV_FIELDS, "CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"):
         env.pop(name, None)
     env.update(extra_env)
     return subprocess.run(
