@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 from agent import __version__
 from agent.errors import AgentError
@@ -19,7 +20,7 @@ SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage + exit 2 anyway
+    def error(self, message: str) -> NoReturn:  # argparse would print usage + exit 2 anyway
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import yaml
 
@@ -436,14 +436,15 @@ def load_config(
             values[name] = _parse_field(name, value, f"--{name.replace('_', '-')}")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    disable_xids = values.pop("_disable_xids", ())
-    enable_xids = values.pop("_enable_xids", ())
+    # both come from _env_overrides, parsed by _expect_xids
+    disable_xids = cast("tuple[int, ...]", values.pop("_disable_xids", ()))
+    enable_xids = cast("tuple[int, ...]", values.pop("_enable_xids", ()))
     config = Config(**values)  # type: ignore[arg-type]
     if disable_xids or enable_xids:
         config = replace(
             config,
-            ignored_xids=tuple(sorted(set(config.ignored_xids) | set(disable_xids))),  # type: ignore[arg-type]
-            extra_critical_xids=tuple(sorted(set(config.extra_critical_xids) | set(enable_xids))),  # type: ignore[arg-type]
+            ignored_xids=tuple(sorted(set(config.ignored_xids) | set(disable_xids))),
+            extra_critical_xids=tuple(sorted(set(config.extra_critical_xids) | set(enable_xids))),
         )
     _check_consistency(config)
     return config

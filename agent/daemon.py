@@ -307,8 +307,9 @@ class Daemon:
             steps: list[tuple[str, Callable[[], None]]] = []
             if self.manager is not None:
                 steps.append(("device plugins", lambda: self.manager.stop(1.0)))
-            if self.watcher is not None:
-                steps.append(("health watcher", lambda: self.watcher.stop(2.0)))
+            watcher = self.watcher
+            if watcher is not None:
+                steps.append(("health watcher", lambda: watcher.stop(2.0)))
             if self.metrics is not None:
                 steps.append(("metrics", self.metrics.stop))
             if self.label_sink is not None:

@@ -24,10 +24,21 @@ log = logging.getLogger(__name__)
 FENCED_REASON_PREFIX = "fenced: "
 
 
+class GpuEvent(Protocol):
+    """What the watcher reads of an event (``agent.hw.nvml.HealthEvent``); an ``xid``
+    attribute, where present, is the XID number."""
+
+    @property
+    def gpu_index(self) -> int: ...
+
+    @property
+    def kind(self) -> str: ...
+
+
 class EventSource(Protocol):
     """What the watcher needs of the NVML backend (``agent.hw.nvml.NvmlBackend``)."""
 
-    def wait_events(self, timeout_ms: int) -> Sequence[object]: ...
+    def wait_events(self, timeout_ms: int) -> Sequence[GpuEvent]: ...
 
     def probe(self, index: int) -> bool: ...
 
@@ -213,7 +224,7 @@ class HealthWatcher:
                     log.error("GPU %d marked unhealthy: GPU lost (NVML answered GPU_IS_LOST)", index)
         self._seen_lost = lost
 
-    def apply(self, events: Iterable[object]) -> None:
+    def apply(self, events: Iterable[GpuEvent]) -> None:
         now = self._clock()
         for event in events:
             index = event.gpu_index

@@ -353,8 +353,9 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
 
 
 def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
-    from agent._proto import podresources_v1_pb2 as pr
     from kubelet_stub import PodResourcesStub
+
+    from agent._proto import podresources_v1_pb2 as pr
 
     daemon_topology = __import__("agent.hw.machines", fromlist=["load_topology"]).load_topology("dgx-h100")
     uuid3 = daemon_topology.gpus[3].uuid

@@ -29,11 +29,23 @@ from agent.metrics.sampler import Sampler
 from agent.metrics.service import MetricsService, parse_address
 
 try:
-    from tests.test_metrics_support import (PodResourcesStandIn, StandInBackend, parse_samples,
-                                            pod, samples_of, small_topology)
+    from tests.test_metrics_support import (
+        PodResourcesStandIn,
+        StandInBackend,
+        parse_samples,
+        pod,
+        samples_of,
+        small_topology,
+    )
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_metrics_support import (PodResourcesStandIn, StandInBackend, parse_samples, pod,
-                                      samples_of, small_topology)
+    from test_metrics_support import (
+        PodResourcesStandIn,
+        StandInBackend,
+        parse_samples,
+        pod,
+        samples_of,
+        small_topology,
+    )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 

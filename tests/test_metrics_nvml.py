@@ -3,7 +3,6 @@ of a simulated machine, with its fault injection."""
 
 from __future__ import annotations
 
-
 from agent.config import Config
 from agent.hw import machines
 from agent.metrics.fields import DCGM_METRICS

@@ -20,6 +20,7 @@ from agent.errors import UsageError
 from agent.topology.allocator import CRITERIA, AllocationEngine, Explanation
 from agent.topology.model import Topology
 
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("allocate", help="show the preferred allocation for a request")
     p.add_argument(

@@ -30,11 +30,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kubelet-dir", metavar="DIR", dest="kubelet_dir", default=None,
                    help=f"kubelet device-plugin directory holding kubelet.sock (default: {_DEFAULTS.kubelet_dir})")
     p.add_argument("--pod-resources-socket", metavar="PATH", dest="pod_resources_socket", default=None,
-                   help=f"kubelet pod-resources socket, for pod attribution (default: {_DEFAULTS.pod_resources_socket})")
+                   help="kubelet pod-resources socket, for pod attribution"
+                        f" (default: {_DEFAULTS.pod_resources_socket})")
     p.add_argument("--features-dir", metavar="DIR", dest="features_dir", default=None,
                    help=f"NFD features.d directory for the labels file (default: {_DEFAULTS.features_dir})")
     p.add_argument("--metrics-address", metavar="HOST:PORT", dest="metrics_address", default=None,
-                   help=f"where /metrics, /health and /ready listen; port 0 picks one (default: {_DEFAULTS.metrics_address})")
+                   help="where /metrics, /health and /ready listen; port 0 picks one"
+                        f" (default: {_DEFAULTS.metrics_address})")
     p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
                    help="node name for the Hostname metric label (default: $NODE_NAME, else the host name)")
     p.add_argument("--log-format", choices=("text", "json"), dest="log_format", default=None,

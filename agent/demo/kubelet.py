@@ -102,7 +102,7 @@ class KubeletStub:
         self.registrations: list[Registration] = []
         self.device_lists: dict[str, list[pb.ListAndWatchResponse]] = {}
         self._server: grpc.Server | None = None
-        self._streams: list[tuple[PluginClient, object, threading.Thread]] = []
+        self._streams: list[tuple[PluginClient, grpc.Call, threading.Thread]] = []
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> "KubeletStub":

@@ -133,7 +133,9 @@ class Story:
             if not kubelet.wait_for(lambda: kubelet.latest(RESOURCE) is not None, 5.0):
                 raise AgentError("the agent sent no device list in 5 s")
             registration = kubelet.registered(RESOURCE)[0]
-            devices = list(kubelet.latest(RESOURCE).devices)
+            latest = kubelet.latest(RESOURCE)
+            assert latest is not None  # wait_for saw one; the stub's lists only grow
+            devices = list(latest.devices)
             self.facts["registration"] = {
                 "resource": registration.request.resource_name,
                 "version": registration.request.version,
@@ -265,13 +267,18 @@ class Story:
                     f"{gpus(anchor):>18}{row['anchor']['score']:>7}{gpus(naive):>18}{row['naive']['score']:>7}"
                 )
         arrived = [r for r in rows if r["event"] == "arrive" and r["size"] > 1]
+        score_totals: dict[str, int] = {
+            k: sum((r[k]["score"] if k != "ours" else r["score"]) for r in arrived)
+            for k in ("ours", "anchor", "naive")
+        }
+        one_numa_node: dict[str, int] = {
+            k: sum((r[k]["numa_nodes"] if k != "ours" else r["numa_nodes"]) == 1 for r in arrived)
+            for k in ("ours", "anchor", "naive")
+        }
         summary = {
             "multi_gpu_pods": len(arrived),
-            "score": {k: sum((r[k]["score"] if k != "ours" else r["score"]) for r in arrived) for k in ("ours", "anchor", "naive")},
-            "one_numa_node": {
-                k: sum((r[k]["numa_nodes"] if k != "ours" else r["numa_nodes"]) == 1 for r in arrived)
-                for k in ("ours", "anchor", "naive")
-            },
+            "score": score_totals,
+            "one_numa_node": one_numa_node,
         }
         self.facts["allocations"] = rows
         self.facts["allocation_summary"] = summary
@@ -283,7 +290,7 @@ class Story:
             )
             self.say("choice on the same free GPUs; naive = the lowest free indices.")
             if arrived:
-                s, n = summary["score"], summary["one_numa_node"]
+                s, n = score_totals, one_numa_node
                 self.say(
                     f"{len(arrived)} multi-GPU pods: total score ours {s['ours']}, anchor "
                     f"{s['anchor']}, naive {s['naive']};"

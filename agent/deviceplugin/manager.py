@@ -155,7 +155,9 @@ class DevicePluginManager:
         return RequestHandler(resource, topology, config, engine, path_exists=self._path_exists)
 
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
-        server = PluginServer(self._handler(resource, topology, config), self.health, config.kubelet_dir, metrics=self.metrics)
+        server = PluginServer(
+            self._handler(resource, topology, config), self.health, config.kubelet_dir, metrics=self.metrics
+        )
         server.start()
         return server
 
@@ -168,7 +170,10 @@ class DevicePluginManager:
             self._slots.append(_Slot(self._new_server(resource, topology, config)))
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), self._slots[-1].server.path)
         if self.resources and not os.path.exists(self.kubelet_socket):
-            log.warning("no kubelet socket at %s yet: registering as soon as the kubelet creates it", self.kubelet_socket)
+            log.warning(
+                "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
+                self.kubelet_socket,
+            )
 
     def _publish_health(self) -> None:
         set_health = getattr(self.metrics, "set_device_health", None)
@@ -231,7 +236,8 @@ class DevicePluginManager:
                     log.warning("socket %s vanished: serving it again", slot.server.path)
                     resource = slot.server.resource
                     slot.server.stop(0)
-                    self._slots[i] = slot = _Slot(self._new_server(resource, self.topology, self.config), next_try_s=now)
+                    server = self._new_server(resource, self.topology, self.config)
+                    self._slots[i] = slot = _Slot(server, next_try_s=now)
                 if inode is None or slot.registered or now < slot.next_try_s:
                     continue
                 self._register(slot, now)
@@ -244,7 +250,10 @@ class DevicePluginManager:
             slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))
             slot.next_try_s = now + slot.backoff_s
             details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
-            log.warning("kubelet refused registration of %s: %s (retry in %.1f s)", resource.name, details, slot.backoff_s)
+            log.warning(
+                "kubelet refused registration of %s: %s (retry in %.1f s)",
+                resource.name, details, slot.backoff_s,
+            )
             return
         slot.registered = True
         self.registrations += 1

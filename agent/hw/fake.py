@@ -45,9 +45,9 @@ import string
 import threading
 import uuid as uuid_mod
 import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
-from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from agent.errors import InputFormatError
 
@@ -345,6 +345,7 @@ class c_nvmlGpmMetricsGet_t(_Struct):
     ``metrics`` holds ``NVML_GPM_METRIC_MAX`` entries)."""
 
     _fields = ("version", "numMetrics", "sample1", "sample2", "metrics")
+    metrics: list[Any]  # set by _Struct.__init__ (0 when not given)
 
     def __init__(self, **values: Any) -> None:
         super().__init__(**values)
@@ -903,10 +904,10 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
             node = r.int_(node, f"{where}.numa_node", minimum=0)
             if numa and node not in numa:
                 raise r.fail(f"{where}.numa_node", f"NUMA node {node} is not in numa_nodes")
-        cpus = entry.get("cpus")
+        raw_cpus = entry.get("cpus")
         cpulist = (
-            r.cpulist(cpus, f"{where}.cpus")
-            if cpus is not None
+            r.cpulist(raw_cpus, f"{where}.cpus")
+            if raw_cpus is not None
             else (numa[node][0] if node is not None and node in numa else None)
         )
         mig_enabled = False
@@ -977,11 +978,11 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         a, b, count = (r.int_(x, where, minimum=0) for x in item)
         if a == b or a >= n or b >= n or count < 1:
             raise r.fail(where, f"needs two distinct GPUs of 0..{n - 1} and at least one link")
-        key = (min(a, b), max(a, b))
-        if key in seen_pairs:
-            raise r.fail(where, f"pair {key[0]}-{key[1]} given twice")
-        seen_pairs.add(key)
-        pairs.append((key[0], key[1], count))
+        pair = (min(a, b), max(a, b))
+        if pair in seen_pairs:
+            raise r.fail(where, f"pair {pair[0]}-{pair[1]} given twice")
+        seen_pairs.add(pair)
+        pairs.append((pair[0], pair[1], count))
     switch: NvSwitchSpec | None = None
     if nvlink.get("nvswitch") is not None:
         sw = r.mapping(nvlink["nvswitch"], "nvlink.nvswitch")

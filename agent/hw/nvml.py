@@ -37,10 +37,10 @@ import logging
 import threading
 import time
 import uuid as uuid_mod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
-from collections.abc import Iterable, Sequence
 
 from agent.errors import AgentError
 from agent.topology.model import Gpu, Link, MigDevice, Nic, PcieLevel, Topology

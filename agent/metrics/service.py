@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -174,7 +174,7 @@ class _RegistryView(Collector):
     def describe(self) -> list:
         return []  # no name-clash bookkeeping across the two registries
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterable[Metric]:
         return self._inner.collect()
 
 

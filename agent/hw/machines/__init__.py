@@ -123,7 +123,11 @@ def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
         for g in spec.gpus
     ]
     for nic in spec.nics:
-        cpus = spec.numa_nodes[nic.numa_node][0] if nic.numa_node in spec.numa_nodes else None
+        cpus = (
+            spec.numa_nodes[nic.numa_node][0]
+            if nic.numa_node is not None and nic.numa_node in spec.numa_nodes
+            else None
+        )
         devices.append(
             PciDeviceSpec(
                 bus_id=nic.bus_id,
@@ -383,9 +387,8 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
             switch = NvSwitchSpec(
                 per_gpu, tuple(f"00000000:{0xE0 + k:02X}:00.0" for k in range(4)), tuple(island)
             )
-    direct = [
-        p for p in nv_pairs if switch is None or not (p[0] in switch.gpus and p[1] in switch.gpus)
-    ]  # type: ignore[operator]
+    switched = (switch.gpus or ()) if switch is not None else ()
+    direct = [p for p in nv_pairs if not (p[0] in switched and p[1] in switched)]
     ports = [0] * n
     for a, b, c in direct:
         ports[a] += c
@@ -402,8 +405,8 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
 
     gpus: list[GpuSpec] = []
     for i, g in enumerate(gpus_in):
-        known = GPU_MODELS.get(g.name)
-        model = known or GpuModel(
+        catalogued = GPU_MODELS.get(g.name)
+        model = catalogued or GpuModel(
             g.name or "unknown",
             g.memory_mib or 16384,
             g.compute_capability or (8, 0),
@@ -414,15 +417,20 @@ def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
         if model.nvlinks < ports[i]:
             model = replace(model, nvlinks=ports[i])
         host_bridge, switches = place[i]
+        gpu_node = numa_of[i]
         gpus.append(
             GpuSpec(
                 index=i,
                 model=model,
                 bus_id=nvml_bus_id(bus_of[i]),
                 uuid=g.uuid or synthetic_gpu_uuid(name, i),
-                numa_node=numa_of[i],
+                numa_node=gpu_node,
                 cpulist=g.cpu_affinity
-                or (numa_nodes[numa_of[i]][0] if numa_of[i] in numa_nodes else None)
+                or (
+                    numa_nodes[gpu_node][0]
+                    if gpu_node is not None and gpu_node in numa_nodes
+                    else None
+                )
                 or None,
                 host_bridge=host_bridge,
                 switches=switches,

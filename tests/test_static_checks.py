@@ -1,0 +1,40 @@
+"""The tree passes its own lint and type checks (configured in pyproject.toml), run with the
+interpreter that runs the tests; skipped where ruff or mypy is not installed (the `test`
+extra brings both)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_tool(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed in this interpreter (pip install '.[test]')")
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _assert_clean(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, (
+        f"{' '.join(result.args[2:])} exited {result.returncode}:\n{result.stdout}{result.stderr}"
+    )
+
+
+def test_ruff_finds_nothing_in_agent_tests_and_bench():
+    _assert_clean(_run_tool("ruff", "check", "--no-cache", "--output-format=concise", "agent", "tests", "bench"))
+
+
+def test_mypy_finds_no_type_errors_in_agent():
+    _assert_clean(_run_tool("mypy"))
