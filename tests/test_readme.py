@@ -22,6 +22,7 @@ in the first two.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import os
@@ -46,21 +47,25 @@ COMMAND_LANGS = {"sh", "console"}
 
 #: Commands the README shows that cannot run here, with the reason. Exact text.
 NOT_RUNNABLE: dict[str, str] = {
-    "docker build -t gpu-topology-agent:0.1.0 .":
+    "docker build -t gpu-topology-agent:0.1.0 .": (
         "needs a Docker engine; these machines have none (tests/test_dockerfile.py checks "
-        "the Dockerfile's stages and the files it copies instead)",
-    "docker tag gpu-topology-agent:0.1.0 registry.example.com/gpu-topology-agent:0.1.0":
-        "needs a Docker engine and the image built above",
-    "docker push registry.example.com/gpu-topology-agent:0.1.0":
-        "needs a Docker engine, a registry and the network",
+        "the Dockerfile's stages and the files it copies instead)"
+    ),
+    "docker tag gpu-topology-agent:0.1.0 registry.example.com/gpu-topology-agent:0.1.0": (
+        "needs a Docker engine and the image built above"
+    ),
+    "docker push registry.example.com/gpu-topology-agent:0.1.0": (
+        "needs a Docker engine, a registry and the network"
+    ),
     "(cd daemonset && kustomize edit set image "
-    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0)":
-        "rewrites daemonset/kustomization.yaml in place (and needs the standalone kustomize)",
+    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0)": (
+        "rewrites daemonset/kustomization.yaml in place (and needs the standalone kustomize)"
+    ),
     "kubectl apply -k daemonset/": "changes a live cluster",
-    "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent":
-        "needs a live cluster",
-    ".venv/bin/python -m pytest -q":
-        "the whole test suite, this test included (.ci/run runs it)",
+    "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent": (
+        "needs a live cluster"
+    ),
+    ".venv/bin/python -m pytest -q": "the whole test suite, this test included (.ci/run runs it)",
     ".venv/bin/python -m pytest -q tests/test_readme.py": "this test",
 }
 
@@ -240,7 +245,7 @@ def classify(text: str) -> tuple[str, object]:
         return "skip", NOT_RUNNABLE[text]
     if text.startswith(INSTALL + " && "):
         # a quick-start command: its install part is checked by test_quick_start_matches_ci
-        return classify(text[len(INSTALL) + 4:])
+        return classify(text[len(INSTALL) + 4 :])
     env, argv = _split_env(shlex.split(text))
     if not argv:
         return "unknown", None
@@ -372,7 +377,7 @@ def _tables(header: str) -> list[list[list[str]]]:
         if line.strip() != header:
             continue
         rows: list[list[str]] = []
-        for row in lines[i + 2:]:
+        for row in lines[i + 2 :]:
             if not row.startswith("|"):
                 break
             cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
@@ -394,10 +399,8 @@ def _first_tick(cell: str) -> str | None:
 SETTINGS_HEADER = "| Flag | Environment | Config file key | Default | Meaning |"
 
 
-def _run_parser():
+def _run_parser() -> argparse.ArgumentParser:
     from agent.cli import build_parser
-
-    import argparse
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -421,13 +424,15 @@ def _settings_rows() -> list[dict[str, str | None]]:
     out = []
     for cells in rows:
         flag, env, key, default, meaning = cells
-        out.append({
-            "flag": (_first_tick(flag) or "").split(" ")[0] or None,
-            "env": _first_tick(env),
-            "key": _first_tick(key),
-            "default_cell": default,
-            "default": _first_tick(default),
-        })
+        out.append(
+            {
+                "flag": (_first_tick(flag) or "").split(" ")[0] or None,
+                "env": _first_tick(env),
+                "key": _first_tick(key),
+                "default_cell": default,
+                "default": _first_tick(default),
+            }
+        )
     return out
 
 
@@ -519,7 +524,8 @@ CONFIG_SECTIONS = {
     "sharing": {"version": "v1", "sharing": {"zz_unknown": 1}},
     "sharing.timeSlicing": {"version": "v1", "sharing": {"timeSlicing": {"zz_unknown": 1}}},
     "sharing.timeSlicing.resources[]": {
-        "version": "v1", "sharing": {"timeSlicing": {"resources": [{"zz_unknown": 1}]}}
+        "version": "v1",
+        "sharing": {"timeSlicing": {"resources": [{"zz_unknown": 1}]}},
     },
     "health": {"version": "v1", "health": {"zz_unknown": 1}},
 }
