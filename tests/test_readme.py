@@ -622,3 +622,24 @@ def test_metrics_tables_match_the_code() -> None:
     ours = {_first_tick(c[0]): c[1] for c in own_rows}
     exported = {k: v for k, v in _exported_types().items() if not k.startswith("DCGM_")}
     assert ours == exported
+
+
+# --------------------------------------------------------------------------- links
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as ``-``."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_internal_links_resolve() -> None:
+    outside = "\n".join(
+        line for b in BLOCKS for line in b.lines
+    )  # headings inside code blocks are not headings
+    headings = [
+        m.group(1) for m in re.finditer(r"^#{1,6} (.+)$", TEXT, re.M) if m.group(0) not in outside
+    ]
+    anchors = {_slug(h) for h in headings}
+    for target in re.findall(r"\]\(#([^)]+)\)", TEXT):
+        assert target in anchors, f"README link to #{target}: no such heading"
+    for target in re.findall(r"\]\((?!#|https?://)([^)]+)\)", TEXT):
+        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
