@@ -82,6 +82,7 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 MIG_STRATEGIES = ("none", "single", "mixed")
+ALLOCATION_POLICIES = ("best-effort",)  # the topology policy of issue 3; no other is built
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 DEVICE_ID_STRATEGIES = ("uuid", "index")
 SHARED_POLICIES = ("distributed", "packed")
@@ -103,6 +104,8 @@ ENV_FIELDS: Mapping[str, str] = {
     "LOG_FORMAT": "log_format",
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
+    "SAMPLE_INTERVAL_S": "sample_interval_s",
+    "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
 }
 
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
@@ -259,7 +262,7 @@ def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> N
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "health"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {doc.get('version')!r}")
     out: dict[str, object] = {}
@@ -281,7 +284,9 @@ def _parse_file_document(doc: object) -> dict[str, object]:
             flags["sharedDevicesAllocationPolicy"], SHARED_POLICIES, "flags.sharedDevicesAllocationPolicy"
         )
     if "allocationPolicy" in flags:
-        out["allocation_policy"] = _expect_str(flags["allocationPolicy"], "flags.allocationPolicy")
+        out["allocation_policy"] = _expect_choice(
+            flags["allocationPolicy"], ALLOCATION_POLICIES, "flags.allocationPolicy"
+        )
     plugin = _expect_mapping(flags.get("plugin"), "flags.plugin")
     _check_keys(
         plugin,
@@ -317,6 +322,25 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["extra_critical_xids"] = _expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = _expect_number(health["recoverySeconds"], "health.recoverySeconds")
+    metrics = _expect_mapping(doc.get("metrics"), "metrics")
+    _check_keys(
+        metrics,
+        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent"),
+        "metrics",
+    )
+    if "sampleIntervalSeconds" in metrics:
+        out["sample_interval_s"] = _expect_number(
+            metrics["sampleIntervalSeconds"], "metrics.sampleIntervalSeconds", 0.1
+        )
+    if "podResourcesRefreshSeconds" in metrics:
+        out["pod_resources_refresh_s"] = _expect_number(
+            metrics["podResourcesRefreshSeconds"], "metrics.podResourcesRefreshSeconds", 0.1
+        )
+    if "idleThresholdPercent" in metrics:
+        threshold = _expect_number(metrics["idleThresholdPercent"], "metrics.idleThresholdPercent")
+        if threshold > 100:
+            raise ValueError(f"metrics.idleThresholdPercent: expected 0 to 100, got {threshold:g}")
+        out["idle_utilization_threshold_pct"] = threshold
     return out
 
 
@@ -351,8 +375,8 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "ignored_xids": _expect_xids,
     "extra_critical_xids": _expect_xids,
     "health_recovery_s": _expect_number,
-    "sample_interval_s": lambda v, w: _expect_number(v, w, 0.001),
-    "pod_resources_refresh_s": _expect_number,
+    "sample_interval_s": lambda v, w: _expect_number(v, w, 0.1),
+    "pod_resources_refresh_s": lambda v, w: _expect_number(v, w, 0.1),
     "idle_utilization_threshold_pct": _expect_number,
     "log_format": lambda v, w: _expect_choice(v, LOG_FORMATS, w),
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),

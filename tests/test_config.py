@@ -185,3 +185,33 @@ def test_effective_config_description_is_json_serialisable(tmp_path):
     c = load_config(write(tmp_path, "c.yaml", ANCHOR_FILE), {}, {})
     text = json.dumps(describe_config(c))
     assert '"replicas": 4' in text and '"mig_strategy": "mixed"' in text
+
+
+def test_metrics_section_sets_the_sampler_refresh_and_idle_threshold(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "version: v1\nmetrics:\n  sampleIntervalSeconds: 2\n  podResourcesRefreshSeconds: 30\n"
+        "  idleThresholdPercent: 12.5\n"
+    )
+    config = load_config(str(path), {}, {})
+    assert (config.sample_interval_s, config.pod_resources_refresh_s) == (2.0, 30.0)
+    assert config.idle_utilization_threshold_pct == 12.5
+    env = load_config(str(path), {"SAMPLE_INTERVAL_S": "5", "POD_RESOURCES_REFRESH_S": "7"}, {})
+    assert (env.sample_interval_s, env.pod_resources_refresh_s) == (5.0, 7.0)
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ("metrics:\n  sampleIntervalSeconds: 0\n", "metrics.sampleIntervalSeconds"),
+        ("metrics:\n  idleThresholdPercent: 150\n", "metrics.idleThresholdPercent"),
+        ("metrics:\n  scrapeEvery: 3\n", "metrics"),
+        ("flags:\n  allocationPolicy: fastest\n", "flags.allocationPolicy"),
+    ],
+)
+def test_bad_metrics_values_and_unknown_allocation_policies_name_the_key(tmp_path, body, key):
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\n" + body)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), {}, {})
+    assert str(path) in str(info.value) and key in str(info.value)

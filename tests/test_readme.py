@@ -528,6 +528,7 @@ CONFIG_SECTIONS = {
         "sharing": {"timeSlicing": {"resources": [{"zz_unknown": 1}]}},
     },
     "health": {"version": "v1", "health": {"zz_unknown": 1}},
+    "metrics": {"version": "v1", "metrics": {"zz_unknown": 1}},
 }
 
 

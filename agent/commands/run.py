@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-format", choices=("text", "json"), dest="log_format", default=None,
                    help="log line format (default: text)")
     p.add_argument("--log-level", metavar="LEVEL", dest="log_level", default=None,
-                   help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+                   help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO)")
     p.add_argument("--mig-strategy", choices=("none", "single", "mixed"), dest="mig_strategy", default=None,
                    help="how MIG devices are advertised (default: none; env MIG_STRATEGY)")
     p.add_argument("--device-list-strategy", metavar="LIST", dest="device_list_strategy", default=None,

@@ -233,8 +233,8 @@ class NvmlBackend:
             ),
             self.const("NVML_ERROR_DRIVER_NOT_LOADED", 9): "the NVIDIA kernel driver is not loaded",
             self.const("NVML_ERROR_NO_PERMISSION", 4): (
-                "no permission to open /dev/nvidia* (run the agent privileged or with the "
-                "device nodes mounted)"
+                "no permission to open /dev/nvidia*: give the container the NVIDIA runtime "
+                "(runtimeClassName: nvidia) or NVIDIA_VISIBLE_DEVICES=all, or run as root"
             ),
             self.const("NVML_ERROR_LIB_RM_VERSION_MISMATCH", 18): (
                 "the NVML library and the kernel driver versions differ (driver upgraded "
