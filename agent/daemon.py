@@ -92,6 +92,7 @@ class Daemon:
         self.metrics: Any = None
         self.label_sink: Any = None
         self.sim: Any = None
+        self.waiting_port: int | None = None  # the /health port while waiting for NVML
         self._wake = threading.Event()
         self._stop_requested = False
         self._reload_requested = False
@@ -144,20 +145,41 @@ class Daemon:
         return self.backend.read_topology(source=f"simulated:{self.simulate}" if self.simulate else "nvml")
 
     def _init_nvml(self) -> bool:
-        """Open NVML; False when stopped while waiting for it (failOnInitError false)."""
-        while True:
-            try:
-                backend = self._open_backend()
-                backend.init()
-            except AgentError as exc:
-                if self.config.fail_on_init_error:
-                    raise
-                log.error("NVML unavailable (%s); failOnInitError is false: retrying in %.0f s", exc, self.nvml_retry_s)
-                if self._wait_interruptible(self.nvml_retry_s):
-                    return False
-                continue
-            self.backend = backend
-            return True
+        """Open NVML; False when stopped while waiting for it (failOnInitError false).
+        While it waits, the metrics address answers /health (so the kubelet's probes do not
+        restart a pod that waits on purpose) and 503 on /ready and /metrics."""
+        waiting: Any = None
+        try:
+            while True:
+                try:
+                    backend = self._open_backend()
+                    backend.init()
+                except AgentError as exc:
+                    if self.config.fail_on_init_error:
+                        raise
+                    log.error("NVML unavailable (%s); failOnInitError is false: retrying in %.0f s", exc, self.nvml_retry_s)
+                    if waiting is None:
+                        waiting = self._start_waiting_endpoint()
+                    if self._wait_interruptible(self.nvml_retry_s):
+                        return False
+                    continue
+                self.backend = backend
+                return True
+        finally:
+            if waiting is not None:
+                waiting.stop()
+
+    def _start_waiting_endpoint(self) -> Any:
+        from agent.metrics.service import WaitingEndpoint
+
+        endpoint = WaitingEndpoint(self.config.metrics_address)
+        try:
+            endpoint.start()
+        except OSError as exc:  # the real service reports this at its start; keep waiting
+            log.error("cannot serve /health on %s while waiting: %s", self.config.metrics_address, exc.strerror or exc)
+            return None
+        self.waiting_port = endpoint.port
+        return endpoint
 
     def _wait_interruptible(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True if a stop was requested meanwhile."""

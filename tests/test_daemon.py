@@ -169,7 +169,8 @@ def test_reload_serves_the_new_config_and_reregisters(running):
     holder["config"] = replace(daemon.config, time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),))
     daemon.reload()
     assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2, 3.0)
-    assert kubelet.wait_for(lambda: len(kubelet.latest("nvidia.com/gpu").devices) == 16, 3.0)
+    # the first stream may not have sent anything before the reload: None until it does
+    assert kubelet.wait_for(lambda: len(getattr(kubelet.latest("nvidia.com/gpu"), "devices", ())) == 16, 3.0)
     assert daemon.config.time_slicing[0].replicas == 2
 
 
@@ -389,15 +390,34 @@ def test_missing_nvml_fails_start_when_fail_on_init_error(dirs):
 
 
 def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplog):
-    daemon = InProcessDaemon(Config(kubelet_dir=dirs["k"], fail_on_init_error=False), NoDriverBackend(hgx8_topology()),
-                             nvml_retry_s=0.01)
-    timer = threading.Timer(0.3, daemon.request_stop)
-    timer.start()
+    import urllib.error
+    import urllib.request
+
+    config = Config(kubelet_dir=dirs["k"], fail_on_init_error=False, metrics_address="127.0.0.1:0")
+    daemon = InProcessDaemon(config, NoDriverBackend(hgx8_topology()), nvml_retry_s=0.01)
+    answers: dict[str, int] = {}
+
+    def probe_then_stop() -> None:
+        # while it waits, liveness answers and readiness does not
+        deadline = time.monotonic() + 5
+        while daemon.waiting_port is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for path in ("/health", "/ready", "/metrics"):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{daemon.waiting_port}{path}", timeout=5) as r:
+                    answers[path] = r.status
+            except urllib.error.HTTPError as exc:
+                answers[path] = exc.code
+        daemon.request_stop()
+
+    prober = threading.Thread(target=probe_then_stop)
+    prober.start()
     with caplog.at_level(logging.ERROR, logger="agent.daemon"):
         assert daemon.start() is False
-    timer.join()
+    prober.join()
     assert daemon.manager is None and not daemon.ready()
     assert any("failOnInitError is false" in r.message for r in caplog.records)
+    assert answers == {"/health": 200, "/ready": 503, "/metrics": 503}
 
 
 def test_metrics_port_in_use_is_a_one_line_error(dirs):

@@ -138,19 +138,13 @@ class MetricsService:
     def start(self) -> None:
         """Bind the HTTP server (raises ConfigError for a bad address, OSError when the
         port is taken), then start sampling and pod attribution."""
-        host, port = parse_address(self.config.metrics_address)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_cls = type("_BoundServer", (_Server,), {"address_family": family})
-        self._server = server_cls((host, port), _make_handler(self))
-        self.port = self._server.server_address[1]
-        self._server_thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-            name="metrics-http", daemon=True,
+        self._server, self._server_thread = _serve(
+            self.config.metrics_address, _make_handler(self.render, self.ready)
         )
-        self._server_thread.start()
+        self.port = self._server.server_address[1]
         self.sampler.start()
         self.pod_resources.start()
-        log.info("metrics on %s:%d (/metrics, /health, /ready)", host or "*", self.port)
+        log.info("metrics on %s:%d (/metrics, /health, /ready)", self._server.server_address[0] or "*", self.port)
 
     def stop(self) -> None:
         """Stop serving and sampling; idempotent."""
@@ -178,15 +172,61 @@ class _RegistryView(Collector):
         return self._inner.collect()
 
 
-def _make_handler(service: MetricsService) -> type[BaseHTTPRequestHandler]:
+def _serve(address: str, handler: type[BaseHTTPRequestHandler]) -> tuple[_Server, threading.Thread]:
+    """Bind ``address`` (ConfigError for a bad one, OSError when taken) and serve it on a
+    daemon thread."""
+    host, port = parse_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_cls = type("_BoundServer", (_Server,), {"address_family": family})
+    server = server_cls((host, port), handler)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="metrics-http", daemon=True
+    )
+    thread.start()
+    return server, thread
+
+
+class WaitingEndpoint:
+    """The metrics address while the agent waits for NVML (``failOnInitError: false``):
+    ``/health`` answers 200 so liveness and startup probes leave a pod that waits on purpose
+    alone, ``/ready`` and ``/metrics`` answer 503. Stopped before the real service binds."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def start(self) -> None:
+        self._server, self._thread = _serve(self.address, _make_handler(None, lambda: False))
+        self.port = self._server.server_address[1]
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+
+def _make_handler(
+    render: Callable[[], bytes] | None, ready: Callable[[], bool]
+) -> type[BaseHTTPRequestHandler]:
+    """``render`` None: the agent is not sampling yet (``/metrics`` answers 503)."""
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
+                if render is None:
+                    self._reply(503, b"waiting for NVML: no metrics yet\n")
+                    return
                 try:
-                    body, status = service.render(), 200
+                    body, status = render(), 200
                 except Exception:  # a scrape must answer; say why in the log
                     log.exception("rendering /metrics failed")
                     body, status = b"internal error\n", 500
@@ -195,7 +235,7 @@ def _make_handler(service: MetricsService) -> type[BaseHTTPRequestHandler]:
                 self._reply(200, b"ok\n")
             elif path == "/ready":
                 try:
-                    ok = bool(service.ready())
+                    ok = bool(ready())
                 except Exception:
                     log.exception("readiness check failed")
                     ok = False
