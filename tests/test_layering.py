@@ -56,3 +56,13 @@ def test_grpc_is_imported_only_by_the_kubelet_facing_modules():
     for path, mods in sources():
         if any(m == "grpc" or m.startswith("grpc.") for m in mods):
             assert path.startswith(allowed), f"{path} imports grpc"
+
+
+def test_the_kubelet_request_path_cannot_reach_nvml():
+    # GetPreferredAllocation and Allocate answer from the frozen topology: nothing the
+    # device plugin imports (itself, config, health state, topology) may import the NVML
+    # backend, so no request can wait on NVML (the anchor re-walks NVML on every call).
+    request_path = ("agent/deviceplugin/", "agent/health.py", "agent/topology/", "agent/config.py")
+    for path, mods in sources():
+        if path.startswith(request_path):
+            assert not any(m.startswith("agent.hw") for m in mods), f"{path} imports {sorted(mods)}"
