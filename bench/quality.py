@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_allocate import SYNTHETIC  # noqa: E402
 
-from agent.topology import engine  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 

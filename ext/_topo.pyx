@@ -11,6 +11,10 @@ from libc.stdint cimport uint64_t
 cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
 
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_FromLong
+from cpython.ref cimport Py_INCREF
+
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
     int __builtin_ctzll(unsigned long long) nogil
@@ -104,6 +108,9 @@ def maximal_cliques(adjacency):
 cimport cython
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcmp, memset
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
+                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK,
+                               NOWAIT_LOCK)
 
 EXACT_MAX_GPUS = 16
 cdef int _EXACT = 16
@@ -132,6 +139,7 @@ cdef inline int _better(uint64_t ga, long long c1a, long long sca, int nua, long
     return (ga & _low(diff)) != 0
 
 
+@cython.final
 cdef class _TopList:
     """The best ``cap`` entries seen so far, best first."""
     cdef int cap, count
@@ -189,17 +197,27 @@ cdef class AllocationSolver:
     cdef public int n
     cdef long long s[64][64]
     cdef uint64_t numa_bit[64]
+    cdef uint64_t node_gpus[64]  # GPUs of each distinct NUMA id, n_nodes of them
+    cdef int n_nodes
     cdef long long* table
     cdef long long* memo[17]
     cdef dict _subs
-    cdef _TopList _top1  # reused by the one-answer fast paths (callers serialise calls)
+    cdef _TopList _top1  # reused by the one-answer fast paths (under the lock)
+    cdef PyThread_type_lock _mutex
+
+    #: Every method serialises itself on an internal lock (the twin relies on its caller's).
+    thread_safe = True
 
     def __cinit__(self):
         self.table = NULL
+        self._mutex = PyThread_allocate_lock()
+        if self._mutex == NULL:
+            raise MemoryError()
         memset(self.memo, 0, sizeof(self.memo))
 
     def __init__(self, scores, numa):
         cdef int n = len(scores), i, j
+        cdef uint64_t ids = 0
         if len(numa) != n:
             raise ValueError(f"numa has {len(numa)} entries for {n} GPUs")
         if n > 64:
@@ -212,14 +230,35 @@ cdef class AllocationSolver:
             for j in range(n):
                 self.s[i][j] = int(row[j])
             self.numa_bit[i] = (<uint64_t>1) << <int>int(numa[i])
+        self.n_nodes = 0
+        for i in range(n):
+            ids |= self.numa_bit[i]
+        while ids:
+            self.node_gpus[self.n_nodes] = 0
+            for i in range(n):
+                if self.numa_bit[i] == _low(ids):
+                    self.node_gpus[self.n_nodes] |= (<uint64_t>1) << i
+            self.n_nodes += 1
+            ids &= ids - 1
         self._subs = {}
         self._top1 = _TopList(1)
 
     def __dealloc__(self):
         cdef int k
+        if self._mutex != NULL:
+            PyThread_free_lock(self._mutex)
         free(self.table)
         for k in range(17):
             free(self.memo[k])
+
+    cdef int _acquire(self) except -1:
+        if not PyThread_acquire_lock(self._mutex, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self._mutex, WAIT_LOCK)
+        return 0
+
+    cdef inline void _release(self) noexcept:
+        PyThread_release_lock(self._mutex)
 
     # ------------------------------------------------------------------ small helpers
     cdef long long _set_score(self, uint64_t mask) noexcept:
@@ -239,11 +278,10 @@ cdef class AllocationSolver:
         return int(self._set_score(<uint64_t>mask))
 
     cdef int _numa_count(self, uint64_t mask) noexcept:
-        cdef uint64_t seen = 0
-        while mask:
-            seen |= self.numa_bit[__builtin_ctzll(mask)]
-            mask &= mask - 1
-        return __builtin_popcountll(seen)
+        cdef int c = 0, i
+        for i in range(self.n_nodes):
+            c += (self.node_gpus[i] & mask) != 0
+        return c
 
     cdef long long _cut(self, uint64_t g, uint64_t rest) noexcept:
         cdef long long total = 0
@@ -291,8 +329,15 @@ cdef class AllocationSolver:
         return self.memo[k]
 
     def partition_value(self, mask, int k):
-        self._table()
-        return int(self._partition(<uint64_t>mask, k, self._memo_for(k)))
+        cdef uint64_t m = <uint64_t>mask
+        cdef long long v
+        self._acquire()
+        try:
+            self._table()
+            v = self._partition(m, k, self._memo_for(k))
+        finally:
+            self._release()
+        return int(v)
 
     cdef long long _partition(self, uint64_t mask, int k, long long* memo) noexcept:
         cdef long long v = memo[mask], best = -1
@@ -354,6 +399,13 @@ cdef class AllocationSolver:
         return best
 
     def best_score(self, int k):
+        self._acquire()
+        try:
+            return self._best_score(k)
+        finally:
+            self._release()
+
+    cdef object _best_score(self, int k):
         cdef uint64_t mask, size, everyone
         cdef long long best = -1, v
         cdef long long* table
@@ -376,6 +428,13 @@ cdef class AllocationSolver:
 
     # ------------------------------------------------------------------ ranking
     def rank(self, available_obj, required_obj, int k, int top=1):
+        self._acquire()
+        try:
+            return self._rank(available_obj, required_obj, k, top)
+        finally:
+            self._release()
+
+    cdef object _rank(self, available_obj, required_obj, int k, int top):
         cdef uint64_t available, required
         if available_obj < 0 or required_obj < 0 or available_obj >> self.n:
             raise ValueError("available names a GPU the node does not have")
@@ -402,7 +461,12 @@ cdef class AllocationSolver:
     cdef uint64_t _best_mask(self, uint64_t available, uint64_t required, int k) except? 0:
         """``rank(available, required, k, 1)[0][0]`` for a valid request, without building
         the ranking's Python objects on the common (exact) path."""
-        if __builtin_popcountll(available) > _EXACT:
+        cdef int n_avail = __builtin_popcountll(available)
+        if k == n_avail:
+            return available  # the only candidate
+        if k == __builtin_popcountll(required):
+            return required
+        if n_avail > _EXACT:
             return <uint64_t>self._heuristic(available, required, k, 1)[0][0]
         if self.n > _EXACT:
             return <uint64_t>self._ranked_compressed(available, required, k, 1)[0][0]
@@ -446,9 +510,11 @@ cdef class AllocationSolver:
         if r & ~a or k > na or nr > k:
             return None
         best = self._best_mask(a, r, k)
-        out = []
-        while best:
-            out.append(__builtin_ctzll(best))
+        out = PyList_New(k)
+        for i in range(k):
+            v = PyLong_FromLong(__builtin_ctzll(best))
+            Py_INCREF(v)  # PyList_SET_ITEM steals the reference Cython keeps for ``v``
+            PyList_SET_ITEM(out, i, v)
             best &= best - 1
         return out
 
@@ -459,23 +525,47 @@ cdef class AllocationSolver:
         cdef uint64_t members[64]
         cdef uint64_t acc[65]
         cdef int idx[64]
-        cdef uint64_t free_mask = available & ~required, g
-        cdef int c = 0, t = k - __builtin_popcountll(required), i, j
-        cdef long long sc, c1
+        cdef uint64_t free_mask = available & ~required, g, rest, m, all_free = free_mask
+        cdef int c = 0, t = k - __builtin_popcountll(required), i, j, inserts = 0
+        cdef bint flip
+        cdef long long sc, c1, cut
+        cdef long long row[64]  # row[a]: total score of a with the other available GPUs
         while free_mask:
             members[c] = _low(free_mask)
             free_mask ^= members[c]
             c += 1
-        acc[0] = required
+        # enumerate the t GPUs added to R, or the c - t left out when fewer: the ranking does
+        # not depend on the order (ties are broken by _better, criterion 5 included)
+        flip = c - t < t
+        if flip:
+            t = c - t
+        acc[0] = 0 if flip else required
         for i in range(t):
             idx[i] = i
             acc[i + 1] = acc[i] | members[i]
         while True:
-            g = acc[t]
+            g = (required | (all_free ^ acc[t])) if flip else acc[t]
             sc = table[g]
-            c1 = sc + self._partition(available ^ g, k, memo)
+            c1 = memo[available ^ g]
+            if c1 < 0:
+                c1 = self._partition(available ^ g, k, memo)
+            c1 += sc
             if not best.rejects(c1, sc):
-                best.insert(g, c1, sc, self._numa_count(g), self._cut(g, available ^ g))
+                rest = available ^ g
+                if inserts == 0:
+                    cut = self._cut(g, rest)
+                else:
+                    # many candidates tie on criteria 1-2 (symmetric nodes): the cut from row
+                    # sums, sum over the smaller side of row[a] minus twice its set score
+                    if inserts == 1:
+                        self._rows(available, row)
+                    m = rest if __builtin_popcountll(rest) <= __builtin_popcountll(g) else g
+                    cut = -2 * table[m]
+                    while m:
+                        cut += row[__builtin_ctzll(m)]
+                        m &= m - 1
+                inserts += 1
+                best.insert(g, c1, sc, self._numa_count(g), cut)
             i = t - 1
             while i >= 0 and idx[i] == c - t + i:
                 i -= 1
@@ -487,6 +577,20 @@ cdef class AllocationSolver:
                 idx[j] = idx[j - 1] + 1
                 acc[j + 1] = acc[j] | members[idx[j]]
         return 0
+
+    cdef void _rows(self, uint64_t available, long long* row) noexcept:
+        """row[a] = sum of s[a][b] over the other available GPUs b (scores are symmetric)."""
+        cdef uint64_t m = available, r
+        cdef int a, b
+        while m:
+            a = __builtin_ctzll(m)
+            m &= m - 1
+            row[a] = 0
+            r = available & ~((<uint64_t>1) << a)
+            while r:
+                b = __builtin_ctzll(r)
+                r &= r - 1
+                row[a] += self.s[a][b]
 
     cdef list _ranked_compressed(self, available, required, int k, int top):
         cdef int i
@@ -594,7 +698,11 @@ cdef class AllocationSolver:
 def choose(AllocationSolver solver, available, must_include, size):
     """See ``agent.topology._pure.choose``: the sorted best ``size`` GPU indices, or None
     when the request is not plainly valid."""
-    return solver._choose(available, must_include, size)
+    solver._acquire()
+    try:
+        return solver._choose(available, must_include, size)
+    finally:
+        solver._release()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,6 +885,15 @@ cdef int _take(int g, int c, PyObject** grouped, Py_ssize_t* start, int* nfree, 
 def select_replicas(AllocationSolver solver, available, must_include, size, bint packed,
                     per_gpu):
     """See ``agent.topology._pure.select_replicas``."""
+    solver._acquire()
+    try:
+        return _select_replicas(solver, available, must_include, size, packed, per_gpu)
+    finally:
+        solver._release()
+
+
+cdef object _select_replicas(AllocationSolver solver, available, must_include, size,
+                             bint packed, per_gpu):
     cdef int n = solver.n, g, overflow = 0, level, i, j, t, start_t, end_t, tier_len
     cdef long long v, k, need, uniform, best0, best1, key0, key1, c
     cdef Py_ssize_t count, p, q, nr

@@ -209,6 +209,45 @@ def test_concurrent_callers_get_the_same_answers(impl):
     assert errors == []
 
 
+def test_concurrent_replica_and_explain_callers_share_one_engine(impl):
+    pairs = [(f"GPU-{g}::{r}", g) for g in range(12) for r in range(4)]
+    reference = AllocationEngine(nvswitch_node(12, 6, 6))
+    expected = {k: reference.replicas(pairs, [], k) for k in (3, 5)}
+    chosen = reference.explain(list(range(12)), [], 5).chosen.indices
+    allocator = AllocationEngine(nvswitch_node(12, 6, 6))  # cold tables, filled concurrently
+    errors: list[object] = []
+
+    def worker(k: int) -> None:
+        for _ in range(5):
+            if allocator.replicas(pairs, [], k) != expected[k]:
+                errors.append(k)
+            if allocator.explain(list(range(12)), [], 5).chosen.indices != chosen:
+                errors.append("explain")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (3, 5, 3, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_unusual_but_valid_requests_get_the_plain_answer(impl):
+    class Size(int):
+        pass
+
+    allocator = AllocationEngine(pcie_pairs_node())
+    assert allocator.best_set([4, 5, 6, 7], [], Size(2)) == [4, 5]
+    pairs = [("GPU-0::10", 0), ("GPU-0::2", 0), ("GPU-0::9", 0), ("GPU-3::1", 3)]
+    expected = ["GPU-0::2", "GPU-0::9", "GPU-3::1"]
+    assert allocator.replicas(pairs, [], 3, "packed") == expected
+    assert allocator.replicas([list(p) for p in pairs], [], 3, "packed") == expected
+    assert allocator.replicas(tuple(pairs), [], Size(3), "packed") == expected
+    assert allocator.replicas(pairs, [], 3, "packed", replicas_per_gpu=2**70) == expected
+    accented = [("GPU-\u00e9::10", 0), ("GPU-\u00e9::2", 0), ("GPU-\u00e9::9", 0)]
+    assert allocator.replicas(accented, [], 2) == ["GPU-\u00e9::2", "GPU-\u00e9::9"]
+
+
 # ---------------------------------------------------------------------------- replicas
 def replica_pairs(free: dict[int, list[int]]) -> list[tuple[str, int]]:
     return [(f"GPU-{g}::{r}", g) for g, reps in free.items() for r in reps]

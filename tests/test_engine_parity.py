@@ -233,3 +233,88 @@ def test_device_grouping_agrees_and_rejects_the_same_inputs(parent, n):
     if valid:
         assert sorted(d for ids in outcomes[0].values() for d in ids) == sorted(parent)
         assert all(parent[d] == g for g, ids in outcomes[0].items() for d in ids)
+
+
+# ---------------------------------------------------------------------------- whole requests
+@settings(max_examples=150, deadline=None)
+@given(
+    problems(max_gpus=9),
+    st.lists(st.one_of(st.integers(-1, 10), st.booleans(), st.just("1")), max_size=3),
+    st.integers(-1, 11),
+)
+def test_choose_agrees_between_extension_and_twin_and_with_rank(problem, extra, size):
+    s, numa, available, required, k = problem
+    for request in ((available, required, k), (available + extra, required, size)):
+        answers = [impl.choose(impl.AllocationSolver(s, numa), *request) for impl in (_topo, _pure)]
+        assert answers[0] == answers[1]
+    ranked = _pure.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, 1)
+    assert _topo.choose(_topo.AllocationSolver(s, numa), available, required, k) == _members(
+        ranked[0][0]
+    )
+
+
+REPLICA_ID_FORMS = ("GPU-{g}::{r}", "GPU-{g}::0{r}", "GPU-{g}", "GPU-{g}::x{r}", "r{r}::{g}")
+
+
+@st.composite
+def replica_requests(draw):
+    s, numa, _, _, _ = draw(problems(max_gpus=8))
+    n = len(s)
+    pairs = []
+    for g in range(n):
+        for r in sorted(draw(st.sets(st.integers(0, 12), max_size=5))):
+            form = draw(st.sampled_from(REPLICA_ID_FORMS[:1] * 6 + REPLICA_ID_FORMS[1:]))
+            pairs.append((form.format(g=g, r=r), g))
+    pairs = draw(st.permutations(pairs))
+    ids = [d for d, _ in pairs]
+    must = draw(st.lists(st.sampled_from(ids) if ids else st.just("none"), max_size=3))
+    if draw(st.booleans()):
+        pairs = pairs + draw(
+            st.lists(
+                st.sampled_from([("GPU-0::1", 0), ("", 0), ("z", n), ("z", True), ["GPU-1::7", 1]]),
+                max_size=2,
+            )
+        )
+    size = draw(st.integers(0, len(pairs) + 1))
+    per_gpu = draw(
+        st.one_of(
+            st.none(),
+            st.integers(0, 20),
+            st.dictionaries(st.integers(0, n - 1), st.integers(0, 20), max_size=n),
+        )
+    )
+    return s, numa, pairs, must, size, draw(st.booleans()), per_gpu
+
+
+@settings(max_examples=200, deadline=None)
+@given(replica_requests())
+def test_replica_selection_agrees_between_extension_and_twin(request):
+    s, numa, pairs, must, size, packed, per_gpu = request
+    answers = [
+        impl.select_replicas(impl.AllocationSolver(s, numa), pairs, must, size, packed, per_gpu)
+        for impl in (_topo, _pure)
+    ]
+    assert answers[0] == answers[1]
+    if answers[0] is not None:
+        assert len(answers[0]) == size and len(set(answers[0])) == size
+        assert set(must) <= set(answers[0]) <= {d for d, _ in pairs}
+
+
+def test_extension_declines_only_what_it_does_not_handle_and_the_twin_takes_it():
+    s = [[0, 10], [10, 0]]
+    cases = [
+        ([("GPU-0::é", 0), ("GPU-0::1", 0)], 2, None),  # not ASCII
+        ([("GPU-0::" + "9" * 19, 0), ("GPU-0::1", 0)], 2, None),  # a 19-digit replica number
+        ([("GPU-0::1", 0), ("GPU-1::1", 1)], 1, 2**70),  # a replica count beyond 2**62
+    ]
+    for pairs, size, per_gpu in cases:
+        assert (
+            _topo.select_replicas(
+                _topo.AllocationSolver(s, [0, 0]), pairs, [], size, False, per_gpu
+            )
+            is None
+        )
+        got = _pure.select_replicas(
+            _topo.AllocationSolver(s, [0, 0]), pairs, [], size, False, per_gpu
+        )
+        assert got is not None and len(got) == size

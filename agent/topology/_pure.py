@@ -114,6 +114,9 @@ class AllocationSolver:
     Not thread-safe: callers serialise calls.
     """
 
+    #: Not thread-safe: callers serialise calls (the extension's solver locks itself).
+    thread_safe = False
+
     def __init__(self, scores, numa):
         n = len(scores)
         if len(numa) != n:

@@ -147,6 +147,8 @@ class AllocationEngine:
         self._group_devices = engine.impl.group_devices
         self._choose = engine.impl.choose
         self._select_replicas = engine.impl.select_replicas
+        # the extension's solver serialises its own calls; the twin's needs our lock
+        self._solver_locks = bool(getattr(self._solver, "thread_safe", False))
         self.implementation = engine.IMPLEMENTATION
         self._lock = threading.Lock()
         self._best_by_size: dict[int, int] = {}
@@ -219,8 +221,11 @@ class AllocationEngine:
         solver = self._solver
         if solver is not None:
             # one engine call: validation, search and result (None: not a plain request)
-            with self._lock:
+            if self._solver_locks:
                 best = self._choose(solver, available, must_include, size)
+            else:
+                with self._lock:
+                    best = self._choose(solver, available, must_include, size)
             if best is not None:
                 return best
         avail, required = self._masks(available, must_include, size)  # names the problem
@@ -384,10 +389,15 @@ class AllocationEngine:
         solver = self._solver
         if solver is not None:
             # one engine call: validation, grouping, the policy and the ordered result
-            with self._lock:
+            if self._solver_locks:
                 got = self._select_replicas(
                     solver, available, must_include, size, packed, replicas_per_gpu
                 )
+            else:
+                with self._lock:
+                    got = self._select_replicas(
+                        solver, available, must_include, size, packed, replicas_per_gpu
+                    )
             if got is not None:
                 return got
         # not a plain request: name the problem, or normalise valid but unusual input
