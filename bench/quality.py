@@ -8,9 +8,11 @@ pod fits depends only on how many GPUs are free, so every policy sees the same t
 Policies:
 
 * ``ours``: ``AllocationEngine.best_set`` (criteria 1-5, issue 3);
-* ``partition-only``: criterion 1 alone (set score + best split of the rest into groups of
-  the same size, the anchor's criterion), ties to the lowest indices, as the anchor's
-  first-found rule mostly does;
+* ``partition-only``: the anchor's choice (``AllocationEngine.partition_only_set``): the
+  first best partition of the free GPUs into groups of the request size that
+  go-gpuallocator's enumeration finds, then that partition's best group (exact where the size
+  divides the free count; otherwise the set with the best criterion 1, then set score, then
+  the lowest indices stands in);
 * ``naive``: the lowest free indices.
 
 Per machine and policy, over multi-GPU pods: the mean set score relative to the best
@@ -89,7 +91,7 @@ def trace(n_gpus: int, events: int, seed: int) -> list[tuple[str, int]]:
 
 
 class PartitionOnly:
-    """Criterion 1 alone, ties to the lowest indices (the anchor's choice)."""
+    """The anchor's choice: first best partition, then its best group."""
 
     def __init__(self, topo: Topology) -> None:
         self.engine = AllocationEngine(topo)
