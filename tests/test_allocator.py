@@ -10,17 +10,8 @@ import threading
 import pytest
 
 from agent.errors import AllocationError
-from agent.topology import engine
 from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
-
-
-@pytest.fixture(params=["cython", "python"])
-def impl(request):
-    before = engine.IMPLEMENTATION
-    engine.use(request.param)
-    yield request.param
-    engine.use(before)
 
 
 def nvswitch_node(n: int = 8, per_numa: int = 4, nvlinks: int = 18) -> Topology:

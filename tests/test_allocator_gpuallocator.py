@@ -19,19 +19,10 @@ from pathlib import Path
 import pytest
 
 from agent.errors import AllocationError
-from agent.topology import engine
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Link, PcieLevel, Topology
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "gpuallocator_cases.json").read_text())
-
-
-@pytest.fixture(params=["cython", "python"])
-def impl(request):
-    before = engine.IMPLEMENTATION
-    engine.use(request.param)
-    yield request.param
-    engine.use(before)
 
 
 def _topology(name: str) -> Topology:

@@ -318,3 +318,22 @@ def test_extension_declines_only_what_it_does_not_handle_and_the_twin_takes_it()
             _topo.AllocationSolver(s, [0, 0]), pairs, [], size, False, per_gpu
         )
         assert got is not None and len(got) == size
+
+
+def test_a_stale_extension_is_not_used(monkeypatch, caplog):
+    # an agent._topo built from an older ext/_topo.pyx lacks newer functions: the engine
+    # must fall back to the twin (with a warning) instead of failing on the request path
+    import types
+
+    import agent
+    from agent.topology import engine as engine_module
+
+    stale = types.ModuleType("agent._topo")
+    stale.nvlink_islands = lambda adjacency: []  # type: ignore[attr-defined]
+    monkeypatch.setattr(agent, "_topo", stale, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "agent._topo", stale)
+    monkeypatch.delenv("AGENT_PUREPYTHON", raising=False)
+    with caplog.at_level("WARNING", logger="agent.topology.engine"):
+        module, name = engine_module._select()
+    assert name == "python" and module.__name__ == "agent.topology._pure"
+    assert "stale" in caplog.text and "choose" in caplog.text

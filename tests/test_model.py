@@ -6,16 +6,7 @@ import dataclasses
 
 import pytest
 
-from agent.topology import engine
 from agent.topology.model import Gpu, Link, PcieLevel, Topology, pair_score
-
-
-@pytest.fixture(params=["cython", "python"])
-def impl(request):
-    before = engine.IMPLEMENTATION
-    engine.use(request.param)
-    yield request.param
-    engine.use(before)
 
 
 def gpus(n, numa=None):

@@ -12,6 +12,14 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 
+#: What both implementations provide; an extension built from an older ``ext/_topo.pyx``
+#: lacks some of it and is not used.
+API = (
+    "nvlink_islands", "maximal_cliques", "AllocationSolver", "request_masks", "mask_indices",
+    "group_devices", "choose", "select_replicas",
+)
+
+
 def _select() -> tuple[ModuleType, str]:
     from agent.topology import _pure
 
@@ -21,6 +29,13 @@ def _select() -> tuple[ModuleType, str]:
         from agent import _topo  # type: ignore[attr-defined]
     except ImportError as exc:  # an unbuilt source checkout
         log.warning("Cython topology engine not built (%s); using the pure-Python twin", exc)
+        return _pure, "python"
+    missing = [name for name in API if not hasattr(_topo, name)]
+    if missing:
+        log.warning(
+            "the built Cython topology engine is stale (no %s): using the pure-Python twin; "
+            "rebuild with `pip install -e .`", ", ".join(missing)
+        )
         return _pure, "python"
     return _topo, "cython"
 
