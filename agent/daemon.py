@@ -157,7 +157,10 @@ class Daemon:
                 except AgentError as exc:
                     if self.config.fail_on_init_error:
                         raise
-                    log.error("NVML unavailable (%s); failOnInitError is false: retrying in %.0f s", exc, self.nvml_retry_s)
+                    log.error(
+                        "NVML unavailable (%s); failOnInitError is false: retrying in %.0f s",
+                        exc, self.nvml_retry_s,
+                    )
                     if waiting is None:
                         waiting = self._start_waiting_endpoint()
                     if self._wait_interruptible(self.nvml_retry_s):
