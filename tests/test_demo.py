@@ -28,7 +28,10 @@ def test_demo_tells_the_whole_story_within_100_columns():
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "registered nvidia.com/gpu (API v1beta1" in out
     assert "ListAndWatch: 8 devices, 8 healthy, NUMA nodes [0, 1]" in out
-    assert 'pod="' in out.split("/metrics excerpt", 1)[1], "metrics carry pod attribution"
+    excerpt = out.split("/metrics excerpt", 1)[1]
+    assert 'pod="' in excerpt, "metrics carry pod attribution"
+    assert 'gpu_agent_registrations_total{resource="nvidia.com/gpu"} 1' in excerpt
+    assert "gpu_agent_preferred_allocation_seconds_count" in excerpt
     assert "demo: waiting for the agent to register" in err, "progress is shown while it runs"
 
 

@@ -36,7 +36,8 @@ EXCERPT_METRICS = (
     "DCGM_FI_DEV_FB_USED",
     "gpu_topology_placement_quality_ratio",
     "gpu_topology_info",
-    "gpu_agent_registrations",
+    "gpu_agent_registrations_total",
+    "gpu_agent_preferred_allocation_seconds_count",
 )
 
 
@@ -344,7 +345,7 @@ class Story:
         for s in excerpt:
             labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items() if k in keep)
             value = f"{s.value:g}"
-            line = f"{s.name}{{{labels}}} {value}"
+            line = f"{s.name}{{{labels}}} {value}" if labels else f"{s.name} {value}"
             if len(line) > WIDTH:
                 line = line[: WIDTH - len(value) - 5] + "...} " + value
             self.say(line)
