@@ -485,28 +485,8 @@ cdef class AllocationSolver:
         if overflow or i < 1 or i > 64:
             return None
         k = <int>i
-        for v in available:
-            if type(v) is not int:
-                return None
-            i = PyLong_AsLongLongAndOverflow(v, &overflow)
-            if overflow or i < 0 or i >= self.n:
-                return None
-            bit = (<uint64_t>1) << i
-            if a & bit:
-                return None
-            a |= bit
-            na += 1
-        for v in must_include:
-            if type(v) is not int:
-                return None
-            i = PyLong_AsLongLongAndOverflow(v, &overflow)
-            if overflow or i < 0 or i >= self.n:
-                return None
-            bit = (<uint64_t>1) << i
-            if r & bit:
-                return None
-            r |= bit
-            nr += 1
+        if not _index_mask(available, self.n, &a, &na) or not _index_mask(must_include, self.n, &r, &nr):
+            return None
         if r & ~a or k > na or nr > k:
             return None
         best = self._best_mask(a, r, k)
@@ -709,34 +689,33 @@ def choose(AllocationSolver solver, available, must_include, size):
 # Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
 # ---------------------------------------------------------------------------------------------
 
+cdef bint _index_mask(object values, int n, uint64_t* mask, int* count) except -1:
+    """OR the bits of ``values`` into ``mask`` and count them; False (leaving the caller to
+    name the problem) when an entry is not an int in 0..n-1 or repeats."""
+    cdef int overflow = 0
+    cdef long long i
+    cdef uint64_t bit
+    for v in values:
+        if type(v) is not int:
+            return False
+        i = PyLong_AsLongLongAndOverflow(v, &overflow)
+        if overflow or i < 0 or i >= n:
+            return False
+        bit = (<uint64_t>1) << i
+        if mask[0] & bit:
+            return False
+        mask[0] |= bit
+        count[0] += 1
+    return True
+
+
 def request_masks(available, must_include, int n):
     """``(available mask, must-include mask, len(available), len(must_include))``; raises
     ValueError when an entry is not an int in 0..n-1 or is repeated (the caller explains)."""
-    cdef uint64_t a = 0, r = 0, bit
+    cdef uint64_t a = 0, r = 0
     cdef int na = 0, nr = 0
-    cdef long long i
-    for v in available:
-        if type(v) is not int:
-            raise ValueError("not an index")
-        i = v
-        if i < 0 or i >= n:
-            raise ValueError("out of range")
-        bit = (<uint64_t>1) << i
-        if a & bit:
-            raise ValueError("duplicate")
-        a |= bit
-        na += 1
-    for v in must_include:
-        if type(v) is not int:
-            raise ValueError("not an index")
-        i = v
-        if i < 0 or i >= n:
-            raise ValueError("out of range")
-        bit = (<uint64_t>1) << i
-        if r & bit:
-            raise ValueError("duplicate")
-        r |= bit
-        nr += 1
+    if not _index_mask(available, n, &a, &na) or not _index_mask(must_include, n, &r, &nr):
+        raise ValueError("not distinct GPU indices in range")
     return a, r, na, nr
 
 
