@@ -355,3 +355,14 @@ def test_nvlinks_beyond_a_gpus_port_count_are_recognised_as_nvswitch():
     mesh = [Link(0, 1, 1), Link(0, 2, 1), Link(0, 3, 2), Link(1, 2, 2), Link(1, 3, 1),
             Link(2, 3, 1)]
     assert nvlink_fabric_kind(Topology.build(v100, mesh)) == "mesh"
+
+
+def test_mig_capable_comes_from_nvml_when_the_topology_records_it():
+    from dataclasses import replace as dc_replace
+
+    from agent.hw.machines import load_topology
+
+    h100 = load_topology("dgx-h100")  # the name alone says MIG-capable
+    said_no = dc_replace(h100, gpus=tuple(dc_replace(g, mig_capable=False) for g in h100.gpus))
+    assert compute_labels(h100, Config())["nvidia.com/mig.capable"] == "true"
+    assert compute_labels(said_no, Config())["nvidia.com/mig.capable"] == "false"

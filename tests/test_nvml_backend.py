@@ -346,3 +346,10 @@ def test_any_direct_nvlink_wiring_is_read_back_exactly(pairs):
     assert all(
         link.pcie.name == ("NODE" if link.a // 3 == link.b // 3 else "SYS") for link in topo.links
     )
+
+
+def test_mig_capability_is_read_from_nvml_get_mig_mode():
+    from agent.hw.machines import load_topology
+
+    assert all(g.mig_capable for g in load_topology("dgx-a100").gpus)
+    assert not any(g.mig_capable for g in load_topology("dgx1-v100").gpus)

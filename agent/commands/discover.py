@@ -68,6 +68,7 @@ def topology_to_json(t: Topology) -> dict[str, Any]:
                 "cpu_affinity": g.cpu_affinity,
                 "numa_affinity": g.numa_affinity,
                 "memory_numa_node": g.memory_numa_node,
+                "mig_capable": g.mig_capable,
                 "mig_enabled": g.mig_enabled,
                 "mig_devices": [
                     {"uuid": m.uuid, "profile": m.profile, "memory_mib": m.memory_mib}

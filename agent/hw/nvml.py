@@ -649,6 +649,8 @@ class NvmlBackend:
         mig_enabled = False
         mig_devices: tuple[MigDevice, ...] = ()
         mode = call("nvmlDeviceGetMigMode", h, gpu=index) if h is not None else None
+        # GetMigMode answers on MIG-capable GPUs and is NotSupported (None) elsewhere
+        mig_capable = mode is not None if h is not None else None
         if mode is not None and int(mode[0]) == self.const("NVML_DEVICE_MIG_ENABLE"):
             mig_enabled = True
             mig_devices = self._read_mig(index, h, total_bytes, _text(uuid) if uuid else "")
@@ -695,6 +697,7 @@ class NvmlBackend:
             minor_number=int(minor) if minor is not None else None,
             compute_capability=(int(cc[0]), int(cc[1])) if cc is not None else None,
             mig_enabled=mig_enabled,
+            mig_capable=mig_capable,
             mig_devices=mig_devices,
             numa_node=numa,
             cpu_affinity=cpulist,

@@ -158,7 +158,11 @@ def _version_labels(topology: Topology) -> dict[str, str]:
 
 
 def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
-    mig_capable = any(g.mig_enabled or _MIG_CAPABLE_RE.search(g.name) for g in topology.gpus)
+    # NVML's answer where the topology has it; the model name otherwise (pasted matrices)
+    mig_capable = any(
+        g.mig_enabled or (g.mig_capable if g.mig_capable is not None else _MIG_CAPABLE_RE.search(g.name))
+        for g in topology.gpus
+    )
     out = {
         GFD_PREFIX + "mig.capable": str(bool(mig_capable)).lower(),
         # MPS sharing is not offered by this agent's configuration, so never capable here.

@@ -77,6 +77,7 @@ class Gpu:
     minor_number: int | None = None
     compute_capability: tuple[int, int] | None = None
     mig_enabled: bool = False
+    mig_capable: bool | None = None  # NVML answers GetMigMode (None: not known, e.g. a pasted matrix)
     mig_devices: tuple[MigDevice, ...] = ()
     numa_node: int | None = None
     cpu_affinity: str | None = None  # a cpulist, "0-19,40-59"
