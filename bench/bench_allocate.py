@@ -33,93 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent.hw.machines import load_topology, synthetic_islands_topology  # noqa: E402
 from agent.topology import engine  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
-from agent.topology.model import Gpu, Link, PcieLevel, Topology  # noqa: E402
+from agent.topology.model import Topology  # noqa: E402
 
 # --------------------------------------------------------------------------- machines
 
 
-def nvswitch_node(n: int, per_numa: int, nvlinks: int, name: str) -> Topology:
-    gpus = [Gpu(i, f"GPU-{i:02d}", name, numa_node=i // per_numa) for i in range(n)]
-    links = [
-        Link(
-            a, b, nvlinks, PcieLevel.NODE if a // per_numa == b // per_numa else PcieLevel.SYS, True
-        )
-        for a in range(n)
-        for b in range(a + 1, n)
-    ]
-    return Topology.build(gpus, links, source=f"synthetic:{name}")
-
-
-def pcie_pairs_node() -> Topology:
-    gpus = [Gpu(i, f"GPU-{i}", "pcie-pairs", numa_node=i // 4) for i in range(8)]
-    links = []
-    for a in range(8):
-        for b in range(a + 1, 8):
-            level = (
-                PcieLevel.SYS
-                if a // 4 != b // 4
-                else (PcieLevel.PIX if a // 2 == b // 2 else PcieLevel.NODE)
-            )
-            links.append(Link(a, b, 4 if a // 2 == b // 2 else 0, level))
-    return Topology.build(gpus, links, source="synthetic:pcie-pairs")
-
-
-def dgx1_v100_node() -> Topology:
-    """DGX-1 V100 hybrid cube mesh (go-gpuallocator's test topology)."""
-    double = {(0, 3), (0, 4), (1, 2), (1, 5), (2, 3), (4, 7), (5, 6), (6, 7)}
-    single = {(0, 1), (0, 2), (1, 3), (2, 6), (3, 7), (4, 5), (4, 6), (5, 7)}
-    pix = {(0, 1), (2, 3), (4, 5), (6, 7)}
-    gpus = [Gpu(i, f"GPU-{i}", "dgx1-v100", numa_node=i // 4) for i in range(8)]
-    links = []
-    for a in range(8):
-        for b in range(a + 1, 8):
-            nv = 2 if (a, b) in double else 1 if (a, b) in single else 0
-            level = (
-                PcieLevel.SYS
-                if a // 4 != b // 4
-                else PcieLevel.PIX
-                if (a, b) in pix
-                else PcieLevel.PHB
-            )
-            links.append(Link(a, b, nv, level))
-    return Topology.build(gpus, links, source="synthetic:dgx1-v100")
-
-
-def islands_node(islands: int = 8, size: int = 8) -> Topology:
-    n = islands * size
-    gpus = [Gpu(i, f"GPU-{i}", "synthetic-64", numa_node=(i // size) % 2) for i in range(n)]
-    links = [
-        Link(
-            a,
-            b,
-            18 if a // size == b // size else 0,
-            PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS,
-        )
-        for a in range(n)
-        for b in range(a + 1, n)
-    ]
-    return Topology.build(gpus, links, source="synthetic:64-gpu-islands")
-
-
-SYNTHETIC = {
-    "dgx1-v100": dgx1_v100_node,
-    "dgx-h100": lambda: nvswitch_node(8, 4, 18, "dgx-h100"),
-    "pcie-pairs": pcie_pairs_node,
-    "dgx2": lambda: nvswitch_node(16, 8, 6, "dgx2"),
-}
-
-
 def machine(name: str) -> Topology:
-    """The built-in simulated machine when ``agent.hw.machines`` provides it, else the
-    synthetic stand-in above (same shape)."""
-    try:
-        from agent.hw.machines import load_topology
-
-        return load_topology(name)
-    except Exception:  # noqa: BLE001 - not built yet in this checkout: use the stand-in
-        return SYNTHETIC[name]()
+    """A built-in simulated machine, read through the NVML backend on the fake."""
+    return load_topology(name)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -210,7 +134,7 @@ def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
 
 def bench_large(impl: str, calls: int, ks: list[int]) -> dict[int, dict[str, float]]:
     engine.use(impl)
-    topo = islands_node()
+    topo = synthetic_islands_topology()
     allocator = AllocationEngine(topo)
     results = {}
     for k in ks:

@@ -35,21 +35,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from agent.config import Config  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
-from test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology  # noqa: E402
+from test_metrics_support import PodResourcesStandIn, pod  # noqa: E402
 
 
-def simulated(machine: str, fallback_gpus: int):
-    """(backend, topology, source) for a built-in simulated machine; the test stand-in
-    backend where the machines package is not available."""
-    try:
-        from agent.hw.machines import open_simulated
+def simulated(machine: str):
+    """(backend, topology, source) for a built-in simulated machine."""
+    from agent.hw.machines import open_simulated
 
-        m = open_simulated(machine)
-        backend = m.backend()
-        backend.init()
-        return backend, backend.read_topology(), f"simulated:{machine}"
-    except (ImportError, AttributeError):
-        return StandInBackend(fallback_gpus), small_topology(fallback_gpus), "stand-in backend"
+    m = open_simulated(machine)
+    backend = m.backend()
+    backend.init()
+    return backend, backend.read_topology(), f"simulated:{machine}"
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -59,7 +55,7 @@ def percentile(values: list[float], pct: float) -> float:
 
 
 def bench_scrape(scrapes: int, workdir: str) -> dict:
-    backend, topology, source = simulated("dgx2", 16)
+    backend, topology, source = simulated("dgx2")
     with PodResourcesStandIn(os.path.join(workdir, "kubelet.sock")) as kubelet:
         kubelet.pods = [
             pod("bench", f"job-{i}", {"main": [("nvidia.com/gpu", [g.uuid])]})
@@ -113,7 +109,7 @@ def bench_scrape(scrapes: int, workdir: str) -> dict:
 
 
 def bench_resources(duration_s: float) -> dict:
-    backend, topology, source = simulated("dgx-h100", 8)
+    backend, topology, source = simulated("dgx-h100")
     proc = psutil.Process()
     config = Config(metrics_address="127.0.0.1:0", pod_resources_socket="/nonexistent/kubelet.sock",
                     sample_interval_s=1.0, pod_resources_refresh_s=10.0)

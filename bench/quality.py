@@ -19,8 +19,7 @@ Per machine and policy, over multi-GPU pods: the mean set score relative to the 
 possible for its size on that node, the share of pods entirely on NVLink (every pair linked),
 and the share on one NUMA node ("-" where the machine reports no NUMA nodes).
 
-Machines: every built-in machine (``agent.hw.machines``; the synthetic stand-ins of
-``bench_allocate.py`` when that package is not built) and the real ``nvidia-smi topo -m``
+Machines: every built-in machine (``agent.hw.machines``) and the real ``nvidia-smi topo -m``
 outputs in ``tests/fixtures/topo/`` (copied from ``../shared/data/topo/``).
 """
 
@@ -34,9 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_allocate import SYNTHETIC  # noqa: E402
 
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
@@ -53,20 +50,9 @@ POD_WEIGHTS = (4, 3, 2, 1)
 
 
 def machines() -> list[tuple[str, Topology]]:
-    out: list[tuple[str, Topology]] = []
-    try:
-        from agent.hw.machines import BUILTIN_MACHINES, load_topology
-    except ImportError:
-        BUILTIN_MACHINES, load_topology = (), None
-    for name in dict.fromkeys((*BUILTIN_MACHINES, *SYNTHETIC)):
-        try:
-            assert load_topology is not None
-            out.append((name, load_topology(name)))
-        except Exception as exc:  # noqa: BLE001 - a machine not built in this checkout
-            if name in SYNTHETIC:
-                out.append((f"{name} (synthetic stand-in)", SYNTHETIC[name]()))
-            else:
-                print(f"skipped {name}: {exc}", file=sys.stderr)
+    from agent.hw.machines import BUILTIN_MACHINES, load_topology
+
+    out = [(name, load_topology(name)) for name in BUILTIN_MACHINES]
     from agent.hw.topo_matrix import read_topo_matrix
 
     for name in REAL_MATRICES:

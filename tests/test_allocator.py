@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from agent.errors import AllocationError
+from agent.hw.machines import synthetic_islands_topology
 from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
 
@@ -43,21 +44,6 @@ def pcie_pairs_node() -> Topology:
     return Topology.build(gpus, links)
 
 
-def islands_node(islands: int = 8, size: int = 8) -> Topology:
-    """``islands`` NVSwitch islands of ``size`` GPUs (64 GPUs by default), 2 NUMA nodes."""
-    n = islands * size
-    gpus = [Gpu(i, f"GPU-{i}", "B200", numa_node=(i // size) % 2) for i in range(n)]
-    links = [
-        Link(
-            a,
-            b,
-            18 if a // size == b // size else 0,
-            PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS,
-        )
-        for a in range(n)
-        for b in range(a + 1, n)
-    ]
-    return Topology.build(gpus, links)
 
 
 # ---------------------------------------------------------------------------- GPU sets
@@ -165,7 +151,7 @@ def test_best_score_for_size_is_the_best_set_score_on_the_node(impl):
 
 
 def test_sixty_four_gpu_node_keeps_requests_inside_one_nvswitch_island(impl):
-    allocator = AllocationEngine(islands_node())
+    allocator = AllocationEngine(synthetic_islands_topology())
     everyone = list(range(64))
     assert allocator.best_set(everyone, [], 8) == list(range(8))
     got = allocator.best_set(everyone, [20], 4)
@@ -175,7 +161,7 @@ def test_sixty_four_gpu_node_keeps_requests_inside_one_nvswitch_island(impl):
 
 
 def test_large_node_with_at_most_sixteen_available_is_exact(impl):
-    allocator = AllocationEngine(islands_node())
+    allocator = AllocationEngine(synthetic_islands_topology())
     available = [5, 6, 7, 8, 9, 40, 41, 42]
     assert allocator.best_set(available, [], 3) in ([5, 6, 7], [40, 41, 42])
     assert allocator.explain(available, [], 3).exact

@@ -244,6 +244,29 @@ class _UnionFind:
         return out
 
 
+def synthetic_islands_topology(islands: int = 8, size: int = 8) -> Topology:
+    """A synthetic node larger than any built-in one (64 GPUs by default): ``islands``
+    NVSwitch islands of ``size`` GPUs, 18 NVLinks per pair inside an island, none between;
+    islands alternate between 2 NUMA nodes. For the engine's bounded search above 16 GPUs
+    (tests and ``bench/bench_allocate.py``); a topology only, no simulated NVML."""
+    from agent.topology.model import Gpu, Link
+
+    n = islands * size
+    gpus = [Gpu(i, f"GPU-synthetic-{i}", "synthetic", numa_node=(i // size) % 2) for i in range(n)]
+    links = [
+        Link(
+            a,
+            b,
+            18 if a // size == b // size else 0,
+            PcieLevel.NODE if (a // size) % 2 == (b // size) % 2 else PcieLevel.SYS,
+            nvswitch=a // size == b // size,
+        )
+        for a in range(n)
+        for b in range(a + 1, n)
+    ]
+    return Topology.build(gpus, links, source=f"synthetic:{n}-gpu-islands")
+
+
 def spec_from_topology(topology: Topology, name: str = "pasted") -> MachineSpec:
     """A machine spec that reproduces ``topology`` (typically read from a pasted
     ``nvidia-smi topo -m``) on the fake NVML + sysfs.
