@@ -18,6 +18,7 @@ import time
 from typing import Callable, Iterable, Protocol, Sequence
 
 from agent.config import Config, is_critical_xid
+from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +126,15 @@ class HealthState:
             self._cond.notify_all()
 
 
-class HealthWatcher:
+class HealthWatcher(Worker):
     """The thread that turns NVML events into :class:`HealthState` changes.
 
     ``poll_ms`` bounds each ``wait_events`` call, hence how often recovery is checked and
     how fast :meth:`stop` returns. ``clock`` is injectable for tests. ``config`` may be
     replaced (SIGHUP) by assigning the attribute.
     """
+
+    thread_name = "health-watcher"
 
     def __init__(
         self,
@@ -151,30 +154,12 @@ class HealthWatcher:
         self.poll_ms = poll_ms
         self.retry_s = retry_s
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
         self.fenced = False
         self._seen_lost: set[int] = set()
         self.events_seen = 0
         self.failures = 0
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="health-watcher", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ work
     def _run(self) -> None:

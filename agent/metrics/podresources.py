@@ -27,6 +27,7 @@ import grpc
 
 from agent._proto import podresources_v1_pb2, podresources_v1_pb2_grpc
 from agent.topology.model import Topology
+from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,10 @@ class PodResourcesClient:
         self._stub = None
 
 
-class PodResourcesCache:
+class PodResourcesCache(Worker):
     """Refreshes an :class:`Attribution` every ``refresh_s`` on its own thread."""
+
+    thread_name = "pod-resources"
 
     def __init__(
         self,
@@ -153,8 +156,7 @@ class PodResourcesCache:
         self.on_refresh = on_refresh
         self.current: Attribution = EMPTY_ATTRIBUTION
         self.list_calls = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._lock = threading.Lock()
         self._logged_failure = False
 
@@ -201,18 +203,8 @@ class PodResourcesCache:
             self.current = attribution
         return True
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="pod-resources", daemon=True)
-        self._thread.start()
-
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        super().stop(timeout_s)
         self.client.close()
 
     def _run(self) -> None:

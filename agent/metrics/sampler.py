@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from agent.metrics.fields import GpuReader
 from agent.topology.model import Topology
+from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,11 @@ class Snapshot:
 EMPTY_SNAPSHOT = Snapshot()
 
 
-class Sampler:
+class Sampler(Worker):
     """Polls NVML every ``interval_s`` on its own thread (``start``/``stop``), or on demand
     with ``sample_once`` (tests, benchmarks)."""
+
+    thread_name = "metrics-sampler"
 
     def __init__(
         self,
@@ -65,8 +68,7 @@ class Sampler:
         self._xid_lock = threading.Lock()
         started = clock()
         self._last_busy_at = {g.index: started for g in topology.gpus}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._round_lock = threading.Lock()
 
     def record_xid(self, gpu_index: int, xid: int) -> None:
@@ -108,18 +110,8 @@ class Sampler:
         return snap
 
     # ---------------------------------------------------------------- thread
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
-        self._thread.start()
-
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        super().stop(timeout_s)
         with self._round_lock:
             for reader in self._readers.values():
                 reader.close()
