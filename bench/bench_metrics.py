@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from agent.config import Config  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
-from test_metrics_support import PodResourcesStandIn, pod  # noqa: E402
+from metrics_support import PodResourcesStandIn, pod  # noqa: E402
 
 
 def simulated(machine: str):

@@ -11,6 +11,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metrics_support import (
+    PodResourcesStandIn,
+    StandInBackend,
+    parse_samples,
+    pod,
+    samples_of,
+    small_topology,
+)
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,25 +35,6 @@ from agent.metrics.podresources import (
 )
 from agent.metrics.sampler import Sampler
 from agent.metrics.service import MetricsService, parse_address
-
-try:
-    from tests.test_metrics_support import (
-        PodResourcesStandIn,
-        StandInBackend,
-        parse_samples,
-        pod,
-        samples_of,
-        small_topology,
-    )
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_metrics_support import (
-        PodResourcesStandIn,
-        StandInBackend,
-        parse_samples,
-        pod,
-        samples_of,
-        small_topology,
-    )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 

@@ -3,15 +3,12 @@ of a simulated machine, with its fault injection."""
 
 from __future__ import annotations
 
+from metrics_support import samples_of
+
 from agent.config import Config
 from agent.hw import machines
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.service import MetricsService
-
-try:
-    from tests.test_metrics_support import samples_of
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_metrics_support import samples_of
 
 NVLINK_AND_HBM_ONLY = {"DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_MEMORY_TEMP",
                        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",

@@ -18,14 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
 
 from agent.config import Config
 from agent.metrics.service import MetricsService
-
-try:
-    from tests.test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "daemonset"
