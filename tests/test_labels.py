@@ -366,3 +366,17 @@ def test_mig_capable_comes_from_nvml_when_the_topology_records_it():
     said_no = dc_replace(h100, gpus=tuple(dc_replace(g, mig_capable=False) for g in h100.gpus))
     assert compute_labels(h100, Config())["nvidia.com/mig.capable"] == "true"
     assert compute_labels(said_no, Config())["nvidia.com/mig.capable"] == "false"
+
+
+def test_gpu_mode_follows_the_pci_class_when_sysfs_gave_it():
+    from dataclasses import replace as dc_replace
+
+    from agent.hw.machines import load_topology
+
+    topo = load_topology("pcie-4gpu")
+    vga = dc_replace(topo, gpus=tuple(dc_replace(g, pci_class=0x030000) for g in topo.gpus))
+    mixed = dc_replace(vga, gpus=(dc_replace(vga.gpus[0], pci_class=0x030200),) + vga.gpus[1:])
+    assert all(g.pci_class == 0x030200 for g in topo.gpus)  # read from the fake sysfs tree
+    assert compute_labels(topo, Config())["nvidia.com/gpu.mode"] == "compute"
+    assert compute_labels(vga, Config())["nvidia.com/gpu.mode"] == "graphics"
+    assert compute_labels(mixed, Config())["nvidia.com/gpu.mode"] == "compute"

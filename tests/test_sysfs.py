@@ -550,3 +550,11 @@ def test_random_tree_specs_round_trip_through_the_files(spec: SysfsTreeSpec) -> 
             assert r.pcie_level(a.bus_id, b.bus_id) == _level_by_contract(
                 a, b, len(spec.numa_nodes)
             ), (a, b)
+
+
+def test_pci_class_reads_the_class_code_and_is_none_when_missing(tmp_path):
+    reader = SysfsReader(str(FIXTURE))
+    assert reader.pci_class(GPU_SW0) == 0x030200
+    assert reader.pci_class(sysfs_to_nvml_bus_id(GPU_SW0)) == 0x030200
+    assert reader.pci_class("0000:ff:1f.7") is None
+    assert SysfsReader(str(tmp_path)).pci_class(GPU_SW0) is None

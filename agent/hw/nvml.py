@@ -659,9 +659,11 @@ class NvmlBackend:
 
         numa: int | None = None
         cpulist: str | None = None
+        pci_class: int | None = None
         if self._sysfs is not None and bus_id:
             numa = self._sysfs.pci_numa_node(bus_id)
             cpulist = self._sysfs.pci_local_cpulist(bus_id)
+            pci_class = self._sysfs.pci_class(bus_id)
         if cpulist is None and h is not None:
             words = call(
                 "nvmlDeviceGetCpuAffinity",
@@ -701,6 +703,7 @@ class NvmlBackend:
             mig_devices=mig_devices,
             numa_node=numa,
             cpu_affinity=cpulist,
+            pci_class=pci_class,
             fabric_cluster_uuid=cluster,
             fabric_clique_id=clique,
             lost=lost,

@@ -255,6 +255,16 @@ class SysfsReader:
         text = self._read(d, "local_cpulist")
         return (text.strip() or None) if text is not None else None
 
+    def pci_class(self, bus_id: str) -> int | None:
+        """The device's PCI class code (``class``: ``0x030200`` a 3D controller, ``0x030000``
+        a VGA controller); None if missing or unreadable."""
+        d = self._pci_dir(bus_id)
+        text = self._read(d, "class") if d is not None else None
+        try:
+            return int(text.strip(), 16) if text is not None else None
+        except ValueError:
+            return None
+
     def pcie_level(self, bus_id_a: str, bus_id_b: str) -> PcieLevel | None:
         """How devices ``a`` and ``b`` are connected, from their real paths in the PCIe tree.
 

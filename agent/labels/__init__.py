@@ -179,9 +179,14 @@ def _known_model(name: str) -> bool:
 
 
 def _gpu_mode(topology: Topology) -> str:
-    """``graphics`` when every GPU is a display-class board by name, ``compute`` otherwise
-    (datacenter boards are PCI 3D controllers, GFD's ``compute``); GFD's ``unknown`` when
-    no GPU has a model name (a pasted topology matrix)."""
+    """GFD's rule on the PCI class where sysfs gave it: ``graphics`` when every GPU is a
+    display controller (class 0x0300xx), ``compute`` otherwise (3D controllers, 0x0302xx).
+    Without it, by model name: ``graphics`` when every GPU is a display-class board,
+    ``compute`` otherwise; GFD's ``unknown`` when no GPU has a model name (a pasted
+    topology matrix)."""
+    classes = [g.pci_class for g in topology.gpus if g.pci_class is not None]
+    if classes:
+        return "graphics" if all(c >> 8 == 0x0300 for c in classes) else "compute"
     named = [g for g in topology.gpus if _known_model(g.name)]
     if not named:
         return "unknown"

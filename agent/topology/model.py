@@ -74,6 +74,7 @@ class Gpu:
     name: str
     memory_mib: int | None = None
     pci_bus_id: str = ""  # NVML spelling: "00000000:3B:00.0"
+    pci_class: int | None = None  # from sysfs: 0x030200 3D controller (compute), 0x0300xx VGA
     minor_number: int | None = None
     compute_capability: tuple[int, int] | None = None
     mig_enabled: bool = False
