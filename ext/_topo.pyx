@@ -386,16 +386,8 @@ cdef class AllocationSolver:
             v += self.table[g]
             if v > best:
                 best = v
-            i = t - 1
-            while i >= 0 and idx[i] == c - t + i:
-                i -= 1
-            if i < 0:
+            if not _next_combination(idx, acc, members, t, c):
                 break
-            idx[i] += 1
-            acc[i + 1] = acc[i] | members[idx[i]]
-            for j in range(i + 1, t):
-                idx[j] = idx[j - 1] + 1
-                acc[j + 1] = acc[j] | members[idx[j]]
         return best
 
     def best_score(self, int k):
@@ -546,16 +538,8 @@ cdef class AllocationSolver:
                         m &= m - 1
                 inserts += 1
                 best.insert(g, c1, sc, self._numa_count(g), cut)
-            i = t - 1
-            while i >= 0 and idx[i] == c - t + i:
-                i -= 1
-            if i < 0:
+            if not _next_combination(idx, acc, members, t, c):
                 break
-            idx[i] += 1
-            acc[i + 1] = acc[i] | members[idx[i]]
-            for j in range(i + 1, t):
-                idx[j] = idx[j - 1] + 1
-                acc[j + 1] = acc[j] | members[idx[j]]
         return 0
 
     cdef void _rows(self, uint64_t available, long long* row) noexcept:
@@ -688,6 +672,23 @@ def choose(AllocationSolver solver, available, must_include, size):
 # ---------------------------------------------------------------------------------------------
 # Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
 # ---------------------------------------------------------------------------------------------
+
+cdef inline bint _next_combination(int* idx, uint64_t* acc, uint64_t* members, int t, int c) noexcept:
+    """Advance ``idx`` (t ascending positions among c) to the next combination in
+    lexicographic order, keeping ``acc[j + 1]`` the OR of ``members[idx[0..j]]``; False
+    after the last one."""
+    cdef int i = t - 1, j
+    while i >= 0 and idx[i] == c - t + i:
+        i -= 1
+    if i < 0:
+        return False
+    idx[i] += 1
+    acc[i + 1] = acc[i] | members[idx[i]]
+    for j in range(i + 1, t):
+        idx[j] = idx[j - 1] + 1
+        acc[j + 1] = acc[j] | members[idx[j]]
+    return True
+
 
 cdef bint _index_mask(object values, int n, uint64_t* mask, int* count) except -1:
     """OR the bits of ``values`` into ``mask`` and count them; False (leaving the caller to
