@@ -151,14 +151,17 @@ def _expect_str(value: object, where: str) -> str:
     return value
 
 
-def _expect_list_strategy(value: object, where: str) -> tuple[str, ...]:
-    items: list[object]
+def _expect_items(value: object, where: str, expected: str) -> list[object]:
+    """A YAML list, or a comma-separated string (environment variables, flags)."""
     if isinstance(value, str):
-        items = [v for v in value.split(",") if v.strip()]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ValueError(f"{where}: expected a strategy name or a list of them, got {value!r}")
+        return [v for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{where}: expected {expected}, got {value!r}")
+
+
+def _expect_list_strategy(value: object, where: str) -> tuple[str, ...]:
+    items = _expect_items(value, where, "a strategy name or a list of them")
     if not items:
         raise ValueError(f"{where}: expected at least one of {', '.join(DEVICE_LIST_STRATEGIES)}")
     out: list[str] = []
@@ -170,13 +173,7 @@ def _expect_list_strategy(value: object, where: str) -> tuple[str, ...]:
 
 
 def _expect_xids(value: object, where: str) -> tuple[int, ...]:
-    items: list[object]
-    if isinstance(value, str):
-        items = [v for v in value.split(",") if v.strip()]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ValueError(f"{where}: expected a list of XID numbers, got {value!r}")
+    items = _expect_items(value, where, "a list of XID numbers")
     out: list[int] = []
     for item in items:
         try:
