@@ -28,8 +28,16 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agent.errors import InputFormatError
-from agent.topology.model import PcieLevel
+from agent.formats import (
+    BusIdError,
+    format_cpulist,
+    nvml_to_sysfs_bus_id,
+    parse_cpulist,
+    sysfs_to_nvml_bus_id,
+)
+from agent.formats import parse_bus_id as _parse_bus_id
+from agent.formats import sysfs_spelling as _sysfs_spelling
+from agent.records import PcieLevel
 
 __all__ = [
     "BusIdError",
@@ -46,51 +54,9 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- bus ids
-class BusIdError(InputFormatError, ValueError):
-    """A PCI bus id that is neither NVML's nor sysfs's spelling (exit code 2)."""
-
-
-# domain:bus:device.function; the domain may be longer than 4 digits (VMD domains are
-# 0x10000 and up) and NVML pads it to 8.
-_BUS_ID_RE = re.compile(
-    r"^(?P<domain>[0-9a-fA-F]{1,8}):(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})"
-    r"\.(?P<fn>[0-7])$"
-)
-
+# PCI bus ids and cpulists live in agent.formats (one definition each)
 #: a host bridge directory under devices/: "pci0000:17"
 _HOST_BRIDGE_RE = re.compile(r"^pci(?P<domain>[0-9a-f]{4,8}):(?P<bus>[0-9a-f]{2})$")
-
-
-def _parse_bus_id(bus_id: str) -> tuple[int, int, int, int]:
-    """``(domain, bus, device, function)`` of either spelling; :class:`BusIdError` if not
-    a bus id."""
-    m = _BUS_ID_RE.match(bus_id.strip()) if isinstance(bus_id, str) else None
-    if m is None:
-        raise BusIdError(
-            f"not a PCI bus id: {bus_id!r} (expected e.g. '00000000:3B:00.0' or '0000:3b:00.0')"
-        )
-    dev = int(m["dev"], 16)
-    if dev > 0x1F:
-        raise BusIdError(f"not a PCI bus id: {bus_id!r} (device number {dev:#x} > 0x1f)")
-    return int(m["domain"], 16), int(m["bus"], 16), dev, int(m["fn"])
-
-
-def _sysfs_spelling(domain: int, bus: int, dev: int, fn: int) -> str:
-    return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
-
-
-def nvml_to_sysfs_bus_id(bus_id: str) -> str:
-    """``"00000000:3B:00.0"`` -> ``"0000:3b:00.0"``. Accepts either spelling (idempotent);
-    raises :class:`BusIdError` for anything else."""
-    return _sysfs_spelling(*_parse_bus_id(bus_id))
-
-
-def sysfs_to_nvml_bus_id(bus_id: str) -> str:
-    """``"0000:3b:00.0"`` -> ``"00000000:3B:00.0"``. Accepts either spelling (idempotent);
-    raises :class:`BusIdError` for anything else."""
-    domain, bus, dev, fn = _parse_bus_id(bus_id)
-    return f"{domain:08X}:{bus:02X}:{dev:02X}.{fn}"
 
 
 def _try_sysfs_bus_id(bus_id: str) -> str | None:
@@ -98,52 +64,6 @@ def _try_sysfs_bus_id(bus_id: str) -> str | None:
         return nvml_to_sysfs_bus_id(bus_id)
     except BusIdError:
         return None
-
-
-# --------------------------------------------------------------------------- cpulists
-def parse_cpulist(text: str) -> list[int]:
-    """The CPUs of a kernel cpulist, sorted and unique: ``"0-3,8\\n"`` -> ``[0, 1, 2, 3, 8]``.
-
-    Accepts the kernel's list syntax including strided groups (``"0-15:2/4"``: of each
-    group of 4 starting at 0, the first 2). ``""`` is the empty list (a memory-only NUMA
-    node). Raises ``ValueError`` naming the bad part otherwise.
-    """
-    cpus: set[int] = set()
-    stripped = text.strip()
-    if not stripped:
-        return []
-    for part in stripped.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:-(\d+)(?::(\d+)/(\d+))?)?\s*", part)
-        if m is None:
-            raise ValueError(f"bad cpulist part {part!r} in {text.strip()!r}")
-        first = int(m[1])
-        last = int(m[2]) if m[2] is not None else first
-        if last < first:
-            raise ValueError(f"bad cpulist range {part!r} in {text.strip()!r}")
-        if m[3] is not None:
-            used, group = int(m[3]), int(m[4])
-            if group == 0 or used == 0 or used > group:
-                raise ValueError(f"bad cpulist stride {part!r} in {text.strip()!r}")
-            cpus.update(c for c in range(first, last + 1) if (c - first) % group < used)
-        else:
-            cpus.update(range(first, last + 1))
-    return sorted(cpus)
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """The kernel's spelling of a CPU set: ``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (no newline)."""
-    ordered = sorted(set(cpus))
-    if ordered and ordered[0] < 0:
-        raise ValueError(f"negative CPU number {ordered[0]}")
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def _format_cpumask(cpus: Iterable[int]) -> str:

@@ -1,0 +1,155 @@
+"""Small parsers and spellings shared by every layer: one definition each.
+
+A leaf module (it imports only :mod:`agent.errors`): kernel cpulists, PCI bus ids in NVML's
+and sysfs's spellings, ``HOST:PORT`` addresses, and YAML/JSON documents read from a file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Iterable
+
+import yaml
+
+from agent.errors import InputFormatError
+
+
+# --------------------------------------------------------------------------- PCI bus ids
+class BusIdError(InputFormatError, ValueError):
+    """A PCI bus id that is neither NVML's nor sysfs's spelling (exit code 2)."""
+
+
+# domain:bus:device.function; the domain may be longer than 4 digits (VMD domains are
+# 0x10000 and up) and NVML pads it to 8.
+_BUS_ID_RE = re.compile(
+    r"^(?P<domain>[0-9a-fA-F]{1,8}):(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})"
+    r"\.(?P<fn>[0-7])$"
+)
+
+
+
+def parse_bus_id(bus_id: str) -> tuple[int, int, int, int]:
+    """``(domain, bus, device, function)`` of either spelling; :class:`BusIdError` if not
+    a bus id."""
+    m = _BUS_ID_RE.match(bus_id.strip()) if isinstance(bus_id, str) else None
+    if m is None:
+        raise BusIdError(
+            f"not a PCI bus id: {bus_id!r} (expected e.g. '00000000:3B:00.0' or '0000:3b:00.0')"
+        )
+    dev = int(m["dev"], 16)
+    if dev > 0x1F:
+        raise BusIdError(f"not a PCI bus id: {bus_id!r} (device number {dev:#x} > 0x1f)")
+    return int(m["domain"], 16), int(m["bus"], 16), dev, int(m["fn"])
+
+
+def sysfs_spelling(domain: int, bus: int, dev: int, fn: int) -> str:
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
+
+
+def nvml_to_sysfs_bus_id(bus_id: str) -> str:
+    """``"00000000:3B:00.0"`` -> ``"0000:3b:00.0"``. Accepts either spelling (idempotent);
+    raises :class:`BusIdError` for anything else."""
+    return sysfs_spelling(*parse_bus_id(bus_id))
+
+
+def sysfs_to_nvml_bus_id(bus_id: str) -> str:
+    """``"0000:3b:00.0"`` -> ``"00000000:3B:00.0"``. Accepts either spelling (idempotent);
+    raises :class:`BusIdError` for anything else."""
+    domain, bus, dev, fn = parse_bus_id(bus_id)
+    return f"{domain:08X}:{bus:02X}:{dev:02X}.{fn}"
+
+
+# --------------------------------------------------------------------------- cpulists
+def parse_cpulist(text: str) -> list[int]:
+    """The CPUs of a kernel cpulist, sorted and unique: ``"0-3,8\\n"`` -> ``[0, 1, 2, 3, 8]``.
+
+    Accepts the kernel's list syntax including strided groups (``"0-15:2/4"``: of each
+    group of 4 starting at 0, the first 2). ``""`` is the empty list (a memory-only NUMA
+    node). Raises ``ValueError`` naming the bad part otherwise.
+    """
+    cpus: set[int] = set()
+    stripped = text.strip()
+    if not stripped:
+        return []
+    for part in stripped.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+)(?::(\d+)/(\d+))?)?\s*", part)
+        if m is None:
+            raise ValueError(f"bad cpulist part {part!r} in {text.strip()!r}")
+        first = int(m[1])
+        last = int(m[2]) if m[2] is not None else first
+        if last < first:
+            raise ValueError(f"bad cpulist range {part!r} in {text.strip()!r}")
+        if m[3] is not None:
+            used, group = int(m[3]), int(m[4])
+            if group == 0 or used == 0 or used > group:
+                raise ValueError(f"bad cpulist stride {part!r} in {text.strip()!r}")
+            cpus.update(c for c in range(first, last + 1) if (c - first) % group < used)
+        else:
+            cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """The kernel's spelling of a CPU set: ``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (no newline)."""
+    ordered = sorted(set(cpus))
+    if ordered and ordered[0] < 0:
+        raise ValueError(f"negative CPU number {ordered[0]}")
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+
+
+# --------------------------------------------------------------------------- HOST:PORT
+def parse_host_port(address: str, what: str = "address") -> tuple[str, int]:
+    """``"127.0.0.1:9400"`` -> ("127.0.0.1", 9400); ``":9400"`` -> ("", 9400) (all
+    interfaces); ``"[::1]:9400"`` -> ("::1", 9400). ``ValueError`` naming ``what`` otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} {address!r}: expected HOST:PORT or :PORT (port 0-65535)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+# --------------------------------------------------------------------------- files
+def read_document(path: str, what: str = "file") -> Any:
+    """The YAML or JSON document in ``path`` (JSON when the name ends in ``.json``: json gives
+    better messages for JSON files). Raises :class:`InputFormatError` naming the file when it
+    cannot be read, is not UTF-8 text, or does not parse."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise InputFormatError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    return parse_document(raw, path, what)
+
+
+def parse_document(raw: bytes | str, source: str, what: str = "file") -> Any:
+    """Like :func:`read_document` for bytes already read (``source`` names them)."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            hint = " (it starts with a UTF-16 byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+            raise InputFormatError(
+                f"{source}: {what} is not UTF-8 text: byte {raw[exc.start]:#04x} at offset "
+                f"{exc.start}{hint}; save it as UTF-8"
+            ) from None
+    else:
+        text = raw
+    text = text.removeprefix("\ufeff")
+    as_json = source.endswith(".json")
+    try:
+        return json.loads(text) if as_json else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise InputFormatError(f"{source}: not valid {'JSON' if as_json else 'YAML'}: {detail}") from None

@@ -1,0 +1,112 @@
+"""Plain immutable records shared by the hardware readers and the topology model.
+
+A leaf module: it imports nothing of ours, so ``agent.hw`` (which produces these records)
+and ``agent.topology`` (which derives islands, cliques and scores from them) can both use it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping
+
+
+class PcieLevel(enum.IntEnum):
+    """Common-ancestor level of two PCIe devices, best (closest) first.
+
+    Values are NVML's ``NVML_TOPOLOGY_*`` constants; names are ``nvidia-smi topo -m``'s.
+    """
+
+    BOARD = 0  # NVML_TOPOLOGY_INTERNAL: same board (multi-GPU boards)
+    PIX = 10  # NVML_TOPOLOGY_SINGLE: at most one PCIe switch
+    PXB = 20  # NVML_TOPOLOGY_MULTIPLE: several switches, no host bridge
+    PHB = 30  # NVML_TOPOLOGY_HOSTBRIDGE: through a host bridge
+    NODE = 40  # NVML_TOPOLOGY_NODE: between host bridges of one NUMA node
+    SYS = 50  # NVML_TOPOLOGY_SYSTEM: across the SMP interconnect (sockets)
+
+    @classmethod
+    def parse(cls, text: str) -> "PcieLevel":
+        """``'PIX'`` -> PIX; the legacy ``SOC`` and ``CPU`` legends map to SYS and NODE."""
+        t = text.strip().upper()
+        alias = {"SOC": "SYS", "CPU": "NODE"}
+        return cls[alias.get(t, t)]
+
+
+#: Pair score by PCIe level, as go-gpuallocator scores links.
+PCIE_SCORE: Mapping[PcieLevel, int] = {
+    PcieLevel.SYS: 10,
+    PcieLevel.NODE: 20,
+    PcieLevel.PHB: 30,
+    PcieLevel.PXB: 40,
+    PcieLevel.PIX: 50,
+    PcieLevel.BOARD: 60,
+}
+#: Pair score per NVLink between two GPUs.
+NVLINK_SCORE = 100
+
+
+def pair_score(nvlinks: int, pcie: PcieLevel | None) -> int:
+    """The anchor-compatible score of one GPU pair: PCIe level + 100 per NVLink."""
+    return (PCIE_SCORE[pcie] if pcie is not None else 0) + NVLINK_SCORE * nvlinks
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    """One MIG device (GPU instance + compute instance) on a parent GPU."""
+
+    uuid: str  # "MIG-..."
+    parent_index: int
+    index: int  # NVML's MIG device index within the parent
+    profile: str  # e.g. "1g.10gb", "3g.40gb"
+    memory_mib: int
+    gi_id: int | None = None
+    ci_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as discovered."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int | None = None
+    pci_bus_id: str = ""  # NVML spelling: "00000000:3B:00.0"
+    pci_class: int | None = None  # from sysfs: 0x030200 3D controller (compute), 0x0300xx VGA
+    minor_number: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    mig_enabled: bool = False
+    mig_capable: bool | None = None  # NVML answers GetMigMode (None: not known, e.g. a pasted matrix)
+    mig_devices: tuple[MigDevice, ...] = ()
+    numa_node: int | None = None
+    cpu_affinity: str | None = None  # a cpulist, "0-19,40-59"
+    numa_affinity: str | None = None  # the NUMA node list as reported, "0,3-9" (numa_node = lowest)
+    memory_numa_node: int | None = None  # the GPU's own memory as a NUMA node (Grace systems)
+    fabric_cluster_uuid: str | None = None
+    fabric_clique_id: int | None = None
+    lost: bool = False  # NVML answered GPU_IS_LOST while reading it
+
+
+@dataclass(frozen=True)
+class Link:
+    """What connects GPUs ``a`` < ``b``."""
+
+    a: int
+    b: int
+    nvlinks: int = 0
+    pcie: PcieLevel | None = None
+    nvswitch: bool = False  # the NVLinks go through NVSwitches
+
+    @property
+    def score(self) -> int:
+        return pair_score(self.nvlinks, self.pcie)
+
+
+@dataclass(frozen=True)
+class Nic:
+    """An RDMA NIC and its PCIe relation to each GPU (``levels[gpu_index]``)."""
+
+    name: str  # "mlx5_0"
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+    levels: tuple[PcieLevel | None, ...] = ()
