@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_metrics.py [--scrapes 1000] [--duration-s 30] [--json FILE]
 
 1. Scrape latency: the metrics service on a simulated ``dgx2`` (16 GPUs, every counter), 16
-   pods attributed through a stand-in kubelet pod-resources server; ``--scrapes`` HTTP GETs
+   pods attributed through the demo's stand-in kubelet pod-resources server; ``--scrapes`` HTTP GETs
    of ``/metrics`` over loopback, p50/p99/max. Goal: p99 <= 10 ms.
 2. Resident memory and CPU: the service on a simulated ``dgx-h100`` (8 GPUs) sampling
    every second for ``--duration-s``, with Prometheus-like scrapes every 15 s; RSS at the
@@ -34,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from agent.config import Config  # noqa: E402
+from agent.demo.kubelet import PodResourcesStub  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
-from metrics_support import PodResourcesStandIn, pod  # noqa: E402
+from metrics_support import listing, pod  # noqa: E402
 
 
 def simulated(machine: str):
@@ -56,11 +57,11 @@ def percentile(values: list[float], pct: float) -> float:
 
 def bench_scrape(scrapes: int, workdir: str) -> dict:
     backend, topology, source = simulated("dgx2")
-    with PodResourcesStandIn(os.path.join(workdir, "kubelet.sock")) as kubelet:
-        kubelet.pods = [
-            pod("bench", f"job-{i}", {"main": [("nvidia.com/gpu", [g.uuid])]})
-            for i, g in enumerate(topology.gpus)
-        ]
+    kubelet = PodResourcesStub(os.path.join(workdir, "kubelet.sock"), listing(*(
+        pod("bench", f"job-{i}", {"main": [("nvidia.com/gpu", [g.uuid])]})
+        for i, g in enumerate(topology.gpus)
+    ))).start()
+    try:
         config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                         sample_interval_s=3600, pod_resources_refresh_s=3600)
         service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True)
@@ -95,6 +96,8 @@ def bench_scrape(scrapes: int, workdir: str) -> dict:
                 render_ms.append((time.perf_counter() - t0) * 1000)
         finally:
             service.stop()
+    finally:
+        kubelet.stop()
     lines = [ln for ln in body.decode().splitlines() if ln and not ln.startswith("#")]
     return {
         "machine": source, "gpus": topology.gpu_count, "pods": len(topology.gpus),

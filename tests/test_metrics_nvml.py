@@ -1,14 +1,23 @@
-"""Metrics end to end on the real NVML code path: ``NvmlBackend`` over the fake ``pynvml``
-of a simulated machine, with its fault injection."""
+"""Metrics end to end on the real NVML code path on the built-in machines: ``NvmlBackend``
+over the fake ``pynvml`` of a simulated machine, with its fault injection; and the hw side's
+typed samples (``agent.hw.sampling``) on their own."""
 
 from __future__ import annotations
 
-from metrics_support import samples_of
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+from metrics_support import by_gpu, node_of
 
 from agent.config import Config
 from agent.hw import machines
-from agent.metrics.fields import DCGM_METRICS
+from agent.hw.sampling import GpuSample, NvmlSampler
+from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
 from agent.metrics.service import MetricsService
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NVLINK_AND_HBM_ONLY = {"DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_MEMORY_TEMP",
                        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
@@ -17,7 +26,7 @@ GPM_RATIOS = {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"
               "DCGM_FI_PROF_DRAM_ACTIVE"}
 
 
-def service_for(name: str) -> tuple[MetricsService, object]:
+def service_for(name: str) -> tuple[MetricsService, machines.SimulatedMachine]:
     machine = machines.open_simulated(name)
     backend = machine.backend()
     backend.init()
@@ -25,10 +34,6 @@ def service_for(name: str) -> tuple[MetricsService, object]:
     service = MetricsService(backend, topology, Config(metrics_address="127.0.0.1:0"),
                              hostname="sim", ready=lambda: True)
     return service, machine
-
-
-def by_gpu(text: str, name: str) -> dict[str, float]:
-    return {s.labels["gpu"]: s.value for s in samples_of(text, name)}
 
 
 def test_every_dcgm_counter_is_exported_for_every_gpu_of_a_dgx_h100():
@@ -112,3 +117,82 @@ def test_double_bit_ecc_injection_shows_in_the_volatile_counter():
     text = service.render().decode()
     assert by_gpu(text, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL")["5"] >= 1
     assert by_gpu(text, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL")["4"] == 0
+
+
+# ------------------------------------------------------------------ hw sampling API
+GPM_FIELDS = ("graphics_active_pct", "tensor_active_pct", "dram_active_pct")
+
+
+def test_nvml_sampler_gives_gpm_fields_on_hopper_from_the_second_round_on():
+    with node_of("dgx-h100") as node:
+        sampler = NvmlSampler(node.backend)
+        first = sampler.sample(0)
+        second = sampler.sample(0)
+        sampler.close()
+    assert isinstance(first, GpuSample) and first.index == 0
+    assert all(getattr(first, f) is None for f in GPM_FIELDS)
+    assert second is not None
+    assert all(0 <= getattr(second, f) <= 100 for f in GPM_FIELDS)
+    assert second.pcie_tx_bytes_per_s is not None and second.pcie_tx_bytes_per_s > 0
+
+
+def test_nvml_sampler_has_no_gpm_fields_before_hopper_and_reads_pcie_throughput():
+    with node_of("dgx-a100") as node:
+        sampler = NvmlSampler(node.backend)
+        sampler.sample(0)
+        sample = sampler.sample(0)
+        gpm_calls = node.lib.calls["nvmlGpmSampleGet"]
+    assert sample is not None and all(getattr(sample, f) is None for f in GPM_FIELDS)
+    assert sample.pcie_rx_bytes_per_s is not None and sample.pcie_rx_bytes_per_s % 1024 == 0
+    assert gpm_calls == 0
+
+
+def test_nvml_sampler_gives_none_for_a_lost_gpu_and_samples_it_again_after_recovery():
+    with node_of("pcie-pairs") as node:
+        sampler = NvmlSampler(node.backend)
+        node.lib.lose_gpu(1)
+        assert sampler.sample(1) is None
+        assert 1 in node.backend.lost_gpus
+        calls = sum(node.lib.calls.values())
+        assert sampler.sample(1) is None
+        assert sum(node.lib.calls.values()) == calls  # a lost GPU is not called again
+        node.lib.recover_gpu(1)
+        assert node.backend.probe(1)
+        assert sampler.sample(1) is not None
+
+
+def test_an_unsupported_function_is_a_none_field_not_an_error():
+    with node_of("single-gpu") as node:
+        node.lib.make_unsupported("nvmlDeviceGetPowerUsage")
+        sample = NvmlSampler(node.backend).sample(0)
+        assert node.backend.error_counts == {}
+    assert sample is not None and sample.power_mw is None and sample.gpu_temp_c is not None
+
+
+def test_every_sample_field_feeds_one_dcgm_metric():
+    fields = [f.name for f in dataclasses.fields(GpuSample) if f.name != "index"]
+    for name in fields:
+        values = dcgm_values(GpuSample(index=0, **{name: 1}))
+        assert len(values) == 1, name
+    every = dcgm_values(GpuSample(index=0, **{name: 1 for name in fields}))
+    assert set(every) == {m.name for m in DCGM_METRICS} - {XID_METRIC}
+
+
+def test_the_metrics_package_names_no_nvml_function_or_constant():
+    found = subprocess.run(
+        ["grep", "-rnE", r"nvml[A-Z]|NVML_|pynvml|c_nvml", str(ROOT / "agent" / "metrics")],
+        capture_output=True, text=True)
+    assert found.stdout == "", found.stdout
+
+
+@pytest.mark.parametrize("machine", ["dgx-h100", "a100-mig"])
+def test_sampled_values_reach_the_scrape_unchanged(machine):
+    with node_of(machine) as node:
+        service = MetricsService(node.backend, node.topology,
+                                 Config(metrics_address="127.0.0.1:0"), hostname="h",
+                                 ready=lambda: True)
+        snap = service.sampler.sample_once()
+        text = service.render().decode()
+    for m in DCGM_METRICS:
+        assert by_gpu(text, m.name) == {str(i): v[m.name] for i, v in snap.gpus.items()
+                                        if m.name in v}, m.name

@@ -278,22 +278,6 @@ def test_without_sysfs_a_grace_gpu_takes_nvmls_numa_node_id():
     assert [g.numa_node for g in topo.gpus] == [2, 10, 18, 26]
 
 
-def test_gpm_helpers_read_metrics_on_hopper_only():
-    with open_simulated("dgx-h100") as sim:
-        backend = sim.backend()
-        backend.init()
-        assert backend.gpm_supported(0)
-        first, second = backend.gpm_sample(0), backend.gpm_sample(0)
-        metrics = backend.gpm_metrics(0, first, second, [FakeNvml.NVML_GPM_METRIC_SM_UTIL, 4242])
-        assert list(metrics) == [FakeNvml.NVML_GPM_METRIC_SM_UTIL] and 0 <= metrics[2] <= 100
-        backend.gpm_free(first)
-        backend.gpm_free(second)
-    with open_simulated("dgx-a100") as sim:
-        backend = sim.backend()
-        backend.init()
-        assert not backend.gpm_supported(0) and backend.gpm_sample(0) is None
-
-
 @pytest.mark.parametrize(
     ("total_mib", "mig_mib", "gb"),
     [

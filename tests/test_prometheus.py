@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topology
+from metrics_support import PodResourcesStub, listing, open_node, pod
 
 from agent.config import Config
 from agent.metrics.service import MetricsService
@@ -33,20 +33,6 @@ needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus binary not installed (Debian package 'prometheus')")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool binary not installed (Debian package 'prometheus')")
-
-
-def simulated_node():
-    """(backend, topology) of a simulated 8-GPU Hopper node: the real NvmlBackend on the
-    fake pynvml where the machines package provides it, else the stand-in backend."""
-    try:
-        from agent.hw.machines import open_simulated
-
-        machine = open_simulated("dgx-h100")
-        backend = machine.backend()
-        backend.init()
-        return backend, backend.read_topology(), machine
-    except (ImportError, AttributeError):
-        return StandInBackend(8), small_topology(8), None
 
 
 def free_port() -> int:
@@ -122,10 +108,12 @@ def scraped(tmp_path_factory):
     if PROMETHEUS is None:
         pytest.skip("prometheus binary not installed (Debian package 'prometheus')")
     workdir = tmp_path_factory.mktemp("prometheus")
-    backend, topology, machine = simulated_node()
+    node = open_node("dgx-h100")  # the real NvmlBackend on the simulated machine's NVML
+    backend, topology = node.backend, node.topology
     g = topology.gpus
-    with PodResourcesStandIn(str(workdir / "kubelet.sock")) as kubelet:
-        kubelet.pods = [pod("ml", "trainer", {"main": [("nvidia.com/gpu", [g[0].uuid, g[1].uuid])]})]
+    kubelet = PodResourcesStub(str(workdir / "kubelet.sock"), listing(
+        pod("ml", "trainer", {"main": [("nvidia.com/gpu", [g[0].uuid, g[1].uuid])]}))).start()
+    try:
         config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                         sample_interval_s=3600, pod_resources_refresh_s=3600)
         service = MetricsService(backend, topology, config, hostname="node-a", ready=lambda: True)
@@ -139,6 +127,9 @@ def scraped(tmp_path_factory):
         finally:
             prom.stop()
             service.stop()
+    finally:
+        kubelet.stop()
+        node.close()
 
 
 @needs_prometheus

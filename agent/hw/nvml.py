@@ -538,52 +538,6 @@ class NvmlBackend:
             out.append(HealthEvent(int(index), "ecc_dbe"))
         return out
 
-    # ------------------------------------------------------------------ GPM (Hopper+)
-    def gpm_supported(self, index: int) -> bool:
-        """Whether GPU ``index`` has GPU Performance Monitoring (Hopper and newer)."""
-        h = self.handle(index)
-        support = self.call("nvmlGpmQueryDeviceSupport", h, gpu=index) if h is not None else None
-        return bool(support is not None and support.isSupportedDevice)
-
-    def gpm_sample(self, index: int) -> Any:
-        """A fresh GPM sample of GPU ``index`` (free it with :meth:`gpm_free`), or None."""
-        h = self.handle(index)
-        if h is None:
-            return None
-        sample = self.call("nvmlGpmSampleAlloc")
-        if sample is None:
-            return None
-        if self.call("nvmlGpmSampleGet", h, sample, gpu=index) is None:
-            self.gpm_free(sample)
-            return None
-        return sample
-
-    def gpm_free(self, sample: Any) -> None:
-        if sample is not None:
-            self.call("nvmlGpmSampleFree", sample)
-
-    def gpm_metrics(
-        self, index: int, first: Any, second: Any, metric_ids: Sequence[int]
-    ) -> dict[int, float]:
-        """GPM metric values between two samples of GPU ``index``: ``{metric_id: value}``
-        for the metrics NVML computed (unsupported ones are left out)."""
-        request = self.const("c_nvmlGpmMetricsGet_t")()
-        request.version = self.const("NVML_GPM_METRICS_GET_VERSION")
-        request.numMetrics = len(metric_ids)
-        request.sample1 = first
-        request.sample2 = second
-        for k, metric_id in enumerate(metric_ids):
-            request.metrics[k].metricId = metric_id
-        result = self.call("nvmlGpmMetricsGet", request, gpu=index)
-        if result is None:
-            return {}
-        ok = self.const("NVML_SUCCESS")
-        return {
-            int(result.metrics[k].metricId): float(result.metrics[k].value)
-            for k in range(len(metric_ids))
-            if result.metrics[k].nvmlReturn == ok
-        }
-
     # ------------------------------------------------------------------ discovery
     def read_topology(self, source: str = "nvml") -> Topology:
         """Discover the node (module docstring). GPUs that are lost while being read are

@@ -2,8 +2,10 @@
 
 :class:`GpuCollector` turns the sampler's :class:`Snapshot`, the pod-resources
 :class:`Attribution` and the static :class:`Topology` into dcgm-exporter-compatible families
-plus our topology metrics. It builds fresh families on every ``collect()``: a GPU that is
-gone simply stops being yielded.
+plus our topology metrics. A GPU that is gone simply stops being yielded. The families that
+depend only on the snapshot and the attribution (nearly all of them) are built and rendered
+once per snapshot/attribution pair, as :class:`RenderedMetric`: every scrape in between
+reuses their text; only the clock-dependent families are built on each ``collect()``.
 
 :func:`render_text` is the Prometheus text exposition used by ``/metrics``. It differs from
 ``prometheus_client.generate_latest`` in one way that matters for compatibility:
@@ -84,6 +86,17 @@ class PlacementScorer:
         return min(1.0, self.topology.set_score(indices) / best)
 
 
+class RenderedMetric(Metric):
+    """A metric family whose text exposition is rendered once (:meth:`freeze`) and reused
+    by :func:`render_families` until the family is replaced."""
+
+    text: bytes = b""
+
+    def freeze(self) -> RenderedMetric:
+        self.text = _render_one(self)
+        return self
+
+
 class GpuCollector(Collector):
     """Renders GPU telemetry, pod attribution and topology from in-memory state only."""
 
@@ -106,8 +119,8 @@ class GpuCollector(Collector):
         driver = topology.driver_version or ""
         self._labels = {g.index: gpu_labels(g, hostname, driver) for g in topology.gpus}
         self._info_labels = self._topology_info_labels()
-        self._info_text = render_families([self._info_family()])  # static: the topology's
-        self._cache: tuple[Snapshot, Attribution, bytes] | None = None
+        self._info = self._info_family().freeze()  # static: the topology's
+        self._cache: tuple[Snapshot, Attribution, list[RenderedMetric]] | None = None
 
     def describe(self) -> Iterable[Metric]:
         # names only: lets the registry detect clashes without a (cheap anyway) collect
@@ -120,24 +133,15 @@ class GpuCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         attr = self._attribution()
-        yield from self._dcgm_families(snap, attr)
-        yield self._info_family()
-        yield from self._dynamic_families(snap, attr)
-
-    def exposition(self) -> bytes:
-        """Text exposition of everything :meth:`collect` yields, the same bytes as
-        ``render_text`` of it. The part that depends only on the snapshot and attribution
-        (nearly all of it) is rendered once per snapshot/attribution pair and reused by
-        every scrape in between; only the clock-dependent series are rendered each time."""
-        snap = self._snapshot()
-        attr = self._attribution()
         cached = self._cache
         if cached is None or cached[0] is not snap or cached[1] is not attr:
-            static = render_families(self._dcgm_families(snap, attr)) + self._info_text
-            cached = self._cache = (snap, attr, static)
-        return cached[2] + render_families(self._dynamic_families(snap, attr))
+            families = [f.freeze() for f in self._dcgm_families(snap, attr)]
+            families.append(self._info)
+            cached = self._cache = (snap, attr, families)
+        yield from cached[2]
+        yield from self._dynamic_families(snap, attr)
 
-    def _dcgm_families(self, snap: Snapshot, attr: Attribution) -> Iterator[Metric]:
+    def _dcgm_families(self, snap: Snapshot, attr: Attribution) -> Iterator[RenderedMetric]:
         # per GPU: the label sets its series carry (one per container holding it)
         series_labels: dict[int, list[dict[str, str]]] = {}
         for index, base in self._labels.items():
@@ -147,7 +151,7 @@ class GpuCollector(Collector):
             else:
                 series_labels[index] = [base]
         for m in DCGM_METRICS:
-            family = Metric(m.name, m.help, m.kind)
+            family = RenderedMetric(m.name, m.help, m.kind)
             for index, values in snap.gpus.items():
                 value = values.get(m.name)
                 if value is None or index not in series_labels:
@@ -187,8 +191,8 @@ class GpuCollector(Collector):
             }
         return out
 
-    def _info_family(self) -> Metric:
-        info = Metric("gpu_topology_info",
+    def _info_family(self) -> RenderedMetric:
+        info = RenderedMetric("gpu_topology_info",
                       "GPU topology facts as labels: NUMA node, NVLink island and clique "
                       "(indices into the node's lists), nearest RDMA NIC.", "gauge")
         for labels in self._info_labels.values():
@@ -250,26 +254,35 @@ def render_text(registry: Collector) -> bytes:
 
 
 def render_families(metrics: Iterable[Metric]) -> bytes:
-    """:func:`render_text` of these metric families."""
-    out: list[str] = []
+    """:func:`render_text` of these metric families (a :class:`RenderedMetric` contributes
+    its text as rendered when it was frozen)."""
+    out: list[bytes] = []
     for metric in metrics:
-        mtype = metric.type
-        name = metric.name
-        samples = [s for s in metric.samples if not s.name.endswith("_created")]
-        if mtype == "counter":
-            if any(s.name == name + "_total" for s in samples) or (
-                not samples and not name.startswith("DCGM_")
-            ):
-                name += "_total"
-        elif mtype == "info":
-            name, mtype = name + "_info", "gauge"
-        elif mtype in ("unknown", "untyped"):
-            mtype = "untyped"
-        elif mtype == "stateset":
-            mtype = "gauge"
-        elif mtype == "gaugehistogram":
-            mtype = "histogram"
-        doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
-        out.extend(_sample_line(s.name, s.labels, s.value) for s in samples)
+        if isinstance(metric, RenderedMetric) and metric.text:
+            out.append(metric.text)
+        else:
+            out.append(_render_one(metric))
+    return b"".join(out)
+
+
+def _render_one(metric: Metric) -> bytes:
+    mtype = metric.type
+    name = metric.name
+    samples = [s for s in metric.samples if not s.name.endswith("_created")]
+    if mtype == "counter":
+        if any(s.name == name + "_total" for s in samples) or (
+            not samples and not name.startswith("DCGM_")
+        ):
+            name += "_total"
+    elif mtype == "info":
+        name, mtype = name + "_info", "gauge"
+    elif mtype in ("unknown", "untyped"):
+        mtype = "untyped"
+    elif mtype == "stateset":
+        mtype = "gauge"
+    elif mtype == "gaugehistogram":
+        mtype = "histogram"
+    doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+    out = [f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n"]
+    out.extend(_sample_line(s.name, s.labels, s.value) for s in samples)
     return "".join(out).encode("utf-8")

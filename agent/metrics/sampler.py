@@ -1,6 +1,8 @@
-"""The one thread that polls NVML, and the immutable snapshot it publishes.
+"""The one thread that polls the GPUs, and the immutable snapshot it publishes.
 
-``Sampler.sample_once()`` reads every GPU through :class:`GpuReader` and replaces
+``Sampler.sample_once()`` reads every GPU through a :class:`~agent.hw.sampling.SampleSource`
+(``NvmlSampler`` on the NVML backend), maps each :class:`~agent.hw.sampling.GpuSample` to
+dcgm-exporter's metrics (:func:`~agent.metrics.fields.dcgm_values`) and replaces
 ``Sampler.snapshot`` with a new :class:`Snapshot` (a single reference assignment, so readers
 never see half a round and never take a lock). Scrapes only read ``snapshot``.
 """
@@ -12,9 +14,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
-from agent.metrics.fields import GpuReader
+from agent.hw.sampling import SampleSource
+from agent.metrics.fields import XID_METRIC, dcgm_values
 from agent.topology.model import Topology
 from agent.worker import Worker
 
@@ -39,14 +42,14 @@ EMPTY_SNAPSHOT = Snapshot()
 
 
 class Sampler(Worker):
-    """Polls NVML every ``interval_s`` on its own thread (``start``/``stop``), or on demand
-    with ``sample_once`` (tests, benchmarks)."""
+    """Polls ``source`` every ``interval_s`` on its own thread (``start``/``stop``), or on
+    demand with ``sample_once`` (tests, benchmarks). ``stop`` closes the source."""
 
     thread_name = "metrics-sampler"
 
     def __init__(
         self,
-        backend: Any,
+        source: SampleSource,
         topology: Topology,
         *,
         interval_s: float,
@@ -56,14 +59,14 @@ class Sampler(Worker):
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"sample interval must be > 0 s, got {interval_s}")
-        self.backend = backend
+        self.source = source
         self.topology = topology
         self.interval_s = interval_s
         self.idle_threshold_pct = idle_threshold_pct
         self.clock = clock
         self.on_round = on_round
         self.snapshot: Snapshot = EMPTY_SNAPSHOT
-        self._readers = {g.index: GpuReader(backend, g.index) for g in topology.gpus}
+        self._indices = tuple(g.index for g in topology.gpus)
         self._xids: dict[int, int] = {}
         self._xid_lock = threading.Lock()
         started = clock()
@@ -85,14 +88,12 @@ class Sampler(Worker):
             with self._xid_lock:
                 xids = dict(self._xids)
             gpus: dict[int, Mapping[str, float]] = {}
-            lost = getattr(self.backend, "lost_gpus", ())
-            for index, reader in self._readers.items():
-                if index in lost:
-                    continue  # the health watcher probes lost GPUs; we wait for it
-                values = reader.read()
-                if not values:
-                    continue
-                values["DCGM_FI_DEV_XID_ERRORS"] = float(xids.get(index, 0))
+            for index in self._indices:
+                sample = self.source.sample(index)
+                if sample is None:
+                    continue  # lost (the health watcher probes it) or nothing answered
+                values = dcgm_values(sample)
+                values[XID_METRIC] = float(xids.get(index, 0))
                 util = values.get("DCGM_FI_DEV_GPU_UTIL")
                 if util is not None and util > self.idle_threshold_pct:
                     self._last_busy_at[index] = now
@@ -113,8 +114,7 @@ class Sampler(Worker):
     def stop(self, timeout_s: float = 5.0) -> None:
         super().stop(timeout_s)
         with self._round_lock:
-            for reader in self._readers.values():
-                reader.close()
+            self.source.close()
 
     def _run(self) -> None:
         next_at = time.monotonic()

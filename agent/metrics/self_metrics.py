@@ -8,7 +8,7 @@ XIDs through ``MetricsService.record_xid``). NVML errors are read from
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -21,10 +21,17 @@ PREFERRED_ALLOCATION_BUCKETS_S = (
 )
 
 
+class ErrorCounting(Protocol):
+    """What the NVML error counter reads (``NvmlBackend``)."""
+
+    @property
+    def error_counts(self) -> dict[str, int]: ...
+
+
 class AgentMetrics:
     """Self-metrics; every method is thread-safe and cheap (no I/O)."""
 
-    def __init__(self, registry: CollectorRegistry, backend: Any = None) -> None:
+    def __init__(self, registry: CollectorRegistry, backend: ErrorCounting | None = None) -> None:
         self.registry = registry
         self._preferred = Histogram(
             "gpu_agent_preferred_allocation_seconds",
@@ -57,7 +64,7 @@ class AgentMetrics:
         )
         self._backend = backend
         if backend is not None:
-            registry.register(NvmlErrorCollector(lambda: getattr(backend, "error_counts", {})))
+            registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
     def observe_preferred_allocation(self, seconds: float) -> None:
         self._preferred.observe(seconds)
@@ -74,7 +81,7 @@ class AgentMetrics:
     @property
     def nvml_errors(self) -> dict[str, int]:
         """NVML errors by function, as counted by the backend."""
-        return dict(getattr(self._backend, "error_counts", {}) or {})
+        return dict(self._backend.error_counts) if self._backend is not None else {}
 
 
 class NvmlErrorCollector(Collector):

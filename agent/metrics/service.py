@@ -1,7 +1,8 @@
 """The metrics service: sampler thread + pod-resources cache + HTTP server.
 
-``MetricsService(backend, topology, config, hostname=..., ready=...)`` owns a registry (not
-the global one) holding the GPU collector and the agent's self-metrics. HTTP endpoints on
+``MetricsService(backend, topology, config, hostname=..., ready=..., registry=...)`` registers
+the GPU collector and the agent's self-metrics on the agent's registry (one registry, passed
+in; a new one when none is given, never the global one). HTTP endpoints on
 ``config.metrics_address`` (``HOST:PORT``, ``:PORT`` for all interfaces, ``[::1]:PORT``;
 port 0 picks a free one, see ``.port``):
 
@@ -18,17 +19,16 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from agent.config import Config
 from agent.errors import ConfigError
+from agent.hw.nvml import NvmlBackend
+from agent.hw.sampling import NvmlSampler
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.podresources import (
-    EMPTY_ATTRIBUTION,
     Attribution,
     PodResourcesCache,
     PodResourcesClient,
@@ -59,16 +59,18 @@ class _Server(ThreadingHTTPServer):
 
 
 class MetricsService:
-    """Samples NVML, attributes GPUs to pods and serves ``/metrics``, ``/health``, ``/ready``."""
+    """Samples the GPUs, attributes them to pods and serves ``/metrics``, ``/health``,
+    ``/ready``."""
 
     def __init__(
         self,
-        backend: Any,
+        backend: NvmlBackend,
         topology: Topology,
         config: Config,
         *,
         hostname: str,
         ready: Callable[[], bool],
+        registry: CollectorRegistry | None = None,
         pod_resources: PodResourcesCache | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -77,19 +79,23 @@ class MetricsService:
         self.config = config
         self.hostname = hostname
         self.ready = ready
-        # Two registries: the agent's self-metrics on their own (rendered on every scrape),
-        # and `registry` holding everything (GPU collector + a view of the self-metrics) for
-        # callers that want one registry (tests, `get_sample_value`).
-        self._agent_registry = CollectorRegistry(auto_describe=True)
-        self.agent_metrics = AgentMetrics(self._agent_registry, backend)
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.sampler = Sampler(
-            backend, topology,
+            NvmlSampler(backend), topology,
             interval_s=config.sample_interval_s,
             idle_threshold_pct=config.idle_utilization_threshold_pct,
             clock=clock, on_round=self._on_round,
         )
         self.scorer = PlacementScorer(topology)
+        self.collector = GpuCollector(
+            topology, hostname=hostname,
+            snapshot=lambda: self.sampler.snapshot,
+            attribution=self._attribution,
+            scorer=self.scorer, clock=clock,
+        )
+        # the GPU families first, then the agent's own: the order of the exposition
+        self.registry.register(self.collector)
+        self.agent_metrics = AgentMetrics(self.registry, backend)
         if pod_resources is None:
             pod_resources = PodResourcesCache(
                 PodResourcesClient(config.pod_resources_socket), topology,
@@ -100,14 +106,6 @@ class MetricsService:
         pod_resources.on_error = self.agent_metrics.pod_resources_errors.inc
         pod_resources.on_refresh = self._warm_scores
         self.pod_resources = pod_resources
-        self.collector = GpuCollector(
-            topology, hostname=hostname,
-            snapshot=lambda: self.sampler.snapshot,
-            attribution=self._attribution,
-            scorer=self.scorer, clock=clock,
-        )
-        self.registry.register(self.collector)
-        self.registry.register(_RegistryView(self._agent_registry))
         self._server: _Server | None = None
         self._server_thread: threading.Thread | None = None
         self.port: int | None = None
@@ -118,7 +116,7 @@ class MetricsService:
         self.sampler.record_xid(gpu_index, xid)
 
     def _attribution(self) -> Attribution:
-        return self.pod_resources.current if self.pod_resources else EMPTY_ATTRIBUTION
+        return self.pod_resources.current
 
     def _on_round(self, snap: Snapshot) -> None:
         self.agent_metrics.sampler_duration.set(snap.duration_s)
@@ -130,9 +128,9 @@ class MetricsService:
             self.scorer.best_score(len(gpus))
 
     def render(self) -> bytes:
-        """The ``/metrics`` body: ``render_text(self.registry)``, with the GPU part reused
-        from the previous scrape while the snapshot and attribution are unchanged."""
-        return self.collector.exposition() + render_text(self._agent_registry)
+        """The ``/metrics`` body: ``render_text(self.registry)`` (the GPU families' text is
+        reused from the previous scrape while the snapshot and attribution are unchanged)."""
+        return render_text(self.registry)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -157,19 +155,6 @@ class MetricsService:
             self._server_thread = None
         self.pod_resources.stop()
         self.sampler.stop()
-
-
-class _RegistryView(Collector):
-    """Yields another registry's metrics (a registry cannot be registered directly)."""
-
-    def __init__(self, inner: CollectorRegistry) -> None:
-        self._inner = inner
-
-    def describe(self) -> list:
-        return []  # no name-clash bookkeeping across the two registries
-
-    def collect(self) -> Iterable[Metric]:
-        return self._inner.collect()
 
 
 def _serve(address: str, handler: type[BaseHTTPRequestHandler]) -> tuple[_Server, threading.Thread]:
