@@ -34,18 +34,19 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from agent.config import Config  # noqa: E402
+from agent.topology.model import Topology  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
 from metrics_support import PodResourcesStandIn, pod  # noqa: E402
 
 
 def simulated(machine: str):
     """(backend, topology, source) for a built-in simulated machine."""
-    from agent.hw.machines import open_simulated
+    from agent.hw.sim.machines import open_simulated
 
     m = open_simulated(machine)
     backend = m.backend()
     backend.init()
-    return backend, backend.read_topology(), f"simulated:{machine}"
+    return backend, Topology.from_facts(backend.read_facts()), f"simulated:{machine}"
 
 
 def percentile(values: list[float], pct: float) -> float:

@@ -4,7 +4,7 @@
   ``handle``, ``const``, ``lost_gpus``, ``error_counts``) over per-GPU values, answering
   with pynvml's own return types (ctypes structs from the real ``pynvml`` module). It lets
   the sampler and collector be tested field by field; the end-to-end tests use the real
-  ``NvmlBackend`` on ``agent.hw.fake.FakeNvml`` where that is available.
+  ``NvmlBackend`` on ``agent.hw.sim.nvml.FakeNvml`` where that is available.
 - :class:`PodResourcesStandIn`: a kubelet pod-resources v1 server on a unix socket,
   serving whatever ``List`` answer the test sets.
 """

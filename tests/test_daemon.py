@@ -358,7 +358,7 @@ def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
 
     from agent._proto import podresources_v1_pb2 as pr
 
-    daemon_topology = __import__("agent.hw.machines", fromlist=["load_topology"]).load_topology("dgx-h100")
+    daemon_topology = __import__("agent.discovery", fromlist=["load_topology"]).load_topology("dgx-h100")
     uuid3 = daemon_topology.gpus[3].uuid
     listing = pr.ListPodResourcesResponse()
     pod = listing.pod_resources.add(name="train-0", namespace="ml")

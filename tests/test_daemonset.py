@@ -31,6 +31,7 @@ import yaml
 
 import agent
 from agent.config import Config, load_config
+from agent.topology.model import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY_DIR = ROOT / "daemonset"
@@ -504,7 +505,7 @@ def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> 
     backend = machines.open_simulated("dgx-h100").backend()
     backend.init()
     try:
-        topology = backend.read_topology()
+        topology = Topology.from_facts(backend.read_facts())
         config = dataclasses.replace(Config(), metrics_address="127.0.0.1:0")
         ready = {"value": False}
         service = service_module.MetricsService(

@@ -9,7 +9,8 @@ import pytest
 
 from agent import cli
 from agent.commands.discover import render_table
-from agent.hw.machines import BUILTIN_MACHINES, load_topology
+from agent.discovery import load_topology
+from agent.hw.sim.machines import BUILTIN_MACHINES
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 LEVELS = {"BOARD", "PIX", "PXB", "PHB", "NODE", "SYS", None}

@@ -10,8 +10,8 @@ import pytest
 
 from agent.cli import main
 from agent.config import Config
+from agent.discovery import load_topology as read_topo_matrix  # the one path
 from agent.hw import machines
-from agent.hw.topo_matrix import read_topo_matrix
 from agent.labels import (
     TOPOLOGY_PREFIX,
     compute_labels,
@@ -51,7 +51,7 @@ def ours(labels: dict[str, str]) -> dict[str, str]:
 )
 def test_topology_labels_of_real_pasted_matrices(filename, fabric, largest_clique,
                                                  largest_island, numa_nodes, nics, nic_on_switch):
-    labels = compute_labels(read_topo_matrix(TOPO / filename), Config())
+    labels = compute_labels(read_topo_matrix(str(TOPO / filename)), Config())
     got = ours(labels)
     assert got["nvlink-fabric"] == fabric
     assert got["nvlink-largest-clique"] == largest_clique

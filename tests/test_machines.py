@@ -9,8 +9,9 @@ from itertools import combinations
 
 import pytest
 
+from agent.discovery import load_topology
 from agent.errors import InputFormatError
-from agent.hw.machines import BUILTIN_MACHINES, load_spec, load_topology, open_simulated
+from agent.hw.sim.machines import BUILTIN_MACHINES, load_spec, open_simulated
 from agent.hw.sysfs import SysfsReader
 from agent.hw.topo_matrix import read_topo_matrix
 from agent.topology.model import PcieLevel, Topology
@@ -28,7 +29,7 @@ def machines():
         sim = open_simulated(name)
         backend = sim.backend()
         backend.init()
-        opened[name] = (sim, backend.read_topology(source=f"simulated:{name}"))
+        opened[name] = (sim, Topology.from_facts(backend.read_facts(source=f"simulated:{name}")))
         backend.shutdown()
     yield opened
     for sim, _ in opened.values():
@@ -222,7 +223,7 @@ def test_a_pasted_matrix_runs_as_a_simulated_machine_that_reproduces_it(path):
     with open_simulated(path) as sim:
         backend = sim.backend()
         backend.init()
-        topo = backend.read_topology()
+        topo = Topology.from_facts(backend.read_facts())
     assert topo.gpu_count == real.gpu_count
     assert [g.uuid for g in topo.gpus] == [g.uuid for g in real.gpus]
     assert nvlink_pairs(topo) == nvlink_pairs(real)
@@ -295,7 +296,7 @@ def test_closing_a_simulated_machine_removes_its_sysfs_tree():
 
 
 def test_nvlinks_no_gpu_has_ports_for_are_an_input_format_error():
-    from agent.hw.machines import spec_from_topology
+    from agent.hw.sim.machines import spec_from_topology
     from agent.topology.model import Gpu, Link
 
     gpus = [Gpu(i, f"GPU-{i}", "unknown") for i in range(3)]

@@ -9,6 +9,7 @@ from agent.config import Config
 from agent.hw import machines
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.service import MetricsService
+from agent.topology.model import Topology
 
 NVLINK_AND_HBM_ONLY = {"DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_MEMORY_TEMP",
                        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
@@ -21,7 +22,7 @@ def service_for(name: str) -> tuple[MetricsService, object]:
     machine = machines.open_simulated(name)
     backend = machine.backend()
     backend.init()
-    topology = backend.read_topology()
+    topology = Topology.from_facts(backend.read_facts())
     service = MetricsService(backend, topology, Config(metrics_address="127.0.0.1:0"),
                              hostname="sim", ready=lambda: True)
     return service, machine

@@ -22,6 +22,7 @@ from metrics_support import PodResourcesStandIn, StandInBackend, pod, small_topo
 
 from agent.config import Config
 from agent.metrics.service import MetricsService
+from agent.topology.model import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "daemonset"
@@ -39,12 +40,12 @@ def simulated_node():
     """(backend, topology) of a simulated 8-GPU Hopper node: the real NvmlBackend on the
     fake pynvml where the machines package provides it, else the stand-in backend."""
     try:
-        from agent.hw.machines import open_simulated
+        from agent.hw.sim.machines import open_simulated
 
         machine = open_simulated("dgx-h100")
         backend = machine.backend()
         backend.init()
-        return backend, backend.read_topology(), machine
+        return backend, Topology.from_facts(backend.read_facts()), machine
     except (ImportError, AttributeError):
         return StandInBackend(8), small_topology(8), None
 

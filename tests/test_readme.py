@@ -559,7 +559,7 @@ def test_every_config_file_key_is_documented(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- labels
 def _labels(machine: str, env: dict[str, str]) -> dict[str, str]:
     from agent.config import load_config
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
     from agent.labels import compute_labels
 
     return compute_labels(load_topology(machine), load_config(None, env, {}))
@@ -602,7 +602,7 @@ def test_labels_table_matches_the_code() -> None:
 def _exported_types() -> dict[str, str]:
     from prometheus_client import CollectorRegistry
 
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
     from agent.metrics.collector import GpuCollector, render_text
     from agent.metrics.self_metrics import AgentMetrics
 
