@@ -139,7 +139,7 @@ class Daemon:
     def _read_topology(self) -> Any:
         from agent.discovery import read_topology
 
-        return read_topology(self.backend, self.sim, self.simulate)
+        return read_topology(self.backend, self.sim)
 
     def _init_nvml(self) -> bool:
         """Open NVML; False when stopped while waiting for it (failOnInitError false).

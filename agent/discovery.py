@@ -35,17 +35,10 @@ def open_backend(
     return NvmlBackend(sysfs=SysfsReader(sysfs_root)), None
 
 
-def source_of(simulate: str | None) -> str:
-    """The ``Topology.source`` of a machine argument."""
-    return f"simulated:{simulate}" if simulate else "nvml"
-
-
-def read_topology(
-    backend: NvmlBackend, sim: SimulatedMachine | None, simulate: str | None
-) -> Topology:
+def read_topology(backend: NvmlBackend, sim: SimulatedMachine | None) -> Topology:
     """The topology an initialised backend reads; a simulated machine adds the notes of
     what its spec synthesised."""
-    facts = backend.read_facts(source=source_of(simulate))
+    facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")
     if sim is not None and sim.spec.notes:
         facts = replace(facts, notes=(*sim.spec.notes, *facts.notes))
     return Topology.from_facts(facts)
@@ -57,7 +50,7 @@ def load_topology(simulate: str | None, sysfs_root: str = "/sys") -> Topology:
     try:
         backend.init()
         try:
-            return read_topology(backend, sim, simulate)
+            return read_topology(backend, sim)
         finally:
             backend.shutdown()
     finally:

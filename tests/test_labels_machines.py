@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from agent import discovery
 from agent.cli import main
 from agent.config import Config
 from agent.discovery import load_topology as read_topo_matrix  # the one path
-from agent.hw import machines
+from agent.hw.sim import machines
 from agent.labels import (
     TOPOLOGY_PREFIX,
     compute_labels,
@@ -73,7 +74,7 @@ BUILTIN = machines.BUILTIN_MACHINES
 @functools.cache
 def topology(name: str):
     """Built-in machine topologies, read once per test session (they are immutable)."""
-    return machines.load_topology(name)
+    return discovery.load_topology(name)
 
 
 def test_every_built_in_machine_has_an_expected_label_file():

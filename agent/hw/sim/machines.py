@@ -94,6 +94,7 @@ def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
             local_cpulist=g.cpulist,
             host_bridge=g.host_bridge,
             switches=g.switches,
+            class_known=g.model.name is not None,
         )
         for g in spec.gpus
     ]

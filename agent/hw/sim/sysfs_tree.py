@@ -49,6 +49,7 @@ class PciDeviceSpec:
     host_bridge: str = "pci0000:00"
     switches: tuple[str, ...] = ()
     rdma_name: str | None = None
+    class_known: bool = True  # False: no ``class`` file (a device the input does not describe)
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,8 @@ def _write_pci(root: str, host_bridges: Mapping[str, _Node]) -> None:
             vendor, device, cls = node.ident
             _write_file(os.path.join(path, "vendor"), vendor + "\n")
             _write_file(os.path.join(path, "device"), device + "\n")
-            _write_file(os.path.join(path, "class"), cls + "\n")
+            if node.spec is None or node.spec.class_known:
+                _write_file(os.path.join(path, "class"), cls + "\n")
             _symlink("../../../devices/" + rel, os.path.join(bus_dir, node.name))
             spec = node.spec
             node_numa = (
