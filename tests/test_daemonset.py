@@ -498,7 +498,7 @@ def test_commented_time_slicing_example_loads_when_uncommented(tmp_path: Path) -
 
 
 def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> None:
-    from agent.hw import machines
+    from agent.hw.sim import machines
     from agent.metrics import service as service_module
 
     container = Rendered(_render_with_yaml(_prepare(tmp_path)[0]), (), "yaml").container

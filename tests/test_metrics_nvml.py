@@ -6,7 +6,7 @@ from __future__ import annotations
 from metrics_support import samples_of
 
 from agent.config import Config
-from agent.hw import machines
+from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.service import MetricsService
 from agent.topology.model import Topology

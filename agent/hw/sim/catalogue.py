@@ -46,7 +46,7 @@ class GpuModel:
 
 #: Real product names and what NVML reports for them (memory as nvidia-smi shows it).
 GPU_MODELS: dict[str, GpuModel] = {
-    m.name: m
+    str(m.name): m
     for m in (
         GpuModel(
             "Tesla V100-SXM2-16GB",
