@@ -3,6 +3,7 @@ SIGHUP reload, and a real ``python -m agent run`` process stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ from kubelet_stub import KubeletStub, hgx8_topology
 from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
 from agent.errors import ConfigError
+from agent.records import NodeFacts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,8 +50,9 @@ class StubBackend:
     def shutdown(self) -> None:
         self.shut_down = True
 
-    def read_topology(self, source: str = "nvml"):
-        return self.topology
+    def read_facts(self, source: str = "nvml") -> NodeFacts:
+        t = self.topology
+        return NodeFacts(**{f.name: getattr(t, f.name) for f in dataclasses.fields(NodeFacts)})
 
     def inject(self, event: Event) -> None:
         with self.cond:
