@@ -131,18 +131,15 @@ class Daemon:
 
     # ------------------------------------------------------------------ start
     def _open_backend(self) -> Any:
-        if self.simulate:
-            from agent.hw.machines import open_simulated
+        from agent.discovery import open_backend
 
-            self.sim = open_simulated(self.simulate)
-            return self.sim.backend()
-        from agent.hw.nvml import NvmlBackend
-        from agent.hw.sysfs import SysfsReader
-
-        return NvmlBackend(sysfs=SysfsReader(self.config.sysfs_root))
+        backend, self.sim = open_backend(self.simulate, self.config.sysfs_root)
+        return backend
 
     def _read_topology(self) -> Any:
-        return self.backend.read_topology(source=f"simulated:{self.simulate}" if self.simulate else "nvml")
+        from agent.discovery import read_topology
+
+        return read_topology(self.backend, self.sim)
 
     def _init_nvml(self) -> bool:
         """Open NVML; False when stopped while waiting for it (failOnInitError false).

@@ -7,7 +7,8 @@ and ``agent.topology`` (which derives islands, cliques and scores from them) can
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import uuid as uuid_mod
+from dataclasses import dataclass, field
 from typing import Mapping
 
 
@@ -110,3 +111,30 @@ class Nic:
     pci_bus_id: str | None = None
     numa_node: int | None = None
     levels: tuple[PcieLevel | None, ...] = ()
+
+
+def synthetic_gpu_uuid(machine: str, index: int) -> str:
+    """The stable, realistic-looking UUID given to GPU ``index`` of ``machine`` when the input
+    names none (a machine spec without ``uuid``, a pasted ``nvidia-smi topo -m``): a UUIDv5
+    of the machine name and the index. The one scheme for every simulated input."""
+    return "GPU-" + str(
+        uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"gpu-topology-agent/{machine}/{index}")
+    )
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a hardware reader found on one node, as read: no derived facts (islands,
+    cliques, NUMA groups and scores are the topology layer's, ``Topology.from_facts``).
+    ``None`` or an empty collection is a fact the input did not give."""
+
+    gpus: tuple[Gpu, ...]
+    links: tuple[Link, ...] = ()
+    nics: tuple[Nic, ...] = ()
+    numa_distances: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    numa_cpulists: Mapping[int, str] = field(default_factory=dict)
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None  # "12.4"
+    machine: str | None = None  # DMI product name, e.g. "DGX H100"
+    source: str = ""  # "nvml", "simulated:dgx-h100", "topo-matrix:/path"
+    notes: tuple[str, ...] = ()  # what was inferred rather than read

@@ -33,10 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.hw.machines import load_topology, synthetic_islands_topology  # noqa: E402
+from agent.discovery import load_topology  # noqa: E402
 from agent.topology import engine  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
+from agent.topology.synthetic import synthetic_islands_topology  # noqa: E402
 
 # --------------------------------------------------------------------------- machines
 

@@ -37,8 +37,8 @@ def bench_calls(machine: str, calls: int) -> dict[str, float]:
 
     from agent.config import Config
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.discovery import load_topology
     from agent.health import HealthState
-    from agent.hw.machines import load_topology
 
     topology = load_topology(machine)
     kdir = tempfile.mkdtemp(prefix="bdp", dir="/tmp")

@@ -41,12 +41,13 @@ from metrics_support import listing, pod  # noqa: E402
 
 def simulated(machine: str):
     """(backend, topology, source) for a built-in simulated machine."""
-    from agent.hw.machines import open_simulated
+    from agent.discovery import read_topology
+    from agent.hw.sim.machines import open_simulated
 
     m = open_simulated(machine)
     backend = m.backend()
     backend.init()
-    return backend, backend.read_topology(), f"simulated:{machine}"
+    return backend, read_topology(backend, m), f"simulated:{machine}"
 
 
 def percentile(values: list[float], pct: float) -> float:

@@ -19,7 +19,7 @@ Per machine and policy, over multi-GPU pods: the mean set score relative to the 
 possible for its size on that node, the share of pods entirely on NVLink (every pair linked),
 and the share on one NUMA node ("-" where the machine reports no NUMA nodes).
 
-Machines: every built-in machine (``agent.hw.machines``) and the real ``nvidia-smi topo -m``
+Machines: every built-in machine (``agent.hw.sim.machines``) and the real ``nvidia-smi topo -m``
 outputs in ``tests/fixtures/topo/`` (copied from ``../shared/data/topo/``).
 """
 
@@ -50,10 +50,11 @@ POD_WEIGHTS = (4, 3, 2, 1)
 
 
 def machines() -> list[tuple[str, Topology]]:
-    from agent.hw.machines import BUILTIN_MACHINES, load_topology
+    from agent.discovery import load_topology
+    from agent.hw.sim.machines import BUILTIN_MACHINES
 
     out = [(name, load_topology(name)) for name in BUILTIN_MACHINES]
-    from agent.hw.topo_matrix import read_topo_matrix
+    from agent.discovery import load_topology as read_topo_matrix  # the one path
 
     for name in REAL_MATRICES:
         out.append(

@@ -24,9 +24,11 @@ from prometheus_client.samples import Sample
 
 from agent._proto import podresources_v1_pb2 as pb
 from agent.demo.kubelet import PodResourcesStub  # noqa: F401  (re-exported for the tests)
-from agent.hw.machines import SimulatedMachine, machine_spec_from_dict, open_simulated
+from agent.discovery import read_topology
 from agent.hw.nvml import NvmlBackend
 from agent.hw.sampling import NvmlSampler
+from agent.hw.sim.machines import SimulatedMachine, open_simulated
+from agent.hw.sim.spec import machine_spec_from_dict
 from agent.metrics.collector import GpuCollector, render_text
 from agent.metrics.podresources import EMPTY_ATTRIBUTION, Attribution
 from agent.metrics.sampler import Sampler
@@ -101,7 +103,7 @@ def open_node(machine: str | SimulatedMachine) -> Node:
     sim = open_simulated(machine) if isinstance(machine, str) else machine
     backend = sim.backend()
     backend.init()
-    return Node(sim, backend, backend.read_topology(source=f"simulated:{sim.name}"))
+    return Node(sim, backend, read_topology(backend, sim))
 
 
 @contextmanager

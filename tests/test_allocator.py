@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from agent.errors import AllocationError
-from agent.hw.machines import synthetic_islands_topology
 from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
+from agent.topology.synthetic import synthetic_islands_topology
 
 
 def nvswitch_node(n: int = 8, per_numa: int = 4, nvlinks: int = 18) -> Topology:
@@ -353,7 +353,8 @@ def test_mig_topology_from_the_model_is_usable(impl):
 # ---------------------------------------------------------------------------- built-in machines
 @pytest.fixture(scope="module")
 def builtin_topologies():
-    from agent.hw.machines import BUILTIN_MACHINES, load_topology
+    from agent.discovery import load_topology
+    from agent.hw.sim.machines import BUILTIN_MACHINES
 
     return {name: load_topology(name) for name in BUILTIN_MACHINES}
 

@@ -14,7 +14,7 @@ import pytest
 
 from agent import cli
 from agent.commands import allocate
-from agent.hw.topo_matrix import read_topo_matrix
+from agent.discovery import load_topology as read_topo_matrix  # the one path
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 
@@ -150,7 +150,7 @@ def test_size_flag_is_required(capsys):
 
 
 def test_simulated_dgx_h100_end_to_end_gives_one_numa_node_for_four_gpus(capsys):
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
 
     rc, out, err = run(capsys, "--size", "4", "--simulate", "dgx-h100", "--format", "json")
     assert rc == 0 and err == ""

@@ -3,6 +3,7 @@ SIGHUP reload, and a real ``python -m agent run`` process stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ from kubelet_stub import KubeletStub, hgx8_topology
 from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
 from agent.errors import ConfigError
+from agent.records import NodeFacts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,8 +50,9 @@ class StubBackend:
     def shutdown(self) -> None:
         self.shut_down = True
 
-    def read_topology(self, source: str = "nvml"):
-        return self.topology
+    def read_facts(self, source: str = "nvml") -> NodeFacts:
+        t = self.topology
+        return NodeFacts(**{f.name: getattr(t, f.name) for f in dataclasses.fields(NodeFacts)})
 
     def inject(self, event: Event) -> None:
         with self.cond:
@@ -358,7 +361,7 @@ def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
 
     from agent._proto import podresources_v1_pb2 as pr
 
-    daemon_topology = __import__("agent.hw.machines", fromlist=["load_topology"]).load_topology("dgx-h100")
+    daemon_topology = __import__("agent.discovery", fromlist=["load_topology"]).load_topology("dgx-h100")
     uuid3 = daemon_topology.gpus[3].uuid
     listing = pr.ListPodResourcesResponse()
     pod = listing.pod_resources.add(name="train-0", namespace="ml")

@@ -31,6 +31,7 @@ import yaml
 
 import agent
 from agent.config import Config, load_config
+from agent.topology.model import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY_DIR = ROOT / "daemonset"
@@ -497,14 +498,14 @@ def test_commented_time_slicing_example_loads_when_uncommented(tmp_path: Path) -
 
 
 def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> None:
-    from agent.hw import machines
+    from agent.hw.sim import machines
     from agent.metrics import service as service_module
 
     container = Rendered(_render_with_yaml(_prepare(tmp_path)[0]), (), "yaml").container
     backend = machines.open_simulated("dgx-h100").backend()
     backend.init()
     try:
-        topology = backend.read_topology()
+        topology = Topology.from_facts(backend.read_facts())
         config = dataclasses.replace(Config(), metrics_address="127.0.0.1:0")
         ready = {"value": False}
         service = service_module.MetricsService(

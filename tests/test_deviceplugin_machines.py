@@ -13,9 +13,9 @@ from kubelet_stub import KubeletStub, PluginClient
 
 from agent.config import Config
 from agent.deviceplugin.manager import DevicePluginManager
+from agent.discovery import load_topology
 from agent.errors import ConfigError
 from agent.health import HealthState
-from agent.hw.machines import load_topology
 from agent.topology.allocator import AllocationEngine
 
 

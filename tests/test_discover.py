@@ -9,7 +9,8 @@ import pytest
 
 from agent import cli
 from agent.commands.discover import render_table
-from agent.hw.machines import BUILTIN_MACHINES, load_topology
+from agent.discovery import load_topology
+from agent.hw.sim.machines import BUILTIN_MACHINES
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 LEVELS = {"BOARD", "PIX", "PXB", "PHB", "NODE", "SYS", None}
@@ -83,3 +84,57 @@ def test_without_simulate_and_without_a_driver_the_error_is_one_clear_line(capsy
     rc, out, err = discover(capsys)
     assert rc == 1 and out == ""
     assert "NVML is not available" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ one path from any input
+MATRIX_FILES = sorted(str(p) for p in TOPO.glob("*.txt"))
+
+
+def daemon_topology(machine: str):
+    """The topology ``run --simulate MACHINE`` serves: the daemon's own backend and reader."""
+    from agent.config import Config
+    from agent.daemon import Daemon
+
+    daemon = Daemon(Config(), simulate=machine)
+    daemon.backend = daemon._open_backend()
+    daemon.backend.init()
+    try:
+        return daemon._read_topology()
+    finally:
+        daemon.backend.shutdown()
+        daemon.sim.close()
+
+
+@pytest.mark.parametrize("machine", [*BUILTIN_MACHINES, *MATRIX_FILES], ids=lambda m: Path(m).name)
+def test_discover_shows_the_topology_run_serves_for_every_input(machine, capsys):
+    from agent.commands.discover import topology_to_json
+
+    rc, out, _ = discover(capsys, "--simulate", machine, "--format", "json")
+    assert rc == 0
+    assert json.loads(out) == json.loads(json.dumps(topology_to_json(daemon_topology(machine))))
+
+
+@pytest.mark.parametrize("machine", [*BUILTIN_MACHINES, *MATRIX_FILES], ids=lambda m: Path(m).name)
+def test_labels_prints_what_the_running_agent_writes_for_every_input(machine, capsys):
+    from agent.config import Config
+    from agent.labels import compute_labels, format_labels
+
+    assert cli.main(["labels", "--simulate", machine]) == 0
+    out, _ = capsys.readouterr()
+    assert out == format_labels(compute_labels(daemon_topology(machine), Config()))
+
+
+@pytest.mark.parametrize("machine", MATRIX_FILES, ids=lambda m: Path(m).name)
+def test_a_matrix_states_no_model_driver_or_mig_capability_and_labels_leave_them_out(machine):
+    from agent.config import Config
+    from agent.labels import compute_labels
+
+    topo = load_topology(machine)
+    labels = compute_labels(topo, Config())
+    for key in ("nvidia.com/mig.capable", "nvidia.com/cuda.driver-version.full",
+                "nvidia.com/gpu.family", "nvidia.com/gpu.compute.major", "nvidia.com/gpu.memory",
+                "topology.gpu-agent.io/gpu-models"):
+        assert key not in labels, key
+    if any(g.numa_node is None for g in topo.gpus):
+        assert "topology.gpu-agent.io/numa-nodes" not in labels
+        assert None in topo.numa_groups

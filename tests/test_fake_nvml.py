@@ -12,16 +12,11 @@ import pynvml
 import pytest
 
 from agent.errors import InputFormatError
-from agent.hw.fake import (
-    CONSTANTS,
-    ERROR_CLASSES,
-    STRUCTS,
-    TELEMETRY_FIELDS,
-    FakeNvml,
-    machine_spec_from_dict,
-    parse_mig_profile,
-)
-from agent.hw.machines import load_spec
+from agent.hw.sim.machines import load_spec
+from agent.hw.sim.nvml import FakeNvml
+from agent.hw.sim.nvml_core import TELEMETRY_FIELDS
+from agent.hw.sim.nvml_types import CONSTANTS, ERROR_CLASSES, STRUCTS
+from agent.hw.sim.spec import machine_spec_from_dict, parse_mig_profile
 
 
 @pytest.fixture(scope="module")

@@ -360,7 +360,7 @@ def test_nvlinks_beyond_a_gpus_port_count_are_recognised_as_nvswitch():
 def test_mig_capable_comes_from_nvml_when_the_topology_records_it():
     from dataclasses import replace as dc_replace
 
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
 
     h100 = load_topology("dgx-h100")  # the name alone says MIG-capable
     said_no = dc_replace(h100, gpus=tuple(dc_replace(g, mig_capable=False) for g in h100.gpus))
@@ -371,7 +371,7 @@ def test_mig_capable_comes_from_nvml_when_the_topology_records_it():
 def test_gpu_mode_follows_the_pci_class_when_sysfs_gave_it():
     from dataclasses import replace as dc_replace
 
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
 
     topo = load_topology("pcie-4gpu")
     vga = dc_replace(topo, gpus=tuple(dc_replace(g, pci_class=0x030000) for g in topo.gpus))

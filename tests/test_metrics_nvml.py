@@ -12,8 +12,9 @@ import pytest
 from metrics_support import by_gpu, node_of
 
 from agent.config import Config
-from agent.hw import machines
+from agent.discovery import read_topology
 from agent.hw.sampling import GpuSample, NvmlSampler
+from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
 from agent.metrics.service import MetricsService
 
@@ -30,7 +31,7 @@ def service_for(name: str) -> tuple[MetricsService, machines.SimulatedMachine]:
     machine = machines.open_simulated(name)
     backend = machine.backend()
     backend.init()
-    topology = backend.read_topology()
+    topology = read_topology(backend, machine)
     service = MetricsService(backend, topology, Config(metrics_address="127.0.0.1:0"),
                              hostname="sim", ready=lambda: True)
     return service, machine

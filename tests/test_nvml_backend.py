@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.errors import AgentError
-from agent.hw.fake import FakeNvml, machine_spec_from_dict
-from agent.hw.machines import load_spec, open_simulated
 from agent.hw.nvml import HealthEvent, NvmlBackend, NvmlError, NvmlUnavailable, mig_memory_gb
+from agent.hw.sim.machines import load_spec, open_simulated
+from agent.hw.sim.nvml import FakeNvml
+from agent.hw.sim.spec import machine_spec_from_dict
+from agent.topology.model import Topology
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_not_supported_becomes_an_absent_field_and_is_not_counted_as_an_error(h1
     fake, backend = h100
     fake.make_unsupported("nvmlDeviceGetMinorNumber")
     fake.make_unsupported("nvmlDeviceGetCudaComputeCapability", 2)
-    topo = backend.read_topology()
+    topo = Topology.from_facts(backend.read_facts())
     assert [g.minor_number for g in topo.gpus] == [None] * 8
     assert [g.compute_capability for g in topo.gpus] == [(9, 0)] * 2 + [None] + [(9, 0)] * 5
     assert "nvmlDeviceGetMinorNumber" not in backend.error_counts
@@ -48,7 +50,7 @@ def test_not_supported_becomes_an_absent_field_and_is_not_counted_as_an_error(h1
 def test_a_gpu_lost_before_discovery_is_returned_marked_lost_and_the_others_complete(h100):
     fake, backend = h100
     fake.lose_gpu(3)
-    topo = backend.read_topology()
+    topo = Topology.from_facts(backend.read_facts())
     assert topo.gpu_count == 8
     assert [g.lost for g in topo.gpus] == [i == 3 for i in range(8)]
     assert backend.lost_gpus == {3}
@@ -64,7 +66,7 @@ def test_a_gpu_lost_before_discovery_is_returned_marked_lost_and_the_others_comp
 def test_a_gpu_lost_while_being_read_keeps_what_was_read_and_is_marked_lost(h100):
     fake, backend = h100
     fake.fail("nvmlDeviceGetMemoryInfo", FakeNvml.NVML_ERROR_GPU_IS_LOST, 2)
-    topo = backend.read_topology()
+    topo = Topology.from_facts(backend.read_facts())
     lost = topo.gpus[2]
     assert lost.lost and lost.uuid == fake.spec.gpus[2].uuid and lost.memory_mib is None
     assert lost.pci_bus_id == "00000000:52:00.0" and lost.numa_node == 0  # read before it was lost
@@ -171,12 +173,12 @@ def test_pynvml_returning_bytes_is_read_like_str():
     with sim:
         plain = sim.backend()
         plain.init()
-        expected = plain.read_topology()
+        expected = Topology.from_facts(plain.read_facts())
         from agent.hw.sysfs import SysfsReader
 
         backend = NvmlBackend(lib=BytesPynvml(sim.lib), sysfs=SysfsReader(sim.sysfs_root))
         backend.init()
-        got = backend.read_topology()
+        got = Topology.from_facts(backend.read_facts())
     assert got.gpus == expected.gpus and got.links == expected.links
     assert got.gpus[0].pci_bus_id == "00000000:06:00.0"
 
@@ -265,7 +267,7 @@ def test_without_sysfs_the_cpu_affinity_comes_from_nvml(h100):
     fake, _ = h100
     backend = NvmlBackend(lib=fake)
     backend.init()
-    topo = backend.read_topology()
+    topo = Topology.from_facts(backend.read_facts())
     assert [g.cpu_affinity for g in topo.gpus] == ["0-55,112-167"] * 4 + ["56-111,168-223"] * 4
     assert topo.nics == () and topo.machine is None
 
@@ -274,7 +276,7 @@ def test_without_sysfs_a_grace_gpu_takes_nvmls_numa_node_id():
     with open_simulated("gb200-tray") as sim:
         backend = NvmlBackend(lib=sim.lib)
         backend.init()
-        topo = backend.read_topology()
+        topo = Topology.from_facts(backend.read_facts())
     assert [g.numa_node for g in topo.gpus] == [2, 10, 18, 26]
 
 
@@ -323,7 +325,7 @@ def test_any_direct_nvlink_wiring_is_read_back_exactly(pairs):
     )
     backend = NvmlBackend(lib=FakeNvml(spec))  # NVML alone: no sysfs tree to write
     backend.init()
-    topo = backend.read_topology()
+    topo = Topology.from_facts(backend.read_facts())
     got = {(link.a, link.b): link.nvlinks for link in topo.links if link.nvlinks}
     assert got == pairs
     assert all(not link.nvswitch for link in topo.links)
@@ -333,7 +335,7 @@ def test_any_direct_nvlink_wiring_is_read_back_exactly(pairs):
 
 
 def test_mig_capability_is_read_from_nvml_get_mig_mode():
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
 
     assert all(g.mig_capable for g in load_topology("dgx-a100").gpus)
     assert not any(g.mig_capable for g in load_topology("dgx1-v100").gpus)

@@ -559,7 +559,7 @@ def test_every_config_file_key_is_documented(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- labels
 def _labels(machine: str, env: dict[str, str]) -> dict[str, str]:
     from agent.config import load_config
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
     from agent.labels import compute_labels
 
     return compute_labels(load_topology(machine), load_config(None, env, {}))
@@ -602,7 +602,7 @@ def test_labels_table_matches_the_code() -> None:
 def _exported_types() -> dict[str, str]:
     from prometheus_client import CollectorRegistry
 
-    from agent.hw.machines import load_topology
+    from agent.discovery import load_topology
     from agent.metrics.collector import GpuCollector, render_text
     from agent.metrics.self_metrics import AgentMetrics
 
@@ -644,3 +644,23 @@ def test_internal_links_resolve() -> None:
         assert target in anchors, f"README link to #{target}: no such heading"
     for target in re.findall(r"\]\((?!#|https?://)([^)]+)\)", TEXT):
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_the_machine_spec_example_is_read_by_the_one_schema_and_runs(tmp_path: Path) -> None:
+    from agent.discovery import load_topology
+    from agent.hw.sim.spec import machine_spec_from_dict
+
+    m = re.search(r"^### Machine spec format\n(.*?)(?=^##)", TEXT, re.S | re.M)
+    assert m, "README has no section '### Machine spec format'"
+    blocks = [b for b in code_blocks(m.group(1)) if b.lang == "yaml"]
+    assert len(blocks) == 1, "the Machine spec format section has one complete YAML example"
+    text = "\n".join(blocks[0].lines) + "\n"
+    doc = yaml.safe_load(text)
+    spec = machine_spec_from_dict(doc, source="README")
+    assert spec.name == "workstation" and len(spec.gpus) == 2
+    path = tmp_path / "workstation.yaml"
+    path.write_text(text, encoding="utf-8")
+    topo = load_topology(str(path))
+    assert topo.link(0, 1).nvlinks == 4 and topo.link(0, 1).pcie is not None
+    assert topo.driver_version == "550.54.15" and topo.cuda_driver_version == "12.4"
+    assert [g.mig_capable for g in topo.gpus] == [False, False]

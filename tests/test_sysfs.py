@@ -13,18 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.errors import InputFormatError
+from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree
 from agent.hw.sysfs import (
     BusIdError,
     NumaNode,
-    PciDeviceSpec,
     RdmaNic,
     SysfsReader,
-    SysfsTreeSpec,
     format_cpulist,
     nvml_to_sysfs_bus_id,
     parse_cpulist,
     sysfs_to_nvml_bus_id,
-    write_tree,
 )
 from agent.topology.model import PcieLevel
 

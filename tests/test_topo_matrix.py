@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +19,11 @@ from agent.errors import InputFormatError
 from agent.hw.topo_matrix import (
     TopoMatrixError,
     cpu_affinity_groups,
-    parse_topo_matrix,
-    read_topo_matrix,
-    synthetic_uuid,
+    matrix_name,
 )
+from agent.hw.topo_matrix import parse_topo_matrix as parse_facts
+from agent.hw.topo_matrix import read_topo_matrix as read_facts
+from agent.records import synthetic_gpu_uuid
 from agent.topology.model import PcieLevel, Topology
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topo"
@@ -29,7 +31,17 @@ EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 REAL_FILES = sorted(EXPECTED)
 
 
+def parse_topo_matrix(text: str, source: str = "<text>") -> Topology:
+    """What the parser states, as a topology (islands, cliques and scores are derived)."""
+    return Topology.from_facts(parse_facts(text, source=source))
+
+
+def read_topo_matrix(path: object) -> Topology:
+    return Topology.from_facts(read_facts(path))  # type: ignore[arg-type]
+
+
 def read(name: str) -> Topology:
+    """What the parser states, as a topology (islands, cliques and scores are derived)."""
     return read_topo_matrix(FIXTURES / name)
 
 
@@ -118,15 +130,20 @@ def test_dgx1_nvlinks_and_pcie_match_the_anchors_own_dgx1_volta_test_node():
 @pytest.mark.parametrize("name", REAL_FILES)
 def test_gpus_get_synthetic_stable_uuids_unknown_names_and_the_source(name):
     topo = read(name)
-    assert [g.uuid for g in topo.gpus] == [synthetic_uuid(i) for i in range(topo.gpu_count)]
+    machine = matrix_name(name)
+    assert [g.uuid for g in topo.gpus] == [
+        synthetic_gpu_uuid(machine, i) for i in range(topo.gpu_count)
+    ]
     assert all(g.name == "unknown" and g.pci_bus_id == "" for g in topo.gpus)
     assert topo.source == f"topo-matrix:{FIXTURES / name}"
     assert all(not link.nvswitch for link in topo.links)
 
 
-def test_synthetic_uuid_carries_the_index_in_its_last_group():
-    assert synthetic_uuid(3) == "GPU-00000000-0000-0000-0000-000000000003"
-    assert synthetic_uuid(12) == "GPU-00000000-0000-0000-0000-000000000012"
+def test_synthetic_uuids_are_stable_and_differ_by_machine_and_index():
+    assert synthetic_gpu_uuid("box", 3) == synthetic_gpu_uuid("box", 3)
+    assert len({synthetic_gpu_uuid(m, i) for m in ("a", "b") for i in range(3)}) == 6
+    assert re.fullmatch(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}",
+                        synthetic_gpu_uuid("box", 3))
 
 
 def test_pcie_levels_are_read_for_pairs_without_nvlink():

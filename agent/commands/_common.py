@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from agent.topology.model import Topology
+from agent.discovery import load_topology
+
+__all__ = ["add_format_flag", "add_simulate_flag", "load_topology"]
 
 
 def add_simulate_flag(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -25,20 +27,3 @@ def add_format_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", choices=("table", "json"), default="table", help="output format (default: table)"
     )
-
-
-def load_topology(simulate: str | None) -> Topology:
-    """The topology of a simulated machine, or of this node through NVML + /sys."""
-    if simulate:
-        from agent.hw.machines import load_topology as load_simulated
-
-        return load_simulated(simulate)
-    from agent.hw.nvml import NvmlBackend
-    from agent.hw.sysfs import SysfsReader
-
-    backend = NvmlBackend(sysfs=SysfsReader("/sys"))
-    backend.init()
-    try:
-        return backend.read_topology()
-    finally:
-        backend.shutdown()

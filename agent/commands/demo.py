@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agent.demo.story import run_demo
-    from agent.hw.machines import load_spec
+    from agent.hw.sim.machines import load_spec
 
     load_spec(args.simulate)  # a bad machine name or file: one clear line, exit 2, before anything starts
     return run_demo(args.simulate, args.format)

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.simulate == "list":
-        from agent.hw.machines import BUILTIN_MACHINES
+        from agent.hw.sim.machines import BUILTIN_MACHINES
 
         print("\n".join(BUILTIN_MACHINES))
         return 0

@@ -29,7 +29,7 @@ def load_effective_config(config_file: str | None) -> Config:
 
 def run(args: argparse.Namespace) -> int:
     if args.simulate == "list":
-        from agent.hw.machines import BUILTIN_MACHINES
+        from agent.hw.sim.machines import BUILTIN_MACHINES
 
         print("\n".join(BUILTIN_MACHINES))
         return 0

@@ -214,11 +214,12 @@ class Story:
                 f"{'anchor: GPUs':>18}{'score':>7}{'naive: GPUs':>18}{'score':>7}"
             )
 
-        def numa_count(indices: list[int]) -> int:
-            return len({topology.gpus[i].numa_node for i in indices})
+        def numa_count(indices: list[int]) -> int | None:
+            nodes = {topology.gpus[i].numa_node for i in indices}
+            return None if None in nodes else len(nodes)  # unknown: shown as "?"
 
         def gpus(indices: list[int]) -> str:
-            from agent.hw.sysfs import format_cpulist
+            from agent.formats import format_cpulist
 
             return format_cpulist(indices)  # "0-3,6": the cpulist notation fits 16 GPUs
 
@@ -264,7 +265,8 @@ class Story:
             free = [d for d in free if d not in taken]
             if table:
                 self.say(
-                    f"+ {step.pod + f' ({step.size})':<18}{gpus(ours):<18}{row['score']:>7}{row['numa_nodes']:>5}"
+                    f"+ {step.pod + f' ({step.size})':<18}{gpus(ours):<18}{row['score']:>7}"
+                    f"{_or_unknown(row['numa_nodes']):>5}"
                     f"{gpus(anchor):>18}{row['anchor']['score']:>7}{gpus(naive):>18}{row['naive']['score']:>7}"
                 )
         arrived = [r for r in rows if r["event"] == "arrive" and r["size"] > 1]
@@ -382,3 +384,8 @@ def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | No
         story.say("Next: `gpu-topology-agent allocate --simulate " + machine + " --size 4 --explain`,")
         story.say("or deploy it: `kubectl apply -k daemonset/` (see README).")
     return 0
+
+
+def _or_unknown(value: object) -> str:
+    """A fact the input did not give is shown as ``?``, never as a made-up default."""
+    return "?" if value is None else str(value)

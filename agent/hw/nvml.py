@@ -1,7 +1,7 @@
 """The NVML backend: the only module of ours that imports ``pynvml``.
 
 :class:`NvmlBackend` wraps either the real ``pynvml`` module (imported lazily by
-:meth:`NvmlBackend.init`) or a module-like fake (:class:`agent.hw.fake.FakeNvml`). Every NVML
+:meth:`NvmlBackend.init`) or a module-like fake (:class:`agent.hw.sim.nvml.FakeNvml`). Every NVML
 call goes through :meth:`NvmlBackend.call`, which turns NVML's failure modes into ours:
 
 * ``NotSupported`` -> ``None`` (the fact is absent);
@@ -20,7 +20,7 @@ NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`init
 log and retry every ``retry_interval_s`` until NVML comes up (False); see
 :meth:`NvmlBackend.init_or_wait`.
 
-Discovery (:meth:`read_topology`) reads from NVML: count, UUID, name, memory, PCI bus id,
+Discovery (:meth:`read_facts`) reads from NVML: count, UUID, name, memory, PCI bus id,
 minor number, compute capability, MIG mode and MIG devices, every NVLink's state and remote
 end, the common-ancestor PCIe level of each GPU pair, P2P NVLink status, GPU fabric info,
 driver and CUDA driver versions; and from sysfs (when a :class:`SysfsReader` is given): NUMA
@@ -43,7 +43,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from agent.errors import AgentError
-from agent.topology.model import Gpu, Link, MigDevice, Nic, PcieLevel, Topology
+from agent.records import Gpu, Link, MigDevice, Nic, NodeFacts, PcieLevel
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.sysfs import SysfsReader
@@ -539,9 +539,10 @@ class NvmlBackend:
         return out
 
     # ------------------------------------------------------------------ discovery
-    def read_topology(self, source: str = "nvml") -> Topology:
-        """Discover the node (module docstring). GPUs that are lost while being read are
-        returned with ``lost=True`` and whatever was read before; the others are complete."""
+    def read_facts(self, source: str = "nvml") -> NodeFacts:
+        """Discover the node (module docstring), as read: ``agent.topology`` derives the
+        model from it. GPUs that are lost while being read are returned with ``lost=True``
+        and whatever was read before; the others are complete."""
         notes: list[str] = []
         n = self.device_count()
         driver = self.call("nvmlSystemGetDriverVersion")
@@ -572,9 +573,9 @@ class NvmlBackend:
         lost = sorted(g.index for g in gpus if g.lost)
         if lost:
             notes.append(f"GPUs lost during discovery (partly read): {lost}")
-        return Topology.build(
-            gpus,
-            links,
+        return NodeFacts(
+            gpus=tuple(gpus),
+            links=tuple(links),
             nics=tuple(nics),
             numa_distances={k: tuple(v.distances) for k, v in numa_nodes.items()},
             numa_cpulists={k: v.cpulist for k, v in numa_nodes.items()},
@@ -605,6 +606,8 @@ class NvmlBackend:
         mode = call("nvmlDeviceGetMigMode", h, gpu=index) if h is not None else None
         # GetMigMode answers on MIG-capable GPUs and is NotSupported (None) elsewhere
         mig_capable = mode is not None if h is not None else None
+        if mode is None and "nvmlDeviceGetMigMode" in self._missing_logged:
+            mig_capable = None  # a driver without the function says nothing either way
         if mode is not None and int(mode[0]) == self.const("NVML_DEVICE_MIG_ENABLE"):
             mig_enabled = True
             mig_devices = self._read_mig(index, h, total_bytes, _text(uuid) if uuid else "")

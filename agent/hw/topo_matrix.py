@@ -1,12 +1,15 @@
-"""Reads pasted ``nvidia-smi topo -m`` output into the same :class:`Topology` NVML gives.
+"""Reads pasted ``nvidia-smi topo -m`` output into the facts it states (:class:`NodeFacts`).
+
+The simulator turns them into a machine spec (``agent.hw.sim.from_facts``), so a pasted
+matrix reaches the ``Topology`` by the same path as every other input.
 
 Public API::
 
-    parse_topo_matrix(text: str, source: str = "<text>") -> Topology
-    read_topo_matrix(path) -> Topology
+    parse_topo_matrix(text: str, source: str = "<text>") -> NodeFacts
+    read_topo_matrix(path) -> NodeFacts
     class TopoMatrixError(InputFormatError)        # .source, .line (1-based or None), .reason
-    synthetic_uuid(index: int) -> str
-    cpu_affinity_groups(topology: Topology) -> dict[str, tuple[int, ...]]
+    matrix_name(source: str) -> str
+    cpu_affinity_groups(facts: NodeFacts) -> dict[str, tuple[int, ...]]
 
 What the text must hold: a header line whose first column is ``GPU0`` (then ``GPU1`` ...
 ``GPU<n-1>``, then NIC/other device columns, then any of ``CPU Affinity``, ``NUMA Affinity``,
@@ -26,9 +29,10 @@ or by splitting at whitespace, where an empty cell cannot be seen (it must read 
 and missing trailing values are taken to be the last columns. Empty cells at the end of a
 tab-separated or tab-aligned row may have lost their whitespace in a copy and are padded.
 
-What is inferred rather than read is said in ``Topology.notes``:
+What is inferred rather than read is said in ``NodeFacts.notes``:
 
-- GPUs get ``index``, a synthetic stable UUID (:func:`synthetic_uuid`), ``name="unknown"``,
+- GPUs get ``index``, a synthetic stable UUID (:func:`agent.records.synthetic_gpu_uuid` of
+  :func:`matrix_name`), ``name="unknown"``,
   no PCI bus id.
 - ``numa_node`` is the ``NUMA Affinity`` cell; a list such as ``0,3-9,11-17`` gives the
   lowest node (0) and the raw list is kept in a note. Without a ``NUMA Affinity`` column
@@ -51,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.errors import InputFormatError
-from agent.topology.model import Gpu, Link, Nic, PcieLevel, Topology
+from agent.records import Gpu, Link, Nic, NodeFacts, PcieLevel, synthetic_gpu_uuid
 
 CPU_AFFINITY = "CPU Affinity"
 NUMA_AFFINITY = "NUMA Affinity"
@@ -95,14 +99,13 @@ class TopoMatrixError(InputFormatError):
         super().__init__(f"{where}{reason}{shown}")
 
 
-def synthetic_uuid(index: int) -> str:
-    """The stable UUID given to GPU ``index`` of a pasted matrix (which prints none): the
-    index in decimal, zero-padded into the last group, e.g. GPU 3 ->
-    ``GPU-00000000-0000-0000-0000-000000000003``, GPU 12 -> ``...-000000000012``."""
-    return f"GPU-00000000-0000-0000-0000-{index:012d}"
+def matrix_name(source: str) -> str:
+    """The machine name of a matrix read from ``source``: the file name without its
+    extension (``"pasted"`` for text without one). Synthetic GPU UUIDs are made from it."""
+    return os.path.splitext(os.path.basename(source))[0] or "pasted"
 
 
-def cpu_affinity_groups(topology: Topology) -> dict[str, tuple[int, ...]]:
+def cpu_affinity_groups(topology: NodeFacts) -> dict[str, tuple[int, ...]]:
     """GPUs grouped by identical ``cpu_affinity``, in order of first appearance (GPUs
     without one are left out). For a matrix without a NUMA column this is the NUMA
     grouping we can honestly give; group k of the note is the k-th entry here."""
@@ -117,7 +120,7 @@ def _affinity_groups(gpus: Sequence[Gpu]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v) for k, v in groups.items()}
 
 
-def read_topo_matrix(path: str | os.PathLike[str]) -> Topology:
+def read_topo_matrix(path: str | os.PathLike[str]) -> NodeFacts:
     """Read a file holding ``nvidia-smi topo -m`` output; see :func:`parse_topo_matrix`.
     An unreadable file raises :class:`TopoMatrixError` too."""
     source = os.fspath(path)
@@ -136,8 +139,8 @@ def read_topo_matrix(path: str | os.PathLike[str]) -> Topology:
     return parse_topo_matrix(text, source=source)
 
 
-def parse_topo_matrix(text: str, source: str = "<text>") -> Topology:
-    """Turn ``nvidia-smi topo -m`` output into a :class:`Topology` with
+def parse_topo_matrix(text: str, source: str = "<text>") -> NodeFacts:
+    """Turn ``nvidia-smi topo -m`` output into the :class:`NodeFacts` it states, with
     ``source="topo-matrix:<source>"`` (see the module docstring for what is read and what
     is inferred). Raises :class:`TopoMatrixError` naming the line for anything unreadable;
     never any other exception for any ``str`` input."""
@@ -472,7 +475,7 @@ class _Parser:
             )
         return ca
 
-    def parse(self) -> Topology:
+    def parse(self) -> NodeFacts:
         h = self.find_header()
         self.parse_header(h)  # its first column is GPU0, so n_gpus >= 1
         self.gpu_labels = set(self.devices[: self.n_gpus])
@@ -482,7 +485,8 @@ class _Parser:
         notes = [
             (
                 "read from nvidia-smi topo -m text; GPU UUIDs are synthetic "
-                f"({synthetic_uuid(0)} for GPU0), names and PCI bus IDs unknown"
+                f"({synthetic_gpu_uuid(matrix_name(self.source), 0)} for GPU0), names and PCI "
+                "bus IDs unknown"
             )
         ]
 
@@ -526,7 +530,7 @@ class _Parser:
             gpus.append(
                 Gpu(
                     index=i,
-                    uuid=synthetic_uuid(i),
+                    uuid=synthetic_gpu_uuid(matrix_name(self.source), i),
                     name="unknown",
                     numa_node=numa,
                     cpu_affinity=cpu,
@@ -618,9 +622,9 @@ class _Parser:
         if ignored:
             notes.append(f"ignored unknown columns: {', '.join(ignored)}")
 
-        return Topology.build(
-            gpus,
-            links,
+        return NodeFacts(
+            gpus=tuple(gpus),
+            links=tuple(links),
             nics=tuple(nics),
             source=f"topo-matrix:{self.source}",
             notes=tuple(notes),

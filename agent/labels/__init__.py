@@ -158,13 +158,17 @@ def _version_labels(topology: Topology) -> dict[str, str]:
 
 
 def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
-    # NVML's answer where the topology has it; the model name otherwise (pasted matrices)
-    mig_capable = any(
-        g.mig_enabled or (g.mig_capable if g.mig_capable is not None else _MIG_CAPABLE_RE.search(g.name))
+    # NVML's answer where the topology has it; the model name otherwise; left out when
+    # neither says (a pasted matrix names no model)
+    answers = [
+        True if g.mig_enabled
+        else g.mig_capable if g.mig_capable is not None
+        else bool(_MIG_CAPABLE_RE.search(g.name)) if _known_model(g.name)
+        else None
         for g in topology.gpus
-    )
-    out = {
-        GFD_PREFIX + "mig.capable": str(bool(mig_capable)).lower(),
+    ]
+    out = {} if None in answers else {GFD_PREFIX + "mig.capable": str(any(answers)).lower()}
+    out |= {
         # MPS sharing is not offered by this agent's configuration, so never capable here.
         GFD_PREFIX + "mps.capable": "false",
         GFD_PREFIX + "gpu.mode": _gpu_mode(topology),
@@ -333,6 +337,7 @@ def nvlink_fabric_kind(topology: Topology) -> str:
 
 def _topology_labels(topology: Topology) -> dict[str, str]:
     p = TOPOLOGY_PREFIX
+    numa_known = all(g.numa_node is not None for g in topology.gpus)
     numa_counts = [len(v) for k, v in topology.numa_groups.items() if k is not None]
     gpus_with_nic = {
         i
@@ -340,21 +345,24 @@ def _topology_labels(topology: Topology) -> dict[str, str]:
         for i, level in enumerate(nic.levels)
         if level is not None and level <= PcieLevel.PIX
     }
-    return {
+    out = {
         p + "nvlink-fabric": nvlink_fabric_kind(topology),
         p + "nvlink-islands": str(len(topology.nvlink_islands)),
         p + "nvlink-largest-island": str(max((len(i) for i in topology.nvlink_islands), default=0)),
         p + "nvlink-largest-clique": str(max((len(c) for c in topology.nvlink_cliques), default=0)),
         p + "nvlink-max-links-per-pair": str(max((lk.nvlinks for lk in topology.links), default=0)),
-        p + "numa-nodes": str(len(numa_counts)),
-        p + "max-gpus-per-numa-node": str(max(numa_counts, default=0)),
         p + "rdma-nics": str(len(topology.nics)),
         p + "gpu-nic-same-switch": str(
             bool(topology.nics) and len(gpus_with_nic) == topology.gpu_count
         ).lower(),
-        p + "gpu-models": str(len({g.name for g in topology.gpus})),
         p + "gpu-count": str(topology.gpu_count),
     }
+    if numa_known:  # a matrix without NUMA data states no NUMA node
+        out[p + "numa-nodes"] = str(len(numa_counts))
+        out[p + "max-gpus-per-numa-node"] = str(max(numa_counts, default=0))
+    if all(_known_model(g.name) for g in topology.gpus):
+        out[p + "gpu-models"] = str(len({g.name for g in topology.gpus}))
+    return out
 
 
 def format_labels(labels: Mapping[str, str]) -> str:

@@ -1,7 +1,7 @@
 """The frozen topology model every other layer reads.
 
-A :class:`Topology` is built once from a backend (NVML + sysfs, the fake, or a pasted
-``nvidia-smi topo -m``), never mutated, and shared between threads. Derived facts (NVLink
+A :class:`Topology` is built once from what a backend read (:class:`NodeFacts`; NVML +
+sysfs, or the simulator), never mutated, and shared between threads. Derived facts (NVLink
 islands, cliques, NUMA groups, pair scores) are computed once at construction by the engine
 (``agent._topo`` or its pure-Python twin).
 """
@@ -18,12 +18,14 @@ from agent.records import (
     Link,
     MigDevice,
     Nic,
+    NodeFacts,
     PcieLevel,
     pair_score,
 )
 
 __all__ = [
-    "NVLINK_SCORE", "PCIE_SCORE", "Gpu", "Link", "MigDevice", "Nic", "PcieLevel", "Topology",
+    "NVLINK_SCORE", "PCIE_SCORE", "Gpu", "Link", "MigDevice", "Nic", "NodeFacts", "PcieLevel",
+    "Topology",
     "pair_score",
 ]
 
@@ -53,6 +55,23 @@ class Topology:
     scores: tuple[tuple[int, ...], ...] = ()  # pair score matrix, 0 on the diagonal
 
     # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_facts(cls, facts: NodeFacts) -> "Topology":
+        """The topology of what a hardware reader found (:class:`NodeFacts`): the one way
+        from any input (NVML + sysfs, a simulated machine) to the model."""
+        return cls.build(
+            facts.gpus,
+            facts.links,
+            nics=facts.nics,
+            numa_distances=dict(facts.numa_distances),
+            numa_cpulists=dict(facts.numa_cpulists),
+            driver_version=facts.driver_version,
+            cuda_driver_version=facts.cuda_driver_version,
+            machine=facts.machine,
+            source=facts.source,
+            notes=facts.notes,
+        )
+
     @classmethod
     def build(
         cls,

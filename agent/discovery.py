@@ -1,0 +1,58 @@
+"""The one path from any input to the node's :class:`Topology`.
+
+``MACHINE`` (``--simulate``) — a built-in machine, a spec file or a pasted
+``nvidia-smi topo -m`` — becomes a simulated machine (fake NVML + fake sysfs); without it the
+real NVML and ``/sys`` are used. Either way the real :class:`NvmlBackend` reads the facts and
+``Topology.from_facts`` builds the model, for every consumer (discover, labels, allocate, the
+daemon, the demo). Sits above ``agent.hw`` and ``agent.topology``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from agent.topology.model import Topology
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.hw.nvml import NvmlBackend
+    from agent.hw.sim.machines import SimulatedMachine
+
+
+def open_backend(
+    simulate: str | None, sysfs_root: str = "/sys"
+) -> tuple[NvmlBackend, SimulatedMachine | None]:
+    """The backend for ``simulate`` (a simulated machine, returned too so the caller can
+    close it) or for this node's NVML and sysfs under ``sysfs_root``; not yet initialised."""
+    if simulate:
+        from agent.hw.sim.machines import open_simulated
+
+        sim = open_simulated(simulate)
+        return sim.backend(), sim
+    from agent.hw.nvml import NvmlBackend
+    from agent.hw.sysfs import SysfsReader
+
+    return NvmlBackend(sysfs=SysfsReader(sysfs_root)), None
+
+
+def read_topology(backend: NvmlBackend, sim: SimulatedMachine | None) -> Topology:
+    """The topology an initialised backend reads; a simulated machine adds the notes of
+    what its spec synthesised."""
+    facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")
+    if sim is not None and sim.spec.notes:
+        facts = replace(facts, notes=(*sim.spec.notes, *facts.notes))
+    return Topology.from_facts(facts)
+
+
+def load_topology(simulate: str | None, sysfs_root: str = "/sys") -> Topology:
+    """The topology of a simulated machine, or of this node through NVML + sysfs."""
+    backend, sim = open_backend(simulate, sysfs_root)
+    try:
+        backend.init()
+        try:
+            return read_topology(backend, sim)
+        finally:
+            backend.shutdown()
+    finally:
+        if sim is not None:
+            sim.close()

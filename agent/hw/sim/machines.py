@@ -1,0 +1,170 @@
+"""Simulated machines: built-in machine specs, spec files and pasted ``nvidia-smi topo -m``
+output, opened as a fake NVML plus a fake sysfs tree.
+
+``MACHINE`` (the ``--simulate`` argument) is one of:
+
+* a built-in name (:data:`BUILTIN_MACHINES`; the specs are ``specs/<name>.yaml`` next to
+  this module, format in README.md "Machine spec format");
+* a machine spec file (``.yaml``/``.yml``/``.json``, or any file holding a YAML mapping);
+* a file holding ``nvidia-smi topo -m`` output as a user pasted it (recognised by its
+  ``GPU0`` header): read by :mod:`agent.hw.topo_matrix` and turned into a spec by
+  :func:`agent.hw.sim.from_facts.spec_from_facts`.
+
+Every one of them becomes a :class:`MachineSpec`, then a :class:`SimulatedMachine` whose
+backend is the real :class:`agent.hw.nvml.NvmlBackend` on the fake: one path for all inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import weakref
+
+from agent.errors import InputFormatError
+from agent.hw.nvml import NvmlBackend
+from agent.hw.sim.nvml import FakeNvml
+from agent.hw.sim.spec import MachineSpec, load_machine_spec
+from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree
+from agent.hw.sysfs import SysfsReader
+
+_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
+
+#: The machines shipped with the package (``agent/hw/sim/specs/<name>.yaml``).
+BUILTIN_MACHINES: tuple[str, ...] = (
+    "dgx1-v100",
+    "dgx2",
+    "dgx-a100",
+    "dgx-h100",
+    "pcie-pairs",
+    "pcie-4gpu",
+    "gb200-tray",
+    "a100-mig",
+    "single-gpu",
+)
+
+_SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+_TOPO_HEADER = re.compile(r"^\s*GPU0(\s|$)", re.MULTILINE)
+
+
+def _unknown(machine: str) -> InputFormatError:
+    return InputFormatError(
+        f"unknown machine {machine!r}: not a built-in machine ({', '.join(BUILTIN_MACHINES)}) "
+        "and not a readable file"
+    )
+
+
+def is_topo_matrix(path: str) -> bool:
+    """Whether the file ``path`` holds pasted ``nvidia-smi topo -m`` output (a ``GPU0``
+    header) rather than a machine spec."""
+    if path.lower().endswith(_SPEC_SUFFIXES):
+        return False
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as exc:
+        raise InputFormatError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return _TOPO_HEADER.search(text) is not None
+
+
+def load_spec(machine: str) -> MachineSpec:
+    """The :class:`MachineSpec` of a built-in name, a spec file or a pasted topo matrix
+    file. InputFormatError (exit 2) for an unknown name or an unreadable/invalid file."""
+    if machine in BUILTIN_MACHINES:
+        return load_machine_spec(os.path.join(_SPECS, f"{machine}.yaml"))
+    if not machine or not os.path.isfile(machine):
+        raise _unknown(machine)
+    if is_topo_matrix(machine):
+        from agent.hw.sim.from_facts import spec_from_facts
+        from agent.hw.topo_matrix import read_topo_matrix
+
+        name = os.path.splitext(os.path.basename(machine))[0] or "pasted"
+        return spec_from_facts(read_topo_matrix(machine), name=name)
+    return load_machine_spec(machine)
+
+
+def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
+    """The fake sysfs tree of a machine: DMI name, NUMA nodes, GPUs and RDMA NICs where
+    the spec's PCIe tree puts them."""
+    devices = [
+        PciDeviceSpec(
+            bus_id=g.bus_id,
+            numa_node=g.numa_node,
+            local_cpulist=g.cpulist,
+            host_bridge=g.host_bridge,
+            switches=g.switches,
+            class_known=g.model.name is not None,
+        )
+        for g in spec.gpus
+    ]
+    for nic in spec.nics:
+        cpus = (
+            spec.numa_nodes[nic.numa_node][0]
+            if nic.numa_node is not None and nic.numa_node in spec.numa_nodes
+            else None
+        )
+        devices.append(
+            PciDeviceSpec(
+                bus_id=nic.bus_id,
+                numa_node=nic.numa_node,
+                local_cpulist=cpus or None,
+                host_bridge=nic.host_bridge,
+                switches=nic.switches,
+                rdma_name=nic.name,
+            )
+        )
+    return SysfsTreeSpec(
+        product_name=spec.product_name, numa_nodes=dict(spec.numa_nodes), devices=devices
+    )
+
+
+class SimulatedMachine:
+    """A fake NVML (:attr:`lib`) and a fake sysfs tree under :attr:`sysfs_root` for one
+    machine spec. The tree lives in a temp dir removed by :meth:`close` (or at garbage
+    collection / exit). Usable as a context manager."""
+
+    def __init__(self, spec: MachineSpec, sysfs_root: str | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.lib = FakeNvml(spec)
+        owned = sysfs_root is None
+        self.sysfs_root = sysfs_root or tempfile.mkdtemp(prefix=f"gta-sysfs-{_safe(spec.name)}-")
+        self._finalizer = (
+            weakref.finalize(self, shutil.rmtree, self.sysfs_root, True) if owned else None
+        )
+        try:
+            write_tree(self.sysfs_root, sysfs_tree_spec(spec))
+        except ValueError as exc:
+            self.close()
+            raise InputFormatError(f"machine {spec.name}: impossible PCIe tree: {exc}") from None
+
+    def backend(self) -> NvmlBackend:
+        """A new :class:`NvmlBackend` on this machine's fake NVML and sysfs (not yet
+        initialised)."""
+        return NvmlBackend(lib=self.lib, sysfs=SysfsReader(self.sysfs_root))
+
+    def close(self) -> None:
+        """Remove the fake sysfs tree (if this object created it)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> SimulatedMachine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        gpus = len(self.spec.gpus)
+        return f"SimulatedMachine({self.name!r}, {gpus} GPUs, sysfs={self.sysfs_root!r})"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
+
+
+def open_simulated(machine: str) -> SimulatedMachine:
+    """Open ``machine`` (built-in name, spec file or pasted topo matrix file) as a
+    :class:`SimulatedMachine`."""
+    return SimulatedMachine(load_spec(machine))

@@ -1,0 +1,447 @@
+"""A faithful fake of the ``pynvml`` module (package ``nvidia-ml-py``), driven by a machine
+spec, so the real NVML code path (:mod:`agent.hw.nvml`) runs in tests and simulations.
+
+:class:`FakeNvml` is a module-like object: it has pynvml's function names with the same
+parameter names, pynvml's ``NVML_*`` constants with the same values, and exception classes
+``NVMLError`` / ``NVMLError_<Name>`` with the same names and ``.value`` codes (``NVMLError(3)``
+is an ``NVMLError_NotSupported``, as in pynvml). ``tests/test_fake_nvml.py`` checks all of
+that against the installed pynvml. Return shapes follow the installed pynvml (13.x):
+``nvmlDeviceGetPciInfo(h).busId`` is a ``str``; strings are ``str``; structs have the same
+attribute names as pynvml's ctypes structs (the two that callers allocate and pass by
+reference, ``c_nvmlGpuFabricInfoV_t``/``c_nvmlGpuFabricInfo_t``, and the field-value array
+are real ctypes structures with pynvml's layout).
+
+Hardware behaviour modelled, as on real machines:
+
+* ``NVML_NVLINK_MAX_LINKS`` (36) link indices per GPU: an index outside it raises
+  ``NVMLError_InvalidArgument``; one the GPU model does not have raises
+  ``NVMLError_NotSupported``; a link the model has but the spec does not wire is inactive
+  (state 0) and its remote end is not supported.
+* A lost GPU raises ``NVMLError_GpuIsLost`` on every call with its handle (or one of its
+  MIG devices' handles); getting its handle by index still works.
+* Events are delivered only to event sets registered for that GPU and type; waits honour
+  their timeout and raise ``NVMLError_Timeout`` when nothing arrives.
+* Telemetry is deterministic per (spec name, GPU index) unless set with :meth:`set_value`;
+  counters (energy, NVLink traffic) grow on every read.
+
+Fault injection: :meth:`FakeNvml.lose_gpu`, :meth:`recover_gpu`, :meth:`make_unsupported`,
+:meth:`make_missing`, :meth:`fail`, :meth:`fail_init`, :meth:`inject_xid`,
+:meth:`inject_ecc_dbe`, :meth:`set_value`.
+
+Constants, errors and structs: :mod:`agent.hw.sim.nvml_types`; state, fault injection and
+the library functions: :mod:`agent.hw.sim.nvml_core`; telemetry, GPM and events:
+:mod:`agent.hw.sim.nvml_telemetry`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import uuid as uuid_mod
+import zlib
+from typing import Any
+
+from agent.hw.sim.nvml_core import _Handle, _Link, api
+from agent.hw.sim.nvml_telemetry import TelemetryApi
+from agent.hw.sim.nvml_types import (
+    CONSTANTS,
+    ERROR_CLASSES,
+    STRUCTS,
+    _err,
+    c_nvmlDeviceAttributes,
+    c_nvmlGpuFabricInfo_t,
+    c_nvmlGpuFabricInfoV_t,
+    c_nvmlGpuInstanceProfileInfo_v2_t,
+    c_nvmlMemory_t,
+    c_nvmlMemory_v2_t,
+)
+from agent.hw.sim.spec import MigDeviceSpec, nvml_bus_id
+
+_C = CONSTANTS
+
+
+def _mig_uuid(gpu_uuid: str, slot: int) -> str:
+    return "MIG-" + str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"{gpu_uuid}/mig/{slot}"))
+
+
+def pcie_tree_level(
+    a: tuple[str, tuple[str, ...], int | None, str | None],
+    b: tuple[str, tuple[str, ...], int | None, str | None],
+) -> int:
+    """NVML topology level of two devices given as (host_bridge, switches, numa_node, board):
+    the same rules as the sysfs tree (contract 1)."""
+    hb_a, sw_a, numa_a, board_a = a
+    hb_b, sw_b, numa_b, board_b = b
+    if board_a is not None and board_a == board_b:
+        return _C["NVML_TOPOLOGY_INTERNAL"]
+    if hb_a == hb_b:
+        if sw_a and sw_b and sw_a[-1] == sw_b[-1]:
+            return _C["NVML_TOPOLOGY_SINGLE"]
+        if set(sw_a) & set(sw_b):
+            return _C["NVML_TOPOLOGY_MULTIPLE"]
+        return _C["NVML_TOPOLOGY_HOSTBRIDGE"]
+    if numa_a is not None and numa_a == numa_b:
+        return _C["NVML_TOPOLOGY_NODE"]
+    return _C["NVML_TOPOLOGY_SYSTEM"]
+
+
+class FakeNvml(TelemetryApi):
+    """A module-like fake of ``pynvml`` for one machine (see the module docstring).
+
+    Thread-safe: every function takes the fake's lock, except the event wait which blocks on
+    its event set's own condition.
+    """
+
+    # ================================================================== devices
+    @api
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.spec.gpus)
+
+    @api
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        if not isinstance(index, int) or not 0 <= index < len(self._handles):
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        return self._handles[index]
+
+    @api
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> _Handle:
+        key = uuid.decode() if isinstance(uuid, bytes) else uuid
+        if key not in self._by_uuid:
+            raise _err("NVML_ERROR_NOT_FOUND")
+        return self._handles[self._by_uuid[key]]
+
+    @api
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> _Handle:
+        key = pciBusId.decode() if isinstance(pciBusId, bytes) else pciBusId
+        try:
+            index = self._by_bus[nvml_bus_id(key)]
+        except (ValueError, KeyError):
+            raise _err("NVML_ERROR_NOT_FOUND") from None
+        return self._handles[index]
+
+    @api
+    def nvmlDeviceGetIndex(self, handle: _Handle) -> int:
+        g, _ = self._dev(handle, mig_ok=False)
+        return g.index
+
+    @api
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+        g, mig = self._dev(handle)
+        return g.uuid if mig is None else _mig_uuid(g.uuid, mig)
+
+    @api
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+        g, mig = self._dev(handle)
+        if g.model.name is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")  # the spec names no model
+        return g.model.name if mig is None else f"{g.model.name} MIG {self._mig(g, mig).profile}"
+
+    @api
+    def nvmlDeviceGetSerial(self, handle: _Handle) -> str:
+        g, _ = self._dev(handle, mig_ok=False)
+        return f"{1320000000000 + zlib.crc32(g.uuid.encode()) % 1000000000:013d}"
+
+    @api
+    def nvmlDeviceGetArchitecture(self, device: _Handle) -> int:
+        g, _ = self._dev(device)
+        return g.model.arch_constant
+
+    @api
+    def nvmlDeviceGetPersistenceMode(self, handle: _Handle) -> int:
+        self._dev(handle, mig_ok=False)
+        return _C["NVML_FEATURE_ENABLED"]
+
+    @api
+    def nvmlDeviceGetMinorNumber(self, handle: _Handle) -> int:
+        g, _ = self._dev(handle, mig_ok=False)
+        if g.minor_number is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return g.minor_number
+
+    @api
+    def nvmlDeviceGetCudaComputeCapability(self, handle: _Handle) -> tuple[int, int]:
+        g, _ = self._dev(handle)
+        if g.model.compute_capability is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return g.model.compute_capability
+
+    @api
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
+        g, mig = self._dev(handle)
+        mib = 1 << 20
+        if g.model.memory_mib is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")  # the spec states no memory size
+        with self._lock:
+            if mig is None:
+                total = g.model.memory_mib * mib
+                reserved = min(g.model.memory_mib // 100, 600) * mib
+                used = int(self._telemetry[g.index]["memory_used_mib"]) * mib
+            else:
+                total = self._mig_memory_mib(self._mig(g, mig)) * mib
+                reserved, used = 0, 13 * mib
+        used = min(used, total - reserved)
+        if not version:
+            # v1 counts the reserved memory as used, as the driver does
+            return c_nvmlMemory_t(total=total, free=total - reserved - used, used=used + reserved)
+        if version != _C["nvmlMemory_v2"]:
+            raise _err("NVML_ERROR_ARGUMENT_VERSION_MISMATCH")
+        return c_nvmlMemory_v2_t(
+            version=version, total=total, reserved=reserved, free=total - reserved - used, used=used
+        )
+
+    @api
+    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> Any:
+        return self.nvmlDeviceGetPciInfo_v3(handle)
+
+    @api
+    def nvmlDeviceGetPciInfo_v3(self, handle: _Handle) -> Any:
+        g, _ = self._dev(handle, mig_ok=False)
+        return self._pci_info(g.bus_id, g.model.pci_device_id)
+
+    @api
+    def nvmlDeviceGetNumaNodeId(self, handle: _Handle) -> int:
+        g, _ = self._dev(handle, mig_ok=False)
+        if g.gpu_numa_id is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return g.gpu_numa_id
+
+    @api
+    def nvmlDeviceGetCpuAffinity(self, handle: _Handle, cpuSetSize: int) -> list[int]:
+        g, _ = self._dev(handle, mig_ok=False)
+        words = [0] * cpuSetSize
+        for part in (g.cpulist or "").split(","):
+            if not part:
+                continue
+            lo, _, hi = part.partition("-")
+            for cpu in range(int(lo), int(hi or lo) + 1):
+                if cpu // 64 < cpuSetSize:
+                    words[cpu // 64] |= 1 << (cpu % 64)
+        return words
+
+    # ------------------------------------------------------------------ MIG
+    @api
+    def nvmlDeviceGetMigMode(self, device: _Handle) -> list[int]:
+        g, _ = self._dev(device, mig_ok=False)
+        if g.model.mig is None:
+            # the spec does not say: answer as a driver without the function, so the
+            # capability stays unknown (NotSupported would say "not capable")
+            raise _err("NVML_ERROR_FUNCTION_NOT_FOUND")
+        if not g.model.mig:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        mode = _C["NVML_DEVICE_MIG_ENABLE"] if g.mig_enabled else _C["NVML_DEVICE_MIG_DISABLE"]
+        return [mode, mode]
+
+    @api
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:
+        g, _ = self._dev(device, mig_ok=False)
+        if not g.model.mig:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return 7
+
+    @api
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _Handle:
+        g, _ = self._dev(device, mig_ok=False)
+        if not g.model.mig:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        if not isinstance(index, int) or not 0 <= index < 7:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        if not g.mig_enabled:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        if index >= len(g.mig_devices):
+            raise _err("NVML_ERROR_NOT_FOUND")
+        return self._mig_handles[g.index][index]
+
+    @api
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: _Handle) -> _Handle:
+        g, mig = self._dev(migDevice)
+        if mig is None:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        return self._handles[g.index]
+
+    @api
+    def nvmlDeviceIsMigDeviceHandle(self, device: _Handle) -> ctypes.c_uint:
+        _, mig = self._dev(device)
+        return ctypes.c_uint(0 if mig is None else 1)
+
+    @api
+    def nvmlDeviceGetGpuInstanceId(self, device: _Handle) -> int:
+        g, mig = self._dev(device)
+        if mig is None:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        return 1 + mig  # GPU instance ids as nvidia-smi numbers them for a fresh layout
+
+    @api
+    def nvmlDeviceGetComputeInstanceId(self, device: _Handle) -> int:
+        _, mig = self._dev(device)
+        if mig is None:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        return 0
+
+    @api
+    def nvmlDeviceGetAttributes(self, device: _Handle) -> Any:
+        return self.nvmlDeviceGetAttributes_v2(device)
+
+    @api
+    def nvmlDeviceGetAttributes_v2(self, device: _Handle) -> Any:
+        g, mig = self._dev(device)
+        if mig is None:
+            return c_nvmlDeviceAttributes(
+                multiprocessorCount=g.model.sm_count,
+                sharedCopyEngineCount=7,
+                sharedDecoderCount=5,
+                sharedEncoderCount=0,
+                sharedJpegCount=1,
+                sharedOfaCount=1,
+                gpuInstanceSliceCount=7,
+                computeInstanceSliceCount=7,
+                memorySizeMB=g.model.memory_mib or 0,
+            )
+        d = self._mig(g, mig)
+        return c_nvmlDeviceAttributes(
+            multiprocessorCount=g.model.sm_count * d.ci_slices // 7,
+            sharedCopyEngineCount=d.gi_slices,
+            sharedDecoderCount=d.gi_slices // 2,
+            sharedEncoderCount=0,
+            sharedJpegCount=1 if d.gi_slices == 7 else 0,
+            sharedOfaCount=1 if d.gi_slices == 7 else 0,
+            gpuInstanceSliceCount=d.gi_slices,
+            computeInstanceSliceCount=d.ci_slices,
+            memorySizeMB=self._mig_memory_mib(d),
+        )
+
+    @api
+    def nvmlDeviceGetGpuInstanceProfileInfo(
+        self, device: _Handle, profile: int, version: int = 2
+    ) -> Any:
+        g, _ = self._dev(device, mig_ok=False)
+        if not g.model.mig:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        slices = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7}.get(profile)
+        if slices is None:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        total_gb = -(-(g.model.memory_mib or 0) // 1024)
+        mem_gb = {
+            1: total_gb // 8,
+            2: total_gb // 4,
+            3: total_gb // 2,
+            4: total_gb // 2,
+            7: total_gb,
+        }[slices]
+        return c_nvmlGpuInstanceProfileInfo_v2_t(
+            version=0x2000098 if version == 2 else 0,
+            id=profile,
+            isP2pSupported=0,
+            sliceCount=slices,
+            instanceCount=7 // slices if slices != 4 else 1,
+            multiprocessorCount=g.model.sm_count * slices // 7,
+            copyEngineCount=slices,
+            decoderCount=slices // 2,
+            encoderCount=0,
+            jpegCount=0,
+            ofaCount=0,
+            memorySizeMB=self._mig_memory_mib(MigDeviceSpec("", slices, slices, mem_gb)),
+            name=f"MIG {slices}g.{mem_gb}gb",
+        )
+
+    # ------------------------------------------------------------------ NVLink / topology
+    def _link(self, device: _Handle, link: int) -> _Link | None:
+        g, _ = self._dev(device, mig_ok=False)
+        if not isinstance(link, int) or not 0 <= link < _C["NVML_NVLINK_MAX_LINKS"]:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        if link >= len(self._links[g.index]):
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return self._links[g.index][link]
+
+    @api
+    def nvmlDeviceGetNvLinkState(self, device: _Handle, link: int) -> int:
+        wired = self._link(device, link)
+        return _C["NVML_FEATURE_ENABLED"] if wired is not None else _C["NVML_FEATURE_DISABLED"]
+
+    @api
+    def nvmlDeviceGetNvLinkVersion(self, device: _Handle, link: int) -> int:
+        if self._link(device, link) is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return self.spec.gpus[device.gpu].model.nvlink_version
+
+    @api
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: _Handle, link: int) -> Any:
+        wired = self._link(device, link)
+        if wired is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        device_id = (
+            self.spec.gpus[wired.remote_gpu].model.pci_device_id
+            if wired.remote_gpu is not None
+            else 0x22A310DE
+        )
+        return self._pci_info(wired.remote_bus_id, device_id)
+
+    @api
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: _Handle, link: int) -> int:
+        wired = self._link(handle, link)
+        if wired is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return wired.kind
+
+    @api
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: _Handle, device2: _Handle) -> int:
+        a, _ = self._dev(device1, mig_ok=False)
+        b, _ = self._dev(device2, mig_ok=False)
+        if a.index == b.index:
+            return _C["NVML_TOPOLOGY_INTERNAL"]
+        key = (min(a.index, b.index), max(a.index, b.index))
+        if key in self.spec.pcie_levels:
+            return self.spec.pcie_levels[key]
+        return pcie_tree_level(
+            (a.host_bridge, a.switches, a.numa_node, a.board),
+            (b.host_bridge, b.switches, b.numa_node, b.board),
+        )
+
+    @api
+    def nvmlDeviceGetP2PStatus(self, device1: _Handle, device2: _Handle, p2pIndex: int) -> int:
+        a, _ = self._dev(device1, mig_ok=False)
+        b, _ = self._dev(device2, mig_ok=False)
+        if a.index == b.index:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        nvlinked = self._nvlinked(a.index, b.index)
+        if p2pIndex == _C["NVML_P2P_CAPS_INDEX_NVLINK"]:
+            return _C["NVML_P2P_STATUS_OK"] if nvlinked else _C["NVML_P2P_STATUS_NOT_SUPPORTED"]
+        if p2pIndex not in (0, 1, 3, 4):
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        level = self.nvmlDeviceGetTopologyCommonAncestor(device1, device2)
+        if nvlinked or level < _C["NVML_TOPOLOGY_SYSTEM"]:
+            return _C["NVML_P2P_STATUS_OK"]
+        return _C["NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED"]
+
+    def _fill_fabric(self, device: _Handle, info: Any) -> None:
+        g, _ = self._dev(device, mig_ok=False)
+        if g.fabric_clique_id is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        target = getattr(info, "_obj", info)  # byref(struct) or the struct itself
+        if not isinstance(target, (c_nvmlGpuFabricInfo_t, c_nvmlGpuFabricInfoV_t)):
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        raw = uuid_mod.UUID(g.fabric_cluster_uuid).bytes if g.fabric_cluster_uuid else bytes(16)
+        for k in range(16):
+            target.clusterUuid[k] = raw[k]
+        target.status = _C["NVML_SUCCESS"]
+        target.cliqueId = g.fabric_clique_id
+        target.state = _C["NVML_GPU_FABRIC_STATE_COMPLETED"]
+
+    @api
+    def nvmlDeviceGetGpuFabricInfo(self, device: _Handle, gpuFabricInfo: Any) -> int:
+        self._fill_fabric(device, gpuFabricInfo)
+        return _C["NVML_SUCCESS"]
+
+    @api
+    def nvmlDeviceGetGpuFabricInfoV(self, device: _Handle, gpuFabricInfo: Any) -> int:
+        target = getattr(gpuFabricInfo, "_obj", gpuFabricInfo)
+        if getattr(target, "version", None) != _C["nvmlGpuFabricInfo_v2"]:
+            raise _err("NVML_ERROR_ARGUMENT_VERSION_MISMATCH")
+        self._fill_fabric(device, gpuFabricInfo)
+        return _C["NVML_SUCCESS"]
+
+
+
+# pynvml's constants, error classes and struct classes, as attributes of the module-like fake
+for _name, _value in {**CONSTANTS, **ERROR_CLASSES, **STRUCTS}.items():
+    setattr(FakeNvml, _name, _value)
+del _name, _value
+
