@@ -7,11 +7,15 @@ import os
 import shutil
 import tempfile
 import threading
+import time
+from concurrent import futures
 
 import grpc
 import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
 
+from agent._proto import deviceplugin_v1beta1_pb2 as pb
+from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
@@ -115,6 +119,37 @@ def test_stale_socket_file_is_replaced(node):
     node.start(hgx8_topology())
     assert node.manager.wait_ready(2.0)
     assert node.client().options().get_preferred_allocation_available
+
+
+class _SlowRegistration(pb_grpc.RegistrationServicer):
+    """A kubelet whose Register takes ``delay_s`` to answer (a busy kubelet)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.in_flight = threading.Event()
+
+    def Register(self, request, context):
+        self.in_flight.set()
+        time.sleep(self.delay_s)
+        return pb.Empty()
+
+
+def test_readiness_answers_at_once_while_a_slow_register_is_in_flight(node):
+    slow = _SlowRegistration(delay_s=1.5)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_RegistrationServicer_to_server(slow, server)
+    server.add_insecure_port(f"unix:{os.path.join(node.kubelet_dir, 'kubelet.sock')}")
+    server.start()
+    try:
+        node.start(hgx8_topology(), kubelet=False, register_timeout_s=3.0)
+        assert slow.in_flight.wait(3.0)
+        started = time.monotonic()
+        assert node.manager.ready() is False
+        assert time.monotonic() - started < 0.2, "the readiness probe waited for the kubelet's Register"
+        assert node.manager.wait_ready(3.0)
+    finally:
+        node.manager.stop(0.5)
+        server.stop(0)
 
 
 # ---------------------------------------------------------------------- ListAndWatch
