@@ -110,3 +110,10 @@ class Nic:
     pci_bus_id: str | None = None
     numa_node: int | None = None
     levels: tuple[PcieLevel | None, ...] = ()
+
+
+#: How time-sliced replicas are placed (``flags.sharedDevicesAllocationPolicy``, the
+#: allocator's ``replicas(policy=...)``): ``distributed`` spreads them over the least-loaded
+#: GPUs, ``packed`` fills the most-loaded GPU first. The configuration and the allocator
+#: both read this one list.
+REPLICA_POLICIES: tuple[str, ...] = ("distributed", "packed")

@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config
-from agent.errors import ConfigError
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.podresources import (
@@ -34,7 +33,7 @@ from agent.metrics.podresources import (
     PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler
-from agent.metrics.service import MetricsService, parse_address
+from agent.metrics.service import MetricsService
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 
@@ -405,18 +404,6 @@ def test_agent_metrics_record_what_other_components_report():
     assert "# TYPE gpu_agent_nvml_errors_total counter" in text
     assert "# TYPE gpu_agent_preferred_allocation_seconds histogram" in text
     assert list(text_string_to_metric_families(text))  # the whole body parses
-
-
-@pytest.mark.parametrize("address, expected", [
-    ("127.0.0.1:9400", ("127.0.0.1", 9400)), (":9400", ("", 9400)), ("[::1]:0", ("::1", 0))])
-def test_metrics_address_forms(address, expected):
-    assert parse_address(address) == expected
-
-
-@pytest.mark.parametrize("address", ["9400", "host:port", "x:70000", ""])
-def test_bad_metrics_address_is_a_config_error(address):
-    with pytest.raises(ConfigError):
-        parse_address(address)
 
 
 def test_served_body_equals_the_rendered_registry_and_follows_new_snapshots():
