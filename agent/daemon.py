@@ -212,7 +212,7 @@ class Daemon:
         )
 
     # ------------------------------------------------------------------ signals
-    def _on_stop_signal(self, signum: int, frame: object) -> None:
+    def _on_stop_signal(self, _signum: int, _frame: object) -> None:
         self._signals += 1
         if self._signals > 1:
             os.write(2, b"gpu-topology-agent: second signal, exiting now\n")
@@ -220,7 +220,7 @@ class Daemon:
         self._stop_requested = True
         self._wake.set()
 
-    def _on_hup(self, signum: int, frame: object) -> None:
+    def _on_hup(self, _signum: int, _frame: object) -> None:
         self._reload_requested = True
         self._wake.set()
 

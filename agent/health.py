@@ -174,8 +174,6 @@ class HealthWatcher(Worker):
         self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
         self.fenced = False
         self._seen_lost: set[int] = set()
-        self.events_seen = 0
-        self.failures = 0
 
     # ------------------------------------------------------------------ work
     def _run(self) -> None:
@@ -183,7 +181,6 @@ class HealthWatcher(Worker):
             try:
                 self.step()
             except Exception as exc:
-                self.failures += 1
                 self._fence(exc)
                 self._stop.wait(self.retry_s)
 
@@ -231,7 +228,6 @@ class HealthWatcher(Worker):
             index = event.gpu_index
             kind = event.kind
             xid = event.xid
-            self.events_seen += 1
             if kind == "xid" and xid is not None and self.on_xid is not None:
                 try:
                     self.on_xid(index, xid)

@@ -217,21 +217,6 @@ def test_the_real_pynvml_without_a_driver_gives_nvml_unavailable():
     pytest.skip("this machine has a working NVIDIA driver")
 
 
-def test_init_or_wait_fails_or_waits_as_fail_on_init_error_says(caplog):
-    fake = FakeNvml(load_spec("single-gpu"))
-    fake.fail_init(FakeNvml.NVML_ERROR_LIBRARY_NOT_FOUND)
-    with pytest.raises(NvmlUnavailable):
-        NvmlBackend(lib=fake).init_or_wait(fail_on_init_error=True)
-    stop = threading.Event()
-    stop.set()
-    with caplog.at_level(logging.ERROR, logger="agent.hw.nvml"):
-        assert NvmlBackend(lib=fake).init_or_wait(False, retry_interval_s=0.01, stop=stop) is False
-    assert "retrying" in caplog.text and "Traceback" not in caplog.text
-    fake.fail_init(None)
-    assert NvmlBackend(lib=fake).init_or_wait(False, retry_interval_s=0.01, stop=stop) is True
-
-
-# ---------------------------------------------------------------- events and probing
 def test_an_injected_xid_arrives_through_wait_events(h100):
     fake, backend = h100
     assert backend.wait_events(0) == []  # registers the event set; nothing yet

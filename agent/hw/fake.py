@@ -45,7 +45,7 @@ import string
 import threading
 import uuid as uuid_mod
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -2184,9 +2184,3 @@ class FakeNvml:
 for _name, _value in {**CONSTANTS, **ERROR_CLASSES, **STRUCTS}.items():
     setattr(FakeNvml, _name, _value)
 del _name, _value
-
-
-def iter_api_functions(fake: FakeNvml) -> Iterable[tuple[str, Callable[..., Any]]]:
-    """``(name, bound function)`` for every pynvml function the fake implements."""
-    for name in FakeNvml.api_functions():
-        yield name, getattr(fake, name)

@@ -17,8 +17,7 @@ Errors other than NotSupported are counted per function in
 NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`init` raises
 :class:`NvmlUnavailable` with one clear line. What the agent does then is the
 ``fail_on_init_error`` setting (the anchor's ``failOnInitError``): exit 1 (True, default), or
-log and retry every ``retry_interval_s`` until NVML comes up (False); see
-:meth:`NvmlBackend.init_or_wait`.
+log and retry until NVML comes up (False): the daemon's loop (``agent.daemon``) does that.
 
 Discovery (:meth:`read_topology`) reads from NVML: count, UUID, name, memory, PCI bus id,
 minor number, compute capability, MIG mode and MIG devices, every NVLink's state and remote
@@ -39,7 +38,6 @@ import time
 import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from agent.errors import AgentError
@@ -207,7 +205,9 @@ class NvmlBackend:
         if self._lib is None:
             try:
                 import pynvml
-            except ImportError:
+            except ModuleNotFoundError as exc:
+                if exc.name != "pynvml":  # pynvml is there but broken: not "not installed"
+                    raise
                 raise NvmlUnavailable(
                     "NVML is not available: the Python module pynvml (package nvidia-ml-py) "
                     "is not installed"
@@ -243,30 +243,6 @@ class NvmlBackend:
         }
         reason = reasons.get(code, f"nvmlInit failed: {exc} (NVML error {code})")
         return f"NVML is not available: {reason}"
-
-    def init_or_wait(
-        self,
-        fail_on_init_error: bool,
-        retry_interval_s: float = 30.0,
-        stop: threading.Event | None = None,
-    ) -> bool:
-        """:meth:`init`, with the ``fail_on_init_error`` behaviour: True -> the
-        :class:`NvmlUnavailable` propagates (the agent exits 1); False -> log one line per
-        attempt and retry every ``retry_interval_s`` until it works (returns True) or
-        ``stop`` is set (returns False)."""
-        stop = stop or threading.Event()
-        while True:
-            try:
-                self.init()
-                return True
-            except NvmlUnavailable as exc:
-                if fail_on_init_error:
-                    raise
-                log.error(
-                    "%s; retrying in %.0f s (fail_on_init_error is false)", exc, retry_interval_s
-                )
-            if stop.wait(retry_interval_s):
-                return False
 
     def shutdown(self) -> None:
         """Free the event set and shut NVML down; never raises."""
@@ -653,7 +629,7 @@ class NvmlBackend:
         mig_capable = mode is not None if h is not None else None
         if mode is not None and int(mode[0]) == self.const("NVML_DEVICE_MIG_ENABLE"):
             mig_enabled = True
-            mig_devices = self._read_mig(index, h, total_bytes, _text(uuid) if uuid else "")
+            mig_devices = self._read_mig(index, h, total_bytes)
 
         cluster, clique = self._read_fabric(index, h)
 
@@ -718,9 +694,7 @@ class NvmlBackend:
                 highest = max(highest, max(cpus) + 1)
         return max(highest, 1024)
 
-    def _read_mig(
-        self, index: int, h: Any, total_bytes: int, parent_uuid: str
-    ) -> tuple[MigDevice, ...]:
+    def _read_mig(self, index: int, h: Any, total_bytes: int) -> tuple[MigDevice, ...]:
         count = self.call("nvmlDeviceGetMaxMigDeviceCount", h, gpu=index) or 0
         not_found = (self.const("NVML_ERROR_NOT_FOUND"), self.const("NVML_ERROR_INVALID_ARGUMENT"))
         out: list[MigDevice] = []
@@ -851,12 +825,3 @@ class NvmlBackend:
             b.fabric_cluster_uuid,
             b.fabric_clique_id,
         )
-
-
-def real_pynvml() -> ModuleType | None:
-    """The installed ``pynvml`` module, or None (for tests comparing the fake with it)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    return pynvml
