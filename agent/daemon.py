@@ -65,7 +65,7 @@ def setup_logging(config: Config, stream: TextIO | None = None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     if config.log_format == "json":
         formatter = JsonFormatter()
-        formatter.converter = time.gmtime  # type: ignore[method-assign]  # the "Z" in the time field
+        formatter.converter = time.gmtime  # the "Z" in the time field
         handler.setFormatter(formatter)
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -13,7 +13,7 @@ from agent.config import Config, default_environ, load_config
 _DEFAULTS = Config()
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
         help="run the node agent: kubelet device plugin, labels and metrics",
