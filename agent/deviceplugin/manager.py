@@ -70,19 +70,15 @@ class DevicePluginManager:
         config: Config,
         health: HealthState,
         *,
-        engine_factory: Callable[[Topology], object] | None = None,
         hooks: DevicePluginHooks = NO_HOOKS,
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
-        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
         self.register_timeout_s = register_timeout_s
         self.max_backoff_s = max_backoff_s
-        self._engine_factory = engine_factory
-        self._path_exists = path_exists
         # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
         # slots list and their ``registered`` flags, topology, config, resources, hooks,
         # the pending reload) and is held only to read or assign them: never across I/O
@@ -184,14 +180,10 @@ class DevicePluginManager:
         return self.ready()
 
     # ------------------------------------------------------------------ internals
-    def _handler(self, resource: PluginResource, topology: Topology, config: Config) -> RequestHandler:
-        engine = self._engine_factory(topology) if self._engine_factory is not None else None
-        return RequestHandler(resource, topology, config, engine, path_exists=self._path_exists)
-
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         with self._lock:
             hooks = self.hooks
-        server = PluginServer(self._handler(resource, topology, config), self.health, config.kubelet_dir, hooks=hooks)
+        server = PluginServer(RequestHandler(resource, topology, config), self.health, config.kubelet_dir, hooks=hooks)
         server.start()
         return server
 
