@@ -338,3 +338,35 @@ def test_mig_capability_is_read_from_nvml_get_mig_mode():
 
     assert all(g.mig_capable for g in load_topology("dgx-a100").gpus)
     assert not any(g.mig_capable for g in load_topology("dgx1-v100").gpus)
+
+
+def test_error_counts_and_lost_gpus_answer_while_a_slow_nvml_call_is_in_flight(h100):
+    # a scrape reads error_counts and the sampler reads lost_gpus: neither may wait for NVML
+    import time
+
+    fake, _ = h100
+    in_call = threading.Event()
+
+    class SlowNvml:
+        """The fake, with a power reading that takes a second (a GPU slow to answer)."""
+
+        def __getattr__(self, name):
+            return getattr(fake, name)
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            in_call.set()
+            time.sleep(1.0)
+            return fake.nvmlDeviceGetPowerUsage(handle)
+
+    backend = NvmlBackend(lib=SlowNvml())
+    backend.init()
+    handle = backend.handle(0)
+    reader = threading.Thread(target=backend.call, args=("nvmlDeviceGetPowerUsage", handle))
+    reader.start()
+    try:
+        assert in_call.wait(2.0)
+        started = time.monotonic()
+        assert backend.error_counts == {} and backend.lost_gpus == frozenset()
+        assert time.monotonic() - started < 0.2, "bookkeeping reads waited for an NVML call"
+    finally:
+        reader.join()

@@ -165,9 +165,16 @@ class NvmlBackend:
     Thread-safe: calls are serialised by one lock, except event waits.
     """
 
+    # Locks: ``_call_lock`` serialises NVML calls (held across the call, the only lock held
+    # across I/O; nothing but the call runs under it). ``_lock`` guards the bookkeeping
+    # (lost GPUs, error counts, handles, the event set) that other threads read, a scrape
+    # included, and is never held across an NVML call. Order: ``_lock`` is never taken
+    # while ``_call_lock`` is held, and the reverse does not happen either.
+
     def __init__(self, lib: Any = None, sysfs: SysfsReader | None = None) -> None:
         self._lib: Any = lib
         self._sysfs = sysfs
+        self._call_lock = threading.Lock()
         self._lock = threading.RLock()
         self._lost: set[int] = set()
         self._reported_lost: set[int] = set()
@@ -318,7 +325,7 @@ class NvmlBackend:
         try:
             if function_name in _BLOCKING:
                 return fn(*args)
-            with self._lock:
+            with self._call_lock:
                 return fn(*args)
         except lib.NVMLError as exc:
             code = exc.value
@@ -396,9 +403,10 @@ class NvmlBackend:
         if lib is None:
             return False
         was_lost = index in self._lost
+        with self._lock:
+            h = self._handles.get(index)
         try:
-            with self._lock:
-                h = self._handles.get(index)
+            with self._call_lock:
                 if h is None or was_lost:
                     h = lib.nvmlDeviceGetHandleByIndex(index)
                 lib.nvmlDeviceGetUUID(h)
@@ -425,11 +433,12 @@ class NvmlBackend:
     def register_events(self) -> bool:
         """Create the event set and register XID and double-bit ECC events for every GPU
         that supports them (idempotent). False if NVML has no event support here."""
-        with self._lock:
-            if self._event_set is None:
-                self._event_set = self.call("nvmlEventSetCreate")
-            if self._event_set is None:
-                return False
+        if self._event_set is None:  # only the health watcher's thread registers events
+            event_set = self.call("nvmlEventSetCreate")
+            with self._lock:
+                self._event_set = event_set
+        if self._event_set is None:
+            return False
         if self._event_gpus is None:
             self._event_gpus = self.device_count()
         for index in range(self._event_gpus):
