@@ -33,13 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"agent.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"agent.commands.{name}":
-                continue  # not built yet
-            raise
-        module.add_parser(sub)
+        importlib.import_module(f"agent.commands.{name}").add_parser(sub)
     return parser
 
 

@@ -10,15 +10,14 @@ The loader (``load_config``) lives here too; field documentation says unit, defa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, cast
 
-import yaml
-
-from agent.errors import ConfigError
+from agent.errors import ConfigError, InputFormatError
+from agent.formats import parse_host_port, read_document
+from agent.records import REPLICA_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,6 @@ class Config:
     log_level: str = "INFO"
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
-    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -85,7 +83,6 @@ MIG_STRATEGIES = ("none", "single", "mixed")
 ALLOCATION_POLICIES = ("best-effort",)  # the topology policy of issue 3; no other is built
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 DEVICE_ID_STRATEGIES = ("uuid", "index")
-SHARED_POLICIES = ("distributed", "packed")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -278,7 +275,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["nvidia_driver_root"] = _expect_str(flags["nvidiaDriverRoot"], "flags.nvidiaDriverRoot")
     if "sharedDevicesAllocationPolicy" in flags:
         out["shared_devices_allocation_policy"] = _expect_choice(
-            flags["sharedDevicesAllocationPolicy"], SHARED_POLICIES, "flags.sharedDevicesAllocationPolicy"
+            flags["sharedDevicesAllocationPolicy"], REPLICA_POLICIES, "flags.sharedDevicesAllocationPolicy"
         )
     if "allocationPolicy" in flags:
         out["allocation_policy"] = _expect_choice(
@@ -343,16 +340,9 @@ def _parse_file_document(doc: object) -> dict[str, object]:
 
 def _read_config_file(path: str) -> dict[str, object]:
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
-    try:
-        # JSON is YAML too, but json gives better messages for JSON files.
-        doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        detail = " ".join(str(exc).split())
-        raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {detail}") from None
+        doc = read_document(path, "config file")
+    except InputFormatError as exc:  # unreadable, not UTF-8, not YAML/JSON: one line, exit 2
+        raise ConfigError(str(exc)) from None
     try:
         return _parse_file_document(doc)
     except ValueError as exc:
@@ -365,7 +355,7 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "pass_device_specs": _expect_bool,
     "device_list_strategy": _expect_list_strategy,
     "device_id_strategy": lambda v, w: _expect_choice(v, DEVICE_ID_STRATEGIES, w),
-    "shared_devices_allocation_policy": lambda v, w: _expect_choice(v, SHARED_POLICIES, w),
+    "shared_devices_allocation_policy": lambda v, w: _expect_choice(v, REPLICA_POLICIES, w),
     "rename_by_default": _expect_bool,
     "fail_requests_greater_than_one": _expect_bool,
     "health_checks_enabled": _expect_bool,
@@ -413,9 +403,10 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
 def _check_consistency(config: Config) -> None:
     where = config.config_file or "configuration"
     if config.metrics_address:
-        host, sep, port = config.metrics_address.rpartition(":")
-        if not sep or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"{where}: metrics_address: expected HOST:PORT, got {config.metrics_address!r}")
+        try:
+            parse_host_port(config.metrics_address, "metrics_address")
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     if config.mig_strategy == "single" or config.mig_strategy == "none":
         for ts in config.time_slicing:
             if ts.name.startswith("nvidia.com/mig-"):
@@ -480,8 +471,6 @@ def describe_config(config: Config) -> dict[str, object]:
     """The effective configuration as plain data, for the start-up log line."""
     out: dict[str, object] = {}
     for f in fields(Config):
-        if f.name == "extra":
-            continue
         value = getattr(config, f.name)
         if f.name == "time_slicing":
             value = [

@@ -1,5 +1,9 @@
 """``gpu-topology-agent run``: the node agent's lifecycle.
 
+The collaborators (the hardware backend, and factories for the device plugins, the metrics
+service and the health watcher, which need the topology read at start) are constructor
+arguments; :meth:`Daemon.from_config` builds the real ones.
+
 Start order: logging and the effective configuration; NVML (real or simulated); topology;
 labels file; device-plugin servers and their registration (in the background); metrics
 service; health watcher. Readiness (``/ready``) = the topology is read and every
@@ -21,11 +25,20 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol, TextIO
 
 from agent.config import Config, describe_config
+from agent.deviceplugin.manager import DevicePluginManager
 from agent.errors import AgentError
-from agent.health import HealthState, HealthWatcher
+from agent.health import EventSource, HealthState, HealthWatcher
+from agent.labels import compute_labels
+from agent.labels.sinks import FeatureFileSink, LabelSink
+from agent.metrics.service import MetricsService, WaitingEndpoint
+from agent.records import NodeFacts
+from agent.topology.model import Topology
+
+if TYPE_CHECKING:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +58,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
-def setup_logging(config: Config, stream: Any = None) -> None:
+def setup_logging(config: Config, stream: TextIO | None = None) -> None:
     """Replace the root handlers with one writing ``config.log_format`` at ``config.log_level``."""
     root = logging.getLogger()
     for h in list(root.handlers):
@@ -53,7 +66,7 @@ def setup_logging(config: Config, stream: Any = None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     if config.log_format == "json":
         formatter = JsonFormatter()
-        formatter.converter = time.gmtime  # type: ignore[method-assign]  # the "Z" in the time field
+        formatter.converter = time.gmtime  # the "Z" in the time field
         handler.setFormatter(formatter)
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -66,41 +79,142 @@ def setup_logging(config: Config, stream: Any = None) -> None:
 SHUTDOWN_BUDGET_S = 20.0
 
 
+class DaemonBackend(EventSource, Protocol):
+    """What the daemon needs of the hardware backend (``agent.hw.nvml.NvmlBackend``): the
+    health watcher's event source, plus its lifecycle and the topology."""
+
+    def init(self) -> None:
+        """Open NVML; :class:`agent.hw.nvml.NvmlUnavailable` (an AgentError) if it cannot."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+    def read_facts(self, source: str = "nvml") -> NodeFacts:
+        """What the hardware reader finds; the daemon builds its Topology from it."""
+        ...
+
+
+class Endpoint(Protocol):
+    """Something serving the metrics address that the daemon starts and stops."""
+
+    @property
+    def port(self) -> int | None:
+        """The bound port once started (the address may ask for port 0)."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+#: (topology, config, health) -> the device plugins (not yet started).
+PluginsFactory = Callable[[Topology, Config, HealthState], DevicePluginManager]
+#: (topology, config, ready) -> the metrics service (not yet started).
+MetricsFactory = Callable[[Topology, Config, Callable[[], bool]], MetricsService]
+#: (backend, health, config, on_xid) -> the health watcher (not yet started).
+WatcherFactory = Callable[[EventSource, HealthState, Config, Callable[[int, int], None] | None], HealthWatcher]
+
+
+def _default_watcher(
+    backend: EventSource, health: HealthState, config: Config, on_xid: Callable[[int, int], None] | None
+) -> HealthWatcher:
+    return HealthWatcher(backend, health, config, on_xid=on_xid)
+
+
 class Daemon:
-    """Owns every long-lived part of the agent. ``config_loader`` re-reads the configuration
-    (SIGHUP); ``simulate`` names a simulated machine (``--simulate``)."""
+    """Owns every long-lived part of the agent.
+
+    ``backend`` is the hardware backend (initialised by :meth:`start`); ``source`` names it
+    in the topology. ``plugins``, ``metrics`` and ``watcher`` build the device plugins, the
+    metrics service (None: no metrics endpoint) and the health watcher once the topology is
+    read; ``waiting_endpoint`` serves ``/health`` while NVML is awaited (None: nothing).
+    ``read_topology`` reads the topology from the initialised backend (default: the
+    backend's facts, named ``source``). ``label_sink`` receives the labels (None: no labels
+    written). ``config_loader`` re-reads the configuration (SIGHUP). ``on_close`` runs last
+    at shutdown (a simulated machine's clean-up).
+    """
 
     def __init__(
         self,
         config: Config,
+        backend: DaemonBackend,
         *,
-        simulate: str | None = None,
+        source: str = "nvml",
+        plugins: PluginsFactory = DevicePluginManager,
+        metrics: MetricsFactory | None = None,
+        watcher: WatcherFactory = _default_watcher,
+        waiting_endpoint: Callable[[str], Endpoint] | None = None,
+        label_sink: LabelSink | None = None,
         config_loader: Callable[[], Config] | None = None,
+        on_close: Callable[[], None] | None = None,
+        read_topology: Callable[[], Topology] | None = None,
         shutdown_budget_s: float = SHUTDOWN_BUDGET_S,
         nvml_retry_s: float = 10.0,
     ) -> None:
         self.config = config
-        self.simulate = simulate
+        self.backend = backend
+        self.source = source
+        self._plugins_factory = plugins
+        self._metrics_factory = metrics
+        self._watcher_factory = watcher
+        self._waiting_endpoint_factory = waiting_endpoint
+        self.label_sink = label_sink
         self.config_loader = config_loader
+        self._on_close = on_close
+        self._topology_reader = read_topology or self._read_facts_topology
         self.shutdown_budget_s = shutdown_budget_s
         self.nvml_retry_s = nvml_retry_s
-        self.backend: Any = None
-        self.topology: Any = None
+        self._nvml_open = False
+        self.topology: Topology | None = None
         self.health: HealthState | None = None
         self.watcher: HealthWatcher | None = None
-        self.manager: Any = None
-        self.metrics: Any = None
-        self.label_sink: Any = None
-        self.sim: Any = None
+        self.manager: DevicePluginManager | None = None
+        self.metrics: MetricsService | None = None
         self.waiting_port: int | None = None  # the /health port while waiting for NVML
+        # Signal handlers and the kubelet-watch thread only set these and wake the main
+        # thread; no lock: each is one assignment, read by the main loop.
         self._wake = threading.Event()
         self._stop_requested = False
         self._reload_requested = False
         self._reread_requested = False
         self._signals = 0
 
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        *,
+        simulate: str | None = None,
+        config_loader: Callable[[], Config] | None = None,
+    ) -> Daemon:
+        """The real agent: NVML (or the simulated machine ``simulate``, ``--simulate``),
+        the device plugins, the metrics service and the NFD feature file. Raises
+        AgentError when the simulated machine cannot be opened (exit 2)."""
+        from agent.discovery import open_backend, read_topology
+
+        backend, sim = open_backend(simulate, config.sysfs_root)
+        on_close = sim.close if sim is not None else None
+        hostname = config.node_name or socket.gethostname()
+
+        def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
+            return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready)
+
+        return cls(
+            config, backend,
+            source=f"simulated:{simulate}" if simulate else "nvml",
+            metrics=metrics,
+            waiting_endpoint=WaitingEndpoint,
+            label_sink=FeatureFileSink(config.features_dir),
+            config_loader=config_loader,
+            on_close=on_close,
+            read_topology=lambda: read_topology(backend, sim),
+        )
+
+    def _read_facts_topology(self) -> Topology:
+        return Topology.from_facts(self.backend.read_facts(source=self.source))
+
     # ------------------------------------------------------------------ signals
-    def _on_stop_signal(self, signum: int, frame: object) -> None:
+    def _on_stop_signal(self, _signum: int, _frame: object) -> None:
         self._signals += 1
         if self._signals > 1:
             os.write(2, b"gpu-topology-agent: second signal, exiting now\n")
@@ -108,7 +222,7 @@ class Daemon:
         self._stop_requested = True
         self._wake.set()
 
-    def _on_hup(self, signum: int, frame: object) -> None:
+    def _on_hup(self, _signum: int, _frame: object) -> None:
         self._reload_requested = True
         self._wake.set()
 
@@ -127,30 +241,22 @@ class Daemon:
 
     # ------------------------------------------------------------------ readiness
     def ready(self) -> bool:
-        return self.topology is not None and self.manager is not None and self.manager.ready()
+        manager = self.manager
+        return self.topology is not None and manager is not None and manager.ready()
 
     # ------------------------------------------------------------------ start
-    def _open_backend(self) -> Any:
-        from agent.discovery import open_backend
-
-        backend, self.sim = open_backend(self.simulate, self.config.sysfs_root)
-        return backend
-
-    def _read_topology(self) -> Any:
-        from agent.discovery import read_topology
-
-        return read_topology(self.backend, self.sim)
+    def _read_topology(self) -> Topology:
+        return self._topology_reader()
 
     def _init_nvml(self) -> bool:
         """Open NVML; False when stopped while waiting for it (failOnInitError false).
         While it waits, the metrics address answers /health (so the kubelet's probes do not
         restart a pod that waits on purpose) and 503 on /ready and /metrics."""
-        waiting: Any = None
+        waiting: Endpoint | None = None
         try:
             while True:
                 try:
-                    backend = self._open_backend()
-                    backend.init()
+                    self.backend.init()
                 except AgentError as exc:
                     if self.config.fail_on_init_error:
                         raise
@@ -163,16 +269,16 @@ class Daemon:
                     if self._wait_interruptible(self.nvml_retry_s):
                         return False
                     continue
-                self.backend = backend
+                self._nvml_open = True
                 return True
         finally:
             if waiting is not None:
                 waiting.stop()
 
-    def _start_waiting_endpoint(self) -> Any:
-        from agent.metrics.service import WaitingEndpoint
-
-        endpoint = WaitingEndpoint(self.config.metrics_address)
+    def _start_waiting_endpoint(self) -> Endpoint | None:
+        if self._waiting_endpoint_factory is None:
+            return None
+        endpoint = self._waiting_endpoint_factory(self.config.metrics_address)
         try:
             endpoint.start()
         except OSError as exc:  # the real service reports this at its start; keep waiting
@@ -195,77 +301,65 @@ class Daemon:
         log.info("effective configuration: %s", json.dumps(describe_config(self.config), sort_keys=True))
         if not self._init_nvml():
             return False
-        self.topology = self._read_topology()
+        topology = self.topology = self._read_topology()
         log.info(
             "topology: %d GPUs from %s, NVLink islands %s, NUMA groups %s",
-            self.topology.gpu_count, self.topology.source or "nvml",
-            [list(i) for i in self.topology.nvlink_islands],
-            {k: list(v) for k, v in self.topology.numa_groups.items()},
+            topology.gpu_count, topology.source or "nvml",
+            [list(i) for i in topology.nvlink_islands],
+            {k: list(v) for k, v in topology.numa_groups.items()},
         )
-        self._write_labels()
-        self.health = HealthState(self.topology.gpu_count)
-        from agent.deviceplugin.manager import DevicePluginManager
-
+        self._write_labels(topology)
+        self.health = HealthState(topology.gpu_count)
         # The device plugins start before the metrics service: registration is what the
         # node waits for (goal: within 2 s of start); the metrics hooks are attached after.
-        self.manager = DevicePluginManager(self.topology, self.config, self.health)
+        self.manager = self._plugins_factory(topology, self.config, self.health)
         self.manager.on_kubelet_restart = self._on_kubelet_restart
         self.manager.start()
-        self._start_metrics()
+        self._start_metrics(topology)
         if self.metrics is not None:
-            self.manager.attach_metrics(getattr(self.metrics, "agent_metrics", None))
-        self._start_watcher()
+            self.manager.attach_hooks(self.metrics.agent_metrics)
+        self._start_watcher(self.config)
         return True
 
-    def _write_labels(self) -> None:
-        try:
-            from agent.labels import compute_labels
-            from agent.labels.sinks import FeatureFileSink
-        except ImportError as exc:  # the labels package is optional in a partial build
-            log.warning("labels not available (%s): no feature file written", exc)
+    def _write_labels(self, topology: Topology) -> None:
+        if self.label_sink is None:
             return
         try:
-            if self.label_sink is None:
-                self.label_sink = FeatureFileSink(self.config.features_dir)
-            if self.label_sink.write(compute_labels(self.topology, self.config)):
+            if self.label_sink.write(compute_labels(topology, self.config)):
                 log.info("labels written to %s", self.config.features_dir)
         except OSError as exc:
             log.error("cannot write labels to %s: %s", self.config.features_dir, exc)
 
-    def _start_metrics(self) -> None:
-        try:
-            from agent.metrics.service import MetricsService
-        except ImportError as exc:
-            log.warning("metrics not available (%s): no /metrics endpoint", exc)
+    def _start_metrics(self, topology: Topology) -> None:
+        if self._metrics_factory is None:
             return
-        hostname = self.config.node_name or socket.gethostname()
-        self.metrics = MetricsService(self.backend, self.topology, self.config, hostname=hostname, ready=self.ready)
+        service = self._metrics_factory(topology, self.config, self.ready)
         try:
-            self.metrics.start()
+            service.start()
         except OSError as exc:
-            self.metrics.stop()
-            self.metrics = None
+            service.stop()
             raise AgentError(f"cannot serve metrics on {self.config.metrics_address}: {exc.strerror or exc}") from exc
+        self.metrics = service
 
-    def _start_watcher(self) -> None:
+    def _start_watcher(self, config: Config) -> None:
         assert self.health is not None
-        if not self.config.health_checks_enabled:
+        if not config.health_checks_enabled:
             log.warning("health checks are disabled: GPUs are always advertised healthy")
             return
-        on_xid = getattr(self.metrics, "record_xid", None)
-        self.watcher = HealthWatcher(self.backend, self.health, self.config, on_xid=on_xid)
+        on_xid = self.metrics.record_xid if self.metrics is not None else None
+        self.watcher = self._watcher_factory(self.backend, self.health, config, on_xid)
         self.watcher.start()
 
     # ------------------------------------------------------------------ reload
     def reload(self) -> None:
         """SIGHUP: new configuration and topology, servers again, re-registration. A bad
         configuration is logged and the running one is kept."""
-        if self.config_loader is None or self.manager is None:
+        if self.config_loader is None or self.manager is None or self.topology is None:
             return
         try:
             config = self.config_loader()
             topology = self._read_topology()
-            if not self._same_gpu_count(topology):
+            if not self._same_gpu_count(self.topology, topology):
                 topology = self.topology
             self.manager.reload(topology, config)
         except AgentError as exc:
@@ -274,23 +368,24 @@ class Daemon:
         self.config, self.topology = config, topology
         setup_logging(config)
         log.info("reloaded; effective configuration: %s", json.dumps(describe_config(config), sort_keys=True))
-        self._write_labels()
+        self._write_labels(topology)
         if self.watcher is not None:
             self.watcher.config = config
             if not config.health_checks_enabled:
                 self.watcher.stop()
                 self.watcher = None
         elif config.health_checks_enabled:
-            self._start_watcher()
+            self._start_watcher(config)
 
-    def _same_gpu_count(self, topology: Any) -> bool:
+    @staticmethod
+    def _same_gpu_count(current: Topology, topology: Topology) -> bool:
         # Health state and the watcher are sized by GPU count at start; a node whose GPU
         # count changes (a GPU fell off the bus) is a restart, not a reload.
-        if topology.gpu_count == self.topology.gpu_count:
+        if topology.gpu_count == current.gpu_count:
             return True
         log.error(
             "GPU count changed from %d to %d: keeping the topology read at start; restart the agent",
-            self.topology.gpu_count, topology.gpu_count,
+            current.gpu_count, topology.gpu_count,
         )
         return False
 
@@ -298,7 +393,7 @@ class Daemon:
         """After a kubelet restart: read the topology again and serve it if it changed
         (a GPU replaced or MIG reconfigured while the node was in maintenance). True if it
         changed."""
-        if self.backend is None or self.manager is None:
+        if self.manager is None or self.topology is None:
             return False
         try:
             topology = self._read_topology()
@@ -307,7 +402,7 @@ class Daemon:
             return False
         if topology == self.topology:
             return False
-        if not self._same_gpu_count(topology):
+        if not self._same_gpu_count(self.topology, topology):
             return False
         log.warning("topology changed since start: serving the new one")
         try:
@@ -316,7 +411,7 @@ class Daemon:
             log.error("cannot serve the new topology, keeping the current one: %s", exc)
             return False
         self.topology = topology
-        self._write_labels()
+        self._write_labels(topology)
         return True
 
     # ------------------------------------------------------------------ shutdown
@@ -327,20 +422,20 @@ class Daemon:
         backstop.start()
         try:
             steps: list[tuple[str, Callable[[], None]]] = []
-            if self.manager is not None:
-                steps.append(("device plugins", lambda: self.manager.stop(1.0)))
-            watcher = self.watcher
+            manager, watcher, metrics = self.manager, self.watcher, self.metrics
+            if manager is not None:
+                steps.append(("device plugins", lambda: manager.stop(1.0)))
             if watcher is not None:
                 steps.append(("health watcher", lambda: watcher.stop(2.0)))
-            if self.metrics is not None:
-                steps.append(("metrics", self.metrics.stop))
-            if self.label_sink is not None:
+            if metrics is not None:
+                steps.append(("metrics", metrics.stop))
+            if self.label_sink is not None and self.topology is not None:
                 # a clean stop withdraws our labels: NFD drops them from the node
                 steps.append(("labels", self.label_sink.remove))
-            if self.backend is not None:
+            if self._nvml_open:
                 steps.append(("NVML", self.backend.shutdown))
-            if self.sim is not None:
-                steps.append(("simulated machine", self.sim.close))
+            if self._on_close is not None:
+                steps.append(("simulated machine", self._on_close))
             for name, step in steps:
                 try:
                     step()

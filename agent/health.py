@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Collection, Iterable, Protocol, Sequence
 
 from agent.config import Config, is_critical_xid
 from agent.worker import Worker
@@ -26,14 +26,20 @@ FENCED_REASON_PREFIX = "fenced: "
 
 
 class GpuEvent(Protocol):
-    """What the watcher reads of an event (``agent.hw.nvml.HealthEvent``); an ``xid``
-    attribute, where present, is the XID number."""
+    """What the watcher reads of an event (``agent.hw.nvml.HealthEvent``)."""
 
     @property
     def gpu_index(self) -> int: ...
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> str:
+        """``"xid"``, ``"ecc_dbe"`` (double-bit ECC error) or ``"lost"``."""
+        ...
+
+    @property
+    def xid(self) -> int | None:
+        """The XID number of an ``"xid"`` event; None for the other kinds."""
+        ...
 
 
 class EventSource(Protocol):
@@ -43,12 +49,19 @@ class EventSource(Protocol):
 
     def probe(self, index: int) -> bool: ...
 
+    @property
+    def lost_gpus(self) -> Collection[int]:
+        """GPUs the backend found lost on any call (e.g. while the metrics sampler read them)."""
+        ...
+
 
 class HealthState:
     """Per-GPU health, thread-safe. ``generation`` increases on every change."""
 
     def __init__(self, gpu_count: int) -> None:
         self.gpu_count = gpu_count
+        # Lock order: a leaf. Held only to read or change the state; listeners run after it
+        # is released (they take their own locks, e.g. the device-plugin manager's).
         self._cond = threading.Condition()
         self._unhealthy: dict[int, str] = {}
         self.generation = 0
@@ -65,14 +78,17 @@ class HealthState:
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """``callback()`` runs (outside the lock) after every change."""
-        self._listeners.append(callback)
+        with self._cond:
+            self._listeners.append(callback)
 
     def _changed(self) -> None:
         self.generation += 1
         self._cond.notify_all()
 
     def _notify(self) -> None:
-        for cb in list(self._listeners):
+        with self._cond:
+            listeners = list(self._listeners)
+        for cb in listeners:
             try:
                 cb()
             except Exception:  # a listener must not break the watcher
@@ -158,8 +174,6 @@ class HealthWatcher(Worker):
         self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
         self.fenced = False
         self._seen_lost: set[int] = set()
-        self.events_seen = 0
-        self.failures = 0
 
     # ------------------------------------------------------------------ work
     def _run(self) -> None:
@@ -167,7 +181,6 @@ class HealthWatcher(Worker):
             try:
                 self.step()
             except Exception as exc:
-                self.failures += 1
                 self._fence(exc)
                 self._stop.wait(self.retry_s)
 
@@ -200,7 +213,7 @@ class HealthWatcher(Worker):
     def _check_lost(self) -> None:
         """GPUs the backend found lost on any call (``backend.lost_gpus``, e.g. while the
         metrics sampler read them) are unhealthy too; each newly lost one once."""
-        lost = set(getattr(self.backend, "lost_gpus", ()) or ())
+        lost = set(self.backend.lost_gpus)
         now = self._clock()
         for index in sorted(lost - self._seen_lost):
             if 0 <= index < self.state.gpu_count:
@@ -214,8 +227,7 @@ class HealthWatcher(Worker):
         for event in events:
             index = event.gpu_index
             kind = event.kind
-            xid = getattr(event, "xid", None)
-            self.events_seen += 1
+            xid = event.xid
             if kind == "xid" and xid is not None and self.on_xid is not None:
                 try:
                     self.on_xid(index, xid)

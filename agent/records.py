@@ -138,3 +138,10 @@ class NodeFacts:
     machine: str | None = None  # DMI product name, e.g. "DGX H100"
     source: str = ""  # "nvml", "simulated:dgx-h100", "topo-matrix:/path"
     notes: tuple[str, ...] = ()  # what was inferred rather than read
+
+
+#: How time-sliced replicas are placed (``flags.sharedDevicesAllocationPolicy``, the
+#: allocator's ``replicas(policy=...)``): ``distributed`` spreads them over the least-loaded
+#: GPUs, ``packed`` fills the most-loaded GPU first. The configuration and the allocator
+#: both read this one list.
+REPLICA_POLICIES: tuple[str, ...] = ("distributed", "packed")

@@ -215,3 +215,19 @@ def test_bad_metrics_values_and_unknown_allocation_policies_name_the_key(tmp_pat
     with pytest.raises(ConfigError) as info:
         load_config(str(path), {}, {})
     assert str(path) in str(info.value) and key in str(info.value)
+
+
+def test_config_file_that_is_not_utf8_is_a_one_line_config_error(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_bytes("version: v1\n# r\u00e9glages du n\u0153ud\n".encode("cp1252"))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), {}, {})
+    message = str(info.value)
+    assert message.startswith(f"{path}: config file is not UTF-8 text") and "\n" not in message
+    assert info.value.exit_code == 2
+
+
+def test_metrics_address_error_names_the_config_file(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: metrics_address ':x': expected HOST:PORT"):
+        load_config(path, {}, {"metrics_address": ":x"})

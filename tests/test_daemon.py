@@ -21,6 +21,8 @@ from kubelet_stub import KubeletStub, hgx8_topology
 from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
 from agent.errors import ConfigError
+from agent.labels.sinks import FeatureFileSink
+from agent.metrics.service import WaitingEndpoint
 from agent.records import NodeFacts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +45,7 @@ class StubBackend:
         self.events: list[Event] = []
         self.fail_with: Exception | None = None
         self.shut_down = False
+        self.lost_gpus: set[int] = set()
 
     def init(self) -> None:
         pass
@@ -72,18 +75,10 @@ class StubBackend:
         return True
 
 
-class InProcessDaemon(Daemon):
-    """The real Daemon with the stub backend and no metrics server."""
-
-    def __init__(self, config, backend, **kwargs) -> None:
-        super().__init__(config, **kwargs)
-        self._stub = backend
-
-    def _open_backend(self):
-        return self._stub
-
-    def _start_metrics(self) -> None:
-        self.metrics = None
+def in_process_daemon(config, backend, **kwargs) -> Daemon:
+    """The real Daemon with the stub backend, the real device plugins, the feature file and
+    no metrics server."""
+    return Daemon(config, backend, label_sink=FeatureFileSink(config.features_dir), **kwargs)
 
 
 @pytest.fixture
@@ -105,7 +100,7 @@ def running(dirs):
         config = replace(config or Config(), kubelet_dir=dirs["k"], features_dir=dirs["features"])
         kubelet = KubeletStub(dirs["k"]).start()
         backend = StubBackend(topology or hgx8_topology())
-        daemon = InProcessDaemon(config, backend, config_loader=loader)
+        daemon = in_process_daemon(config, backend, config_loader=loader)
         made.append((daemon, kubelet))
         assert daemon.start()
         return daemon, kubelet, backend
@@ -254,7 +249,7 @@ def simulated(dirs):
             metrics_address="127.0.0.1:0", pod_resources_socket=os.path.join(dirs["k"], "podres.sock"),
         )
         kubelet = KubeletStub(dirs["k"]).start()
-        daemon = Daemon(config, simulate="dgx-h100")
+        daemon = Daemon.from_config(config, simulate="dgx-h100")
         made.append((daemon, kubelet))
         assert daemon.start()
         daemon.watcher.poll_ms = 20 if daemon.watcher else 0
@@ -279,7 +274,7 @@ def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.3))
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
     assert daemon.manager.wait_ready(2.0) and daemon.ready()
-    daemon.sim.lib.inject_xid(3, 79)
+    daemon.backend.lib.inject_xid(3, 79)
     assert kubelet.wait_for(lambda: (health_of(kubelet) or [])[3:4] == ["Unhealthy"], 5.0)
     assert health_of(kubelet).count("Unhealthy") == 1
     reg = daemon.metrics.registry
@@ -295,11 +290,11 @@ def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
 def test_fake_nvml_lost_gpu_stays_unhealthy_until_it_answers_again(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.2))
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
-    daemon.sim.lib.lose_gpu(6)
+    daemon.backend.lib.lose_gpu(6)
     assert kubelet.wait_for(lambda: (health_of(kubelet) or [])[6:7] == ["Unhealthy"], 5.0)
     time.sleep(0.5)  # longer than the recovery period: a GPU that does not answer stays out
     assert health_of(kubelet)[6] == "Unhealthy"
-    daemon.sim.lib.recover_gpu(6)
+    daemon.backend.lib.recover_gpu(6)
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
 
 
@@ -348,7 +343,7 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
         raise SystemExit(code)
 
     monkeypatch.setattr(os, "_exit", fake_exit)
-    daemon = Daemon(Config())
+    daemon = Daemon(Config(), StubBackend(hgx8_topology()))
     daemon._on_stop_signal(signal.SIGTERM, None)
     assert daemon._stop_requested and exits == []
     with pytest.raises(SystemExit):
@@ -386,7 +381,7 @@ class NoDriverBackend(StubBackend):
 
 
 def test_missing_nvml_fails_start_when_fail_on_init_error(dirs):
-    daemon = InProcessDaemon(Config(kubelet_dir=dirs["k"]), NoDriverBackend(hgx8_topology()))
+    daemon = in_process_daemon(Config(kubelet_dir=dirs["k"]), NoDriverBackend(hgx8_topology()))
     with pytest.raises(Exception, match="NVML library not found") as info:
         daemon.start()
     assert info.value.exit_code == 1
@@ -397,7 +392,8 @@ def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplo
     import urllib.request
 
     config = Config(kubelet_dir=dirs["k"], fail_on_init_error=False, metrics_address="127.0.0.1:0")
-    daemon = InProcessDaemon(config, NoDriverBackend(hgx8_topology()), nvml_retry_s=0.01)
+    daemon = in_process_daemon(config, NoDriverBackend(hgx8_topology()), nvml_retry_s=0.01,
+                               waiting_endpoint=WaitingEndpoint)
     answers: dict[str, int] = {}
 
     def probe_then_stop() -> None:
@@ -460,3 +456,43 @@ def test_ready_endpoint_follows_registration_with_the_kubelet(simulated):
     assert status("/health") == 200
     kubelet.start()
     assert _eventually(lambda: status("/ready") == 200)
+
+
+class RecordingSink:
+    """A label sink that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.written: list[dict[str, str]] = []
+        self.removed = False
+
+    def write(self, labels) -> bool:
+        self.written.append(dict(labels))
+        return True
+
+    def remove(self) -> None:
+        self.removed = True
+
+
+def test_daemon_uses_the_collaborators_it_is_given(dirs):
+    kubelet = KubeletStub(dirs["k"]).start()
+    sink = RecordingSink()
+    made: list[tuple] = []
+
+    def watcher(backend, health, config, on_xid):
+        from agent.health import HealthWatcher
+
+        w = HealthWatcher(backend, health, config, poll_ms=20, on_xid=on_xid)
+        made.append((backend, w))
+        return w
+
+    backend = StubBackend(hgx8_topology())
+    daemon = Daemon(Config(kubelet_dir=dirs["k"]), backend, label_sink=sink, watcher=watcher, source="test:given")
+    try:
+        assert daemon.start()
+        assert kubelet.wait_for(lambda: kubelet.registered("nvidia.com/gpu"))
+        assert sink.written and sink.written[0]["nvidia.com/gpu.count"] == "8"
+        assert made == [(backend, daemon.watcher)] and daemon.metrics is None
+    finally:
+        daemon.shutdown()
+        kubelet.stop()
+    assert sink.removed and backend.shut_down

@@ -7,11 +7,15 @@ import os
 import shutil
 import tempfile
 import threading
+import time
+from concurrent import futures
 
 import grpc
 import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
 
+from agent._proto import deviceplugin_v1beta1_pb2 as pb
+from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
@@ -115,6 +119,37 @@ def test_stale_socket_file_is_replaced(node):
     node.start(hgx8_topology())
     assert node.manager.wait_ready(2.0)
     assert node.client().options().get_preferred_allocation_available
+
+
+class _SlowRegistration(pb_grpc.RegistrationServicer):
+    """A kubelet whose Register takes ``delay_s`` to answer (a busy kubelet)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.in_flight = threading.Event()
+
+    def Register(self, request, context):
+        self.in_flight.set()
+        time.sleep(self.delay_s)
+        return pb.Empty()
+
+
+def test_readiness_answers_at_once_while_a_slow_register_is_in_flight(node):
+    slow = _SlowRegistration(delay_s=1.5)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_RegistrationServicer_to_server(slow, server)
+    server.add_insecure_port(f"unix:{os.path.join(node.kubelet_dir, 'kubelet.sock')}")
+    server.start()
+    try:
+        node.start(hgx8_topology(), kubelet=False, register_timeout_s=3.0)
+        assert slow.in_flight.wait(3.0)
+        started = time.monotonic()
+        assert node.manager.ready() is False
+        assert time.monotonic() - started < 0.2, "the readiness probe waited for the kubelet's Register"
+        assert node.manager.wait_ready(3.0)
+    finally:
+        node.manager.stop(0.5)
+        server.stop(0)
 
 
 # ---------------------------------------------------------------------- ListAndWatch
@@ -442,3 +477,54 @@ def test_distributed_replica_policy_spreads_over_idle_gpus(node):
     available = [f"{u[0]}::{n}" for n in range(4)] + [f"{u[1]}::3"] + [f"{u[2]}::{n}" for n in range(4)]
     got = node.client().preferred(available, [], 2)
     assert len({g.split("::")[0] for g in got}) == 2 and not any(g.startswith(u[1]) for g in got)
+
+
+# ---------------------------------------------------------------------- hooks (self-metrics)
+class RecordingHooks:
+    """A DevicePluginHooks that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def registration(self, resource: str) -> None:
+        self.calls.append(("registration", resource))
+
+    def kubelet_restart(self) -> None:
+        self.calls.append(("kubelet_restart",))
+
+    def set_device_health(self, resource: str, device_id: str, healthy: bool) -> None:
+        self.calls.append(("set_device_health", resource, device_id, healthy))
+
+    def observe_preferred_allocation(self, seconds: float) -> None:
+        self.calls.append(("observe_preferred_allocation", seconds))
+
+
+def test_every_device_plugin_event_reaches_the_hooks_attached_after_start(node):
+    topo = pcie4_topology()
+    node.start(topo)
+    assert node.manager.wait_ready(2.0)
+    hooks = RecordingHooks()
+    node.manager.attach_hooks(hooks)  # as the daemon does once the metrics service is up
+    assert ("registration", "nvidia.com/gpu") in hooks.calls  # replayed: it happened before
+    assert ("set_device_health", "nvidia.com/gpu", topo.gpus[1].uuid, True) in hooks.calls
+    node.client().preferred([g.uuid for g in topo.gpus], [], 2)
+    assert any(c[0] == "observe_preferred_allocation" and c[1] >= 0 for c in hooks.calls)
+    node.health.mark_unhealthy(1, "XID 79")
+    assert ("set_device_health", "nvidia.com/gpu", topo.gpus[1].uuid, False) in hooks.calls
+    node.kubelet.restart()
+    assert node.kubelet.wait_for(lambda: ("kubelet_restart",) in hooks.calls, 2.0)
+
+
+def test_the_self_metrics_and_the_no_op_default_implement_every_hook_with_its_signature():
+    import inspect
+
+    from agent.hooks import NO_HOOKS, DevicePluginHooks
+    from agent.metrics.self_metrics import AgentMetrics
+
+    hooks = [n for n, v in vars(DevicePluginHooks).items() if callable(v) and not n.startswith("_")]
+    assert sorted(hooks) == ["kubelet_restart", "observe_preferred_allocation", "registration", "set_device_health"]
+    for implementation in (AgentMetrics, type(NO_HOOKS), RecordingHooks):
+        for name in hooks:
+            assert inspect.signature(getattr(implementation, name)) == inspect.signature(
+                getattr(DevicePluginHooks, name)
+            ), f"{implementation.__name__}.{name}"

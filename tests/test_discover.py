@@ -95,14 +95,13 @@ def daemon_topology(machine: str):
     from agent.config import Config
     from agent.daemon import Daemon
 
-    daemon = Daemon(Config(), simulate=machine)
-    daemon.backend = daemon._open_backend()
+    daemon = Daemon.from_config(Config(), simulate=machine)
     daemon.backend.init()
     try:
         return daemon._read_topology()
     finally:
         daemon.backend.shutdown()
-        daemon.sim.close()
+        daemon._on_close()
 
 
 @pytest.mark.parametrize("machine", [*BUILTIN_MACHINES, *MATRIX_FILES], ids=lambda m: Path(m).name)

@@ -26,6 +26,7 @@ class ScriptedEvents:
     def __init__(self, gpu_count: int) -> None:
         self.queue: list[Event] = []
         self.answering = [True] * gpu_count
+        self.lost_gpus: set[int] = set()  # GPUs the backend found lost on other calls
         self.fail_with: Exception | None = None
         self.cond = threading.Condition()
 

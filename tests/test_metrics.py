@@ -31,7 +31,6 @@ from metrics_support import (
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
-from agent.errors import ConfigError
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.podresources import (
@@ -41,7 +40,8 @@ from agent.metrics.podresources import (
     PodResourcesCache,
     PodResourcesClient,
 )
-from agent.metrics.service import MetricsService, parse_address
+from agent.metrics.sampler import Sampler
+from agent.metrics.service import MetricsService
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 MIB = 1 << 20
@@ -224,7 +224,6 @@ def test_recorded_xid_is_exported_as_the_last_xid(box2):
 
 def test_sampler_rejects_a_non_positive_interval(box2):
     from agent.hw.sampling import NvmlSampler
-    from agent.metrics.sampler import Sampler
 
     with pytest.raises(ValueError, match="sample interval must be > 0 s, got 0"):
         Sampler(NvmlSampler(box2.backend), box2.topology, interval_s=0)
@@ -435,18 +434,6 @@ def test_agent_metrics_record_what_other_components_report(box2):
     assert "# TYPE gpu_agent_nvml_errors_total counter" in text
     assert "# TYPE gpu_agent_preferred_allocation_seconds histogram" in text
     assert families(text)["gpu_agent_preferred_allocation_seconds"].type == "histogram"
-
-
-@pytest.mark.parametrize("address, expected", [
-    ("127.0.0.1:9400", ("127.0.0.1", 9400)), (":9400", ("", 9400)), ("[::1]:0", ("::1", 0))])
-def test_metrics_address_forms(address, expected):
-    assert parse_address(address) == expected
-
-
-@pytest.mark.parametrize("address", ["9400", "host:port", "x:70000", ""])
-def test_bad_metrics_address_is_a_config_error(address):
-    with pytest.raises(ConfigError, match="expected HOST:PORT or :PORT"):
-        parse_address(address)
 
 
 def test_the_service_registers_on_the_registry_it_is_given(box2):

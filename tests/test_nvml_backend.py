@@ -219,21 +219,6 @@ def test_the_real_pynvml_without_a_driver_gives_nvml_unavailable():
     pytest.skip("this machine has a working NVIDIA driver")
 
 
-def test_init_or_wait_fails_or_waits_as_fail_on_init_error_says(caplog):
-    fake = FakeNvml(load_spec("single-gpu"))
-    fake.fail_init(FakeNvml.NVML_ERROR_LIBRARY_NOT_FOUND)
-    with pytest.raises(NvmlUnavailable):
-        NvmlBackend(lib=fake).init_or_wait(fail_on_init_error=True)
-    stop = threading.Event()
-    stop.set()
-    with caplog.at_level(logging.ERROR, logger="agent.hw.nvml"):
-        assert NvmlBackend(lib=fake).init_or_wait(False, retry_interval_s=0.01, stop=stop) is False
-    assert "retrying" in caplog.text and "Traceback" not in caplog.text
-    fake.fail_init(None)
-    assert NvmlBackend(lib=fake).init_or_wait(False, retry_interval_s=0.01, stop=stop) is True
-
-
-# ---------------------------------------------------------------- events and probing
 def test_an_injected_xid_arrives_through_wait_events(h100):
     fake, backend = h100
     assert backend.wait_events(0) == []  # registers the event set; nothing yet
@@ -339,3 +324,35 @@ def test_mig_capability_is_read_from_nvml_get_mig_mode():
 
     assert all(g.mig_capable for g in load_topology("dgx-a100").gpus)
     assert not any(g.mig_capable for g in load_topology("dgx1-v100").gpus)
+
+
+def test_error_counts_and_lost_gpus_answer_while_a_slow_nvml_call_is_in_flight(h100):
+    # a scrape reads error_counts and the sampler reads lost_gpus: neither may wait for NVML
+    import time
+
+    fake, _ = h100
+    in_call = threading.Event()
+
+    class SlowNvml:
+        """The fake, with a power reading that takes a second (a GPU slow to answer)."""
+
+        def __getattr__(self, name):
+            return getattr(fake, name)
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            in_call.set()
+            time.sleep(1.0)
+            return fake.nvmlDeviceGetPowerUsage(handle)
+
+    backend = NvmlBackend(lib=SlowNvml())
+    backend.init()
+    handle = backend.handle(0)
+    reader = threading.Thread(target=backend.call, args=("nvmlDeviceGetPowerUsage", handle))
+    reader.start()
+    try:
+        assert in_call.wait(2.0)
+        started = time.monotonic()
+        assert backend.error_counts == {} and backend.lost_gpus == frozenset()
+        assert time.monotonic() - started < 0.2, "bookkeeping reads waited for an NVML call"
+    finally:
+        reader.join()

@@ -7,14 +7,13 @@ its environment variables and these flags; flags win (see ``agent.config.load_co
 from __future__ import annotations
 
 import argparse
-import os
 
-from agent.config import Config, load_config
+from agent.config import Config, default_environ, load_config
 
 _DEFAULTS = Config()
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
         help="run the node agent: kubelet device plugin, labels and metrics",
@@ -69,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon, setup_logging
 
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
-    env = dict(os.environ)
+    env = dict(default_environ())
 
     def loader() -> Config:
         return load_config(args.config, env, flags)
 
     config = loader()
     setup_logging(config)
-    return Daemon(config, simulate=args.simulate, config_loader=loader).run()
+    return Daemon.from_config(config, simulate=args.simulate, config_loader=loader).run()

@@ -116,10 +116,11 @@ class Story:
             kubelet = KubeletStub(kubelet_dir).start()
             pod_resources = PodResourcesStub(config.pod_resources_socket).start()
             self.progress(f"starting the agent on the simulated machine {self.machine!r}")
-            daemon = Daemon(config, simulate=self.machine)
+            daemon = Daemon.from_config(config, simulate=self.machine)
             if not daemon.start():
                 raise AgentError("the agent stopped while starting")
-            topology: Topology = daemon.topology
+            topology = daemon.topology
+            assert topology is not None  # start() read it
             from agent.commands.discover import topology_to_json
 
             self.facts["topology"] = topology_to_json(topology)

@@ -12,11 +12,12 @@ import os
 import re
 import uuid as uuidlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from agent.config import Config
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
 from agent.errors import AllocationError
+from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Topology
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -67,28 +68,22 @@ class RequestHandler:
         resource: PluginResource,
         topology: Topology,
         config: Config,
-        engine: object | None = None,
-        *,
-        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
         self.resource = resource
         self.topology = topology
         self.config = config
-        self._engine = engine
+        self._engine: AllocationEngine | None = None
         # Advertised devices per GPU: per-GPU sharing gives GPUs different replica counts,
         # and the engine needs them to tell a GPU's load from its free replicas.
         self._replicas_per_gpu: dict[int, int] = {}
         for d in resource.devices:
             self._replicas_per_gpu[d.gpu_index] = self._replicas_per_gpu.get(d.gpu_index, 0) + 1
-        self._path_exists = path_exists
 
     @property
-    def engine(self) -> object:
+    def engine(self) -> AllocationEngine:
         """The allocation engine, built on first use (one per handler; it only reads the
         frozen topology, so sharing it between threads is safe)."""
         if self._engine is None:
-            from agent.topology.allocator import AllocationEngine
-
             self._engine = AllocationEngine(self.topology)
         return self._engine
 
@@ -112,14 +107,14 @@ class RequestHandler:
         kind = self.resource.kind
         engine = self.engine
         if kind == "gpu":
-            indices = engine.best_set([d.gpu_index for d in avail], [d.gpu_index for d in must], size)  # type: ignore[attr-defined]
+            indices = engine.best_set([d.gpu_index for d in avail], [d.gpu_index for d in must], size)
             by_index = {d.gpu_index: d.id for d in avail}
             return [by_index[i] for i in indices]
         pairs = [(d.id, d.gpu_index) for d in avail]
         if kind == "mig":
-            return list(engine.mig(pairs, [d.id for d in must], size))  # type: ignore[attr-defined]
+            return list(engine.mig(pairs, [d.id for d in must], size))
         return list(
-            engine.replicas(  # type: ignore[attr-defined]
+            engine.replicas(
                 pairs, [d.id for d in must], size, self.config.shared_devices_allocation_policy,
                 replicas_per_gpu=self._replicas_per_gpu,
             )
@@ -177,7 +172,7 @@ class RequestHandler:
     def _device_specs(self, devices: Sequence[PluginDevice]) -> list[tuple[str, str, str]]:
         specs: list[tuple[str, str, str]] = []
         for node in CONTROL_DEVICE_NODES:
-            if self._path_exists(self._host_path(node)):
+            if os.path.exists(self._host_path(node)):
                 specs.append((node, self._host_path(node), "rw"))
         seen: set[str] = set()
         for d in devices:

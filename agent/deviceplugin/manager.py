@@ -5,6 +5,13 @@ nothing of us: a watch thread notices ``kubelet.sock`` being re-created (its ino
 or our own socket vanishing, serves again and re-registers (well within 2 s: it polls every
 ``poll_s``). A kubelet that appears after the agent started is handled the same way.
 Registration that fails is retried with capped exponential backoff.
+
+Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
+:meth:`~DevicePluginManager.reload` and :meth:`~DevicePluginManager.stop`; the kubelet-watch
+thread registers and re-serves; gRPC workers and the metrics HTTP server call
+:meth:`~DevicePluginManager.ready`; the health watcher's listener publishes device health.
+Once started, the watch thread alone starts, stops and registers servers (all of that is
+I/O); ``reload`` hands it the new (topology, config) and waits for the outcome.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -22,7 +29,9 @@ from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, register
+from agent.errors import AgentError
 from agent.health import HealthState
+from agent.hooks import NO_HOOKS, DevicePluginHooks
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -31,9 +40,19 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
-    registered: bool = False
-    next_try_s: float = 0.0
-    backoff_s: float = 0.0
+    registered: bool = False  # written under the manager's lock (ready() reads it)
+    next_try_s: float = 0.0  # watch thread only
+    backoff_s: float = 0.0  # watch thread only
+
+
+@dataclass
+class _Reload:
+    """A reload handed to the watch thread; ``done`` is set once it was applied (or failed)."""
+
+    topology: Topology
+    config: Config
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class DevicePluginManager:
@@ -41,7 +60,8 @@ class DevicePluginManager:
 
     ``start()`` raises :class:`agent.errors.ConfigError` when the resources cannot be built
     (a MIG layout that does not fit the strategy) and AgentError when a socket cannot be
-    bound. ``metrics`` is an ``AgentMetrics`` or None.
+    bound. Events are reported to ``hooks`` (the agent's self-metrics; see
+    :meth:`attach_hooks`).
     """
 
     def __init__(
@@ -50,34 +70,38 @@ class DevicePluginManager:
         config: Config,
         health: HealthState,
         *,
-        engine_factory: Callable[[Topology], object] | None = None,
-        metrics: object | None = None,
+        hooks: DevicePluginHooks = NO_HOOKS,
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
-        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
-        self.topology = topology
-        self.config = config
         self.health = health
-        self.metrics = metrics
         self.poll_s = poll_s
         self.register_timeout_s = register_timeout_s
         self.max_backoff_s = max_backoff_s
-        self._engine_factory = engine_factory
-        self._path_exists = path_exists
-        self._lock = threading.RLock()
+        # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
+        # slots list and their ``registered`` flags, topology, config, resources, hooks,
+        # the pending reload) and is held only to read or assign them: never across I/O
+        # (a Register call, starting or stopping a server), a hook or a callback, and no
+        # other lock (the health state's condition included) is taken while it is held.
+        self._lock = threading.Lock()
+        self.topology = topology
+        self.config = config
+        self.hooks = hooks
         self._slots: list[_Slot] = []
+        self._pending: _Reload | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a reload is pending, or stop
         self._thread: threading.Thread | None = None
+        # watch thread only
         self._kubelet_inode: tuple[int, int, int] | None = None
         self._seen_kubelet = False
         self.resources: tuple[PluginResource, ...] = ()
         self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
         self.socket_losses = 0  # our socket removed while the kubelet stayed
         self.registrations = 0  # successful Register calls
-        #: Called (on the watch thread) after a kubelet restart was detected; the daemon
-        #: uses it to read the topology again.
+        #: Called (on the watch thread, no lock held) after a kubelet restart was detected;
+        #: the daemon uses it to read the topology again.
         self.on_kubelet_restart: Callable[[], None] | None = None
         health.add_listener(self._publish_health)
 
@@ -87,53 +111,63 @@ class DevicePluginManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        with self._lock:
-            self._serve_all(self.topology, self.config)
-        self._publish_health()
+        self._replace_servers(self.topology, self.config)
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, name="kubelet-watch", daemon=True)
-        self._thread.start()
+        self._wake.clear()
+        thread = threading.Thread(target=self._watch, name="kubelet-watch", daemon=True)
+        with self._lock:
+            self._thread = thread
+        thread.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop watching, close streams, stop servers, remove our sockets."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.register_timeout_s + 2.0)
-            self._thread = None
+        self._wake.set()
         with self._lock:
-            for slot in self._slots:
-                slot.server.stop(grace_s)
-            self._slots = []
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(self.register_timeout_s + 2.0)
+        with self._lock:
+            slots, self._slots = self._slots, []
+        for slot in slots:
+            slot.server.stop(grace_s)
 
     def reload(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
-        ConfigError the old servers keep running."""
+        ConfigError the old servers keep running; AgentError when a socket cannot be bound."""
         build_resources(topology, config)  # validate before tearing anything down
+        request = _Reload(topology, config)
         with self._lock:
-            for slot in self._slots:
-                slot.server.stop(0.5)
-            self._slots = []
-            self.topology, self.config = topology, config
-            self._serve_all(topology, config)
-        self._publish_health()
+            thread = self._thread
+            if thread is not None:
+                self._pending = request
+        if thread is None:  # not started (or stopped): nobody else touches the servers
+            self._replace_servers(topology, config)
+            return
+        self._wake.set()
+        while not request.done.wait(0.2):
+            if not thread.is_alive():
+                raise AgentError("the device plugins stopped while reloading")
+        if request.error is not None:
+            raise request.error
 
-    def attach_metrics(self, metrics: object | None) -> None:
-        """Report to ``metrics`` (an ``AgentMetrics``) from now on: registrations, kubelet
-        restarts, preferred-allocation latency, device health (published at once)."""
+    def attach_hooks(self, hooks: DevicePluginHooks) -> None:
+        """Report to ``hooks`` (the agent's self-metrics) from now on: registrations so far
+        and from now on, kubelet restarts, preferred-allocation latency, device health
+        (published at once)."""
         with self._lock:
-            self.metrics = metrics
-            for slot in self._slots:
-                slot.server.servicer.metrics = metrics
-            if metrics is not None:
-                for slot in self._slots:
-                    if slot.registered:
-                        hook = getattr(metrics, "registration", None)
-                        if hook is not None:
-                            hook(slot.server.resource.name)
+            self.hooks = hooks
+            slots = list(self._slots)
+            registered = [s.server.resource.name for s in slots if s.registered]
+        for slot in slots:
+            slot.server.servicer.hooks = hooks
+        for name in registered:
+            hooks.registration(name)
         self._publish_health()
 
     def ready(self) -> bool:
-        """Every resource is registered with the running kubelet."""
+        """Every resource is registered with the running kubelet. Never waits on I/O (the
+        readiness probe calls it)."""
         with self._lock:
             return bool(self._slots) and all(s.registered for s in self._slots)
 
@@ -145,44 +179,45 @@ class DevicePluginManager:
             time.sleep(0.02)
         return self.ready()
 
-    def socket_paths(self) -> list[str]:
-        with self._lock:
-            return [s.server.path for s in self._slots]
-
     # ------------------------------------------------------------------ internals
-    def _handler(self, resource: PluginResource, topology: Topology, config: Config) -> RequestHandler:
-        engine = self._engine_factory(topology) if self._engine_factory is not None else None
-        return RequestHandler(resource, topology, config, engine, path_exists=self._path_exists)
-
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
-        server = PluginServer(
-            self._handler(resource, topology, config), self.health, config.kubelet_dir, metrics=self.metrics
-        )
+        with self._lock:
+            hooks = self.hooks
+        server = PluginServer(RequestHandler(resource, topology, config), self.health, config.kubelet_dir, hooks=hooks)
         server.start()
         return server
 
-    def _serve_all(self, topology: Topology, config: Config) -> None:
-        self.resources = build_resources(topology, config)
-        if not self.resources:
+    def _replace_servers(self, topology: Topology, config: Config) -> None:
+        """Stop the servers, serve (topology, config). Runs on the thread that owns the
+        servers (the caller before start, the watch thread after)."""
+        resources = build_resources(topology, config)
+        with self._lock:
+            old, self._slots = self._slots, []
+            self.topology, self.config, self.resources = topology, config, resources
+        for slot in old:
+            slot.server.stop(0.5)
+        if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
-        for resource in self.resources:
-            self._slots.append(_Slot(self._new_server(resource, topology, config)))
-            log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), self._slots[-1].server.path)
-        if self.resources and not os.path.exists(self.kubelet_socket):
+        for resource in resources:  # a new slot is unregistered: the next round registers it
+            slot = _Slot(self._new_server(resource, topology, config))
+            with self._lock:
+                self._slots.append(slot)
+            log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
+        if resources and not os.path.exists(self.kubelet_socket):
             log.warning(
                 "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
                 self.kubelet_socket,
             )
+        self._publish_health()
 
     def _publish_health(self) -> None:
-        set_health = getattr(self.metrics, "set_device_health", None)
-        if set_health is None:
-            return
+        with self._lock:
+            hooks, resources = self.hooks, self.resources
         unhealthy = self.health.snapshot()
-        for resource in self.resources:
+        for resource in resources:
             for d in resource.devices:
-                set_health(resource.name, d.id, d.gpu_index not in unhealthy)
+                hooks.set_device_health(resource.name, d.id, d.gpu_index not in unhealthy)
 
     def _kubelet_inode_now(self) -> tuple[int, int, int] | None:
         # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
@@ -195,52 +230,78 @@ class DevicePluginManager:
         return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
     def _watch(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
+                self._apply_pending_reload()
                 self._watch_once()
             except Exception:  # keep watching whatever happens; the next round retries
                 log.exception("kubelet watch round failed")
-            if self._stop.wait(self.poll_s):
-                return
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+        self._apply_pending_reload()  # never leave a reload waiting
+
+    def _apply_pending_reload(self) -> None:
+        with self._lock:
+            request, self._pending = self._pending, None
+        if request is None:
+            return
+        try:
+            if self._stop.is_set():
+                raise AgentError("the device plugins stopped while reloading")
+            self._replace_servers(request.topology, request.config)
+        except BaseException as exc:  # handed to the thread that asked for the reload
+            request.error = exc
+        finally:
+            request.done.set()
 
     def _watch_once(self) -> None:
         now = time.monotonic()
         inode = self._kubelet_inode_now()
         with self._lock:
-            if inode != self._kubelet_inode:
-                if inode is not None:
-                    if self._seen_kubelet:
-                        self.kubelet_restarts += 1
-                        log.warning("kubelet restarted (kubelet.sock re-created): serving and registering again")
-                        hook = getattr(self.metrics, "kubelet_restart", None)
-                        if hook is not None:
-                            hook()
-                        if self.on_kubelet_restart is not None:
-                            self.on_kubelet_restart()
-                    else:
-                        log.info("kubelet socket %s found", self.kubelet_socket)
-                    self._seen_kubelet = True
+            slots = list(self._slots)
+        restarted = False
+        if inode != self._kubelet_inode:
+            if inode is not None:
+                if self._seen_kubelet:
+                    restarted = True
+                    self.kubelet_restarts += 1
+                    log.warning("kubelet restarted (kubelet.sock re-created): serving and registering again")
                 else:
-                    log.warning("kubelet socket %s is gone; waiting for the kubelet", self.kubelet_socket)
-                self._kubelet_inode = inode
-                for slot in self._slots:
+                    log.info("kubelet socket %s found", self.kubelet_socket)
+                self._seen_kubelet = True
+            else:
+                log.warning("kubelet socket %s is gone; waiting for the kubelet", self.kubelet_socket)
+            self._kubelet_inode = inode
+            with self._lock:
+                for slot in slots:
                     slot.registered = False
-                    slot.next_try_s = now
-                    slot.backoff_s = 0.0
-            for i, slot in enumerate(self._slots):
-                if self._stop.is_set():
-                    return
-                if not slot.server.socket_present():
-                    if inode is not None:
-                        self.socket_losses += 1
-                    log.warning("socket %s vanished: serving it again", slot.server.path)
-                    resource = slot.server.resource
-                    slot.server.stop(0)
-                    server = self._new_server(resource, self.topology, self.config)
-                    self._slots[i] = slot = _Slot(server, next_try_s=now)
-                if inode is None or slot.registered or now < slot.next_try_s:
-                    continue
-                self._register(slot, now)
+            for slot in slots:
+                slot.next_try_s = now
+                slot.backoff_s = 0.0
+        if restarted:
+            self.hooks.kubelet_restart()
+            if self.on_kubelet_restart is not None:
+                self.on_kubelet_restart()
+        for slot in slots:
+            if self._stop.is_set():
+                return
+            if not slot.server.socket_present():
+                slot = self._serve_again(slot, inode is not None, now)
+            if inode is None or slot.registered or now < slot.next_try_s:
+                continue
+            self._register(slot, now)
+
+    def _serve_again(self, slot: _Slot, kubelet_present: bool, now: float) -> _Slot:
+        if kubelet_present:
+            self.socket_losses += 1
+        log.warning("socket %s vanished: serving it again", slot.server.path)
+        slot.server.stop(0)
+        with self._lock:
+            topology, config = self.topology, self.config
+        fresh = _Slot(self._new_server(slot.server.resource, topology, config), next_try_s=now)
+        with self._lock:
+            self._slots = [fresh if s is slot else s for s in self._slots]
+        return fresh
 
     def _register(self, slot: _Slot, now: float) -> None:
         resource = slot.server.resource
@@ -249,15 +310,15 @@ class DevicePluginManager:
         except grpc.RpcError as exc:
             slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))
             slot.next_try_s = now + slot.backoff_s
-            details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
+            details = exc.details() if hasattr(exc, "details") else str(exc)
             log.warning(
                 "kubelet refused registration of %s: %s (retry in %.1f s)",
                 resource.name, details, slot.backoff_s,
             )
             return
-        slot.registered = True
+        with self._lock:
+            slot.registered = True
+            hooks = self.hooks
         self.registrations += 1
         log.info("registered %s with the kubelet (endpoint %s)", resource.name, resource.socket_name)
-        hook = getattr(self.metrics, "registration", None)
-        if hook is not None:
-            hook(resource.name)
+        hooks.registration(resource.name)

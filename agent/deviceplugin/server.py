@@ -23,6 +23,7 @@ from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError
 from agent.health import HealthState
+from agent.hooks import NO_HOOKS, DevicePluginHooks
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +48,12 @@ def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     """``/v1beta1.DevicePlugin/*`` for one resource."""
 
-    def __init__(self, handler: RequestHandler, health: HealthState, metrics: object | None = None) -> None:
+    def __init__(self, handler: RequestHandler, health: HealthState, hooks: DevicePluginHooks = NO_HOOKS) -> None:
         self.handler = handler
         self.resource = handler.resource
         self.health = health
-        self.metrics = metrics
+        self.hooks = hooks  # replaced (one assignment) when the metrics service comes up
         self._stopped = threading.Event()
-        self.streams_open = 0
-        self._lock = threading.Lock()
 
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
@@ -66,19 +65,13 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         context.add_callback(self.health.wake)
-        with self._lock:
-            self.streams_open += 1
-        try:
-            sent = -1
-            while not self._stopped.is_set() and context.is_active():
-                generation = self.health.generation
-                if generation != sent:
-                    sent = generation
-                    yield device_list(self.resource, self.health.snapshot())
-                self.health.wait_for_change(sent, 1.0)
-        finally:
-            with self._lock:
-                self.streams_open -= 1
+        sent = -1
+        while not self._stopped.is_set() and context.is_active():
+            generation = self.health.generation
+            if generation != sent:
+                sent = generation
+                yield device_list(self.resource, self.health.snapshot())
+            self.health.wait_for_change(sent, 1.0)
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -93,9 +86,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 out.container_responses.add(deviceIDs=ids)
         except AgentError as exc:
             self._abort(context, exc)
-        observe = getattr(self.metrics, "observe_preferred_allocation", None)
-        if observe is not None:
-            observe(time.perf_counter() - started)
+        self.hooks.observe_preferred_allocation(time.perf_counter() - started)
         return out
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
@@ -142,12 +133,12 @@ class PluginServer:
         health: HealthState,
         socket_dir: str,
         *,
-        metrics: object | None = None,
+        hooks: DevicePluginHooks = NO_HOOKS,
         max_workers: int = 16,
     ) -> None:
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, metrics)
+        self.servicer = DevicePluginServicer(handler, health, hooks)
         self.max_workers = max_workers
         self._server: grpc.Server | None = None
         self._inode: int | None = None

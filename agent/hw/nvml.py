@@ -17,8 +17,7 @@ Errors other than NotSupported are counted per function in
 NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`init` raises
 :class:`NvmlUnavailable` with one clear line. What the agent does then is the
 ``fail_on_init_error`` setting (the anchor's ``failOnInitError``): exit 1 (True, default), or
-log and retry every ``retry_interval_s`` until NVML comes up (False); see
-:meth:`NvmlBackend.init_or_wait`.
+log and retry until NVML comes up (False): the daemon's loop (``agent.daemon``) does that.
 
 Discovery (:meth:`read_facts`) reads from NVML: count, UUID, name, memory, PCI bus id,
 minor number, compute capability, MIG mode and MIG devices, every NVLink's state and remote
@@ -39,7 +38,6 @@ import time
 import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from agent.errors import AgentError
@@ -167,9 +165,16 @@ class NvmlBackend:
     Thread-safe: calls are serialised by one lock, except event waits.
     """
 
+    # Locks: ``_call_lock`` serialises NVML calls (held across the call, the only lock held
+    # across I/O; nothing but the call runs under it). ``_lock`` guards the bookkeeping
+    # (lost GPUs, error counts, handles, the event set) that other threads read, a scrape
+    # included, and is never held across an NVML call. Order: ``_lock`` is never taken
+    # while ``_call_lock`` is held, and the reverse does not happen either.
+
     def __init__(self, lib: Any = None, sysfs: SysfsReader | None = None) -> None:
         self._lib: Any = lib
         self._sysfs = sysfs
+        self._call_lock = threading.Lock()
         self._lock = threading.RLock()
         self._lost: set[int] = set()
         self._reported_lost: set[int] = set()
@@ -207,7 +212,9 @@ class NvmlBackend:
         if self._lib is None:
             try:
                 import pynvml
-            except ImportError:
+            except ModuleNotFoundError as exc:
+                if exc.name != "pynvml":  # pynvml is there but broken: not "not installed"
+                    raise
                 raise NvmlUnavailable(
                     "NVML is not available: the Python module pynvml (package nvidia-ml-py) "
                     "is not installed"
@@ -243,30 +250,6 @@ class NvmlBackend:
         }
         reason = reasons.get(code, f"nvmlInit failed: {exc} (NVML error {code})")
         return f"NVML is not available: {reason}"
-
-    def init_or_wait(
-        self,
-        fail_on_init_error: bool,
-        retry_interval_s: float = 30.0,
-        stop: threading.Event | None = None,
-    ) -> bool:
-        """:meth:`init`, with the ``fail_on_init_error`` behaviour: True -> the
-        :class:`NvmlUnavailable` propagates (the agent exits 1); False -> log one line per
-        attempt and retry every ``retry_interval_s`` until it works (returns True) or
-        ``stop`` is set (returns False)."""
-        stop = stop or threading.Event()
-        while True:
-            try:
-                self.init()
-                return True
-            except NvmlUnavailable as exc:
-                if fail_on_init_error:
-                    raise
-                log.error(
-                    "%s; retrying in %.0f s (fail_on_init_error is false)", exc, retry_interval_s
-                )
-            if stop.wait(retry_interval_s):
-                return False
 
     def shutdown(self) -> None:
         """Free the event set and shut NVML down; never raises."""
@@ -342,7 +325,7 @@ class NvmlBackend:
         try:
             if function_name in _BLOCKING:
                 return fn(*args)
-            with self._lock:
+            with self._call_lock:
                 return fn(*args)
         except lib.NVMLError as exc:
             code = exc.value
@@ -420,9 +403,10 @@ class NvmlBackend:
         if lib is None:
             return False
         was_lost = index in self._lost
+        with self._lock:
+            h = self._handles.get(index)
         try:
-            with self._lock:
-                h = self._handles.get(index)
+            with self._call_lock:
                 if h is None or was_lost:
                     h = lib.nvmlDeviceGetHandleByIndex(index)
                 lib.nvmlDeviceGetUUID(h)
@@ -449,11 +433,12 @@ class NvmlBackend:
     def register_events(self) -> bool:
         """Create the event set and register XID and double-bit ECC events for every GPU
         that supports them (idempotent). False if NVML has no event support here."""
-        with self._lock:
-            if self._event_set is None:
-                self._event_set = self.call("nvmlEventSetCreate")
-            if self._event_set is None:
-                return False
+        if self._event_set is None:  # only the health watcher's thread registers events
+            event_set = self.call("nvmlEventSetCreate")
+            with self._lock:
+                self._event_set = event_set
+        if self._event_set is None:
+            return False
         if self._event_gpus is None:
             self._event_gpus = self.device_count()
         for index in range(self._event_gpus):
@@ -610,7 +595,7 @@ class NvmlBackend:
             mig_capable = None  # a driver without the function says nothing either way
         if mode is not None and int(mode[0]) == self.const("NVML_DEVICE_MIG_ENABLE"):
             mig_enabled = True
-            mig_devices = self._read_mig(index, h, total_bytes, _text(uuid) if uuid else "")
+            mig_devices = self._read_mig(index, h, total_bytes)
 
         cluster, clique = self._read_fabric(index, h)
 
@@ -675,9 +660,7 @@ class NvmlBackend:
                 highest = max(highest, max(cpus) + 1)
         return max(highest, 1024)
 
-    def _read_mig(
-        self, index: int, h: Any, total_bytes: int, parent_uuid: str
-    ) -> tuple[MigDevice, ...]:
+    def _read_mig(self, index: int, h: Any, total_bytes: int) -> tuple[MigDevice, ...]:
         count = self.call("nvmlDeviceGetMaxMigDeviceCount", h, gpu=index) or 0
         not_found = (self.const("NVML_ERROR_NOT_FOUND"), self.const("NVML_ERROR_INVALID_ARGUMENT"))
         out: list[MigDevice] = []
@@ -808,12 +791,3 @@ class NvmlBackend:
             b.fabric_cluster_uuid,
             b.fabric_clique_id,
         )
-
-
-def real_pynvml() -> ModuleType | None:
-    """The installed ``pynvml`` module, or None (for tests comparing the fake with it)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    return pynvml

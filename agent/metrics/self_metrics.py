@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.hooks import DevicePluginHooks
+
 #: GetPreferredAllocation answers from memory: buckets from 50 us to 1 s (the anchor's
 #: 16-30 s calls would land in +Inf).
 PREFERRED_ALLOCATION_BUCKETS_S = (
@@ -28,8 +30,9 @@ class ErrorCounting(Protocol):
     def error_counts(self) -> dict[str, int]: ...
 
 
-class AgentMetrics:
-    """Self-metrics; every method is thread-safe and cheap (no I/O)."""
+class AgentMetrics(DevicePluginHooks):
+    """Self-metrics; every method is thread-safe and cheap (no I/O). Subclassing the hooks
+    protocol makes mypy check that every hook is here with its signature."""
 
     def __init__(self, registry: CollectorRegistry, backend: ErrorCounting | None = None) -> None:
         self.registry = registry

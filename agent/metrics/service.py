@@ -24,7 +24,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
-from agent.errors import ConfigError
+from agent.formats import parse_host_port as parse_address
 from agent.hw.nvml import NvmlBackend
 from agent.hw.sampling import NvmlSampler
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
@@ -40,17 +40,6 @@ from agent.topology.model import Topology
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:9400"`` -> ("127.0.0.1", 9400); ``":9400"`` -> ("", 9400) (all
-    interfaces); ``"[::1]:9400"`` -> ("::1", 9400). Raises ConfigError otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"metrics address {address!r}: expected HOST:PORT or :PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
 
 
 class _Server(ThreadingHTTPServer):
@@ -134,7 +123,7 @@ class MetricsService:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Bind the HTTP server (raises ConfigError for a bad address, OSError when the
+        """Bind the HTTP server (raises ValueError for a bad address, OSError when the
         port is taken), then start sampling and pod attribution."""
         self._server, self._server_thread = _serve(
             self.config.metrics_address, _make_handler(self.render, self.ready)
@@ -158,7 +147,7 @@ class MetricsService:
 
 
 def _serve(address: str, handler: type[BaseHTTPRequestHandler]) -> tuple[_Server, threading.Thread]:
-    """Bind ``address`` (ConfigError for a bad one, OSError when taken) and serve it on a
+    """Bind ``address`` (ValueError for a bad one, OSError when taken) and serve it on a
     daemon thread."""
     host, port = parse_address(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

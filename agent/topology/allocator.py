@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from agent.errors import AllocationError
+from agent.records import REPLICA_POLICIES
 from agent.topology import engine
 from agent.topology.model import Topology
 
@@ -47,9 +48,6 @@ CRITERIA: tuple[str, ...] = (
     "cut to the GPUs left free",
     "lowest indices",
 )
-
-REPLICA_POLICIES = ("distributed", "packed")
-
 
 @dataclass(frozen=True)
 class Candidate:

@@ -27,7 +27,9 @@ def _select() -> tuple[ModuleType, str]:
         return _pure, "python"
     try:
         from agent import _topo  # type: ignore[attr-defined]
-    except ImportError as exc:  # an unbuilt source checkout
+    except ModuleNotFoundError as exc:  # an unbuilt source checkout (a broken build raises)
+        if exc.name != "agent._topo":
+            raise
         log.warning("Cython topology engine not built (%s); using the pure-Python twin", exc)
         return _pure, "python"
     missing = [name for name in API if not hasattr(_topo, name)]
