@@ -1,9 +1,10 @@
 """Packaging: the sdist builds a working wheel, and the package says what it needs.
 
-One build per session (the ``built`` fixture): a copy of the source tree, with generated
-files planted in it, is turned into an sdist and a wheel built from that sdist by pypa's
-``build`` without isolation (the [build-system] requirements come from the ``test`` extra,
-so nothing is downloaded). The wheel is then installed into fresh virtual environments.
+One build per session: a copy of the source tree, with generated files planted in it, is
+turned into an sdist (pypa ``build``, the ``sdist`` fixture), and a wheel is built from that
+sdist alone (``pip wheel``, the ``wheel`` fixture), both without build isolation: the
+[build-system] requirements come from the ``test`` extra, so nothing is downloaded. The
+wheel is then installed into fresh virtual environments.
 
 The generated gRPC code checks its runtime: ``*_pb2_grpc`` modules refuse a grpcio older
 than the grpcio-tools that generated them, ``*_pb2`` modules a protobuf older than their
@@ -25,7 +26,6 @@ import sysconfig
 import tarfile
 import tomllib
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -152,28 +152,32 @@ def test_setup_py_generates_nothing_when_imported() -> None:
 # ----------------------------------------------------------------------- sdist and wheel
 
 
-@dataclass(frozen=True)
-class Built:
-    sdist: Path
-    wheel: Path
+def _sdist_names(sdist: Path) -> set[str]:
+    with tarfile.open(sdist) as tar:
+        prefix = tar.getnames()[0].split("/")[0] + "/"
+        return {m.name.removeprefix(prefix) for m in tar.getmembers() if m.isfile()}
 
-    def sdist_names(self) -> set[str]:
-        with tarfile.open(self.sdist) as tar:
-            prefix = tar.getnames()[0].split("/")[0] + "/"
-            return {m.name.removeprefix(prefix) for m in tar.getmembers() if m.isfile()}
 
-    def wheel_names(self) -> set[str]:
-        with zipfile.ZipFile(self.wheel) as whl:
-            return set(whl.namelist())
+def _wheel_names(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as whl:
+        return set(whl.namelist())
+
+
+def _only(directory: Path, pattern: str) -> Path:
+    found = list(directory.glob(pattern))
+    assert len(found) == 1, (
+        f"{pattern} in {directory}: {sorted(p.name for p in directory.iterdir())}"
+    )
+    return found[0]
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    """sdist from a copy of the tree (with generated files planted), then the wheel from that
-    sdist (pypa `build` does both in one call), no build isolation."""
+def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist of a copy of the tree with generated files planted in it (pypa `build`,
+    no isolation: the build requirements come from the test extra)."""
     if importlib.util.find_spec("build") is None:
         pytest.skip("pypa build is not installed in this interpreter (pip install '.[test]')")
-    base = tmp_path_factory.mktemp("packaging")
+    base = tmp_path_factory.mktemp("sdist")
     src = base / "src"
     shutil.copytree(
         ROOT,
@@ -187,16 +191,20 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text("# generated: must not reach the sdist\nraise ImportError\n")
     out = base / "dist"
+    build = [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out)]
+    _check(_run([*build, str(src)], cwd=base))
+    return _only(out, "*.tar.gz")
+
+
+@pytest.fixture(scope="session")
+def wheel(sdist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from the sdist alone (this is the one slow step: Cython and gcc)."""
+    out = tmp_path_factory.mktemp("wheel")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     _check(
-        _run(
-            [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
-            cwd=base,
-            timeout=600,
-        )
+        _run([*pip_wheel, "--no-index", "--wheel-dir", str(out), str(sdist)], cwd=out, timeout=600)
     )
-    sdists, wheels = list(out.glob("*.tar.gz")), list(out.glob("*.whl"))
-    assert len(sdists) == 1 and len(wheels) == 1, sorted(p.name for p in out.iterdir())
-    return Built(sdists[0], wheels[0])
+    return _only(out, "*.whl")
 
 
 def _expected_sources() -> set[str]:
@@ -206,20 +214,20 @@ def _expected_sources() -> set[str]:
     return {f for f in files if not GENERATED.search(f)}
 
 
-def test_sdist_carries_every_source_the_wheel_build_reads(built: Built) -> None:
-    missing = _expected_sources() - built.sdist_names()
+def test_sdist_carries_every_source_the_wheel_build_reads(sdist: Path) -> None:
+    missing = _expected_sources() - _sdist_names(sdist)
     assert not missing, f"the sdist lacks {sorted(missing)}"
 
 
-def test_sdist_carries_no_generated_file(built: Built) -> None:
-    names = built.sdist_names()
+def test_sdist_carries_no_generated_file(sdist: Path) -> None:
+    names = _sdist_names(sdist)
     assert not names & set(PLANTED_GENERATED)
     generated = sorted(n for n in names if GENERATED.search(n))
     assert not generated, f"the sdist carries generated files: {generated}"
 
 
-def test_wheel_from_the_sdist_has_the_engine_the_stubs_and_the_machine_specs(built: Built) -> None:
-    names = built.wheel_names()
+def test_wheel_from_the_sdist_has_the_engine_the_stubs_and_the_machine_specs(wheel: Path) -> None:
+    names = _wheel_names(wheel)
     assert any(re.fullmatch(r"agent/_topo\.[^/]+\.so", n) for n in names), "no agent._topo"
     for stem in _proto_stems():
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
@@ -231,9 +239,9 @@ def test_wheel_from_the_sdist_has_the_engine_the_stubs_and_the_machine_specs(bui
     )
 
 
-def test_stubs_import_each_other_by_their_package_path(built: Built) -> None:
+def test_stubs_import_each_other_by_their_package_path(wheel: Path) -> None:
     # protoc's own import mapping (the .proto files staged under agent/_proto/), no rewriting
-    with zipfile.ZipFile(built.wheel) as whl:
+    with zipfile.ZipFile(wheel) as whl:
         for stem in _proto_stems():
             grpc_module = whl.read(f"agent/_proto/{stem}_pb2_grpc.py").decode()
             assert f"\nfrom agent._proto import {stem}_pb2 as " in grpc_module
@@ -284,10 +292,10 @@ def _import_script(*extra: str) -> str:
 
 
 def test_installed_wheel_imports_the_engine_and_the_stubs_in_a_fresh_venv(
-    built: Built, tmp_path: Path
+    wheel: Path, tmp_path: Path
 ) -> None:
     venv = tmp_path / "venv"
-    _fresh_venv(venv, built.wheel)
+    _fresh_venv(venv, wheel)
     # The dependencies (grpcio, protobuf, PyYAML, ...) come from this interpreter's
     # site-packages, listed after the venv's own: its editable `agent` is not activated
     # (a .pth file in a directory that a .pth line adds is not processed).
@@ -317,11 +325,11 @@ def test_installed_wheel_imports_the_engine_and_the_stubs_in_a_fresh_venv(
 
 
 def test_declared_runtime_floors_import_the_stubs_built_by_the_pinned_tools(
-    built: Built, tmp_path: Path
+    wheel: Path, tmp_path: Path
 ) -> None:
     grpcio, protobuf = _floor(RUNTIME["grpcio"]), _floor(RUNTIME["protobuf"])
     venv = tmp_path / "floors"
-    installed = _fresh_venv(venv, built.wheel, f"grpcio=={grpcio}", f"protobuf=={protobuf}")
+    installed = _fresh_venv(venv, wheel, f"grpcio=={grpcio}", f"protobuf=={protobuf}")
     if installed.returncode != 0 and OFFLINE.search(installed.stdout + installed.stderr):
         pytest.skip(
             f"the package index is unreachable, cannot install the floors: {installed.stderr[-300:]}"
