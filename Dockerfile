@@ -18,15 +18,16 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-# Only what the build reads: packaging metadata (pyproject names README.md as the readme),
-# the build script, the Cython source, the .proto files, the package.
-COPY pyproject.toml setup.py README.md ./
+# Only what the build reads: packaging metadata (pyproject names README.md as the readme,
+# MANIFEST.in lists the package's files), the build script, the Cython source, the .proto
+# files, the package.
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY ext/ ext/
 COPY proto/ proto/
 COPY agent/ agent/
 # pip wheel builds our wheel in an isolated environment with the build requirements
-# (setuptools, Cython, grpcio-tools) and fetches wheels for the dependencies; the install
-# then uses only those wheels.
+# (setuptools, Cython, grpcio-tools at its pinned version) and fetches wheels for the
+# dependencies; the install then uses only those wheels.
 RUN python -m venv /opt/venv \
  && pip wheel --no-cache-dir --wheel-dir /wheels . \
  && /opt/venv/bin/pip install --no-cache-dir --no-index --find-links /wheels gpu-topology-agent \
