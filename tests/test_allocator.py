@@ -14,6 +14,8 @@ from agent.hw.machines import synthetic_islands_topology
 from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 
 def nvswitch_node(n: int = 8, per_numa: int = 4, nvlinks: int = 18) -> Topology:
     """Every pair NVLinked through NVSwitch; PCIe NODE within a socket, SYS across."""

@@ -16,6 +16,8 @@ from agent import cli
 from agent.commands import allocate
 from agent.hw.topo_matrix import read_topo_matrix
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 
 

@@ -24,6 +24,8 @@ from agent.hw.topo_matrix import (
 )
 from agent.topology.model import PcieLevel, Topology
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 FIXTURES = Path(__file__).parent / "fixtures" / "topo"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 REAL_FILES = sorted(EXPECTED)
