@@ -276,9 +276,9 @@ cdef class _TopList:
 cdef class AllocationSolver:
     """See ``agent.topology._pure.AllocationSolver``: identical contract and results."""
     cdef public int n
-    cdef long long s[64][64]
-    cdef uint64_t numa_bit[64]
-    cdef uint64_t node_gpus[64]  # GPUs of each distinct NUMA id, n_nodes of them
+    cdef long long s[_MAX_GPUS][_MAX_GPUS]
+    cdef uint64_t numa_bit[_MAX_GPUS]
+    cdef uint64_t node_gpus[_MAX_GPUS]  # GPUs of each distinct NUMA id, n_nodes of them
     cdef int n_nodes
     cdef long long* table
     cdef long long* memo[_EXACT + 1]  # by k: k <= popcount(mask) <= _EXACT (partition_value)
@@ -358,7 +358,7 @@ cdef class AllocationSolver:
 
     # ------------------------------------------------------------------ small helpers
     cdef long long _set_score(self, uint64_t mask) noexcept:
-        cdef int members[64]
+        cdef int members[_MAX_GPUS]
         cdef int c = 0, a, b
         cdef long long total = 0
         while mask:
@@ -475,7 +475,7 @@ cdef class AllocationSolver:
         if v >= 0:
             return v
         cdef uint64_t low = _low(mask), rest = mask ^ low
-        cdef uint64_t members[64]
+        cdef uint64_t members[_MAX_GPUS]
         cdef int c = 0, count, remainder
         while rest:
             members[c] = _low(rest)
@@ -497,8 +497,8 @@ cdef class AllocationSolver:
     cdef long long _groups(self, uint64_t mask, uint64_t low, uint64_t* members, int c, int t,
                            int k, long long* memo) noexcept:
         """Best of table[g] + P(mask - g) over groups g = low + t of ``members``."""
-        cdef int idx[64]
-        cdef uint64_t acc[65]
+        cdef int idx[_MAX_GPUS]
+        cdef uint64_t acc[_MAX_GPUS + 1]
         cdef long long best = -1, v
         cdef int i, j
         cdef uint64_t g
@@ -604,14 +604,14 @@ cdef class AllocationSolver:
                          _TopList best) except -1:
         cdef long long* table = self._table()
         cdef long long* memo = self._memo_for(k)
-        cdef uint64_t members[64]
-        cdef uint64_t acc[65]
-        cdef int idx[64]
+        cdef uint64_t members[_MAX_GPUS]
+        cdef uint64_t acc[_MAX_GPUS + 1]
+        cdef int idx[_MAX_GPUS]
         cdef uint64_t free_mask = available & ~required, g, rest, m, all_free = free_mask
         cdef int c = 0, t = k - __builtin_popcountll(required), i, j, inserts = 0
         cdef bint flip
         cdef long long sc, c1, cut
-        cdef long long row[64]  # row[a]: total score of a with the other available GPUs
+        cdef long long row[_MAX_GPUS]  # row[a]: total score of a with the other available GPUs
         while free_mask:
             members[c] = _low(free_mask)
             free_mask ^= members[c]
@@ -704,7 +704,7 @@ cdef class AllocationSolver:
 
     # ------------------------------------------------------------------ bounded search
     cdef uint64_t _grow(self, uint64_t g, uint64_t pool, int size) noexcept:
-        cdef long long gain[64]
+        cdef long long gain[_MAX_GPUS]
         cdef long long best_gain
         cdef uint64_t candidates = pool & ~g, r, m
         cdef int j, best_j, cnt = __builtin_popcountll(g)
@@ -750,7 +750,7 @@ cdef class AllocationSolver:
 
     cdef list _heuristic(self, uint64_t available, uint64_t required, int k, int top):
         cdef _TopList best = _TopList(top)
-        cdef uint64_t seen[64]
+        cdef uint64_t seen[_MAX_GPUS]
         cdef int n_seen = 0, i, dup
         cdef uint64_t seeds = available & ~required, seed, g
         cdef long long sc, c1

@@ -322,7 +322,6 @@ class AllocationEngine:
         n = self._n
         parent: dict[str, int] = {}
         by_gpu: list[list[str]] = [[] for _ in range(n)]
-        count = 0
         for entry in available:
             try:
                 device_id, gpu = entry
@@ -336,7 +335,7 @@ class AllocationEngine:
                 gpu = self._gpu_index(f"available {device_id}", gpu)
             parent[device_id] = gpu
             by_gpu[gpu].append(device_id)
-            count += 1
+        count = sum(map(len, by_gpu))
         if len(parent) != count:
             seen: set[str] = set()
             for device_id, _ in available:
@@ -363,32 +362,29 @@ class AllocationEngine:
         per_gpu: int | Mapping[int, int] | None,
     ) -> list[int]:
         """Per GPU index, its replicas allocated to others (0 for GPUs not in the request)."""
-        present = [g for g in range(self._n) if free[g] or taken[g]]
+        counts = [f + t for f, t in zip(free, taken)]  # 0: not in the request
         if per_gpu is None:
-            uniform = max(free[g] + taken[g] for g in present)
-            total = dict.fromkeys(present, uniform)
+            uniform = max(counts)
+            load = [uniform - c if c else 0 for c in counts]
         elif isinstance(per_gpu, int):
-            total = dict.fromkeys(present, int(per_gpu))
+            load = [max(per_gpu - c, 0) if c else 0 for c in counts]
         elif isinstance(per_gpu, Mapping):
-            total = {g: int(per_gpu.get(g, free[g] + taken[g])) for g in present}
+            load = [max(int(per_gpu.get(g, c)) - c, 0) if c else 0 for g, c in enumerate(counts)]
         else:
             raise AllocationError(
                 f"replicas_per_gpu must be a count or a mapping GPU index -> count, "
                 f"got {per_gpu!r}"
             )
-        load = [0] * self._n
-        for g in present:
-            load[g] = max(total[g] - free[g] - taken[g], 0)
         if max(load) > self._load_max:
             # Only comparisons of load + taken matter, and taken differs by at most the
             # request's size: shrink every gap between distinct loads to at most that + 1.
-            cap = sum(free) + sum(taken) + 1
-            shrunk, last, prev = {}, -1, None
-            for value in sorted({load[g] for g in present}):
-                last = last + 1 if prev is None else last + min(value - prev, cap)
+            cap = sum(counts) + 1
+            shrunk: dict[int, int] = {}
+            last, prev = 0, None
+            for value in sorted({load[g] for g in range(self._n) if counts[g]}):
+                last = 0 if prev is None else last + min(value - prev, cap)
                 shrunk[value], prev = last, value
-            for g in present:
-                load[g] = shrunk[load[g]]
+            load = [shrunk[v] if c else 0 for v, c in zip(load, counts)]
         return load
 
     def replicas(
