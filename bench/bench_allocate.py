@@ -17,6 +17,17 @@ wall-clock p99 alongside, see ``time_calls``):
 
 Goals (issue 3): 8 GPUs p99 <= 100 us for any k; 16 GPUs p99 <= 20 ms for any k; the
 extension >= 20x faster than the twin on 16 GPUs (ratio of medians, per k, worst k shown).
+
+Before/after: ``--compare-old DIR`` measures the compiled engine of an older build (``DIR``
+holds its ``agent`` package, extension built) beside this checkout's, in one run: the same
+cases (every machine and k, replicas, 64 GPUs) in worker processes, old and new alternating
+for ``--rounds`` rounds, and prints new/old ratios per case (below 1: faster now). To build
+the old one from a commit::
+
+    git archive <commit> | tar -x -C /tmp/old-src
+    .venv/bin/pip wheel --no-deps /tmp/old-src -w /tmp/old-whl
+    mkdir /tmp/old-pkg && unzip -q /tmp/old-whl/*.whl -d /tmp/old-pkg
+    .venv/bin/python bench/bench_allocate.py --compare-old /tmp/old-pkg --quick
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# a --compare-old worker imports the old build's ``agent`` package instead of this checkout's
+sys.path.insert(0, os.environ.get("BENCH_AGENT_PATH") or str(ROOT))
 
 from agent.discovery import load_topology  # noqa: E402
 from agent.topology import engine  # noqa: E402
@@ -154,18 +166,96 @@ def fmt_us(us: float) -> str:
     return f"{us:9.1f} us" if us < 10_000 else f"{us / 1000:9.2f} ms"
 
 
+MACHINES = ("dgx1-v100", "dgx-h100", "pcie-pairs", "dgx2")
+LARGE_KS = [1, 2, 4, 8, 16, 32]
+
+
+def compiled_cases(quick: bool) -> dict[str, dict[str, float]]:
+    """Every case of the compiled engine, by name (one --compare-old worker's measurements)."""
+    calls = 40 if quick else 400
+    out: dict[str, dict[str, float]] = {}
+    for name in MACHINES:
+        for k, stats in bench_gpu_machine(machine(name), "cython", calls, 1).items():
+            out[f"{name} k={k}"] = stats
+    for key, stats in bench_replicas("cython", calls).items():
+        out[f"replicas {key}"] = stats
+    for k, stats in bench_large("cython", max(8, calls // 10), LARGE_KS).items():
+        out[f"synthetic-64 k={k}"] = stats
+    return out
+
+
+def compare_old(old_path: str, quick: bool, rounds: int, json_path: str) -> int:
+    """Old and new compiled engines side by side: alternating worker processes, per case the
+    smallest median and p99 over the rounds (the least disturbed sample of each)."""
+    import subprocess
+
+    here = str(Path(__file__).resolve())
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"old": [], "new": []}
+    for r in range(rounds):
+        for which in ("old", "new") if r % 2 == 0 else ("new", "old"):
+            env = dict(os.environ, BENCH_AGENT_PATH=old_path if which == "old" else str(ROOT))
+            env.pop("AGENT_PUREPYTHON", None)
+            cmd = [sys.executable, here, "--worker"] + (["--quick"] if quick else [])
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs[which].append(json.loads(done.stdout))
+            print(f"round {r + 1}: {which} measured", file=sys.stderr)
+
+    def best(which: str, case: str, stat: str) -> float:
+        return min(run[case][stat] for run in runs[which])
+
+    print(f"{'case':<22} | {'old median':>12} {'new median':>12} {'new/old':>7} | "
+          f"{'old p99':>12} {'new p99':>12} {'new/old':>7}")
+    report = {}
+    for case in runs["new"][0]:
+        om, nm = best("old", case, "median_us"), best("new", case, "median_us")
+        op, np_ = best("old", case, "p99_us"), best("new", case, "p99_us")
+        report[case] = {"old_median_us": om, "new_median_us": nm, "old_p99_us": op,
+                        "new_p99_us": np_}
+        print(f"{case:<22} | {fmt_us(om)} {fmt_us(nm)} {nm / om:6.2f}x | "
+              f"{fmt_us(op)} {fmt_us(np_)} {np_ / op:6.2f}x")
+    groups: dict[str, list[str]] = {}
+    for case in report:
+        groups.setdefault(case.rsplit(" ", 1)[0], []).append(case)
+    print("\nper group, new/old ratio of medians (min-max) and worst new p99:")
+    for group, cases in groups.items():
+        ratios = [report[c]["new_median_us"] / report[c]["old_median_us"] for c in cases]
+        worst = max(report[c]["new_p99_us"] for c in cases)
+        medians = [report[c]["new_median_us"] for c in cases]
+        print(f"  {group:<22} {min(ratios):.2f}x-{max(ratios):.2f}x; new medians "
+              f"{fmt_us(min(medians)).strip()}-{fmt_us(max(medians)).strip()}, "
+              f"worst new p99 {fmt_us(worst).strip()}")
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps({"rounds": rounds, "quick": quick, "cases": report},
+                                          indent=1))
+    print(f"\nraw figures: {json_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few calls: a smoke run, not figures")
-    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "allocate.json"))
+    parser.add_argument("--json", default=None, help="raw figures (default bench/results/...)")
+    parser.add_argument("--compare-old", metavar="DIR",
+                        help="an older build's package directory: before/after ratios")
+    parser.add_argument("--rounds", type=int, default=2, help="--compare-old rounds (default 2)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(compiled_cases(args.quick)))
+        return 0
+    if args.compare_old:
+        if not (Path(args.compare_old) / "agent").is_dir():
+            parser.error(f"--compare-old {args.compare_old}: no agent package in that directory")
+        return compare_old(args.compare_old, args.quick, max(args.rounds, 1),
+                           args.json or str(ROOT / "bench" / "results" / "allocate-compare.json"))
+    args.json = args.json or str(ROOT / "bench" / "results" / "allocate.json")
     calls_c = 40 if args.quick else 400
     calls_py = 4 if args.quick else 40
     calls_py16 = 2 if args.quick else 16
     report: dict[str, object] = {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
     verdicts: list[str] = []
 
-    for name in ("dgx1-v100", "dgx-h100", "pcie-pairs", "dgx2"):
+    for name in MACHINES:
         topo = machine(name)
         n = topo.gpu_count
         cy = bench_gpu_machine(topo, "cython", calls_c, 1)
@@ -214,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     print("\n== 64-GPU synthetic node (8 NVSwitch islands of 8), bounded search ==")
-    ks = [1, 2, 4, 8, 16, 32]
+    ks = LARGE_KS
     lc = bench_large("cython", max(8, calls_c // 10), ks)
     lp = bench_large("python", 1 if args.quick else 3, ks)
     report["synthetic-64"] = {"cython": lc, "python": lp}

@@ -1,26 +1,101 @@
 # cython: language_level=3
-"""Compiled topology engine (``agent._topo``).
+# cython: boundscheck=False
+# cython: wraparound=False
+# cython: cdivision=True
+# cython: initializedcheck=False
+# cython: embedsignature=True
+"""Compiled topology kernel (``agent._topo``).
 
-Works on plain arrays only: adjacency bitmasks (``adjacency[i]`` has bit j set when GPUs
-i and j share an NVLink), never NVML handles or dataclasses. ``agent/topology/_pure.py``
-is the readable twin; both must return identical results.
+The combinatorics only, over plain ints: adjacency bitmasks (``adjacency[i]`` has bit j set
+when GPUs i and j share an NVLink), pair-score matrices, NUMA ids, GPU bitmasks and per-GPU
+count arrays. Never device IDs, NVML handles or dataclasses: ``agent.topology.allocator``
+validates requests and maps device IDs to these arrays, once. ``agent/topology/_pure.py`` is
+the readable twin; both return identical results and raise identical errors.
+
+Directives (above), chosen deliberately:
+- ``boundscheck=False, wraparound=False, initializedcheck=False``: the hot loops index fixed
+  C arrays of MAX_GPUS entries and Python lists by non-negative indices below their length.
+  That holds because every public entry point checks its arguments first (type, then range:
+  masks within the node's GPUs, sizes within 1..n, at most MAX_GPUS GPUs, exact tables only
+  up to EXACT_MAX_GPUS), with the same TypeError/ValueError messages as the twin.
+- ``cdivision=True``: the only division is ``count % k`` with ``count >= 0`` and ``k >= 1``,
+  where C and Python agree.
 """
 
 from libc.stdint cimport uint64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
 
-cdef extern from "Python.h":
-    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
-
-from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.long cimport PyLong_FromLong
-from cpython.ref cimport Py_INCREF
+cimport cython
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
+                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK,
+                               NOWAIT_LOCK)
 
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
     int __builtin_ctzll(unsigned long long) nogil
 
 cdef enum:
-    MAX_GPUS = 64
+    _MAX_GPUS = 64
+    _EXACT = 16
+    _SUB_CACHE_SIZE = 16
+    _MAX_CANDIDATES = 12870  # C(16, 8): no exact ranking has more; the bounded search <= 64
+
+#: Most GPUs per node (64-bit masks).
+MAX_GPUS = _MAX_GPUS
+#: Largest number of GPUs solved exactly (bitmask tables of 2**n entries). The one definition
+#: of this limit: ``agent.topology.engine.EXACT_MAX_GPUS`` reads it from here (or from the
+#: twin, which a test keeps equal).
+EXACT_MAX_GPUS = _EXACT
+#: Largest pair score, replica count and replica load accepted (as in the twin).
+SCORE_MAX = 2**31 - 1
+COUNT_MAX = 2**31 - 1
+LOAD_MAX = 2**62
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: the twin's _int/_mask/_int_list, message for message.
+# ---------------------------------------------------------------------------------------------
+
+cdef long long _int(object v, str what, long long lo, long long hi) except? -1:
+    if type(v) is not int:
+        raise TypeError(f"{what} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{what} {v} outside {lo}..{hi}")
+    return <long long>v
+
+
+cdef uint64_t _mask(object v, str what, int n) except? 0xFFFFFFFFFFFFFFFF:
+    if type(v) is not int:
+        raise TypeError(f"{what} must be an int, got {type(v).__name__}")
+    if v < 0 or v >> n:
+        raise ValueError(f"{what} {v:#x} is not a set of the node's {n} GPUs")
+    return <uint64_t>v
+
+
+cdef int _int_list(object values, str what, int n, long long hi, long long* out) except -1:
+    cdef int i
+    if len(values) != n:
+        raise ValueError(f"{what} has {len(values)} entries for {n} GPUs")
+    for i in range(n):
+        v = values[i]
+        if type(v) is not int or not 0 <= v <= hi:
+            _int(v, f"{what}[{i}]", 0, hi)  # raises with the twin's message
+        out[i] = <long long>v
+    return 0
+
+
+cdef int _adjacency(object adjacency, uint64_t* adj) except -1:
+    """Copy a valid adjacency into ``adj``; its GPU count."""
+    cdef int n = len(adjacency), i
+    if n > _MAX_GPUS:
+        raise ValueError(f"at most {_MAX_GPUS} GPUs, got {n}")
+    for i in range(n):
+        v = adjacency[i]
+        if type(v) is not int or v < 0 or v >> n:
+            _mask(v, f"adjacency[{i}]", n)  # raises with the twin's message
+        adj[i] = <uint64_t>v
+    return n
 
 
 cdef inline list _members(uint64_t mask, int n):
@@ -28,16 +103,20 @@ cdef inline list _members(uint64_t mask, int n):
     return [i for i in range(n) if (mask >> i) & 1]
 
 
+def mask_indices(mask):
+    """Set bits of ``mask`` (a 64-bit mask), ascending."""
+    cdef uint64_t m = _mask(mask, "mask", _MAX_GPUS)
+    cdef list out = []
+    while m:
+        out.append(__builtin_ctzll(m))
+        m &= m - 1
+    return out
+
 
 def nvlink_islands(adjacency):
     """Connected components of two or more GPUs, sorted, ordered by lowest GPU."""
-    cdef int n = len(adjacency)
-    if n > MAX_GPUS:
-        raise ValueError(f"at most {MAX_GPUS} GPUs, got {n}")
-    cdef uint64_t adj[MAX_GPUS]
-    cdef int i, start
-    for i in range(n):
-        adj[i] = <uint64_t>adjacency[i]
+    cdef uint64_t adj[_MAX_GPUS]
+    cdef int n = _adjacency(adjacency, adj), i, start
     cdef uint64_t seen = 0, component, frontier, low, new
     cdef list islands = []
     for start in range(n):
@@ -86,13 +165,8 @@ cdef void _expand(uint64_t r, uint64_t p, uint64_t x, uint64_t* adj, list found,
 
 def maximal_cliques(adjacency):
     """Maximal cliques of two or more GPUs, sorted, the list sorted lexicographically."""
-    cdef int n = len(adjacency)
-    if n > MAX_GPUS:
-        raise ValueError(f"at most {MAX_GPUS} GPUs, got {n}")
-    cdef uint64_t adj[MAX_GPUS]
-    cdef int i
-    for i in range(n):
-        adj[i] = <uint64_t>adjacency[i]
+    cdef uint64_t adj[_MAX_GPUS]
+    cdef int n = _adjacency(adjacency, adj)
     cdef list found = []
     cdef uint64_t everyone = ((<uint64_t>1) << n) - 1 if n < 64 else <uint64_t>0xFFFFFFFFFFFFFFFF
     _expand(0, everyone, 0, adj, found, n)
@@ -100,25 +174,32 @@ def maximal_cliques(adjacency):
     return found
 
 
+
 # ---------------------------------------------------------------------------------------------
-# Allocation solver: the same objective, results and tie-breaks as
+# Allocation solver: the same objective, results, tie-breaks and errors as
 # agent/topology/_pure.py:AllocationSolver (read that one for the contract).
 # ---------------------------------------------------------------------------------------------
 
-cimport cython
-from libc.stdlib cimport malloc, free
-from libc.string cimport memcmp, memset
-from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
-                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK,
-                               NOWAIT_LOCK)
-
-EXACT_MAX_GPUS = 16
-cdef int _EXACT = 16
-cdef int _SUB_CACHE_SIZE = 16
-
-
 cdef inline uint64_t _low(uint64_t m) noexcept nogil:
     return m & (~m + 1)
+
+
+cdef inline bint _next_combination(int* idx, uint64_t* acc, uint64_t* members, int t, int c) noexcept:
+    """Advance ``idx`` (t ascending positions among c) to the next combination in
+    lexicographic order, keeping ``acc[j + 1]`` the OR of ``members[idx[0..j]]``; False
+    after the last one."""
+    cdef int i = t - 1, j
+    while i >= 0 and idx[i] == c - t + i:
+        i -= 1
+    if i < 0:
+        return False
+    idx[i] += 1
+    acc[i + 1] = acc[i] | members[idx[i]]
+    for j in range(i + 1, t):
+        idx[j] = idx[j - 1] + 1
+        acc[j + 1] = acc[j] | members[idx[j]]
+    return True
+
 
 
 cdef inline int _better(uint64_t ga, long long c1a, long long sca, int nua, long long cua,
@@ -195,12 +276,12 @@ cdef class _TopList:
 cdef class AllocationSolver:
     """See ``agent.topology._pure.AllocationSolver``: identical contract and results."""
     cdef public int n
-    cdef long long s[64][64]
-    cdef uint64_t numa_bit[64]
-    cdef uint64_t node_gpus[64]  # GPUs of each distinct NUMA id, n_nodes of them
+    cdef long long s[_MAX_GPUS][_MAX_GPUS]
+    cdef uint64_t numa_bit[_MAX_GPUS]
+    cdef uint64_t node_gpus[_MAX_GPUS]  # GPUs of each distinct NUMA id, n_nodes of them
     cdef int n_nodes
     cdef long long* table
-    cdef long long* memo[17]
+    cdef long long* memo[_EXACT + 1]  # by k: k <= popcount(mask) <= _EXACT (partition_value)
     cdef dict _subs
     cdef _TopList _top1  # reused by the one-answer fast paths (under the lock)
     cdef PyThread_type_lock _mutex
@@ -218,18 +299,33 @@ cdef class AllocationSolver:
     def __init__(self, scores, numa):
         cdef int n = len(scores), i, j
         cdef uint64_t ids = 0
+        if n > _MAX_GPUS:
+            raise ValueError(f"at most {_MAX_GPUS} GPUs, got {n}")
         if len(numa) != n:
             raise ValueError(f"numa has {len(numa)} entries for {n} GPUs")
-        if n > 64:
-            raise ValueError(f"at most 64 GPUs, got {n}")
-        if any(not 0 <= int(x) < 64 for x in numa):
-            raise ValueError("numa ids must be in 0..63")
-        self.n = n
         for i in range(n):
             row = scores[i]
+            if len(row) != n:
+                raise ValueError(f"scores[{i}] has {len(row)} entries for {n} GPUs")
             for j in range(n):
-                self.s[i][j] = int(row[j])
-            self.numa_bit[i] = (<uint64_t>1) << <int>int(numa[i])
+                v = row[j]
+                if type(v) is not int or not 0 <= v <= SCORE_MAX:
+                    _int(v, f"scores[{i}][{j}]", 0, SCORE_MAX)
+                self.s[i][j] = <long long>v
+            if self.s[i][i] != 0:
+                raise ValueError(f"scores[{i}][{i}] must be 0, got {self.s[i][i]}")
+        for i in range(n):
+            for j in range(i + 1, n):
+                if self.s[i][j] != self.s[j][i]:
+                    raise ValueError(
+                        f"scores are not symmetric: scores[{i}][{j}] = {self.s[i][j]}, "
+                        f"scores[{j}][{i}] = {self.s[j][i]}"
+                    )
+        for i in range(n):
+            _int(numa[i], f"numa[{i}]", 0, _MAX_GPUS - 1)
+        self.n = n
+        for i in range(n):
+            self.numa_bit[i] = (<uint64_t>1) << <int>numa[i]
         self.n_nodes = 0
         for i in range(n):
             ids |= self.numa_bit[i]
@@ -248,7 +344,7 @@ cdef class AllocationSolver:
         if self._mutex != NULL:
             PyThread_free_lock(self._mutex)
         free(self.table)
-        for k in range(17):
+        for k in range(_EXACT + 1):
             free(self.memo[k])
 
     cdef int _acquire(self) except -1:
@@ -262,7 +358,7 @@ cdef class AllocationSolver:
 
     # ------------------------------------------------------------------ small helpers
     cdef long long _set_score(self, uint64_t mask) noexcept:
-        cdef int members[64]
+        cdef int members[_MAX_GPUS]
         cdef int c = 0, a, b
         cdef long long total = 0
         while mask:
@@ -275,7 +371,22 @@ cdef class AllocationSolver:
         return total
 
     def set_score(self, mask):
-        return int(self._set_score(<uint64_t>mask))
+        """Sum of pair scores within ``mask``."""
+        return self._set_score(_mask(mask, "mask", self.n))
+
+    cdef int _request(self, available, required, k, uint64_t* a, uint64_t* r) except -1:
+        """The twin's ``_request``: check a rank/best_mask call; the size is returned."""
+        cdef int n_avail, n_req, kk
+        a[0] = _mask(available, "available", self.n)
+        r[0] = _mask(required, "required", self.n)
+        if r[0] & ~a[0]:
+            raise ValueError("required GPUs must be available")
+        n_avail = __builtin_popcountll(a[0])
+        kk = <int>_int(k, "size", 1, self.n)
+        n_req = __builtin_popcountll(r[0])
+        if not n_req <= kk <= n_avail:
+            raise ValueError(f"size {kk} impossible with {n_avail} available and {n_req} required")
+        return kk
 
     cdef int _numa_count(self, uint64_t mask) noexcept:
         cdef int c = 0, i
@@ -302,6 +413,8 @@ cdef class AllocationSolver:
         cdef int i
         cdef long long add
         if self.table == NULL:
+            if self.n > _EXACT:  # callers compress first; never 2**n for a big node
+                raise ValueError(f"no exact tables above {_EXACT} GPUs")
             size = (<uint64_t>1) << self.n
             self.table = <long long*>malloc(size * sizeof(long long))
             if self.table == NULL:
@@ -319,6 +432,8 @@ cdef class AllocationSolver:
 
     cdef long long* _memo_for(self, int k) except NULL:
         cdef uint64_t size
+        if not 1 <= k <= _EXACT or self.n > _EXACT:
+            raise ValueError(f"no exact tables above {_EXACT} GPUs")
         if self.memo[k] == NULL:
             size = (<uint64_t>1) << self.n
             self.memo[k] = <long long*>malloc(size * sizeof(long long))
@@ -328,23 +443,39 @@ cdef class AllocationSolver:
             self.memo[k][0] = 0
         return self.memo[k]
 
-    def partition_value(self, mask, int k):
-        cdef uint64_t m = <uint64_t>mask
+    def partition_value(self, mask, k):
+        """See the twin: ``P_k(mask)``, exact, for a mask of at most EXACT_MAX_GPUS GPUs."""
+        cdef uint64_t m = _mask(mask, "mask", self.n)
+        cdef int kk = <int>_int(k, "size", 1, self.n)
+        cdef int count = __builtin_popcountll(m)
         cdef long long v
+        if count > _EXACT:
+            raise ValueError(
+                f"partition_value is exact for at most {_EXACT} GPUs, the mask has {count}"
+            )
+        if kk > count:  # one group of them all (also keeps k within the memo tables)
+            return self._set_score(m)
+        if self.n > _EXACT:
+            self._acquire()
+            try:
+                members, sub = self._sub(mask)
+            finally:
+                self._release()
+            return sub.partition_value(((<uint64_t>1) << count) - 1, kk)
         self._acquire()
         try:
             self._table()
-            v = self._partition(m, k, self._memo_for(k))
+            v = self._partition(m, kk, self._memo_for(kk))
         finally:
             self._release()
-        return int(v)
+        return v
 
     cdef long long _partition(self, uint64_t mask, int k, long long* memo) noexcept:
         cdef long long v = memo[mask], best = -1
         if v >= 0:
             return v
         cdef uint64_t low = _low(mask), rest = mask ^ low
-        cdef uint64_t members[64]
+        cdef uint64_t members[_MAX_GPUS]
         cdef int c = 0, count, remainder
         while rest:
             members[c] = _low(rest)
@@ -366,8 +497,8 @@ cdef class AllocationSolver:
     cdef long long _groups(self, uint64_t mask, uint64_t low, uint64_t* members, int c, int t,
                            int k, long long* memo) noexcept:
         """Best of table[g] + P(mask - g) over groups g = low + t of ``members``."""
-        cdef int idx[64]
-        cdef uint64_t acc[65]
+        cdef int idx[_MAX_GPUS]
+        cdef uint64_t acc[_MAX_GPUS + 1]
         cdef long long best = -1, v
         cdef int i, j
         cdef uint64_t g
@@ -390,10 +521,12 @@ cdef class AllocationSolver:
                 break
         return best
 
-    def best_score(self, int k):
+    def best_score(self, k):
+        """See the twin."""
+        cdef int kk = <int>_int(k, "size", 1, self.n)
         self._acquire()
         try:
-            return self._best_score(k)
+            return self._best_score(kk)
         finally:
             self._release()
 
@@ -402,8 +535,6 @@ cdef class AllocationSolver:
         cdef long long best = -1, v
         cdef long long* table
         cdef int i
-        if not 1 <= k <= self.n:
-            raise ValueError(f"size {k} outside 1..{self.n}")
         if self.n <= _EXACT:
             table = self._table()
             size = (<uint64_t>1) << self.n
@@ -419,30 +550,35 @@ cdef class AllocationSolver:
         return int(best)
 
     # ------------------------------------------------------------------ ranking
-    def rank(self, available_obj, required_obj, int k, int top=1):
+    def rank(self, available, required, k, top=1):
+        """See the twin: the ``top`` best sets, each ``(mask, criterion1, score, numa_count,
+        cut)``, best first."""
+        cdef uint64_t a, r
+        cdef int kk = self._request(available, required, k, &a, &r)
+        cdef int tt = <int>_int(top, "top", 1, COUNT_MAX)
+        if tt > _MAX_CANDIDATES:
+            tt = _MAX_CANDIDATES  # never more candidates than this: same result, bounded memory
         self._acquire()
         try:
-            return self._rank(available_obj, required_obj, k, top)
+            return self._rank(a, r, kk, tt)
         finally:
             self._release()
 
-    cdef object _rank(self, available_obj, required_obj, int k, int top):
-        cdef uint64_t available, required
-        if available_obj < 0 or required_obj < 0 or available_obj >> self.n:
-            raise ValueError("available names a GPU the node does not have")
-        available = <uint64_t>available_obj
-        required = <uint64_t>required_obj
-        if required & ~available:
-            raise ValueError("required GPUs must be available")
-        cdef int n_avail = __builtin_popcountll(available)
-        if not (__builtin_popcountll(required) <= k <= n_avail) or k < 1:
-            raise ValueError(f"size {k} impossible with {n_avail} available")
-        if top < 1:
-            raise ValueError("top must be >= 1")
-        if n_avail > _EXACT:
+    def best_mask(self, available, required, k):
+        """``rank(available, required, k, 1)[0][0]``: the best set as a mask."""
+        cdef uint64_t a, r
+        cdef int kk = self._request(available, required, k, &a, &r)
+        self._acquire()
+        try:
+            return self._best_mask(a, r, kk)
+        finally:
+            self._release()
+
+    cdef list _rank(self, uint64_t available, uint64_t required, int k, int top):
+        if __builtin_popcountll(available) > _EXACT:
             return self._heuristic(available, required, k, top)
         if self.n > _EXACT:
-            return self._ranked_compressed(available_obj, required_obj, k, top)
+            return self._ranked_compressed(available, required, k, top)
         return self._exact(available, required, k, top)
 
     cdef list _exact(self, uint64_t available, uint64_t required, int k, int top):
@@ -458,50 +594,24 @@ cdef class AllocationSolver:
             return available  # the only candidate
         if k == __builtin_popcountll(required):
             return required
-        if n_avail > _EXACT:
-            return <uint64_t>self._heuristic(available, required, k, 1)[0][0]
-        if self.n > _EXACT:
-            return <uint64_t>self._ranked_compressed(available, required, k, 1)[0][0]
+        if n_avail > _EXACT or self.n > _EXACT:
+            return <uint64_t>self._rank(available, required, k, 1)[0][0]
         self._top1.count = 0
         self._exact_into(available, required, k, self._top1)
         return self._top1.g[0]
-
-    cdef object _choose(self, available, must_include, size):
-        cdef uint64_t a = 0, r = 0, bit, best
-        cdef int na = 0, nr = 0, k, overflow = 0
-        cdef long long i
-        cdef list out
-        if type(size) is not int:
-            return None
-        i = PyLong_AsLongLongAndOverflow(size, &overflow)
-        if overflow or i < 1 or i > 64:
-            return None
-        k = <int>i
-        if not _index_mask(available, self.n, &a, &na) or not _index_mask(must_include, self.n, &r, &nr):
-            return None
-        if r & ~a or k > na or nr > k:
-            return None
-        best = self._best_mask(a, r, k)
-        out = PyList_New(k)
-        for i in range(k):
-            v = PyLong_FromLong(__builtin_ctzll(best))
-            Py_INCREF(v)  # PyList_SET_ITEM steals the reference Cython keeps for ``v``
-            PyList_SET_ITEM(out, i, v)
-            best &= best - 1
-        return out
 
     cdef int _exact_into(self, uint64_t available, uint64_t required, int k,
                          _TopList best) except -1:
         cdef long long* table = self._table()
         cdef long long* memo = self._memo_for(k)
-        cdef uint64_t members[64]
-        cdef uint64_t acc[65]
-        cdef int idx[64]
+        cdef uint64_t members[_MAX_GPUS]
+        cdef uint64_t acc[_MAX_GPUS + 1]
+        cdef int idx[_MAX_GPUS]
         cdef uint64_t free_mask = available & ~required, g, rest, m, all_free = free_mask
         cdef int c = 0, t = k - __builtin_popcountll(required), i, j, inserts = 0
         cdef bint flip
         cdef long long sc, c1, cut
-        cdef long long row[64]  # row[a]: total score of a with the other available GPUs
+        cdef long long row[_MAX_GPUS]  # row[a]: total score of a with the other available GPUs
         while free_mask:
             members[c] = _low(free_mask)
             free_mask ^= members[c]
@@ -556,7 +666,8 @@ cdef class AllocationSolver:
                 r &= r - 1
                 row[a] += self.s[a][b]
 
-    cdef list _ranked_compressed(self, available, required, int k, int top):
+    cdef tuple _sub(self, available):
+        """The twin's ``_sub``: the GPUs of ``available`` and a solver on them alone."""
         cdef int i
         sub = self._subs.get(available)
         if sub is None:
@@ -566,13 +677,24 @@ cdef class AllocationSolver:
             if len(self._subs) >= _SUB_CACHE_SIZE:
                 self._subs.clear()
             sub = self._subs[available] = (members, AllocationSolver(sub_scores, numa))
+        return sub
+
+    cdef list _ranked_compressed(self, uint64_t available, uint64_t required, int k, int top):
+        cdef int i
+        cdef AllocationSolver solver
+        sub = self._sub(available)
         members, solver = sub
         sub_required = 0
         for i, gpu in enumerate(members):
             if (required >> gpu) & 1:
                 sub_required |= 1 << i
         out = []
-        for g, c1, sc, numa_count, cut in solver.rank((1 << len(members)) - 1, sub_required, k, top):
+        solver._acquire()
+        try:
+            ranked = solver._rank(((<uint64_t>1) << len(members)) - 1, sub_required, k, top)
+        finally:
+            solver._release()
+        for g, c1, sc, numa_count, cut in ranked:
             real = 0
             for i, gpu in enumerate(members):
                 if (g >> i) & 1:
@@ -582,7 +704,7 @@ cdef class AllocationSolver:
 
     # ------------------------------------------------------------------ bounded search
     cdef uint64_t _grow(self, uint64_t g, uint64_t pool, int size) noexcept:
-        cdef long long gain[64]
+        cdef long long gain[_MAX_GPUS]
         cdef long long best_gain
         cdef uint64_t candidates = pool & ~g, r, m
         cdef int j, best_j, cnt = __builtin_popcountll(g)
@@ -628,7 +750,7 @@ cdef class AllocationSolver:
 
     cdef list _heuristic(self, uint64_t available, uint64_t required, int k, int top):
         cdef _TopList best = _TopList(top)
-        cdef uint64_t seen[64]
+        cdef uint64_t seen[_MAX_GPUS]
         cdef int n_seen = 0, i, dup
         cdef uint64_t seeds = available & ~required, seed, g
         cdef long long sc, c1
@@ -659,380 +781,53 @@ cdef class AllocationSolver:
         return best.result()
 
 
-def choose(AllocationSolver solver, available, must_include, size):
-    """See ``agent.topology._pure.choose``: the sorted best ``size`` GPU indices, or None
-    when the request is not plainly valid."""
-    solver._acquire()
-    try:
-        return solver._choose(available, must_include, size)
-    finally:
-        solver._release()
 
-
-# ---------------------------------------------------------------------------------------------
-# Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
-# ---------------------------------------------------------------------------------------------
-
-cdef inline bint _next_combination(int* idx, uint64_t* acc, uint64_t* members, int t, int c) noexcept:
-    """Advance ``idx`` (t ascending positions among c) to the next combination in
-    lexicographic order, keeping ``acc[j + 1]`` the OR of ``members[idx[0..j]]``; False
-    after the last one."""
-    cdef int i = t - 1, j
-    while i >= 0 and idx[i] == c - t + i:
-        i -= 1
-    if i < 0:
-        return False
-    idx[i] += 1
-    acc[i + 1] = acc[i] | members[idx[i]]
-    for j in range(i + 1, t):
-        idx[j] = idx[j - 1] + 1
-        acc[j + 1] = acc[j] | members[idx[j]]
-    return True
-
-
-cdef bint _index_mask(object values, int n, uint64_t* mask, int* count) except -1:
-    """OR the bits of ``values`` into ``mask`` and count them; False (leaving the caller to
-    name the problem) when an entry is not an int in 0..n-1 or repeats."""
-    cdef int overflow = 0
-    cdef long long i
-    cdef uint64_t bit
-    for v in values:
-        if type(v) is not int:
-            return False
-        i = PyLong_AsLongLongAndOverflow(v, &overflow)
-        if overflow or i < 0 or i >= n:
-            return False
-        bit = (<uint64_t>1) << i
-        if mask[0] & bit:
-            return False
-        mask[0] |= bit
-        count[0] += 1
-    return True
-
-
-def request_masks(available, must_include, int n):
-    """``(available mask, must-include mask, len(available), len(must_include))``; raises
-    ValueError when an entry is not an int in 0..n-1 or is repeated (the caller explains)."""
-    cdef uint64_t a = 0, r = 0
-    cdef int na = 0, nr = 0
-    if not _index_mask(available, n, &a, &na) or not _index_mask(must_include, n, &r, &nr):
-        raise ValueError("not distinct GPU indices in range")
-    return a, r, na, nr
-
-
-def mask_indices(mask):
-    """Set bits of ``mask`` (below 2**64), ascending."""
-    cdef uint64_t m = mask
-    cdef list out = []
-    while m:
-        out.append(__builtin_ctzll(m))
-        m &= m - 1
-    return out
-
-
-def group_devices(dict parent, int n):
-    """``{gpu: [device IDs]}`` from ``{device ID: gpu}``, IDs in the dict's order; raises
-    ValueError when an ID is not a non-empty str or a GPU not an int in 0..n-1."""
-    cdef dict out = {}
-    cdef list ids
-    cdef long long g
-    for device_id, gpu in parent.items():
-        if type(device_id) is not str or not device_id or type(gpu) is not int:
-            raise ValueError("bad entry")
-        g = gpu
-        if g < 0 or g >= n:
-            raise ValueError("out of range")
-        ids = out.get(gpu)
-        if ids is None:
-            out[gpu] = [device_id]
-        else:
-            ids.append(device_id)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Replica requests in one call: the same contract and results as
-# agent/topology/_pure.py:select_replicas (read that one for the policy). This one may also
-# return None for a valid request it does not handle (replica counts beyond 2**62, IDs that
-# are not ASCII, replica numbers of more than 18 digits): the allocator then uses the twin.
-# ---------------------------------------------------------------------------------------------
-
-from cpython.object cimport PyObject
-
-cdef extern from "Python.h":
-    Py_ssize_t PyUnicode_GET_LENGTH(PyObject*)
-    int PyUnicode_IS_ASCII(PyObject*)
-    void* PyUnicode_DATA(PyObject*)
-    int PyUnicode_Compare(PyObject*, PyObject*) except? -1
-
-cdef long long _LOAD_LIMIT = (<long long>1) << 62
-
-
-cdef inline int _before_len_text(PyObject* a, PyObject* b) except -1:
-    """1 when ``a`` sorts before ``b`` by (length, text), both str."""
-    cdef Py_ssize_t la = PyUnicode_GET_LENGTH(a), lb = PyUnicode_GET_LENGTH(b)
-    if la != lb:
-        return la < lb
-    return PyUnicode_Compare(a, b) < 0
-
-
-cdef int _sort_len_text(PyObject** items, Py_ssize_t m) except -1:
-    """Sort by (length, text): binary insertion (the IDs of one GPU are distinct)."""
-    cdef Py_ssize_t i, lo, hi, mid, j
-    cdef PyObject* x
-    for i in range(1, m):
-        x = items[i]
-        lo = 0
-        hi = i
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if _before_len_text(x, items[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        j = i
-        while j > lo:
-            items[j] = items[j - 1]
-            j -= 1
-        items[lo] = x
-    return 0
-
-
-cdef inline int _natural_parts(PyObject* d, Py_ssize_t* head_len, long long* num) noexcept:
-    """The natural key of an ASCII ID: (head, number, "") for ``<head>::<digits>``, else
-    (ID, -1, ID); 0 when this one cannot say (not ASCII, more than 18 digits)."""
-    cdef Py_ssize_t n, i, j
-    cdef const unsigned char* s
-    cdef long long v
-    if not PyUnicode_IS_ASCII(d):
-        return 0
-    n = PyUnicode_GET_LENGTH(d)
-    s = <const unsigned char*>PyUnicode_DATA(d)
-    head_len[0] = n
-    num[0] = -1
-    i = n - 2
-    while i >= 0 and not (s[i] == 58 and s[i + 1] == 58):  # "::"
-        i -= 1
-    if i < 0 or i + 2 == n:
-        return 1
-    if n - (i + 2) > 18:
-        for j in range(i + 2, n):
-            if not 48 <= s[j] <= 57:
-                return 1
-        return 0
-    v = 0
-    for j in range(i + 2, n):
-        if not 48 <= s[j] <= 57:
-            return 1
-        v = v * 10 + (s[j] - 48)
-    head_len[0] = i
-    num[0] = v
-    return 1
-
-
-cdef inline int _natural_before(PyObject* a, Py_ssize_t ha, long long na,
-                                PyObject* b, Py_ssize_t hb, long long nb) noexcept:
-    """1 when natural key a < key b (ASCII IDs; equal keys: 0)."""
-    cdef const char* sa = <const char*>PyUnicode_DATA(a)
-    cdef const char* sb = <const char*>PyUnicode_DATA(b)
-    cdef int c = memcmp(sa, sb, ha if ha < hb else hb)
-    if c != 0:
-        return c < 0
-    if ha != hb:
-        return ha < hb
-    # same head: numbers (-1 for a non-numeric ID); then "" == "", or the equal IDs
-    return na < nb
-
-
-cdef int _take(int g, int c, PyObject** grouped, Py_ssize_t* start, int* nfree, int* taken,
-               char* is_sorted, PyObject** chosen, int* chosen_gpu, Py_ssize_t* n_chosen,
-               Py_ssize_t nr) except -1:
-    """Move the first ``c`` free IDs of GPU ``g`` (by (length, text)) into ``chosen``."""
-    cdef int i
-    if not is_sorted[g]:
-        _sort_len_text(grouped + start[g], nfree[g])
-        is_sorted[g] = 1
-    for i in range(c):
-        chosen[n_chosen[0]] = grouped[start[g] + i]
-        chosen_gpu[n_chosen[0]] = g
-        n_chosen[0] += 1
-    start[g] += c
-    nfree[g] -= c
-    taken[g] += c
-    return 0
-
-
-def select_replicas(AllocationSolver solver, available, must_include, size, bint packed,
-                    per_gpu):
-    """See ``agent.topology._pure.select_replicas``."""
-    solver._acquire()
-    try:
-        return _select_replicas(solver, available, must_include, size, packed, per_gpu)
-    finally:
-        solver._release()
-
-
-cdef object _select_replicas(AllocationSolver solver, available, must_include, size,
-                             bint packed, per_gpu):
-    cdef int n = solver.n, g, overflow = 0, level, i, j, t, start_t, end_t, tier_len
-    cdef long long v, k, need, uniform, best0, best1, key0, key1, c
-    cdef Py_ssize_t count, p, q, nr
-    cdef int cnt[64]
-    cdef int nfree[64]
-    cdef int taken[64]
-    cdef Py_ssize_t start[64]
-    cdef Py_ssize_t end[64]
-    cdef Py_ssize_t fill[64]
-    cdef long long load[64]
-    cdef char is_sorted[64]
-    cdef int order[64]
-    cdef int group[64]
-    cdef int n_order = 0, n_group
-    cdef uint64_t in_req, pool, tier_mask, picks
-    cdef PyObject** grouped = NULL
-    cdef int* gpus = NULL
-    cdef PyObject** chosen = NULL
-    cdef int* chosen_gpu = NULL
-    cdef Py_ssize_t* chosen_head = NULL
-    cdef long long* chosen_num = NULL
-    cdef Py_ssize_t n_chosen = 0
-    cdef PyObject* x
-    cdef PyObject** raw = NULL
-    cdef Py_ssize_t hlen
-    cdef dict parent = {}
-    cdef list required
-    cdef list out
-    if type(size) is not int:
-        return None
-    k = PyLong_AsLongLongAndOverflow(size, &overflow)
-    if overflow or k < 1:
-        return None
-    if type(available) is not list and type(available) is not tuple:
-        available = list(available)
-    count = len(available)
-    if k > count:
-        return None
-    memset(cnt, 0, sizeof(cnt))
-    memset(taken, 0, sizeof(taken))
-    memset(is_sorted, 0, sizeof(is_sorted))
-    gpus = <int*>malloc(count * sizeof(int) + 1)
-    raw = <PyObject**>malloc(count * sizeof(PyObject*) + 1)
-    grouped = <PyObject**>malloc(count * sizeof(PyObject*) + 1)
-    chosen = <PyObject**>malloc(k * sizeof(PyObject*))
-    chosen_gpu = <int*>malloc(k * sizeof(int))
-    chosen_head = <Py_ssize_t*>malloc(k * sizeof(Py_ssize_t))
-    chosen_num = <long long*>malloc(k * sizeof(long long))
-    try:
-        if not (gpus and raw and grouped and chosen and chosen_gpu and chosen_head and chosen_num):
-            raise MemoryError()
-        # validate and count; every ID once (the dict), every GPU index in range
-        for p in range(count):
-            entry = available[p]
-            if type(entry) is tuple:
-                if len(<tuple>entry) != 2:
-                    return None
-                device_id = (<tuple>entry)[0]
-                gpu = (<tuple>entry)[1]
-            elif type(entry) is list:
-                if len(<list>entry) != 2:
-                    return None
-                device_id = (<list>entry)[0]
-                gpu = (<list>entry)[1]
-            else:
-                return None
-            if type(device_id) is not str or PyUnicode_GET_LENGTH(<PyObject*>device_id) == 0:
-                return None
-            if type(gpu) is not int:
-                return None
-            v = PyLong_AsLongLongAndOverflow(gpu, &overflow)
-            if overflow or v < 0 or v >= n:
-                return None
-            g = <int>v
-            parent[device_id] = gpu
-            gpus[p] = g
-            raw[p] = <PyObject*>device_id
-            if cnt[g] == 0:
-                order[n_order] = g
-                n_order += 1
-            cnt[g] += 1
-        if len(parent) != count:
-            return None  # a repeated ID
-        # each GPU's IDs together, in input order
-        q = 0
+    # ------------------------------------------------------------------ replicas
+    def replica_counts(self, free, taken, load, need, packed):
+        """See the twin: how many more replicas of each GPU a time-sliced request takes."""
+        cdef long long nfree[_MAX_GPUS]
+        cdef long long tk[_MAX_GPUS]
+        cdef long long ld[_MAX_GPUS]
+        cdef long long total = 0, nd
+        cdef int n = self.n, g
+        _int_list(free, "free", n, COUNT_MAX, nfree)
+        _int_list(taken, "taken", n, COUNT_MAX, tk)
+        _int_list(load, "load", n, LOAD_MAX, ld)
         for g in range(n):
-            start[g] = fill[g] = q
-            q += cnt[g]
-            end[g] = q
-        for p in range(count):
-            g = gpus[p]
-            grouped[fill[g]] = raw[p]
-            fill[g] += 1
-        # must-include: available, once each; out of its GPU's free IDs
-        required = []
-        if must_include:
-            seen = set()
-            for device_id in must_include:
-                gpu = parent.get(device_id)
-                if gpu is None or device_id in seen:
-                    return None
-                seen.add(device_id)
-                required.append(device_id)
-                g = <int>(<long long>gpu)
-                for q in range(start[g], end[g]):
-                    if <object>grouped[q] == device_id:
-                        break
-                while q + 1 < end[g]:
-                    grouped[q] = grouped[q + 1]
-                    q += 1
-                end[g] -= 1
-                taken[g] += 1
-        nr = len(required)
-        if nr > k:
-            return None
-        for g in range(n):
-            nfree[g] = <int>(end[g] - start[g])
-        # load: replicas allocated already (count minus free, free counting must-include)
-        if per_gpu is None:
-            uniform = 0
-            for i in range(n_order):
-                if cnt[order[i]] > uniform:
-                    uniform = cnt[order[i]]
-            for i in range(n_order):
-                g = order[i]
-                load[g] = uniform - cnt[g]
-        elif isinstance(per_gpu, int):
-            v = PyLong_AsLongLongAndOverflow(per_gpu, &overflow)
-            if overflow or not -_LOAD_LIMIT <= v <= _LOAD_LIMIT:
-                return None
-            for i in range(n_order):
-                g = order[i]
-                load[g] = v - cnt[g] if v > cnt[g] else 0
-        else:
-            for i in range(n_order):
-                g = order[i]
-                total = int(per_gpu.get(g, cnt[g]))
-                v = PyLong_AsLongLongAndOverflow(total, &overflow)
-                if overflow or not -_LOAD_LIMIT <= v <= _LOAD_LIMIT:
-                    return None
-                load[g] = v - cnt[g] if v > cnt[g] else 0
-        for i in range(nr):
-            chosen[i] = <PyObject*>required[i]
-        n_chosen = nr
-        need = k - nr
+            total += nfree[g]
+        nd = _int(need, "need", 0, total)
+        self._acquire()
+        try:
+            return self._replica_counts(nfree, tk, ld, nd, bool(packed))
+        finally:
+            self._release()
 
+    cdef inline uint64_t _in_request(self, long long* taken) noexcept:
+        cdef uint64_t m = 0
+        cdef int g
+        for g in range(self.n):
+            if taken[g]:
+                m |= (<uint64_t>1) << g
+        return m
+
+    cdef list _replica_counts(self, long long* nfree, long long* taken, long long* load,
+                              long long need, bint packed):
+        cdef int n = self.n, g, i, j, start_t, end_t, tier_len, n_group, t
+        cdef long long level, best0, best1, key0, key1, c
+        cdef long long counts[_MAX_GPUS]
+        cdef int group[_MAX_GPUS]
+        cdef uint64_t in_req, tier_mask, picks
+        memset(counts, 0, sizeof(counts))
         while need > 0 and not packed:
             # one round: each GPU at the lowest level of use in this request gets one more
             # replica, least loaded first; a partly taken tier of equal load goes to topology
             level = -1
-            for i in range(n_order):
-                g = order[i]
+            for g in range(n):
                 if nfree[g] and (level < 0 or taken[g] < level):
                     level = taken[g]
-            if level < 0:
-                return None  # pragma: no cover - need never exceeds the free IDs
             n_group = 0
             for g in range(n):  # ascending index, then stable insertion by load
-                if cnt[g] and nfree[g] and taken[g] == level:
+                if nfree[g] and taken[g] == level:
                     j = n_group
                     while j > 0 and load[group[j - 1]] > load[g]:
                         group[j] = group[j - 1]
@@ -1047,33 +842,31 @@ cdef object _select_replicas(AllocationSolver solver, available, must_include, s
                 tier_len = end_t - start_t
                 if tier_len <= need or level > 0:
                     t = tier_len if tier_len <= need else <int>need
+                    picks = 0
                     for i in range(start_t, start_t + t):
-                        _take(group[i], 1, grouped, start, nfree, taken, is_sorted, chosen,
-                              chosen_gpu, &n_chosen, nr)
-                    need -= t
+                        picks |= (<uint64_t>1) << group[i]
                 else:
-                    in_req = 0
-                    for g in range(n):
-                        if taken[g]:
-                            in_req |= (<uint64_t>1) << g
+                    in_req = self._in_request(taken)
                     tier_mask = 0
                     for i in range(start_t, end_t):
                         tier_mask |= (<uint64_t>1) << group[i]
-                    pool = in_req | tier_mask
-                    picks = solver._best_mask(
-                        pool, in_req, __builtin_popcountll(in_req) + <int>need) & ~in_req
-                    need -= __builtin_popcountll(picks)
-                    while picks:
-                        _take(__builtin_ctzll(picks), 1, grouped, start, nfree, taken, is_sorted,
-                              chosen, chosen_gpu, &n_chosen, nr)
-                        picks &= picks - 1
+                    picks = self._best_mask(
+                        in_req | tier_mask, in_req, __builtin_popcountll(in_req) + <int>need
+                    ) & ~in_req
+                need -= __builtin_popcountll(picks)
+                while picks:
+                    g = __builtin_ctzll(picks)
+                    picks &= picks - 1
+                    nfree[g] -= 1
+                    taken[g] += 1
+                    counts[g] += 1
                 start_t = end_t
         while need > 0:  # packed: key (not in the request, -(load + taken)), smallest first
             best0 = 2
             best1 = 0
             tier_mask = 0
             for g in range(n):
-                if not (cnt[g] and nfree[g]):
+                if not nfree[g]:
                     continue
                 key0 = 0 if taken[g] else 1
                 key1 = -(load[g] + taken[g])
@@ -1086,49 +879,12 @@ cdef object _select_replicas(AllocationSolver solver, available, must_include, s
             if __builtin_popcountll(tier_mask) == 1 or best0 == 0:
                 g = __builtin_ctzll(tier_mask)
             else:
-                in_req = 0
-                for i in range(n):
-                    if taken[i]:
-                        in_req |= (<uint64_t>1) << i
-                g = __builtin_ctzll(solver._best_mask(
+                in_req = self._in_request(taken)
+                g = __builtin_ctzll(self._best_mask(
                     in_req | tier_mask, in_req, __builtin_popcountll(in_req) + 1) & ~in_req)
             c = need if need < nfree[g] else nfree[g]
-            _take(g, <int>c, grouped, start, nfree, taken, is_sorted, chosen, chosen_gpu,
-                  &n_chosen, nr)
+            nfree[g] -= c
+            taken[g] += c
+            counts[g] += c
             need -= c
-
-        # sorted by GPU index, then natural replica order (stable, as sorted() is)
-        for i in range(nr):
-            chosen_gpu[i] = <int>(<long long>parent[required[i]])
-        for p in range(n_chosen):
-            if not _natural_parts(chosen[p], &chosen_head[p], &chosen_num[p]):
-                return None
-        for p in range(1, n_chosen):
-            x = chosen[p]
-            g = chosen_gpu[p]
-            hlen = chosen_head[p]
-            v = chosen_num[p]
-            q = p
-            while q > 0 and (g < chosen_gpu[q - 1] or (
-                    g == chosen_gpu[q - 1] and _natural_before(
-                        x, hlen, v, chosen[q - 1], chosen_head[q - 1], chosen_num[q - 1]))):
-                chosen[q] = chosen[q - 1]
-                chosen_gpu[q] = chosen_gpu[q - 1]
-                chosen_head[q] = chosen_head[q - 1]
-                chosen_num[q] = chosen_num[q - 1]
-                q -= 1
-            chosen[q] = x
-            chosen_gpu[q] = g
-            chosen_head[q] = hlen
-            chosen_num[q] = v
-        out = [<object>chosen[p] for p in range(n_chosen)]
-        return out
-    finally:
-        free(gpus)
-        free(raw)
-        free(grouped)
-        free(chosen)
-        free(chosen_gpu)
-        free(chosen_head)
-        free(chosen_num)
-
+        return [counts[g] for g in range(n)]

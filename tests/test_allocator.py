@@ -14,6 +14,8 @@ from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
 from agent.topology.synthetic import synthetic_islands_topology
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 
 def nvswitch_node(n: int = 8, per_numa: int = 4, nvlinks: int = 18) -> Topology:
     """Every pair NVLinked through NVSwitch; PCIe NODE within a socket, SYS across."""
@@ -377,3 +379,16 @@ def test_nvswitch_machines_fill_one_socket_before_the_other(impl, builtin_topolo
     topo = builtin_topologies["dgx-h100"]
     got = AllocationEngine(topo).best_set(list(range(8)), [], 4)
     assert len({topo.gpus[i].numa_node for i in got}) == 1
+
+
+def test_replica_counts_beyond_the_kernel_limit_keep_the_order_of_loads(impl):
+    # the kernel takes loads up to 2**62: larger ones are shrunk, keeping every comparison
+    allocator = AllocationEngine(pcie_pairs_node())
+    free = {0: [0, 1], 2: [0], 4: [5, 6, 7]}
+    small = {0: 5, 2: 9, 4: 7}
+    huge = {g: 2**70 + 1000 * c for g, c in small.items()}
+    for policy in ("distributed", "packed"):
+        for size in (1, 2, 4):
+            expected = allocator.replicas(replica_pairs(free), [], size, policy, replicas_per_gpu=small)
+            got = allocator.replicas(replica_pairs(free), [], size, policy, replicas_per_gpu=huge)
+            assert got == expected, (policy, size)

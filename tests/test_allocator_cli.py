@@ -16,6 +16,8 @@ from agent import cli
 from agent.commands import allocate
 from agent.discovery import load_topology as read_topo_matrix  # the one path
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 
 

@@ -22,6 +22,8 @@ from agent.errors import AllocationError
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Link, PcieLevel, Topology
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 CASES = json.loads((Path(__file__).parent / "fixtures" / "gpuallocator_cases.json").read_text())
 
 

@@ -151,7 +151,7 @@ def test_best_score_for_each_size_is_the_best_set_score(args):
 
 @st.composite
 def graphs(draw):
-    n = draw(st.integers(0, 16))
+    n = draw(st.integers(0, 24))
     adjacency = [0] * n
     for a in range(n):
         for b in range(a + 1, n):
@@ -176,148 +176,183 @@ def test_islands_and_cliques_agree_between_extension_and_twin(adjacency):
 
 def test_solvers_refuse_impossible_requests_alike():
     s = [[0, 10], [10, 0]]
-    for impl in (_topo, _pure):
-        solver = impl.AllocationSolver(s, [0, 0])
-        for args in ((0b11, 0b00, 3), (0b01, 0b10, 1), (0b100, 0, 1), (0b11, 0, 0)):
-            try:
-                solver.rank(*args)
-            except ValueError:
-                continue
-            raise AssertionError(f"{impl.__name__} accepted {args}")
+    for args in ((0b11, 0b00, 3), (0b01, 0b10, 1), (0b100, 0, 1), (0b11, 0, 0)):
+        outcomes = [outcome(impl.AllocationSolver(s, [0, 0]).rank, *args) for impl in IMPLS]
+        assert outcomes[0] == outcomes[1] and outcomes[0][0] == "ValueError", args
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(st.one_of(st.integers(-2, 20), st.booleans(), st.text(max_size=2)), max_size=12),
-    st.lists(st.integers(-1, 20), max_size=4),
-    st.integers(1, 16),
-)
-def test_request_conversion_agrees_and_rejects_the_same_inputs(available, must_include, n):
-    outcomes = []
-    for impl in (_topo, _pure):
-        try:
-            outcomes.append(impl.request_masks(available, must_include, n))
-        except ValueError:
-            outcomes.append("rejected")
-    assert outcomes[0] == outcomes[1]
-    valid = (
-        all(type(v) is int and 0 <= v < n for v in available + must_include)
-        and len(set(available)) == len(available)
-        and len(set(must_include)) == len(must_include)
+# ----------------------------------------------------------------- errors and every method
+IMPLS = (_topo, _pure)
+
+
+def outcome(fn, *args):
+    """``("ok", result)``, or the exception's type name and message."""
+    try:
+        return ("ok", fn(*args))
+    except (TypeError, ValueError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def test_both_implementations_export_one_exact_search_limit():
+    from agent.topology import engine
+
+    for name in ("EXACT_MAX_GPUS", "MAX_GPUS", "SCORE_MAX", "COUNT_MAX", "LOAD_MAX"):
+        assert getattr(_topo, name) == getattr(_pure, name), name
+    assert engine.EXACT_MAX_GPUS == _topo.EXACT_MAX_GPUS == 16
+
+
+def _node(n, seed=0):
+    s = [[0] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(a + 1, n):
+            s[a][b] = s[b][a] = PAIR_VALUES[(a * 7 + b * 11 + seed) % len(PAIR_VALUES)]
+    return s, [i * 2 // n for i in range(n)]
+
+
+def test_partition_value_on_an_eighteen_gpu_node_agrees_for_every_size():
+    # the extension indexed its per-k memo tables (17 of them) with k = 17 and built 2**18
+    # tables for a node above the exact limit: garbage where the twin answered
+    s, numa = _node(18)
+    solvers = [impl.AllocationSolver(s, numa) for impl in IMPLS]
+    every = (1 << 18) - 1
+    sixteen = every & ~0b101  # 16 GPUs: exact on those alone
+    for mask in (every, sixteen, 0b1110110):
+        for k in (1, 2, 5, 16, 17, 18):
+            got = [outcome(solver.partition_value, mask, k) for solver in solvers]
+            assert got[0] == got[1], (mask, k, got)
+    assert outcome(solvers[0].partition_value, every, 17)[0] == "ValueError"
+    assert outcome(solvers[0].partition_value, sixteen, 17) == ("ok", solvers[1].set_score(sixteen))
+
+
+def _bad(value_strategy):
+    """Valid values, plus the out-of-range and non-int ones every entry point must refuse."""
+    return st.one_of(
+        value_strategy,
+        st.integers(-3, -1),
+        st.sampled_from([1 << 64, 1 << 70, -(1 << 70)]),
+        st.sampled_from([1.0, "1", None, True]),
     )
-    assert (outcomes[0] != "rejected") == valid
-    if valid:
-        mask = outcomes[0][0]
-        assert _topo.mask_indices(mask) == _pure.mask_indices(mask) == sorted(available)
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    st.dictionaries(
-        st.one_of(st.text(max_size=6), st.integers(0, 3)),
-        st.one_of(st.integers(-1, 9), st.booleans()),
-        max_size=10,
-    ),
-    st.integers(1, 8),
-)
-def test_device_grouping_agrees_and_rejects_the_same_inputs(parent, n):
-    outcomes = []
-    for impl in (_topo, _pure):
-        try:
-            outcomes.append(impl.group_devices(parent, n))
-        except ValueError:
-            outcomes.append("rejected")
-    assert outcomes[0] == outcomes[1]
-    valid = all(type(d) is str and d and type(g) is int and 0 <= g < n for d, g in parent.items())
-    assert (outcomes[0] != "rejected") == valid
-    if valid:
-        assert sorted(d for ids in outcomes[0].values() for d in ids) == sorted(parent)
-        assert all(parent[d] == g for g, ids in outcomes[0].items() for d in ids)
-
-
-# ---------------------------------------------------------------------------- whole requests
-@settings(max_examples=150, deadline=None)
-@given(
-    problems(max_gpus=9),
-    st.lists(st.one_of(st.integers(-1, 10), st.booleans(), st.just("1")), max_size=3),
-    st.integers(-1, 11),
-)
-def test_choose_agrees_between_extension_and_twin_and_with_rank(problem, extra, size):
-    s, numa, available, required, k = problem
-    for request in ((available, required, k), (available + extra, required, size)):
-        answers = [impl.choose(impl.AllocationSolver(s, numa), *request) for impl in (_topo, _pure)]
-        assert answers[0] == answers[1]
-    ranked = _pure.AllocationSolver(s, numa).rank(_mask(available), _mask(required), k, 1)
-    assert _topo.choose(_topo.AllocationSolver(s, numa), available, required, k) == _members(
-        ranked[0][0]
-    )
-
-
-REPLICA_ID_FORMS = ("GPU-{g}::{r}", "GPU-{g}::0{r}", "GPU-{g}", "GPU-{g}::x{r}", "r{r}::{g}")
 
 
 @st.composite
-def replica_requests(draw):
-    s, numa, _, _, _ = draw(problems(max_gpus=8))
+def nodes(draw):
+    n = draw(st.sampled_from([*range(1, 11), *range(17, 25)]))
+    s = [[0] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(a + 1, n):
+            s[a][b] = s[b][a] = draw(st.sampled_from(PAIR_VALUES))
+    return s, draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+
+
+def masks(n, max_bits=10):
+    few = st.sets(st.integers(0, n - 1), max_size=min(n, max_bits)).map(_mask)
+    return _bad(st.one_of(few, st.just((1 << n) - 1), st.just(1 << n)))
+
+
+def sizes(n):
+    return _bad(st.integers(0, n + 1))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes(), st.data())
+def test_every_solver_method_agrees_or_fails_alike_on_nodes_up_to_24_gpus(node, data):
+    s, numa = node
     n = len(s)
-    pairs = []
-    for g in range(n):
-        for r in sorted(draw(st.sets(st.integers(0, 12), max_size=5))):
-            form = draw(st.sampled_from(REPLICA_ID_FORMS[:1] * 6 + REPLICA_ID_FORMS[1:]))
-            pairs.append((form.format(g=g, r=r), g))
-    pairs = draw(st.permutations(pairs))
-    ids = [d for d, _ in pairs]
-    must = draw(st.lists(st.sampled_from(ids) if ids else st.just("none"), max_size=3))
-    if draw(st.booleans()):
-        pairs = pairs + draw(
+    solvers = [impl.AllocationSolver(s, numa) for impl in IMPLS]
+    mask, k = data.draw(masks(n)), data.draw(sizes(n))
+    required, top = data.draw(masks(n, 3)), data.draw(_bad(st.integers(0, 4)))
+    calls = [
+        ("set_score", (mask,)),
+        ("partition_value", (mask, k)),
+        ("best_score", (k,)),
+        ("rank", (mask, required, k, top)),
+        ("best_mask", (mask, required, k)),
+    ]
+    for name, args in calls:
+        got = [outcome(getattr(solver, name), *args) for solver in solvers]
+        assert got[0] == got[1], (name, args)
+    if type(mask) is int and 0 < mask < 1 << n:  # best_mask is rank's first answer
+        size = data.draw(st.integers(1, mask.bit_count()))
+        best = [solver.best_mask(mask, 0, size) for solver in solvers]
+        assert best[0] == best[1] == solvers[1].rank(mask, 0, size)[0][0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 5).flatmap(
+        lambda n: st.tuples(
             st.lists(
-                st.sampled_from([("GPU-0::1", 0), ("", 0), ("z", n), ("z", True), ["GPU-1::7", 1]]),
-                max_size=2,
-            )
+                st.lists(_bad(st.sampled_from(PAIR_VALUES)), min_size=n, max_size=n + 1),
+                min_size=n,
+                max_size=n,
+            ),
+            st.lists(_bad(st.integers(0, 70)), min_size=max(n - 1, 0), max_size=n + 1),
         )
-    size = draw(st.integers(0, len(pairs) + 1))
-    per_gpu = draw(
-        st.one_of(
-            st.none(),
-            st.integers(0, 20),
-            st.dictionaries(st.integers(0, n - 1), st.integers(0, 20), max_size=n),
-        )
-    )
-    return s, numa, pairs, must, size, draw(st.booleans()), per_gpu
+    ),
+    st.booleans(),
+)
+def test_solver_construction_refuses_bad_matrices_alike(args, symmetric):
+    scores, numa = args
+    if symmetric:  # mostly valid matrices, so that numa is checked too
+        scores = [
+            [0 if a == b else row[b] if a < b or b >= len(scores) else scores[b][a]
+             for b in range(len(row))]
+            for a, row in enumerate(scores)
+        ]
+    got = [outcome(lambda impl=impl: impl.AllocationSolver(scores, numa).n) for impl in IMPLS]
+    assert got[0] == got[1]
 
 
-@settings(max_examples=200, deadline=None)
-@given(replica_requests())
-def test_replica_selection_agrees_between_extension_and_twin(request):
-    s, numa, pairs, must, size, packed, per_gpu = request
-    answers = [
-        impl.select_replicas(impl.AllocationSolver(s, numa), pairs, must, size, packed, per_gpu)
-        for impl in (_topo, _pure)
-    ]
-    assert answers[0] == answers[1]
-    if answers[0] is not None:
-        assert len(answers[0]) == size and len(set(answers[0])) == size
-        assert set(must) <= set(answers[0]) <= {d for d, _ in pairs}
+def test_solver_construction_refuses_more_than_64_gpus_alike():
+    scores = [[0] * 65 for _ in range(65)]
+    got = [outcome(impl.AllocationSolver, scores, [0] * 65) for impl in IMPLS]
+    assert got[0] == got[1] == ("ValueError", "at most 64 GPUs, got 65")
 
 
-def test_extension_declines_only_what_it_does_not_handle_and_the_twin_takes_it():
-    s = [[0, 10], [10, 0]]
-    cases = [
-        ([("GPU-0::é", 0), ("GPU-0::1", 0)], 2, None),  # not ASCII
-        ([("GPU-0::" + "9" * 19, 0), ("GPU-0::1", 0)], 2, None),  # a 19-digit replica number
-        ([("GPU-0::1", 0), ("GPU-1::1", 1)], 1, 2**70),  # a replica count beyond 2**62
-    ]
-    for pairs, size, per_gpu in cases:
-        assert (
-            _topo.select_replicas(
-                _topo.AllocationSolver(s, [0, 0]), pairs, [], size, False, per_gpu
-            )
-            is None
-        )
-        got = _pure.select_replicas(
-            _topo.AllocationSolver(s, [0, 0]), pairs, [], size, False, per_gpu
-        )
-        assert got is not None and len(got) == size
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_bad(st.integers(0, (1 << 6) - 1)), max_size=6), st.integers(0, 3))
+def test_islands_cliques_and_mask_indices_refuse_bad_input_alike(adjacency, extra):
+    adjacency = adjacency + [0] * extra
+    for name in ("nvlink_islands", "maximal_cliques", "mask_indices"):
+        arg = adjacency if name != "mask_indices" else (adjacency[0] if adjacency else -1)
+        got = [outcome(getattr(impl, name), arg) for impl in IMPLS]
+        assert got[0] == got[1], name
+    too_many = [0] * 65
+    assert outcome(_topo.nvlink_islands, too_many) == outcome(_pure.maximal_cliques, too_many)
+
+
+@st.composite
+def replica_arrays(draw):
+    s, numa = draw(nodes())
+    n = len(s)
+    counts = st.lists(st.integers(0, 4), min_size=n, max_size=n)
+    free, taken = draw(counts), draw(counts)
+    load = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    args = [free, taken, load, draw(st.integers(0, sum(free)))]
+    if draw(st.integers(0, 3)) == 0:  # now and then one bad argument
+        which = draw(st.integers(0, 3))
+        if which == 3:
+            args[3] = draw(_bad(st.integers(sum(free) + 1, sum(free) + 2)))
+        else:
+            bad = list(args[which])
+            if draw(st.booleans()):
+                bad.append(0)
+            else:
+                bad[draw(st.integers(0, n - 1))] = draw(_bad(st.just(2**63)))
+            args[which] = bad
+    return s, numa, args, draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(replica_arrays())
+def test_replica_counts_agree_or_fail_alike(problem):
+    s, numa, args, packed = problem
+    got = [outcome(impl.AllocationSolver(s, numa).replica_counts, *args, packed) for impl in IMPLS]
+    assert got[0] == got[1]
+    if got[0][0] == "ok":
+        free, _, _, need = args
+        counts = got[0][1]
+        assert sum(counts) == need and all(0 <= c <= f for c, f in zip(counts, free))
 
 
 def test_a_stale_extension_is_not_used(monkeypatch, caplog):
@@ -336,4 +371,4 @@ def test_a_stale_extension_is_not_used(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="agent.topology.engine"):
         module, name = engine_module._select()
     assert name == "python" and module.__name__ == "agent.topology._pure"
-    assert "stale" in caplog.text and "choose" in caplog.text
+    assert "stale" in caplog.text and "AllocationSolver" in caplog.text

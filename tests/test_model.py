@@ -8,6 +8,8 @@ import pytest
 
 from agent.topology.model import Gpu, Link, PcieLevel, Topology, pair_score
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 
 def gpus(n, numa=None):
     return [Gpu(index=i, uuid=f"GPU-{i}", name="T", numa_node=None if numa is None else numa[i]) for i in range(n)]

@@ -26,6 +26,8 @@ from agent.hw.topo_matrix import read_topo_matrix as read_facts
 from agent.records import synthetic_gpu_uuid
 from agent.topology.model import PcieLevel, Topology
 
+pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
+
 FIXTURES = Path(__file__).parent / "fixtures" / "topo"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 REAL_FILES = sorted(EXPECTED)

@@ -1,20 +1,73 @@
 """Pure-Python twin of the ``agent._topo`` extension: the readable reference.
 
-Every function here has the same name, arguments and results as its Cython counterpart in
-``ext/_topo.pyx``; tests run both and compare. Inputs are plain Python values: an adjacency
-is a list of int bitmasks, ``adjacency[i]`` having bit ``j`` set when GPUs i and j share at
-least one NVLink.
+Every public name here has the same arguments, results and errors as its Cython counterpart
+in ``ext/_topo.pyx``; tests run both and compare. This is the kernel only: plain ints and
+bitmasks in, plain ints and bitmasks out. Device IDs, request validation and the mapping
+between the two live in ``agent.topology.allocator``.
+
+An adjacency is a list of int bitmasks, ``adjacency[i]`` having bit ``j`` set when GPUs i
+and j share at least one NVLink. Every public entry point checks its arguments (type, then
+range) and raises TypeError or ValueError with the message the extension uses.
 """
 
 from __future__ import annotations
 
 from itertools import combinations
+from typing import Sequence
+
+#: Most GPUs per node (bitmasks are 64-bit in the extension).
+MAX_GPUS = 64
+#: Largest number of GPUs solved exactly (bitmask tables of 2**n entries). The extension
+#: compiles the same number in; ``engine.EXACT_MAX_GPUS`` reads it from the implementation
+#: in use and a test checks that both agree.
+EXACT_MAX_GPUS = 16
+#: Largest pair score, replica count (free, taken) and replica load the kernel accepts.
+SCORE_MAX = 2**31 - 1
+COUNT_MAX = 2**31 - 1
+LOAD_MAX = 2**62
+
+
+def _int(v: object, what: str, lo: int, hi: int) -> int:
+    """``v`` when it is an int (not a bool, not a subclass) in ``lo..hi``."""
+    if type(v) is not int:
+        raise TypeError(f"{what} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{what} {v} outside {lo}..{hi}")
+    return v
+
+
+def _mask(v: object, what: str, n: int) -> int:
+    """``v`` when it is an int bitmask of GPUs 0..n-1."""
+    if type(v) is not int:
+        raise TypeError(f"{what} must be an int, got {type(v).__name__}")
+    if v < 0 or v >> n:
+        raise ValueError(f"{what} {v:#x} is not a set of the node's {n} GPUs")
+    return v
+
+
+def _int_list(values: Sequence[int], what: str, n: int, hi: int) -> list[int]:
+    """``values`` as a list when it holds n ints in 0..hi."""
+    if len(values) != n:
+        raise ValueError(f"{what} has {len(values)} entries for {n} GPUs")
+    for i in range(n):
+        _int(values[i], f"{what}[{i}]", 0, hi)
+    return list(values)
+
+
+def _adjacency(adjacency: Sequence[int]) -> int:
+    """The GPU count of a valid adjacency (at most MAX_GPUS masks of GPUs 0..n-1)."""
+    n = len(adjacency)
+    if n > MAX_GPUS:
+        raise ValueError(f"at most {MAX_GPUS} GPUs, got {n}")
+    for i in range(n):
+        _mask(adjacency[i], f"adjacency[{i}]", n)
+    return n
 
 
 def nvlink_islands(adjacency: list[int]) -> list[list[int]]:
     """Connected components of the NVLink graph with two or more GPUs, each sorted,
     ordered by their lowest GPU."""
-    n = len(adjacency)
+    n = _adjacency(adjacency)
     seen = 0
     islands: list[list[int]] = []
     for start in range(n):
@@ -39,7 +92,7 @@ def nvlink_islands(adjacency: list[int]) -> list[list[int]]:
 def maximal_cliques(adjacency: list[int]) -> list[list[int]]:
     """Maximal cliques (every pair NVLinked) of two or more GPUs, each sorted, the list
     sorted lexicographically. Bron-Kerbosch with pivoting on bitmasks."""
-    n = len(adjacency)
+    n = _adjacency(adjacency)
     found: list[list[int]] = []
 
     def expand(r: int, p: int, x: int) -> None:
@@ -75,10 +128,13 @@ def maximal_cliques(adjacency: list[int]) -> list[list[int]]:
 # Allocation: the objective of issue 3, computed exactly for up to EXACT_MAX_GPUS available GPUs.
 # ---------------------------------------------------------------------------------------------
 
-#: Largest number of available GPUs solved exactly (bitmask tables of 2**n entries).
-EXACT_MAX_GPUS = 16
 #: Compressed sub-solvers kept per solver (a node with more than 16 GPUs, few available).
 _SUB_CACHE_SIZE = 16
+
+
+def mask_indices(mask: int) -> list[int]:
+    """Set bits of ``mask`` (a 64-bit mask), ascending."""
+    return _bits(_mask(mask, "mask", MAX_GPUS))
 
 
 def _bits(mask: int) -> list[int]:
@@ -117,24 +173,56 @@ class AllocationSolver:
     #: Not thread-safe: callers serialise calls (the extension's solver locks itself).
     thread_safe = False
 
-    def __init__(self, scores, numa):
+    def __init__(self, scores: Sequence[Sequence[int]], numa: Sequence[int]) -> None:
         n = len(scores)
+        if n > MAX_GPUS:
+            raise ValueError(f"at most {MAX_GPUS} GPUs, got {n}")
         if len(numa) != n:
             raise ValueError(f"numa has {len(numa)} entries for {n} GPUs")
-        if n > 64:
-            raise ValueError(f"at most 64 GPUs, got {n}")
-        if any(not 0 <= int(x) < 64 for x in numa):
-            raise ValueError("numa ids must be in 0..63")
+        for i in range(n):
+            row = scores[i]
+            if len(row) != n:
+                raise ValueError(f"scores[{i}] has {len(row)} entries for {n} GPUs")
+            for j in range(n):
+                _int(row[j], f"scores[{i}][{j}]", 0, SCORE_MAX)
+            if row[i] != 0:
+                raise ValueError(f"scores[{i}][{i}] must be 0, got {row[i]}")
+        for i in range(n):
+            for j in range(i + 1, n):
+                if scores[i][j] != scores[j][i]:
+                    raise ValueError(
+                        f"scores are not symmetric: scores[{i}][{j}] = {scores[i][j]}, "
+                        f"scores[{j}][{i}] = {scores[j][i]}"
+                    )
+        for i in range(n):
+            _int(numa[i], f"numa[{i}]", 0, MAX_GPUS - 1)
         self.n = n
-        self._s = [[int(v) for v in row] for row in scores]
-        self._numa_bit = [1 << int(x) for x in numa]
-        self._set_scores = None  # list over all 2**n masks, built on first exact use
-        self._memo = {}  # k -> list of P_k by mask, -1 = not computed yet
-        self._subs = {}  # available mask -> (members, AllocationSolver) for n > 16
+        self._s = [list(row) for row in scores]
+        self._numa_bit = [1 << x for x in numa]
+        self._set_scores: list[int] | None = None  # all 2**n masks, built on first exact use
+        self._memo: dict[int, list[int]] = {}  # k -> P_k by mask, -1 = not computed yet
+        self._subs: dict[int, tuple[list[int], AllocationSolver]] = {}  # see _sub
+
+    def _request(self, available: int, required: int, k: int) -> tuple[int, int, int]:
+        """The checked ``(available, required, k)`` of a rank/best_mask call."""
+        available = _mask(available, "available", self.n)
+        required = _mask(required, "required", self.n)
+        if required & ~available:
+            raise ValueError("required GPUs must be available")
+        n_avail = available.bit_count()
+        k = _int(k, "size", 1, self.n)
+        if not required.bit_count() <= k <= n_avail:
+            raise ValueError(
+                f"size {k} impossible with {n_avail} available and {required.bit_count()} required"
+            )
+        return available, required, k
 
     # ------------------------------------------------------------------ small helpers
     def set_score(self, mask: int) -> int:
         """Sum of pair scores within ``mask``."""
+        return self._set_score(_mask(mask, "mask", self.n))
+
+    def _set_score(self, mask: int) -> int:
         members = _bits(mask)
         s = self._s
         return sum(s[a][b] for i, a in enumerate(members) for b in members[i + 1 :])
@@ -155,6 +243,8 @@ class AllocationSolver:
         """Set score of every subset of the node, built incrementally: score(S) =
         score(S - low) + sum of pair scores of low with S - low."""
         if self._set_scores is None:
+            if self.n > EXACT_MAX_GPUS:  # callers compress first; never 2**n for a big node
+                raise ValueError(f"no exact tables above {EXACT_MAX_GPUS} GPUs")
             n, s = self.n, self._s
             table = [0] * (1 << n)
             for mask in range(1, 1 << n):
@@ -170,12 +260,28 @@ class AllocationSolver:
 
     def partition_value(self, mask: int, k: int) -> int:
         """``P_k(mask)``: the best partition of ``mask`` into k-groups plus one group of
-        ``popcount(mask) % k`` GPUs (exact; needs ``n <= EXACT_MAX_GPUS``)."""
+        ``popcount(mask) % k`` GPUs, exact; ``mask`` may hold at most EXACT_MAX_GPUS GPUs (on
+        a bigger node it is solved on those GPUs alone)."""
+        mask = _mask(mask, "mask", self.n)
+        k = _int(k, "size", 1, self.n)
+        count = mask.bit_count()
+        if count > EXACT_MAX_GPUS:
+            raise ValueError(
+                f"partition_value is exact for at most {EXACT_MAX_GPUS} GPUs, the mask has {count}"
+            )
+        if k > count:  # one group of them all (also keeps k within the memo tables)
+            return self._set_score(mask)
+        if self.n > EXACT_MAX_GPUS:
+            _, sub = self._sub(mask)
+            return sub.partition_value((1 << count) - 1, k)
+        return self._partition(mask, k, self._memo_for(k), self._table())
+
+    def _memo_for(self, k: int) -> list[int]:
         memo = self._memo.get(k)
         if memo is None:
             memo = self._memo[k] = [-1] * (1 << self.n)
             memo[0] = 0
-        return self._partition(mask, k, memo, self._table())
+        return memo
 
     def _partition(self, mask: int, k: int, memo: list[int], table: list[int]) -> int:
         v = memo[mask]
@@ -200,36 +306,39 @@ class AllocationSolver:
     def best_score(self, k: int) -> int:
         """Best set score of any k GPUs of the node (exact up to 16 GPUs, else the best the
         greedy growth from every GPU finds)."""
-        if not 1 <= k <= self.n:
-            raise ValueError(f"size {k} outside 1..{self.n}")
+        k = _int(k, "size", 1, self.n)
         if self.n <= EXACT_MAX_GPUS:
             table = self._table()
             return max(table[m] for m in range(1 << self.n) if m.bit_count() == k)
         everyone = (1 << self.n) - 1
-        return max(self.set_score(self._grow(1 << i, everyone, k)) for i in range(self.n))
+        return max(self._set_score(self._grow(1 << i, everyone, k)) for i in range(self.n))
 
     # ------------------------------------------------------------------ ranking
     def rank(self, available: int, required: int, k: int, top: int = 1) -> list[tuple]:
         """The ``top`` best sets G (R ⊆ G ⊆ A, |G| = k), best first, each as
         ``(mask, criterion1, score, numa_count, cut)``."""
-        if available >> self.n:
-            raise ValueError("available names a GPU the node does not have")
-        if required & ~available:
-            raise ValueError("required GPUs must be available")
-        n_avail = available.bit_count()
-        if not (required.bit_count() <= k <= n_avail) or k < 1:
-            raise ValueError(f"size {k} impossible with {n_avail} available")
-        if top < 1:
-            raise ValueError("top must be >= 1")
-        if n_avail > EXACT_MAX_GPUS:
+        available, required, k = self._request(available, required, k)
+        top = _int(top, "top", 1, COUNT_MAX)
+        return self._rank(available, required, k, top)
+
+    def best_mask(self, available: int, required: int, k: int) -> int:
+        """``rank(available, required, k, 1)[0][0]``: the best set as a mask."""
+        return self._best_mask(*self._request(available, required, k))
+
+    def _best_mask(self, available: int, required: int, k: int) -> int:
+        if k == available.bit_count():
+            return available  # the only candidate
+        if k == required.bit_count():
+            return required
+        return self._rank(available, required, k, 1)[0][0]
+
+    def _rank(self, available: int, required: int, k: int, top: int) -> list[tuple]:
+        if available.bit_count() > EXACT_MAX_GPUS:
             return self._heuristic(available, required, k, top)
         if self.n > EXACT_MAX_GPUS:
             return self._ranked_compressed(available, required, k, top)
         table = self._table()
-        memo = self._memo.get(k)
-        if memo is None:
-            memo = self._memo[k] = [-1] * (1 << self.n)
-            memo[0] = 0
+        memo = self._memo_for(k)
         free = [1 << i for i in _bits(available & ~required)]
         scored = []
         for others in combinations(free, k - required.bit_count()):
@@ -250,9 +359,9 @@ class AllocationSolver:
         full.sort(key=lambda e: (-e[1], -e[2], e[3], e[4], _bits(e[0])))
         return full[:top]
 
-    def _ranked_compressed(self, available: int, required: int, k: int, top: int) -> list[tuple]:
-        """A node with more than 16 GPUs but at most 16 available: solve exactly on the
-        available GPUs alone (renumbered 0..m-1, which keeps index order)."""
+    def _sub(self, available: int) -> tuple[list[int], AllocationSolver]:
+        """The GPUs of ``available`` (at most EXACT_MAX_GPUS, on a bigger node) and a solver
+        on them alone, renumbered 0..m-1 (which keeps index order); cached."""
         sub = self._subs.get(available)
         if sub is None:
             members = _bits(available)
@@ -262,10 +371,15 @@ class AllocationSolver:
             if len(self._subs) >= _SUB_CACHE_SIZE:
                 self._subs.clear()
             sub = self._subs[available] = (members, AllocationSolver(sub_scores, numa))
-        members, solver = sub
+        return sub
+
+    def _ranked_compressed(self, available: int, required: int, k: int, top: int) -> list[tuple]:
+        """A node with more than 16 GPUs but at most 16 available: solve exactly on the
+        available GPUs alone (renumbered 0..m-1, which keeps index order)."""
+        members, solver = self._sub(available)
         position = {g: i for i, g in enumerate(members)}
         sub_required = sum(1 << position[g] for g in _bits(required))
-        ranked = solver.rank((1 << len(members)) - 1, sub_required, k, top)
+        ranked = solver._rank((1 << len(members)) - 1, sub_required, k, top)
         out = []
         for g, c1, sc, numa_count, cut in ranked:
             real = sum(1 << members[i] for i in _bits(g))
@@ -299,7 +413,7 @@ class AllocationSolver:
         while mask:
             low = mask & -mask
             group = self._grow(low, mask, min(k, mask.bit_count()))
-            total += self.set_score(group)
+            total += self._set_score(group)
             mask ^= group
         return total
 
@@ -318,195 +432,78 @@ class AllocationSolver:
             if g in seen:
                 continue
             seen.add(g)
-            score = self.set_score(g)
+            score = self._set_score(g)
             entries.append((g, score + self._greedy_partition(available ^ g, k), score))
         return self._finish(entries, available, top)
 
 
-# ---------------------------------------------------------------------------------------------
-# Request conversion (the allocator's hot path): GPU index lists <-> bitmasks.
-# ---------------------------------------------------------------------------------------------
 
+    # ------------------------------------------------------------------ replicas
+    def replica_counts(
+        self,
+        free: Sequence[int],
+        taken: Sequence[int],
+        load: Sequence[int],
+        need: int,
+        packed: bool,
+    ) -> list[int]:
+        """How many more replicas of each GPU a time-sliced request takes (the allocator's
+        ``replicas`` docstring has the policy). Per GPU g: ``free[g]`` replicas free and not
+        yet in the request, ``taken[g]`` already in it (must-include), ``load[g]`` allocated
+        to others. ``need`` more replicas are wanted (at most the free ones). Ties among
+        equally loaded GPUs go to the GPU policy, given the GPUs already in the request."""
+        n = self.n
+        free = _int_list(free, "free", n, COUNT_MAX)
+        taken = _int_list(taken, "taken", n, COUNT_MAX)
+        load = _int_list(load, "load", n, LOAD_MAX)
+        need = _int(need, "need", 0, sum(free))
+        counts = [0] * n
 
-def request_masks(available, must_include, n: int) -> tuple[int, int, int, int]:
-    """``(available mask, must-include mask, len(available), len(must_include))``; raises
-    ValueError when an entry is not an int in 0..n-1 or is repeated (the caller explains)."""
-    masks = []
-    for values in (available, must_include):
-        mask = 0
-        count = 0
-        for v in values:
-            if type(v) is not int:
-                raise ValueError("not an index")
-            if not 0 <= v < n:
-                raise ValueError("out of range")
-            if mask >> v & 1:
-                raise ValueError("duplicate")
-            mask |= 1 << v
-            count += 1
-        masks.append((mask, count))
-    return masks[0][0], masks[1][0], masks[0][1], masks[1][1]
+        def take(gpu: int, count: int) -> None:
+            free[gpu] -= count
+            taken[gpu] += count
+            counts[gpu] += count
 
-
-def mask_indices(mask: int) -> list[int]:
-    """Set bits of ``mask``, ascending."""
-    return _bits(mask)
-
-
-def group_devices(parent: dict, n: int) -> dict[int, list[str]]:
-    """``{gpu: [device IDs]}`` from ``{device ID: gpu}``, IDs in the dict's order; raises
-    ValueError when an ID is not a non-empty str or a GPU not an int in 0..n-1."""
-    out: dict[int, list[str]] = {}
-    for device_id, gpu in parent.items():
-        if type(device_id) is not str or not device_id or type(gpu) is not int:
-            raise ValueError("bad entry")
-        if not 0 <= gpu < n:
-            raise ValueError("out of range")
-        out.setdefault(gpu, []).append(device_id)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Whole requests (the allocator's fast paths): validation, policy and result in one call.
-# Each returns None where the request is not a plain valid one; the allocator then names the
-# problem (AllocationError) or, for unusual but valid input, normalises it and asks again.
-# ---------------------------------------------------------------------------------------------
-
-
-def choose(solver: AllocationSolver, available, must_include, size) -> list[int] | None:
-    """``best_set`` in one call: the sorted indices of the best ``size`` GPUs of
-    ``available`` holding ``must_include`` (lists of ints), or None when the request is not
-    plainly valid (an entry not an int in 0..n-1, a repeat, must-include outside available,
-    ``size`` not an int in ``max(1, |must_include|)..|available|``)."""
-    if type(size) is not int:
-        return None
-    try:
-        avail, required, n_avail, n_required = request_masks(available, must_include, solver.n)
-    except ValueError:
-        return None
-    if required & ~avail or not (1 <= size <= n_avail and n_required <= size):
-        return None
-    return _bits(solver.rank(avail, required, size, 1)[0][0])
-
-
-def _natural_key(device_id: str) -> tuple[str, int, str]:
-    """``<uuid>::2`` before ``<uuid>::10``; other IDs by their text."""
-    head, sep, tail = device_id.rpartition("::")
-    return (head, int(tail), "") if sep and tail.isdigit() else (device_id, -1, device_id)
-
-
-def _extend(solver, in_request: list[int], tier: list[int], count: int) -> list[int]:
-    """``count`` GPUs of ``tier`` that the GPU policy adds to ``in_request`` (disjoint)."""
-    pool = sum(1 << g for g in in_request) | sum(1 << g for g in tier)
-    required = sum(1 << g for g in in_request)
-    best = solver.rank(pool, required, len(in_request) + count, 1)[0][0]
-    return _bits(best & ~required)
-
-
-def select_replicas(solver, available, must_include, size, packed, per_gpu) -> list[str] | None:
-    """``AllocationEngine.replicas`` in one call (its docstring has the policy): the replica
-    IDs to allocate, sorted by GPU index then replica number, or None when the request is
-    not plainly valid (an entry not a (non-empty str, int in 0..n-1) tuple or list pair, a
-    repeated ID, a must-include ID not available or repeated, ``size`` not an int in
-    ``max(1, |must_include|)..|available|``). ``per_gpu``: None (every GPU has as many
-    replicas as the one with most free), an int for every GPU, or a mapping GPU -> count
-    (GPUs not in it: their free count). ``solver`` breaks ties among equally loaded GPUs."""
-    n = solver.n
-    if type(size) is not int:
-        return None
-    parent: dict[str, int] = {}
-    free: dict[int, list[str]] = {}  # GPU -> its free IDs not in must-include
-    count = 0
-    for entry in available:
-        if (type(entry) is not tuple and type(entry) is not list) or len(entry) != 2:
-            return None
-        device_id, gpu = entry
-        if type(device_id) is not str or not device_id or type(gpu) is not int:
-            return None
-        if not 0 <= gpu < n:
-            return None
-        parent[device_id] = gpu
-        count += 1
-        ids = free.get(gpu)
-        if ids is None:
-            free[gpu] = [device_id]
-        else:
-            ids.append(device_id)
-    if len(parent) != count:
-        return None  # a repeated ID
-    required: list[str] = []
-    seen: set[str] = set()
-    for device_id in must_include:
-        gpu = parent.get(device_id)
-        if gpu is None or device_id in seen:
-            return None
-        seen.add(device_id)
-        required.append(device_id)
-        free[gpu].remove(device_id)
-    if not (1 <= size <= count and len(required) <= size):
-        return None
-
-    all_free = {g: len(ids) for g, ids in free.items()}
-    for d in required:
-        all_free[parent[d]] += 1
-    if per_gpu is None:
-        uniform = max(all_free.values())
-        total = {g: uniform for g in all_free}
-    elif isinstance(per_gpu, int):
-        total = {g: per_gpu for g in all_free}
-    else:
-        total = {g: int(per_gpu.get(g, all_free[g])) for g in all_free}
-    load = {g: max(total[g] - all_free[g], 0) for g in all_free}
-    taken = dict.fromkeys(free, 0)
-    for d in required:
-        taken[parent[d]] += 1
-    sorted_gpus: set[int] = set()
-    chosen = list(required)
-    need = size - len(required)
-
-    def take(gpu: int, count: int) -> None:
-        ids = free[gpu]
-        if gpu not in sorted_gpus:  # shorter first, then by text: replica number order
-            ids.sort()
-            ids.sort(key=len)
-            sorted_gpus.add(gpu)
-        chosen.extend(ids[:count])
-        del ids[:count]
-        taken[gpu] += count
-
-    while need > 0 and not packed:
-        # one round: each GPU at the lowest level of use in this request gets one more
-        # replica, least loaded first; a partly taken tier of equal load goes to topology
-        level = min(taken[g] for g, ids in free.items() if ids)
-        group = sorted((load[g], g) for g, ids in free.items() if ids and taken[g] == level)
-        start = 0
-        while start < len(group) and need > 0:
-            end = start + 1
-            while end < len(group) and group[end][0] == group[start][0]:
-                end += 1
-            tier = [g for _, g in group[start:end]]
-            if len(tier) <= need:
-                picks = tier
-            elif level > 0:
-                # every tier GPU is already in the request: topology cannot tell them apart
-                picks = tier[:need]
+        while need > 0 and not packed:
+            # one round: each GPU at the lowest level of use in this request gets one more
+            # replica, least loaded first; a partly taken tier of equal load goes to topology
+            level = min(taken[g] for g in range(n) if free[g])
+            group = sorted((load[g], g) for g in range(n) if free[g] and taken[g] == level)
+            start = 0
+            while start < len(group) and need > 0:
+                end = start + 1
+                while end < len(group) and group[end][0] == group[start][0]:
+                    end += 1
+                tier = [g for _, g in group[start:end]]
+                if len(tier) <= need:
+                    picks = tier
+                elif level > 0:
+                    # every tier GPU is already in the request: topology cannot tell them apart
+                    picks = tier[:need]
+                else:
+                    picks = self._extend(taken, tier, need)
+                for g in picks:
+                    take(g, 1)
+                need -= len(picks)
+                start = end
+        while need > 0:  # packed: not in the request first, then the most loaded
+            eligible = [g for g in range(n) if free[g]]
+            key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
+            best_key = min(key.values())
+            tier = [g for g in eligible if key[g] == best_key]
+            if len(tier) == 1 or best_key[0] == 0:
+                # GPUs already in the request and equally loaded: topology cannot tell
+                gpu = tier[0]
             else:
-                picks = _extend(solver, sorted(g for g in taken if taken[g]), tier, need)
-            for g in picks:
-                take(g, 1)
-            need -= len(picks)
-            start = end
-    while need > 0:  # packed
-        eligible = [g for g, ids in free.items() if ids]
-        key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
-        best_key = min(key.values())
-        tier = sorted(g for g in eligible if key[g] == best_key)
-        if len(tier) == 1 or best_key[0] == 0:
-            # GPUs already in the request and equally loaded: topology cannot tell
-            gpu = tier[0]
-        else:
-            (gpu,) = _extend(solver, sorted(g for g in taken if taken[g]), tier, 1)
-        count = min(need, len(free[gpu]))
-        take(gpu, count)
-        need -= count
-    return sorted(chosen, key=lambda d: (parent[d], _natural_key(d)))
+                (gpu,) = self._extend(taken, tier, 1)
+            count = min(need, free[gpu])
+            take(gpu, count)
+            need -= count
+        return counts
+
+    def _extend(self, taken: list[int], tier: list[int], count: int) -> list[int]:
+        """``count`` GPUs of ``tier`` that the GPU policy adds to those with ``taken``."""
+        required = sum(1 << g for g in range(self.n) if taken[g])
+        pool = required | sum(1 << g for g in tier)
+        best = self._best_mask(pool, required, required.bit_count() + count)
+        return _bits(best & ~required)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -79,7 +78,7 @@ class Explanation:
         out = [
             f"chosen {list(c.indices)}: anchor criterion {c.anchor_score}, set score {c.score}, "
             f"NUMA nodes {c.numa_nodes}, cut {c.cut}",
-            f"search: {'exact' if self.exact else 'bounded (not exact, more than 16 available)'}"
+            f"search: {'exact' if self.exact else f'bounded (not exact, more than {engine.EXACT_MAX_GPUS} available)'}"
             f", engine {self.implementation}",
         ]
         if not self.runners_up:
@@ -102,9 +101,10 @@ def _separating_criterion(winner: Candidate, other: Candidate) -> int:
 _NATURAL_KEYS: dict[str, tuple[str, int, str]] = {}
 
 
-def _natural_key(device_id: str) -> tuple[str, int, str]:
-    """Orders ``<uuid>::2`` before ``<uuid>::10``; other IDs by their text. Cached: the
-    same replica IDs come back on every kubelet request."""
+def natural_key(device_id: str) -> tuple[str, int, str]:
+    """The one natural order of device IDs: ``<uuid>::2`` before ``<uuid>::10`` (replica
+    numbers as numbers), every other ID by its text. Cached: the same IDs come back on every
+    kubelet request."""
     key = _NATURAL_KEYS.get(device_id)
     if key is None:
         head, sep, tail = device_id.rpartition("::")
@@ -115,12 +115,12 @@ def _natural_key(device_id: str) -> tuple[str, int, str]:
     return key
 
 
-def _natural_sort(ids: list[str]) -> None:
-    """Sort IDs of one GPU in place so that ``<uuid>::2`` comes before ``<uuid>::10``: they
-    share their prefix, so shorter first, then by text, orders them by number. Two C-level
-    sorts (the second is stable): this is on the replica request path."""
-    ids.sort()
-    ids.sort(key=len)
+def natural_sorted(ids: Sequence[str]) -> list[str]:
+    """``ids`` in :func:`natural_key` order (the cached keys looked up at C level)."""
+    try:
+        return sorted(ids, key=_NATURAL_KEYS.__getitem__)
+    except KeyError:
+        return sorted(ids, key=natural_key)
 
 
 class AllocationEngine:
@@ -140,11 +140,8 @@ class AllocationEngine:
         ]
         scores = [list(row) for row in topology.scores] if self._n else []
         self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
-        self._request_masks = engine.impl.request_masks
         self._mask_indices = engine.impl.mask_indices
-        self._group_devices = engine.impl.group_devices
-        self._choose = engine.impl.choose
-        self._select_replicas = engine.impl.select_replicas
+        self._load_max: int = engine.impl.LOAD_MAX
         # the extension's solver serialises its own calls; the twin's needs our lock
         self._solver_locks = bool(getattr(self._solver, "thread_safe", False))
         self.implementation = engine.IMPLEMENTATION
@@ -152,25 +149,35 @@ class AllocationEngine:
         self._best_by_size: dict[int, int] = {}
 
     # ------------------------------------------------------------------ validation
-    def _check_indices(self, what: str, values: Sequence[int]) -> list[int]:
-        out = []
+    # Every request is checked here, once, and turned into the kernel's plain ints; the
+    # kernel checks its arguments again only as a guard (a failure there is a bug here).
+    def _gpu_index(self, what: str, v: object) -> int:
+        """``v`` as a GPU index of this node, else AllocationError."""
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise AllocationError(f"{what}: {v!r} is not a GPU index")
+        if not 0 <= v < self._n:
+            raise AllocationError(
+                f"{what}: unknown GPU index {v} (this node has GPUs 0-{self._n - 1})"
+                if self._n
+                else f"{what}: unknown GPU index {v} (this node has no GPUs)"
+            )
+        return int(v)
+
+    def _index_mask(self, what: str, values: Sequence[int]) -> int:
+        """The bitmask of distinct GPU indices ``values``, else AllocationError."""
+        n = self._n
+        mask = 0
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise AllocationError(f"{what}: {v!r} is not a GPU index")
-            if not 0 <= v < self._n:
-                raise AllocationError(
-                    f"{what}: unknown GPU index {v} (this node has GPUs 0-{self._n - 1})"
-                    if self._n
-                    else f"{what}: unknown GPU index {v} (this node has no GPUs)"
-                )
-            out.append(v)
-        dup = sorted(i for i, c in Counter(out).items() if c > 1)
-        if dup:
-            raise AllocationError(f"{what}: duplicate GPU index {dup[0]}")
-        return out
+            if type(v) is not int or not 0 <= v < n:
+                v = self._gpu_index(what, v)
+            bit = 1 << v
+            if mask & bit:
+                raise AllocationError(f"{what}: duplicate GPU index {v}")
+            mask |= bit
+        return mask
 
     @staticmethod
-    def _check_request(n_available: int, n_required: int, size: int) -> None:
+    def _check_size(n_available: int, n_required: int, size: object) -> int:
         if isinstance(size, bool) or not isinstance(size, int):
             raise AllocationError(f"size must be an integer, got {size!r}")
         if size < 1:
@@ -179,27 +186,21 @@ class AllocationEngine:
             raise AllocationError(f"size {size} is more than the {n_available} available devices")
         if n_required > size:
             raise AllocationError(f"{n_required} must-include devices do not fit in size {size}")
+        return int(size)
 
     def _masks(
         self, available: Sequence[int], must_include: Sequence[int], size: int
-    ) -> tuple[int, int]:
-        """(available mask, must-include mask) of a valid request, else AllocationError
-        naming the first problem. The conversion runs in the engine: it is on every
-        kubelet request's path."""
-        try:
-            avail, required, n_avail, n_required = self._request_masks(
-                available, must_include, self._n
-            )
-        except (ValueError, TypeError, OverflowError):
-            self._check_indices("available", available)
-            self._check_indices("must-include", must_include)
-            raise AllocationError("invalid GPU index list") from None  # pragma: no cover
+    ) -> tuple[int, int, int]:
+        """(available mask, must-include mask, size as an int) of a valid request, else
+        AllocationError naming the first problem."""
+        avail = self._index_mask("available", available)
+        required = self._index_mask("must-include", must_include) if must_include else 0
         outside = required & ~avail
         if outside:
             first = (outside & -outside).bit_length() - 1
             raise AllocationError(f"must-include GPU {first} is not available")
-        self._check_request(n_avail, n_required, size)
-        return avail, required
+        k = self._check_size(avail.bit_count(), required.bit_count(), size)
+        return avail, required, k
 
     @staticmethod
     def _indices(mask: int) -> tuple[int, ...]:
@@ -216,31 +217,25 @@ class AllocationEngine:
         """The k = ``size`` GPU indices to allocate, sorted. Raises AllocationError on an
         invalid request (size < 1 or above |available|, must-include outside available or
         larger than size, unknown or duplicate indices)."""
+        avail, required, k = self._masks(available, must_include, size)
         solver = self._solver
-        if solver is not None:
-            # one engine call: validation, search and result (None: not a plain request)
-            if self._solver_locks:
-                best = self._choose(solver, available, must_include, size)
-            else:
-                with self._lock:
-                    best = self._choose(solver, available, must_include, size)
-            if best is not None:
-                return best
-        avail, required = self._masks(available, must_include, size)  # names the problem
         assert solver is not None  # a node with no GPUs fails validation above
-        with self._lock:  # valid but unusual input (an int subclass as size, say)
-            ranked = solver.rank(avail, required, int(size), 1)
-        return self._mask_indices(ranked[0][0])
+        if self._solver_locks:
+            best = solver.best_mask(avail, required, k)
+        else:
+            with self._lock:
+                best = solver.best_mask(avail, required, k)
+        return self._mask_indices(best)
 
     def explain(
         self, available: Sequence[int], must_include: Sequence[int], size: int, runners_up: int = 5
     ) -> Explanation:
         """:meth:`best_set`'s winner with its criterion values and the next ``runners_up``
         candidates, each with the criterion that ranked it lower."""
-        avail, required = self._masks(available, must_include, size)
+        avail, required, k = self._masks(available, must_include, size)
         assert self._solver is not None
         with self._lock:
-            ranked = self._solver.rank(avail, required, size, runners_up + 1)
+            ranked = self._solver.rank(avail, required, k, max(runners_up, 0) + 1)
         cands = [self._candidate(e) for e in ranked]
         winner = cands[0]
         return Explanation(
@@ -274,7 +269,12 @@ class AllocationEngine:
         the groups in the anchor's order and keep the first one that still completes a best
         partition. Otherwise (the anchor pads the last group) the set with the best
         criterion 1, then criterion 2, then the lowest indices stands in for it."""
-        avail, _ = self._masks(available, (), size)
+        avail, _, size = self._masks(available, (), size)
+        if avail.bit_count() > engine.EXACT_MAX_GPUS:
+            raise AllocationError(
+                f"the partition-only comparison is exact for at most {engine.EXACT_MAX_GPUS} "
+                f"available GPUs, got {avail.bit_count()}"
+            )
         assert self._solver is not None
         solver = self._solver
         free = self._mask_indices(avail)
@@ -313,35 +313,13 @@ class AllocationEngine:
     # ------------------------------------------------------------------ shared devices
     def _devices(
         self, available: Sequence[tuple[str, int]], must_include: Sequence[str], size: int
-    ) -> tuple[dict[str, int], list[str], dict[int, list[str]]]:
-        """Validated (device ID -> GPU, must-include IDs, GPU -> its free IDs not in
-        must-include, unsorted). One pass: this runs on every kubelet request."""
-        try:
-            parent: dict[str, int] = dict(available)
-        except (TypeError, ValueError):
-            parent = {}
-        try:
-            if len(parent) != len(available):
-                raise ValueError("duplicate")
-            by_gpu: dict[int, list[str]] = self._group_devices(parent, self._n)
-        except (ValueError, TypeError, OverflowError):
-            self._explain_bad_devices(available)  # raises with the precise message
-            raise  # pragma: no cover
-        required = list(must_include)
-        if required:
-            seen: set[str] = set()
-            for device_id in required:
-                if device_id not in parent:
-                    raise AllocationError(f"must-include device {device_id!r} is not available")
-                if device_id in seen:
-                    raise AllocationError(f"must-include: duplicate device ID {device_id}")
-                seen.add(device_id)
-                by_gpu[parent[device_id]].remove(device_id)
-        self._check_request(len(parent), len(required), size)
-        return parent, required, by_gpu
-
-    def _explain_bad_devices(self, available: Sequence[tuple[str, int]]) -> None:
-        seen: set[str] = set()
+    ) -> tuple[dict[str, int], list[str], list[list[str]], int]:
+        """Validated (device ID -> GPU, must-include IDs, per GPU index its available IDs
+        not in must-include (input order), size as an int), else AllocationError naming the
+        first problem. One pass: this runs on every kubelet request."""
+        n = self._n
+        parent: dict[str, int] = {}
+        by_gpu: list[list[str]] = [[] for _ in range(n)]
         for entry in available:
             try:
                 device_id, gpu = entry
@@ -351,11 +329,61 @@ class AllocationEngine:
                 ) from None
             if type(device_id) is not str or not device_id:
                 raise AllocationError(f"available: {device_id!r} is not a device ID")
-            self._check_indices(f"available {device_id}", [gpu])
-            if device_id in seen:
-                raise AllocationError(f"available: duplicate device ID {device_id}")
-            seen.add(device_id)
-        raise AssertionError("unreachable")  # pragma: no cover
+            if type(gpu) is not int or not 0 <= gpu < n:
+                gpu = self._gpu_index(f"available {device_id}", gpu)
+            parent[device_id] = gpu
+            by_gpu[gpu].append(device_id)
+        count = sum(map(len, by_gpu))
+        if len(parent) != count:
+            seen: set[str] = set()
+            for device_id, _ in available:
+                if device_id in seen:
+                    raise AllocationError(f"available: duplicate device ID {device_id}")
+                seen.add(device_id)
+        required = list(must_include)
+        if required:
+            seen = set()
+            for device_id in required:
+                if device_id not in parent:
+                    raise AllocationError(f"must-include device {device_id!r} is not available")
+                if device_id in seen:
+                    raise AllocationError(f"must-include: duplicate device ID {device_id}")
+                seen.add(device_id)
+                by_gpu[parent[device_id]].remove(device_id)
+        k = self._check_size(count, len(required), size)
+        return parent, required, by_gpu, k
+
+    def _loads(
+        self,
+        free: list[int],
+        taken: list[int],
+        per_gpu: int | Mapping[int, int] | None,
+    ) -> list[int]:
+        """Per GPU index, its replicas allocated to others (0 for GPUs not in the request)."""
+        counts = [f + t for f, t in zip(free, taken)]  # 0: not in the request
+        if per_gpu is None:
+            uniform = max(counts)
+            load = [uniform - c if c else 0 for c in counts]
+        elif isinstance(per_gpu, int):
+            load = [max(per_gpu - c, 0) if c else 0 for c in counts]
+        elif isinstance(per_gpu, Mapping):
+            load = [max(int(per_gpu.get(g, c)) - c, 0) if c else 0 for g, c in enumerate(counts)]
+        else:
+            raise AllocationError(
+                f"replicas_per_gpu must be a count or a mapping GPU index -> count, "
+                f"got {per_gpu!r}"
+            )
+        if max(load) > self._load_max:
+            # Only comparisons of load + taken matter, and taken differs by at most the
+            # request's size: shrink every gap between distinct loads to at most that + 1.
+            cap = sum(counts) + 1
+            shrunk: dict[int, int] = {}
+            last, prev = 0, None
+            for value in sorted({load[g] for g in range(self._n) if counts[g]}):
+                last = 0 if prev is None else last + min(value - prev, cap)
+                shrunk[value], prev = last, value
+            load = [shrunk[v] if c else 0 for v, c in zip(load, counts)]
+        return load
 
     def replicas(
         self,
@@ -384,30 +412,32 @@ class AllocationEngine:
                 f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}"
             )
         packed = policy == "packed"
+        parent, required, by_gpu, k = self._devices(available, must_include, size)
+        n = self._n
+        free = [len(ids) for ids in by_gpu]
+        taken = [0] * n
+        for device_id in required:
+            taken[parent[device_id]] += 1
+        load = self._loads(free, taken, replicas_per_gpu)
         solver = self._solver
-        if solver is not None:
-            # one engine call: validation, grouping, the policy and the ordered result
-            if self._solver_locks:
-                got = self._select_replicas(
-                    solver, available, must_include, size, packed, replicas_per_gpu
-                )
-            else:
-                with self._lock:
-                    got = self._select_replicas(
-                        solver, available, must_include, size, packed, replicas_per_gpu
-                    )
-            if got is not None:
-                return got
-        # not a plain request: name the problem, or normalise valid but unusual input
-        # (pairs as other sequences, an int subclass as size) and ask the reference twin,
-        # which also takes what the extension declines (see engine.select_replicas_twin)
-        parent, required, _ = self._devices(available, must_include, size)
-        with self._lock:
-            got = engine.select_replicas_twin(
-                solver, list(parent.items()), required, int(size), packed, replicas_per_gpu
-            )
-        assert got is not None
-        return got
+        assert solver is not None  # a node with no GPUs has no valid replica request
+        need = k - len(required)
+        if self._solver_locks:
+            counts = solver.replica_counts(free, taken, load, need, packed)
+        else:
+            with self._lock:
+                counts = solver.replica_counts(free, taken, load, need, packed)
+        out: list[str] = []
+        for g in range(n):
+            c = counts[g]
+            if taken[g]:
+                mine = [d for d in required if parent[d] == g]
+                if c:
+                    mine += natural_sorted(by_gpu[g])[:c]
+                out += natural_sorted(mine)
+            elif c:
+                out += natural_sorted(by_gpu[g])[:c]
+        return out
 
     def mig(
         self, available: Sequence[tuple[str, int]], must_include: Sequence[str], size: int
@@ -417,9 +447,8 @@ class AllocationEngine:
         anywhere; best fit throughout: the parent (NUMA node) with the fewest free instances
         that can take the rest first, parents already in the request first. Returned sorted
         by parent index, then ID."""
-        parent, required, free = self._devices(available, must_include, size)
-        for ids in free.values():
-            _natural_sort(ids)
+        parent, required, by_gpu, size = self._devices(available, must_include, size)
+        free = {g: natural_sorted(ids) for g, ids in enumerate(by_gpu) if ids}
         need = size - len(required)
         used = sorted({parent[d] for d in required})
         numa_of = {g.index: g.numa_node for g in self.topology.gpus}
@@ -478,4 +507,4 @@ class AllocationEngine:
                     picked = fill(nodes[node])
         if picked is None:
             picked = fill(sorted(set(free) | set(used)))
-        return sorted(required + picked, key=lambda d: (parent[d], _natural_key(d)))
+        return sorted(required + picked, key=lambda d: (parent[d], natural_key(d)))

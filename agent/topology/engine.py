@@ -14,10 +14,9 @@ log = logging.getLogger(__name__)
 
 #: What both implementations provide; an extension built from an older ``ext/_topo.pyx``
 #: lacks some of it and is not used.
-API = (
-    "nvlink_islands", "maximal_cliques", "AllocationSolver", "request_masks", "mask_indices",
-    "group_devices", "choose", "select_replicas",
-)
+API = ("EXACT_MAX_GPUS", "MAX_GPUS", "LOAD_MAX", "nvlink_islands", "maximal_cliques",
+       "AllocationSolver", "mask_indices")
+SOLVER_API = ("set_score", "partition_value", "best_score", "rank", "best_mask", "replica_counts")
 
 
 def _select() -> tuple[ModuleType, str]:
@@ -33,6 +32,8 @@ def _select() -> tuple[ModuleType, str]:
         log.warning("Cython topology engine not built (%s); using the pure-Python twin", exc)
         return _pure, "python"
     missing = [name for name in API if not hasattr(_topo, name)]
+    solver = getattr(_topo, "AllocationSolver", None)
+    missing += [f"AllocationSolver.{m}" for m in SOLVER_API if not hasattr(solver, m)]
     if missing:
         log.warning(
             "the built Cython topology engine is stale (no %s): using the pure-Python twin; "
@@ -43,11 +44,15 @@ def _select() -> tuple[ModuleType, str]:
 
 
 impl, IMPLEMENTATION = _select()
+#: Largest number of available GPUs for which allocation is exact (bitmask DP). Defined once,
+#: in the kernel (a compile-time constant of the extension; the twin states the same number,
+#: which tests/test_engine_parity.py checks); read from the implementation in use.
+EXACT_MAX_GPUS: int = impl.EXACT_MAX_GPUS
 
 
 def use(name: str) -> None:
     """Switch implementation at run time ("cython" or "python"); for tests and benchmarks."""
-    global impl, IMPLEMENTATION
+    global impl, IMPLEMENTATION, EXACT_MAX_GPUS
     from agent.topology import _pure
 
     if name == "python":
@@ -58,6 +63,7 @@ def use(name: str) -> None:
         impl, IMPLEMENTATION = _topo, "cython"
     else:
         raise ValueError(f"unknown engine {name!r}: expected 'cython' or 'python'")
+    EXACT_MAX_GPUS = impl.EXACT_MAX_GPUS
 
 
 def nvlink_islands(adjacency: list[int]) -> list[list[int]]:
@@ -68,53 +74,18 @@ def maximal_cliques(adjacency: list[int]) -> list[list[int]]:
     return impl.maximal_cliques(adjacency)
 
 
-#: Largest number of available GPUs for which allocation is exact (bitmask DP).
-EXACT_MAX_GPUS = 16
-
-
 def allocation_solver(scores: list[list[int]], numa: list[int]):  # -> impl.AllocationSolver
     """A solver of the issue-3 objective on the current implementation.
 
     ``scores`` is the pair-score matrix, ``numa[i]`` a small id (0..63) of GPU i's NUMA node.
     The solver memoises partition tables across calls; keep one per topology. See
-    ``agent.topology._pure.AllocationSolver`` for the contract of ``rank``, ``best_score``,
-    ``partition_value`` and ``set_score`` (masks are int bitmasks over GPU indices).
+    ``agent.topology._pure.AllocationSolver`` for the contract of ``rank``, ``best_mask``,
+    ``best_score``, ``partition_value``, ``set_score`` and ``replica_counts`` (masks are int
+    bitmasks over GPU indices; bad arguments raise TypeError/ValueError, the same on both).
     """
     return impl.AllocationSolver(scores, numa)
-
-
-def request_masks(available, must_include, n: int) -> tuple[int, int, int, int]:
-    """GPU index lists -> (available mask, must-include mask, counts); ValueError when an
-    entry is not an int in 0..n-1 or repeats. See ``_pure.request_masks``."""
-    return impl.request_masks(available, must_include, n)
 
 
 def mask_indices(mask: int) -> list[int]:
     """Set bits of ``mask``, ascending."""
     return impl.mask_indices(mask)
-
-
-def group_devices(parent: dict, n: int) -> dict[int, list[str]]:
-    """``{device ID: gpu}`` -> ``{gpu: [device IDs]}``; ValueError on a bad entry."""
-    return impl.group_devices(parent, n)
-
-
-def choose(solver, available, must_include, size) -> list[int] | None:
-    """``AllocationEngine.best_set`` in one engine call; None when the request is not a
-    plain valid one. See ``_pure.choose``."""
-    return impl.choose(solver, available, must_include, size)
-
-
-def select_replicas(solver, available, must_include, size, packed, per_gpu) -> list[str] | None:
-    """``AllocationEngine.replicas`` in one engine call; None when the request is not a plain
-    valid one (the extension also declines a few unusual valid ones). See
-    ``_pure.select_replicas``."""
-    return impl.select_replicas(solver, available, must_include, size, packed, per_gpu)
-
-
-def select_replicas_twin(solver, available, must_include, size, packed, per_gpu):
-    """The pure-Python ``select_replicas`` on any solver: it takes every valid request,
-    including those the extension declines."""
-    from agent.topology import _pure
-
-    return _pure.select_replicas(solver, available, must_include, size, packed, per_gpu)
