@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from agent.config import Config, describe_config
 from agent.errors import AgentError
-from agent.health import HealthState, HealthWatcher
+from agent.health import HealthState, HealthWatcher, lost_at_discovery
 
 log = logging.getLogger(__name__)
 
@@ -205,15 +205,17 @@ class Daemon:
             [list(i) for i in self.topology.nvlink_islands],
             {k: list(v) for k, v in self.topology.numa_groups.items()},
         )
-        self._write_labels()
-        self.health = HealthState(self.topology.gpu_count)
+        self.health = HealthState(self.topology.gpu_count, lost_at_discovery(self.backend))
         from agent.deviceplugin.manager import DevicePluginManager
 
         # The device plugins start before the metrics service: registration is what the
         # node waits for (goal: within 2 s of start); the metrics hooks are attached after.
+        # Labels come after the sockets: an agent that finds its socket served by another
+        # live one exits there, before touching that one's label file.
         self.manager = DevicePluginManager(self.topology, self.config, self.health)
         self.manager.on_kubelet_restart = self._on_kubelet_restart
         self.manager.start()
+        self._write_labels()
         self._start_metrics()
         if self.metrics is not None:
             self.manager.attach_metrics(getattr(self.metrics, "agent_metrics", None))
@@ -229,7 +231,7 @@ class Daemon:
             return
         try:
             if self.label_sink is None:
-                self.label_sink = FeatureFileSink(self.config.features_dir)
+                self.label_sink = FeatureFileSink(self.config.features_dir, self.config.feature_file)
             if self.label_sink.write(compute_labels(self.topology, self.config)):
                 log.info("labels written to %s", self.config.features_dir)
         except OSError as exc:

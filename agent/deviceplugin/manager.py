@@ -21,7 +21,7 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, register
+from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, SocketInUseError, register
 from agent.health import HealthState
 from agent.topology.model import Topology
 
@@ -72,6 +72,7 @@ class DevicePluginManager:
         self._thread: threading.Thread | None = None
         self._kubelet_inode: tuple[int, int, int] | None = None
         self._seen_kubelet = False
+        self._taken: set[str] = set()  # our socket paths another live server holds now
         self.resources: tuple[PluginResource, ...] = ()
         self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
         self.socket_losses = 0  # our socket removed while the kubelet stayed
@@ -231,12 +232,23 @@ class DevicePluginManager:
                 if self._stop.is_set():
                     return
                 if not slot.server.socket_present():
-                    if inode is not None:
-                        self.socket_losses += 1
-                    log.warning("socket %s vanished: serving it again", slot.server.path)
+                    path = slot.server.path
+                    if path not in self._taken:
+                        if inode is not None:
+                            self.socket_losses += 1
+                        log.warning("socket %s vanished: serving it again", path)
                     resource = slot.server.resource
                     slot.server.stop(0)
-                    server = self._new_server(resource, self.topology, self.config)
+                    try:
+                        server = self._new_server(resource, self.topology, self.config)
+                    except SocketInUseError as exc:
+                        # another live server took the name: never delete it, never fight
+                        if path not in self._taken:
+                            log.error("%s; not serving %s until it is gone", exc, resource.name)
+                            self._taken.add(path)
+                        slot.registered = False
+                        continue
+                    self._taken.discard(path)
                     self._slots[i] = slot = _Slot(server, next_try_s=now)
                 if inode is None or slot.registered or now < slot.next_try_s:
                     continue

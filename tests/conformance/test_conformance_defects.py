@@ -60,7 +60,7 @@ def test_one_gpu_without_numa_node_leaves_the_others_aligned(harness, case):
         g["uuid"]: [g["numa_node"]] for g in gpus[:7]
     }, run.describe()
     admitted = [p for p in s["pods"] if p["phase"] == "new" and p["admit"]]
-    assert [p["request"] for p in admitted] == [1, 2, 4], run.describe()
+    assert [p["request"] for p in admitted] == [1, 2, 3, 1], run.describe()
     for pod in admitted:
         assert len(pod["numaSet"]) == 1 and pod["affinity"].endswith("*"), pod
         assert gpus[7]["uuid"] not in pod["devices"], pod
