@@ -66,6 +66,10 @@ class Config:
     metrics_address: str = ":9400"
     node_name: str = ""
     sysfs_root: str = "/sys"
+    #: plugin socket file name in kubelet_dir; {resource} is the resource name after the
+    #: domain (NVIDIA's plugin uses the same default: change it to run both on one node)
+    socket_name: str = "nvidia-{resource}.sock"
+    feature_file: str = "gpu-topology-agent"  # label file name in features_dir
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -103,7 +107,13 @@ ENV_FIELDS: Mapping[str, str] = {
     "HEALTH_RECOVERY_S": "health_recovery_s",
     "SAMPLE_INTERVAL_S": "sample_interval_s",
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
+    "SOCKET_NAME": "socket_name",
+    "FEATURE_FILE": "feature_file",
 }
+
+#: Fields holding paths: made absolute when the configuration is loaded (a relative
+#: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
+PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root", "config_file")
 
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
@@ -146,6 +156,13 @@ def _expect_str(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected a string, got {value!r}")
     return value
+
+
+def _expect_file_name(value: object, where: str) -> str:
+    name = _expect_str(value, where)
+    if not name or "/" in name or name.startswith(".") or name == "kubelet.sock":
+        raise ValueError(f"{where}: expected a file name (no '/', not a dot-file, not kubelet.sock), got {name!r}")
+    return name
 
 
 def _expect_items(value: object, where: str, expected: str) -> list[object]:
@@ -264,7 +281,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
-         "sharedDevicesAllocationPolicy", "allocationPolicy") + _IGNORED_FLAG_KEYS,
+         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile") + _IGNORED_FLAG_KEYS,
         "flags",
     )
     if "migStrategy" in flags:
@@ -284,7 +301,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     plugin = _expect_mapping(flags.get("plugin"), "flags.plugin")
     _check_keys(
         plugin,
-        ("passDeviceSpecs", "deviceListStrategy", "deviceIDStrategy", "cdiAnnotationPrefix")
+        ("passDeviceSpecs", "deviceListStrategy", "deviceIDStrategy", "cdiAnnotationPrefix", "socketName")
         + _IGNORED_PLUGIN_KEYS,
         "flags.plugin",
     )
@@ -298,6 +315,10 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["device_id_strategy"] = _expect_choice(
             plugin["deviceIDStrategy"], DEVICE_ID_STRATEGIES, "flags.plugin.deviceIDStrategy"
         )
+    if "socketName" in plugin:
+        out["socket_name"] = _expect_file_name(plugin["socketName"], "flags.plugin.socketName")
+    if "featureFile" in flags:
+        out["feature_file"] = _expect_file_name(flags["featureFile"], "flags.featureFile")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
     sharing = _expect_mapping(doc.get("sharing"), "sharing")
@@ -365,6 +386,8 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "sample_interval_s": lambda v, w: _expect_number(v, w, 0.1),
     "pod_resources_refresh_s": lambda v, w: _expect_number(v, w, 0.1),
     "idle_utilization_threshold_pct": _expect_number,
+    "socket_name": _expect_file_name,
+    "feature_file": _expect_file_name,
     "log_format": lambda v, w: _expect_choice(v, LOG_FORMATS, w),
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
 }
@@ -459,7 +482,7 @@ def load_config(
             extra_critical_xids=tuple(sorted(set(config.extra_critical_xids) | set(enable_xids))),
         )
     _check_consistency(config)
-    return config
+    return replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
 
 
 def is_critical_xid(config: Config, xid: int) -> bool:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, TextIO
 from agent.config import Config, describe_config
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.errors import AgentError
-from agent.health import EventSource, HealthState, HealthWatcher
+from agent.health import EventSource, HealthState, HealthWatcher, lost_at_discovery
 from agent.labels import compute_labels
 from agent.labels.sinks import FeatureFileSink, LabelSink
 from agent.metrics.service import MetricsService, WaitingEndpoint
@@ -204,7 +204,7 @@ class Daemon:
             source=f"simulated:{simulate}" if simulate else "nvml",
             metrics=metrics,
             waiting_endpoint=WaitingEndpoint,
-            label_sink=FeatureFileSink(config.features_dir),
+            label_sink=FeatureFileSink(config.features_dir, config.feature_file),
             config_loader=config_loader,
             on_close=on_close,
             read_topology=lambda: read_topology(backend, sim),
@@ -308,13 +308,15 @@ class Daemon:
             [list(i) for i in topology.nvlink_islands],
             {k: list(v) for k, v in topology.numa_groups.items()},
         )
-        self._write_labels(topology)
-        self.health = HealthState(topology.gpu_count)
+        self.health = HealthState(topology.gpu_count, lost_at_discovery(self.backend))
         # The device plugins start before the metrics service: registration is what the
         # node waits for (goal: within 2 s of start); the metrics hooks are attached after.
+        # Labels come after the sockets: an agent that finds its socket served by another
+        # live one exits there, before touching that one's label file.
         self.manager = self._plugins_factory(topology, self.config, self.health)
         self.manager.on_kubelet_restart = self._on_kubelet_restart
         self.manager.start()
+        self._write_labels(topology)
         self._start_metrics(topology)
         if self.metrics is not None:
             self.manager.attach_hooks(self.metrics.agent_metrics)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Collection, Iterable, Protocol, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Protocol, Sequence
 
 from agent.config import Config, is_critical_xid
 from agent.worker import Worker
@@ -56,14 +56,18 @@ class EventSource(Protocol):
 
 
 class HealthState:
-    """Per-GPU health, thread-safe. ``generation`` increases on every change."""
+    """Per-GPU health, thread-safe. ``generation`` increases on every change.
 
-    def __init__(self, gpu_count: int) -> None:
+    ``unhealthy`` holds the GPUs that are unhealthy from the start (index -> reason): a GPU
+    that failed at discovery is Unhealthy in the very first device list, never advertised
+    Healthy until the watcher gets to it."""
+
+    def __init__(self, gpu_count: int, unhealthy: Mapping[int, str] | None = None) -> None:
         self.gpu_count = gpu_count
         # Lock order: a leaf. Held only to read or change the state; listeners run after it
         # is released (they take their own locks, e.g. the device-plugin manager's).
         self._cond = threading.Condition()
-        self._unhealthy: dict[int, str] = {}
+        self._unhealthy: dict[int, str] = {i: r for i, r in (unhealthy or {}).items() if 0 <= i < gpu_count}
         self.generation = 0
         self._listeners: list[Callable[[], None]] = []
 
@@ -140,6 +144,12 @@ class HealthState:
         """Wake every waiter without a change (used to close streams at shutdown)."""
         with self._cond:
             self._cond.notify_all()
+
+
+def lost_at_discovery(backend: object) -> dict[int, str]:
+    """GPUs the backend already found lost (``backend.lost_gpus``, e.g. while the topology
+    was read), as the ``unhealthy`` seed of :class:`HealthState`."""
+    return {int(i): "GPU lost at discovery" for i in sorted(getattr(backend, "lost_gpus", ()) or ())}
 
 
 class HealthWatcher(Worker):

@@ -54,13 +54,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
+    p.add_argument("--socket-name", metavar="NAME", dest="socket_name", default=None,
+                   help="plugin socket file name in the kubelet directory; {resource} is the resource"
+                        f" name after the domain (default: {_DEFAULTS.socket_name}; env SOCKET_NAME)")
+    p.add_argument("--feature-file", metavar="NAME", dest="feature_file", default=None,
+                   help=f"label file name in the features directory (default: {_DEFAULTS.feature_file};"
+                        " env FEATURE_FILE)")
     p.set_defaults(func=run)
 
 
 FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
-    "pass_device_specs", "health_recovery_s", "sysfs_root",
+    "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
 )
 
 

@@ -28,7 +28,7 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, register
+from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, SocketInUseError, register
 from agent.errors import AgentError
 from agent.health import HealthState
 from agent.hooks import NO_HOOKS, DevicePluginHooks
@@ -96,6 +96,7 @@ class DevicePluginManager:
         # watch thread only
         self._kubelet_inode: tuple[int, int, int] | None = None
         self._seen_kubelet = False
+        self._taken: set[str] = set()  # our socket paths another live server holds now
         self.resources: tuple[PluginResource, ...] = ()
         self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
         self.socket_losses = 0  # our socket removed while the kubelet stayed
@@ -286,19 +287,36 @@ class DevicePluginManager:
             if self._stop.is_set():
                 return
             if not slot.server.socket_present():
-                slot = self._serve_again(slot, inode is not None, now)
+                fresh = self._serve_again(slot, inode is not None, now)
+                if fresh is None:
+                    continue
+                slot = fresh
             if inode is None or slot.registered or now < slot.next_try_s:
                 continue
             self._register(slot, now)
 
-    def _serve_again(self, slot: _Slot, kubelet_present: bool, now: float) -> _Slot:
-        if kubelet_present:
-            self.socket_losses += 1
-        log.warning("socket %s vanished: serving it again", slot.server.path)
+    def _serve_again(self, slot: _Slot, kubelet_present: bool, now: float) -> _Slot | None:
+        """Serve a vanished socket again; None while another live server holds its name
+        (never delete it, never fight: logged once until it is gone)."""
+        path = slot.server.path
+        if path not in self._taken:
+            if kubelet_present:
+                self.socket_losses += 1
+            log.warning("socket %s vanished: serving it again", path)
         slot.server.stop(0)
         with self._lock:
             topology, config = self.topology, self.config
-        fresh = _Slot(self._new_server(slot.server.resource, topology, config), next_try_s=now)
+        try:
+            server = self._new_server(slot.server.resource, topology, config)
+        except SocketInUseError as exc:
+            if path not in self._taken:
+                log.error("%s; not serving %s until it is gone", exc, slot.server.resource.name)
+                self._taken.add(path)
+            with self._lock:
+                slot.registered = False
+            return None
+        self._taken.discard(path)
+        fresh = _Slot(server, next_try_s=now)
         with self._lock:
             self._slots = [fresh if s is slot else s for s in self._slots]
         return fresh

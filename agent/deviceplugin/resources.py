@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 REPLICA_SEPARATOR = "::"
+#: The anchor's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
+DEFAULT_SOCKET_NAME = "nvidia-{resource}.sock"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class PluginResource:
     name: str  # "nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/gpu.shared"
     devices: tuple[PluginDevice, ...]
     by_id: Mapping[str, PluginDevice] = field(default_factory=dict, compare=False, repr=False)
+    #: ``config.socket_name``: ``{resource}`` stands for the name after the domain
+    socket_template: str = field(default=DEFAULT_SOCKET_NAME, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_id", {d.id: d for d in self.devices})
@@ -61,13 +65,13 @@ class PluginResource:
 
     @property
     def socket_name(self) -> str:
-        """The socket file's base name in the kubelet's directory, as the anchor names it
-        (``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``)."""
-        return "nvidia-" + self.name.split("/", 1)[-1] + ".sock"
+        """The socket file's base name in the kubelet's directory: by default as the anchor
+        names it (``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``)."""
+        return self.socket_template.replace("{resource}", self.name.split("/", 1)[-1])
 
     def numa_consistent(self) -> bool:
-        """True when every device has a NUMA node; the kubelet then gets TopologyInfo for
-        all of them, else for none (a mix makes its Topology Manager reject pods)."""
+        """True when every device has a NUMA node. (A device without one is advertised
+        without TopologyInfo, as NVIDIA's plugin does; the others keep theirs.)"""
         return all(d.numa_node is not None for d in self.devices)
 
 
@@ -178,11 +182,18 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
     def order(d: PluginDevice) -> tuple[int, int, int]:
         return (d.gpu_index, d.mig.index if d.mig else -1, d.replica if d.replica is not None else -1)
 
-    return tuple(
-        PluginResource(name=name, devices=tuple(sorted(devs, key=order)))
+    out = tuple(
+        PluginResource(name=name, devices=tuple(sorted(devs, key=order)), socket_template=config.socket_name)
         for name, devs in sorted(final.items())
         if devs
     )
+    sockets = [r.socket_name for r in out]
+    if len(set(sockets)) < len(sockets):
+        raise ConfigError(
+            f"socket name {config.socket_name!r} gives {len(out)} resources ({', '.join(r.name for r in out)})"
+            " the same socket; put {resource} in it"
+        )
+    return out
 
 
 def _selects_one(sel: str, device: PluginDevice, topology: Topology) -> bool:

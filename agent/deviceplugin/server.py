@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -35,14 +36,32 @@ UNHEALTHY = "Unhealthy"
 
 def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) -> pb.ListAndWatchResponse:
     """The full ListAndWatch message: every device, in the resource's order, with its health
-    and, when every device's NUMA node is known, its TopologyInfo."""
-    with_numa = resource.numa_consistent()
+    and its TopologyInfo. A device whose NUMA node is unknown has no TopologyInfo (as in
+    NVIDIA's plugin); the others keep theirs, so the topology manager still aligns them."""
     out = pb.ListAndWatchResponse()
     for d in resource.devices:
         dev = out.devices.add(ID=d.id, health=UNHEALTHY if d.gpu_index in unhealthy else HEALTHY)
-        if with_numa:
+        if d.numa_node is not None:
             dev.topology.nodes.add(ID=d.numa_node)
     return out
+
+
+class SocketInUseError(AgentError):
+    """Another live server answers on the socket we would serve on (a second agent, or
+    NVIDIA's device plugin, on the same kubelet directory)."""
+
+
+def socket_in_use(path: str, timeout_s: float = 0.5) -> bool:
+    """True when a server accepts connections on the unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout_s)
+    try:
+        probe.connect(path)
+    except OSError:  # absent, a stale file nobody listens on, not a socket
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
@@ -144,7 +163,14 @@ class PluginServer:
         self._inode: int | None = None
 
     def start(self) -> None:
-        """Remove a stale socket file, then serve. Raises AgentError if it cannot bind."""
+        """Remove a stale socket file, then serve. Raises SocketInUseError when a live
+        server holds the socket (it is never removed), AgentError if it cannot bind."""
+        if socket_in_use(self.path):
+            raise SocketInUseError(
+                f"{self.path}: another device plugin is serving on this socket (a second agent or NVIDIA's"
+                " device plugin on the same kubelet directory?); stop it, or give this agent another"
+                " --socket-name"
+            )
         try:
             os.unlink(self.path)
         except FileNotFoundError:

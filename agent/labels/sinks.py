@@ -40,6 +40,14 @@ class FeatureFileSink:
         self.features_dir = features_dir
         self.filename = filename
         self.path = os.path.join(features_dir, filename)
+        self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we wrote
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
 
     def _current(self) -> str | None:
         try:
@@ -55,7 +63,7 @@ class FeatureFileSink:
         by someone else is restored. Raises ``OSError`` when the directory is unwritable.
         """
         text = format_labels(labels)
-        if self._current() == text:
+        if self._current() == text and self._identity() == self._written:
             return False
         os.makedirs(self.features_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.filename}.", dir=self.features_dir)
@@ -66,6 +74,7 @@ class FeatureFileSink:
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)  # mkstemp makes 0600; NFD may run as another user
             os.replace(tmp, self.path)
+            self._written = self._identity()
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -76,8 +85,15 @@ class FeatureFileSink:
         return True
 
     def remove(self) -> None:
+        """Delete the file if it is still the one this sink wrote; a file another process
+        put there since (another agent, GFD) is left alone."""
+        if self._written is None or self._identity() != self._written:
+            if self._identity() is not None:
+                log.info("left %s in place: another process wrote it", self.path)
+            return
         try:
             os.unlink(self.path)
             log.info("removed %s", self.path)
         except FileNotFoundError:
             pass
+        self._written = None

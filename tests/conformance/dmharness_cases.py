@@ -1,0 +1,250 @@
+"""Harness cases of the conformance tier and how they run (the hooks are in conftest.py).
+
+The installed agent against the kubelet's own device manager and topology manager
+(Kubernetes v1.32, ``../shared/tools/k8s-v1.32/dmharness``).
+
+Every harness run ("case") is declared once in :data:`CASES`. Tests name the cases they
+read with ``@pytest.mark.parametrize("case", [...])`` (or ``@pytest.mark.cases(...)``);
+when collection is done, the cases the selected tests need are all started at once, at
+most :data:`PARALLEL` at a time, and each test waits only for its own summaries. A harness
+run takes a few seconds, mostly waiting; the tier takes well under a minute on 2 cores.
+
+The tier skips, naming the path it looked for, when ``../shared/tools/`` (next to the
+repository) is absent: a user's clone has no ``../shared``; CI has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DMHARNESS = REPO.parent / "shared" / "tools" / "k8s-v1.32" / "dmharness"
+#: the console script of the installed agent (next to the interpreter running the tests)
+AGENT = Path(sys.executable).parent / "gpu-topology-agent"
+PARALLEL = 4
+RUN_TIMEOUT_S = 120
+
+POLICIES = ("none", "best-effort", "restricted", "single-numa-node")
+SCOPES = ("container", "pod")
+#: built-in machine -> (NUMA node count for the harness, pod sizes)
+MACHINES = {
+    "single-gpu": (1, "1,1"),  # one NUMA node, one GPU
+    "dgx-h100": (2, "1,2,4,1,2"),  # two NUMA nodes, 4 GPUs each
+    "dgx-a100": (8, "1,2,4,1,2"),  # eight NUMA nodes, GPUs in pairs on 1, 3, 5, 7
+}
+
+
+def builtin_spec(name: str) -> dict[str, Any]:
+    """The machine spec of built-in machine ``name`` as a mapping (to derive test machines)."""
+    import agent
+
+    path = next(Path(agent.__file__).parent.rglob(f"{name}.yaml"))
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def _numa_unknown_for_gpu_7() -> dict[str, Any]:
+    spec = builtin_spec("dgx-h100")
+    spec["name"] = "dgx-h100-numa-hole"
+    spec["gpus"][7]["numa_node"] = None
+    return spec
+
+
+def _lost_gpu_3() -> dict[str, Any]:
+    spec = builtin_spec("dgx-h100")
+    spec["name"] = "dgx-h100-lost-3"
+    spec["faults"] = {"lost_gpus": [3]}
+    return spec
+
+
+def _mig_single() -> dict[str, Any]:
+    spec = builtin_spec("a100-mig")
+    spec["name"] = "a100-mig-single"
+    for gpu in spec["gpus"]:
+        gpu["mig"] = ["3g.20gb", "3g.20gb"]
+    return spec
+
+
+def _plugin_config(**plugin: object) -> dict[str, Any]:
+    return {"version": "v1", "flags": {"plugin": plugin}}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dmharness run: a machine (built-in name, or a spec mapping written to a file),
+    the topology manager's settings, pods to admit, and the agent's configuration."""
+
+    machine: str | None = "dgx-h100"
+    spec: dict[str, Any] | None = None
+    numa: int = 2
+    policy: str = "single-numa-node"
+    scope: str = "container"
+    sizes: str = "1,2,4,1,2"
+    resource: str = "nvidia.com/gpu"
+    config: dict[str, Any] | None = None
+    agent_first: str | None = None
+    #: run the agent with relative paths, from the case's directory as working directory
+    relative_paths: bool = False
+    extra: tuple[str, ...] = field(default=())
+
+
+CASES: dict[str, Case] = {}
+for _machine, (_numa, _sizes) in MACHINES.items():
+    for _policy in POLICIES:
+        for _scope in SCOPES:
+            CASES[f"{_policy}/{_scope}/{_machine}"] = Case(
+                machine=_machine, numa=_numa, policy=_policy, scope=_scope, sizes=_sizes
+            )
+for _strategy in ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri"):
+    CASES[f"strategy/{_strategy}"] = Case(
+        sizes="1,2,4", config=_plugin_config(deviceListStrategy=[_strategy])
+    )
+CASES["strategy/all-with-device-specs"] = Case(
+    sizes="1,2,4",
+    config=_plugin_config(
+        deviceListStrategy=["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"], passDeviceSpecs=True
+    ),
+)
+CASES["time-slicing"] = Case(
+    sizes="1,2,4,1,2",
+    config={"version": "v1", "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}}},
+)
+CASES["mig/single"] = Case(
+    machine=None, spec=_mig_single(), sizes="1,2,4,1", config={"version": "v1", "flags": {"migStrategy": "single"}}
+)
+CASES["mig/mixed/1g.5gb"] = Case(
+    machine="a100-mig", sizes="1,2,4,1", resource="nvidia.com/mig-1g.5gb",
+    config={"version": "v1", "flags": {"migStrategy": "mixed"}},
+)
+CASES["mig/mixed/gpu"] = Case(
+    machine="a100-mig", sizes="1,1", resource="nvidia.com/gpu",
+    config={"version": "v1", "flags": {"migStrategy": "mixed"}},
+)
+CASES["agent-first"] = Case(agent_first="1s")
+CASES["agent-first/pod-scope/eight-numa"] = Case(machine="dgx-a100", numa=8, scope="pod", agent_first="1s")
+CASES["defect/lost-gpu-at-start"] = Case(machine=None, spec=_lost_gpu_3(), sizes="1,1,1,1,1,1,1,1")
+CASES["defect/numa-unknown-for-one-gpu"] = Case(machine=None, spec=_numa_unknown_for_gpu_7(), sizes="1,2,3,1")
+CASES["defect/relative-paths"] = Case(relative_paths=True, sizes="1")
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Run:
+    """What one harness run left: exit status, its output, the JSON summary, the agent log."""
+
+    name: str
+    case: Case
+    workdir: str
+    returncode: int
+    output: str
+    summary: dict[str, Any]
+    agent_log: str
+
+    def describe(self) -> str:
+        return (
+            f"case {self.name} (harness exit {self.returncode}; files in {self.workdir})\n"
+            f"--- harness output (tail)\n{self.output[-4000:]}\n--- agent log (tail)\n{self.agent_log[-3000:]}"
+        )
+
+
+def _command(case: Case, work: str) -> tuple[list[str], str | None]:
+    """The dmharness command line and the working directory to run it in."""
+    machine = case.machine
+    if case.spec is not None:
+        machine = os.path.join(work, "machine.yaml")
+        Path(machine).write_text(yaml.safe_dump(case.spec), encoding="utf-8")
+    assert machine is not None
+    agent = [str(AGENT), "run", "--simulate", machine, "--kubelet-dir", "{DIR}",
+             "--metrics-address", "127.0.0.1:0", "--node-name", "n"]
+    if case.relative_paths:
+        agent += ["--features-dir", "feat", "--pod-resources-socket", "podres/kubelet.sock"]
+    else:
+        agent += ["--features-dir", f"{work}/feat", "--pod-resources-socket", f"{work}/podres.sock"]
+    if case.config is not None:
+        Path(work, "config.yaml").write_text(yaml.safe_dump(case.config), encoding="utf-8")
+        agent += ["--config", "config.yaml" if case.relative_paths else f"{work}/config.yaml"]
+    agent += list(case.extra)
+    harness = [str(DMHARNESS), "-dir", f"{work}/d", "-log", f"{work}/h.log", "-json", f"{work}/s.json",
+               "-policy", case.policy, "-scope", case.scope, "-numa", str(case.numa), "-sizes", case.sizes,
+               "-resource", case.resource, "-timeout", "20s"]
+    if case.agent_first:
+        harness += ["-agent-first", case.agent_first]
+    return harness + ["--"] + agent, work if case.relative_paths else None
+
+
+def run_case(name: str, case: Case) -> Run:
+    # unix socket paths must stay under 108 bytes: a short directory right under /tmp
+    work = tempfile.mkdtemp(dir="/tmp", prefix="c")
+    command, cwd = _command(case, work)
+    try:
+        proc = subprocess.run(
+            command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=RUN_TIMEOUT_S, check=False,
+        )
+        returncode, output = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        returncode, output = -1, f"timed out after {RUN_TIMEOUT_S} s\n{exc.output or ''}"
+    try:
+        summary = json.loads(Path(work, "s.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    try:
+        agent_log = Path(work, "h.log.agent").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        agent_log = ""
+    return Run(name, case, work, returncode, output, summary, agent_log)
+
+
+class Harness:
+    """Runs the selected cases in the background; :meth:`run` waits for one."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="dmharness")
+        self._futures: dict[str, Future[Run]] = {}
+        self._lock = threading.Lock()
+
+    def start(self, names: list[str]) -> None:
+        for name in names:
+            self._submit(name)
+
+    def _submit(self, name: str) -> Future[Run]:
+        with self._lock:
+            if name not in self._futures:
+                self._futures[name] = self._pool.submit(run_case, name, CASES[name])
+            return self._futures[name]
+
+    def run(self, name: str) -> Run:
+        return self._submit(name).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if os.environ.get("CONFORMANCE_KEEP"):
+            return
+        for future in self._futures.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                shutil.rmtree(future.result().workdir, ignore_errors=True)
+
+
+def skip_reason() -> str | None:
+    if not DMHARNESS.is_file() or not os.access(DMHARNESS, os.X_OK):
+        return (
+            f"conformance tier needs the kubelet device-manager harness at {DMHARNESS} "
+            "(../shared/tools/ next to the repository; present in CI, absent in a user's clone)"
+        )
+    if not AGENT.is_file():
+        return f"conformance tier runs the installed agent; {AGENT} is missing (pip install -e .)"
+    return None
+
