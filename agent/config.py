@@ -74,6 +74,13 @@ class Config:
     # --- logging
     log_format: str = "text"  # text | json
     log_level: str = "INFO"
+    # --- DRA mode (issue 12): serve the GPUs as a DRA driver instead of device plugins
+    mode: str = "device-plugin"  # device-plugin | dra (env AGENT_MODE)
+    driver_name: str = "gpu.gpu-agent.io"  # DRA driver name, a DNS subdomain (env DRA_DRIVER_NAME)
+    plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
+    plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
+    cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
+    kubeconfig: str = ""  # API server access for ResourceClaims/Slices; "" = in-cluster config
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
@@ -379,6 +386,39 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
 }
 
+
+# --- DRA mode settings (issue 12): environment variables and value checks
+MODES = ("device-plugin", "dra")
+ENV_FIELDS = {
+    **ENV_FIELDS,
+    "AGENT_MODE": "mode",
+    "DRA_DRIVER_NAME": "driver_name",
+    "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",
+    "PLUGINS_DIR": "plugins_dir",
+    "CDI_DIR": "cdi_dir",
+    "KUBECONFIG": "kubeconfig",
+}
+
+
+def _expect_driver_name(value: object, where: str) -> str:
+    """A DRA driver name: a lowercase DNS subdomain (the API server rejects anything else)."""
+    import re
+
+    name = _expect_str(value, where).strip()
+    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+    if len(name) > 63 or not re.fullmatch(rf"{label}(\.{label})*", name):
+        raise ValueError(
+            f"{where}: expected a DRA driver name (a lowercase DNS subdomain of at most 63"
+            f" characters, e.g. gpu.gpu-agent.io), got {value!r}"
+        )
+    return name
+
+
+_FIELD_PARSERS = {
+    **_FIELD_PARSERS,
+    "mode": lambda v, w: _expect_choice(v, MODES, w),
+    "driver_name": _expect_driver_name,
+}
 
 def _parse_field(name: str, value: object, where: str) -> object:
     parser = _FIELD_PARSERS.get(name)
