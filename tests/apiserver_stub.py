@@ -212,6 +212,18 @@ class ApiServerStub:
         with self._lock:
             return [copy.deepcopy(self._slices[k]) for k in sorted(self._slices)]
 
+    def put_slice(self, obj: dict[str, Any], version: str = "v1") -> dict[str, Any]:
+        """Create a slice as another writer would (same checks as a POST); returns it."""
+        with self._lock:
+            code, out = self._create_slice(version, copy.deepcopy(obj))
+            return out
+
+    def delete_slice(self, name: str) -> None:
+        """Delete a slice as ``kubectl delete`` would."""
+        with self._lock:
+            self._slices.pop(name)
+            self._changed.notify_all()
+
     def modify_slice(self, name: str, change: Callable[[dict[str, Any]], None]) -> None:
         """Change a stored slice as another writer would (bumps its resourceVersion)."""
         with self._lock:
