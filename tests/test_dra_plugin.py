@@ -191,7 +191,7 @@ def test_stop_removes_both_sockets_and_keeps_the_checkpoint(node):
     node.prepare(c)
     plugin.stop()
     assert not os.path.exists(plugin.endpoint) and not os.path.exists(plugin.registration_socket)
-    assert os.path.exists(os.path.join(node.root, "plugins", DRIVER, "checkpoint.json"))
+    assert os.listdir(os.path.join(node.root, "plugins", DRIVER, "claims")) == [c["metadata"]["uid"] + ".json"]
 
 
 def test_a_plugin_without_a_node_name_is_refused_with_a_clear_error(node):
@@ -346,6 +346,10 @@ def test_an_empty_request_gets_an_empty_answer_and_an_empty_claim_an_error(node)
     assert dict(node.unprepare().claims) == {}
     resp = node.prepare({"metadata": {"namespace": "", "name": "", "uid": ""}})
     assert resp.claims[""].error.endswith("the claim's namespace, uid, name must not be empty")
+    bad = {"metadata": {"namespace": "default", "name": "x", "uid": "../../etc/passwd"}}
+    assert node.prepare(bad).claims["../../etc/passwd"].error.endswith(
+        "not a claim UID (expected letters, digits, '-', '_' or '.')")
+    assert node.unprepare(bad).claims["../../etc/passwd"].error.endswith("not a claim UID (expected letters, digits, '-', '_' or '.')")
 
 
 def test_an_unreachable_api_server_is_a_per_claim_error_not_a_failed_call(node):
@@ -399,6 +403,17 @@ def test_an_unprepare_after_an_agent_restart_removes_the_spec_and_forgets_the_cl
     assert len(node.restart().checkpoint) == 0
 
 
+def test_many_prepared_claims_survive_a_restart_each_in_its_own_file(node):
+    node.start()
+    claims = [node.put_claim(f"c{i}", [f"gpu-{i}"]) for i in range(8)]
+    answers = [node.prepare(c) for c in claims]
+    node.unprepare(claims[3])
+    plugin = node.restart()
+    assert sorted(c.uid for c in plugin.checkpoint) == sorted(c["metadata"]["uid"] for i, c in enumerate(claims) if i != 3)
+    node.api.go_down()
+    assert [node.prepare(c) for i, c in enumerate(claims) if i != 3] == [a for i, a in enumerate(answers) if i != 3]
+
+
 def test_an_unprepare_of_an_unknown_claim_succeeds(node):
     node.start()
     resp = node.unprepare({"metadata": {"namespace": "default", "name": "never", "uid": "never-prepared"}})
@@ -411,14 +426,14 @@ def test_a_corrupt_checkpoint_is_set_aside_and_the_claim_prepared_again(node, ca
     uid = c["metadata"]["uid"]
     node.prepare(c)
     node.plugin.stop()
-    path = os.path.join(node.root, "plugins", DRIVER, "checkpoint.json")
+    path = os.path.join(node.root, "plugins", DRIVER, "claims", f"{uid}.json")
     with open(path, "r+", encoding="utf-8") as fh:
         text = fh.read().replace("gpu-3", "gpu-4")
         fh.seek(0)
         fh.write(text)
     with caplog.at_level(logging.ERROR, logger="agent.dra.checkpoint"):
         plugin = node.start()
-    assert f"checkpoint {path} is not a valid prepared-claims checkpoint (checksum mismatch)" in caplog.text
+    assert f"checkpoint {path} is not a valid prepared-claim checkpoint (checksum mismatch)" in caplog.text
     assert os.path.exists(path + ".corrupt") and len(plugin.checkpoint) == 0
     assert [d.device_name for d in node.prepare(c).claims[uid].devices] == ["gpu-3"]
 

@@ -13,7 +13,7 @@ Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
   (:class:`agent.deviceplugin.allocation.RequestHandler`), so both modes hand a container
   the same environment for the same GPUs.
 
-Files are written atomically (a temporary file in the same directory, fsync, rename), so the
+Files are written atomically (a temporary file in the same directory, then a rename), so the
 runtime never reads half a spec.
 """
 
@@ -39,6 +39,11 @@ CDI_VERSION = "0.6.0"
 CDI_CLASS = "gpu"
 
 _CDI_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$")
+
+
+def valid_claim_uid(uid: str) -> bool:
+    """A UID that can name a CDI device and a file (Kubernetes UIDs are UUIDs)."""
+    return bool(_CDI_NAME.match(uid)) and ":" not in uid
 
 
 def cdi_kind(driver_name: str) -> str:
@@ -129,7 +134,10 @@ class CdiSpecWriter:
         """Write the claim's spec atomically; returns its path."""
         spec = self.build(claim_uid, devices)
         path = spec_path(self.cdi_dir, self.driver_name, claim_uid)
-        write_json_atomic(path, spec)
+        # No fsync: the CDI directory is a tmpfs on nodes (/var/run/cdi), and after a power
+        # loss the kubelet prepares its claims again anyway; the rename alone keeps the
+        # runtime from ever reading half a spec.
+        write_json_atomic(path, spec, fsync=False)
         return path
 
     def remove(self, claim_uid: str) -> bool:
@@ -149,9 +157,10 @@ def _node(spec: tuple[str, str, str]) -> dict[str, str]:
     return node
 
 
-def write_json_atomic(path: str, data: object) -> None:
+def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
     """Write ``data`` as JSON to ``path`` so that readers see the old file or the new one,
-    never a partial one (temp file in the same directory, fsync, rename)."""
+    never a partial one (temp file in the same directory, rename). ``fsync`` also makes it
+    durable against a power loss before the rename."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     # the ".tmp" suffix keeps the runtime, which reads *.json, off the half-written file
@@ -160,8 +169,9 @@ def write_json_atomic(path: str, data: object) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=2, sort_keys=False)
             fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

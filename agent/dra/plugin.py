@@ -41,7 +41,7 @@ PLUGIN_TYPE = "DRAPlugin"
 #: The service names the kubelet looks for in ``supported_versions`` (DRAPluginService in
 #: k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1}/types.go), newest first.
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
-CHECKPOINT_FILE = "checkpoint.json"
+CHECKPOINT_DIR = "claims"
 
 
 # ---------------------------------------------------------------------- servicers
@@ -182,7 +182,7 @@ class DraPlugin:
     ``claim_reader`` a :class:`agent.dra.claims.ClaimReader` (production:
     ``KubernetesClaimReader(api_client(config))``). The pool served is ``node_name``
     (default ``config.node_name``), as the slice publisher names it. The checkpoint lives
-    in ``<plugins_dir>/<driver>/checkpoint.json``.
+    in ``<plugins_dir>/<driver>/claims/`` (one file per prepared claim).
 
     ``start()`` raises AgentError when a socket cannot be bound; ``ready()`` is true once
     both sockets serve and the kubelet has confirmed the registration.
@@ -209,7 +209,7 @@ class DraPlugin:
         self.registration_socket = os.path.join(config.plugins_registry_dir, f"{self.driver_name}-reg.sock")
         self.plugin_dir = os.path.join(config.plugins_dir, self.driver_name)
         self.endpoint = os.path.join(self.plugin_dir, "dra.sock")
-        self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_FILE))
+        self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR))
         self.preparer = ClaimPreparer(
             topology, config, health, claim_reader, self.checkpoint,
             node_name=self.node_name, path_exists=path_exists,

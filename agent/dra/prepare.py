@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from agent.config import Config
-from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
+from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path, valid_claim_uid
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef, device_refs
@@ -80,6 +80,8 @@ class ClaimPreparer:
         missing = [f for f in ("namespace", "uid", "name") if not getattr(ref, f)]
         if missing:
             return PrepareResult(error=f"{ref}: the claim's {', '.join(missing)} must not be empty")
+        if not valid_claim_uid(ref.uid):
+            return PrepareResult(error=f"{ref}: not a claim UID (expected letters, digits, '-', '_' or '.')")
         done = self.checkpoint.get(ref.uid)
         if done is not None:
             return self._answer_again(done)
@@ -178,6 +180,8 @@ class ClaimPreparer:
         prepared here), else the error."""
         if not ref.uid:
             return f"{ref}: the claim's uid must not be empty"
+        if not valid_claim_uid(ref.uid):
+            return f"{ref}: not a claim UID (expected letters, digits, '-', '_' or '.')"
         with self._lock:
             done = self.checkpoint.get(ref.uid)
             path = done.spec_path if done is not None else spec_path(self.cdi_dir, self.driver_name, ref.uid)
@@ -190,7 +194,7 @@ class ClaimPreparer:
             try:
                 self.checkpoint.remove(ref.uid)
             except OSError as exc:
-                return f"{ref}: cannot update the checkpoint {self.checkpoint.path}: {exc.strerror or exc}"
+                return f"{ref}: cannot update the checkpoint in {self.checkpoint.directory}: {exc.strerror or exc}"
         if done is not None:
             log.info("unprepared %s", ref)
         return ""
