@@ -4,8 +4,8 @@ After an agent restart, a repeated prepare of a claim answers from here (the kub
 until it gets an answer for every claim) and an unprepare finds what to remove. One file per
 claim, ``<plugins_dir>/<driver>/claims/<claim uid>.json``, so that a prepare or unprepare
 costs one small write (or one unlink) however many claims the node holds. Each file is
-written atomically (temp file, fsync, rename, as the kubelet writes its own checkpoints) and
-carries a checksum, so a torn or hand-edited file is noticed: it is then set aside as
+written atomically (temp file, rename; ``fsync`` optional) and carries a checksum, so a
+torn or hand-edited file is noticed: it is then set aside as
 ``<uid>.json.corrupt`` with one error logged, and that claim counts as not prepared (prepared
 again, it is recomputed from the API server and gets the same answer).
 """
@@ -77,7 +77,7 @@ def _safe_uid(uid: str) -> bool:
 
 class Checkpoint:
     """The prepared claims by UID, mirrored to one file each under ``directory``.
-    Thread-safe. ``fsync`` makes each write durable before it counts (on by default)."""
+    Thread-safe. ``fsync`` makes each write durable against a power loss before it counts."""
 
     def __init__(self, directory: str, *, fsync: bool = True) -> None:
         self.directory = directory

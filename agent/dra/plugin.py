@@ -209,7 +209,11 @@ class DraPlugin:
         self.registration_socket = os.path.join(config.plugins_registry_dir, f"{self.driver_name}-reg.sock")
         self.plugin_dir = os.path.join(config.plugins_dir, self.driver_name)
         self.endpoint = os.path.join(self.plugin_dir, "dra.sock")
-        self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR))
+        # No fsync: the checkpoint must survive an agent restart, which the page cache does.
+        # After a power loss the CDI specs (tmpfs) are gone and the kubelet prepares again; a
+        # torn file fails its checksum and the claim is recomputed from the API server. An
+        # fsync per prepare would cost 5-40 ms on a busy disk, the whole latency budget.
+        self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR), fsync=False)
         self.preparer = ClaimPreparer(
             topology, config, health, claim_reader, self.checkpoint,
             node_name=self.node_name, path_exists=path_exists,
