@@ -454,3 +454,88 @@ def test_dra_settings_come_from_flags_and_environment_with_clear_errors():
         load_config(None, {}, {"mode": "gpus"})
     with pytest.raises(ConfigError, match=r"environment DRA_DRIVER_NAME: expected a DRA driver name .* got 'GPU_Driver'"):
         load_config(None, {"DRA_DRIVER_NAME": "GPU_Driver"}, {})
+
+
+def test_a_mig_device_carries_its_capability_nodes_with_host_paths_under_the_driver_root(node, tmp_path):
+    root = tmp_path / "driver"
+    gi = root / "proc/driver/nvidia/capabilities/gpu6/mig/gi2"
+    (gi / "ci0").mkdir(parents=True)
+    (gi / "access").write_text("DeviceFileMinor: 21\nDeviceFileMode: 292\n")
+    (gi / "ci0" / "access").write_text("DeviceFileMinor: 22\nDeviceFileMode: 292\n")
+    node.start(hgx8_topology(mig=True), config=replace(node.config, nvidia_driver_root=str(root)))
+    c = node.put_claim("mig", ["gpu-6-mig-1", "gpu-7-mig-0"])
+    uid = c["metadata"]["uid"]
+    assert node.prepare(c).claims[uid].error == ""
+    spec = spec_of(node, uid)
+    assert [[(n["path"], n.get("hostPath")) for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]] == [
+        [("/dev/nvidia6", f"{root}/dev/nvidia6"), ("/dev/nvidia-caps/nvidia-cap21", f"{root}/dev/nvidia-caps/nvidia-cap21"),
+         ("/dev/nvidia-caps/nvidia-cap22", f"{root}/dev/nvidia-caps/nvidia-cap22")],
+        [("/dev/nvidia7", f"{root}/dev/nvidia7")],
+    ]
+
+
+def test_concurrent_prepares_and_unprepares_of_many_claims_all_succeed(node):
+    import threading
+
+    node.start()
+    claims = [node.put_claim(f"c{i}", [f"gpu-{i % 8}", f"gpu-{(i + 1) % 8}"]) for i in range(40)]
+    errors: list[str] = []
+
+    def worker(part: list[dict]) -> None:
+        for c in part:
+            uid = c["metadata"]["uid"]
+            for resp in (node.prepare(c), node.prepare(c)):
+                errors.extend(e for e in [resp.claims[uid].error] if e)
+            errors.extend(e for e in [node.unprepare(c).claims[uid].error] if e)
+
+    threads = [threading.Thread(target=worker, args=(claims[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert os.listdir(node.config.cdi_dir) == [] and len(node.plugin.checkpoint) == 0
+
+
+# ---------------------------------------------------------------------- the claim reader
+def test_the_reader_uses_the_newest_resource_version_the_server_serves():
+    with ApiServerStub(served_versions=("v1beta2", "v1beta1")) as api:
+        api.put_claim(claim_object("c", ["gpu-0"]))
+        reader = KubernetesClaimReader(api.api_client())
+        assert reader.get("default", "c")["metadata"]["name"] == "c"
+        assert reader.version == "v1beta2"
+        assert api.count("GET", "/apis/resource.k8s.io/v1beta2/namespaces/default/resourceclaims/c") == 1
+
+
+def test_a_server_without_dra_is_a_clear_read_error():
+    from agent.dra.claims import ClaimReadError
+
+    with ApiServerStub(served_versions=()) as api:
+        with pytest.raises(ClaimReadError, match=r"serves no resource.k8s.io version this agent reads \(served: none; "
+                                                 r"expected one of v1, v1beta2, v1beta1\); is DynamicResourceAllocation enabled\?"):
+            KubernetesClaimReader(api.api_client()).get("default", "c")
+
+
+def test_a_bad_kubeconfig_is_a_config_error_naming_the_file(tmp_path):
+    from agent.dra.claims import api_client
+    from agent.errors import ConfigError
+
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=rf"--kubeconfig {missing}: cannot load"):
+        api_client(Config(kubeconfig=str(missing)))
+
+
+def test_a_kubeconfig_file_configures_the_client(tmp_path):
+    from agent.dra.claims import api_client
+
+    with ApiServerStub(served_versions=("v1",)) as api:
+        api.put_claim(claim_object("c", ["gpu-0"]))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
+            f"clusters: [{{name: t, cluster: {{server: '{api.url}'}}}}]\n"
+            "users: [{name: t, user: {token: abc}}]\n"
+            "contexts: [{name: t, context: {cluster: t, user: t}}]\n"
+        )
+        reader = KubernetesClaimReader(api_client(Config(kubeconfig=str(kubeconfig))))
+        assert reader.get("default", "c")["metadata"]["name"] == "c"
