@@ -539,3 +539,15 @@ def test_a_kubeconfig_file_configures_the_client(tmp_path):
         )
         reader = KubernetesClaimReader(api_client(Config(kubeconfig=str(kubeconfig))))
         assert reader.get("default", "c")["metadata"]["name"] == "c"
+
+
+def test_a_new_topology_serves_new_claims_and_keeps_prepared_ones(node):
+    plugin = node.start(hgx8_topology())
+    old = node.put_claim("old", ["gpu-7"])
+    first = node.prepare(old)
+    plugin.set_topology(hgx8_topology(mig=True))  # GPU 7 is now split into MIG devices
+    assert node.prepare(old) == first
+    new = node.put_claim("new", ["gpu-7"])
+    assert "device 'gpu-7' of pool 'node-1' (request 'gpus'): unknown" in node.prepare(new).claims[new["metadata"]["uid"]].error
+    mig = node.put_claim("mig", ["gpu-7-mig-1"])
+    assert node.prepare(mig).claims[mig["metadata"]["uid"]].error == ""

@@ -279,6 +279,11 @@ class DraPlugin:
         with self._lock:
             return self._registered and self._dra_server.socket_present() and self._reg_server.socket_present()
 
+    def set_topology(self, topology: Topology) -> None:
+        """Prepare new claims from ``topology`` (the daemon read it again); sockets, the
+        registration and the prepared claims stay as they are."""
+        self.preparer.set_topology(topology)
+
     def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
