@@ -266,7 +266,7 @@ def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> N
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics", "mode", "dra"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {doc.get('version')!r}")
     out: dict[str, object] = {}
@@ -326,6 +326,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["extra_critical_xids"] = _expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = _expect_number(health["recoverySeconds"], "health.recoverySeconds")
+    _parse_dra_file_keys(doc, out)
     metrics = _expect_mapping(doc.get("metrics"), "metrics")
     _check_keys(
         metrics,
@@ -419,6 +420,29 @@ _FIELD_PARSERS = {
     "mode": lambda v, w: _expect_choice(v, MODES, w),
     "driver_name": _expect_driver_name,
 }
+
+#: The config file's ``dra:`` section: key -> Config field.
+DRA_FILE_KEYS: Mapping[str, str] = {
+    "driverName": "driver_name",
+    "pluginsRegistryDir": "plugins_registry_dir",
+    "pluginsDir": "plugins_dir",
+    "cdiDir": "cdi_dir",
+    "kubeconfig": "kubeconfig",
+}
+
+
+def _parse_dra_file_keys(doc: Mapping[str, Any], out: dict[str, object]) -> None:
+    """Top-level ``mode:`` and the ``dra:`` section of a config file."""
+    if "mode" in doc:
+        out["mode"] = _expect_choice(doc["mode"], MODES, "mode")
+    dra = _expect_mapping(doc.get("dra"), "dra")
+    _check_keys(dra, tuple(DRA_FILE_KEYS), "dra")
+    for key, name in DRA_FILE_KEYS.items():
+        if key in dra:
+            value = dra[key]
+            if name == "kubeconfig" and value is None:  # "kubeconfig:" left empty = in-cluster
+                value = ""
+            out[name] = _parse_field(name, value, f"dra.{key}")
 
 def _parse_field(name: str, value: object, where: str) -> object:
     parser = _FIELD_PARSERS.get(name)

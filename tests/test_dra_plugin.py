@@ -551,3 +551,29 @@ def test_a_new_topology_serves_new_claims_and_keeps_prepared_ones(node):
     assert "device 'gpu-7' of pool 'node-1' (request 'gpus'): unknown" in node.prepare(new).claims[new["metadata"]["uid"]].error
     mig = node.put_claim("mig", ["gpu-7-mig-1"])
     assert node.prepare(mig).claims[mig["metadata"]["uid"]].error == ""
+
+
+def test_the_config_file_sets_the_dra_settings_and_names_a_bad_key(tmp_path):
+    from agent.config import load_config
+    from agent.errors import ConfigError
+
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\nmode: dra\ndra:\n  driverName: gpu.example.com\n  cdiDir: /run/cdi\n  kubeconfig:\n")
+    c = load_config(str(path), {}, {})
+    assert (c.mode, c.driver_name, c.cdi_dir, c.kubeconfig) == ("dra", "gpu.example.com", "/run/cdi", "")
+    path.write_text("version: v1\ndra:\n  driver: gpu.example.com\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: dra.driver: unknown key \(expected one of driverName, "
+                                          r"pluginsRegistryDir, pluginsDir, cdiDir, kubeconfig\)"):
+        load_config(str(path), {}, {})
+    path.write_text("version: v1\nmode: DRA-please\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: mode: expected one of device-plugin, dra, got 'DRA-please'"):
+        load_config(str(path), {}, {})
+
+
+def test_the_shipped_dra_config_map_loads_in_dra_mode():
+    from pathlib import Path
+
+    from agent.config import load_config
+
+    path = Path(__file__).resolve().parent.parent / "daemonset" / "dra" / "config.yaml"
+    assert load_config(str(path), {}, {}).mode == "dra"
