@@ -46,7 +46,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 # Non-root by default, so `docker run gpu-topology-agent:0.1.0 demo` (or discover) runs
 # unprivileged. The DaemonSet overrides this with runAsUser: 0 because the kubelet's
 # device-plugin directory and sockets are root-owned on most nodes; it drops every
-# capability instead (see daemonset/daemonset.yaml).
+# capability instead (see daemonset/base/daemonset.yaml).
 RUN useradd --system --uid 10001 --user-group --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin agent
 USER 10001:10001

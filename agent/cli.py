@@ -16,7 +16,7 @@ from typing import NoReturn
 from agent import __version__
 from agent.errors import AgentError
 
-SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo")
+SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo", "slices")
 
 
 class _Parser(argparse.ArgumentParser):

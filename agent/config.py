@@ -77,6 +77,13 @@ class Config:
     # --- logging
     log_format: str = "text"  # text | json
     log_level: str = "INFO"
+    # --- DRA mode (issue 12): serve the GPUs as a DRA driver instead of device plugins
+    mode: str = "device-plugin"  # device-plugin | dra (env AGENT_MODE)
+    driver_name: str = "gpu.gpu-agent.io"  # DRA driver name, a DNS subdomain (env DRA_DRIVER_NAME)
+    plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
+    plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
+    cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
+    kubeconfig: str = ""  # API server access for ResourceClaims/Slices; "" = in-cluster config
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -273,7 +280,7 @@ def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> N
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics", "mode", "dra"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {doc.get('version')!r}")
     out: dict[str, object] = {}
@@ -337,6 +344,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["extra_critical_xids"] = _expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = _expect_number(health["recoverySeconds"], "health.recoverySeconds")
+    _parse_dra_file_keys(doc, out)
     metrics = _expect_mapping(doc.get("metrics"), "metrics")
     _check_keys(
         metrics,
@@ -392,6 +400,62 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
 }
 
+
+# --- DRA mode settings (issue 12): environment variables and value checks
+MODES = ("device-plugin", "dra")
+ENV_FIELDS = {
+    **ENV_FIELDS,
+    "AGENT_MODE": "mode",
+    "DRA_DRIVER_NAME": "driver_name",
+    "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",
+    "PLUGINS_DIR": "plugins_dir",
+    "CDI_DIR": "cdi_dir",
+    "KUBECONFIG": "kubeconfig",
+}
+
+
+def _expect_driver_name(value: object, where: str) -> str:
+    """A DRA driver name: a lowercase DNS subdomain (the API server rejects anything else)."""
+    import re
+
+    name = _expect_str(value, where).strip()
+    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+    if len(name) > 63 or not re.fullmatch(rf"{label}(\.{label})*", name):
+        raise ValueError(
+            f"{where}: expected a DRA driver name (a lowercase DNS subdomain of at most 63"
+            f" characters, e.g. gpu.gpu-agent.io), got {value!r}"
+        )
+    return name
+
+
+_FIELD_PARSERS = {
+    **_FIELD_PARSERS,
+    "mode": lambda v, w: _expect_choice(v, MODES, w),
+    "driver_name": _expect_driver_name,
+}
+
+#: The config file's ``dra:`` section: key -> Config field.
+DRA_FILE_KEYS: Mapping[str, str] = {
+    "driverName": "driver_name",
+    "pluginsRegistryDir": "plugins_registry_dir",
+    "pluginsDir": "plugins_dir",
+    "cdiDir": "cdi_dir",
+    "kubeconfig": "kubeconfig",
+}
+
+
+def _parse_dra_file_keys(doc: Mapping[str, Any], out: dict[str, object]) -> None:
+    """Top-level ``mode:`` and the ``dra:`` section of a config file."""
+    if "mode" in doc:
+        out["mode"] = _expect_choice(doc["mode"], MODES, "mode")
+    dra = _expect_mapping(doc.get("dra"), "dra")
+    _check_keys(dra, tuple(DRA_FILE_KEYS), "dra")
+    for key, name in DRA_FILE_KEYS.items():
+        if key in dra:
+            value = dra[key]
+            if name == "kubeconfig" and value is None:  # "kubeconfig:" left empty = in-cluster
+                value = ""
+            out[name] = _parse_field(name, value, f"dra.{key}")
 
 def _parse_field(name: str, value: object, where: str) -> object:
     parser = _FIELD_PARSERS.get(name)

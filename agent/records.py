@@ -86,6 +86,7 @@ class Gpu:
     fabric_cluster_uuid: str | None = None
     fabric_clique_id: int | None = None
     lost: bool = False  # NVML answered GPU_IS_LOST while reading it
+    pcie_root: str | None = None  # the PCIe root complex it hangs from, "pci0000:17" (sysfs)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Nic:
     pci_bus_id: str | None = None
     numa_node: int | None = None
     levels: tuple[PcieLevel | None, ...] = ()
+    pcie_root: str | None = None  # the PCIe root complex it hangs from, "pci0000:17" (sysfs)
 
 
 def synthetic_gpu_uuid(machine: str, index: int) -> str:

@@ -53,7 +53,7 @@ def test_config_imports_nothing_of_ours_but_the_leaf_modules():
 def test_grpc_is_imported_only_by_the_kubelet_facing_modules():
     # agent/metrics/podresources.py is the one exception outside deviceplugin/: it is a
     # client of the kubelet's pod-resources API, read for pod attribution.
-    allowed = ("agent/deviceplugin/", "agent/metrics/podresources.py", "agent/daemon.py",
+    allowed = ("agent/deviceplugin/", "agent/dra/", "agent/metrics/podresources.py", "agent/daemon.py",
                "agent/commands/demo.py", "agent/demo")
     for path, mods in sources():
         if any(m == "grpc" or m.startswith("grpc.") for m in mods):

@@ -24,7 +24,7 @@ from agent.config import Config
 from agent.metrics.service import MetricsService
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "daemonset"
+DEPLOY = ROOT / "daemonset" / "base"
 DASHBOARD_PROMQL = Path(__file__).parent / "fixtures" / "dcgm" / "dcgm-dashboard-metrics.txt"
 
 PROMETHEUS = shutil.which("prometheus")

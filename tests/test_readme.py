@@ -2,7 +2,8 @@
 
 - Every command in a README code block is classified: run here (``gpu-topology-agent ...``
   through ``python -m agent``, ``python bench/...`` with its quickest flags, a ``pytest``
-  run of one test file, ``kubectl kustomize daemonset/`` where kubectl exists), or listed
+  run of one test file, ``kubectl kustomize daemonset/`` or ``daemonset/dra`` where kubectl
+  exists), or listed
   in :data:`NOT_RUNNABLE` with the reason. A command that is neither fails the test, and so
   does a listed command the README no longer shows.
 - Commands in ``sh`` blocks must exit 0. In ``console`` blocks (``$ command`` then its
@@ -57,9 +58,9 @@ NOT_RUNNABLE: dict[str, str] = {
     "docker push registry.example.com/gpu-topology-agent:0.1.0": (
         "needs a Docker engine, a registry and the network"
     ),
-    "(cd daemonset && kustomize edit set image "
+    "(cd daemonset/base && kustomize edit set image "
     "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0)": (
-        "rewrites daemonset/kustomization.yaml in place (and needs the standalone kustomize)"
+        "rewrites daemonset/base/kustomization.yaml in place (and needs the standalone kustomize)"
     ),
     "kubectl apply -k daemonset/": "changes a live cluster",
     "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent": (
@@ -69,10 +70,13 @@ NOT_RUNNABLE: dict[str, str] = {
     ".venv/bin/python -m pytest -q tests/test_readme.py": "this test",
 }
 
+DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"
+
 #: The quickest flags of each benchmark (what the test runs instead of the shown flags).
 BENCH_QUICK: dict[str, list[str]] = {
     "bench/bench_allocate.py": ["--quick", "--json", "{tmp}/allocate.json"],
     "bench/quality.py": ["--events", "60"],
+    "bench/quality_dra.py": ["--events", "30"],
     "bench/bench_deviceplugin.py": ["--machines", "dgx-h100", "--calls", "20", "--no-process"],
     "bench/bench_metrics.py": ["--scrapes", "10", "--duration-s", "1"],
 }
@@ -262,7 +266,7 @@ def classify(text: str) -> tuple[str, object]:
         and argv[-1] != "tests/test_readme.py"
     ):
         return "run", ([sys.executable, *argv[1:]], env)
-    if argv == ["kubectl", "kustomize", "daemonset/"]:
+    if argv in (["kubectl", "kustomize", "daemonset/"], ["kubectl", "kustomize", "daemonset/dra"]):
         return "kubectl", argv
     return "unknown", None
 
@@ -340,12 +344,14 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
         kubectl = shutil.which("kubectl")
         if kubectl is None:
             pytest.skip("kubectl is not installed here")
-        result = _run([kubectl, "kustomize", "daemonset/"], {})
+        result = _run([kubectl, "kustomize", detail[2]], {})  # type: ignore[index]
         assert result.returncode == 0, result.stderr
         assert "kind: DaemonSet" in result.stdout
         return
     if kind == "bench":
         script, env = detail  # type: ignore[misc]
+        if script == "bench/quality_dra.py" and not DRAALLOC.exists():
+            pytest.skip(f"{DRAALLOC} is absent (../shared/tools is provided beside the project in CI only)")
         flags = [f.replace("{tmp}", str(tmp_path)) for f in BENCH_QUICK[script]]
         argv = [sys.executable, script, *flags]
     else:

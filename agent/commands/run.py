@@ -60,6 +60,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--feature-file", metavar="NAME", dest="feature_file", default=None,
                    help=f"label file name in the features directory (default: {_DEFAULTS.feature_file};"
                         " env FEATURE_FILE)")
+    dra = p.add_argument_group("DRA mode")
+    dra.add_argument("--mode", choices=("device-plugin", "dra"), dest="mode", default=None,
+                     help="serve the GPUs as device plugins or as a DRA driver"
+                          " (default: device-plugin; env AGENT_MODE)")
+    dra.add_argument("--driver-name", metavar="NAME", dest="driver_name", default=None,
+                     help=f"DRA driver name (default: {_DEFAULTS.driver_name}; env DRA_DRIVER_NAME)")
+    dra.add_argument("--plugins-registry-dir", metavar="DIR", dest="plugins_registry_dir", default=None,
+                     help=f"the kubelet's plugin registration directory (default: {_DEFAULTS.plugins_registry_dir})")
+    dra.add_argument("--plugins-dir", metavar="DIR", dest="plugins_dir", default=None,
+                     help=f"where the DRA socket and checkpoint go, under <driver> (default: {_DEFAULTS.plugins_dir})")
+    dra.add_argument("--cdi-dir", metavar="DIR", dest="cdi_dir", default=None,
+                     help=f"where CDI specs of prepared claims are written (default: {_DEFAULTS.cdi_dir})")
+    dra.add_argument("--kubeconfig", metavar="FILE", dest="kubeconfig", default=None,
+                     help="API server access (default: the in-cluster configuration; env KUBECONFIG)")
     p.set_defaults(func=run)
 
 
@@ -67,6 +81,7 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
+    "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
 )
 
 

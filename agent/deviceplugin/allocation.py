@@ -12,7 +12,7 @@ import os
 import re
 import uuid as uuidlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from agent.config import Config
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
@@ -68,7 +68,11 @@ class RequestHandler:
         resource: PluginResource,
         topology: Topology,
         config: Config,
+        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
+        """``path_exists`` tells which device nodes exist on the host (the DRA plugin's tests
+        pass a stand-in; the kubelet's node has the real ones)."""
+        self._path_exists = path_exists
         self.resource = resource
         self.topology = topology
         self.config = config
@@ -172,7 +176,7 @@ class RequestHandler:
     def _device_specs(self, devices: Sequence[PluginDevice]) -> list[tuple[str, str, str]]:
         specs: list[tuple[str, str, str]] = []
         for node in CONTROL_DEVICE_NODES:
-            if os.path.exists(self._host_path(node)):
+            if self._path_exists(self._host_path(node)):
                 specs.append((node, self._host_path(node), "rw"))
         seen: set[str] = set()
         for d in devices:

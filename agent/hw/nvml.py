@@ -554,7 +554,8 @@ class NvmlBackend:
                     else None
                     for g in gpus
                 )
-                nics.append(Nic(nic.name, nic.pci_bus_id, nic.numa_node, levels))
+                root = sysfs.pcie_root(nic.pci_bus_id) if nic.pci_bus_id else None
+                nics.append(Nic(nic.name, nic.pci_bus_id, nic.numa_node, levels, pcie_root=root))
         lost = sorted(g.index for g in gpus if g.lost)
         if lost:
             notes.append(f"GPUs lost during discovery (partly read): {lost}")
@@ -602,7 +603,9 @@ class NvmlBackend:
         numa: int | None = None
         cpulist: str | None = None
         pci_class: int | None = None
+        pcie_root: str | None = None
         if self._sysfs is not None and bus_id:
+            pcie_root = self._sysfs.pcie_root(bus_id)
             numa = self._sysfs.pci_numa_node(bus_id)
             cpulist = self._sysfs.pci_local_cpulist(bus_id)
             pci_class = self._sysfs.pci_class(bus_id)
@@ -649,6 +652,7 @@ class NvmlBackend:
             fabric_cluster_uuid=cluster,
             fabric_clique_id=clique,
             lost=lost,
+            pcie_root=pcie_root,
         )
         return gpu, (None if lost else h)
 

@@ -132,6 +132,12 @@ class SysfsReader:
                 return ("/".join(parts[: i + 1]), *parts[i + 1 :])
         return None
 
+    def pcie_root(self, bus_id: str) -> str | None:
+        """The host bridge (root complex) the device hangs from, as Kubernetes names it for
+        ``resource.kubernetes.io/pcieRoot``: ``"pci0000:17"``; None if unknown."""
+        path = self._pci_path(bus_id)
+        return path[0].rsplit("/", 1)[-1] if path else None
+
     @staticmethod
     def _parse_int(text: str | None) -> int | None:
         if text is None:

@@ -1,0 +1,182 @@
+"""CDI (Container Device Interface) specs for prepared claims: one JSON file per claim.
+
+The container runtime reads every ``*.json`` in the CDI directory; the kubelet passes it the
+fully-qualified device names we return from NodePrepareResources (``<vendor>/<class>=<name>``).
+Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
+
+- one CDI device per allocated device, named ``<claim uid>-<device name>``, holding its
+  device nodes (``/dev/nvidiaN``, a MIG device's ``/dev/nvidia-caps/nvidia-capN``);
+- spec-wide container edits, applied whenever any device of the claim is injected: the
+  control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ... where they exist),
+  ``NVIDIA_VISIBLE_DEVICES`` and the agent's ``GPU_TOPOLOGY_*`` variables for the claim's
+  whole device set. They come from the device plugin's Allocate code
+  (:class:`agent.deviceplugin.allocation.RequestHandler`), so both modes hand a container
+  the same environment for the same GPUs.
+
+Files are written atomically (a temporary file in the same directory, then a rename), so the
+runtime never reads half a spec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+from agent.config import Config
+from agent.deviceplugin.allocation import ContainerAllocation, RequestHandler
+from agent.deviceplugin.resources import PluginDevice, PluginResource
+from agent.dra.devices import DeviceRef
+from agent.topology.model import Topology
+
+#: The CDI spec version written: 0.6.0 is read by containerd >= 1.7 and CRI-O >= 1.28 and
+#: has everything used here (env, deviceNodes with hostPath and permissions).
+CDI_VERSION = "0.6.0"
+#: The CDI class of our devices; the vendor is the driver name.
+CDI_CLASS = "gpu"
+
+_CDI_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$")
+
+
+def valid_claim_uid(uid: str) -> bool:
+    """A UID that can name a CDI device and a file (Kubernetes UIDs are UUIDs)."""
+    return bool(_CDI_NAME.match(uid)) and ":" not in uid
+
+
+def cdi_kind(driver_name: str) -> str:
+    """``<vendor>/<class>``: ``gpu.gpu-agent.io/gpu``."""
+    return f"{driver_name}/{CDI_CLASS}"
+
+
+def cdi_device_name(claim_uid: str, device_name: str) -> str:
+    return f"{claim_uid}-{device_name}"
+
+
+def cdi_device_id(driver_name: str, claim_uid: str, device_name: str) -> str:
+    """The fully-qualified CDI device name the kubelet hands the runtime."""
+    return f"{cdi_kind(driver_name)}={cdi_device_name(claim_uid, device_name)}"
+
+
+def spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
+    """Where a claim's spec lives; a pure function of the UID, so an unprepare finds it
+    even without the checkpoint."""
+    return os.path.join(cdi_dir, f"{driver_name}-claim_{claim_uid}.json")
+
+
+class CdiSpecWriter:
+    """Builds and writes the claim specs. Thread-safe: it only reads frozen state, and each
+    claim has its own file."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        config: Config,
+        *,
+        path_exists: Callable[[str], bool] = os.path.exists,
+    ) -> None:
+        self.topology = topology
+        self.driver_name = config.driver_name
+        self.cdi_dir = config.cdi_dir
+        # The device plugin's Allocate answer with the settings CDI needs: device nodes on,
+        # NVIDIA_VISIBLE_DEVICES as an env variable (the IDs as device_id_strategy says).
+        self._config = replace(config, pass_device_specs=True, device_list_strategy=("envvar",))
+        self._path_exists = path_exists
+
+    def _allocation(self, devices: Sequence[DeviceRef]) -> ContainerAllocation:
+        plugin_devices = tuple(
+            PluginDevice(id=d.uuid, gpu_index=d.gpu.index, uuid=d.uuid, numa_node=d.gpu.numa_node, mig=d.mig)
+            for d in devices
+        )
+        resource = PluginResource(name=cdi_kind(self.driver_name), devices=plugin_devices)
+        handler = RequestHandler(resource, self.topology, self._config, path_exists=self._path_exists)
+        return handler.allocate([d.id for d in plugin_devices])
+
+    def build(self, claim_uid: str, devices: Sequence[DeviceRef]) -> dict[str, Any]:
+        """The CDI spec for a claim's devices (at least one)."""
+        for d in devices:
+            name = cdi_device_name(claim_uid, d.name)
+            if not _CDI_NAME.match(name):
+                raise ValueError(f"CDI device name {name!r} is not valid")
+        alloc = self._allocation(devices)
+        per_device = {d.uuid: self._device_nodes(d, alloc) for d in devices}
+        own = {path for paths in per_device.values() for path in paths}
+        common = [spec for spec in alloc.devices if spec[0] not in own]
+        return {
+            "cdiVersion": CDI_VERSION,
+            "kind": cdi_kind(self.driver_name),
+            "devices": [
+                {
+                    "name": cdi_device_name(claim_uid, d.name),
+                    "containerEdits": {"deviceNodes": [_node(s) for s in alloc.devices if s[0] in per_device[d.uuid]]},
+                }
+                for d in devices
+            ],
+            "containerEdits": {
+                "env": [f"{k}={v}" for k, v in alloc.envs.items()],
+                "deviceNodes": [_node(s) for s in common],
+            },
+        }
+
+    def _device_nodes(self, device: DeviceRef, alloc: ContainerAllocation) -> set[str]:
+        """The container paths in ``alloc.devices`` that belong to ``device`` alone: its GPU
+        node, and for a MIG device its capability nodes."""
+        minor = device.gpu.minor_number if device.gpu.minor_number is not None else device.gpu.index
+        out = {f"/dev/nvidia{minor}"}
+        if device.mig is not None:
+            single = self._allocation([device])
+            out |= {s[0] for s in single.devices if s[0].startswith("/dev/nvidia-caps/")}
+        return out
+
+    def write(self, claim_uid: str, devices: Sequence[DeviceRef]) -> str:
+        """Write the claim's spec atomically; returns its path."""
+        spec = self.build(claim_uid, devices)
+        path = spec_path(self.cdi_dir, self.driver_name, claim_uid)
+        # No fsync: the CDI directory is a tmpfs on nodes (/var/run/cdi), and after a power
+        # loss the kubelet prepares its claims again anyway; the rename alone keeps the
+        # runtime from ever reading half a spec.
+        write_json_atomic(path, spec, fsync=False)
+        return path
+
+    def remove(self, claim_uid: str) -> bool:
+        """Remove the claim's spec; False when there was none."""
+        try:
+            os.unlink(spec_path(self.cdi_dir, self.driver_name, claim_uid))
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def _node(spec: tuple[str, str, str]) -> dict[str, str]:
+    container, host, permissions = spec
+    node = {"path": container, "permissions": permissions}
+    if host != container:
+        node["hostPath"] = host
+    return node
+
+
+def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
+    """Write ``data`` as JSON to ``path`` so that readers see the old file or the new one,
+    never a partial one (temp file in the same directory, rename). ``fsync`` also makes it
+    durable against a power loss before the rename."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    # the ".tmp" suffix keeps the runtime, which reads *.json, off the half-written file
+    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

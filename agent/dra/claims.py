@@ -1,0 +1,129 @@
+"""Reading ResourceClaims from the API server, for NodePrepareResources.
+
+:class:`ClaimReader` is what the kubelet plugin needs: one ``get(namespace, name)`` that
+returns the claim as plain JSON data (the same shape in ``resource.k8s.io`` v1, v1beta2 and
+v1beta1 for everything read here: ``metadata.uid`` and ``status.allocation.devices.results``).
+:class:`KubernetesClaimReader` implements it with the official ``kubernetes`` client; the
+served version is discovered once, on first use (``v1``, else ``v1beta2``, else ``v1beta1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Mapping, Protocol
+
+from agent.config import Config
+from agent.errors import AgentError, ConfigError
+
+log = logging.getLogger(__name__)
+
+GROUP = "resource.k8s.io"
+#: Versions we read, most preferred first.
+VERSIONS = ("v1", "v1beta2", "v1beta1")
+
+
+class ClaimNotFound(AgentError):
+    """The API server has no such ResourceClaim (404)."""
+
+
+class ClaimReadError(AgentError):
+    """The claim could not be read: API server unreachable, forbidden, no DRA API, ..."""
+
+
+class ClaimReader(Protocol):
+    def get(self, namespace: str, name: str) -> Mapping[str, Any]:
+        """The ResourceClaim as JSON data; raises ClaimNotFound or ClaimReadError."""
+        ...
+
+
+def api_client(config: Config) -> Any:
+    """A ``kubernetes.client.ApiClient`` from ``config.kubeconfig``, or the in-cluster
+    configuration when it is empty. Raises ConfigError naming what is wrong."""
+    from kubernetes import client
+    from kubernetes import config as kube_config
+
+    if config.kubeconfig:
+        try:
+            return kube_config.new_client_from_config(config_file=config.kubeconfig)
+        except Exception as exc:  # the loader raises ConfigException, OSError, yaml errors
+            raise ConfigError(f"--kubeconfig {config.kubeconfig}: cannot load: {exc}") from None
+    configuration = client.Configuration()
+    try:
+        kube_config.load_incluster_config(client_configuration=configuration)
+    except Exception as exc:
+        raise ConfigError(
+            f"no --kubeconfig given and no in-cluster configuration ({exc}); "
+            "run in a pod with a service account or pass --kubeconfig FILE"
+        ) from None
+    return client.ApiClient(configuration)
+
+
+class KubernetesClaimReader:
+    """:class:`ClaimReader` over the official client. ``timeout_s`` bounds each request."""
+
+    def __init__(self, api_client: Any, *, timeout_s: float = 5.0, versions: tuple[str, ...] = VERSIONS) -> None:
+        from kubernetes import client
+
+        self._api = client.CustomObjectsApi(api_client)
+        self._apis = client.ApisApi(api_client)
+        self.timeout_s = timeout_s
+        self._versions = versions
+        self._version: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> str:
+        """The ``resource.k8s.io`` version read (discovered on first use)."""
+        with self._lock:
+            if self._version is None:
+                self._version = self._discover()
+            return self._version
+
+    def _discover(self) -> str:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            groups = self._apis.get_api_versions(_request_timeout=self.timeout_s)
+        except ApiException as exc:
+            raise ClaimReadError(f"API discovery failed: HTTP {exc.status} {exc.reason}") from None
+        except Exception as exc:  # urllib3 connection errors
+            raise ClaimReadError(f"API server unreachable: {_short(exc)}") from None
+        served: list[str] = []
+        for group in groups.groups or ():
+            if group.name == GROUP:
+                served = [v.version for v in group.versions or ()]
+        for version in self._versions:
+            if version in served:
+                log.info("reading ResourceClaims as %s/%s", GROUP, version)
+                return version
+        raise ClaimReadError(
+            f"the API server serves no {GROUP} version this agent reads "
+            f"(served: {', '.join(served) or 'none'}; expected one of {', '.join(self._versions)});"
+            " is DynamicResourceAllocation enabled?"
+        )
+
+    def get(self, namespace: str, name: str) -> Mapping[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        version = self.version
+        try:
+            obj = self._api.get_namespaced_custom_object(
+                GROUP, version, namespace, "resourceclaims", name, _request_timeout=self.timeout_s
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ClaimNotFound(f"ResourceClaim {namespace}/{name} not found") from None
+            raise ClaimReadError(
+                f"reading ResourceClaim {namespace}/{name}: HTTP {exc.status} {exc.reason}"
+            ) from None
+        except Exception as exc:
+            raise ClaimReadError(f"reading ResourceClaim {namespace}/{name}: {_short(exc)}") from None
+        if not isinstance(obj, Mapping):
+            raise ClaimReadError(f"reading ResourceClaim {namespace}/{name}: the answer is not an object")
+        return obj
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."

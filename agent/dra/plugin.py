@@ -1,0 +1,333 @@
+"""The kubelet-facing DRA plugin: registration, the DRA service, and the socket watch.
+
+- ``<plugins_registry_dir>/<driver>-reg.sock`` serves ``pluginregistration.Registration``:
+  the kubelet's plugin watcher finds the socket, calls ``GetInfo`` (type ``DRAPlugin``, the
+  driver name, the DRA endpoint, the services served) and reports the outcome with
+  ``NotifyRegistrationStatus``; a refusal is logged with the kubelet's reason and we keep
+  serving (the kubelet tries again when it restarts or the socket is re-created).
+- ``<plugins_dir>/<driver>/dra.sock`` serves ``DRAPlugin`` in both API versions,
+  ``k8s.io.kubelet.pkg.apis.dra.v1`` and ``...v1beta1``, through thin servicers over one
+  :class:`ClaimPreparer`.
+- A watch thread re-creates either socket when it vanishes (a kubelet restart can clear its
+  directories; the watcher then registers us again from the new socket).
+
+Nothing here calls NVML: answers come from the frozen topology and the health state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+
+from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from agent._proto import pluginregistration_v1_pb2 as reg_pb
+from agent._proto import pluginregistration_v1_pb2_grpc as reg_pb_grpc
+from agent.config import Config
+from agent.dra.checkpoint import Checkpoint
+from agent.dra.claims import ClaimReader
+from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
+from agent.errors import AgentError
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+#: The service names the kubelet looks for in ``supported_versions`` (DRAPluginService in
+#: k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1}/types.go), newest first.
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+CHECKPOINT_DIR = "claims"
+
+
+# ---------------------------------------------------------------------- servicers
+class _DraServicer:
+    """Translates one API version's messages to :class:`ClaimPreparer` calls and back."""
+
+    pb: Any = None
+
+    def __init__(self, preparer: ClaimPreparer, metrics: object | None = None) -> None:
+        self.preparer = preparer
+        self.metrics = metrics
+
+    def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        started = time.perf_counter()
+        out = self.pb.NodePrepareResourcesResponse()
+        for claim in request.claims:
+            result = self.preparer.prepare(ClaimRef(claim.namespace, claim.uid, claim.name))
+            entry = out.claims[claim.uid]
+            if result.error:
+                entry.error = result.error
+                log.warning("NodePrepareResources: %s", result.error)
+                continue
+            for d in result.devices:
+                entry.devices.add(
+                    request_names=[d.request] if d.request else [],
+                    pool_name=d.pool, device_name=d.device, cdi_device_ids=list(d.cdi_ids),
+                )
+        observe = getattr(self.metrics, "observe_dra_prepare", None)
+        if observe is not None:
+            observe(time.perf_counter() - started)
+        return out
+
+    def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        out = self.pb.NodeUnprepareResourcesResponse()
+        for claim in request.claims:
+            error = self.preparer.unprepare(ClaimRef(claim.namespace, claim.uid, claim.name))
+            entry = out.claims[claim.uid]
+            if error:
+                entry.error = error
+                log.warning("NodeUnprepareResources: %s", error)
+        return out
+
+
+class DraV1Servicer(_DraServicer, dra_v1_pb2_grpc.DRAPluginServicer):
+    """``/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/*``."""
+
+    pb = dra_v1_pb2
+
+
+class DraV1beta1Servicer(_DraServicer, dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    """``/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/*``."""
+
+    pb = dra_v1beta1_pb2
+
+
+class RegistrationServicer(reg_pb_grpc.RegistrationServicer):
+    """``/pluginregistration.Registration/*`` for the kubelet's plugin watcher."""
+
+    def __init__(self, driver_name: str, endpoint: str, on_status: Callable[[bool, str], None]) -> None:
+        self.driver_name = driver_name
+        self.endpoint = endpoint
+        self._on_status = on_status
+
+    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
+        return reg_pb.PluginInfo(
+            type=PLUGIN_TYPE, name=self.driver_name, endpoint=self.endpoint,
+            supported_versions=list(SUPPORTED_VERSIONS),
+        )
+
+    def NotifyRegistrationStatus(
+        self, request: reg_pb.RegistrationStatus, context: grpc.ServicerContext
+    ) -> reg_pb.RegistrationStatusResponse:
+        self._on_status(request.plugin_registered, request.error)
+        return reg_pb.RegistrationStatusResponse()
+
+
+# ---------------------------------------------------------------------- servers
+class UnixGrpcServer:
+    """A gRPC server on one unix socket path, with the servicers ``add(server)`` installs."""
+
+    def __init__(self, path: str, add: Callable[[grpc.Server], None], *, name: str, max_workers: int = 8) -> None:
+        self.path = path
+        self._add = add
+        self.name = name
+        self.max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self._inode: tuple[int, int] | None = None
+
+    def start(self) -> None:
+        """Remove a stale socket file, then serve. Raises AgentError if it cannot bind."""
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name))
+        self._add(server)
+        try:
+            bound = server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError as exc:
+            bound = 0
+            log.debug("bind %s: %s", self.path, exc)
+        if not bound:
+            server.stop(0)
+            raise AgentError(f"cannot listen on {self.path} (socket paths must be shorter than 108 bytes)")
+        server.start()
+        self._server = server
+        try:
+            st = os.stat(self.path)
+            self._inode = (st.st_ino, st.st_ctime_ns)
+        except OSError:
+            self._inode = None
+
+    def socket_present(self) -> bool:
+        """True while our socket file is still in place."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_ctime_ns) == self._inode
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1.0)
+            self._server = None
+        if self.socket_present():
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------- the plugin
+class DraPlugin:
+    """The DRA kubelet plugin of one node: serves, registers, keeps its sockets.
+
+    ``health`` is the :class:`agent.health.HealthState` (only ``is_healthy`` is read),
+    ``claim_reader`` a :class:`agent.dra.claims.ClaimReader` (production:
+    ``KubernetesClaimReader(api_client(config))``). The pool served is ``node_name``
+    (default ``config.node_name``), as the slice publisher names it. The checkpoint lives
+    in ``<plugins_dir>/<driver>/claims/`` (one file per prepared claim).
+
+    ``start()`` raises AgentError when a socket cannot be bound; ``ready()`` is true once
+    both sockets serve and the kubelet has confirmed the registration.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        topology: Topology,
+        health: HealthView,
+        claim_reader: ClaimReader,
+        *,
+        node_name: str | None = None,
+        metrics: object | None = None,
+        poll_s: float = 0.5,
+        max_workers: int = 8,
+        path_exists: Callable[[str], bool] = os.path.exists,
+    ) -> None:
+        self.config = config
+        self.node_name = node_name if node_name is not None else config.node_name
+        if not self.node_name:
+            raise AgentError("DRA mode needs the node name (--node-name or NODE_NAME): it names the device pool")
+        self.driver_name = config.driver_name
+        self.registration_socket = os.path.join(config.plugins_registry_dir, f"{self.driver_name}-reg.sock")
+        self.plugin_dir = os.path.join(config.plugins_dir, self.driver_name)
+        self.endpoint = os.path.join(self.plugin_dir, "dra.sock")
+        # No fsync: the checkpoint must survive an agent restart, which the page cache does.
+        # After a power loss the CDI specs (tmpfs) are gone and the kubelet prepares again; a
+        # torn file fails its checksum and the claim is recomputed from the API server. An
+        # fsync per prepare would cost 5-40 ms on a busy disk, the whole latency budget.
+        self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR), fsync=False)
+        self.preparer = ClaimPreparer(
+            topology, config, health, claim_reader, self.checkpoint,
+            node_name=self.node_name, path_exists=path_exists,
+        )
+        self.metrics = metrics
+        self.poll_s = poll_s
+        self._v1 = DraV1Servicer(self.preparer, metrics)
+        self._v1beta1 = DraV1beta1Servicer(self.preparer, metrics)
+        self._registration = RegistrationServicer(self.driver_name, self.endpoint, self._registration_status)
+        self._dra_server = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
+        self._reg_server = UnixGrpcServer(
+            self.registration_socket, self._add_registration, name="dra-reg", max_workers=2
+        )
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._registered = False
+        self._last_refusal: str | None = None
+        self.registrations = 0  # NotifyRegistrationStatus with plugin_registered=True
+        self.refusals = 0
+        self.socket_losses = 0  # sockets found gone and served again
+
+    def _add_dra(self, server: grpc.Server) -> None:
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
+        dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1beta1, server)
+
+    def _add_registration(self, server: grpc.Server) -> None:
+        reg_pb_grpc.add_RegistrationServicer_to_server(self._registration, server)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Serve the DRA service, then the registration socket (the kubelet may dial the
+        endpoint as soon as it sees the registration socket), then watch both."""
+        os.makedirs(self.config.cdi_dir, exist_ok=True)
+        self._dra_server.start()
+        try:
+            self._reg_server.start()
+        except AgentError:
+            self._dra_server.stop(0)
+            raise
+        log.info(
+            "DRA plugin %s: serving %s, registration on %s (%d prepared claims checkpointed)",
+            self.driver_name, self.endpoint, self.registration_socket, len(self.checkpoint),
+        )
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="dra-socket-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop watching, stop registration first (the kubelet stops sending us claims),
+        then the DRA service; remove our sockets. Prepared claims stay checkpointed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.poll_s + 2.0)
+            self._thread = None
+        with self._lock:
+            self._reg_server.stop(grace_s)
+            self._dra_server.stop(grace_s)
+            self._registered = False
+
+    def ready(self) -> bool:
+        """Both sockets serve and the kubelet has confirmed our registration."""
+        with self._lock:
+            return self._registered and self._dra_server.socket_present() and self._reg_server.socket_present()
+
+    def set_topology(self, topology: Topology) -> None:
+        """Prepare new claims from ``topology`` (the daemon read it again); sockets, the
+        registration and the prepared claims stay as they are."""
+        self.preparer.set_topology(topology)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready():
+                return True
+            time.sleep(0.02)
+        return self.ready()
+
+    # ------------------------------------------------------------------ internals
+    def _registration_status(self, registered: bool, error: str) -> None:
+        with self._lock:
+            if registered:
+                self._registered = True
+                self.registrations += 1
+                self._last_refusal = None
+                log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
+                return
+            self._registered = False
+            self.refusals += 1
+            if error != self._last_refusal:
+                self._last_refusal = error
+                log.error(
+                    "kubelet refused DRA driver %s: %s (still serving; the kubelet retries when it"
+                    " restarts or the registration socket is re-created)", self.driver_name, error or "no reason given",
+                )
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.check_sockets()
+            except Exception:  # keep watching whatever happens; the next round retries
+                log.exception("DRA socket watch round failed")
+
+    def check_sockets(self) -> None:
+        """Serve again on any socket that vanished (one watch round)."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            for server in (self._dra_server, self._reg_server):
+                if server.socket_present():
+                    continue
+                self.socket_losses += 1
+                log.warning("socket %s vanished: serving it again", server.path)
+                server.stop(0)
+                server.start()
+                if server is self._reg_server:
+                    self._registered = False  # the kubelet registers the new socket afresh

@@ -1,0 +1,218 @@
+"""NodePrepareResources / NodeUnprepareResources behind the gRPC servicers: one
+implementation for every DRA API version, on plain records.
+
+For each claim: read the ResourceClaim (namespace, name; the UID must match), take the
+allocation results of this driver, check that every device is ours (this node's pool,
+a device name we publish, a healthy GPU), write one CDI spec for the claim and checkpoint
+the answer. Problems are reported per claim (the rest of the call is still served), each
+naming the claim and the device. Idempotent: a claim already prepared answers from the
+checkpoint without reading the API server again, also after an agent restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from agent.config import Config
+from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path, valid_claim_uid
+from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
+from agent.dra.devices import DeviceRef, device_refs
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+
+class HealthView(Protocol):
+    """What preparation reads of :class:`agent.health.HealthState`."""
+
+    def is_healthy(self, index: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A claim as the kubelet names it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"ResourceClaim {self.namespace}/{self.name} (uid {self.uid})"
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class ClaimPreparer:
+    """Prepares and unprepares claims. Thread-safe: the kubelet may call concurrently."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        config: Config,
+        health: HealthView,
+        claim_reader: ClaimReader,
+        checkpoint: Checkpoint,
+        *,
+        node_name: str,
+        path_exists: Callable[[str], bool] = os.path.exists,
+    ) -> None:
+        self.config = config
+        self.driver_name = config.driver_name
+        self.cdi_dir = config.cdi_dir
+        self.node_name = node_name
+        self.health = health
+        self.claims = claim_reader
+        self.checkpoint = checkpoint
+        self._path_exists = path_exists
+        self.devices: Mapping[str, DeviceRef] = device_refs(topology)
+        self.cdi = CdiSpecWriter(topology, config, path_exists=path_exists)
+        self._lock = threading.Lock()
+
+    def set_topology(self, topology: Topology) -> None:
+        """Serve ``topology`` from now on (read again after a kubelet restart or SIGHUP).
+        Claims already prepared keep their checkpointed answer."""
+        devices = device_refs(topology)
+        cdi = CdiSpecWriter(topology, self.config, path_exists=self._path_exists)
+        with self._lock:
+            self.devices, self.cdi = devices, cdi
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, ref: ClaimRef) -> PrepareResult:
+        missing = [f for f in ("namespace", "uid", "name") if not getattr(ref, f)]
+        if missing:
+            return PrepareResult(error=f"{ref}: the claim's {', '.join(missing)} must not be empty")
+        if not valid_claim_uid(ref.uid):
+            return PrepareResult(error=f"{ref}: not a claim UID (expected letters, digits, '-', '_' or '.')")
+        done = self.checkpoint.get(ref.uid)
+        if done is not None:
+            return self._answer_again(done)
+        try:
+            obj = self.claims.get(ref.namespace, ref.name)
+        except ClaimNotFound:
+            return PrepareResult(error=f"{ref}: not found in the API server")
+        except ClaimReadError as exc:
+            return PrepareResult(error=f"{ref}: cannot be read: {exc}")
+        try:
+            chosen = self._devices_of(ref, obj)
+        except ValueError as exc:
+            return PrepareResult(error=str(exc))
+        with self._lock:
+            done = self.checkpoint.get(ref.uid)
+            if done is not None:  # a concurrent call prepared it meanwhile
+                return self._answer_again(done)
+            try:
+                path = self.cdi.write(ref.uid, [d for _, d in chosen])
+                prepared = PreparedClaim(
+                    uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
+                    devices=tuple(
+                        PreparedDevice(request, self.node_name, d.name,
+                                       (cdi_device_id(self.driver_name, ref.uid, d.name),))
+                        for request, d in chosen
+                    ),
+                )
+                self.checkpoint.add(prepared)
+            except OSError as exc:
+                log.error("%s: cannot write its CDI spec or checkpoint: %s", ref, exc)
+                return PrepareResult(error=f"{ref}: cannot write the CDI spec in {self.cdi_dir}: {exc.strerror or exc}")
+        log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
+        return PrepareResult(devices=prepared.devices)
+
+    def _answer_again(self, done: PreparedClaim) -> PrepareResult:
+        """The checkpointed answer; the spec is written again if it went missing."""
+        if not os.path.exists(done.spec_path):
+            refs = [self.devices[d.device] for d in done.devices if d.device in self.devices]
+            if len(refs) != len(done.devices):
+                return PrepareResult(
+                    error=f"{ClaimRef(done.namespace, done.uid, done.name)}: prepared before, but its devices"
+                    f" {[d.device for d in done.devices]} are no longer on this node"
+                )
+            try:
+                with self._lock:
+                    self.cdi.write(done.uid, refs)
+            except OSError as exc:
+                return PrepareResult(error=f"cannot write the CDI spec {done.spec_path}: {exc.strerror or exc}")
+        return PrepareResult(devices=done.devices)
+
+    def _devices_of(self, ref: ClaimRef, obj: Mapping[str, Any]) -> list[tuple[str, DeviceRef]]:
+        """(request name, device) for each of this driver's allocation results; raises
+        ValueError naming every device that cannot be prepared."""
+        uid = _get(obj, "metadata", "uid")
+        if uid != ref.uid:
+            raise ValueError(
+                f"{ref}: the API server's claim has uid {uid!r}; it was deleted and created again,"
+                " the kubelet's claim no longer exists"
+            )
+        allocation = _get(obj, "status", "allocation")
+        if not isinstance(allocation, Mapping):
+            raise ValueError(f"{ref}: not allocated (status.allocation is empty)")
+        results = _get(allocation, "devices", "results") or []
+        if not isinstance(results, Sequence):
+            raise ValueError(f"{ref}: status.allocation.devices.results is not a list")
+        ours = [r for r in results if isinstance(r, Mapping) and r.get("driver") == self.driver_name]
+        if not ours:
+            drivers = sorted({str(r.get("driver")) for r in results if isinstance(r, Mapping)})
+            raise ValueError(
+                f"{ref}: no device of driver {self.driver_name} is allocated"
+                f" (drivers in status.allocation.devices.results: {', '.join(drivers) or 'none'})"
+            )
+        chosen: list[tuple[str, DeviceRef]] = []
+        problems: list[str] = []
+        for r in ours:
+            pool, name, request = str(r.get("pool", "")), str(r.get("device", "")), str(r.get("request", ""))
+            what = f"device {name!r} of pool {pool!r} (request {request!r})"
+            if pool != self.node_name:
+                problems.append(f"{what}: from another pool, this node serves pool {self.node_name!r}")
+                continue
+            device = self.devices.get(name)
+            if device is None:
+                problems.append(f"{what}: unknown, this node has {', '.join(self.devices) or 'no devices'}")
+                continue
+            if not self.health.is_healthy(device.gpu.index):
+                problems.append(f"{what}: GPU {device.gpu.index} ({device.gpu.uuid}) is unhealthy")
+                continue
+            chosen.append((request, device))
+        if problems:
+            raise ValueError(f"{ref}: cannot prepare " + "; ".join(problems))
+        return chosen
+
+    # ------------------------------------------------------------------ unprepare
+    def unprepare(self, ref: ClaimRef) -> str:
+        """Remove the claim's CDI spec and forget it; "" on success (also for a claim never
+        prepared here), else the error."""
+        if not ref.uid:
+            return f"{ref}: the claim's uid must not be empty"
+        if not valid_claim_uid(ref.uid):
+            return f"{ref}: not a claim UID (expected letters, digits, '-', '_' or '.')"
+        with self._lock:
+            done = self.checkpoint.get(ref.uid)
+            path = done.spec_path if done is not None else spec_path(self.cdi_dir, self.driver_name, ref.uid)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                return f"{ref}: cannot remove its CDI spec {path}: {exc.strerror or exc}"
+            try:
+                self.checkpoint.remove(ref.uid)
+            except OSError as exc:
+                return f"{ref}: cannot update the checkpoint in {self.checkpoint.directory}: {exc.strerror or exc}"
+        if done is not None:
+            log.info("unprepared %s", ref)
+        return ""
+
+
+def _get(obj: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(obj, Mapping):
+            return None
+        obj = obj.get(key)
+    return obj

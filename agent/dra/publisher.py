@@ -1,0 +1,387 @@
+"""The ResourceSlice publisher: keeps the node's pool in the API server equal to the topology
+minus the unhealthy GPUs, with the official ``kubernetes`` client.
+
+One thread owns all API calls. At start it asks discovery once which ``resource.k8s.io``
+versions are served (``v1`` preferred, else ``v1beta2``, else ``v1beta1``) and reads the
+Node's UID (for the owner reference; a Node it may not read is published without one). Then it
+makes the pool match what :func:`agent.dra.slices.render_slices` renders: create what is
+missing, update what differs (a stale ``resourceVersion`` answered with 409 is re-read and
+retried), delete this driver's other slices of the node. Each change of content raises the
+pool generation above every generation seen, so the scheduler never mixes two versions of the
+pool. A health change wakes the thread at once (republished well within a second).
+
+The API server being unreachable, or refusing, never stops the agent: the thread retries with
+a capped exponential backoff, logs each failure once per change of reason, and :meth:`ready`
+stays False until the slices have been published once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Collection
+
+from agent.dra.slices import API_VERSIONS, DEFAULT_DRIVER, render_slices
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SlicePublisher", "default_client_factory", "pick_version"]
+
+_REQUEST_TIMEOUT_S = 10.0
+_CONFLICT_RETRIES = 5
+
+
+def default_client_factory(kubeconfig: str = "") -> Callable[[], Any]:
+    """A factory of ``kubernetes.client.ApiClient``: from ``kubeconfig`` when given, else the
+    in-cluster service account (``KUBERNETES_SERVICE_HOST`` + the mounted token)."""
+
+    def make() -> Any:
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            config.load_incluster_config(client_configuration=cfg)
+        cfg.retries = False  # our own loop retries, with backoff and one log line per reason
+        return client.ApiClient(cfg)
+
+    return make
+
+
+def pick_version(served: Collection[str]) -> str | None:
+    """The version to publish: the first of ``v1``, ``v1beta2``, ``v1beta1`` that is served."""
+    for version in API_VERSIONS:
+        if version in served:
+            return version
+    return None
+
+
+class _Failure(Exception):
+    """One failed step, with a stable ``reason`` (for log-once) and a message."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class SlicePublisher:
+    """Publish the node's ResourceSlices and keep them current.
+
+    ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
+    thread, again after a failure to build one). ``health`` (an :class:`agent.health.HealthState`,
+    optional) is subscribed to: its unhealthy GPUs leave the slices and come back on recovery.
+    Without it, call :meth:`update`. ``delete_on_stop``: delete the slices on :meth:`stop`
+    (default keep: a restarting agent must not make running pods' devices vanish).
+    """
+
+    def __init__(
+        self,
+        client_factory: Callable[[], Any],
+        node_name: str,
+        topology: Topology,
+        driver_name: str = DEFAULT_DRIVER,
+        *,
+        health: Any = None,
+        delete_on_stop: bool = False,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        resync_s: float = 300.0,
+    ) -> None:
+        self.client_factory = client_factory
+        self.node_name = node_name
+        self.driver_name = driver_name
+        self.delete_on_stop = delete_on_stop
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.resync_s = resync_s
+        self._topology = topology
+        self._unhealthy: frozenset[int] = frozenset()
+        self._health = health
+        self._cond = threading.Condition()
+        self._dirty = True
+        self._stopping = False
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self._last_reason: str | None = None
+        # what the thread learnt (read by tests and the daemon's log line)
+        self.api_version: str | None = None
+        self.node_uid: str | None = None
+        self._node_read = False
+        self.generation = 0  # the pool generation last published
+        self.publish_count = 0  # successful writes of a new content
+        self.last_published_s: float | None = None  # time.monotonic() of the last publication
+        if health is not None:
+            self._unhealthy = frozenset(health.snapshot())
+            health.add_listener(self._on_health_change)
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> None:
+        """Start the publishing thread (returns at once; see :meth:`ready`)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="slice-publisher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; delete the slices if ``delete_on_stop`` (one try, errors logged)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        if self.delete_on_stop and self.api_version is not None:
+            try:
+                self._delete_all()
+            except _Failure as exc:
+                log.warning("could not delete the ResourceSlices of node %s on shutdown: %s", self.node_name, exc)
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # closing a pool must not fail shutdown
+                pass
+            self._client = None
+
+    def ready(self) -> bool:
+        """True once the slices have been published (stays True through later API outages:
+        what was published is still there for the scheduler)."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def update(self, topology: Topology | None = None, unhealthy: Collection[int] | None = None) -> None:
+        """Publish a new topology and/or set of unhealthy GPU indices (returns at once)."""
+        with self._cond:
+            if topology is not None:
+                self._topology = topology
+            if unhealthy is not None:
+                self._unhealthy = frozenset(unhealthy)
+            self._dirty = True
+            self._cond.notify_all()
+
+    def desired(self, api_version: str | None = None) -> list[dict[str, Any]]:
+        """The slices as they would be published now, for generation :attr:`generation`."""
+        with self._cond:
+            topology, unhealthy = self._topology, self._unhealthy
+        return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
+                             api_version=api_version or self.api_version or "v1",
+                             generation=max(self.generation, 1), node_uid=self.node_uid,
+                             unhealthy=unhealthy)
+
+    # ------------------------------------------------------------------ thread
+    def _on_health_change(self) -> None:
+        self.update(unhealthy=self._health.snapshot())
+
+    def _run(self) -> None:
+        backoff = self.backoff_initial_s
+        next_resync = time.monotonic() + self.resync_s
+        while True:
+            with self._cond:
+                while not self._stopping and not self._dirty and time.monotonic() < next_resync:
+                    self._cond.wait(max(0.0, next_resync - time.monotonic()))
+                if self._stopping:
+                    return
+                self._dirty = False
+            try:
+                self._sync()
+            except _Failure as exc:
+                self._log_failure(exc)
+                with self._cond:
+                    self._dirty = True
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+                continue
+            except Exception as exc:  # a bug must not kill the thread: log, back off, retry
+                log.exception("ResourceSlice publisher failed unexpectedly")
+                self._last_reason = f"unexpected {type(exc).__name__}"
+                with self._cond:
+                    self._dirty = True
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+                continue
+            if self._last_reason is not None:
+                log.info("ResourceSlices of node %s published again (after: %s)", self.node_name, self._last_reason)
+                self._last_reason = None
+            backoff = self.backoff_initial_s
+            next_resync = time.monotonic() + self.resync_s
+            self._ready.set()
+
+    def _log_failure(self, exc: _Failure) -> None:
+        if exc.reason != self._last_reason:
+            log.warning("cannot publish the ResourceSlices of node %s (will retry): %s", self.node_name, exc)
+            self._last_reason = exc.reason
+
+    # ------------------------------------------------------------------ API calls
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one client call; JSON body of the answer, or _Failure with a stable reason.
+        A 404 answers None (callers decide what a missing object means)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            resp = fn(*args, _preload_content=False, _request_timeout=_REQUEST_TIMEOUT_S, **kwargs)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            reason = _status_reason(exc)
+            raise _Failure(f"{exc.status} {reason}",
+                           f"{what}: HTTP {exc.status} {reason}: {_status_message(exc)}") from None
+        except Exception as exc:  # urllib3 connection errors, timeouts, TLS
+            self._drop_client()
+            raise _Failure(f"unreachable {type(exc).__name__}",
+                           f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from None
+        data = resp.data
+        return json.loads(data) if data else {}
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+
+    def _api_client(self) -> Any:
+        if self._client is None:
+            try:
+                self._client = self.client_factory()
+            except Exception as exc:
+                raise _Failure(f"client {type(exc).__name__}",
+                               f"cannot configure the Kubernetes client: {exc}") from None
+        return self._client
+
+    def _resource_api(self) -> Any:
+        from kubernetes import client
+
+        cls = {"v1": client.ResourceV1Api, "v1beta2": client.ResourceV1beta2Api,
+               "v1beta1": client.ResourceV1beta1Api}[self.api_version or "v1"]
+        return cls(self._api_client())
+
+    def _discover(self) -> None:
+        from kubernetes import client
+
+        group = self._call("discovery of resource.k8s.io", client.ResourceApi(self._api_client()).get_api_group)
+        served = [v.get("version") for v in (group or {}).get("versions", [])]
+        version = pick_version(served)
+        if version is None:
+            raise _Failure("not served", "the API server serves no resource.k8s.io version this agent "
+                                         f"publishes ({', '.join(API_VERSIONS)}); served: {served or 'none'}")
+        self.api_version = version
+        log.info("publishing ResourceSlices as resource.k8s.io/%s (served: %s)", version, ", ".join(served))
+
+    def _read_node(self) -> None:
+        from kubernetes import client
+
+        try:
+            node = self._call(f"read Node {self.node_name}", client.CoreV1Api(self._api_client()).read_node,
+                              self.node_name)
+        except _Failure as exc:
+            if exc.reason.startswith("unreachable"):
+                raise
+            log.warning("cannot read Node %s (%s): slices are published without an owner reference",
+                        self.node_name, exc)
+            node = None
+        else:
+            if node is None:
+                log.warning("Node %s not found: slices are published without an owner reference", self.node_name)
+        self.node_uid = ((node or {}).get("metadata") or {}).get("uid")
+        self._node_read = True
+
+    def _ours(self, api: Any) -> dict[str, dict[str, Any]]:
+        listed = self._call("list ResourceSlices", api.list_resource_slice,
+                            field_selector=f"spec.nodeName={self.node_name}") or {}
+        return {o["metadata"]["name"]: o for o in listed.get("items", [])
+                if (o.get("spec") or {}).get("driver") == self.driver_name
+                and (o.get("spec") or {}).get("nodeName") == self.node_name}
+
+    def _sync(self) -> None:
+        if self.api_version is None:
+            self._discover()
+        if not self._node_read:
+            self._read_node()
+        api = self._resource_api()
+        existing = self._ours(api)
+        seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
+                               for o in existing.values()] + [self.generation])
+        want = self.desired()
+        same = len(want) == len(existing) and all(
+            w["metadata"]["name"] in existing and _same(w, existing[w["metadata"]["name"]]) for w in want)
+        if same:
+            self.generation = seen_generation
+            return
+        generation = seen_generation + 1
+        for w in want:
+            w["spec"]["pool"]["generation"] = generation
+        for w in want:
+            self._put(api, w, existing.get(w["metadata"]["name"]))
+        for name in sorted(set(existing) - {w["metadata"]["name"] for w in want}):
+            self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
+        self.generation = generation
+        self.publish_count += 1
+        self.last_published_s = time.monotonic()
+        log.info("published %d ResourceSlice(s) of node %s, pool generation %d",
+                 len(want), self.node_name, generation)
+
+    def _put(self, api: Any, body: dict[str, Any], current: dict[str, Any] | None) -> None:
+        name = body["metadata"]["name"]
+        for _ in range(_CONFLICT_RETRIES):
+            if current is None:
+                try:
+                    created = self._call(f"create ResourceSlice {name}", api.create_resource_slice, body)
+                except _Failure as exc:
+                    if not exc.reason.startswith("409"):
+                        raise
+                    created = None  # AlreadyExists: someone made it meanwhile; update it
+                if created is not None:
+                    return
+            else:
+                update = json.loads(json.dumps(body))
+                update["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                try:
+                    done = self._call(f"update ResourceSlice {name}", api.replace_resource_slice, name, update)
+                except _Failure as exc:
+                    if not exc.reason.startswith("409"):
+                        raise
+                    # stale resourceVersion: re-read below and try again
+                else:
+                    if done is None:  # deleted meanwhile: create it
+                        current = None
+                        continue
+                    return
+            current = self._call(f"read ResourceSlice {name}", api.read_resource_slice, name)
+        raise _Failure("409 Conflict", f"ResourceSlice {name}: still conflicting after {_CONFLICT_RETRIES} tries")
+
+    def _delete_all(self) -> None:
+        api = self._resource_api()
+        for name in sorted(self._ours(api)):
+            self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
+        log.info("deleted the ResourceSlices of node %s", self.node_name)
+
+
+def _same(want: dict[str, Any], have: dict[str, Any]) -> bool:
+    """Same content, whatever the pool generation and server-set metadata."""
+    a = json.loads(json.dumps(want["spec"]))
+    b = json.loads(json.dumps(have.get("spec") or {}))
+    a.get("pool", {}).pop("generation", None)
+    b.get("pool", {}).pop("generation", None)
+    owners = (have.get("metadata") or {}).get("ownerReferences") or []
+    return a == b and owners == (want["metadata"].get("ownerReferences") or [])
+
+
+def _status_reason(exc: Any) -> str:
+    try:
+        return str(json.loads(exc.body).get("reason") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)
+
+
+def _status_message(exc: Any) -> str:
+    try:
+        return str(json.loads(exc.body).get("message") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)

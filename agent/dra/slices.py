@@ -1,0 +1,336 @@
+"""ResourceSlices: the node's GPUs as DRA devices, a pure function of the topology.
+
+One pool per node (pool name = node name), owned by the Node object. Each device carries
+attributes qualified by the driver name (``gpu.gpu-agent.io/<id>``) and capacity ``memory``;
+a fact the topology does not hold is left out, never guessed.
+
+Attributes (``<driver>/`` omitted):
+
+==========================  ========  =====================================================
+``type``                    string    ``gpu`` (a full GPU) or ``mig`` (a MIG device)
+``index``                   int       NVML index of the GPU; of a MIG device, its MIG index
+                                      within the parent
+``uuid``                    string    ``GPU-...`` / ``MIG-...``
+``productName``             string    NVML's name, e.g. ``NVIDIA H100 80GB HBM3``
+``brand``                   string    NVML's brand, when the model carries it
+``architecture``            string    from the compute capability: Volta, Turing, Ampere,
+                                      Ada Lovelace, Hopper, Blackwell
+``cudaComputeCapability``   version   ``9.0`` -> ``9.0.0``
+``driverVersion``           version   kernel driver, ``550.54.15`` (leading zeros dropped)
+``cudaDriverVersion``       version   ``12.4`` -> ``12.4.0``
+``pciBusID``                string    ``0000:1b:00.0`` (sysfs spelling)
+``numaNode``                int       the GPU's NUMA node, when known
+``nvlinkIsland``            int       id of the GPU's NVLink island (connected component of
+                                      the NVLink graph): its lowest GPU index. A GPU with no
+                                      NVLink peer is an island of its own.
+``nvlinkClique``            int       id of the GPU's NVLink clique (a set of GPUs linked
+                                      pairwise): the clique's position in the sorted list of
+                                      maximal cliques (GPUs without NVLink peer count as
+                                      cliques of one). A GPU in several maximal cliques gets
+                                      the largest, then the first in that list; so every GPU
+                                      sharing a value is NVLinked to every other.
+``profile``, ``parentUUID``,
+``parentIndex``             MIG only  ``1g.10gb``, the parent GPU's UUID and index
+==========================  ========  =====================================================
+
+plus the standard ``resource.kubernetes.io/pcieRoot`` (the PCIe root complex,
+``pci0000:17``, when known), so a claim can align a GPU with a NIC of another driver.
+A MIG device carries its parent's topology attributes; its capacity ``memory`` is the slice's.
+
+**Device order.** The scheduler's allocator takes devices in slice order, so the order is
+the placement policy of a claim without constraints: devices are grouped by NUMA node (unknown
+last), then by NVLink island (lowest index first), and inside a group they follow a greedy
+walk where each next GPU is the one best linked (pair score) to the one before, ties broken by
+its links to the whole group so far, then by the lower index. MIG devices keep their parent's
+place, in MIG index order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Collection, Iterable, Mapping
+
+import yaml
+
+from agent.dra.devices import device_name
+from agent.topology.model import Gpu, MigDevice, Topology
+
+__all__ = [
+    "API_VERSIONS", "DEFAULT_DRIVER", "MAX_DEVICES_PER_SLICE", "PCIE_ROOT_ATTRIBUTE",
+    "Device", "clique_ids", "device_order", "dump_yaml", "island_ids", "render_devices",
+    "render_slices", "semver",
+]
+
+API_VERSIONS = ("v1", "v1beta2", "v1beta1")
+DEFAULT_DRIVER = "gpu.gpu-agent.io"
+GROUP = "resource.k8s.io"
+PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
+# API limits (k8s.io/api/resource/*/types.go)
+MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+MAX_ATTRIBUTES_AND_CAPACITIES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
+MAX_ATTRIBUTE_STRING = 64  # DeviceAttributeMaxValueLength
+MAX_NAME = 253  # object names are DNS subdomains
+
+_ARCHITECTURE = {7: "Volta", 8: "Ampere", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
+
+
+def architecture(cc: tuple[int, int] | None) -> str | None:
+    """NVIDIA's architecture name for a CUDA compute capability; None if not known."""
+    if cc is None:
+        return None
+    if cc[0] == 7 and cc[1] >= 5:
+        return "Turing"
+    if cc[0] == 8 and cc[1] >= 9:
+        return "Ada Lovelace"
+    return _ARCHITECTURE.get(cc[0])
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the slice, version-neutral: ``attributes`` maps a qualified name to one
+    typed value (``{"int": 3}``, ``{"string": ...}``, ``{"version": ...}``)."""
+
+    name: str
+    attributes: Mapping[str, Mapping[str, Any]]
+    capacity: Mapping[str, str]  # name -> quantity
+
+
+# ----------------------------------------------------------------------- topology ids
+def island_ids(topology: Topology) -> dict[int, int]:
+    """GPU index -> NVLink island id (lowest GPU index of its island; alone: itself)."""
+    out = {g.index: g.index for g in topology.gpus}
+    for island in topology.nvlink_islands:
+        for i in island:
+            out[i] = min(island)
+    return out
+
+
+def clique_ids(topology: Topology) -> dict[int, int]:
+    """GPU index -> NVLink clique id (see the module docstring for the rule)."""
+    cliques = [tuple(sorted(c)) for c in topology.nvlink_cliques]
+    covered = {i for c in cliques for i in c}
+    cliques += [(g.index,) for g in topology.gpus if g.index not in covered]
+    cliques.sort()
+    out: dict[int, int] = {}
+    for g in topology.gpus:
+        mine = [(-len(c), pos) for pos, c in enumerate(cliques) if g.index in c]
+        out[g.index] = min(mine)[1]
+    return out
+
+
+def device_order(topology: Topology) -> list[int]:
+    """GPU indices in slice order (see the module docstring)."""
+    islands = island_ids(topology)
+    groups: dict[tuple[bool, int, int], list[int]] = {}
+    for g in topology.gpus:
+        key = (g.numa_node is None, g.numa_node if g.numa_node is not None else 0, islands[g.index])
+        groups.setdefault(key, []).append(g.index)
+    order: list[int] = []
+    for key in sorted(groups):
+        left = list(groups[key])
+        walk = [left.pop(0)]
+        while left:
+            last = walk[-1]
+            best = max(left, key=lambda i: (topology.pair_score(last, i),
+                                            sum(topology.pair_score(w, i) for w in walk), -i))
+            left.remove(best)
+            walk.append(best)
+        order.extend(walk)
+    return order
+
+
+# ----------------------------------------------------------------------- values
+def semver(text: str | None) -> str | None:
+    """``"12.4"`` -> ``"12.4.0"``, ``"535.104.05"`` -> ``"535.104.5"``; None when ``text``
+    is not one to three dot-separated numbers."""
+    if not text:
+        return None
+    parts = text.strip().split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    nums = [int(p) for p in parts] + [0] * (3 - len(parts))
+    return ".".join(str(n) for n in nums)
+
+
+def _sysfs_bus_id(bus_id: str) -> str | None:
+    m = re.fullmatch(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])", bus_id.strip())
+    if m is None:
+        return None
+    return f"{int(m[1], 16):04x}:{m[2].lower()}:{m[3].lower()}.{m[4]}"
+
+
+def _quantity_mib(mib: int) -> str:
+    """Canonical Kubernetes quantity for ``mib`` MiB (``80Gi``, ``81559Mi``)."""
+    for suffix, unit in (("Ti", 1024 * 1024), ("Gi", 1024)):
+        if mib and mib % unit == 0:
+            return f"{mib // unit}{suffix}"
+    return f"{mib}Mi"
+
+
+def _string(value: str | None) -> dict[str, Any] | None:
+    if not value or len(value) > MAX_ATTRIBUTE_STRING:
+        return None
+    return {"string": value}
+
+
+def _version(value: str | None) -> dict[str, Any] | None:
+    v = semver(value)
+    return {"version": v} if v else None
+
+
+def _int(value: int | None) -> dict[str, Any] | None:
+    return {"int": value} if value is not None else None
+
+
+# ----------------------------------------------------------------------- devices
+def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
+                   unhealthy: Collection[int] = ()) -> list[Device]:
+    """The node's devices in slice order; GPUs in ``unhealthy`` (indices) and lost GPUs are
+    left out (with all their MIG devices)."""
+    islands = island_ids(topology)
+    cliques = clique_ids(topology)
+    bad = set(unhealthy)
+    out: list[Device] = []
+    for index in device_order(topology):
+        gpu = topology.gpus[index]
+        if index in bad or gpu.lost:
+            continue
+        common = _gpu_attributes(topology, gpu, islands[index], cliques[index])
+        if gpu.mig_enabled:
+            for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
+                out.append(_device(driver, device_name(gpu, mig), _mig_attributes(gpu, mig) | common,
+                                   mig.memory_mib))
+        else:
+            own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": _string(gpu.uuid)}
+            out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib))
+    return out
+
+
+def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
+    cc = gpu.compute_capability
+    return {
+        "productName": _string(gpu.name if gpu.name != "unknown" else None),
+        "brand": _string(getattr(gpu, "brand", None)),  # published once the model reads it
+        "architecture": _string(architecture(cc)),
+        "cudaComputeCapability": _version(f"{cc[0]}.{cc[1]}" if cc else None),
+        "driverVersion": _version(topology.driver_version),
+        "cudaDriverVersion": _version(topology.cuda_driver_version),
+        "pciBusID": _string(_sysfs_bus_id(gpu.pci_bus_id) if gpu.pci_bus_id else None),
+        "numaNode": _int(gpu.numa_node),
+        "nvlinkIsland": {"int": island},
+        "nvlinkClique": {"int": clique},
+        PCIE_ROOT_ATTRIBUTE: _string(gpu.pcie_root),
+    }
+
+
+def _mig_attributes(gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
+    return {
+        "type": {"string": "mig"},
+        "index": {"int": mig.index},
+        "uuid": _string(mig.uuid),
+        "profile": _string(mig.profile),
+        "parentUUID": _string(gpu.uuid),
+        "parentIndex": {"int": gpu.index},
+    }
+
+
+def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: int | None) -> Device:
+    qualified = {
+        (key if "/" in key else f"{driver}/{key}"): value
+        for key, value in attributes.items()
+        if value is not None
+    }
+    capacity = {"memory": _quantity_mib(memory_mib)} if memory_mib else {}
+    if len(qualified) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
+        raise ValueError(f"device {name}: more than {MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities")
+    return Device(name, dict(sorted(qualified.items())), capacity)
+
+
+# ----------------------------------------------------------------------- slices
+def slice_name(node_name: str, driver: str, number: int) -> str:
+    """``<node>-<driver>-<n>``, a DNS subdomain of at most 253 characters (a long name is
+    cut and made unique with a hash)."""
+    name = f"{node_name}-{driver}-{number}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(f"{node_name}/{driver}".encode()).hexdigest()[:10]
+    return f"{node_name[: MAX_NAME - len(driver) - 16]}-{digest}-{driver}-{number}".replace("..", ".")
+
+
+def render_slices(
+    topology: Topology,
+    *,
+    node_name: str,
+    driver: str = DEFAULT_DRIVER,
+    api_version: str = "v1",
+    generation: int = 1,
+    node_uid: str | None = None,
+    unhealthy: Collection[int] = (),
+) -> list[dict[str, Any]]:
+    """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
+    after the node, at most 128 devices per slice, owned by the Node when its UID is known."""
+    if api_version not in API_VERSIONS:
+        raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
+    devices = render_devices(topology, driver, unhealthy)
+    chunks = [devices[i : i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)]
+    chunks = chunks or [[]]  # an empty pool is published too: it says "no devices here now"
+    out = []
+    for number, chunk in enumerate(chunks):
+        metadata: dict[str, Any] = {"name": slice_name(node_name, driver, number)}
+        if node_uid:
+            metadata["ownerReferences"] = [{
+                "apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid,
+                "controller": True,
+            }]
+        out.append({
+            "apiVersion": f"{GROUP}/{api_version}",
+            "kind": "ResourceSlice",
+            "metadata": metadata,
+            "spec": {
+                "driver": driver,
+                "nodeName": node_name,
+                "pool": {"name": node_name, "generation": generation,
+                         "resourceSliceCount": len(chunks)},
+                "devices": [_render_device(d, api_version) for d in chunk],
+            },
+        })
+    return out
+
+
+def _render_device(device: Device, api_version: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"attributes": {k: dict(v) for k, v in device.attributes.items()}}
+    if device.capacity:
+        body["capacity"] = {k: {"value": v} for k, v in device.capacity.items()}
+    if api_version == "v1beta1":
+        return {"name": device.name, "basic": body}
+    return {"name": device.name, **body}
+
+
+# ----------------------------------------------------------------------- YAML
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML has no stubs here
+    pass
+
+
+_YAML11_SPECIAL = re.compile(
+    r"^(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF"
+    r"|~|null|Null|NULL|[-+]?[0-9][0-9_:.eE+-]*|[-+]?\.(?:inf|Inf|INF|nan|NaN|NAN)|<<|=)$"
+)
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    # PyYAML resolves booleans the YAML 1.1 way, but not every 1.1 parser agrees with it on
+    # y/n or sexagesimal numbers: quote every scalar that any of them could read as non-string
+    style = "'" if _YAML11_SPECIAL.match(value) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def dump_yaml(objects: Iterable[Mapping[str, Any]]) -> str:
+    """The objects as a multi-document YAML stream that reads the same in YAML 1.1 and 1.2
+    parsers (strings that look like booleans, numbers or null are quoted)."""
+    return str(yaml.dump_all([dict(o) for o in objects], Dumper=_Dumper, sort_keys=False,
+                             default_flow_style=False, explicit_start=True))

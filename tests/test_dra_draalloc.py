@@ -1,0 +1,145 @@
+"""The agent's slices through the scheduler's own DRA allocator (``draalloc``, Kubernetes
+v1.32): they decode strictly and allocate as the example claims say."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.dra.slices import dump_yaml, render_slices
+from agent.hw.machines import BUILTIN_MACHINES, load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"
+EXAMPLES = ROOT / "daemonset" / "dra" / "examples" / "claim-templates.yaml"
+CLASSES = ROOT / "daemonset" / "dra" / "deviceclass.yaml"
+D = "gpu.gpu-agent.io"
+
+pytestmark = pytest.mark.skipif(
+    not DRAALLOC.exists(),
+    reason=f"{DRAALLOC} is absent (../shared/tools is provided beside the project in CI only)",
+)
+
+
+def to_v1beta1(obj):
+    """A v1 DeviceClass or claim spec in v1beta1 form (requests carry `exactly` inline)."""
+    out = copy.deepcopy(obj)
+    out["apiVersion"] = "resource.k8s.io/v1beta1"
+    reqs = out.get("spec", {}).get("devices", {}).get("requests", [])
+    for i, r in enumerate(reqs):
+        reqs[i] = {"name": r["name"], **r.get("exactly", {})}
+    return out
+
+
+def template_claim(name, claim_name=None):
+    for doc in yaml.safe_load_all(EXAMPLES.read_text()):
+        if doc["metadata"]["name"] == name:
+            claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                     "metadata": {"name": claim_name or name, "namespace": "default"},
+                     "spec": doc["spec"]["spec"]}
+            return to_v1beta1(claim)
+    raise KeyError(name)
+
+
+def classes():
+    return [to_v1beta1(c) for c in yaml.safe_load_all(CLASSES.read_text())]
+
+
+def allocate(tmp_path, slices, claims, allocated=(), extra_classes=()):
+    d = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    d.mkdir()
+    (d / "s.yaml").write_text(dump_yaml(slices))
+    (d / "c.yaml").write_text(yaml.safe_dump_all([*classes(), *extra_classes]))
+    (d / "q.yaml").write_text(yaml.safe_dump_all(claims))
+    args = [str(DRAALLOC), "--slices", str(d / "s.yaml"), "--classes", str(d / "c.yaml"),
+            "--claims", str(d / "q.yaml"), "--node", "node-1"]
+    if allocated:
+        args += ["--allocated", ",".join(f"{D}/node-1/{a}" for a in allocated)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return {c["claim"].split("/")[1]: c for c in json.loads(proc.stdout)["claims"]}
+
+
+def indices(result):
+    return [int(d["device"].split("-")[1]) for d in result["devices"]]
+
+
+def slices_of(machine):
+    return render_slices(load_topology(machine), node_name="node-1", api_version="v1beta1")
+
+
+def test_every_machines_slices_decode_strictly_and_allocate(tmp_path):
+    def one(machine):
+        topo = load_topology(machine)
+        objs = render_slices(topo, node_name="node-1", api_version="v1beta1")
+        mig = any(g.mig_enabled for g in topo.gpus)
+        cls = "mig.gpu.gpu-agent.io" if mig else "gpu.gpu-agent.io"
+        claim = template_claim("any-gpus")
+        claim["spec"]["devices"]["requests"][0].update(deviceClassName=cls, count=1)
+        return machine, allocate(tmp_path / machine, objs, [claim])
+
+    for m in BUILTIN_MACHINES:
+        (tmp_path / m).mkdir()
+    with ThreadPoolExecutor(4) as pool:
+        for machine, result in pool.map(one, BUILTIN_MACHINES):
+            assert result["any-gpus"]["allocated"], (machine, result)
+
+
+def test_island_constraint_keeps_a_claim_in_one_island(tmp_path):
+    # pcie-pairs: islands {0,1} {2,3} {4,5} {6,7}; with GPU 1 taken, a 2-GPU island claim
+    # must skip GPU 0 (alone in its island now) and take a whole pair
+    claim = template_claim("gpus-one-nvlink-island")
+    claim["spec"]["devices"]["requests"][0]["count"] = 2
+    got = allocate(tmp_path, slices_of("pcie-pairs"), [claim], allocated=["gpu-1"])
+    assert got["gpus-one-nvlink-island"]["allocated"]
+    assert sorted(indices(got["gpus-one-nvlink-island"])) == [2, 3]
+
+
+def test_numa_selector_gets_gpus_of_that_node(tmp_path):
+    claim = template_claim("any-gpus", "numa1")
+    claim["spec"]["devices"]["requests"][0]["selectors"] = [
+        {"cel": {"expression": f'device.attributes["{D}"].numaNode == 1'}}]
+    got = allocate(tmp_path, slices_of("dgx-h100"), [claim])
+    assert sorted(indices(got["numa1"])) == [4, 5]
+
+
+def test_numa_constraint_keeps_a_claim_on_one_numa_node(tmp_path):
+    claim = template_claim("gpus-one-numa-node")
+    got = allocate(tmp_path, slices_of("dgx-h100"), [claim], allocated=["gpu-0", "gpu-1", "gpu-2"])
+    assert sorted(indices(got["gpus-one-numa-node"])) == [4, 5]
+
+
+def test_impossible_claim_is_reported_unschedulable(tmp_path):
+    claim = template_claim("gpus-one-nvlink-island")  # 4 GPUs on one island: islands are pairs
+    got = allocate(tmp_path, slices_of("pcie-pairs"), [claim])
+    assert got["gpus-one-nvlink-island"]["allocated"] is False
+    assert got["gpus-one-nvlink-island"]["error"]
+
+
+def test_gpu_aligned_with_an_rdma_nic_by_pcie_root(tmp_path):
+    topo = load_topology("dgx-h100")
+    nic_slice = {
+        "apiVersion": "resource.k8s.io/v1beta1", "kind": "ResourceSlice",
+        "metadata": {"name": "node-1-nic"},
+        "spec": {"driver": "nic.example.com", "nodeName": "node-1",
+                 "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
+                 "devices": [{"name": n.name.replace("_", "-"), "basic": {"attributes": {
+                     "resource.kubernetes.io/pcieRoot": {"string": n.pcie_root}}}}
+                     for n in topo.nics if n.name == "mlx5_5"]},
+    }
+    nic_class = {"apiVersion": "resource.k8s.io/v1beta1", "kind": "DeviceClass",
+                 "metadata": {"name": "rdma-nic"},
+                 "spec": {"selectors": [{"cel": {"expression": 'device.driver == "nic.example.com"'}}]}}
+    got = allocate(tmp_path, [*slices_of("dgx-h100"), nic_slice], [template_claim("gpu-with-rdma-nic")],
+                   extra_classes=[nic_class])
+    result = got["gpu-with-rdma-nic"]
+    assert result["allocated"], result
+    gpu = [d["device"] for d in result["devices"] if d["request"] == "gpu"]
+    mlx5_5 = next(n for n in topo.nics if n.name == "mlx5_5")
+    assert topo.gpus[int(gpu[0].split("-")[1])].pcie_root == mlx5_5.pcie_root
