@@ -17,6 +17,7 @@ protocol_version  # http.server: BaseHTTPRequestHandler class attribute (HTTP/1.
 daemon_threads  # socketserver.ThreadingMixIn class attribute
 allow_reuse_address  # socketserver.TCPServer class attribute
 _.converter  # logging.Formatter: the time converter (UTC for the JSON log format)
+_.retries  # kubernetes.client.Configuration: read by the client's urllib3 pool (agent/dra/publisher.py)
 
 # --- record fields read generically or by other tools
 allocation_policy  # Config field: flags.allocationPolicy, read through dataclasses.fields()
@@ -27,3 +28,6 @@ taken_at  # metrics Snapshot field: when the round was taken
 # --- TEMPORARY: agent/metrics/fields.py is being rewritten on another branch; the lead
 # deletes this entry (or the constant) after the merge.
 DCGM_METRIC_NAMES
+# agent/dra/publisher.py: the DRA daemon wiring (branch dra4) reads these
+publish_count
+last_published_s
