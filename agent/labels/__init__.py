@@ -44,7 +44,7 @@ from collections import Counter
 from typing import Mapping
 
 from agent.config import Config
-from agent.topology.model import Gpu, PcieLevel, Topology
+from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
 #: NVLink ports of the GPUs with the most (H100/H200, B200); more links than this on one GPU
@@ -246,7 +246,7 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
     if config.mig_strategy == "single":
         out.update(_mig_single_labels(topology, config, name))
     elif config.mig_strategy == "mixed":
-        by_profile: dict[str, list] = {}
+        by_profile: dict[str, list[MigDevice]] = {}
         for m in migs:
             by_profile.setdefault(m.profile, []).append(m)
         for profile in sorted(by_profile):
@@ -282,7 +282,7 @@ def _mig_single_labels(topology: Topology, config: Config, model: str) -> dict[s
 
 
 def _mig_resource_labels(resource: str, config: Config, parent_model: str, profile: str,
-                         devices: list) -> dict[str, str]:
+                         devices: list[MigDevice]) -> dict[str, str]:
     replicas, renamed = _time_slicing_replicas(config, resource)
     key = resource + "."
     out = {

@@ -232,6 +232,10 @@ class GpuCollector(Collector):
 
 
 # -------------------------------------------------------------------- exposition
+#: prometheus_client's Go-style float formatting (unannotated there)
+_go_float: Callable[[float], str] = floatToGoString
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
@@ -239,8 +243,8 @@ def _escape(value: str) -> str:
 def _sample_line(name: str, labels: dict[str, str], value: float) -> str:
     if labels:
         inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        return f"{name}{{{inner}}} {floatToGoString(value)}\n"
-    return f"{name} {floatToGoString(value)}\n"
+        return f"{name}{{{inner}}} {_go_float(value)}\n"
+    return f"{name} {_go_float(value)}\n"
 
 
 def render_text(registry: Collector) -> bytes:
