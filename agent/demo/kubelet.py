@@ -183,6 +183,10 @@ class _PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
         self.stub = stub
 
     def List(self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
+        gate = self.stub.list_gate
+        if gate is not None:  # a slow kubelet: answer once the gate opens (or the call ends)
+            while not gate.wait(0.05) and context.is_active():
+                pass
         return self.stub.list_response
 
     def GetAllocatableResources(
@@ -200,12 +204,15 @@ class _PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
 
 
 class PodResourcesStub:
-    """``/v1.PodResourcesLister`` on ``socket_path`` answering ``list_response``."""
+    """``/v1.PodResourcesLister`` on ``socket_path`` answering ``list_response``. With
+    ``list_gate`` set to an event, ``List`` answers only once the event is set (a slow
+    kubelet)."""
 
     def __init__(self, socket_path: str, list_response: pr.ListPodResourcesResponse | None = None) -> None:
         self.socket_path = socket_path
         self.list_response = list_response or pr.ListPodResourcesResponse()
         self.allocatable_response = pr.AllocatableResourcesResponse()
+        self.list_gate: threading.Event | None = None
         self._server: grpc.Server | None = None
 
     def start(self) -> "PodResourcesStub":

@@ -179,7 +179,6 @@ DCGM_METRICS: tuple[MetricDef, ...] = (
               "and data payloads - in bytes per second.",
               lambda s: _num(s.pcie_rx_bytes_per_s)),
 )
-DCGM_METRIC_NAMES: frozenset[str] = frozenset(m.name for m in DCGM_METRICS)
 _SAMPLED: tuple[tuple[str, Callable[[GpuSample], float | None]], ...] = tuple(
     (m.name, m.value) for m in DCGM_METRICS if m.value is not None
 )
