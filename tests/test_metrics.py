@@ -44,7 +44,6 @@ from agent.metrics.sampler import Sampler
 from agent.metrics.service import MetricsService
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
-MIB = 1 << 20
 
 
 def dcgm_default_counters() -> dict[str, tuple[str, str]]:

@@ -20,9 +20,6 @@ from agent.metrics.service import MetricsService
 
 ROOT = Path(__file__).resolve().parent.parent
 
-NVLINK_AND_HBM_ONLY = {"DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_MEMORY_TEMP",
-                       "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-                       "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_ROW_REMAP_FAILURE"}
 GPM_RATIOS = {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
               "DCGM_FI_PROF_DRAM_ACTIVE"}
 

@@ -25,9 +25,6 @@ description  # machine spec field: documentation carried in the spec files
 _.timestamp  # pynvml c_nvmlFieldValue_t field, filled as the real NVML fills it
 taken_at  # metrics Snapshot field: when the round was taken
 
-# --- TEMPORARY: agent/metrics/fields.py is being rewritten on another branch; the lead
-# deletes this entry (or the constant) after the merge.
-DCGM_METRIC_NAMES
 # agent/dra/publisher.py: the DRA daemon wiring (branch dra4) reads these
 publish_count
 last_published_s

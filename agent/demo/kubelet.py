@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import grpc
 
@@ -34,9 +35,11 @@ class PluginClient:
         self.stub = pb_grpc.DevicePluginStub(self.channel)
 
     def options(self, timeout_s: float = 5.0) -> pb.DevicePluginOptions:
-        return self.stub.GetDevicePluginOptions(pb.Empty(), timeout=timeout_s)
+        options: pb.DevicePluginOptions = self.stub.GetDevicePluginOptions(pb.Empty(), timeout=timeout_s)
+        return options
 
-    def preferred(self, available, must_include, size, timeout_s: float = 5.0) -> list[str]:
+    def preferred(self, available: Iterable[str], must_include: Iterable[str], size: int,
+                  timeout_s: float = 5.0) -> list[str]:
         req = pb.PreferredAllocationRequest()
         req.container_requests.add(
             available_deviceIDs=list(available), must_include_deviceIDs=list(must_include), allocation_size=size
@@ -44,11 +47,12 @@ class PluginClient:
         resp = self.stub.GetPreferredAllocation(req, timeout=timeout_s)
         return list(resp.container_responses[0].deviceIDs)
 
-    def allocate(self, *containers, timeout_s: float = 5.0) -> pb.AllocateResponse:
+    def allocate(self, *containers: Iterable[str], timeout_s: float = 5.0) -> pb.AllocateResponse:
         req = pb.AllocateRequest()
         for ids in containers:
             req.container_requests.add(devices_ids=list(ids))
-        return self.stub.Allocate(req, timeout=timeout_s)
+        response: pb.AllocateResponse = self.stub.Allocate(req, timeout=timeout_s)
+        return response
 
     def close(self) -> None:
         self.channel.close()
@@ -65,7 +69,7 @@ class _RegistrationServicer(pb_grpc.RegistrationServicer):
     def __init__(self, kubelet: "KubeletStub") -> None:
         self.kubelet = kubelet
 
-    def Register(self, request, context):
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
         k = self.kubelet
         if k.refuse_reason:
             context.abort(grpc.StatusCode.UNKNOWN, k.refuse_reason)
@@ -154,7 +158,7 @@ class KubeletStub:
         self._streams.append((client, call, thread))
 
     # -------------------------------------------------------------- queries
-    def wait_for(self, predicate, timeout_s: float = 5.0) -> bool:
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while not predicate():
@@ -178,26 +182,37 @@ class _PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
     def __init__(self, stub: "PodResourcesStub") -> None:
         self.stub = stub
 
-    def List(self, request, context):
+    def List(self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
+        gate = self.stub.list_gate
+        if gate is not None:  # a slow kubelet: answer once the gate opens (or the call ends)
+            while not gate.wait(0.05) and context.is_active():
+                pass
         return self.stub.list_response
 
-    def GetAllocatableResources(self, request, context):
+    def GetAllocatableResources(
+        self, request: pr.AllocatableResourcesRequest, context: grpc.ServicerContext
+    ) -> pr.AllocatableResourcesResponse:
         return self.stub.allocatable_response
 
-    def Get(self, request, context):
+    def Get(self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext) -> pr.GetPodResourcesResponse:
         for pod in self.stub.list_response.pod_resources:
             if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
                 return pr.GetPodResourcesResponse(pod_resources=pod)
-        context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found")
+        context.set_code(grpc.StatusCode.NOT_FOUND)
+        context.set_details(f"pod {request.pod_namespace}/{request.pod_name} not found")
+        return pr.GetPodResourcesResponse()
 
 
 class PodResourcesStub:
-    """``/v1.PodResourcesLister`` on ``socket_path`` answering ``list_response``."""
+    """``/v1.PodResourcesLister`` on ``socket_path`` answering ``list_response``. With
+    ``list_gate`` set to an event, ``List`` answers only once the event is set (a slow
+    kubelet)."""
 
     def __init__(self, socket_path: str, list_response: pr.ListPodResourcesResponse | None = None) -> None:
         self.socket_path = socket_path
         self.list_response = list_response or pr.ListPodResourcesResponse()
         self.allocatable_response = pr.AllocatableResourcesResponse()
+        self.list_gate: threading.Event | None = None
         self._server: grpc.Server | None = None
 
     def start(self) -> "PodResourcesStub":

@@ -18,14 +18,20 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, replace
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config
 from agent.errors import AgentError
+from agent.formats import format_cpulist
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Topology
+
+if TYPE_CHECKING:
+    from agent._proto.deviceplugin_v1beta1_pb2 import Device
+    from agent.daemon import Daemon
+    from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub
 
 RESOURCE = "nvidia.com/gpu"
 NAMESPACE = "demo"
@@ -73,6 +79,113 @@ def busy_node_trace(gpu_count: int, seed: int = 5, arrivals: int = 12) -> list[S
     return steps
 
 
+def demo_config(workdir: str) -> Config:
+    """The agent's settings for a demo in ``workdir`` (sockets, labels, metrics on a free
+    port, fast sampling so the excerpt fills quickly)."""
+    features_dir = os.path.join(workdir, "features.d")
+    os.makedirs(features_dir)
+    return replace(
+        Config(),
+        kubelet_dir=os.path.join(workdir, "device-plugins"),
+        features_dir=features_dir,
+        pod_resources_socket=os.path.join(workdir, "pod-resources.sock"),
+        metrics_address="127.0.0.1:0",
+        node_name="demo-node",
+        sample_interval_s=0.5,
+        pod_resources_refresh_s=0.5,
+    )
+
+
+def read_labels(features_dir: str) -> dict[str, str]:
+    """The ``key=value`` labels of every file in ``features_dir``."""
+    labels: dict[str, str] = {}
+    for name in sorted(os.listdir(features_dir)):
+        with open(os.path.join(features_dir, name), encoding="utf-8") as fh:
+            for line in fh:
+                key, sep, value = line.strip().partition("=")
+                if sep:
+                    labels[key] = value
+    return labels
+
+
+class BusyNode:
+    """The node's state while the trace plays: free device IDs, running pods, one row of
+    facts per event. ``say`` (None: no table) prints each event's line."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        devices: list[Device],
+        client: PluginClient,
+        say: Callable[[str], None] | None,
+        progress: Callable[[str], None],
+    ) -> None:
+        self.topology = topology
+        self.client = client
+        self.say = say
+        self.progress = progress
+        self.engine = AllocationEngine(topology)
+        self.index_of = {g.uuid: g.index for g in topology.gpus}
+        self.id_of = {g.index: g.uuid for g in topology.gpus}
+        self.free = [d.ID for d in devices if d.health == "Healthy"]
+        self.running: dict[str, list[str]] = {}
+        self.rows: list[dict[str, Any]] = []
+
+    def play(self, step: Step) -> None:
+        if step.kind == "leave" and step.pod not in self.running:  # it never got its GPUs
+            self.rows.append({"event": "gives up", "pod": step.pod})
+            self._line(f"- {step.pod:<18}gives up waiting")
+        elif step.kind == "leave":
+            ids = self.running.pop(step.pod)
+            self.free = sorted(self.free + ids, key=lambda d: self.index_of[d])
+            freed = sorted(self.index_of[d] for d in ids)
+            self.rows.append({"event": "leave", "pod": step.pod, "freed": freed})
+            self._line(f"- {step.pod:<18}frees GPUs {_gpus(freed)}")
+        elif step.size > len(self.free):
+            self.rows.append({"event": "wait", "pod": step.pod, "size": step.size, "free": len(self.free)})
+            self._line(f"+ {step.pod:<18}waits: {step.size} GPUs asked, {len(self.free)} free")
+        else:
+            self._arrive(step)
+
+    def _arrive(self, step: Step) -> None:
+        self.progress(f"{step.pod} asks for {step.size} GPU(s)")
+        chosen_ids = self.client.preferred(self.free, [], step.size)
+        response = self.client.allocate(chosen_ids)
+        ours = sorted(self.index_of[d] for d in chosen_ids)
+        free_idx = [self.index_of[d] for d in self.free]
+        anchor = self.engine.partition_only_set(free_idx, step.size)
+        naive = self.engine.naive_set(free_idx, step.size)
+        score = self.topology.set_score
+        row = {
+            "event": "arrive",
+            "pod": step.pod,
+            "size": step.size,
+            "gpus": ours,
+            "score": score(ours),
+            "numa_nodes": self._numa_count(ours),
+            "anchor": {"gpus": anchor, "score": score(anchor), "numa_nodes": self._numa_count(anchor)},
+            "naive": {"gpus": naive, "score": score(naive), "numa_nodes": self._numa_count(naive)},
+            "visible_devices": response.container_responses[0].envs.get("NVIDIA_VISIBLE_DEVICES", ""),
+        }
+        self.rows.append(row)
+        self.running[step.pod] = [self.id_of[i] for i in ours]
+        taken = set(self.running[step.pod])
+        self.free = [d for d in self.free if d not in taken]
+        self._line(
+            f"+ {step.pod + f' ({step.size})':<18}{_gpus(ours):<18}{row['score']:>7}"
+            f"{_or_unknown(row['numa_nodes']):>5}"
+            f"{_gpus(anchor):>18}{score(anchor):>7}{_gpus(naive):>18}{score(naive):>7}"
+        )
+
+    def _numa_count(self, indices: list[int]) -> int | None:
+        nodes = {self.topology.gpus[i].numa_node for i in indices}
+        return None if None in nodes else len(nodes)  # unknown: shown as "?"
+
+    def _line(self, text: str) -> None:
+        if self.say is not None:
+            self.say(text)
+
+
 class Story:
     """Runs the demo and collects its facts (for the table or for ``--format json``)."""
 
@@ -97,23 +210,11 @@ class Story:
         from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub
 
         workdir = tempfile.mkdtemp(prefix="gta-demo-")
-        kubelet_dir = os.path.join(workdir, "device-plugins")
-        features_dir = os.path.join(workdir, "features.d")
-        os.makedirs(features_dir)
-        config = replace(
-            Config(),
-            kubelet_dir=kubelet_dir,
-            features_dir=features_dir,
-            pod_resources_socket=os.path.join(workdir, "pod-resources.sock"),
-            metrics_address="127.0.0.1:0",
-            node_name="demo-node",
-            sample_interval_s=0.5,
-            pod_resources_refresh_s=0.5,
-        )
+        config = demo_config(workdir)
         kubelet = pod_resources = daemon = client = None
         try:
             self.progress(f"starting the stand-in kubelet in {workdir}")
-            kubelet = KubeletStub(kubelet_dir).start()
+            kubelet = KubeletStub(config.kubelet_dir).start()
             pod_resources = PodResourcesStub(config.pod_resources_socket).start()
             self.progress(f"starting the agent on the simulated machine {self.machine!r}")
             daemon = Daemon.from_config(config, simulate=self.machine)
@@ -121,44 +222,9 @@ class Story:
                 raise AgentError("the agent stopped while starting")
             topology = daemon.topology
             assert topology is not None  # start() read it
-            from agent.commands.discover import topology_to_json
-
-            self.facts["topology"] = topology_to_json(topology)
-            if table:
-                self.show_topology(topology)
-                self.show_labels(features_dir)
-            else:
-                self.facts["labels"] = self.read_labels(features_dir)
-            self.progress("waiting for the agent to register with the kubelet")
-            if not kubelet.wait_for(lambda: bool(kubelet.registered(RESOURCE)), 10.0):
-                raise AgentError("the agent did not register with the stand-in kubelet in 10 s")
-            if not kubelet.wait_for(lambda: kubelet.latest(RESOURCE) is not None, 5.0):
-                raise AgentError("the agent sent no device list in 5 s")
-            registration = kubelet.registered(RESOURCE)[0]
-            latest = kubelet.latest(RESOURCE)
-            assert latest is not None  # wait_for saw one; the stub's lists only grow
-            devices = list(latest.devices)
-            self.facts["registration"] = {
-                "resource": registration.request.resource_name,
-                "version": registration.request.version,
-                "endpoint": registration.request.endpoint,
-                "preferred_allocation": registration.options.get_preferred_allocation_available,
-                "devices": len(devices),
-                "healthy": sum(d.health == "Healthy" for d in devices),
-                "numa_nodes": sorted({n.ID for d in devices for n in d.topology.nodes}),
-            }
-            if table:
-                r = self.facts["registration"]
-                self.heading("The kubelet's view")
-                self.say(
-                    f"registered {r['resource']} (API {r['version']}, socket {r['endpoint']}, "
-                    f"preferred allocation {'on' if r['preferred_allocation'] else 'off'})"
-                )
-                self.say(
-                    f"ListAndWatch: {r['devices']} devices, {r['healthy']} healthy, "
-                    f"NUMA nodes {r['numa_nodes'] or 'not reported'}"
-                )
-            client = PluginClient(os.path.join(kubelet_dir, registration.request.endpoint))
+            self.show_node(topology, config.features_dir, table)
+            endpoint, devices = self.show_registration(kubelet, table)
+            client = PluginClient(os.path.join(config.kubelet_dir, endpoint))
             running = self.replay(topology, devices, client, table)
             self.report_pods(pod_resources, running)
             self.progress("waiting for the metrics to attribute GPUs to pods")
@@ -176,101 +242,70 @@ class Story:
         return self.facts
 
     # ------------------------------------------------------------------ sections
-    def show_topology(self, topology: Topology) -> None:
-        from agent.commands.discover import render_table
+    def show_node(self, topology: Topology, features_dir: str, table: bool) -> None:
+        """The topology the agent read and the labels it wrote."""
+        from agent.commands.discover import render_table, topology_to_json
 
+        self.facts["topology"] = topology_to_json(topology)
+        if not table:
+            self.facts["labels"] = read_labels(features_dir)
+            return
         self.heading(f"Topology of {self.machine}")
         self.out.write(render_table(topology, max_columns=WIDTH))
-
-    def read_labels(self, features_dir: str) -> dict[str, str]:
-        labels: dict[str, str] = {}
-        for name in sorted(os.listdir(features_dir)):
-            with open(os.path.join(features_dir, name), encoding="utf-8") as fh:
-                for line in fh:
-                    key, sep, value = line.strip().partition("=")
-                    if sep:
-                        labels[key] = value
-        return labels
-
-    def show_labels(self, features_dir: str) -> None:
-        labels = self.facts["labels"] = self.read_labels(features_dir)
+        labels = self.facts["labels"] = read_labels(features_dir)
         self.heading(f"Node labels ({len(labels)}, written to the NFD features.d file)")
         for key, value in labels.items():
             self.say(f"  {key}={value}")
 
-    def replay(self, topology: Topology, devices: list[Any], client: Any, table: bool) -> dict:
+    def show_registration(self, kubelet: KubeletStub, table: bool) -> tuple[str, list[Device]]:
+        """Wait for the agent to register and send its device list; returns the plugin's
+        socket name and the devices it advertised."""
+        self.progress("waiting for the agent to register with the kubelet")
+        if not kubelet.wait_for(lambda: bool(kubelet.registered(RESOURCE)), 10.0):
+            raise AgentError("the agent did not register with the stand-in kubelet in 10 s")
+        if not kubelet.wait_for(lambda: kubelet.latest(RESOURCE) is not None, 5.0):
+            raise AgentError("the agent sent no device list in 5 s")
+        registration = kubelet.registered(RESOURCE)[0]
+        latest = kubelet.latest(RESOURCE)
+        assert latest is not None  # wait_for saw one; the stub's lists only grow
+        devices = list(latest.devices)
+        r = self.facts["registration"] = {
+            "resource": registration.request.resource_name,
+            "version": registration.request.version,
+            "endpoint": registration.request.endpoint,
+            "preferred_allocation": registration.options.get_preferred_allocation_available,
+            "devices": len(devices),
+            "healthy": sum(d.health == "Healthy" for d in devices),
+            "numa_nodes": sorted({n.ID for d in devices for n in d.topology.nodes}),
+        }
+        if table:
+            self.heading("The kubelet's view")
+            self.say(
+                f"registered {r['resource']} (API {r['version']}, socket {r['endpoint']}, "
+                f"preferred allocation {'on' if r['preferred_allocation'] else 'off'})"
+            )
+            self.say(
+                f"ListAndWatch: {r['devices']} devices, {r['healthy']} healthy, "
+                f"NUMA nodes {r['numa_nodes'] or 'not reported'}"
+            )
+        return registration.request.endpoint, devices
+
+    def replay(
+        self, topology: Topology, devices: list[Device], client: PluginClient, table: bool
+    ) -> dict[str, list[str]]:
         """The busy node: each arriving pod asks the agent over gRPC (GetPreferredAllocation
         then Allocate); the anchor's and a naive choice on the same free GPUs are scored
-        beside it."""
-        index_of = {g.uuid: g.index for g in topology.gpus}
-        id_of = {g.index: g.uuid for g in topology.gpus}
-        engine = AllocationEngine(topology)
-        free = [d.ID for d in devices if d.health == "Healthy"]
-        running: dict[str, list[str]] = {}
-        rows: list[dict[str, Any]] = []
+        beside it. Returns the running pods' device IDs."""
         if table:
             self.heading("A busy node: pods arrive and leave")
             self.say(
                 f"{'event':<20}{'ours: GPUs':<18}{'score':>7}{'NUMA':>5}"
                 f"{'anchor: GPUs':>18}{'score':>7}{'naive: GPUs':>18}{'score':>7}"
             )
-
-        def numa_count(indices: list[int]) -> int | None:
-            nodes = {topology.gpus[i].numa_node for i in indices}
-            return None if None in nodes else len(nodes)  # unknown: shown as "?"
-
-        def gpus(indices: list[int]) -> str:
-            from agent.formats import format_cpulist
-
-            return format_cpulist(indices)  # "0-3,6": the cpulist notation fits 16 GPUs
-
+        node = BusyNode(topology, devices, client, self.say if table else None, self.progress)
         for step in busy_node_trace(topology.gpu_count):
-            if step.kind == "leave" and step.pod not in running:  # it never got its GPUs
-                rows.append({"event": "gives up", "pod": step.pod})
-                if table:
-                    self.say(f"- {step.pod:<18}gives up waiting")
-                continue
-            if step.kind == "leave":
-                ids = running.pop(step.pod)
-                free = sorted(free + ids, key=lambda d: index_of[d])
-                rows.append({"event": "leave", "pod": step.pod, "freed": sorted(index_of[d] for d in ids)})
-                if table:
-                    self.say(f"- {step.pod:<18}frees GPUs {gpus(sorted(index_of[d] for d in ids))}")
-                continue
-            if step.size > len(free):
-                rows.append({"event": "wait", "pod": step.pod, "size": step.size, "free": len(free)})
-                if table:
-                    self.say(f"+ {step.pod:<18}waits: {step.size} GPUs asked, {len(free)} free")
-                continue
-            self.progress(f"{step.pod} asks for {step.size} GPU(s)")
-            chosen_ids = client.preferred(free, [], step.size)
-            response = client.allocate(chosen_ids)
-            ours = sorted(index_of[d] for d in chosen_ids)
-            free_idx = [index_of[d] for d in free]
-            anchor = engine.partition_only_set(free_idx, step.size)
-            naive = engine.naive_set(free_idx, step.size)
-            row = {
-                "event": "arrive",
-                "pod": step.pod,
-                "size": step.size,
-                "gpus": ours,
-                "score": topology.set_score(ours),
-                "numa_nodes": numa_count(ours),
-                "anchor": {"gpus": anchor, "score": topology.set_score(anchor), "numa_nodes": numa_count(anchor)},
-                "naive": {"gpus": naive, "score": topology.set_score(naive), "numa_nodes": numa_count(naive)},
-                "visible_devices": response.container_responses[0].envs.get("NVIDIA_VISIBLE_DEVICES", ""),
-            }
-            rows.append(row)
-            running[step.pod] = [id_of[i] for i in ours]
-            taken = set(running[step.pod])
-            free = [d for d in free if d not in taken]
-            if table:
-                self.say(
-                    f"+ {step.pod + f' ({step.size})':<18}{gpus(ours):<18}{row['score']:>7}"
-                    f"{_or_unknown(row['numa_nodes']):>5}"
-                    f"{gpus(anchor):>18}{row['anchor']['score']:>7}{gpus(naive):>18}{row['naive']['score']:>7}"
-                )
-        arrived = [r for r in rows if r["event"] == "arrive" and r["size"] > 1]
+            node.play(step)
+        arrived = [r for r in node.rows if r["event"] == "arrive" and r["size"] > 1]
         score_totals: dict[str, int] = {
             k: sum((r[k]["score"] if k != "ours" else r["score"]) for r in arrived)
             for k in ("ours", "anchor", "naive")
@@ -279,13 +314,12 @@ class Story:
             k: sum((r[k]["numa_nodes"] if k != "ours" else r["numa_nodes"]) == 1 for r in arrived)
             for k in ("ours", "anchor", "naive")
         }
-        summary = {
+        self.facts["allocations"] = node.rows
+        self.facts["allocation_summary"] = {
             "multi_gpu_pods": len(arrived),
             "score": score_totals,
             "one_numa_node": one_numa_node,
         }
-        self.facts["allocations"] = rows
-        self.facts["allocation_summary"] = summary
         if table:
             self.say()
             self.say(
@@ -300,9 +334,9 @@ class Story:
                     f"{s['anchor']}, naive {s['naive']};"
                 )
                 self.say(f"on one NUMA node: ours {n['ours']}, anchor {n['anchor']}, naive {n['naive']}")
-        return running
+        return node.running
 
-    def report_pods(self, pod_resources: Any, running: dict[str, list[str]]) -> None:
+    def report_pods(self, pod_resources: PodResourcesStub, running: dict[str, list[str]]) -> None:
         """What the kubelet's pod-resources API would now list for the running pods."""
         from agent._proto import podresources_v1_pb2 as pr
 
@@ -313,7 +347,7 @@ class Story:
             c.devices.add(resource_name=RESOURCE, device_ids=ids)
         pod_resources.list_response = response
 
-    def show_metrics(self, daemon: Any, running: dict[str, list[str]], table: bool) -> None:
+    def show_metrics(self, daemon: Daemon, running: dict[str, list[str]], table: bool) -> None:
         metrics = daemon.metrics
         if metrics is None:
             raise AgentError("the metrics service did not start")
@@ -385,6 +419,10 @@ def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | No
         story.say("Next: `gpu-topology-agent allocate --simulate " + machine + " --size 4 --explain`,")
         story.say("or deploy it: `kubectl apply -k daemonset/` (see README).")
     return 0
+
+
+def _gpus(indices: list[int]) -> str:
+    return format_cpulist(indices)  # "0-3,6": the cpulist notation fits 16 GPUs
 
 
 def _or_unknown(value: object) -> str:

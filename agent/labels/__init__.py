@@ -17,7 +17,8 @@ gpu.count / gpu.memory (MiB)           of that model
 gpu.family, gpu.compute.major/minor    from the compute capability
 gpu.machine                            DMI product name, spaces as ``-`` (``unknown``)
 gpu.replicas, gpu.sharing-strategy     ``1``/``none`` or time-slicing replicas
-gpu.mode                               ``compute`` or ``graphics`` (see :func:`_gpu_mode`)
+gpu.mode                               ``compute``, ``graphics`` or ``unknown`` (see
+                                       :func:`_gpu_mode`)
 cuda.driver-version.*, cuda.driver.*   from the driver version ``535.104.05``
 cuda.runtime-version.*, cuda.runtime.* from the CUDA driver API version ``12.2``
 mig.capable, mig.strategy, mps.capable
@@ -44,7 +45,7 @@ from collections import Counter
 from typing import Mapping
 
 from agent.config import Config
-from agent.topology.model import Gpu, PcieLevel, Topology
+from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
 #: NVLink ports of the GPUs with the most (H100/H200, B200); more links than this on one GPU
@@ -58,8 +59,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _PRODUCT_DROP_RE = re.compile(r"[^A-Za-z0-9\-_. ]")
 _MIG_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
-#: Model-name fragments of GPUs that support MIG (NVML's MIG mode query is the real
-#: source; the topology records only whether MIG is enabled, so the name decides the rest).
+#: Model-name fragments of GPUs that support MIG: the fallback for a GPU whose record does
+#: not say (``Gpu.mig_capable`` None, e.g. a simulated or sysfs-only read); NVML's answer,
+#: where the topology has it, wins.
 _MIG_CAPABLE_RE = re.compile(r"\b(A100|A30|H100|H200|H800|H20|GH200|B100|B200|GB200|B300|GB300)\b")
 #: Model-name fragments of display-class boards (PCI class 0x0300): GFD's ``gpu.mode``
 #: reads the PCI class, which the topology does not record.
@@ -246,7 +248,7 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
     if config.mig_strategy == "single":
         out.update(_mig_single_labels(topology, config, name))
     elif config.mig_strategy == "mixed":
-        by_profile: dict[str, list] = {}
+        by_profile: dict[str, list[MigDevice]] = {}
         for m in migs:
             by_profile.setdefault(m.profile, []).append(m)
         for profile in sorted(by_profile):
@@ -282,7 +284,7 @@ def _mig_single_labels(topology: Topology, config: Config, model: str) -> dict[s
 
 
 def _mig_resource_labels(resource: str, config: Config, parent_model: str, profile: str,
-                         devices: list) -> dict[str, str]:
+                         devices: list[MigDevice]) -> dict[str, str]:
     replicas, renamed = _time_slicing_replicas(config, resource)
     key = resource + "."
     out = {

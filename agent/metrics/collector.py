@@ -16,7 +16,6 @@ out ``_created`` series, which dcgm-exporter does not have.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -27,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.podresources import EMPTY_ATTRIBUTION, Attribution, ContainerRef
 from agent.metrics.sampler import EMPTY_SNAPSHOT, Snapshot
+from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Topology
 
 
@@ -56,7 +56,7 @@ class PlacementScorer:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._best: dict[int, int] = {}
-        self._engine: object | None = None
+        self._engine: AllocationEngine | None = None  # built on first use
 
     def best_score(self, size: int) -> int:
         if size not in self._best:
@@ -64,17 +64,9 @@ class PlacementScorer:
         return self._best[size]
 
     def _compute_best(self, size: int) -> int:
-        try:
-            from agent.topology.allocator import AllocationEngine
-
-            if self._engine is None:
-                self._engine = AllocationEngine(self.topology)
-            return int(self._engine.best_score_for_size(size))  # type: ignore[attr-defined]
-        except (ImportError, AttributeError):
-            # the engine is not in this build: exhaustive search (fine up to 16 GPUs once)
-            n = self.topology.gpu_count
-            return max((self.topology.set_score(c) for c in itertools.combinations(range(n), size)),
-                       default=0)
+        if self._engine is None:
+            self._engine = AllocationEngine(self.topology)
+        return self._engine.best_score_for_size(size)
 
     def ratio(self, indices: Sequence[int]) -> float:
         k = len(indices)
@@ -232,6 +224,10 @@ class GpuCollector(Collector):
 
 
 # -------------------------------------------------------------------- exposition
+#: prometheus_client's Go-style float formatting (unannotated there)
+_go_float: Callable[[float], str] = floatToGoString
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
@@ -239,8 +235,8 @@ def _escape(value: str) -> str:
 def _sample_line(name: str, labels: dict[str, str], value: float) -> str:
     if labels:
         inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        return f"{name}{{{inner}}} {floatToGoString(value)}\n"
-    return f"{name} {floatToGoString(value)}\n"
+        return f"{name}{{{inner}}} {_go_float(value)}\n"
+    return f"{name} {_go_float(value)}\n"
 
 
 def render_text(registry: Collector) -> bytes:

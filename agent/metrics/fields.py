@@ -53,7 +53,7 @@ Our own metrics (no dcgm-exporter equivalent):
 gpu_topology_info                              gauge    1 per GPU; labels numa_node, nvlink_island, nvlink_clique,
                                                         nearest_nic (from the Topology, read once)
 gpu_topology_placement_quality_ratio           gauge    per container: set score / best score of any set of the
-                                                        same size on this node (1.0 = ideal); label gpu_count
+                                                        same size on this node (1.0 = ideal); labels gpu_count, gpus
 gpu_topology_allocated_idle_seconds            gauge    per allocated GPU and container: seconds since its
                                                         utilisation last exceeded the idle threshold
 gpu_agent_preferred_allocation_seconds         hist.    GetPreferredAllocation latency
@@ -179,7 +179,6 @@ DCGM_METRICS: tuple[MetricDef, ...] = (
               "and data payloads - in bytes per second.",
               lambda s: _num(s.pcie_rx_bytes_per_s)),
 )
-DCGM_METRIC_NAMES: frozenset[str] = frozenset(m.name for m in DCGM_METRICS)
 _SAMPLED: tuple[tuple[str, Callable[[GpuSample], float | None]], ...] = tuple(
     (m.name, m.value) for m in DCGM_METRICS if m.value is not None
 )

@@ -156,52 +156,76 @@ class PodResourcesCache(Worker):
         self.on_refresh = on_refresh
         self.current: Attribution = EMPTY_ATTRIBUTION
         self.list_calls = 0
-        super().__init__()
-        self._lock = threading.Lock()
+        # Lock order: ``_refresh`` is a leaf guarding only ``_refreshing`` and
+        # ``list_calls``; it is never held across the ``List`` call or a hook. One refresh
+        # runs at a time (a second caller waits on the condition), and the refresh in
+        # flight owns ``_logged_failure`` and publishes ``current`` by a single assignment,
+        # which scrapes read without any lock.
+        self._refresh = threading.Condition(threading.Lock())
+        self._refreshing = False
         self._logged_failure = False
+        super().__init__()
 
     def refresh_once(self) -> bool:
         """Call ``List`` now and publish the result; False (and the old attribution kept)
-        when the kubelet could not be asked."""
-        with self._lock:
+        when the kubelet could not be asked. A call while another refresh is in flight
+        waits for it, then asks again."""
+        with self._refresh:
+            self._refresh.wait_for(lambda: not self._refreshing)
+            self._refreshing = True
             self.list_calls += 1
-            try:
-                response = self.client.list()
-            except grpc.RpcError as exc:
-                if not self._logged_failure:
-                    self._logged_failure = True
-                    log.warning("pod-resources List on %s failed: %s (keeping the last answer)",
-                                self.client.socket_path, _rpc_message(exc))
-                if self.on_error is not None:
-                    self.on_error()
+        try:
+            response = self._list()
+            if response is None:
                 return False
-            if self._logged_failure:
-                log.info("pod-resources List on %s works again", self.client.socket_path)
-            self._logged_failure = False
-            now = self.clock()
-            containers = attribute(response.pod_resources, self.resolver)
-            old_seen = self.current.first_seen
-            first_seen: dict[tuple[ContainerRef, int], float] = {}
-            by_gpu: dict[int, list[ContainerRef]] = {}
-            for ref in sorted(containers):
-                for index in containers[ref]:
-                    first_seen[(ref, index)] = old_seen.get((ref, index), now)
-                    by_gpu.setdefault(index, []).append(ref)
-            attribution = Attribution(
-                containers=MappingProxyType(containers),
-                by_gpu=MappingProxyType({i: tuple(v) for i, v in sorted(by_gpu.items())}),
-                first_seen=MappingProxyType(first_seen),
-                fetched_at=now,
-            )
-            if self.on_refresh is not None:
-                # before publishing: whatever it prepares (placement scores) is ready when
-                # the first scrape sees the new attribution
-                try:
-                    self.on_refresh(attribution)
-                except Exception:
-                    log.exception("pod-resources refresh hook failed")
-            self.current = attribution
-        return True
+            self._publish(response)
+            return True
+        finally:
+            with self._refresh:
+                self._refreshing = False
+                self._refresh.notify_all()
+
+    def _list(self) -> Any:
+        """The kubelet's answer, None (logged once per outage, counted) when it failed."""
+        try:
+            response = self.client.list()
+        except grpc.RpcError as exc:
+            if not self._logged_failure:
+                self._logged_failure = True
+                log.warning("pod-resources List on %s failed: %s (keeping the last answer)",
+                            self.client.socket_path, _rpc_message(exc))
+            if self.on_error is not None:
+                self.on_error()
+            return None
+        if self._logged_failure:
+            log.info("pod-resources List on %s works again", self.client.socket_path)
+        self._logged_failure = False
+        return response
+
+    def _publish(self, response: Any) -> None:
+        now = self.clock()
+        containers = attribute(response.pod_resources, self.resolver)
+        old_seen = self.current.first_seen
+        first_seen: dict[tuple[ContainerRef, int], float] = {}
+        by_gpu: dict[int, list[ContainerRef]] = {}
+        for ref in sorted(containers):
+            for index in containers[ref]:
+                first_seen[(ref, index)] = old_seen.get((ref, index), now)
+                by_gpu.setdefault(index, []).append(ref)
+        attribution = Attribution(
+            containers=MappingProxyType(containers),
+            by_gpu=MappingProxyType({i: tuple(v) for i, v in sorted(by_gpu.items())}),
+            first_seen=MappingProxyType(first_seen),
+            fetched_at=now,
+        )
+        if self.on_refresh is not None:
+            # before publishing: whatever it prepares (placement scores) is ready when
+            # the first scrape sees the new attribution
+            try:
+                self.on_refresh(attribution)
+            except Exception:
+                log.exception("pod-resources refresh hook failed")
+        self.current = attribution
 
     def stop(self, timeout_s: float = 5.0) -> None:
         super().stop(timeout_s)

@@ -67,12 +67,20 @@ class Sampler(Worker):
         self.on_round = on_round
         self.snapshot: Snapshot = EMPTY_SNAPSHOT
         self._indices = tuple(g.index for g in topology.gpus)
+        started = clock()
+        # owned by the round in flight (only it reads or writes them; rounds are serialised)
+        self._last_busy_at = {g.index: started for g in topology.gpus}
+        # Locks: two leaves, never nested, never held across an NVML read, a callback or
+        # ``source.close()``. ``_xid_lock`` guards ``_xids`` (the health watcher writes, a
+        # round copies). ``_round`` guards only the flags below: one round at a time runs
+        # without it held, and a second caller waits on the condition until the first is
+        # done. The scrape path takes neither: it reads ``snapshot``, a single reference.
         self._xids: dict[int, int] = {}
         self._xid_lock = threading.Lock()
-        started = clock()
-        self._last_busy_at = {g.index: started for g in topology.gpus}
+        self._round = threading.Condition(threading.Lock())
+        self._in_round = False
+        self._close_after_round = False
         super().__init__()
-        self._round_lock = threading.Lock()
 
     def record_xid(self, gpu_index: int, xid: int) -> None:
         """Remember the last XID of a GPU (fed by the health watcher's NVML events); shown
@@ -81,40 +89,72 @@ class Sampler(Worker):
             self._xids[gpu_index] = int(xid)
 
     def sample_once(self) -> Snapshot:
-        """Read all GPUs now and publish the result; returns the new snapshot."""
-        with self._round_lock:  # sample_once from a test while the thread runs: one at a time
-            t0 = time.perf_counter()
-            now = self.clock()
-            with self._xid_lock:
-                xids = dict(self._xids)
-            gpus: dict[int, Mapping[str, float]] = {}
-            for index in self._indices:
-                sample = self.source.sample(index)
-                if sample is None:
-                    continue  # lost (the health watcher probes it) or nothing answered
-                values = dcgm_values(sample)
-                values[XID_METRIC] = float(xids.get(index, 0))
-                util = values.get("DCGM_FI_DEV_GPU_UTIL")
-                if util is not None and util > self.idle_threshold_pct:
-                    self._last_busy_at[index] = now
-                gpus[index] = MappingProxyType(values)
-            snap = Snapshot(
-                taken_at=now,
-                duration_s=time.perf_counter() - t0,
-                gpus=MappingProxyType(gpus),
-                last_busy_at=MappingProxyType(dict(self._last_busy_at)),
-                rounds=self.snapshot.rounds + 1,
-            )
+        """Read all GPUs now and publish the result; returns the new snapshot. A call while
+        another round is in flight (a test beside the thread) waits for it, then reads."""
+        with self._round:
+            self._round.wait_for(lambda: not self._in_round)
+            self._in_round = True
+        try:
+            snap = self._read_round()
             self.snapshot = snap
+        finally:
+            self._end_round()
         if self.on_round is not None:
             self.on_round(snap)
         return snap
 
+    def _read_round(self) -> Snapshot:
+        t0 = time.perf_counter()
+        now = self.clock()
+        with self._xid_lock:
+            xids = dict(self._xids)
+        gpus: dict[int, Mapping[str, float]] = {}
+        for index in self._indices:
+            sample = self.source.sample(index)
+            if sample is None:
+                continue  # lost (the health watcher probes it) or nothing answered
+            values = dcgm_values(sample)
+            values[XID_METRIC] = float(xids.get(index, 0))
+            util = values.get("DCGM_FI_DEV_GPU_UTIL")
+            if util is not None and util > self.idle_threshold_pct:
+                self._last_busy_at[index] = now
+            gpus[index] = MappingProxyType(values)
+        return Snapshot(
+            taken_at=now,
+            duration_s=time.perf_counter() - t0,
+            gpus=MappingProxyType(gpus),
+            last_busy_at=MappingProxyType(dict(self._last_busy_at)),
+            rounds=self.snapshot.rounds + 1,
+        )
+
+    def _end_round(self) -> None:
+        """Hand the round back. When ``stop`` asked for the source to close while this
+        round was reading, it closes here first, still inside the round, so no other round
+        reads while the GPM samples are freed."""
+        while True:
+            with self._round:
+                if not self._close_after_round:
+                    self._in_round = False
+                    self._round.notify_all()
+                    return
+                self._close_after_round = False
+            try:
+                self.source.close()
+            except Exception:  # stopping goes on; the process is on its way out
+                log.exception("closing the metrics sample source failed")
+
     # ---------------------------------------------------------------- thread
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (waiting up to ``timeout_s``) and close the source. Never waits
+        on NVML: when a round is still reading (a hung GPU), that round closes the source
+        as soon as its reads return."""
         super().stop(timeout_s)
-        with self._round_lock:
-            self.source.close()
+        with self._round:
+            self._close_after_round = True
+            if self._in_round:
+                return
+            self._in_round = True  # this call owns a round now: it closes the source
+        self._end_round()
 
     def _run(self) -> None:
         next_at = time.monotonic()

@@ -56,15 +56,16 @@ class Topology:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_facts(cls, facts: NodeFacts) -> "Topology":
+    def from_facts(cls, facts: NodeFacts) -> Topology:
         """The topology of what a hardware reader found (:class:`NodeFacts`): the one way
-        from any input (NVML + sysfs, a simulated machine) to the model."""
+        from any input (NVML + sysfs, a simulated machine, a pasted ``nvidia-smi topo -m``)
+        to the model."""
         return cls.build(
             facts.gpus,
             facts.links,
             nics=facts.nics,
-            numa_distances=dict(facts.numa_distances),
-            numa_cpulists=dict(facts.numa_cpulists),
+            numa_distances=facts.numa_distances,
+            numa_cpulists=facts.numa_cpulists,
             driver_version=facts.driver_version,
             cuda_driver_version=facts.cuda_driver_version,
             machine=facts.machine,
@@ -77,27 +78,23 @@ class Topology:
         cls,
         gpus: Sequence[Gpu],
         links: Iterable[Link],
-        **kwargs: object,
-    ) -> "Topology":
+        *,
+        nics: Iterable[Nic] = (),
+        numa_distances: Mapping[int, Sequence[int]] | None = None,
+        numa_cpulists: Mapping[int, str] | None = None,
+        driver_version: str | None = None,
+        cuda_driver_version: str | None = None,
+        machine: str | None = None,
+        source: str = "",
+        notes: Iterable[str] = (),
+    ) -> Topology:
         """Validate inputs, fill missing pairs with an unknown link, derive islands,
-        cliques, NUMA groups and pair scores."""
+        cliques, NUMA groups and pair scores. Collections are copied (the model is frozen)."""
         from agent.topology import engine
 
         gpus = tuple(sorted(gpus, key=lambda g: g.index))
         n = len(gpus)
-        if [g.index for g in gpus] != list(range(n)):
-            raise ValueError(f"GPU indices must be 0..{n - 1}, got {[g.index for g in gpus]}")
-        by_pair: dict[tuple[int, int], Link] = {}
-        for link in links:
-            a, b = min(link.a, link.b), max(link.a, link.b)
-            if a == b or not (0 <= a < n and 0 <= b < n):
-                raise ValueError(f"link {link.a}-{link.b} does not join two distinct GPUs of {n}")
-            if (a, b) in by_pair:
-                raise ValueError(f"link {a}-{b} given twice")
-            by_pair[(a, b)] = Link(a, b, link.nvlinks, link.pcie, link.nvswitch)
-        all_links = tuple(
-            by_pair.get((a, b), Link(a, b)) for a in range(n) for b in range(a + 1, n)
-        )
+        all_links = _all_links(gpus, links)
         scores = [[0] * n for _ in range(n)]
         adjacency = [0] * n
         for link in all_links:
@@ -105,20 +102,25 @@ class Topology:
             if link.nvlinks > 0:
                 adjacency[link.a] |= 1 << link.b
                 adjacency[link.b] |= 1 << link.a
-        islands = tuple(tuple(c) for c in engine.nvlink_islands(adjacency))
-        cliques = tuple(tuple(c) for c in engine.maximal_cliques(adjacency))
         groups: dict[int | None, list[int]] = {}
         for g in gpus:
             groups.setdefault(g.numa_node, []).append(g.index)
-        numa_groups = {k: tuple(v) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
         return cls(
             gpus=gpus,
             links=all_links,
-            nvlink_islands=islands,
-            nvlink_cliques=cliques,
-            numa_groups=numa_groups,
+            nics=tuple(nics),
+            numa_distances={k: tuple(v) for k, v in (numa_distances or {}).items()},
+            numa_cpulists=dict(numa_cpulists or {}),
+            driver_version=driver_version,
+            cuda_driver_version=cuda_driver_version,
+            machine=machine,
+            source=source,
+            notes=tuple(notes),
+            nvlink_islands=tuple(tuple(c) for c in engine.nvlink_islands(adjacency)),
+            nvlink_cliques=tuple(tuple(c) for c in engine.maximal_cliques(adjacency)),
+            # NUMA nodes in order, the unknown (None) group last
+            numa_groups={k: tuple(v) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
             scores=tuple(tuple(r) for r in scores),
-            **kwargs,  # type: ignore[arg-type]
         )
 
     # ---------------------------------------------------------------- queries
@@ -154,3 +156,20 @@ class Topology:
             if g.uuid == uuid:
                 return g
         return None
+
+
+def _all_links(gpus: Sequence[Gpu], links: Iterable[Link]) -> tuple[Link, ...]:
+    """One link per pair ``a < b`` in row-major order, an unknown link where none is given;
+    ValueError for GPU indices other than 0..n-1, a link to a GPU not there or given twice."""
+    n = len(gpus)
+    if [g.index for g in gpus] != list(range(n)):
+        raise ValueError(f"GPU indices must be 0..{n - 1}, got {[g.index for g in gpus]}")
+    by_pair: dict[tuple[int, int], Link] = {}
+    for link in links:
+        a, b = min(link.a, link.b), max(link.a, link.b)
+        if a == b or not (0 <= a < n and 0 <= b < n):
+            raise ValueError(f"link {link.a}-{link.b} does not join two distinct GPUs of {n}")
+        if (a, b) in by_pair:
+            raise ValueError(f"link {a}-{b} given twice")
+        by_pair[(a, b)] = Link(a, b, link.nvlinks, link.pcie, link.nvswitch)
+    return tuple(by_pair.get((a, b), Link(a, b)) for a in range(n) for b in range(a + 1, n))
