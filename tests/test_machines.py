@@ -18,6 +18,8 @@ from agent.topology.model import PcieLevel, Topology
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "machines")
 MATRICES = sorted(glob.glob(os.path.join(FIXTURES, "*.txt")))
+
+
 def matrix_topology(path: str) -> Topology:
     """What the topo-matrix reader states, as a topology (to compare the simulation with)."""
     return Topology.from_facts(read_topo_matrix(path))
@@ -227,23 +229,27 @@ def test_a_pasted_matrix_states_nothing_beyond_the_matrix(path):
     assert any("synthetic" in note for note in topo.notes)
 
 
-_CROSS_SOCKET_NIC_UNSOLVED = pytest.mark.xfail(
-    strict=True,
-    reason="NIC levels across sockets need NUMA nodes the matrix does not give; the fake "
-    "sysfs cannot state SYS without them (unfinished, see the sim branch report)",
-)
+@pytest.mark.parametrize("machine", [*BUILTIN_MACHINES, *MATRICES], ids=os.path.basename)
+def test_the_fake_nvml_and_the_fake_sysfs_place_every_gpu_pair_alike(machine):
+    with open_simulated(machine) as sim:
+        lib, reader = sim.lib, SysfsReader(sim.sysfs_root)
+        lib.nvmlInit()
+        for a, b in combinations(sim.spec.gpus, 2):
+            if (a.index, b.index) in sim.spec.pcie_levels or (a.board and a.board == b.board):
+                continue  # stated levels and boards are NVML's alone
+            try:
+                nvml: PcieLevel | None = PcieLevel(
+                    lib.nvmlDeviceGetTopologyCommonAncestor(
+                        lib.nvmlDeviceGetHandleByIndex(a.index),
+                        lib.nvmlDeviceGetHandleByIndex(b.index),
+                    )
+                )
+            except lib.NVMLError_NotSupported:
+                nvml = None
+            assert nvml == reader.pcie_level(a.bus_id, b.bus_id), (a.index, b.index)
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=_CROSS_SOCKET_NIC_UNSOLVED)
-        if os.path.basename(p).startswith(("dgx1-v100", "gb200"))
-        else p
-        for p in MATRICES
-    ],
-    ids=os.path.basename,
-)
+@pytest.mark.parametrize("path", MATRICES, ids=os.path.basename)
 def test_a_pasted_matrix_runs_as_a_simulated_machine_that_reproduces_it(path):
     real = matrix_topology(path)
     with open_simulated(path) as sim:
