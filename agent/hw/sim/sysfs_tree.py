@@ -3,6 +3,7 @@ described in its module docstring) for simulated machines and tests."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -226,7 +227,7 @@ class _TreeBuilder:
     def fresh_bus(self, domain: int, root_bus: int) -> int:
         """The first bus number above the host bridge's root bus that nothing uses (as the
         kernel numbers buses upward from the root bus), wrapping around if need be."""
-        for bus in [*range(root_bus + 1, 0x100), *range(1, root_bus)]:
+        for bus in itertools.chain(range(root_bus + 1, 0x100), range(1, root_bus)):
             if bus not in self.used_buses[domain]:
                 self.used_buses[domain].add(bus)
                 return bus
