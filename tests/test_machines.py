@@ -336,3 +336,31 @@ def test_nvlinks_no_gpu_has_ports_for_are_an_input_format_error():
     facts = NodeFacts(gpus, links, source="odd.txt")
     with pytest.raises(InputFormatError, match="odd.txt: GPU0 would need 40 NVLink ports"):
         spec_from_facts(facts)
+
+
+def test_a_nics_local_cpus_place_it_on_a_socket_without_numa_ids():
+    from agent.hw.sim.machines import SimulatedMachine
+    from agent.hw.sim.spec import machine_spec_from_dict
+
+    spec = machine_spec_from_dict(
+        {
+            "name": "two-sockets-no-numa",
+            "gpus": [
+                {"bus_id": "0000:1a:00.0", "cpus": "0-7", "host_bridge": "pci0000:17"},
+                {"bus_id": "0000:9a:00.0", "cpus": "8-15", "host_bridge": "pci0000:97"},
+            ],
+            "nics": [
+                {"name": "mlx5_0", "bus_id": "0000:1b:00.0", "cpus": "0-7", "host_bridge": "pci0000:17"},
+                {"name": "mlx5_1", "bus_id": "0000:3b:00.0", "host_bridge": "pci0000:37"},
+            ],
+        }
+    )
+    with SimulatedMachine(spec) as sim:
+        backend = sim.backend()
+        backend.init()
+        topo = Topology.from_facts(backend.read_facts())
+    assert [g.numa_node for g in topo.gpus] == [None, None]
+    assert [n.numa_node for n in topo.nics] == [None, None]
+    # same host bridge as GPU 0: PHB; another socket's CPUs: SYS; no CPUs stated: NODE
+    # (a machine without NUMA nodes has no SMP link to cross)
+    assert nic_levels(topo) == {"mlx5_0": ("PHB", "SYS"), "mlx5_1": ("NODE", "NODE")}

@@ -131,7 +131,9 @@ def _blank(value: str | None) -> bool:
 
 
 def cpulist_min(value: str) -> int | None:
-    """Lowest number of a cpulist-style list, or None if ``value`` is not one."""
+    """Lowest number of a cpulist-style list, or None if ``value`` is not one. Not
+    :func:`agent.formats.parse_cpulist`: a pasted cell may hold any text, and expanding a
+    range such as ``0-4000000000`` to find its lowest number would not end."""
     if not _CPULIST.fullmatch(value):
         return None
     lowest = None

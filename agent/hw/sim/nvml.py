@@ -196,13 +196,9 @@ class FakeNvml(TelemetryApi):
     def nvmlDeviceGetCpuAffinity(self, handle: _Handle, cpuSetSize: int) -> list[int]:
         g, _ = self._dev(handle, mig_ok=False)
         words = [0] * cpuSetSize
-        for part in (g.cpulist or "").split(","):
-            if not part:
-                continue
-            lo, _, hi = part.partition("-")
-            for cpu in range(int(lo), int(hi or lo) + 1):
-                if cpu // 64 < cpuSetSize:
-                    words[cpu // 64] |= 1 << (cpu % 64)
+        for cpu in parse_cpulist(g.cpulist or ""):
+            if cpu // 64 < cpuSetSize:
+                words[cpu // 64] |= 1 << (cpu % 64)
         return words
 
     # ------------------------------------------------------------------ MIG
