@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
+    from agent.hw.backend import Backend
     from agent.hw.nvml import NvmlBackend
     from agent.hw.sim.machines import SimulatedMachine
 
@@ -35,7 +36,7 @@ def open_backend(
     return NvmlBackend(sysfs=SysfsReader(sysfs_root)), None
 
 
-def read_topology(backend: NvmlBackend, sim: SimulatedMachine | None) -> Topology:
+def read_topology(backend: Backend, sim: SimulatedMachine | None) -> Topology:
     """The topology an initialised backend reads; a simulated machine adds the notes of
     what its spec synthesised."""
     facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")

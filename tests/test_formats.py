@@ -4,6 +4,8 @@ bus ids, HOST:PORT, and YAML/JSON documents read from a file."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.errors import InputFormatError, UsageError
 from agent.formats import (
@@ -30,6 +32,12 @@ def test_cpulist_is_read_as_the_kernel_writes_it_and_written_back_the_same():
             parse_cpulist(bad)
 
 
+@given(st.sets(st.integers(0, 300), max_size=40))
+@settings(max_examples=60)
+def test_any_cpu_set_round_trips_through_its_cpulist(cpus):
+    assert parse_cpulist(format_cpulist(cpus)) == sorted(cpus)
+
+
 # --------------------------------------------------------------------------- PCI bus ids
 def test_bus_ids_in_nvml_and_sysfs_spelling_convert_both_ways_and_device_above_0x1f_is_rejected():
     assert nvml_to_sysfs_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
@@ -42,6 +50,15 @@ def test_bus_ids_in_nvml_and_sysfs_spelling_convert_both_ways_and_device_above_0
         with pytest.raises(BusIdError, match="not a PCI bus id") as info:
             parse_bus_id(bad)
         assert isinstance(info.value, UsageError) and isinstance(info.value, ValueError)
+
+
+@given(st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7))
+@settings(max_examples=50)
+def test_any_bus_id_round_trips_between_the_two_spellings(domain, bus, dev, fn):
+    sysfs = f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
+    nvml = sysfs_to_nvml_bus_id(sysfs)
+    assert len(nvml) == 16 and nvml == nvml.upper()
+    assert nvml_to_sysfs_bus_id(nvml) == sysfs
 
 
 # --------------------------------------------------------------------------- HOST:PORT

@@ -18,6 +18,8 @@ from agent.topology.model import PcieLevel, Topology
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "machines")
 MATRICES = sorted(glob.glob(os.path.join(FIXTURES, "*.txt")))
+
+
 def matrix_topology(path: str) -> Topology:
     """What the topo-matrix reader states, as a topology (to compare the simulation with)."""
     return Topology.from_facts(read_topo_matrix(path))
@@ -227,23 +229,27 @@ def test_a_pasted_matrix_states_nothing_beyond_the_matrix(path):
     assert any("synthetic" in note for note in topo.notes)
 
 
-_CROSS_SOCKET_NIC_UNSOLVED = pytest.mark.xfail(
-    strict=True,
-    reason="NIC levels across sockets need NUMA nodes the matrix does not give; the fake "
-    "sysfs cannot state SYS without them (unfinished, see the sim branch report)",
-)
+@pytest.mark.parametrize("machine", [*BUILTIN_MACHINES, *MATRICES], ids=os.path.basename)
+def test_the_fake_nvml_and_the_fake_sysfs_place_every_gpu_pair_alike(machine):
+    with open_simulated(machine) as sim:
+        lib, reader = sim.lib, SysfsReader(sim.sysfs_root)
+        lib.nvmlInit()
+        for a, b in combinations(sim.spec.gpus, 2):
+            if (a.index, b.index) in sim.spec.pcie_levels or (a.board and a.board == b.board):
+                continue  # stated levels and boards are NVML's alone
+            try:
+                nvml: PcieLevel | None = PcieLevel(
+                    lib.nvmlDeviceGetTopologyCommonAncestor(
+                        lib.nvmlDeviceGetHandleByIndex(a.index),
+                        lib.nvmlDeviceGetHandleByIndex(b.index),
+                    )
+                )
+            except lib.NVMLError_NotSupported:
+                nvml = None
+            assert nvml == reader.pcie_level(a.bus_id, b.bus_id), (a.index, b.index)
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=_CROSS_SOCKET_NIC_UNSOLVED)
-        if os.path.basename(p).startswith(("dgx1-v100", "gb200"))
-        else p
-        for p in MATRICES
-    ],
-    ids=os.path.basename,
-)
+@pytest.mark.parametrize("path", MATRICES, ids=os.path.basename)
 def test_a_pasted_matrix_runs_as_a_simulated_machine_that_reproduces_it(path):
     real = matrix_topology(path)
     with open_simulated(path) as sim:
@@ -330,3 +336,31 @@ def test_nvlinks_no_gpu_has_ports_for_are_an_input_format_error():
     facts = NodeFacts(gpus, links, source="odd.txt")
     with pytest.raises(InputFormatError, match="odd.txt: GPU0 would need 40 NVLink ports"):
         spec_from_facts(facts)
+
+
+def test_a_nics_local_cpus_place_it_on_a_socket_without_numa_ids():
+    from agent.hw.sim.machines import SimulatedMachine
+    from agent.hw.sim.spec import machine_spec_from_dict
+
+    spec = machine_spec_from_dict(
+        {
+            "name": "two-sockets-no-numa",
+            "gpus": [
+                {"bus_id": "0000:1a:00.0", "cpus": "0-7", "host_bridge": "pci0000:17"},
+                {"bus_id": "0000:9a:00.0", "cpus": "8-15", "host_bridge": "pci0000:97"},
+            ],
+            "nics": [
+                {"name": "mlx5_0", "bus_id": "0000:1b:00.0", "cpus": "0-7", "host_bridge": "pci0000:17"},
+                {"name": "mlx5_1", "bus_id": "0000:3b:00.0", "host_bridge": "pci0000:37"},
+            ],
+        }
+    )
+    with SimulatedMachine(spec) as sim:
+        backend = sim.backend()
+        backend.init()
+        topo = Topology.from_facts(backend.read_facts())
+    assert [g.numa_node for g in topo.gpus] == [None, None]
+    assert [n.numa_node for n in topo.nics] == [None, None]
+    # same host bridge as GPU 0: PHB; another socket's CPUs: SYS; no CPUs stated: NODE
+    # (a machine without NUMA nodes has no SMP link to cross)
+    assert nic_levels(topo) == {"mlx5_0": ("PHB", "SYS"), "mlx5_1": ("NODE", "NODE")}

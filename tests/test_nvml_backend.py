@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.errors import AgentError
-from agent.hw.nvml import HealthEvent, NvmlBackend, NvmlError, NvmlUnavailable, mig_memory_gb
+from agent.hw.nvml import HealthEvent, NvmlBackend, NvmlError, NvmlUnavailable
+from agent.hw.nvml_facts import mig_memory_gb
 from agent.hw.sim.machines import load_spec, open_simulated
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.spec import machine_spec_from_dict

@@ -1,4 +1,4 @@
-"""agent.hw.sysfs: the reader on a hand-written tree, bus id and cpulist helpers, and the
+"""agent.hw.sysfs: the reader on a hand-written tree, and the
 fake-tree writer meeting the reader only through the files it writes."""
 
 from __future__ import annotations
@@ -12,18 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.errors import InputFormatError
-from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree
-from agent.hw.sysfs import (
-    BusIdError,
-    NumaNode,
-    RdmaNic,
-    SysfsReader,
+from agent.formats import (
     format_cpulist,
     nvml_to_sysfs_bus_id,
     parse_cpulist,
     sysfs_to_nvml_bus_id,
 )
+from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree
+from agent.hw.sysfs import NumaNode, RdmaNic, SysfsReader
 from agent.topology.model import PcieLevel
 
 FIXTURE = str(Path(__file__).parent / "fixtures" / "sysfs" / "two-socket")
@@ -40,79 +36,6 @@ NIC_SW1 = "0000:9d:00.0"  # socket 1, below the outer switch only
 @pytest.fixture
 def reader() -> SysfsReader:
     return SysfsReader(FIXTURE)
-
-
-# --------------------------------------------------------------------------- bus ids
-def test_nvml_bus_id_converts_to_sysfs_spelling() -> None:
-    assert nvml_to_sysfs_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
-    assert nvml_to_sysfs_bus_id("00000001:C1:1F.7") == "0001:c1:1f.7"
-
-
-def test_sysfs_bus_id_converts_to_nvml_spelling() -> None:
-    assert sysfs_to_nvml_bus_id("0000:3b:00.0") == "00000000:3B:00.0"
-
-
-def test_bus_id_conversion_accepts_either_spelling_and_legacy_nvml_ids() -> None:
-    assert nvml_to_sysfs_bus_id("0000:3b:00.0") == "0000:3b:00.0"
-    assert sysfs_to_nvml_bus_id("00000000:3B:00.0") == "00000000:3B:00.0"
-    # NVML's busIdLegacy has a 4-digit domain in upper case
-    assert nvml_to_sysfs_bus_id("0000:3B:00.0") == "0000:3b:00.0"
-
-
-def test_vmd_domains_wider_than_four_digits_survive_conversion() -> None:
-    assert nvml_to_sysfs_bus_id("00010000:01:00.0") == "10000:01:00.0"
-    assert sysfs_to_nvml_bus_id("10000:01:00.0") == "00010000:01:00.0"
-
-
-@pytest.mark.parametrize(
-    "bad", ["", "3b:00.0", "0000:3b:00", "0000:3b:00.8", "0000:3b:20.0", "gpu0"]
-)
-def test_malformed_bus_id_raises_a_usage_error_that_is_also_a_value_error(bad: str) -> None:
-    with pytest.raises(BusIdError, match="not a PCI bus id") as info:
-        nvml_to_sysfs_bus_id(bad)
-    assert isinstance(info.value, InputFormatError) and isinstance(info.value, ValueError)
-    assert info.value.exit_code == 2
-
-
-@given(st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7))
-@settings(max_examples=50)
-def test_bus_id_spellings_round_trip(domain: int, bus: int, dev: int, fn: int) -> None:
-    sysfs = f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
-    nvml = sysfs_to_nvml_bus_id(sysfs)
-    assert len(nvml) == 16 and nvml == nvml.upper()
-    assert nvml_to_sysfs_bus_id(nvml) == sysfs
-
-
-# --------------------------------------------------------------------------- cpulists
-def test_parse_cpulist_expands_ranges_and_singles() -> None:
-    assert parse_cpulist("0-3,8\n") == [0, 1, 2, 3, 8]
-    assert parse_cpulist("0-31,64-95") == [*range(32), *range(64, 96)]
-
-
-def test_parse_cpulist_of_an_empty_list_is_empty() -> None:
-    assert parse_cpulist("\n") == []
-
-
-def test_parse_cpulist_understands_the_kernels_strided_groups() -> None:
-    assert parse_cpulist("0-15:2/4") == [0, 1, 4, 5, 8, 9, 12, 13]
-
-
-@pytest.mark.parametrize("bad", ["a", "3-1", "1,,2", "0-7:3/2", "-1"])
-def test_parse_cpulist_rejects_garbage(bad: str) -> None:
-    with pytest.raises(ValueError, match="cpulist"):
-        parse_cpulist(bad)
-
-
-def test_format_cpulist_collapses_runs() -> None:
-    assert format_cpulist([8, 0, 1, 2, 3, 3]) == "0-3,8"
-    assert format_cpulist([]) == ""
-    assert format_cpulist([5]) == "5"
-
-
-@given(st.sets(st.integers(0, 300), max_size=40))
-@settings(max_examples=60)
-def test_cpulists_round_trip(cpus: set[int]) -> None:
-    assert parse_cpulist(format_cpulist(cpus)) == sorted(cpus)
 
 
 # --------------------------------------------------------------------------- reader on the fixture
@@ -305,7 +228,18 @@ WRITER_LEVELS = [
         PcieLevel.NODE,
     ),
     (_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:9b:00.0", "pci0000:9a", numa=1), PcieLevel.SYS),
-    (_dev("0000:1a:00.0", "pci0000:17"), _dev("0000:9b:00.0", "pci0000:9a", numa=None), None),
+    # no NUMA node (the kernel then gives the device every CPU): unknown on a 2-node machine
+    (
+        _dev("0000:1a:00.0", "pci0000:17"),
+        PciDeviceSpec("0000:9b:00.0", None, "0-7", "pci0000:9a"),
+        None,
+    ),
+    # no NUMA node but disjoint local CPUs: different nodes, whichever they are
+    (
+        PciDeviceSpec("0000:1a:00.0", None, "0-3", "pci0000:17"),
+        PciDeviceSpec("0000:9b:00.0", None, "4-7", "pci0000:9a"),
+        PcieLevel.SYS,
+    ),
 ]
 
 
@@ -519,6 +453,9 @@ def _level_by_contract(a: PciDeviceSpec, b: PciDeviceSpec, n_nodes: int) -> Pcie
         return PcieLevel.PHB
     if a.numa_node is not None and b.numa_node is not None:
         return PcieLevel.NODE if a.numa_node == b.numa_node else PcieLevel.SYS
+    if a.local_cpulist and b.local_cpulist:
+        if not set(parse_cpulist(a.local_cpulist)) & set(parse_cpulist(b.local_cpulist)):
+            return PcieLevel.SYS  # disjoint local CPUs: different NUMA nodes
     return PcieLevel.NODE if n_nodes <= 1 else None
 
 

@@ -19,14 +19,8 @@ NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`init
 ``fail_on_init_error`` setting (the anchor's ``failOnInitError``): exit 1 (True, default), or
 log and retry until NVML comes up (False): the daemon's loop (``agent.daemon``) does that.
 
-Discovery (:meth:`read_facts`) reads from NVML: count, UUID, name, memory, PCI bus id,
-minor number, compute capability, MIG mode and MIG devices, every NVLink's state and remote
-end, the common-ancestor PCIe level of each GPU pair, P2P NVLink status, GPU fabric info,
-driver and CUDA driver versions; and from sysfs (when a :class:`SysfsReader` is given): NUMA
-node and local cpulist of each GPU, NUMA distances and cpulists, RDMA NICs and their PCIe
-level to each GPU, the DMI product name. NVSwitch systems: a link whose remote end is an
-NVSwitch makes every pair of switch-attached GPUs (in one fabric clique, P2P-capable over
-NVLink) NVLinked with the smaller of their switch-link counts, ``Link.nvswitch=True``.
+Discovery (:meth:`read_facts`) is :mod:`agent.hw.nvml_facts`, which calls NVML only
+through this wrapper. Health events (:meth:`wait_events`) and the GPU probe live here.
 """
 
 from __future__ import annotations
@@ -35,20 +29,21 @@ import ctypes
 import logging
 import threading
 import time
-import uuid as uuid_mod
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from agent.errors import AgentError
-from agent.records import Gpu, Link, MigDevice, Nic, NodeFacts, PcieLevel
+from agent.hw.backend import Backend, HealthEvent
+from agent.hw.nvml_facts import read_node_facts
+from agent.records import NodeFacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.sysfs import SysfsReader
 
+__all__ = ["HealthEvent", "NvmlBackend", "NvmlError", "NvmlUnavailable"]
+
 log = logging.getLogger(__name__)
 
-_MIB = 1 << 20
 _MISSING = object()
 #: Waits that block: never taken under the library lock.
 _BLOCKING = frozenset({"nvmlEventSetWait", "nvmlEventSetWait_v2"})
@@ -79,84 +74,7 @@ class NvmlError(AgentError):
         self.gpu = gpu
 
 
-@dataclass(frozen=True)
-class HealthEvent:
-    """Something happened to a GPU: an XID, a double-bit ECC error, or it fell off the bus."""
-
-    gpu_index: int
-    kind: str  # "xid" | "ecc_dbe" | "lost"
-    xid: int | None = None
-
-
-def _text(value: object) -> str:
-    """pynvml returns ``str`` or ``bytes`` depending on its version and the field."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace").rstrip("\x00")
-    return str(value)
-
-
-def _nvml_bus_id(value: object) -> str:
-    """NVML's bus-id spelling (``00000000:3B:00.0``) of whatever NVML returned."""
-    text = _text(value).strip()
-    parts = text.split(":")
-    if len(parts) == 3:
-        domain, bus, rest = parts
-        try:
-            return f"{int(domain, 16):08X}:{int(bus, 16):02X}:{rest.upper()}"
-        except ValueError:
-            pass
-    return text.upper()
-
-
-def _cpulist_from_words(words: Iterable[int]) -> str:
-    """``[0xF000F, 0]`` (64-bit affinity words) -> ``"0-3,16-19"``."""
-    cpus = [
-        w_i * 64 + bit
-        for w_i, word in enumerate(words)
-        for bit in range(64)
-        if int(word) >> bit & 1
-    ]
-    parts: list[str] = []
-    start = prev = None
-    for cpu in cpus + [None]:  # type: ignore[list-item]
-        if start is None:
-            start = prev = cpu
-        elif cpu is not None and cpu == prev + 1:  # type: ignore[operator]
-            prev = cpu
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = cpu
-    return ",".join(parts)
-
-
-def _cpus_of(cpulist: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in cpulist.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        try:
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        except ValueError:
-            return set()
-    return cpus
-
-
-def mig_memory_gb(parent_total_bytes: int, mig_memory_mib: int) -> int:
-    """The ``<N>gb`` of a MIG profile name, computed as NVIDIA's device plugin (go-nvlib)
-    does: the MIG memory's fraction of the GPU rounded up to eighths, times the GPU's
-    memory in whole GB."""
-    one_gb = 1 << 30
-    if parent_total_bytes <= 0:
-        return round(mig_memory_mib / 1024)
-    fraction = mig_memory_mib * _MIB / parent_total_bytes
-    fraction = -(-fraction * 8 // 1) / 8  # ceil to eighths
-    total_gb = (parent_total_bytes + one_gb - 1) // one_gb
-    return int(round(fraction * total_gb))
-
-
-class NvmlBackend:
+class NvmlBackend(Backend):
     """NVML (real or fake) behind one wrapper; see the module docstring.
 
     ``lib``: None for the real ``pynvml`` (imported in :meth:`init`), else a module-like
@@ -299,14 +217,31 @@ class NvmlBackend:
                 return gpu
         return None
 
-    def call(self, function_name: str, *args: Any, gpu: int | None = None) -> Any:
+    def call(
+        self,
+        function_name: str,
+        *args: Any,
+        gpu: int | None = None,
+        absent: tuple[int, ...] = (),
+    ) -> Any:
         """Call ``lib.<function_name>(*args)``, translating NVML errors (module docstring).
 
         ``gpu`` names the GPU the call is about; when None it is inferred from a device
-        handle among ``args`` (handles from :meth:`handle`). Returns the function's result,
-        or None where the fact is absent.
+        handle among ``args`` (handles from :meth:`handle`). ``absent``: further NVML error
+        codes that mean "no such thing" here (None, not counted), as NotSupported does.
+        Returns the function's result, or None where the fact is absent.
         """
-        return self._invoke(function_name, args, gpu, ())
+        return self._invoke(function_name, args, gpu, absent)
+
+    def has(self, name: str) -> bool:
+        """Whether the NVML library in use has ``name`` (a function, constant or struct)."""
+        return self._lib is not None and hasattr(self._lib, name)
+
+    @property
+    def missing_functions(self) -> frozenset[str]:
+        """The NVML functions found missing from this driver so far (each logged once)."""
+        with self._lock:
+            return frozenset(self._missing_logged)
 
     def _invoke(
         self, function_name: str, args: Sequence[Any], gpu: int | None, absent: tuple[int, ...]
@@ -525,273 +460,7 @@ class NvmlBackend:
 
     # ------------------------------------------------------------------ discovery
     def read_facts(self, source: str = "nvml") -> NodeFacts:
-        """Discover the node (module docstring), as read: ``agent.topology`` derives the
-        model from it. GPUs that are lost while being read are returned with ``lost=True``
-        and whatever was read before; the others are complete."""
-        notes: list[str] = []
-        n = self.device_count()
-        driver = self.call("nvmlSystemGetDriverVersion")
-        cuda = self.call("nvmlSystemGetCudaDriverVersion_v2")
-        if cuda is None:
-            cuda = self.call("nvmlSystemGetCudaDriverVersion")
-        sysfs = self._sysfs
-        numa_nodes = sysfs.numa_nodes() if sysfs is not None else {}
-
-        gpus: list[Gpu] = []
-        handles: list[Any] = []
-        for index in range(n):
-            gpu, h = self._read_gpu(index, numa_nodes, notes)
-            gpus.append(gpu)
-            handles.append(h)
-
-        links = self._read_links(gpus, handles, notes)
-        nics: list[Nic] = []
-        if sysfs is not None:
-            for nic in sysfs.rdma_nics():
-                levels = tuple(
-                    sysfs.pcie_level(nic.pci_bus_id, g.pci_bus_id)
-                    if nic.pci_bus_id and g.pci_bus_id
-                    else None
-                    for g in gpus
-                )
-                root = sysfs.pcie_root(nic.pci_bus_id) if nic.pci_bus_id else None
-                nics.append(Nic(nic.name, nic.pci_bus_id, nic.numa_node, levels, pcie_root=root))
-        lost = sorted(g.index for g in gpus if g.lost)
-        if lost:
-            notes.append(f"GPUs lost during discovery (partly read): {lost}")
-        return NodeFacts(
-            gpus=tuple(gpus),
-            links=tuple(links),
-            nics=tuple(nics),
-            numa_distances={k: tuple(v.distances) for k, v in numa_nodes.items()},
-            numa_cpulists={k: v.cpulist for k, v in numa_nodes.items()},
-            driver_version=_text(driver) if driver is not None else None,
-            cuda_driver_version=f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}" if cuda else None,
-            machine=sysfs.product_name() if sysfs is not None else None,
-            source=source,
-            notes=tuple(notes),
-        )
-
-    def _read_gpu(
-        self, index: int, numa_nodes: dict[int, Any], notes: list[str]
-    ) -> tuple[Gpu, Any]:
-        h = self.handle(index)
-        call = self.call
-        # identity first: a GPU lost half-way is still known by UUID and bus id
-        uuid = call("nvmlDeviceGetUUID", h, gpu=index) if h is not None else None
-        pci = call("nvmlDeviceGetPciInfo", h, gpu=index) if h is not None else None
-        name = call("nvmlDeviceGetName", h, gpu=index) if h is not None else None
-        memory = call("nvmlDeviceGetMemoryInfo", h, gpu=index) if h is not None else None
-        minor = call("nvmlDeviceGetMinorNumber", h, gpu=index) if h is not None else None
-        cc = call("nvmlDeviceGetCudaComputeCapability", h, gpu=index) if h is not None else None
-        bus_id = _nvml_bus_id(pci.busId) if pci is not None else ""
-        total_bytes = int(memory.total) if memory is not None else 0
-
-        mig_enabled = False
-        mig_devices: tuple[MigDevice, ...] = ()
-        mode = call("nvmlDeviceGetMigMode", h, gpu=index) if h is not None else None
-        # GetMigMode answers on MIG-capable GPUs and is NotSupported (None) elsewhere
-        mig_capable = mode is not None if h is not None else None
-        if mode is None and "nvmlDeviceGetMigMode" in self._missing_logged:
-            mig_capable = None  # a driver without the function says nothing either way
-        if mode is not None and int(mode[0]) == self.const("NVML_DEVICE_MIG_ENABLE"):
-            mig_enabled = True
-            mig_devices = self._read_mig(index, h, total_bytes)
-
-        cluster, clique = self._read_fabric(index, h)
-
-        numa: int | None = None
-        cpulist: str | None = None
-        pci_class: int | None = None
-        pcie_root: str | None = None
-        if self._sysfs is not None and bus_id:
-            pcie_root = self._sysfs.pcie_root(bus_id)
-            numa = self._sysfs.pci_numa_node(bus_id)
-            cpulist = self._sysfs.pci_local_cpulist(bus_id)
-            pci_class = self._sysfs.pci_class(bus_id)
-        if cpulist is None and h is not None:
-            words = call(
-                "nvmlDeviceGetCpuAffinity",
-                h,
-                max(1, -(-self._cpu_count(numa_nodes) // 64)),
-                gpu=index,
-            )
-            if words is not None:
-                cpulist = _cpulist_from_words(words) or None
-        if numa is None and cpulist and numa_nodes:
-            mine = _cpus_of(cpulist)
-            matches = [
-                k for k, node in numa_nodes.items() if mine and mine <= _cpus_of(node.cpulist)
-            ]
-            if len(matches) == 1:
-                numa = matches[0]
-                notes.append(f"GPU {index}: NUMA node {numa} inferred from its CPU affinity")
-        if numa is None and h is not None and not numa_nodes:
-            numa = call("nvmlDeviceGetNumaNodeId", h, gpu=index)
-            if numa is not None:
-                notes.append(f"GPU {index}: NUMA node {numa} from nvmlDeviceGetNumaNodeId")
-
-        lost = index in self._lost
-        if uuid is None:
-            uuid = f"GPU-unknown-{index}"
-            notes.append(f"GPU {index}: UUID unknown (GPU lost), shown as {uuid}")
-        gpu = Gpu(
-            index=index,
-            uuid=_text(uuid),
-            name=_text(name) if name is not None else "unknown",
-            memory_mib=total_bytes // _MIB if memory is not None else None,
-            pci_bus_id=bus_id,
-            minor_number=int(minor) if minor is not None else None,
-            compute_capability=(int(cc[0]), int(cc[1])) if cc is not None else None,
-            mig_enabled=mig_enabled,
-            mig_capable=mig_capable,
-            mig_devices=mig_devices,
-            numa_node=numa,
-            cpu_affinity=cpulist,
-            pci_class=pci_class,
-            fabric_cluster_uuid=cluster,
-            fabric_clique_id=clique,
-            lost=lost,
-            pcie_root=pcie_root,
-        )
-        return gpu, (None if lost else h)
-
-    def _cpu_count(self, numa_nodes: dict[int, Any]) -> int:
-        highest = 0
-        for node in numa_nodes.values():
-            cpus = _cpus_of(node.cpulist)
-            if cpus:
-                highest = max(highest, max(cpus) + 1)
-        return max(highest, 1024)
-
-    def _read_mig(self, index: int, h: Any, total_bytes: int) -> tuple[MigDevice, ...]:
-        count = self.call("nvmlDeviceGetMaxMigDeviceCount", h, gpu=index) or 0
-        not_found = (self.const("NVML_ERROR_NOT_FOUND"), self.const("NVML_ERROR_INVALID_ARGUMENT"))
-        out: list[MigDevice] = []
-        for slot in range(int(count)):
-            mh = self._invoke("nvmlDeviceGetMigDeviceHandleByIndex", (h, slot), index, not_found)
-            if mh is None:
-                continue
-            uuid = self.call("nvmlDeviceGetUUID", mh, gpu=index)
-            attrs = self.call("nvmlDeviceGetAttributes", mh, gpu=index)
-            if uuid is None or attrs is None:
-                continue
-            gi = self.call("nvmlDeviceGetGpuInstanceId", mh, gpu=index)
-            ci = self.call("nvmlDeviceGetComputeInstanceId", mh, gpu=index)
-            gi_slices, ci_slices = (
-                int(attrs.gpuInstanceSliceCount),
-                int(attrs.computeInstanceSliceCount),
-            )
-            memory_mib = int(attrs.memorySizeMB)
-            base = f"{gi_slices}g.{mig_memory_gb(total_bytes, memory_mib)}gb"
-            out.append(
-                MigDevice(
-                    uuid=_text(uuid),
-                    parent_index=index,
-                    index=slot,
-                    profile=base if ci_slices == gi_slices else f"{ci_slices}c.{base}",
-                    memory_mib=memory_mib,
-                    gi_id=int(gi) if gi is not None else None,
-                    ci_id=int(ci) if ci is not None else None,
-                )
-            )
-        return tuple(out)
-
-    def _read_fabric(self, index: int, h: Any) -> tuple[str | None, int | None]:
-        if h is None:
-            return None, None
-        lib = self._lib
-        info: Any = None
-        if hasattr(lib, "nvmlDeviceGetGpuFabricInfoV") and hasattr(lib, "c_nvmlGpuFabricInfoV_t"):
-            info = lib.c_nvmlGpuFabricInfoV_t()
-            info.version = self.const("nvmlGpuFabricInfo_v2")
-            if self.call("nvmlDeviceGetGpuFabricInfoV", h, ctypes.byref(info), gpu=index) is None:
-                info = None
-        elif hasattr(lib, "nvmlDeviceGetGpuFabricInfo") and hasattr(lib, "c_nvmlGpuFabricInfo_t"):
-            info = lib.c_nvmlGpuFabricInfo_t()
-            if self.call("nvmlDeviceGetGpuFabricInfo", h, ctypes.byref(info), gpu=index) is None:
-                info = None
-        if info is None:
-            return None, None
-        if int(info.state) != self.const("NVML_GPU_FABRIC_STATE_COMPLETED") or int(
-            info.status
-        ) != self.const("NVML_SUCCESS"):
-            return None, None
-        raw = bytes(bytearray(info.clusterUuid))
-        cluster = str(uuid_mod.UUID(bytes=raw)) if any(raw) else None
-        return cluster, int(info.cliqueId)
-
-    def _read_links(self, gpus: list[Gpu], handles: list[Any], notes: list[str]) -> list[Link]:
-        n = len(gpus)
-        by_bus = {g.pci_bus_id: g.index for g in gpus if g.pci_bus_id}
-        direct: dict[tuple[int, int], int] = {}
-        switch_links = [0] * n
-        gpu_type = self.const("NVML_NVLINK_DEVICE_TYPE_GPU", 0)
-        switch_type = self.const("NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
-        enabled = self.const("NVML_FEATURE_ENABLED", 1)
-        max_links = int(self.const("NVML_NVLINK_MAX_LINKS", 18))
-        invalid = (self.const("NVML_ERROR_INVALID_ARGUMENT"),)
-        for i, h in enumerate(handles):
-            if h is None:
-                continue
-            for link in range(max_links):
-                state = self._invoke("nvmlDeviceGetNvLinkState", (h, link), i, invalid)
-                if state is None or int(state) != enabled:
-                    continue
-                kind = self.call("nvmlDeviceGetNvLinkRemoteDeviceType", h, link, gpu=i)
-                remote = self.call("nvmlDeviceGetNvLinkRemotePciInfo", h, link, gpu=i)
-                remote_gpu = by_bus.get(_nvml_bus_id(remote.busId)) if remote is not None else None
-                if kind is not None and int(kind) == switch_type:
-                    switch_links[i] += 1
-                elif (
-                    remote_gpu is not None
-                    and remote_gpu != i
-                    and (kind is None or int(kind) == gpu_type)
-                ):
-                    key = (i, remote_gpu)
-                    direct[key] = direct.get(key, 0) + 1
-                elif kind is None and remote is not None and remote_gpu is None:
-                    # drivers without RemoteDeviceType: a remote end that is no GPU is a switch
-                    switch_links[i] += 1
-        nvlink_cap = self.const("NVML_P2P_CAPS_INDEX_NVLINK", 2)
-        p2p_ok = self.const("NVML_P2P_STATUS_OK", 0)
-        links: list[Link] = []
-        for a in range(n):
-            for b in range(a + 1, n):
-                ha, hb = handles[a], handles[b]
-                level: PcieLevel | None = None
-                if ha is not None and hb is not None:
-                    raw = self.call("nvmlDeviceGetTopologyCommonAncestor", ha, hb, gpu=a)
-                    if raw is not None and int(raw) in PcieLevel._value2member_map_:
-                        level = PcieLevel(int(raw))
-                if (
-                    level is None
-                    and self._sysfs is not None
-                    and gpus[a].pci_bus_id
-                    and gpus[b].pci_bus_id
-                ):
-                    level = self._sysfs.pcie_level(gpus[a].pci_bus_id, gpus[b].pci_bus_id)
-                count = max(direct.get((a, b), 0), direct.get((b, a), 0))
-                via_switch = False
-                if switch_links[a] and switch_links[b] and self._same_fabric(gpus[a], gpus[b]):
-                    status = self.call("nvmlDeviceGetP2PStatus", ha, hb, nvlink_cap, gpu=a)
-                    if status is None or int(status) == p2p_ok:
-                        count += min(switch_links[a], switch_links[b])
-                        via_switch = True
-                if count or level is not None:
-                    links.append(Link(a, b, count, level, via_switch))
-        if any(switch_links):
-            notes.append(
-                "NVSwitch: every pair of switch-attached GPUs counts the smaller of their "
-                "switch-link counts as NVLinks"
-            )
-        return links
-
-    @staticmethod
-    def _same_fabric(a: Gpu, b: Gpu) -> bool:
-        if a.fabric_clique_id is None or b.fabric_clique_id is None:
-            return True
-        return (a.fabric_cluster_uuid, a.fabric_clique_id) == (
-            b.fabric_cluster_uuid,
-            b.fabric_clique_id,
-        )
+        """Discover the node, as read (:func:`agent.hw.nvml_facts.read_node_facts`):
+        ``agent.topology`` derives the model from it. GPUs that are lost while being read are
+        returned with ``lost=True`` and whatever was read before; the others are complete."""
+        return read_node_facts(self, self._sysfs, source)

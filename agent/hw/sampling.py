@@ -6,7 +6,7 @@ has no answer (NotSupported, an older driver, a field that failed). The metrics 
 these fields to dcgm-exporter's names; it never calls NVML itself.
 
 =================================  =====================================================
-GpuSample field                    NVML source (all through ``NvmlBackend.call``)
+GpuSample field                    NVML source (all through ``Backend.call``)
 =================================  =====================================================
 sm_clock_mhz, mem_clock_mhz        nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM / NVML_CLOCK_MEM)
 gpu_temp_c                         nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU)
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent.errors import AgentError
-from agent.hw.nvml import NvmlBackend
+from agent.hw.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,11 @@ _Step = Callable[[int, Any, "_GpuState"], None]
 
 
 class NvmlSampler:
-    """Reads GPU telemetry through an :class:`NvmlBackend` (module docstring); keeps each
-    GPU's GPM sample between rounds. Not thread-safe: owned by one sampling thread."""
+    """Reads GPU telemetry through a :class:`agent.hw.backend.Backend` (module docstring);
+    keeps each GPU's GPM sample between rounds. Not thread-safe: owned by one sampling
+    thread."""
 
-    def __init__(self, backend: NvmlBackend) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self._state: dict[int, _GpuState] = {}
         self._warned: set[tuple[int, str]] = set()

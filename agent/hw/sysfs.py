@@ -28,30 +28,15 @@ import os
 import re
 from dataclasses import dataclass
 
-from agent.formats import (
-    BusIdError,
-    format_cpulist,
-    nvml_to_sysfs_bus_id,
-    parse_cpulist,
-    sysfs_to_nvml_bus_id,
-)
+from agent.formats import BusIdError, nvml_to_sysfs_bus_id, parse_cpulist
+from agent.hw.pcie import PciePlace, pcie_level
 from agent.records import PcieLevel
 
-__all__ = [
-    "BusIdError",
-    "NumaNode",
-    "RdmaNic",
-    "SysfsReader",
-    "format_cpulist",
-    "nvml_to_sysfs_bus_id",
-    "parse_cpulist",
-    "sysfs_to_nvml_bus_id",
-]
+__all__ = ["HOST_BRIDGE_RE", "NumaNode", "RdmaNic", "SysfsReader"]
 
 
-# PCI bus ids and cpulists live in agent.formats (one definition each)
 #: a host bridge directory under devices/: "pci0000:17"
-_HOST_BRIDGE_RE = re.compile(r"^pci(?P<domain>[0-9a-f]{4,8}):(?P<bus>[0-9a-f]{2})$")
+HOST_BRIDGE_RE = re.compile(r"^pci(?P<domain>[0-9a-f]{4,8}):(?P<bus>[0-9a-f]{2})$")
 
 
 def _try_sysfs_bus_id(bus_id: str) -> str | None:
@@ -59,7 +44,6 @@ def _try_sysfs_bus_id(bus_id: str) -> str | None:
         return nvml_to_sysfs_bus_id(bus_id)
     except BusIdError:
         return None
-
 
 
 # --------------------------------------------------------------------------- reader
@@ -126,7 +110,7 @@ class SysfsReader:
         if parts[0] == "..":
             return None
         for i, part in enumerate(parts):
-            if _HOST_BRIDGE_RE.match(part):
+            if HOST_BRIDGE_RE.match(part):
                 # the prefix above the host bridge keeps bridges of different VMBus
                 # channels (same "pci" name in different domains) apart
                 return ("/".join(parts[: i + 1]), *parts[i + 1 :])
@@ -176,51 +160,24 @@ class SysfsReader:
             return None
 
     def pcie_level(self, bus_id_a: str, bus_id_b: str) -> PcieLevel | None:
-        """How devices ``a`` and ``b`` are connected, from their real paths in the PCIe tree.
-
-        Under one host bridge the deepest common ancestor decides: the host bridge itself
-        -> PHB; a root port (functions of one device) -> PIX; inside switches -> PIX when the
-        path between them crosses one switch, PXB when it crosses several. Switches are
-        counted as (upstream, downstream) port pairs below the root port. Under different
-        host bridges: NODE when both devices report the same NUMA node, SYS when they
-        report different ones; when either reports none (-1), NODE if the machine has at
-        most one NUMA node, else None. None also when either device is unknown, when they
-        are the same device, or when one is a bridge above the other.
-        """
-        pa, pb = self._pci_path(bus_id_a), self._pci_path(bus_id_b)
-        if pa is None or pb is None or pa == pb:
+        """How devices ``a`` and ``b`` are connected, from their real paths in the PCIe tree,
+        their NUMA nodes and local CPUs: the rule of :func:`agent.hw.pcie.pcie_level`. None
+        also when either device is unknown."""
+        pa, pb = self._pcie_place(bus_id_a), self._pcie_place(bus_id_b)
+        if pa is None or pb is None:
             return None
-        common = 0
-        for x, y in zip(pa, pb):
-            if x != y:
-                break
-            common += 1
-        if common == 0:
-            return self._cross_host_bridge_level(bus_id_a, bus_id_b)
-        if common == len(pa) or common == len(pb):
-            return None  # one is an ancestor (a bridge) of the other
-        ancestor = common - 1  # index of the deepest common component
-        if ancestor == 0:
-            return PcieLevel.PHB
-        if ancestor == 1:
-            return PcieLevel.PIX
+        return pcie_level(pa, pb, len(self.numa_nodes()))
 
-        def switch_of(index: int) -> int:
-            # components 2,3 are switch 0's (upstream, downstream) ports, 4,5 switch 1's ...
-            return (index - 2) // 2
-
-        first = switch_of(ancestor)
-        crossed_a = switch_of(len(pa) - 2) - first + 1  # len-1 is the device itself
-        crossed_b = switch_of(len(pb) - 2) - first + 1
-        crossed = crossed_a + crossed_b - 1  # the ancestor's switch is on both sides
-        return PcieLevel.PIX if crossed <= 1 else PcieLevel.PXB
-
-    def _cross_host_bridge_level(self, bus_id_a: str, bus_id_b: str) -> PcieLevel | None:
-        na, nb = self.pci_numa_node(bus_id_a), self.pci_numa_node(bus_id_b)
-        if na is not None and nb is not None:
-            return PcieLevel.NODE if na == nb else PcieLevel.SYS
-        # A machine with one NUMA node (or a kernel without NUMA) has no SMP link to cross.
-        return PcieLevel.NODE if len(self.numa_nodes()) <= 1 else None
+    def _pcie_place(self, bus_id: str) -> PciePlace | None:
+        path = self._pci_path(bus_id)
+        if path is None:
+            return None
+        cpulist = self.pci_local_cpulist(bus_id)
+        try:
+            cpus = frozenset(parse_cpulist(cpulist)) if cpulist is not None else None
+        except ValueError:
+            cpus = None
+        return PciePlace(path, self.pci_numa_node(bus_id), cpus)
 
     # ------------------------------------------------------------------ NUMA
     def numa_nodes(self) -> dict[int, NumaNode]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from agent.errors import InputFormatError
+from agent.formats import parse_cpulist
 from agent.hw.sim.catalogue import GPU_MODELS, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS
 from agent.hw.sim.spec import GpuSpec, MachineSpec, NicSpec, NvSwitchSpec, nvml_bus_id
@@ -59,8 +60,9 @@ def spec_from_facts(facts: NodeFacts, name: str = "pasted") -> MachineSpec:
     direct, switch = _nvlinks(facts, where)
     ports = _ports(n, direct, switch, where)
     gpus = tuple(_gpu_spec(facts, i, ports[i], bus_of[i], place[i]) for i in range(n))
+    nic_cpus, cpu_notes = _nic_cpulists(facts, nic_numa)
     nics = tuple(
-        NicSpec(nic.name, bus_of[n + k], nic_numa[k], *place[n + k])
+        NicSpec(nic.name, bus_of[n + k], nic_numa[k], *place[n + k], cpulist=nic_cpus[k])
         for k, nic in enumerate(facts.nics)
     )
     return MachineSpec(
@@ -75,7 +77,11 @@ def spec_from_facts(facts: NodeFacts, name: str = "pasted") -> MachineSpec:
         driver_version=facts.driver_version,
         cuda_driver_version=_cuda_int(facts.cuda_driver_version),
         description=f"synthesised from {where}",
-        notes=(*facts.notes, "PCI bus IDs and the PCIe tree are synthetic (simulated machine)"),
+        notes=(
+            *facts.notes,
+            "PCI bus IDs and the PCIe tree are synthetic (simulated machine)",
+            *cpu_notes,
+        ),
     )
 
 
@@ -99,6 +105,40 @@ def _nic_numa_nodes(facts: NodeFacts) -> list[int | None]:
         known = [x for x in near if x is not None]
         out.append(nic.numa_node if nic.numa_node is not None else (known[0] if known else None))
     return out
+
+
+def _nic_cpulists(
+    facts: NodeFacts, nic_numa: Sequence[int | None]
+) -> tuple[list[str | None], list[str]]:
+    """Local CPUs for the NICs whose NUMA node is unknown, so the fake sysfs tells sockets
+    apart without NUMA ids the input never gave (:func:`agent.hw.pcie.pcie_level`: disjoint
+    local CPUs are SYS): a GPU's CPU affinity where the NIC is closer than SYS to it, else,
+    for a NIC SYS to every GPU with a known affinity, CPUs of no GPU. And the note that says
+    which NICs got such CPUs."""
+    affinities = [g.cpu_affinity for g in facts.gpus]
+    known = [parse_cpulist(a) for a in affinities if a]
+    spare = str(max((max(c) for c in known if c), default=-1) + 1)
+    out: list[str | None] = []
+    apart: list[str] = []
+    for nic, numa in zip(facts.nics, nic_numa):
+        levels = list(enumerate(nic.levels))[: len(affinities)]
+        near = [affinities[g] for g, lv in levels if lv not in (None, PcieLevel.SYS)]
+        far = [affinities[g] for g, lv in levels if lv == PcieLevel.SYS and affinities[g]]
+        if numa is not None:
+            out.append(None)  # its NUMA node's CPUs
+        elif any(near):
+            out.append(next(a for a in near if a))
+        elif far and not near:
+            out.append(spare)
+            apart.append(nic.name)
+        else:
+            out.append(None)
+    notes = (
+        [f"NICs SYS to every GPU sit on synthetic CPU {spare} in the fake sysfs: {', '.join(apart)}"]
+        if apart
+        else []
+    )
+    return out, notes
 
 
 def _numa_nodes(

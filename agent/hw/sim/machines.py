@@ -99,7 +99,7 @@ def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
         for g in spec.gpus
     ]
     for nic in spec.nics:
-        cpus = (
+        cpus = nic.cpulist or (
             spec.numa_nodes[nic.numa_node][0]
             if nic.numa_node is not None and nic.numa_node in spec.numa_nodes
             else None

@@ -40,6 +40,8 @@ import uuid as uuid_mod
 import zlib
 from typing import Any
 
+from agent.formats import parse_cpulist
+from agent.hw.pcie import PciePlace, pcie_level
 from agent.hw.sim.nvml_core import _Handle, _Link, api
 from agent.hw.sim.nvml_telemetry import TelemetryApi
 from agent.hw.sim.nvml_types import (
@@ -54,7 +56,8 @@ from agent.hw.sim.nvml_types import (
     c_nvmlMemory_t,
     c_nvmlMemory_v2_t,
 )
-from agent.hw.sim.spec import MigDeviceSpec, nvml_bus_id
+from agent.hw.sim.spec import GpuSpec, MigDeviceSpec, nvml_bus_id
+from agent.hw.sim.sysfs_tree import placement_path
 
 _C = CONSTANTS
 
@@ -63,25 +66,10 @@ def _mig_uuid(gpu_uuid: str, slot: int) -> str:
     return "MIG-" + str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"{gpu_uuid}/mig/{slot}"))
 
 
-def pcie_tree_level(
-    a: tuple[str, tuple[str, ...], int | None, str | None],
-    b: tuple[str, tuple[str, ...], int | None, str | None],
-) -> int:
-    """NVML topology level of two devices given as (host_bridge, switches, numa_node, board):
-    the same rules as the sysfs tree (contract 1)."""
-    hb_a, sw_a, numa_a, board_a = a
-    hb_b, sw_b, numa_b, board_b = b
-    if board_a is not None and board_a == board_b:
-        return _C["NVML_TOPOLOGY_INTERNAL"]
-    if hb_a == hb_b:
-        if sw_a and sw_b and sw_a[-1] == sw_b[-1]:
-            return _C["NVML_TOPOLOGY_SINGLE"]
-        if set(sw_a) & set(sw_b):
-            return _C["NVML_TOPOLOGY_MULTIPLE"]
-        return _C["NVML_TOPOLOGY_HOSTBRIDGE"]
-    if numa_a is not None and numa_a == numa_b:
-        return _C["NVML_TOPOLOGY_NODE"]
-    return _C["NVML_TOPOLOGY_SYSTEM"]
+def _pcie_place(g: GpuSpec) -> PciePlace:
+    """Where the spec puts GPU ``g`` in the PCIe tree: the place the fake sysfs gives it."""
+    cpus = frozenset(parse_cpulist(g.cpulist)) if g.cpulist else None
+    return PciePlace(placement_path(g.host_bridge, g.switches, g.bus_id), g.numa_node, cpus)
 
 
 class FakeNvml(TelemetryApi):
@@ -208,13 +196,9 @@ class FakeNvml(TelemetryApi):
     def nvmlDeviceGetCpuAffinity(self, handle: _Handle, cpuSetSize: int) -> list[int]:
         g, _ = self._dev(handle, mig_ok=False)
         words = [0] * cpuSetSize
-        for part in (g.cpulist or "").split(","):
-            if not part:
-                continue
-            lo, _, hi = part.partition("-")
-            for cpu in range(int(lo), int(hi or lo) + 1):
-                if cpu // 64 < cpuSetSize:
-                    words[cpu // 64] |= 1 << (cpu % 64)
+        for cpu in parse_cpulist(g.cpulist or ""):
+            if cpu // 64 < cpuSetSize:
+                words[cpu // 64] |= 1 << (cpu % 64)
         return words
 
     # ------------------------------------------------------------------ MIG
@@ -381,19 +365,26 @@ class FakeNvml(TelemetryApi):
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         return wired.kind
 
-    @api
-    def nvmlDeviceGetTopologyCommonAncestor(self, device1: _Handle, device2: _Handle) -> int:
-        a, _ = self._dev(device1, mig_ok=False)
-        b, _ = self._dev(device2, mig_ok=False)
-        if a.index == b.index:
+    def _topology_level(self, a: GpuSpec, b: GpuSpec) -> int | None:
+        """NVML's level of two GPUs: the spec's ``pcie_levels``, else the one PCIe rule
+        (:func:`agent.hw.pcie.pcie_level`) on the places the fake sysfs gives them; None
+        where that rule cannot tell."""
+        if a.index == b.index or (a.board is not None and a.board == b.board):
             return _C["NVML_TOPOLOGY_INTERNAL"]
         key = (min(a.index, b.index), max(a.index, b.index))
         if key in self.spec.pcie_levels:
             return self.spec.pcie_levels[key]
-        return pcie_tree_level(
-            (a.host_bridge, a.switches, a.numa_node, a.board),
-            (b.host_bridge, b.switches, b.numa_node, b.board),
-        )
+        level = pcie_level(_pcie_place(a), _pcie_place(b), len(self.spec.numa_nodes))
+        return int(level) if level is not None else None
+
+    @api
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: _Handle, device2: _Handle) -> int:
+        a, _ = self._dev(device1, mig_ok=False)
+        b, _ = self._dev(device2, mig_ok=False)
+        level = self._topology_level(a, b)
+        if level is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")  # the spec does not place them apart
+        return level
 
     @api
     def nvmlDeviceGetP2PStatus(self, device1: _Handle, device2: _Handle, p2pIndex: int) -> int:
@@ -406,8 +397,8 @@ class FakeNvml(TelemetryApi):
             return _C["NVML_P2P_STATUS_OK"] if nvlinked else _C["NVML_P2P_STATUS_NOT_SUPPORTED"]
         if p2pIndex not in (0, 1, 3, 4):
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
-        level = self.nvmlDeviceGetTopologyCommonAncestor(device1, device2)
-        if nvlinked or level < _C["NVML_TOPOLOGY_SYSTEM"]:
+        level = self._topology_level(a, b)
+        if nvlinked or (level is not None and level < _C["NVML_TOPOLOGY_SYSTEM"]):
             return _C["NVML_P2P_STATUS_OK"]
         return _C["NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED"]
 

@@ -59,6 +59,7 @@ class NicSpec:
     numa_node: int | None = None
     host_bridge: str = "pci0000:00"
     switches: tuple[str, ...] = ()
+    cpulist: str | None = None  # local CPUs (sysfs local_cpulist); None: its NUMA node's
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ _TOP_KEYS = frozenset(
         "faults",
     }
 )
-_NIC_KEYS = frozenset({"name", "bus_id", "numa_node", "host_bridge", "switches"})
+_NIC_KEYS = frozenset({"name", "bus_id", "numa_node", "cpus", "host_bridge", "switches"})
 
 
 class _SpecReader:
@@ -260,7 +261,7 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
                 memory_mib, compute_capability, nvlinks, mig, mig_capable, fabric,
                 gpu_numa_id, board}],
         nvlink: {pairs: [[a, b, links]], nvswitch: {links_per_gpu, bus_ids, gpus}},
-        nics: [{name, bus_id, numa_node, host_bridge, switches}],
+        nics: [{name, bus_id, numa_node, cpus, host_bridge, switches}],
         pcie_levels: {"0-1": PIX}, faults: {lost_gpus, unsupported, init_error}
     """
     r = _SpecReader(source)
@@ -509,6 +510,7 @@ def _read_nics(r: _SpecReader, value: object) -> tuple[NicSpec, ...]:
                 numa_node=r.opt_int(e.get("numa_node"), f"{where}.numa_node", minimum=0),
                 host_bridge=r.str_(e.get("host_bridge", "pci0000:00"), f"{where}.host_bridge"),
                 switches=r.names(e.get("switches"), f"{where}.switches"),
+                cpulist=r.cpulist(e["cpus"], f"{where}.cpus") if e.get("cpus") is not None else None,
             )
         )
     return tuple(nics)

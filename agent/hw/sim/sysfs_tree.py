@@ -3,17 +3,18 @@ described in its module docstring) for simulated machines and tests."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.formats import format_cpulist, parse_cpulist
 from agent.formats import parse_bus_id as _parse_bus_id
 from agent.formats import sysfs_spelling as _sysfs_spelling
-from agent.hw.sysfs import _HOST_BRIDGE_RE
+from agent.hw.sysfs import HOST_BRIDGE_RE
 
-__all__ = ["PciDeviceSpec", "SysfsTreeSpec", "write_tree"]
+__all__ = ["PciDeviceSpec", "SysfsTreeSpec", "placement_path", "write_tree"]
 
 
 def _format_cpumask(cpus: Iterable[int]) -> str:
@@ -76,7 +77,7 @@ class _Node:
     def __init__(self, name: str, ident: tuple[str, str, str] | None) -> None:
         self.name = name  # "pci0000:17" or a sysfs bdf
         self.ident = ident  # None for the host bridge
-        self.children: dict[object, _Node] = {}
+        self.children: dict[Hashable, _Node] = {}
         self.secondary_bus: int | None = None
         self.spec: PciDeviceSpec | None = None
 
@@ -142,13 +143,36 @@ def _write_numa(root: str, numa_nodes: Mapping[int, tuple[str, tuple[int, ...]]]
     _write_file(os.path.join(base, "has_cpu"), format_cpulist(with_cpus) + "\n")
 
 
-def _layout(devices: Sequence[PciDeviceSpec]) -> dict[str, _Node]:
-    """The PCIe tree for ``devices``: host bridge name -> its node."""
-    parsed: list[tuple[PciDeviceSpec, tuple[int, int, int, int], int, int]] = []
+def placement_path(host_bridge: str, switches: Sequence[str], bus_id: str) -> PciPath:
+    """The path (:mod:`agent.hw.pcie`) of a device placed at ``host_bridge`` below
+    ``switches`` (outermost first): the keys :func:`write_tree` lays the tree out by, so the
+    fake NVML's common ancestor is the fake sysfs's. ``(host bridge, root port key, "up",
+    downstream port key, ..., ("dev", address))``; ``(host bridge, ("dev", address))`` for a
+    device on the host bridge's root bus."""
+    addr = _parse_bus_id(bus_id)
+    m = HOST_BRIDGE_RE.match(host_bridge)
+    dev = ("dev", addr)
+    if not switches and m is not None and addr[1] == int(m["bus"], 16):
+        return (host_bridge, dev)  # directly on the host bridge's root bus, as in VMs
+    # a port's child: the next switch, or the bus of the device(s) behind it
+    chain: list[Hashable] = [*(("sw", sw) for sw in switches), ("bus", addr[1])]
+    path: list[Hashable] = [host_bridge, chain[0]]
+    for key in chain[1:]:
+        path += [_UP, key]
+    return (*path, dev)
+
+
+_UP = ("up",)
+PciPath = tuple[Hashable, ...]
+_Parsed = tuple[PciDeviceSpec, tuple[int, int, int, int], int]  # spec, address, root bus
+
+
+def _check_devices(devices: Sequence[PciDeviceSpec]) -> list[_Parsed]:
+    """The devices with their addresses and host bridge root buses; ValueError for a
+    malformed or duplicate one."""
+    parsed: list[_Parsed] = []
     seen_bdf: set[str] = set()
     seen_rdma: set[str] = set()
-    used_buses: dict[int, set[int]] = {}  # domain -> buses taken by devices / root buses
-    used_bdfs: set[str] = set()
     for dev in devices:
         addr = _parse_bus_id(dev.bus_id)
         bdf = _sysfs_spelling(*addr)
@@ -159,52 +183,23 @@ def _layout(devices: Sequence[PciDeviceSpec]) -> dict[str, _Node]:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", dev.rdma_name) or dev.rdma_name in seen_rdma:
                 raise ValueError(f"RDMA name {dev.rdma_name!r} is invalid or given twice")
             seen_rdma.add(dev.rdma_name)
-        m = _HOST_BRIDGE_RE.match(dev.host_bridge)
+        m = HOST_BRIDGE_RE.match(dev.host_bridge)
         if m is None:
             raise ValueError(f"host bridge {dev.host_bridge!r} is not like 'pci0000:17'")
-        hb_domain, hb_bus = int(m["domain"], 16), int(m["bus"], 16)
-        if hb_domain != addr[0]:
+        if int(m["domain"], 16) != addr[0]:
             raise ValueError(f"{bdf} is not in the domain of host bridge {dev.host_bridge}")
         if len(set(dev.switches)) != len(dev.switches):
             raise ValueError(f"{bdf}: a switch appears twice in {dev.switches}")
-        used_buses.setdefault(addr[0], set()).update({addr[1], hb_bus})
-        used_bdfs.add(bdf)
-        parsed.append((dev, addr, hb_domain, hb_bus))
+        parsed.append((dev, addr, int(m["bus"], 16)))
+    _check_placements(parsed)
+    return parsed
 
-    def fresh_bus(domain: int, root_bus: int) -> int:
-        """The first bus number above the host bridge's root bus that nothing uses (as the
-        kernel numbers buses upward from the root bus), wrapping around if need be."""
-        for bus in [*range(root_bus + 1, 0x100), *range(1, root_bus)]:
-            if bus not in used_buses[domain]:
-                used_buses[domain].add(bus)
-                return bus
-        raise ValueError(f"no PCI bus numbers left in domain {domain:04x}")
 
-    def fresh_port(domain: int, bus: int, first_slot: int, ident: tuple[str, str, str]) -> _Node:
-        """A bridge on ``bus`` at the next free device number."""
-        for slot in range(first_slot, 0x20):
-            bdf = _sysfs_spelling(domain, bus, slot, 0)
-            if bdf not in used_bdfs:
-                used_bdfs.add(bdf)
-                return _Node(bdf, ident)
-        raise ValueError(f"no free device numbers on bus {domain:04x}:{bus:02x}")
-
-    def switch_below(port: _Node, domain: int, root_bus: int) -> _Node:
-        """The upstream port of the switch hanging from ``port`` (made on first use)."""
-        if ("up",) not in port.children:
-            port.secondary_bus = fresh_bus(domain, root_bus)
-            up = _Node(_sysfs_spelling(domain, port.secondary_bus, 0, 0), _SWITCH_UP_ID)
-            used_bdfs.add(up.name)
-            up.secondary_bus = fresh_bus(domain, root_bus)
-            port.children[("up",)] = up
-        return port.children[("up",)]
-
-    host_bridges: dict[str, _Node] = {}
+def _check_placements(parsed: Sequence[_Parsed]) -> None:
+    """Devices on one bus share their place; a switch has one parent."""
     switch_parent: dict[str, tuple[str, tuple[str, ...]]] = {}
     bus_position: dict[tuple[int, int], tuple[str, tuple[str, ...]]] = {}
-    for dev, addr, domain, hb_bus in parsed:
-        hb = host_bridges.setdefault(dev.host_bridge, _Node(dev.host_bridge, None))
-        hb.secondary_bus = hb_bus
+    for dev, addr, _ in parsed:
         position = (dev.host_bridge, dev.switches)
         if bus_position.setdefault((addr[0], addr[1]), position) != position:
             raise ValueError(
@@ -215,27 +210,77 @@ def _layout(devices: Sequence[PciDeviceSpec]) -> dict[str, _Node]:
             parent = (dev.host_bridge, dev.switches[:k])
             if switch_parent.setdefault(sw, parent) != parent:
                 raise ValueError(f"switch {sw!r} has two parents: {switch_parent[sw]} and {parent}")
-        # keys of a port's child: the next switch, or the bus of the device(s) behind it
-        chain: list[object] = [("sw", sw) for sw in dev.switches] + [("bus", addr[1])]
-        if not dev.switches and addr[1] == hb_bus:
-            node = hb  # directly on the host bridge's root bus, as in VMs
-        else:
-            if chain[0] not in hb.children:
-                hb.children[chain[0]] = fresh_port(domain, hb_bus, 1, _ROOT_PORT_ID)
-            node = hb.children[chain[0]]  # the root port
-            for child_key in chain[1:]:
-                up = switch_below(node, domain, hb_bus)
-                assert up.secondary_bus is not None
-                if child_key not in up.children:
-                    up.children[child_key] = fresh_port(
-                        domain, up.secondary_bus, 0, _SWITCH_DOWN_ID
-                    )
-                node = up.children[child_key]  # a downstream port
-            node.secondary_bus = addr[1]
+
+
+class _TreeBuilder:
+    """Lays devices out along their :func:`placement_path`, giving the bridges (root ports,
+    switch ports) bus numbers and device numbers no device of the spec uses."""
+
+    def __init__(self, parsed: Sequence[_Parsed]) -> None:
+        self.used_buses: dict[int, set[int]] = {}  # domain -> buses taken
+        self.used_bdfs: set[str] = set()
+        for _, addr, root_bus in parsed:
+            self.used_buses.setdefault(addr[0], set()).update({addr[1], root_bus})
+            self.used_bdfs.add(_sysfs_spelling(*addr))
+        self.host_bridges: dict[str, _Node] = {}
+
+    def fresh_bus(self, domain: int, root_bus: int) -> int:
+        """The first bus number above the host bridge's root bus that nothing uses (as the
+        kernel numbers buses upward from the root bus), wrapping around if need be."""
+        for bus in itertools.chain(range(root_bus + 1, 0x100), range(1, root_bus)):
+            if bus not in self.used_buses[domain]:
+                self.used_buses[domain].add(bus)
+                return bus
+        raise ValueError(f"no PCI bus numbers left in domain {domain:04x}")
+
+    def fresh_port(
+        self, domain: int, bus: int, first_slot: int, ident: tuple[str, str, str]
+    ) -> _Node:
+        """A bridge on ``bus`` at the next free device number."""
+        for slot in range(first_slot, 0x20):
+            bdf = _sysfs_spelling(domain, bus, slot, 0)
+            if bdf not in self.used_bdfs:
+                self.used_bdfs.add(bdf)
+                return _Node(bdf, ident)
+        raise ValueError(f"no free device numbers on bus {domain:04x}:{bus:02x}")
+
+    def child(self, parent: _Node, key: Hashable, depth: int, domain: int, root_bus: int) -> _Node:
+        """The bridge below ``parent`` at path position ``depth`` (made on first use)."""
+        if key in parent.children:
+            return parent.children[key]
+        if depth == 1:
+            node = self.fresh_port(domain, root_bus, 1, _ROOT_PORT_ID)
+        elif key == _UP:  # a switch's upstream port, on the secondary bus of its port
+            parent.secondary_bus = self.fresh_bus(domain, root_bus)
+            node = _Node(_sysfs_spelling(domain, parent.secondary_bus, 0, 0), _SWITCH_UP_ID)
+            self.used_bdfs.add(node.name)
+            node.secondary_bus = self.fresh_bus(domain, root_bus)
+        else:  # a downstream port of the switch ``parent`` is the upstream port of
+            assert parent.secondary_bus is not None
+            node = self.fresh_port(domain, parent.secondary_bus, 0, _SWITCH_DOWN_ID)
+        parent.children[key] = node
+        return node
+
+    def place(self, dev: PciDeviceSpec, addr: tuple[int, int, int, int], root_bus: int) -> None:
+        path = placement_path(dev.host_bridge, dev.switches, dev.bus_id)
+        node = self.host_bridges.setdefault(dev.host_bridge, _Node(dev.host_bridge, None))
+        node.secondary_bus = root_bus
+        for depth, key in enumerate(path[1:-1], start=1):
+            node = self.child(node, key, depth, addr[0], root_bus)
+        if len(path) > 2:
+            node.secondary_bus = addr[1]  # the port the device sits behind
         leaf = _Node(_sysfs_spelling(*addr), _NIC_ID if dev.rdma_name else _GPU_ID)
         leaf.spec = dev
-        node.children[("dev", addr)] = leaf
-    return host_bridges
+        node.children[path[-1]] = leaf
+
+
+def _layout(devices: Sequence[PciDeviceSpec]) -> dict[str, _Node]:
+    """The PCIe tree for ``devices``: host bridge name -> its node."""
+    parsed = _check_devices(devices)
+    builder = _TreeBuilder(parsed)
+    for dev, addr, root_bus in parsed:
+        builder.place(dev, addr, root_bus)
+    return builder.host_bridges
 
 
 def _write_pci(root: str, host_bridges: Mapping[str, _Node]) -> None:
