@@ -22,9 +22,12 @@ Before/after: ``--compare-old DIR`` measures the compiled engine of an older bui
 holds its ``agent`` package, extension built) beside this checkout's, in one run: the same
 cases (every machine and k, replicas, 64 GPUs) in worker processes, old and new alternating
 for ``--rounds`` rounds, and prints new/old ratios per case (below 1: faster now). To build
-the old one from a commit::
+the old one: this tree with an older commit's engine files (the rest must match this
+bench, see bench/README.md)::
 
-    git archive <commit> | tar -x -C /tmp/old-src
+    git archive HEAD | tar -x -C /tmp/old-src
+    git archive <commit> ext/_topo.pyx agent/topology/allocator.py agent/topology/engine.py \
+        agent/topology/_pure.py | tar -x -C /tmp/old-src
     .venv/bin/pip wheel --no-deps /tmp/old-src -w /tmp/old-whl
     mkdir /tmp/old-pkg && unzip -q /tmp/old-whl/*.whl -d /tmp/old-pkg
     .venv/bin/python bench/bench_allocate.py --compare-old /tmp/old-pkg --quick

@@ -30,6 +30,7 @@ compiled extension the pure-Python twin gives the same answers, 10x to 2000x slo
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -99,6 +100,8 @@ def _separating_criterion(winner: Candidate, other: Candidate) -> int:
 
 
 _NATURAL_KEYS: dict[str, tuple[str, int, str]] = {}
+_HEADS: dict[str, str] = {}  # one string object per head: tuple keys then compare by identity
+_SEQUENCES = (list, tuple)
 
 
 def natural_key(device_id: str) -> tuple[str, int, str]:
@@ -108,9 +111,13 @@ def natural_key(device_id: str) -> tuple[str, int, str]:
     key = _NATURAL_KEYS.get(device_id)
     if key is None:
         head, sep, tail = device_id.rpartition("::")
-        key = (head, int(tail), "") if sep and tail.isdigit() else (device_id, -1, device_id)
-        if len(_NATURAL_KEYS) > 100_000:  # bound the cache on a node whose IDs churn
+        if len(_NATURAL_KEYS) > 100_000:  # bound the caches on a node whose IDs churn
             _NATURAL_KEYS.clear()
+            _HEADS.clear()
+        if sep and tail.isdigit():
+            key = (_HEADS.setdefault(head, head), int(tail), "")
+        else:
+            key = (device_id, -1, device_id)
         _NATURAL_KEYS[device_id] = key
     return key
 
@@ -121,6 +128,16 @@ def natural_sorted(ids: Sequence[str]) -> list[str]:
         return sorted(ids, key=_NATURAL_KEYS.__getitem__)
     except KeyError:
         return sorted(ids, key=natural_key)
+
+
+def natural_lowest(ids: Sequence[str], count: int) -> list[str]:
+    """The first ``count`` of ``natural_sorted(ids)``."""
+    if count == 1 and ids:
+        try:
+            return [min(ids, key=_NATURAL_KEYS.__getitem__)]
+        except KeyError:
+            return [min(ids, key=natural_key)]
+    return natural_sorted(ids)[:count]
 
 
 class AllocationEngine:
@@ -217,7 +234,28 @@ class AllocationEngine:
         """The k = ``size`` GPU indices to allocate, sorted. Raises AllocationError on an
         invalid request (size < 1 or above |available|, must-include outside available or
         larger than size, unknown or duplicate indices)."""
-        avail, required, k = self._masks(available, must_include, size)
+        # The one validation, on its fast path: a list or tuple of distinct ints in 0..n-1
+        # (exactly int: True and 1.0 are not GPU indices), no must-include, a size that fits.
+        # Anything else, valid or not, goes through _masks, which names the first problem.
+        avail = 0
+        if not must_include and type(available) in _SEQUENCES:
+            for v in available:
+                if type(v) is not int or v < 0:
+                    avail = -1
+                    break
+                avail |= 1 << v
+        else:
+            avail = -1
+        if (
+            avail >= 0
+            and not avail >> self._n
+            and avail.bit_count() == len(available)
+            and type(size) is int
+            and 1 <= size <= len(available)
+        ):
+            required, k = 0, size
+        else:
+            avail, required, k = self._masks(available, must_include, size)
         solver = self._solver
         assert solver is not None  # a node with no GPUs fails validation above
         if self._solver_locks:
@@ -316,10 +354,30 @@ class AllocationEngine:
     ) -> tuple[dict[str, int], list[str], list[list[str]], int]:
         """Validated (device ID -> GPU, must-include IDs, per GPU index its available IDs
         not in must-include (input order), size as an int), else AllocationError naming the
-        first problem. One pass: this runs on every kubelet request."""
+        first problem. This runs on every kubelet request: a list or tuple of well-formed
+        pairs takes one tight pass; anything else (valid or not) the checking pass."""
         n = self._n
         parent: dict[str, int] = {}
         by_gpu: list[list[str]] = [[] for _ in range(n)]
+        if type(available) in _SEQUENCES:
+            try:
+                for device_id, gpu in available:
+                    if (
+                        type(gpu) is not int
+                        or not 0 <= gpu < n
+                        or type(device_id) is not str
+                        or not device_id
+                    ):
+                        break
+                    parent[device_id] = gpu
+                    by_gpu[gpu].append(device_id)
+                else:
+                    if len(parent) == len(available):
+                        return self._required(parent, by_gpu, len(parent), must_include, size)
+            except (TypeError, ValueError):  # an entry that is not a pair
+                pass
+            parent.clear()
+            by_gpu = [[] for _ in range(n)]
         for entry in available:
             try:
                 device_id, gpu = entry
@@ -331,18 +389,24 @@ class AllocationEngine:
                 raise AllocationError(f"available: {device_id!r} is not a device ID")
             if type(gpu) is not int or not 0 <= gpu < n:
                 gpu = self._gpu_index(f"available {device_id}", gpu)
+            if device_id in parent:
+                raise AllocationError(f"available: duplicate device ID {device_id}")
             parent[device_id] = gpu
             by_gpu[gpu].append(device_id)
-        count = sum(map(len, by_gpu))
-        if len(parent) != count:
-            seen: set[str] = set()
-            for device_id, _ in available:
-                if device_id in seen:
-                    raise AllocationError(f"available: duplicate device ID {device_id}")
-                seen.add(device_id)
+        return self._required(parent, by_gpu, len(parent), must_include, size)
+
+    def _required(
+        self,
+        parent: dict[str, int],
+        by_gpu: list[list[str]],
+        count: int,
+        must_include: Sequence[str],
+        size: int,
+    ) -> tuple[dict[str, int], list[str], list[list[str]], int]:
+        """:meth:`_devices` for the must-include IDs and the size."""
         required = list(must_include)
         if required:
-            seen = set()
+            seen: set[str] = set()
             for device_id in required:
                 if device_id not in parent:
                     raise AllocationError(f"must-include device {device_id!r} is not available")
@@ -350,8 +414,9 @@ class AllocationEngine:
                     raise AllocationError(f"must-include: duplicate device ID {device_id}")
                 seen.add(device_id)
                 by_gpu[parent[device_id]].remove(device_id)
-        k = self._check_size(count, len(required), size)
-        return parent, required, by_gpu, k
+        if type(size) is int and 1 <= size <= count and len(required) <= size:
+            return parent, required, by_gpu, size
+        return parent, required, by_gpu, self._check_size(count, len(required), size)
 
     def _loads(
         self,
@@ -360,14 +425,22 @@ class AllocationEngine:
         per_gpu: int | Mapping[int, int] | None,
     ) -> list[int]:
         """Per GPU index, its replicas allocated to others (0 for GPUs not in the request)."""
-        counts = [f + t for f, t in zip(free, taken)]  # 0: not in the request
+        counts = list(map(operator.add, free, taken))  # 0: not in the request
         if per_gpu is None:
             uniform = max(counts)
             load = [uniform - c if c else 0 for c in counts]
+        elif type(per_gpu) is dict or (
+            not isinstance(per_gpu, int) and isinstance(per_gpu, Mapping)
+        ):
+            get = per_gpu.get
+            load = [0] * self._n
+            for g, c in enumerate(counts):
+                if c:
+                    v = get(g, c)
+                    v = v if type(v) is int else int(v)
+                    load[g] = v - c if v > c else 0
         elif isinstance(per_gpu, int):
             load = [max(per_gpu - c, 0) if c else 0 for c in counts]
-        elif isinstance(per_gpu, Mapping):
-            load = [max(int(per_gpu.get(g, c)) - c, 0) if c else 0 for g, c in enumerate(counts)]
         else:
             raise AllocationError(
                 f"replicas_per_gpu must be a count or a mapping GPU index -> count, "
@@ -414,7 +487,7 @@ class AllocationEngine:
         packed = policy == "packed"
         parent, required, by_gpu, k = self._devices(available, must_include, size)
         n = self._n
-        free = [len(ids) for ids in by_gpu]
+        free = list(map(len, by_gpu))
         taken = [0] * n
         for device_id in required:
             taken[parent[device_id]] += 1
@@ -433,10 +506,10 @@ class AllocationEngine:
             if taken[g]:
                 mine = [d for d in required if parent[d] == g]
                 if c:
-                    mine += natural_sorted(by_gpu[g])[:c]
+                    mine += natural_lowest(by_gpu[g], c)
                 out += natural_sorted(mine)
             elif c:
-                out += natural_sorted(by_gpu[g])[:c]
+                out += natural_lowest(by_gpu[g], c)
         return out
 
     def mig(
