@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.formats import parse_host_port as parse_address
-from agent.hw.nvml import NvmlBackend
+from agent.hw.backend import Backend
 from agent.hw.sampling import NvmlSampler
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.podresources import (
@@ -53,7 +53,7 @@ class MetricsService:
 
     def __init__(
         self,
-        backend: NvmlBackend,
+        backend: Backend,
         topology: Topology,
         config: Config,
         *,
