@@ -13,7 +13,7 @@ range) and raises TypeError or ValueError with the message the extension uses.
 from __future__ import annotations
 
 from itertools import combinations
-from typing import Sequence
+from typing import Any, Sequence
 
 #: Most GPUs per node (bitmasks are 64-bit in the extension).
 MAX_GPUS = 64
@@ -314,7 +314,7 @@ class AllocationSolver:
         return max(self._set_score(self._grow(1 << i, everyone, k)) for i in range(self.n))
 
     # ------------------------------------------------------------------ ranking
-    def rank(self, available: int, required: int, k: int, top: int = 1) -> list[tuple]:
+    def rank(self, available: int, required: int, k: int, top: int = 1) -> list[tuple[Any, ...]]:
         """The ``top`` best sets G (R ⊆ G ⊆ A, |G| = k), best first, each as
         ``(mask, criterion1, score, numa_count, cut)``."""
         available, required, k = self._request(available, required, k)
@@ -330,9 +330,9 @@ class AllocationSolver:
             return available  # the only candidate
         if k == required.bit_count():
             return required
-        return self._rank(available, required, k, 1)[0][0]
+        return int(self._rank(available, required, k, 1)[0][0])
 
-    def _rank(self, available: int, required: int, k: int, top: int) -> list[tuple]:
+    def _rank(self, available: int, required: int, k: int, top: int) -> list[tuple[Any, ...]]:
         if available.bit_count() > EXACT_MAX_GPUS:
             return self._heuristic(available, required, k, top)
         if self.n > EXACT_MAX_GPUS:
@@ -352,7 +352,7 @@ class AllocationSolver:
         finalists = [e for e in scored if e[1:] >= cutoff]
         return self._finish(finalists, available, top)
 
-    def _finish(self, entries, available: int, top: int) -> list[tuple]:
+    def _finish(self, entries: list[tuple[Any, ...]], available: int, top: int) -> list[tuple[Any, ...]]:
         full = [
             (g, c1, sc, self._numa_count(g), self._cut(g, available ^ g)) for g, c1, sc in entries
         ]
@@ -373,7 +373,7 @@ class AllocationSolver:
             sub = self._subs[available] = (members, AllocationSolver(sub_scores, numa))
         return sub
 
-    def _ranked_compressed(self, available: int, required: int, k: int, top: int) -> list[tuple]:
+    def _ranked_compressed(self, available: int, required: int, k: int, top: int) -> list[tuple[Any, ...]]:
         """A node with more than 16 GPUs but at most 16 available: solve exactly on the
         available GPUs alone (renumbered 0..m-1, which keeps index order)."""
         members, solver = self._sub(available)
@@ -417,7 +417,7 @@ class AllocationSolver:
             mask ^= group
         return total
 
-    def _heuristic(self, available: int, required: int, k: int, top: int) -> list[tuple]:
+    def _heuristic(self, available: int, required: int, k: int, top: int) -> list[tuple[Any, ...]]:
         """Bounded search for more than 16 available GPUs (not exact): one candidate per
         seed R ∪ {s} for every available s (R itself when |R| = k), grown greedily to k;
         criterion 1 uses the greedy partition of the rest. Work is O(n^3) pair look-ups."""

@@ -263,7 +263,8 @@ class AllocationEngine:
         else:
             with self._lock:
                 best = solver.best_mask(avail, required, k)
-        return self._mask_indices(best)
+        indices: list[int] = self._mask_indices(best)
+        return indices
 
     def explain(
         self, available: Sequence[int], must_include: Sequence[int], size: int, runners_up: int = 5

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
+from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,14 @@ def use(name: str) -> None:
 
 
 def nvlink_islands(adjacency: list[int]) -> list[list[int]]:
-    return impl.nvlink_islands(adjacency)
+    return cast("list[list[int]]", impl.nvlink_islands(adjacency))
 
 
 def maximal_cliques(adjacency: list[int]) -> list[list[int]]:
-    return impl.maximal_cliques(adjacency)
+    return cast("list[list[int]]", impl.maximal_cliques(adjacency))
 
 
-def allocation_solver(scores: list[list[int]], numa: list[int]):  # -> impl.AllocationSolver
+def allocation_solver(scores: list[list[int]], numa: list[int]) -> Any:  # impl.AllocationSolver
     """A solver of the issue-3 objective on the current implementation.
 
     ``scores`` is the pair-score matrix, ``numa[i]`` a small id (0..63) of GPU i's NUMA node.
@@ -88,4 +89,4 @@ def allocation_solver(scores: list[list[int]], numa: list[int]):  # -> impl.Allo
 
 def mask_indices(mask: int) -> list[int]:
     """Set bits of ``mask``, ascending."""
-    return impl.mask_indices(mask)
+    return cast("list[int]", impl.mask_indices(mask))
