@@ -17,10 +17,10 @@ import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
-from agent.config import Config
+from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.server import MAX_STREAMS
-from agent.errors import shorten
+from agent.errors import ConfigError, shorten
 from agent.health import HealthState
 
 
@@ -134,3 +134,72 @@ def test_a_megabyte_device_id_gets_invalid_argument_with_a_short_message(plugins
         client.close()
     logged = [r.getMessage() for r in caplog.records if "device ID" in r.getMessage()]
     assert len(logged) == 2 and all(len(m) < 400 for m in logged)
+
+
+# ---------------------------------------------------------------------- oversized device lists
+def test_device_list_size_is_what_protobuf_serializes():
+    from agent.deviceplugin.resources import build_resources, device_list_bytes
+    from agent.deviceplugin.server import device_list
+
+    sharing = (TimeSlicingResource(replicas=3),)
+    cases = [
+        (hgx8_topology(), Config()),
+        (hgx8_topology(numa=False), Config()),
+        (hgx8_topology(mig=True), Config(mig_strategy="mixed")),
+        (hgx8_topology(), Config(time_slicing=sharing)),
+    ]
+    for topology, config in cases:
+        for resource in build_resources(topology, config):
+            unhealthy = {d.gpu_index for d in resource.devices}
+            assert device_list_bytes(resource) == device_list(resource, unhealthy).ByteSize(), resource.name
+
+
+def test_a_device_list_larger_than_the_grpc_limit_is_rejected_naming_the_limit(kubelet_dir):
+    from agent.deviceplugin.resources import build_resources
+
+    config = Config(time_slicing=(TimeSlicingResource(replicas=10_000),), kubelet_dir=kubelet_dir)
+    with pytest.raises(ConfigError, match=r"80000 devices.*4194304 bytes \(4 MiB\).*replicas"):
+        build_resources(hgx8_topology(), config)
+    topology = hgx8_topology()
+    manager = DevicePluginManager(topology, config, HealthState(8))
+    with pytest.raises(ConfigError):
+        manager.start()
+    assert not manager.ready()
+    assert build_resources(hgx8_topology(), replace(config, time_slicing=(TimeSlicingResource(replicas=1000),)))
+
+
+# ---------------------------------------------------------------------- kubelet directory removed
+def test_a_removed_kubelet_directory_is_logged_once_per_change_and_retried_with_backoff(
+    plugins, kubelet_dir, caplog
+):
+    manager, kubelet = plugins(max_backoff_s=0.4)
+    assert manager.wait_ready(3.0)
+    with caplog.at_level(logging.DEBUG, logger="agent.deviceplugin"):
+        kubelet.stop()
+        shutil.rmtree(kubelet_dir)
+        time.sleep(1.5)  # 30 watch rounds at poll_s 0.05
+        failing = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not any(r.exc_info for r in failing), "no traceback for a missing directory"
+        assert len(failing) <= 3, [r.getMessage() for r in failing]
+        assert any("does not exist" in r.getMessage() for r in failing)
+        caplog.clear()
+        os.makedirs(kubelet_dir)
+        kubelet.start()
+        assert manager.wait_ready(3.0)
+    assert any("is back" in r.getMessage() for r in caplog.records)
+
+
+def test_a_socket_path_that_cannot_be_served_is_said_once_and_retried_with_backoff(plugins, kubelet_dir, caplog):
+    manager, kubelet = plugins(max_backoff_s=0.4)
+    assert manager.wait_ready(3.0)
+    path = _socket(manager, kubelet_dir)
+    with caplog.at_level(logging.DEBUG, logger="agent.deviceplugin"):
+        os.unlink(path)
+        os.mkdir(path)  # something in the way that is not ours to delete
+        time.sleep(1.5)
+        loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(loud) == 1, [r.getMessage() for r in loud]
+        os.rmdir(path)
+        assert manager.wait_ready(3.0)
+        time.sleep(0.2)  # the round that registered says so once it returns
+    assert any("works again" in r.getMessage() for r in caplog.records)
