@@ -203,3 +203,105 @@ def test_a_socket_path_that_cannot_be_served_is_said_once_and_retried_with_backo
         assert manager.wait_ready(3.0)
         time.sleep(0.2)  # the round that registered says so once it returns
     assert any("works again" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------- a GPU lost mid-run
+@pytest.fixture
+def agent(kubelet_dir):
+    """The real Daemon on a simulated machine (NvmlBackend over the fake NVML), a stand-in
+    kubelet, metrics on a free port; stopped after."""
+    from agent.daemon import Daemon
+
+    made = []
+    features = tempfile.mkdtemp(prefix="rlf", dir="/tmp")
+
+    def start(machine: str = "dgx-h100", config: Config | None = None):
+        config = replace(
+            config or Config(), kubelet_dir=kubelet_dir, features_dir=features,
+            metrics_address="127.0.0.1:0", pod_resources_socket=os.path.join(kubelet_dir, "podres.sock"),
+        )
+        kubelet = KubeletStub(kubelet_dir).start()
+        daemon = Daemon.from_config(config, simulate=machine)
+        made.append((daemon, kubelet))
+        assert daemon.start()
+        if daemon.watcher is not None:
+            daemon.watcher.poll_ms = 20
+        return daemon, kubelet
+
+    yield start
+    for daemon, kubelet in made:
+        daemon.shutdown()
+        kubelet.stop()
+    shutil.rmtree(features, ignore_errors=True)
+
+
+def _devices(kubelet):
+    latest = kubelet.latest("nvidia.com/gpu")
+    return [] if latest is None else [(d.ID, d.health, [n.ID for n in d.topology.nodes]) for d in latest.devices]
+
+
+def _labels(daemon) -> dict[str, str]:
+    with open(daemon.label_sink.path, encoding="utf-8") as f:
+        return dict(line.split("=", 1) for line in f.read().splitlines() if line)
+
+
+def test_a_gpu_lost_mid_run_keeps_its_id_numa_and_labels_across_a_kubelet_restart(agent):
+    daemon, kubelet = agent(config=Config(health_recovery_s=600))
+    assert daemon.manager.wait_ready(3.0) and kubelet.wait_for(lambda: len(_devices(kubelet)) == 8)
+    before, labels_before = _devices(kubelet), _labels(daemon)
+    assert all(numa for _, _, numa in before)
+    daemon.backend.lib.lose_gpu(3)
+    assert kubelet.wait_for(lambda: _devices(kubelet)[3][1] == "Unhealthy", 5.0)
+    kubelet.restart()
+    assert daemon._wake.wait(3.0) and daemon._reread_requested  # the main loop's job, done here
+    daemon.reread_topology()
+    assert daemon.manager.wait_ready(3.0)
+    assert kubelet.wait_for(lambda: len(_devices(kubelet)) == 8, 3.0)
+    after = _devices(kubelet)
+    assert [d[0] for d in after] == [d[0] for d in before]  # GPU 3 is not GPU-unknown-3
+    assert [d[2] for d in after] == [d[2] for d in before]  # NUMA on every device
+    assert [d[1] for d in after] == ["Healthy"] * 3 + ["Unhealthy"] + ["Healthy"] * 4
+    assert _labels(daemon) == labels_before  # gpu.count=8: health is not a label
+    assert daemon.topology.gpus[3].uuid == before[3][0]
+
+
+def test_a_sighup_while_a_gpu_is_lost_keeps_the_topology_read_before(agent):
+    daemon, kubelet = agent()
+    assert daemon.manager.wait_ready(3.0)
+    first = daemon.topology
+    daemon.config_loader = lambda: daemon.config
+    daemon.backend.lib.lose_gpu(5)
+    daemon.reload()
+    assert daemon.topology.gpus == first.gpus and daemon.topology.links == first.links
+    assert daemon.topology.nics == first.nics
+
+
+def test_a_gpu_lost_at_discovery_keeps_one_placeholder_id_until_it_is_read(agent, tmp_path):
+    from agent.hw.sim.machines import _SPECS
+
+    with open(os.path.join(_SPECS, "pcie-4gpu.yaml"), encoding="utf-8") as f:
+        spec = f.read() + "faults: {lost_gpus: [2]}\n"
+    path = tmp_path / "lost.yaml"
+    path.write_text(spec, encoding="utf-8")
+    daemon, kubelet = agent(str(path))
+    assert daemon.manager.wait_ready(3.0) and kubelet.wait_for(lambda: len(_devices(kubelet)) == 4)
+    first = _devices(kubelet)
+    assert first[2][:2] == ("GPU-unknown-2", "Unhealthy")
+    for _ in range(2):  # re-reads while it stays lost: the same ID, nothing served again
+        assert daemon.reread_topology() is False
+    assert _devices(kubelet) == first
+
+
+
+def test_a_reread_fills_what_it_lacks_from_the_previous_read_and_takes_what_it_knows():
+    from agent.daemon import merge_reread
+    from agent.topology.model import Topology
+
+    first = hgx8_topology()
+    blind = hgx8_topology(numa=False)  # this read got no NUMA nodes
+    swapped = [replace(g, uuid="GPU-replaced-0000") if g.index == 0 else g for g in blind.gpus]
+    reread = Topology.build(swapped, blind.links)
+    merged = merge_reread(first, reread)
+    assert merged.gpus[0].uuid == "GPU-replaced-0000"  # a replaced GPU is served as it is now
+    assert [g.numa_node for g in merged.gpus[1:]] == [g.numa_node for g in first.gpus[1:]]
+    assert merge_reread(first, replace(first, notes=("re-read",))) is first
