@@ -234,6 +234,12 @@ class Daemon:
         self.manager: DevicePluginManager | None = None
         self.metrics: MetricsService | None = None
         self.waiting_port: int | None = None  # the /health port while waiting for NVML
+        # the label file (main thread only): re-asserted every config.label_interval_s; a
+        # failed write makes the agent not ready until one succeeds
+        self._labels_failing = False
+        self.label_write_errors = 0
+        self._label_errors_counted = 0  # how many of them the metrics counter has
+        self._next_labels_s = float("inf")  # set by the first write
         # Signal handlers and the kubelet-watch thread only set these and wake the main
         # thread; no lock: each is one assignment, read by the main loop.
         self._wake = threading.Event()
@@ -305,7 +311,9 @@ class Daemon:
     # ------------------------------------------------------------------ readiness
     def ready(self) -> bool:
         manager = self.manager
-        return self.topology is not None and manager is not None and manager.ready()
+        return (
+            self.topology is not None and manager is not None and manager.ready() and not self._labels_failing
+        )
 
     # ------------------------------------------------------------------ start
     def _read_topology(self) -> Topology:
@@ -387,13 +395,40 @@ class Daemon:
         return True
 
     def _write_labels(self, topology: Topology) -> None:
+        """Write (or re-assert) the label file. A failure is logged every time, counted
+        (``gpu_agent_label_write_errors_total``) and makes the agent not ready until a
+        write succeeds."""
         if self.label_sink is None:
             return
+        self._next_labels_s = time.monotonic() + self.config.label_interval_s
         try:
             if self.label_sink.write(compute_labels(topology, self.config)):
                 log.info("labels written to %s", self.config.features_dir)
         except OSError as exc:
-            log.error("cannot write labels to %s: %s", self.config.features_dir, exc)
+            self._labels_failing = True
+            self.label_write_errors += 1
+            self._count_label_errors()
+            log.error(
+                "cannot write labels to %s: %s (not ready; retrying in %g s)",
+                self.config.features_dir, exc.strerror or exc, self.config.label_interval_s,
+            )
+            return
+        if self._labels_failing:
+            log.warning("labels written to %s again", self.config.features_dir)
+        self._labels_failing = False
+
+    def _count_label_errors(self) -> None:
+        if self.metrics is not None:
+            counter = self.metrics.agent_metrics.label_write_errors
+            counter.inc(self.label_write_errors - self._label_errors_counted)
+            self._label_errors_counted = self.label_write_errors
+
+    def maintain(self) -> None:
+        """The main loop's periodic work: re-assert the label file once
+        ``config.label_interval_s`` has passed (a file deleted or edited behind the agent's
+        back, or a removed features directory, comes back)."""
+        if self.topology is not None and time.monotonic() >= self._next_labels_s:
+            self._write_labels(self.topology)
 
     def _start_metrics(self, topology: Topology) -> None:
         if self._metrics_factory is None:
@@ -405,6 +440,7 @@ class Daemon:
             service.stop()
             raise AgentError(f"cannot serve metrics on {self.config.metrics_address}: {exc.strerror or exc}") from exc
         self.metrics = service
+        self._count_label_errors()  # failures before the counter existed
 
     def _start_watcher(self, config: Config) -> None:
         assert self.health is not None
@@ -519,8 +555,10 @@ class Daemon:
         try:
             if self.start():
                 while not self._stop_requested:
-                    self._wake.wait(1.0)
+                    self._wake.wait(min(1.0, max(0.05, self._next_labels_s - time.monotonic())))
                     self._wake.clear()
+                    if not self._stop_requested:
+                        self.maintain()
                     if self._reload_requested and not self._stop_requested:
                         self._reload_requested = self._reread_requested = False
                         log.info("SIGHUP: reloading")

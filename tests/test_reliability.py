@@ -305,3 +305,130 @@ def test_a_reread_fills_what_it_lacks_from_the_previous_read_and_takes_what_it_k
     assert merged.gpus[0].uuid == "GPU-replaced-0000"  # a replaced GPU is served as it is now
     assert [g.numa_node for g in merged.gpus[1:]] == [g.numa_node for g in first.gpus[1:]]
     assert merge_reread(first, replace(first, notes=("re-read",))) is first
+
+
+# ---------------------------------------------------------------------- the label file
+def test_a_deleted_label_file_and_a_removed_features_dir_come_back_within_the_interval(agent):
+    daemon, _ = agent(config=Config(label_interval_s=0.2))
+    written = _labels(daemon)
+    path = daemon.label_sink.path
+    os.unlink(path)
+    daemon.maintain()  # before the interval: nothing yet
+    assert not os.path.exists(path)
+    time.sleep(0.25)
+    daemon.maintain()
+    assert _labels(daemon) == written
+    shutil.rmtree(os.path.dirname(path))
+    time.sleep(0.25)
+    daemon.maintain()
+    assert _labels(daemon) == written
+
+
+def test_an_unwritable_features_dir_is_logged_per_write_counted_and_not_ready(agent, caplog):
+    daemon, kubelet = agent(config=Config(label_interval_s=0.05))
+    assert daemon.manager.wait_ready(3.0) and daemon.ready()
+    features = daemon.config.features_dir
+    shutil.rmtree(features)
+    with open(features, "w", encoding="utf-8") as f:  # a file where the directory was
+        f.write("not a directory\n")
+    registry = daemon.metrics.registry
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        for _ in range(2):
+            time.sleep(0.06)
+            daemon.maintain()
+    errors = [r.getMessage() for r in caplog.records if "cannot write labels" in r.getMessage()]
+    assert len(errors) == 2 and features in errors[0]
+    assert registry.get_sample_value("gpu_agent_label_write_errors_total") == 2.0
+    assert not daemon.ready()
+    os.unlink(features)
+    time.sleep(0.06)
+    daemon.maintain()
+    assert daemon.ready() and _labels(daemon)
+    assert registry.get_sample_value("gpu_agent_label_write_errors_total") == 2.0
+
+
+# ---------------------------------------------------------------------- the metrics server
+def _http_get(port: int, path: str = "/health", timeout_s: float = 5.0) -> tuple[int, float]:
+    import http.client
+
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        return response.status, time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+def test_a_burst_of_100_concurrent_probes_is_answered_without_listen_overflow(agent):
+    from concurrent.futures import ThreadPoolExecutor
+
+    daemon, _ = agent()
+    port = daemon.metrics.port
+    with ThreadPoolExecutor(100) as pool:
+        results = list(pool.map(lambda _: _http_get(port), range(100)))
+    assert all(status == 200 for status, _ in results)
+    # an overflowed backlog shows as a dropped SYN, retried by the client after 1 s
+    assert max(latency for _, latency in results) < 0.9, sorted(latency for _, latency in results)[-5:]
+
+
+def test_a_half_sent_request_is_closed_after_the_read_timeout(agent):
+    import socket
+
+    daemon, _ = agent()
+    server = daemon.metrics._server
+    server.read_timeout_s = 0.3
+    with socket.create_connection(("127.0.0.1", daemon.metrics.port), timeout=5.0) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        started = time.monotonic()
+        assert conn.recv(1024) == b""  # the server hung up
+        assert time.monotonic() - started < 3.0
+
+
+def test_connections_past_the_cap_get_503_at_once_and_hold_no_thread(agent):
+    import socket
+    import threading
+
+    from agent.metrics.service import MAX_CONNECTIONS
+
+    daemon, _ = agent()
+    port = daemon.metrics.port
+    threads_before = threading.active_count()
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5.0) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for conn in held:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # half-sent: each holds a handler
+        deadline = time.monotonic() + 5.0
+        while threading.active_count() < threads_before + MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=5.0) for _ in range(20)]
+        for conn in extra:
+            started = time.monotonic()
+            reply = conn.recv(1024)
+            assert reply.startswith(b"HTTP/1.1 503") and time.monotonic() - started < 1.0
+            conn.close()
+        assert threading.active_count() <= threads_before + MAX_CONNECTIONS + 2
+    finally:
+        for conn in held:
+            conn.close()
+    assert _http_get(port)[0] == 200  # places free again once the held ones are gone
+
+
+def test_a_client_reset_leaves_no_traceback_in_the_log_or_on_stderr(agent, caplog, capfd):
+    import socket
+    import struct
+
+    daemon, _ = agent()
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(5):
+            conn = socket.create_connection(("127.0.0.1", daemon.metrics.port), timeout=5.0)
+            conn.sendall(b"GET /met")
+            time.sleep(0.02)  # the handler is reading when the reset arrives
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST
+        time.sleep(0.2)
+        assert _http_get(daemon.metrics.port)[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING and "http" in r.getMessage()]
