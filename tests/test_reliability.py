@@ -432,3 +432,23 @@ def test_a_client_reset_leaves_no_traceback_in_the_log_or_on_stderr(agent, caplo
         assert _http_get(daemon.metrics.port)[0] == 200
     assert "Traceback" not in capfd.readouterr().err
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING and "http" in r.getMessage()]
+
+
+# ---------------------------------------------------------------------- simulator temp trees
+def test_stale_simulator_trees_of_dead_processes_are_removed_at_start(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from agent.hw.sim.machines import open_simulated
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"gta-sysfs-{dead.stdout.strip()}-dgx2-abc"
+    live = tmp_path / f"gta-sysfs-{os.getppid()}-dgx2-def"  # a live process's tree
+    other = tmp_path / "gta-sysfs-notapid"
+    for d in (stale, live, other):
+        (d / "devices").mkdir(parents=True)
+    with open_simulated("single-gpu") as sim:
+        assert os.path.basename(sim.sysfs_root).startswith(f"gta-sysfs-{os.getpid()}-")
+        assert not stale.exists() and live.exists() and other.exists()
