@@ -48,7 +48,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: at once overflowed it and stalled for seconds).
 LISTEN_BACKLOG = 128
 #: Connections served at once (one thread each); one more is answered 503 and closed at once.
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 100
 #: Seconds a connection may stay silent (a half-sent request, an idle keep-alive) before
 #: it is closed and its thread freed.
 READ_TIMEOUT_S = 10.0
