@@ -70,6 +70,9 @@ class Config:
     #: domain (NVIDIA's plugin uses the same default: change it to run both on one node)
     socket_name: str = "nvidia-{resource}.sock"
     feature_file: str = "gpu-topology-agent"  # label file name in features_dir
+    #: how often the label file is re-asserted (s): one deleted or edited behind the agent's
+    #: back, or a removed features_dir, is back within this (GFD relabels every 60 s too)
+    label_interval_s: float = 60.0
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -116,6 +119,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
     "SOCKET_NAME": "socket_name",
     "FEATURE_FILE": "feature_file",
+    "LABEL_INTERVAL_S": "label_interval_s",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
@@ -288,7 +292,8 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
-         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile") + _IGNORED_FLAG_KEYS,
+         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds")
+        + _IGNORED_FLAG_KEYS,
         "flags",
     )
     if "migStrategy" in flags:
@@ -326,6 +331,8 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["socket_name"] = _expect_file_name(plugin["socketName"], "flags.plugin.socketName")
     if "featureFile" in flags:
         out["feature_file"] = _expect_file_name(flags["featureFile"], "flags.featureFile")
+    if "labelIntervalSeconds" in flags:
+        out["label_interval_s"] = _expect_number(flags["labelIntervalSeconds"], "flags.labelIntervalSeconds", 0.1)
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
     sharing = _expect_mapping(doc.get("sharing"), "sharing")
@@ -393,6 +400,7 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "health_recovery_s": _expect_number,
     "sample_interval_s": lambda v, w: _expect_number(v, w, 0.1),
     "pod_resources_refresh_s": lambda v, w: _expect_number(v, w, 0.1),
+    "label_interval_s": lambda v, w: _expect_number(v, w, 0.1),
     "idle_utilization_threshold_pct": _expect_number,
     "socket_name": _expect_file_name,
     "feature_file": _expect_file_name,

@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Protocol, TextIO
 
 from agent.config import Config, describe_config
@@ -72,6 +73,68 @@ def setup_logging(config: Config, stream: TextIO | None = None) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(config.log_level)
+
+
+def merge_reread(previous: Topology, current: Topology) -> Topology:
+    """The topology to serve after a re-read (kubelet restart, SIGHUP): ``current`` as read
+    now, except that it never forgets what ``previous`` knew.
+
+    - A GPU lost now (NVML cannot read it: ``GPU-unknown-N``, no name, no NUMA node) keeps
+      its previous record, hence its device ID and its labels; it is Unhealthy through the
+      health state, which is not part of the topology.
+    - For the GPUs read now, a fact the re-read lacks (NUMA node, CPU affinity, a link's PCIe
+      level, a NIC's distance) keeps its previous value; what the re-read does know wins
+      (a replaced GPU, MIG reconfigured).
+    - A GPU first seen lost (a ``GPU-unknown-N`` placeholder) keeps that placeholder while
+      it stays lost, and takes its real record once it is read.
+
+    Both must have the same GPU count (the caller checks). Returns ``previous`` itself when
+    nothing but the notes differ, so an unchanged node is not served again.
+    """
+    kept = {g.index for g in current.gpus if g.lost and not previous.gpus[g.index].lost}
+    gpus = []
+    for old, new in zip(previous.gpus, current.gpus):
+        if old.index in kept:
+            gpus.append(old)
+            continue
+        same_gpu = old.uuid == new.uuid
+        fill = {
+            name: getattr(old, name)
+            for name in ("numa_node", "cpu_affinity", "numa_affinity", "memory_numa_node", "pci_class")
+            if same_gpu and getattr(new, name) is None and getattr(old, name) is not None
+        }
+        gpus.append(replace(new, **fill) if fill else new)
+    links = []
+    for old_link, new_link in zip(previous.links, current.links):
+        if old_link.a in kept or old_link.b in kept:
+            links.append(old_link)
+        elif new_link.pcie is None and old_link.pcie is not None:
+            links.append(replace(new_link, pcie=old_link.pcie, nvlinks=max(new_link.nvlinks, old_link.nvlinks)))
+        else:
+            links.append(new_link)
+    old_nics = {n.pci_bus_id: n for n in previous.nics}
+    nics = []
+    for nic in current.nics:
+        before = old_nics.get(nic.pci_bus_id)
+        if before is not None and len(before.levels) == len(nic.levels):
+            levels = tuple(
+                b if (i in kept or lv is None) else lv for i, (b, lv) in enumerate(zip(before.levels, nic.levels))
+            )
+            numa = nic.numa_node if nic.numa_node is not None else before.numa_node
+            nic = replace(nic, levels=levels, numa_node=numa)
+        nics.append(nic)
+    merged = Topology.build(
+        gpus, links,
+        nics=tuple(nics),
+        numa_distances=dict(current.numa_distances or previous.numa_distances),
+        numa_cpulists=dict(current.numa_cpulists or previous.numa_cpulists),
+        driver_version=current.driver_version or previous.driver_version,
+        cuda_driver_version=current.cuda_driver_version or previous.cuda_driver_version,
+        machine=current.machine or previous.machine,
+        source=current.source,
+        notes=current.notes,
+    )
+    return previous if replace(merged, notes=previous.notes) == previous else merged
 
 
 #: Seconds the ordered shutdown may take before a backstop exits the process; the
@@ -171,6 +234,12 @@ class Daemon:
         self.manager: DevicePluginManager | None = None
         self.metrics: MetricsService | None = None
         self.waiting_port: int | None = None  # the /health port while waiting for NVML
+        # the label file (main thread only): re-asserted every config.label_interval_s; a
+        # failed write makes the agent not ready until one succeeds
+        self._labels_failing = False
+        self.label_write_errors = 0
+        self._label_errors_counted = 0  # how many of them the metrics counter has
+        self._next_labels_s = float("inf")  # set by the first write
         # Signal handlers and the kubelet-watch thread only set these and wake the main
         # thread; no lock: each is one assignment, read by the main loop.
         self._wake = threading.Event()
@@ -242,7 +311,9 @@ class Daemon:
     # ------------------------------------------------------------------ readiness
     def ready(self) -> bool:
         manager = self.manager
-        return self.topology is not None and manager is not None and manager.ready()
+        return (
+            self.topology is not None and manager is not None and manager.ready() and not self._labels_failing
+        )
 
     # ------------------------------------------------------------------ start
     def _read_topology(self) -> Topology:
@@ -324,13 +395,40 @@ class Daemon:
         return True
 
     def _write_labels(self, topology: Topology) -> None:
+        """Write (or re-assert) the label file. A failure is logged every time, counted
+        (``gpu_agent_label_write_errors_total``) and makes the agent not ready until a
+        write succeeds."""
         if self.label_sink is None:
             return
+        self._next_labels_s = time.monotonic() + self.config.label_interval_s
         try:
             if self.label_sink.write(compute_labels(topology, self.config)):
                 log.info("labels written to %s", self.config.features_dir)
         except OSError as exc:
-            log.error("cannot write labels to %s: %s", self.config.features_dir, exc)
+            self._labels_failing = True
+            self.label_write_errors += 1
+            self._count_label_errors()
+            log.error(
+                "cannot write labels to %s: %s (not ready; retrying in %g s)",
+                self.config.features_dir, exc.strerror or exc, self.config.label_interval_s,
+            )
+            return
+        if self._labels_failing:
+            log.warning("labels written to %s again", self.config.features_dir)
+        self._labels_failing = False
+
+    def _count_label_errors(self) -> None:
+        if self.metrics is not None:
+            counter = self.metrics.agent_metrics.label_write_errors
+            counter.inc(self.label_write_errors - self._label_errors_counted)
+            self._label_errors_counted = self.label_write_errors
+
+    def maintain(self) -> None:
+        """The main loop's periodic work: re-assert the label file once
+        ``config.label_interval_s`` has passed (a file deleted or edited behind the agent's
+        back, or a removed features directory, comes back)."""
+        if self.topology is not None and time.monotonic() >= self._next_labels_s:
+            self._write_labels(self.topology)
 
     def _start_metrics(self, topology: Topology) -> None:
         if self._metrics_factory is None:
@@ -342,6 +440,7 @@ class Daemon:
             service.stop()
             raise AgentError(f"cannot serve metrics on {self.config.metrics_address}: {exc.strerror or exc}") from exc
         self.metrics = service
+        self._count_label_errors()  # failures before the counter existed
 
     def _start_watcher(self, config: Config) -> None:
         assert self.health is not None
@@ -363,6 +462,7 @@ class Daemon:
             topology = self._read_topology()
             if not self._same_gpu_count(self.topology, topology):
                 topology = self.topology
+            topology = merge_reread(self.topology, topology)
             self.manager.reload(topology, config)
         except AgentError as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
@@ -402,9 +502,10 @@ class Daemon:
         except AgentError as exc:
             log.error("re-reading the topology failed, keeping the current one: %s", exc)
             return False
-        if topology == self.topology:
-            return False
         if not self._same_gpu_count(self.topology, topology):
+            return False
+        topology = merge_reread(self.topology, topology)
+        if topology == self.topology:
             return False
         log.warning("topology changed since start: serving the new one")
         try:
@@ -454,8 +555,10 @@ class Daemon:
         try:
             if self.start():
                 while not self._stop_requested:
-                    self._wake.wait(1.0)
+                    self._wake.wait(min(1.0, max(0.05, self._next_labels_s - time.monotonic())))
                     self._wake.clear()
+                    if not self._stop_requested:
+                        self.maintain()
                     if self._reload_requested and not self._stop_requested:
                         self._reload_requested = self._reread_requested = False
                         log.info("SIGHUP: reloading")

@@ -26,3 +26,19 @@ class InputFormatError(UsageError):
 class AllocationError(UsageError):
     """An allocation request is invalid (size, unknown/duplicate IDs, must-include outside
     available). The gRPC layer turns it into INVALID_ARGUMENT."""
+
+
+#: How much of an untrusted value (a device ID from a gRPC request, a path) goes into a
+#: message or a log line: enough to recognise it, never megabytes.
+SHORTEN_LIMIT = 80
+
+
+def shorten(value: object, limit: int = SHORTEN_LIMIT) -> str:
+    """``str(value)`` cut to ``limit`` characters, with how long it really was:
+    ``"GPU-aaaa...(+1048490 chars)"``. Untrusted input goes through this before it reaches
+    an error message or the log (a 1 MB device ID would otherwise make the gRPC status
+    itself too large)."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...(+{len(text) - limit} chars)"

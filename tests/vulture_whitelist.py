@@ -16,6 +16,8 @@ _.log_message  # http.server: BaseHTTPRequestHandler's access log
 protocol_version  # http.server: BaseHTTPRequestHandler class attribute (HTTP/1.1 keep-alive)
 daemon_threads  # socketserver.ThreadingMixIn class attribute
 allow_reuse_address  # socketserver.TCPServer class attribute
+request_queue_size  # socketserver.TCPServer class attribute: the listen backlog
+_.handle_error  # socketserver.BaseServer hook: client resets logged quietly
 _.converter  # logging.Formatter: the time converter (UTC for the JSON log format)
 _.retries  # kubernetes.client.Configuration: read by the client's urllib3 pool (agent/dra/publisher.py)
 

@@ -60,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--feature-file", metavar="NAME", dest="feature_file", default=None,
                    help=f"label file name in the features directory (default: {_DEFAULTS.feature_file};"
                         " env FEATURE_FILE)")
+    p.add_argument("--label-interval-s", metavar="SECONDS", type=float, dest="label_interval_s", default=None,
+                   help="re-assert the label file this often, restoring a deleted one"
+                        f" (default: {_DEFAULTS.label_interval_s:g}; env LABEL_INTERVAL_S)")
     dra = p.add_argument_group("DRA mode")
     dra.add_argument("--mode", choices=("device-plugin", "dra"), dest="mode", default=None,
                      help="serve the GPUs as device plugins or as a DRA driver"
@@ -81,6 +84,7 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
+    "label_interval_s",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
 )
 

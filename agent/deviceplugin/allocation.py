@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from agent.config import Config
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
-from agent.errors import AllocationError
+from agent.errors import AllocationError, shorten
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Topology
 
@@ -49,12 +49,12 @@ def _lookup(resource: PluginResource, ids: Sequence[str], what: str) -> list[Plu
     seen: set[str] = set()
     for device_id in ids:
         if device_id in seen:
-            raise AllocationError(f"{what}: device ID {device_id!r} given twice")
+            raise AllocationError(f"{what}: device ID {shorten(device_id)!r} given twice")
         seen.add(device_id)
         device = resource.by_id.get(device_id)
         if device is None:
             shape = "unknown" if _DEVICE_ID_RE.match(device_id) else "malformed"
-            raise AllocationError(f"{what}: {shape} device ID {device_id!r} for resource {resource.name}")
+            raise AllocationError(f"{what}: {shape} device ID {shorten(device_id)!r} for resource {resource.name}")
         out.append(device)
     return out
 
@@ -104,7 +104,7 @@ class RequestHandler:
         avail_ids = {d.id for d in avail}
         outside = [d.id for d in must if d.id not in avail_ids]
         if outside:
-            raise AllocationError(f"{what}: must-include devices {outside} are not in the available list")
+            raise AllocationError(f"{what}: must-include devices {shorten(outside, 400)} are not in the available list")
         if len(must) > size:
             raise AllocationError(f"{what}: {len(must)} must-include devices exceed allocation size {size}")
         self._check_shared_size(size, what)

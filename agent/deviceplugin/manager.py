@@ -43,6 +43,9 @@ class _Slot:
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # watch thread only
     backoff_s: float = 0.0  # watch thread only
+    serve_failing: bool = False  # watch thread only: serving again failed, being retried
+    next_serve_s: float = 0.0  # watch thread only
+    serve_backoff_s: float = 0.0  # watch thread only
 
 
 @dataclass
@@ -97,6 +100,9 @@ class DevicePluginManager:
         self._kubelet_inode: tuple[int, int, int] | None = None
         self._seen_kubelet = False
         self._taken: set[str] = set()  # our socket paths another live server holds now
+        self._dir_missing = False  # the kubelet directory is gone (said once)
+        self._round_error: str | None = None  # the last failed round's error (said once)
+        self._round_backoff_s = 0.0
         self.resources: tuple[PluginResource, ...] = ()
         self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
         self.socket_losses = 0  # our socket removed while the kubelet stayed
@@ -232,12 +238,22 @@ class DevicePluginManager:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
+            wait_s = self.poll_s
             try:
                 self._apply_pending_reload()
                 self._watch_once()
-            except Exception:  # keep watching whatever happens; the next round retries
-                log.exception("kubelet watch round failed")
-            self._wake.wait(self.poll_s)
+                if self._round_error is not None:
+                    log.info("kubelet watch works again")
+                self._round_error, self._round_backoff_s = None, 0.0
+            except Exception as exc:  # keep watching whatever happens; the next round retries
+                # said once per distinct failure (with its traceback), then retried with backoff
+                message = f"{type(exc).__name__}: {exc}"
+                if message != self._round_error:
+                    log.exception("kubelet watch round failed (retrying with backoff)")
+                self._round_error = message
+                self._round_backoff_s = min(self.max_backoff_s, max(self.poll_s, self._round_backoff_s * 2))
+                wait_s = self._round_backoff_s
+            self._wake.wait(wait_s)
             self._wake.clear()
         self._apply_pending_reload()  # never leave a reload waiting
 
@@ -283,10 +299,14 @@ class DevicePluginManager:
             self.hooks.kubelet_restart()
             if self.on_kubelet_restart is not None:
                 self.on_kubelet_restart()
+        if not self._kubelet_dir_present(inode is not None):
+            return  # nothing can be served there; the kubelet re-creates it
         for slot in slots:
             if self._stop.is_set():
                 return
             if not slot.server.socket_present():
+                if now < slot.next_serve_s:
+                    continue
                 fresh = self._serve_again(slot, inode is not None, now)
                 if fresh is None:
                     continue
@@ -295,11 +315,28 @@ class DevicePluginManager:
                 continue
             self._register(slot, now)
 
+    def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
+        """Whether the kubelet directory exists; its disappearance and return are logged
+        once each (not once per round)."""
+        present = kubelet_present or os.path.isdir(self.config.kubelet_dir)
+        if present == (not self._dir_missing):
+            return present
+        self._dir_missing = not present
+        if present:
+            log.warning("kubelet directory %s is back: serving again", self.config.kubelet_dir)
+        else:
+            log.warning(
+                "kubelet directory %s does not exist any more: waiting for the kubelet to create it",
+                self.config.kubelet_dir,
+            )
+        return present
+
     def _serve_again(self, slot: _Slot, kubelet_present: bool, now: float) -> _Slot | None:
         """Serve a vanished socket again; None while another live server holds its name
-        (never delete it, never fight: logged once until it is gone)."""
+        (never delete it, never fight: logged once until it is gone) or while serving
+        fails (logged once, retried with capped exponential backoff)."""
         path = slot.server.path
-        if path not in self._taken:
+        if path not in self._taken and not slot.serve_failing:
             if kubelet_present:
                 self.socket_losses += 1
             log.warning("socket %s vanished: serving it again", path)
@@ -315,6 +352,20 @@ class DevicePluginManager:
             with self._lock:
                 slot.registered = False
             return None
+        except AgentError as exc:
+            slot.serve_backoff_s = min(self.max_backoff_s, max(self.poll_s, slot.serve_backoff_s * 2))
+            slot.next_serve_s = now + slot.serve_backoff_s
+            if not slot.serve_failing:
+                log.error("cannot serve %s again: %s (retrying with backoff)", slot.server.resource.name, exc)
+            else:
+                log.debug("cannot serve %s again: %s (retry in %.1f s)", slot.server.resource.name, exc,
+                          slot.serve_backoff_s)
+            slot.serve_failing = True
+            with self._lock:
+                slot.registered = False
+            return None
+        if slot.serve_failing:
+            log.warning("serving %s again on %s", slot.server.resource.name, path)
         self._taken.discard(path)
         fresh = _Slot(server, next_try_s=now)
         with self._lock:

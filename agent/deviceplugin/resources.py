@@ -22,6 +22,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 REPLICA_SEPARATOR = "::"
 #: The anchor's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
 DEFAULT_SOCKET_NAME = "nvidia-{resource}.sock"
+#: The largest message the kubelet's gRPC client accepts (grpc-go's default receive limit):
+#: a ListAndWatch device list above it never reaches the kubelet.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,15 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
         for name, devs in sorted(final.items())
         if devs
     )
+    for resource in out:
+        size = device_list_bytes(resource)
+        if size > MAX_MESSAGE_BYTES:
+            raise ConfigError(
+                f"{config.config_file or 'configuration'}: {resource.name} would advertise"
+                f" {len(resource.devices)} devices, a ListAndWatch message of {size} bytes: more than the"
+                f" {MAX_MESSAGE_BYTES} bytes (4 MiB) gRPC lets the kubelet receive; lower"
+                " sharing.timeSlicing.resources[].replicas"
+            )
     sockets = [r.socket_name for r in out]
     if len(set(sockets)) < len(sockets):
         raise ConfigError(
@@ -207,3 +219,32 @@ def physical_devices(devices: Iterable[PluginDevice]) -> list[PluginDevice]:
         if d.uuid not in seen:
             seen[d.uuid] = PluginDevice(id=d.uuid, gpu_index=d.gpu_index, uuid=d.uuid, numa_node=d.numa_node, mig=d.mig)
     return list(seen.values())
+
+
+def _varint_bytes(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _field_bytes(payload: int) -> int:
+    """A length-delimited field with a one-byte tag: tag + length + payload."""
+    return 1 + _varint_bytes(payload) + payload
+
+
+def device_list_bytes(resource: PluginResource) -> int:
+    """The serialized size of ``resource``'s ListAndWatchResponse with every device
+    Unhealthy (the longer health word), computed from the wire format without building
+    the message (a test checks it against protobuf's own ``ByteSize``)."""
+    total = 0
+    health = _field_bytes(len("Unhealthy"))
+    for d in resource.devices:
+        size = _field_bytes(len(d.id.encode())) + health
+        if d.numa_node is not None:
+            # NUMANode.ID is an int64: 0 is not sent, a negative one takes ten bytes
+            node = 0 if d.numa_node == 0 else 1 + (_varint_bytes(d.numa_node) if d.numa_node > 0 else 10)
+            size += _field_bytes(_field_bytes(node))  # topology { nodes { ID } }
+        total += _field_bytes(size)
+    return total

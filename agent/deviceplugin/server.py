@@ -22,7 +22,7 @@ from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource
-from agent.errors import AgentError, AllocationError
+from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
 from agent.hooks import NO_HOOKS, DevicePluginHooks
 
@@ -32,6 +32,11 @@ API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+#: Longest status message we send (characters); request values in it are shortened too.
+MAX_STATUS_MESSAGE = 1000
+#: ListAndWatch streams one plugin serves at a time (the kubelet holds one; a restarting
+#: kubelet briefly two); the worker pool is larger, so unary calls always find a worker.
+MAX_STREAMS = 4
 
 
 def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) -> pb.ListAndWatchResponse:
@@ -67,12 +72,23 @@ def socket_in_use(path: str, timeout_s: float = 0.5) -> bool:
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     """``/v1beta1.DevicePlugin/*`` for one resource."""
 
-    def __init__(self, handler: RequestHandler, health: HealthState, hooks: DevicePluginHooks = NO_HOOKS) -> None:
+    def __init__(
+        self,
+        handler: RequestHandler,
+        health: HealthState,
+        hooks: DevicePluginHooks = NO_HOOKS,
+        *,
+        max_streams: int = MAX_STREAMS,
+    ) -> None:
         self.handler = handler
         self.resource = handler.resource
         self.health = health
         self.hooks = hooks  # replaced (one assignment) when the metrics service comes up
         self._stopped = threading.Event()
+        # Each open ListAndWatch holds a worker thread for its lifetime; past this many the
+        # stream is refused, so the rest of the pool always serves the unary calls.
+        self.max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
 
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
@@ -83,14 +99,26 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
-        context.add_callback(self.health.wake)
-        sent = -1
-        while not self._stopped.is_set() and context.is_active():
-            generation = self.health.generation
-            if generation != sent:
-                sent = generation
-                yield device_list(self.resource, self.health.snapshot())
-            self.health.wait_for_change(sent, 1.0)
+        if not self._streams.acquire(blocking=False):
+            log.warning(
+                "%s: refused a ListAndWatch stream: %d are open already (the kubelet needs one)",
+                self.resource.name, self.max_streams,
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.resource.name}: at most {self.max_streams} ListAndWatch streams at a time",
+            )
+        try:
+            context.add_callback(self.health.wake)
+            sent = -1
+            while not self._stopped.is_set() and context.is_active():
+                generation = self.health.generation
+                if generation != sent:
+                    sent = generation
+                    yield device_list(self.resource, self.health.snapshot())
+                self.health.wait_for_change(sent, 1.0)
+        finally:
+            self._streams.release()
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -135,15 +163,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     def _abort(self, context: grpc.ServicerContext, exc: AgentError) -> None:
         code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, AllocationError) else grpc.StatusCode.INTERNAL
-        log.warning("%s: %s", self.resource.name, exc)
-        context.abort(code, str(exc))
+        # the message may quote request fields: bounded, so the status itself always fits
+        message = shorten(exc, MAX_STATUS_MESSAGE)
+        log.warning("%s: %s", self.resource.name, message)
+        context.abort(code, message)
 
 
 class PluginServer:
     """A gRPC server for one resource on ``<socket_dir>/<resource.socket_name>``.
 
     ``max_workers`` sizes the thread pool: each open ListAndWatch holds a worker for its
-    lifetime, the rest serve unary calls.
+    lifetime, and at most ``max_streams`` (fewer than ``max_workers``) are open at a time:
+    a stream past that gets RESOURCE_EXHAUSTED, so ``max_workers - max_streams`` workers are
+    always there for Allocate, GetPreferredAllocation and GetDevicePluginOptions.
     """
 
     def __init__(
@@ -154,10 +186,13 @@ class PluginServer:
         *,
         hooks: DevicePluginHooks = NO_HOOKS,
         max_workers: int = 16,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
+        if not 0 < max_streams < max_workers:
+            raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, hooks)
+        self.servicer = DevicePluginServicer(handler, health, hooks, max_streams=max_streams)
         self.max_workers = max_workers
         self._server: grpc.Server | None = None
         self._inode: int | None = None

@@ -65,6 +65,10 @@ class AgentMetrics(DevicePluginHooks):
             "gpu_agent_pod_resources_errors",
             "Failed pod-resources List calls (the last answer is kept).", registry=registry,
         )
+        self.label_write_errors = Counter(
+            "gpu_agent_label_write_errors",
+            "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
+        )
         self._backend = backend
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))

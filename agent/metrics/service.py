@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +25,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
+from agent.errors import shorten
 from agent.formats import parse_host_port as parse_address
 from agent.hw.backend import Backend
 from agent.hw.sampling import NvmlSampler
@@ -42,9 +44,67 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+#: Pending connections the kernel queues before accept (Python's default is 5: 50 scrapers
+#: at once overflowed it and stalled for seconds).
+LISTEN_BACKLOG = 128
+#: Connections served at once (one thread each); one more is answered 503 and closed at once.
+MAX_CONNECTIONS = 100
+#: Seconds a connection may stay silent (a half-sent request, an idle keep-alive) before
+#: it is closed and its thread freed.
+READ_TIMEOUT_S = 10.0
+
+_BUSY_REPLY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 38\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    b"too many connections: try again later\n"
+)
+
+
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` of them; each connection
+    times out after ``read_timeout_s`` of silence. Client resets and timeouts are logged at
+    debug level, never as a traceback."""
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+    max_connections = MAX_CONNECTIONS
+    read_timeout_s = READ_TIMEOUT_S
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0  # connections answered 503 (tests and the soak read it)
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY_REPLY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            request.settimeout(self.read_timeout_s)
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # reset, broken pipe, timeout: the client's doing
+            log.debug("metrics http: %s from %s", exc, client_address)
+        else:
+            log.warning("metrics http: %s from %s", shorten(repr(exc), 200), client_address)
 
 
 class MetricsService:

@@ -129,7 +129,10 @@ class SimulatedMachine:
         self.name = spec.name
         self.lib = FakeNvml(spec)
         owned = sysfs_root is None
-        self.sysfs_root = sysfs_root or tempfile.mkdtemp(prefix=f"gta-sysfs-{_safe(spec.name)}-")
+        if owned:
+            remove_stale_trees()
+        # the pid in the name tells a tree whose process died (SIGKILL: no clean-up ran)
+        self.sysfs_root = sysfs_root or tempfile.mkdtemp(prefix=f"gta-sysfs-{os.getpid()}-{_safe(spec.name)}-")
         self._finalizer = (
             weakref.finalize(self, shutil.rmtree, self.sysfs_root, True) if owned else None
         )
@@ -158,6 +161,28 @@ class SimulatedMachine:
     def __repr__(self) -> str:
         gpus = len(self.spec.gpus)
         return f"SimulatedMachine({self.name!r}, {gpus} GPUs, sysfs={self.sysfs_root!r})"
+
+
+def remove_stale_trees(tmp_dir: str | None = None) -> list[str]:
+    """Remove ``gta-sysfs-<pid>-*`` trees in the temp dir whose process is gone (a
+    simulated agent killed with SIGKILL); trees of live processes and other users' are left
+    alone. Returns the removed paths."""
+    tmp_dir = tmp_dir or tempfile.gettempdir()
+    removed = []
+    for entry in os.scandir(tmp_dir):
+        m = re.match(r"gta-sysfs-(\d+)-", entry.name)
+        if m is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or pid reused): not ours to judge
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
 
 
 def _safe(name: str) -> str:
