@@ -43,6 +43,18 @@ last), then by NVLink island (lowest index first), and inside a group they follo
 walk where each next GPU is the one best linked (pair score) to the one before, ties broken by
 its links to the whole group so far, then by the lower index. MIG devices keep their parent's
 place, in MIG index order.
+
+**Occupancy.** A fixed order makes the allocator's choice first fit over one permutation of
+the GPUs. The agent knows which GPUs its prepared claims hold, so the running agent
+re-publishes the slices after every NodePrepareResources / NodeUnprepareResources with the
+groups ordered by occupancy (``in_use``): NUMA nodes with the fewest free GPUs first, and in
+a NUMA node the NVLink islands with the fewest free GPUs first (ties: the order above). The
+next claim then fills a partly used group before it breaks into a whole one, so first fit
+approximates best fit; with a ``matchAttribute: nvlinkIsland`` constraint (the allocator
+backtracks over the first device) it is best fit over the islands. The scheduler may
+allocate the next claim before it has seen the re-published slice (one API write plus its
+informer's delay): that claim is placed by the previous order, a worse choice at most, never
+a wrong one (allocated devices are excluded by the scheduler whatever the order).
 """
 
 from __future__ import annotations
@@ -120,15 +132,27 @@ def clique_ids(topology: Topology) -> dict[int, int]:
     return out
 
 
-def device_order(topology: Topology) -> list[int]:
-    """GPU indices in slice order (see the module docstring)."""
+def device_order(topology: Topology, in_use: Collection[int] = ()) -> list[int]:
+    """GPU indices in slice order (see the module docstring); ``in_use``: indices of the GPUs
+    held by prepared claims (groups with fewer free GPUs come first)."""
     islands = island_ids(topology)
     groups: dict[tuple[bool, int, int], list[int]] = {}
     for g in topology.gpus:
         key = (g.numa_node is None, g.numa_node if g.numa_node is not None else 0, islands[g.index])
         groups.setdefault(key, []).append(g.index)
+    used = set(in_use)
+    free = {key: sum(1 for i in members if i not in used) for key, members in groups.items()}
+    numa_free: dict[tuple[bool, int], int] = {}
+    for key, n in free.items():
+        numa_free[key[:2]] = numa_free.get(key[:2], 0) + n
+
+    def rank(key: tuple[bool, int, int]) -> tuple[object, ...]:
+        if not used:
+            return key
+        return (key[0], numa_free[key[:2]], key[1], free[key], key[2])
+
     order: list[int] = []
-    for key in sorted(groups):
+    for key in sorted(groups, key=rank):
         left = list(groups[key])
         walk = [left.pop(0)]
         while left:
@@ -186,14 +210,14 @@ def _int(value: int | None) -> dict[str, Any] | None:
 
 # ----------------------------------------------------------------------- devices
 def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
-                   unhealthy: Collection[int] = ()) -> list[Device]:
-    """The node's devices in slice order; GPUs in ``unhealthy`` (indices) and lost GPUs are
-    left out (with all their MIG devices)."""
+                   unhealthy: Collection[int] = (), in_use: Collection[int] = ()) -> list[Device]:
+    """The node's devices in slice order (``in_use``: see :func:`device_order`); GPUs in
+    ``unhealthy`` (indices) and lost GPUs are left out (with all their MIG devices)."""
     islands = island_ids(topology)
     cliques = clique_ids(topology)
     bad = set(unhealthy)
     out: list[Device] = []
-    for index in device_order(topology):
+    for index in device_order(topology, in_use):
         gpu = topology.gpus[index]
         if index in bad or gpu.lost:
             continue
@@ -268,12 +292,13 @@ def render_slices(
     generation: int = 1,
     node_uid: str | None = None,
     unhealthy: Collection[int] = (),
+    in_use: Collection[int] = (),
 ) -> list[dict[str, Any]]:
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
     after the node, at most 128 devices per slice, owned by the Node when its UID is known."""
     if api_version not in API_VERSIONS:
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
-    devices = render_devices(topology, driver, unhealthy)
+    devices = render_devices(topology, driver, unhealthy, in_use)
     chunks = [devices[i : i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)]
     chunks = chunks or [[]]  # an empty pool is published too: it says "no devices here now"
     out = []
