@@ -90,8 +90,11 @@ class Node:
         NotifyRegistrationStatus(registered)."""
         assert eventually(lambda: os.path.exists(self.registration_socket), timeout_s), "no -reg.sock"
         stub = reg_pb_grpc.RegistrationStub(self.channel(self.registration_socket))
-        info = stub.GetInfo(reg_pb.InfoRequest(), timeout=10)
-        stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=10)
+        # the kubelet dials blocking until the socket answers (the file appears at bind time,
+        # a moment before the server accepts calls)
+        info = stub.GetInfo(reg_pb.InfoRequest(), timeout=10, wait_for_ready=True)
+        stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=10,
+                                      wait_for_ready=True)
         return info
 
     def devices(self) -> list[str]:
@@ -116,14 +119,14 @@ class Node:
         stub = dra_v1_pb2_grpc.DRAPluginStub(self.channel(self.dra_socket))
         req = dra_v1_pb2.NodePrepareResourcesRequest(
             claims=[dra_v1_pb2.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])])
-        return stub.NodePrepareResources(req, timeout=10)
+        return stub.NodePrepareResources(req, timeout=10, wait_for_ready=True)
 
     def unprepare(self, claim: dict) -> dra_v1_pb2.NodeUnprepareResourcesResponse:
         m = claim["metadata"]
         stub = dra_v1_pb2_grpc.DRAPluginStub(self.channel(self.dra_socket))
         req = dra_v1_pb2.NodeUnprepareResourcesRequest(
             claims=[dra_v1_pb2.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])])
-        return stub.NodeUnprepareResources(req, timeout=10)
+        return stub.NodeUnprepareResources(req, timeout=10, wait_for_ready=True)
 
     def close(self) -> None:
         for ch in self._channels:
