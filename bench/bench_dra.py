@@ -51,11 +51,11 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     from agent._proto import dra_v1_pb2 as pb
     from agent._proto import dra_v1_pb2_grpc as pb_grpc
     from agent.config import Config
+    from agent.discovery import load_topology
     from agent.dra.claims import KubernetesClaimReader
     from agent.dra.devices import device_refs
     from agent.dra.plugin import DraPlugin
     from agent.health import HealthState
-    from agent.hw.machines import load_topology
 
     # The stand-in writes each answer in two sends (headers, body); without TCP_NODELAY every
     # read then waits ~40 ms for a delayed ACK, an artifact of the stand-in that no real API

@@ -204,7 +204,8 @@ class DraPolicy:
 
 # ----------------------------------------------------------------------- machines
 def dra_machines() -> list[tuple[str, Topology]]:
-    from agent.hw.machines import BUILTIN_MACHINES, load_topology
+    from agent.discovery import load_topology
+    from agent.hw.sim.machines import BUILTIN_MACHINES
 
     out = []
     for name in BUILTIN_MACHINES:

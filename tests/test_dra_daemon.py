@@ -360,3 +360,18 @@ def test_kubelet_restart_re_registers_and_sighup_hands_the_topology_to_plugin_an
     daemon.reload()
     assert [who for who, _ in seen] == ["plugin", "publisher"]
     assert all(t == daemon.topology for _, t in seen)
+
+
+def test_delete_slices_on_shutdown_is_a_flag_a_variable_and_a_config_key(tmp_path):
+    from agent.config import load_config
+    from agent.errors import ConfigError
+
+    assert load_config(None, {}, {}).delete_slices_on_shutdown is False
+    assert load_config(None, {"DELETE_SLICES_ON_SHUTDOWN": "true"}, {}).delete_slices_on_shutdown is True
+    assert load_config(None, {}, {"delete_slices_on_shutdown": True}).delete_slices_on_shutdown is True
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\nmode: dra\ndra:\n  deleteSlicesOnShutdown: true\n")
+    assert load_config(str(path), {}, {}).delete_slices_on_shutdown is True
+    path.write_text("version: v1\ndra:\n  deleteSlicesOnShutdown: sometimes\n")
+    with pytest.raises(ConfigError, match=r"dra.deleteSlicesOnShutdown: expected true or false, got 'sometimes'"):
+        load_config(str(path), {}, {})

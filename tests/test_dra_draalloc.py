@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agent.discovery import load_topology
 from agent.dra.slices import dump_yaml, render_slices
-from agent.hw.machines import BUILTIN_MACHINES, load_topology
+from agent.hw.sim.machines import BUILTIN_MACHINES
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"

@@ -9,6 +9,7 @@ import yaml
 from kubelet_stub import hgx8_topology, pcie4_topology
 
 from agent.cli import main
+from agent.discovery import load_topology
 from agent.dra.slices import (
     MAX_DEVICES_PER_SLICE,
     clique_ids,
@@ -18,7 +19,7 @@ from agent.dra.slices import (
     render_slices,
     semver,
 )
-from agent.hw.machines import BUILTIN_MACHINES, load_topology
+from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.model import Gpu, Link, MigDevice, Topology
 
 D = "gpu.gpu-agent.io/"
