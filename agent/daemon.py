@@ -12,9 +12,8 @@ resource is registered with the running kubelet.
 ``mode: dra`` replaces the device-plugin servers (no device-plugin socket at all) with the
 DRA kubelet plugin and the ResourceSlice publisher (factories ``dra_plugin`` and
 ``slice_publisher``): ready = the kubelet registered the DRA plugin and the slices are
-published. The publisher follows health (an unhealthy GPU leaves the slice) and the
-prepared claims (occupancy order); SIGHUP and a kubelet restart hand both the topology read
-again; a clean stop removes the sockets and keeps the slices (``deleteSlicesOnShutdown``).
+published. The publisher follows health (an unhealthy GPU leaves the slice); SIGHUP and a
+kubelet restart hand both the topology read again; a clean stop removes the sockets and keeps the slices (``deleteSlicesOnShutdown``).
 
 Signals only set flags; the main thread does the work: SIGHUP reloads the configuration and
 topology and re-registers; SIGTERM/SIGINT shut down in a fixed order (close streams, stop
@@ -373,14 +372,12 @@ class Daemon:
 
     def _start_dra(self, topology: Topology) -> None:
         """``mode: dra``: the kubelet plugin and the slice publisher, no device plugins (a GPU
-        is never handed out by both). The publisher follows health (its own subscription) and
-        occupancy (the plugin's prepared claims: every prepare/unprepare re-orders the slice)."""
+        is never handed out by both). The publisher follows health (its own subscription). The
+        device order is the static one: an occupancy-following order (re-published after each
+        prepare/unprepare) was measured worse, see ``bench/quality_dra.py``."""
         assert self.health is not None
         plugin = self._dra_plugin_factory(topology, self.config, self.health)
         publisher = self._slice_publisher_factory(topology, self.config, self.health)
-        preparer = plugin.preparer
-        publisher.update(in_use=preparer.gpus_in_use())
-        preparer.on_change = lambda: publisher.update(in_use=preparer.gpus_in_use())
         plugin.on_kubelet_restart = self._on_kubelet_restart
         self.dra, self.publisher = plugin, publisher
         plugin.start()

@@ -29,7 +29,6 @@ from agent.daemon import Daemon
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.dra.publisher import SlicePublisher
-from agent.dra.slices import device_order
 from agent.labels.sinks import FeatureFileSink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,25 +319,6 @@ def test_an_xid_republishes_the_slice_without_the_gpu_within_a_second(node, simu
     # an unhealthy GPU is not prepared either
     resp = node.prepare(node.put_claim("late", ["gpu-3"]))
     assert "unhealthy" in next(iter(resp.claims.values())).error
-
-
-def test_prepare_and_unprepare_republish_the_slice_in_occupancy_order(node, simulated_daemon):
-    daemon = simulated_daemon()
-    node.kubelet_registers()
-    assert daemon.publisher.wait_ready(5)
-    topology = daemon.topology
-    assert node.devices() == [f"gpu-{i}" for i in device_order(topology)]
-    numa1 = sorted(g.index for g in topology.gpus if g.numa_node == 1)
-    claim = node.put_claim("one", [f"gpu-{numa1[0]}"])
-    assert node.prepare(claim).claims[claim["metadata"]["uid"]].error == ""
-    # NUMA node 1 now has the fewest free GPUs: its GPUs come first, so the next small
-    # claim fills it rather than breaking into the whole NUMA node 0
-    assert node.api.wait_for(lambda s: [d["name"] for d in s[0]["spec"]["devices"]][:4]
-                             == [f"gpu-{i}" for i in device_order(topology, {numa1[0]})][:4], 2.0)
-    assert node.devices()[0] in {f"gpu-{i}" for i in numa1}
-    assert node.unprepare(claim).claims[claim["metadata"]["uid"]].error == ""
-    assert node.api.wait_for(lambda s: [d["name"] for d in s[0]["spec"]["devices"]]
-                             == [f"gpu-{i}" for i in device_order(topology)], 2.0)
 
 
 def test_kubelet_restart_re_registers_and_sighup_hands_the_topology_to_plugin_and_publisher(

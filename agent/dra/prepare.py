@@ -76,24 +76,6 @@ class ClaimPreparer:
         self.devices: Mapping[str, DeviceRef] = device_refs(topology)
         self.cdi = CdiSpecWriter(topology, config, path_exists=path_exists)
         self._lock = threading.Lock()
-        #: called (no lock held) after a claim was newly prepared or unprepared: the set of
-        #: GPUs in use changed (the daemon re-publishes the slices in occupancy order)
-        self.on_change: Callable[[], None] | None = None
-
-    def gpus_in_use(self) -> frozenset[int]:
-        """Indices of the GPUs (MIG devices: their parents) held by prepared claims."""
-        with self._lock:
-            devices = self.devices
-            names = [d.device for claim in self.checkpoint for d in claim.devices]
-        return frozenset(devices[n].gpu.index for n in names if n in devices)
-
-    def _changed(self) -> None:
-        callback = self.on_change
-        if callback is not None:
-            try:
-                callback()
-            except Exception:  # a listener must not fail the kubelet's call
-                log.exception("claims-changed listener failed")
 
     def set_topology(self, topology: Topology) -> None:
         """Serve ``topology`` from now on (read again after a kubelet restart or SIGHUP).
@@ -142,7 +124,6 @@ class ClaimPreparer:
                 log.error("%s: cannot write its CDI spec or checkpoint: %s", ref, exc)
                 return PrepareResult(error=f"{ref}: cannot write the CDI spec in {self.cdi_dir}: {exc.strerror or exc}")
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
-        self._changed()
         return PrepareResult(devices=prepared.devices)
 
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
@@ -226,7 +207,6 @@ class ClaimPreparer:
                 return f"{ref}: cannot update the checkpoint in {self.checkpoint.directory}: {exc.strerror or exc}"
         if done is not None:
             log.info("unprepared %s", ref)
-            self._changed()
         return ""
 
 

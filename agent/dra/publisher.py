@@ -100,7 +100,6 @@ class SlicePublisher:
         self.resync_s = resync_s
         self._topology = topology
         self._unhealthy: frozenset[int] = frozenset()
-        self._in_use: frozenset[int] = frozenset()
         self._health = health
         self._cond = threading.Condition()
         self._dirty = True
@@ -156,29 +155,24 @@ class SlicePublisher:
     def wait_ready(self, timeout_s: float) -> bool:
         return self._ready.wait(timeout_s)
 
-    def update(self, topology: Topology | None = None, unhealthy: Collection[int] | None = None,
-               in_use: Collection[int] | None = None) -> None:
-        """Publish a new topology, set of unhealthy GPU indices and/or set of GPUs held by
-        prepared claims (the device order follows occupancy; see ``agent.dra.slices``).
-        Returns at once."""
+    def update(self, topology: Topology | None = None, unhealthy: Collection[int] | None = None) -> None:
+        """Publish a new topology and/or set of unhealthy GPU indices (returns at once)."""
         with self._cond:
             if topology is not None:
                 self._topology = topology
             if unhealthy is not None:
                 self._unhealthy = frozenset(unhealthy)
-            if in_use is not None:
-                self._in_use = frozenset(in_use)
             self._dirty = True
             self._cond.notify_all()
 
     def desired(self, api_version: str | None = None) -> list[dict[str, Any]]:
         """The slices as they would be published now, for generation :attr:`generation`."""
         with self._cond:
-            topology, unhealthy, in_use = self._topology, self._unhealthy, self._in_use
+            topology, unhealthy = self._topology, self._unhealthy
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=api_version or self.api_version or "v1",
                              generation=max(self.generation, 1), node_uid=self.node_uid,
-                             unhealthy=unhealthy, in_use=in_use)
+                             unhealthy=unhealthy)
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:

@@ -44,17 +44,17 @@ walk where each next GPU is the one best linked (pair score) to the one before, 
 its links to the whole group so far, then by the lower index. MIG devices keep their parent's
 place, in MIG index order.
 
-**Occupancy.** A fixed order makes the allocator's choice first fit over one permutation of
-the GPUs. The agent knows which GPUs its prepared claims hold, so the running agent
-re-publishes the slices after every NodePrepareResources / NodeUnprepareResources with the
-groups ordered by occupancy (``in_use``): NUMA nodes with the fewest free GPUs first, and in
-a NUMA node the NVLink islands with the fewest free GPUs first (ties: the order above). The
-next claim then fills a partly used group before it breaks into a whole one, so first fit
-approximates best fit; with a ``matchAttribute: nvlinkIsland`` constraint (the allocator
-backtracks over the first device) it is best fit over the islands. The scheduler may
-allocate the next claim before it has seen the re-published slice (one API write plus its
-informer's delay): that claim is placed by the previous order, a worse choice at most, never
-a wrong one (allocated devices are excluded by the scheduler whatever the order).
+**Occupancy** (measured, not used by the agent). A fixed order makes the allocator's choice
+first fit over one permutation of the GPUs. ``device_order(topology, in_use)`` is the order an
+agent could re-publish after every NodePrepareResources / NodeUnprepareResources from the GPUs
+its prepared claims hold: NUMA nodes with the fewest free GPUs first, and in a NUMA node the
+NVLink islands with the fewest free GPUs first (ties: the order above), so that first fit
+approximates best fit. ``bench/quality_dra.py`` measures it through the scheduler's
+allocator (paths "occ"): it is worse than the static order on every built-in machine, as a
+claim larger than the fullest group's free GPUs then spills over two groups (a 4-GPU claim
+takes 3 GPUs of a used NUMA node and 1 of a whole free one). The running agent therefore
+publishes the static order. (Had it been used, the scheduler could also allocate the next
+claim before seeing the re-published slice: a worse choice, never a wrong one.)
 """
 
 from __future__ import annotations
