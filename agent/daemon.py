@@ -13,7 +13,8 @@ resource is registered with the running kubelet.
 DRA kubelet plugin and the ResourceSlice publisher (factories ``dra_plugin`` and
 ``slice_publisher``): ready = the kubelet registered the DRA plugin and the slices are
 published. The publisher follows health (an unhealthy GPU leaves the slice); SIGHUP and a
-kubelet restart hand both the topology read again; a clean stop removes the sockets and keeps the slices (``deleteSlicesOnShutdown``).
+kubelet restart hand both the topology read again; a clean stop removes the sockets and
+keeps the slices (unless ``deleteSlicesOnShutdown``).
 
 Signals only set flags; the main thread does the work: SIGHUP reloads the configuration and
 topology and re-registers; SIGTERM/SIGINT shut down in a fixed order (close streams, stop
