@@ -20,14 +20,14 @@ with the GPUs held by the pods still running passed as ``--allocated``. Paths pe
   so every path sees the same pods;
 * ``naive slice``: the same GPUs in index order without topology attributes (``numaNode``,
   ``nvlinkIsland``, ``nvlinkClique``, ``pcieRoot``), claims without constraints;
-* ``DRA (a) occ`` and ``DRA (b) occ``: (a) and (b) over the slices the running agent
-  publishes: it re-publishes after every NodePrepareResources / NodeUnprepareResources with
-  the device order following occupancy (``render_slices(..., in_use=...)``, the GPUs held by
-  prepared claims: groups with fewest free GPUs first). Emulated honestly: before each claim
-  the slices are rendered again from the GPUs of the pods still running, exactly what the
-  agent computes from its checkpoint. This assumes the scheduler has seen the re-published
+* ``DRA (a) occ`` and ``DRA (b) occ``: (a) and (b) over the slices an agent would publish
+  if it re-published after every NodePrepareResources / NodeUnprepareResources with the
+  device order following occupancy (``render_slices(..., in_use=...)``, the GPUs held by
+  prepared claims: groups with fewest free GPUs first). Emulated as the agent would do it:
+  before each claim the slices are rendered again from the GPUs of the pods still running
+  (what the agent's checkpoint holds). This assumes the scheduler has seen the re-published
   slice before it allocates the next claim (in a cluster it may still use the previous
-  order: a worse choice, never a wrong one).
+  order). Measured worse than the static order (bench/README.md), so the agent does not.
 
 Measures, over multi-GPU pods (as quality.py): share entirely on NVLink (every pair
 linked), share on one NUMA node, mean set score / best possible score for that size.
