@@ -140,11 +140,10 @@ def _default_dra_plugin(topology: Topology, config: Config, health: HealthState)
 
 
 def _default_slice_publisher(topology: Topology, config: Config, health: HealthState) -> SlicePublisher:
-    from agent.dra.claims import api_client
-    from agent.dra.publisher import SlicePublisher
+    from agent.dra.publisher import SlicePublisher, default_client_factory
 
-    return SlicePublisher(lambda: api_client(config), config.node_name, topology, config.driver_name,
-                          health=health, delete_on_stop=config.delete_slices_on_shutdown)
+    return SlicePublisher(default_client_factory(config.kubeconfig), config.node_name, topology,
+                          config.driver_name, health=health, delete_on_stop=config.delete_slices_on_shutdown)
 
 
 def _default_watcher(

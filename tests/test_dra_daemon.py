@@ -310,12 +310,14 @@ def test_an_xid_republishes_the_slice_without_the_gpu_within_a_second(node, simu
     daemon = simulated_daemon(node.config(metrics_address="127.0.0.1:0", health_recovery_s=60))
     node.kubelet_registers()
     assert daemon.publisher.wait_ready(5) and len(node.devices()) == 8
-    before = node.generation()
+    before, publications = node.generation(), daemon.publisher.publish_count
     t0 = time.monotonic()
     daemon.backend.lib.inject_xid(3, 79)
     assert node.api.wait_for(lambda s: "gpu-3" not in [d["name"] for d in s[0]["spec"]["devices"]], 1.0)
     assert time.monotonic() - t0 <= 1.0
     assert len(node.devices()) == 7 and node.generation() > before
+    assert eventually(lambda: daemon.publisher.publish_count == publications + 1, 1.0)
+    assert t0 <= daemon.publisher.last_published_s <= t0 + 1.0
     # an unhealthy GPU is not prepared either
     resp = node.prepare(node.put_claim("late", ["gpu-3"]))
     assert "unhealthy" in next(iter(resp.claims.values())).error

@@ -23,6 +23,7 @@ allocation_policy  # Config field: flags.allocationPolicy, read through dataclas
 description  # machine spec field: documentation carried in the spec files
 _.timestamp  # pynvml c_nvmlFieldValue_t field, filled as the real NVML fills it
 taken_at  # metrics Snapshot field: when the round was taken
+_.retries  # kubernetes.client.Configuration field, read by the client (agent/dra/publisher.py)
 
 # --- TEMPORARY: agent/metrics/fields.py is being rewritten on another branch; the lead
 # deletes this entry (or the constant) after the merge.
