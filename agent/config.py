@@ -87,6 +87,9 @@ class Config:
     plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
     cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
     kubeconfig: str = ""  # API server access for ResourceClaims/Slices; "" = in-cluster config
+    #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
+    #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
+    delete_slices_on_shutdown: bool = False
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -419,6 +422,7 @@ ENV_FIELDS = {
     "PLUGINS_DIR": "plugins_dir",
     "CDI_DIR": "cdi_dir",
     "KUBECONFIG": "kubeconfig",
+    "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
 }
 
 
@@ -440,6 +444,7 @@ _FIELD_PARSERS = {
     **_FIELD_PARSERS,
     "mode": lambda v, w: _expect_choice(v, MODES, w),
     "driver_name": _expect_driver_name,
+    "delete_slices_on_shutdown": _expect_bool,
 }
 
 #: The config file's ``dra:`` section: key -> Config field.
@@ -449,6 +454,7 @@ DRA_FILE_KEYS: Mapping[str, str] = {
     "pluginsDir": "plugins_dir",
     "cdiDir": "cdi_dir",
     "kubeconfig": "kubeconfig",
+    "deleteSlicesOnShutdown": "delete_slices_on_shutdown",
 }
 
 

@@ -9,6 +9,13 @@ labels file; device-plugin servers and their registration (in the background); m
 service; health watcher. Readiness (``/ready``) = the topology is read and every
 resource is registered with the running kubelet.
 
+``mode: dra`` replaces the device-plugin servers (no device-plugin socket at all) with the
+DRA kubelet plugin and the ResourceSlice publisher (factories ``dra_plugin`` and
+``slice_publisher``): ready = the kubelet registered the DRA plugin and the slices are
+published. The publisher follows health (an unhealthy GPU leaves the slice); SIGHUP and a
+kubelet restart hand both the topology read again; a clean stop removes the sockets and
+keeps the slices (unless ``deleteSlicesOnShutdown``).
+
 Signals only set flags; the main thread does the work: SIGHUP reloads the configuration and
 topology and re-registers; SIGTERM/SIGINT shut down in a fixed order (close streams, stop
 servers, remove sockets, stop the watcher and metrics, NVML shutdown) within
@@ -39,7 +46,8 @@ from agent.records import NodeFacts
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:
-    pass
+    from agent.dra.plugin import DraPlugin
+    from agent.dra.publisher import SlicePublisher
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +186,29 @@ MetricsFactory = Callable[[Topology, Config, Callable[[], bool]], MetricsService
 WatcherFactory = Callable[[EventSource, HealthState, Config, Callable[[int, int], None] | None], HealthWatcher]
 
 
+#: (topology, config, health) -> the DRA kubelet plugin (not yet started), ``mode: dra``.
+DraPluginFactory = Callable[[Topology, Config, HealthState], "DraPlugin"]
+#: (topology, config, health) -> the ResourceSlice publisher (not yet started), subscribed
+#: to ``health``, ``mode: dra``.
+SlicePublisherFactory = Callable[[Topology, Config, HealthState], "SlicePublisher"]
+
+
+def _default_dra_plugin(topology: Topology, config: Config, health: HealthState) -> DraPlugin:
+    """The DRA kubelet plugin reading ResourceClaims through ``config.kubeconfig`` (or the
+    in-cluster configuration); ConfigError when neither can be loaded."""
+    from agent.dra.claims import KubernetesClaimReader, api_client
+    from agent.dra.plugin import DraPlugin
+
+    return DraPlugin(config, topology, health, KubernetesClaimReader(api_client(config)))
+
+
+def _default_slice_publisher(topology: Topology, config: Config, health: HealthState) -> SlicePublisher:
+    from agent.dra.publisher import SlicePublisher, default_client_factory
+
+    return SlicePublisher(default_client_factory(config.kubeconfig), config.node_name, topology,
+                          config.driver_name, health=health, delete_on_stop=config.delete_slices_on_shutdown)
+
+
 def _default_watcher(
     backend: EventSource, health: HealthState, config: Config, on_xid: Callable[[int, int], None] | None
 ) -> HealthWatcher:
@@ -213,6 +244,8 @@ class Daemon:
         read_topology: Callable[[], Topology] | None = None,
         shutdown_budget_s: float = SHUTDOWN_BUDGET_S,
         nvml_retry_s: float = 10.0,
+        dra_plugin: DraPluginFactory = _default_dra_plugin,
+        slice_publisher: SlicePublisherFactory = _default_slice_publisher,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -240,6 +273,11 @@ class Daemon:
         self.label_write_errors = 0
         self._label_errors_counted = 0  # how many of them the metrics counter has
         self._next_labels_s = float("inf")  # set by the first write
+        # mode: dra (in place of the device plugins)
+        self._dra_plugin_factory = dra_plugin
+        self._slice_publisher_factory = slice_publisher
+        self.dra: DraPlugin | None = None
+        self.publisher: SlicePublisher | None = None
         # Signal handlers and the kubelet-watch thread only set these and wake the main
         # thread; no lock: each is one assignment, read by the main loop.
         self._wake = threading.Event()
@@ -310,10 +348,16 @@ class Daemon:
 
     # ------------------------------------------------------------------ readiness
     def ready(self) -> bool:
-        manager = self.manager
-        return (
-            self.topology is not None and manager is not None and manager.ready() and not self._labels_failing
-        )
+        manager, dra, publisher = self.manager, self.dra, self.publisher
+        if self._labels_failing:
+            return False
+        if dra is not None and publisher is not None:
+            # DRA: the kubelet registered us and the scheduler can see our devices
+            return self.topology is not None and dra.ready() and publisher.ready()
+        return self.topology is not None and manager is not None and manager.ready()
+
+    def _serving(self) -> bool:
+        return self.manager is not None or self.dra is not None
 
     # ------------------------------------------------------------------ start
     def _read_topology(self) -> Topology:
@@ -384,15 +428,42 @@ class Daemon:
         # node waits for (goal: within 2 s of start); the metrics hooks are attached after.
         # Labels come after the sockets: an agent that finds its socket served by another
         # live one exits there, before touching that one's label file.
-        self.manager = self._plugins_factory(topology, self.config, self.health)
-        self.manager.on_kubelet_restart = self._on_kubelet_restart
-        self.manager.start()
+        if self.config.mode == "dra":
+            self._start_dra(topology)
+        else:
+            self.manager = self._plugins_factory(topology, self.config, self.health)
+            self.manager.on_kubelet_restart = self._on_kubelet_restart
+            self.manager.start()
         self._write_labels(topology)
         self._start_metrics(topology)
-        if self.metrics is not None:
+        if self.metrics is not None and self.manager is not None:
             self.manager.attach_hooks(self.metrics.agent_metrics)
         self._start_watcher(self.config)
         return True
+
+    def _start_dra(self, topology: Topology) -> None:
+        """``mode: dra``: the kubelet plugin and the slice publisher, no device plugins (a GPU
+        is never handed out by both). The publisher follows health (its own subscription). The
+        device order is the static one: an occupancy-following order (re-published after each
+        prepare/unprepare) was measured worse, see ``bench/quality_dra.py``."""
+        assert self.health is not None
+        plugin = self._dra_plugin_factory(topology, self.config, self.health)
+        publisher = self._slice_publisher_factory(topology, self.config, self.health)
+        plugin.on_kubelet_restart = self._on_kubelet_restart
+        self.dra, self.publisher = plugin, publisher
+        plugin.start()
+        publisher.start()
+
+    def _serve_topology(self, topology: Topology, config: Config) -> None:
+        """Serve ``topology`` (SIGHUP or a kubelet restart read it again)."""
+        if self.manager is not None:
+            self.manager.reload(topology, config)
+            return
+        if self.dra is not None and self.publisher is not None:
+            if config.mode != self.config.mode or _dra_settings(config) != _dra_settings(self.config):
+                log.warning("mode and DRA settings apply at start: restart the agent to change them")
+            self.dra.set_topology(topology)
+            self.publisher.update(topology=topology)
 
     def _write_labels(self, topology: Topology) -> None:
         """Write (or re-assert) the label file. A failure is logged every time, counted
@@ -455,7 +526,7 @@ class Daemon:
     def reload(self) -> None:
         """SIGHUP: new configuration and topology, servers again, re-registration. A bad
         configuration is logged and the running one is kept."""
-        if self.config_loader is None or self.manager is None or self.topology is None:
+        if self.config_loader is None or not self._serving() or self.topology is None:
             return
         try:
             config = self.config_loader()
@@ -463,7 +534,7 @@ class Daemon:
             if not self._same_gpu_count(self.topology, topology):
                 topology = self.topology
             topology = merge_reread(self.topology, topology)
-            self.manager.reload(topology, config)
+            self._serve_topology(topology, config)
         except AgentError as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
             return
@@ -495,7 +566,7 @@ class Daemon:
         """After a kubelet restart: read the topology again and serve it if it changed
         (a GPU replaced or MIG reconfigured while the node was in maintenance). True if it
         changed."""
-        if self.manager is None or self.topology is None:
+        if not self._serving() or self.topology is None:
             return False
         try:
             topology = self._read_topology()
@@ -509,7 +580,7 @@ class Daemon:
             return False
         log.warning("topology changed since start: serving the new one")
         try:
-            self.manager.reload(topology, self.config)
+            self._serve_topology(topology, self.config)
         except AgentError as exc:
             log.error("cannot serve the new topology, keeping the current one: %s", exc)
             return False
@@ -528,6 +599,11 @@ class Daemon:
             manager, watcher, metrics = self.manager, self.watcher, self.metrics
             if manager is not None:
                 steps.append(("device plugins", lambda: manager.stop(1.0)))
+            dra, publisher = self.dra, self.publisher
+            if dra is not None:
+                steps.append(("DRA plugin", lambda: dra.stop(1.0)))
+            if publisher is not None:  # slices kept unless deleteSlicesOnShutdown
+                steps.append(("ResourceSlice publisher", lambda: publisher.stop(3.0)))
             if watcher is not None:
                 steps.append(("health watcher", lambda: watcher.stop(2.0)))
             if metrics is not None:
@@ -569,6 +645,11 @@ class Daemon:
         finally:
             self.shutdown()
         return 0
+
+
+def _dra_settings(config: Config) -> tuple[object, ...]:
+    return (config.driver_name, config.plugins_registry_dir, config.plugins_dir, config.cdi_dir,
+            config.kubeconfig, config.node_name)
 
 
 def _hard_exit() -> None:

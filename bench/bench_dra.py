@@ -12,12 +12,20 @@ checkpoint write (fsync + rename). As on a node, the CDI directory is on a tmpfs
 (``--state-base``, default /tmp, like /var/lib/kubelet/plugins). Also measured: a repeated prepare (answered from
 the checkpoint) and NodeUnprepareResources. Goal (issue 12): p99 <= 20 ms including the CDI
 write. Timings vary by machine, disk and load: report them as one run's figures.
+
+Also (``--republish N``, default 50): the time from a health change to the republished
+ResourceSlice, end to end in the agent as ``run --mode dra`` builds it (the Daemon on the
+simulated machine, its health watcher on the fake NVML, the publisher writing through the
+official client to the stand-in API server): an XID is injected on the fake NVML and the
+clock stops when the stand-in stores the slice without that GPU; then the GPU is marked
+healthy again and the clock stops when it is back. Goal (issue 12): <= 1 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -121,6 +129,63 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     return out
 
 
+def bench_republish(machine: str, rounds: int) -> dict[str, object]:
+    """Health change -> republished slice, through the daemon (see the module docstring)."""
+    import apiserver_stub
+    from apiserver_stub import ApiServerStub
+
+    from agent.config import Config
+    from agent.daemon import Daemon
+    from agent.discovery import open_backend, read_topology
+    from agent.dra.claims import KubernetesClaimReader
+    from agent.dra.plugin import DraPlugin
+    from agent.dra.publisher import SlicePublisher
+
+    if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
+        apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
+    logging.getLogger("agent").setLevel(logging.ERROR)  # one "marked unhealthy" line per round
+    root = tempfile.mkdtemp(prefix="bdrr", dir="/tmp")
+    api = ApiServerStub(served_versions=("v1",)).start()
+    api.add_node("node-1")
+    config = Config(mode="dra", node_name="node-1", plugins_registry_dir=f"{root}/reg",
+                    plugins_dir=f"{root}/plugins", cdi_dir=f"{root}/cdi", health_recovery_s=3600.0)
+    backend, sim = open_backend(machine, config.sysfs_root)
+    daemon = Daemon(
+        config, backend, source=f"simulated:{machine}", on_close=sim.close if sim is not None else None,
+        read_topology=lambda: read_topology(backend, sim),
+        dra_plugin=lambda t, c, h: DraPlugin(c, t, h, KubernetesClaimReader(api.api_client())),
+        slice_publisher=lambda t, c, h: SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h),
+    )
+
+    def names(slices: list[dict[str, object]]) -> set[str]:
+        return {d["name"] for s in slices for d in s["spec"]["devices"]}  # type: ignore[index]
+
+    gone, back = [], []
+    try:
+        assert daemon.start() and daemon.publisher is not None and daemon.health is not None
+        assert daemon.publisher.wait_ready(10), "slices not published"
+        if daemon.watcher is not None:
+            daemon.watcher.poll_ms = 20  # as the tests run it; real NVML wakes on the event itself
+        lib = backend.lib  # type: ignore[attr-defined]
+        gpus = daemon.topology.gpu_count if daemon.topology else 1
+        for i in range(rounds):
+            index = i % gpus
+            name = f"gpu-{index}"
+            t0 = time.perf_counter()
+            lib.inject_xid(index, 79)
+            assert api.wait_for(lambda s, name=name: name not in names(s), 10.0), f"{name} never left the slice"
+            gone.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            daemon.health.mark_healthy(index)
+            assert api.wait_for(lambda s, name=name: name in names(s), 10.0), f"{name} never came back"
+            back.append(time.perf_counter() - t0)
+    finally:
+        daemon.shutdown()
+        api.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"machine": machine, "rounds": rounds, "xid_to_slice": summary(gone), "recovery_to_slice": summary(back)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--machine", default="dgx-h100")
@@ -128,6 +193,8 @@ def main() -> int:
     p.add_argument("--json", metavar="FILE", default=None)
     p.add_argument("--cdi-base", metavar="DIR", default="/dev/shm", help="where the CDI directory is made (a tmpfs)")
     p.add_argument("--state-base", metavar="DIR", default="/tmp", help="where the checkpoint directory is made")
+    p.add_argument("--republish", metavar="N", type=int, default=50,
+                   help="health changes timed to the republished slice (0: skip)")
     args = p.parse_args()
     result = bench(args.machine, args.claims, args.cdi_base, args.state_base)
     print(f"{result['machine']} ({result['gpus']} GPUs), {args.claims} claims per size, one client, sequential;"
@@ -139,6 +206,16 @@ def main() -> int:
         assert isinstance(value, dict)
         for call, s in value.items():
             print(f"{key:>6} {call:>14} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f}")
+    if args.republish:
+        republish = bench_republish(args.machine, args.republish)
+        result["republish"] = republish
+        print(f"\nhealth change -> republished ResourceSlice ({args.republish} rounds, daemon on the simulated"
+              " machine, stand-in API server)")
+        print(f"{'change':>20} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        for key in ("xid_to_slice", "recovery_to_slice"):
+            s = republish[key]
+            assert isinstance(s, dict)
+            print(f"{key:>20} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)

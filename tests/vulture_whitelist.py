@@ -27,6 +27,3 @@ description  # machine spec field: documentation carried in the spec files
 _.timestamp  # pynvml c_nvmlFieldValue_t field, filled as the real NVML fills it
 taken_at  # metrics Snapshot field: when the round was taken
 
-# agent/dra/publisher.py: the DRA daemon wiring (branch dra4) reads these
-publish_count
-last_published_s

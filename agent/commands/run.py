@@ -77,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                      help=f"where CDI specs of prepared claims are written (default: {_DEFAULTS.cdi_dir})")
     dra.add_argument("--kubeconfig", metavar="FILE", dest="kubeconfig", default=None,
                      help="API server access (default: the in-cluster configuration; env KUBECONFIG)")
+    dra.add_argument("--delete-slices-on-shutdown", action="store_true", dest="delete_slices_on_shutdown",
+                     default=None, help="delete the node's ResourceSlices on a clean stop"
+                                        " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
     p.set_defaults(func=run)
 
 
@@ -86,6 +89,7 @@ FLAG_FIELDS = (
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
+    "delete_slices_on_shutdown",
 )
 
 

@@ -235,6 +235,9 @@ class DraPlugin:
         self.registrations = 0  # NotifyRegistrationStatus with plugin_registered=True
         self.refusals = 0
         self.socket_losses = 0  # sockets found gone and served again
+        #: called (from the watch thread, no lock held) after the registration socket was
+        #: found gone and served again: the kubelet restarted (the daemon re-reads the topology)
+        self.on_kubelet_restart: Callable[[], None] | None = None
 
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
@@ -319,6 +322,7 @@ class DraPlugin:
 
     def check_sockets(self) -> None:
         """Serve again on any socket that vanished (one watch round)."""
+        restarted = False
         with self._lock:
             if self._stop.is_set():
                 return
@@ -331,3 +335,7 @@ class DraPlugin:
                 server.start()
                 if server is self._reg_server:
                     self._registered = False  # the kubelet registers the new socket afresh
+                    restarted = True
+        callback = self.on_kubelet_restart
+        if restarted and callback is not None:
+            callback()

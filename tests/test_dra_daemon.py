@@ -1,0 +1,359 @@
+"""The agent in ``mode: dra``: the daemon serves the GPUs through the DRA kubelet plugin and
+ResourceSlices instead of device plugins. Against the stand-in API server (through a
+kubeconfig file, as on a node) and a stand-in kubelet that registers over the -reg.sock."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import grpc
+import pytest
+from apiserver_stub import ApiServerStub
+
+from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc
+from agent._proto import pluginregistration_v1_pb2 as reg_pb
+from agent._proto import pluginregistration_v1_pb2_grpc as reg_pb_grpc
+from agent.config import Config
+from agent.daemon import Daemon
+from agent.dra.claims import KubernetesClaimReader
+from agent.dra.plugin import DraPlugin
+from agent.dra.publisher import SlicePublisher
+from agent.labels.sinks import FeatureFileSink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = "gpu.gpu-agent.io"
+NODE = "node-1"
+
+
+# ---------------------------------------------------------------------- helpers
+class Node:
+    """Short directories under /tmp (unix socket paths < 108 bytes), the API server stand-in
+    and a kubeconfig file pointing at it."""
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="drd", dir="/tmp")
+        self.dirs = {n: os.path.join(self.root, n) for n in ("reg", "plugins", "cdi", "k", "features")}
+        for d in self.dirs.values():
+            os.makedirs(d)
+        self.api = ApiServerStub(served_versions=("v1", "v1beta1")).start()
+        self.node_uid = self.api.add_node(NODE)
+        self.kubeconfig = os.path.join(self.root, "kubeconfig")
+        with open(self.kubeconfig, "w", encoding="utf-8") as fh:
+            fh.write(
+                "apiVersion: v1\nkind: Config\ncurrent-context: stub\n"
+                f"clusters:\n- name: stub\n  cluster:\n    server: {self.api.url}\n"
+                "users:\n- name: stub\n  user:\n    token: test-token\n"
+                "contexts:\n- name: stub\n  context:\n    cluster: stub\n    user: stub\n"
+            )
+        self._channels: list[grpc.Channel] = []
+
+    @property
+    def registration_socket(self) -> str:
+        return os.path.join(self.dirs["reg"], f"{DRIVER}-reg.sock")
+
+    @property
+    def dra_socket(self) -> str:
+        return os.path.join(self.dirs["plugins"], DRIVER, "dra.sock")
+
+    def config(self, **kw) -> Config:
+        return replace(Config(), mode="dra", node_name=NODE, kubeconfig=self.kubeconfig,
+                       plugins_registry_dir=self.dirs["reg"], plugins_dir=self.dirs["plugins"],
+                       cdi_dir=self.dirs["cdi"], kubelet_dir=self.dirs["k"], features_dir=self.dirs["features"],
+                       pod_resources_socket=os.path.join(self.dirs["k"], "podres.sock"), **kw)
+
+    def args(self) -> list[str]:
+        return ["--mode", "dra", "--node-name", NODE, "--kubeconfig", self.kubeconfig,
+                "--plugins-registry-dir", self.dirs["reg"], "--plugins-dir", self.dirs["plugins"],
+                "--cdi-dir", self.dirs["cdi"], "--kubelet-dir", self.dirs["k"],
+                "--features-dir", self.dirs["features"],
+                "--pod-resources-socket", os.path.join(self.dirs["k"], "podres.sock")]
+
+    def channel(self, path: str) -> grpc.Channel:
+        ch = grpc.insecure_channel(f"unix:{path}")
+        self._channels.append(ch)
+        return ch
+
+    def kubelet_registers(self, timeout_s: float = 20.0) -> reg_pb.PluginInfo:
+        """What the kubelet's plugin watcher does: wait for the -reg.sock, GetInfo, then
+        NotifyRegistrationStatus(registered)."""
+        assert eventually(lambda: os.path.exists(self.registration_socket), timeout_s), "no -reg.sock"
+        stub = reg_pb_grpc.RegistrationStub(self.channel(self.registration_socket))
+        # the kubelet dials blocking until the socket answers (the file appears at bind time,
+        # a moment before the server accepts calls)
+        info = stub.GetInfo(reg_pb.InfoRequest(), timeout=10, wait_for_ready=True)
+        stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=10,
+                                      wait_for_ready=True)
+        return info
+
+    def devices(self) -> list[str]:
+        (obj,) = self.api.slices()
+        return [d["name"] for d in obj["spec"]["devices"]]
+
+    def generation(self) -> int:
+        return int(self.api.slices()[0]["spec"]["pool"]["generation"])
+
+    def put_claim(self, name: str, devices: list[str]) -> dict:
+        return self.api.put_claim({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": name},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                "deviceClassName": DRIVER, "count": len(devices)}}]}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d} for d in devices]}}},
+        })
+
+    def prepare(self, claim: dict) -> dra_v1_pb2.NodePrepareResourcesResponse:
+        m = claim["metadata"]
+        stub = dra_v1_pb2_grpc.DRAPluginStub(self.channel(self.dra_socket))
+        req = dra_v1_pb2.NodePrepareResourcesRequest(
+            claims=[dra_v1_pb2.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])])
+        return stub.NodePrepareResources(req, timeout=10, wait_for_ready=True)
+
+    def unprepare(self, claim: dict) -> dra_v1_pb2.NodeUnprepareResourcesResponse:
+        m = claim["metadata"]
+        stub = dra_v1_pb2_grpc.DRAPluginStub(self.channel(self.dra_socket))
+        req = dra_v1_pb2.NodeUnprepareResourcesRequest(
+            claims=[dra_v1_pb2.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])])
+        return stub.NodeUnprepareResources(req, timeout=10, wait_for_ready=True)
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+        self.api.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def eventually(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def simulated_daemon(node):
+    """The real Daemon in mode dra on the simulated dgx-h100 (fake NVML, metrics included),
+    with publisher and plugin built by factories over the stand-in (short backoff)."""
+    from agent.discovery import open_backend, read_topology
+    from agent.metrics.service import MetricsService
+
+    made = []
+
+    def start(config: Config | None = None, backoff_max_s: float = 0.2) -> Daemon:
+        config = config or node.config(metrics_address="127.0.0.1:0")
+        backend, sim = open_backend("dgx-h100", config.sysfs_root)
+
+        def plugin(topology, cfg, health):
+            return DraPlugin(cfg, topology, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
+                             poll_s=0.05)
+
+        def publisher(topology, cfg, health):
+            return SlicePublisher(node.api.api_client, cfg.node_name, topology, cfg.driver_name, health=health,
+                                  delete_on_stop=cfg.delete_slices_on_shutdown,
+                                  backoff_initial_s=0.05, backoff_max_s=backoff_max_s)
+
+        def metrics(topology, cfg, ready):
+            return MetricsService(backend, topology, cfg, hostname=NODE, ready=ready)
+
+        daemon = Daemon(config, backend, source="simulated:dgx-h100", metrics=metrics,
+                        label_sink=FeatureFileSink(config.features_dir, config.feature_file),
+                        on_close=sim.close if sim is not None else None,
+                        read_topology=lambda: read_topology(backend, sim),
+                        dra_plugin=plugin, slice_publisher=publisher)
+        made.append(daemon)
+        assert daemon.start()
+        if daemon.watcher is not None:
+            daemon.watcher.poll_ms = 20
+        return daemon
+
+    yield start
+    for daemon in made:
+        daemon.shutdown()
+
+
+# ---------------------------------------------------------------------- a real process
+def agent_process(args: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for var in ("CONFIG_FILE", "KUBECONFIG", "AGENT_MODE", "NODE_NAME", "DELETE_SLICES_ON_SHUTDOWN"):
+        env.pop(var, None)
+    return subprocess.Popen([sys.executable, "-m", "agent", "run", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_slices_on_sigterm(node):
+    port = free_port()
+    proc = agent_process(["--simulate", "dgx-h100", "--metrics-address", f"127.0.0.1:{port}", *node.args()])
+    try:
+        info = node.kubelet_registers()
+        assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, node.dra_socket)
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert node.api.wait_for(lambda s: len(s) == 1 and len(s[0]["spec"]["devices"]) == 8, 20.0)
+        (obj,) = node.api.slices()
+        assert obj["apiVersion"] == "resource.k8s.io/v1"
+        assert obj["spec"]["pool"]["name"] == NODE
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == node.node_uid
+        assert eventually(lambda: http_status(port, "/ready") == 200, 10.0)
+        # in dra mode no device-plugin socket is served: a GPU is never handed out twice
+        assert os.listdir(node.dirs["k"]) == []
+        claim = node.put_claim("train", ["gpu-0", "gpu-1"])
+        resp = node.prepare(claim)
+        entry = resp.claims[claim["metadata"]["uid"]]
+        assert entry.error == ""
+        assert [d.device_name for d in entry.devices] == ["gpu-0", "gpu-1"]
+        assert len(os.listdir(node.dirs["cdi"])) == 1
+        assert os.listdir(node.dirs["features"]) != [], "labels are written in dra mode too"
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "DCGM_FI_DEV_GPU_TEMP" in metrics, "metrics are served in dra mode too"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert not os.path.exists(node.registration_socket) and not os.path.exists(node.dra_socket)
+    assert os.listdir(node.dirs["k"]) == []
+    assert len(node.api.slices()) == 1, "a restarting agent keeps its slices (deleteSlicesOnShutdown false)"
+    assert node.api.count("DELETE", "resourceslices") == 0
+
+
+def test_delete_slices_on_shutdown_removes_them_on_sigterm(node):
+    proc = agent_process(["--simulate", "dgx-h100", "--metrics-address", "127.0.0.1:0",
+                          "--delete-slices-on-shutdown", *node.args()])
+    try:
+        node.kubelet_registers()
+        assert node.api.wait_for(lambda s: len(s) == 1, 20.0)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert node.api.slices() == []
+
+
+# ---------------------------------------------------------------------- in-process
+def test_ready_only_when_registered_and_slices_published(node, simulated_daemon):
+    node.api.go_down()
+    daemon = simulated_daemon()
+    port = daemon.metrics.port
+    assert daemon.manager is None and daemon.dra is not None
+    node.kubelet_registers()
+    assert daemon.dra.wait_ready(5)
+    time.sleep(0.3)
+    assert not daemon.ready() and http_status(port, "/ready") == 503, "registered but nothing published"
+    node.api.come_up()
+    assert daemon.publisher.wait_ready(5)
+    assert eventually(daemon.ready, 2.0) and http_status(port, "/ready") == 200
+
+
+def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_backoff_and_logs_once(
+        node, simulated_daemon, caplog):
+    node.api.go_down()
+    caplog.set_level(logging.WARNING, logger="agent.dra.publisher")
+    daemon = simulated_daemon(backoff_max_s=0.2)
+    node.kubelet_registers()
+    assert daemon.dra.wait_ready(5)
+    time.sleep(1.5)  # 0.05, 0.1, 0.2, 0.2, ...: at least 6 tries in 1.5 s with the cap at 0.2 s
+    failures = [r for r in caplog.records if "cannot publish" in r.getMessage()]
+    assert len(failures) == 1, "one log line per reason, not one per retry"
+    assert "unreachable" in failures[0].getMessage()
+    assert not daemon.ready()
+    # the kubelet is still served: a claim that cannot be read fails per claim, nothing crashes
+    claim = {"metadata": {"namespace": "default", "name": "c", "uid": "u-1"}}
+    resp = node.prepare(claim)
+    assert "cannot be read" in resp.claims["u-1"].error
+    node.api.come_up()
+    node.api.fail(403, method="POST", path_contains="resourceslices", times=2)
+    assert daemon.publisher.wait_ready(5)
+    assert eventually(daemon.ready, 2.0)
+    reasons = [r.getMessage() for r in caplog.records if "cannot publish" in r.getMessage()]
+    assert len(reasons) == 2 and "403" in reasons[1], reasons
+
+
+def test_an_xid_republishes_the_slice_without_the_gpu_within_a_second(node, simulated_daemon):
+    daemon = simulated_daemon(node.config(metrics_address="127.0.0.1:0", health_recovery_s=60))
+    node.kubelet_registers()
+    assert daemon.publisher.wait_ready(5) and len(node.devices()) == 8
+    before, publications = node.generation(), daemon.publisher.publish_count
+    t0 = time.monotonic()
+    daemon.backend.lib.inject_xid(3, 79)
+    assert node.api.wait_for(lambda s: "gpu-3" not in [d["name"] for d in s[0]["spec"]["devices"]], 1.0)
+    assert time.monotonic() - t0 <= 1.0
+    assert len(node.devices()) == 7 and node.generation() > before
+    assert eventually(lambda: daemon.publisher.publish_count == publications + 1, 1.0)
+    assert t0 <= daemon.publisher.last_published_s <= t0 + 1.0
+    # an unhealthy GPU is not prepared either
+    resp = node.prepare(node.put_claim("late", ["gpu-3"]))
+    assert "unhealthy" in next(iter(resp.claims.values())).error
+
+
+def test_kubelet_restart_re_registers_and_sighup_hands_the_topology_to_plugin_and_publisher(
+        node, simulated_daemon):
+    daemon = simulated_daemon()
+    node.kubelet_registers()
+    assert eventually(daemon.ready, 5.0)
+    os.unlink(node.registration_socket)  # the kubelet restarted and cleared its directory
+    assert eventually(lambda: not daemon.dra.ready(), 2.0)
+    assert eventually(lambda: os.path.exists(node.registration_socket), 2.0)
+    node.kubelet_registers()
+    assert eventually(daemon.ready, 5.0) and daemon.dra.registrations == 2
+    seen = []
+    daemon.dra.set_topology = lambda t: seen.append(("plugin", t))  # type: ignore[method-assign]
+    original = daemon.publisher.update
+    daemon.publisher.update = lambda **kw: (seen.append(("publisher", kw.get("topology"))),  # type: ignore[method-assign]
+                                            original(**kw))
+    daemon.config_loader = lambda: daemon.config
+    daemon.reload()
+    assert [who for who, _ in seen] == ["plugin", "publisher"]
+    assert all(t == daemon.topology for _, t in seen)
+
+
+def test_delete_slices_on_shutdown_is_a_flag_a_variable_and_a_config_key(tmp_path):
+    from agent.config import load_config
+    from agent.errors import ConfigError
+
+    assert load_config(None, {}, {}).delete_slices_on_shutdown is False
+    assert load_config(None, {"DELETE_SLICES_ON_SHUTDOWN": "true"}, {}).delete_slices_on_shutdown is True
+    assert load_config(None, {}, {"delete_slices_on_shutdown": True}).delete_slices_on_shutdown is True
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\nmode: dra\ndra:\n  deleteSlicesOnShutdown: true\n")
+    assert load_config(str(path), {}, {}).delete_slices_on_shutdown is True
+    path.write_text("version: v1\ndra:\n  deleteSlicesOnShutdown: sometimes\n")
+    with pytest.raises(ConfigError, match=r"dra.deleteSlicesOnShutdown: expected true or false, got 'sometimes'"):
+        load_config(str(path), {}, {})
