@@ -28,11 +28,13 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, SocketInUseError, register
+from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, register
+from agent.deviceplugin.unix_server import SocketInUseError
 from agent.errors import AgentError
 from agent.health import HealthState
 from agent.hooks import NO_HOOKS, DevicePluginHooks
 from agent.topology.model import Topology
+from agent.worker import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +181,7 @@ class DevicePluginManager:
             return bool(self._slots) and all(s.registered for s in self._slots)
 
     def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.ready():
-                return True
-            time.sleep(0.02)
-        return self.ready()
+        return wait_until(self.ready, timeout_s)
 
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:

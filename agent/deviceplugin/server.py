@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
-from concurrent import futures
 from typing import Iterator
 
 import grpc
@@ -22,6 +20,7 @@ from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource
+from agent.deviceplugin.unix_server import UnixGrpcServer
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
 from agent.hooks import NO_HOOKS, DevicePluginHooks
@@ -49,24 +48,6 @@ def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) 
         if d.numa_node is not None:
             dev.topology.nodes.add(ID=d.numa_node)
     return out
-
-
-class SocketInUseError(AgentError):
-    """Another live server answers on the socket we would serve on (a second agent, or
-    NVIDIA's device plugin, on the same kubelet directory)."""
-
-
-def socket_in_use(path: str, timeout_s: float = 0.5) -> bool:
-    """True when a server accepts connections on the unix socket ``path``."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(timeout_s)
-    try:
-        probe.connect(path)
-    except OSError:  # absent, a stale file nobody listens on, not a socket
-        return False
-    finally:
-        probe.close()
-    return True
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
@@ -194,59 +175,30 @@ class PluginServer:
         self.path = os.path.join(socket_dir, self.resource.socket_name)
         self.servicer = DevicePluginServicer(handler, health, hooks, max_streams=max_streams)
         self.max_workers = max_workers
-        self._server: grpc.Server | None = None
-        self._inode: int | None = None
+        self._unix = UnixGrpcServer(
+            self.path,
+            lambda server: pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server),
+            name=f"dp-{self.resource.name}",
+            max_workers=max_workers,
+            in_use=(
+                "another device plugin is serving on this socket (a second agent or NVIDIA's device"
+                " plugin on the same kubelet directory?); stop it, or give this agent another --socket-name"
+            ),
+        )
 
     def start(self) -> None:
         """Remove a stale socket file, then serve. Raises SocketInUseError when a live
         server holds the socket (it is never removed), AgentError if it cannot bind."""
-        if socket_in_use(self.path):
-            raise SocketInUseError(
-                f"{self.path}: another device plugin is serving on this socket (a second agent or NVIDIA's"
-                " device plugin on the same kubelet directory?); stop it, or give this agent another"
-                " --socket-name"
-            )
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"dp-{self.resource.name}"),
-        )
-        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        try:
-            bound = server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError as exc:
-            bound = 0
-            log.debug("bind %s: %s", self.path, exc)
-        if not bound:
-            server.stop(0)
-            raise AgentError(f"cannot listen on {self.path}")
-        server.start()
-        self._server = server
-        try:
-            self._inode = os.stat(self.path).st_ino
-        except OSError:
-            self._inode = None
+        self._unix.start()
 
     def socket_present(self) -> bool:
         """True while our socket file is still in place (the kubelet removes it on restart)."""
-        try:
-            return os.stat(self.path).st_ino == self._inode
-        except OSError:
-            return False
+        return self._unix.socket_present()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Close the streams, stop serving, remove our socket file."""
         self.servicer.stop()
-        if self._server is not None:
-            self._server.stop(grace_s).wait(grace_s + 1.0)
-            self._server = None
-        if self.socket_present():
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        self._unix.stop(grace_s)
 
 
 def register(kubelet_socket: str, resource: PluginResource, timeout_s: float = 5.0) -> None:

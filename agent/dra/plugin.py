@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-from concurrent import futures
 from typing import Any, Callable
 
 import grpc
@@ -29,11 +28,13 @@ from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1bet
 from agent._proto import pluginregistration_v1_pb2 as reg_pb
 from agent._proto import pluginregistration_v1_pb2_grpc as reg_pb_grpc
 from agent.config import Config
+from agent.deviceplugin.unix_server import UnixGrpcServer
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
 from agent.errors import AgentError
 from agent.topology.model import Topology
+from agent.worker import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -116,62 +117,6 @@ class RegistrationServicer(reg_pb_grpc.RegistrationServicer):
     ) -> reg_pb.RegistrationStatusResponse:
         self._on_status(request.plugin_registered, request.error)
         return reg_pb.RegistrationStatusResponse()
-
-
-# ---------------------------------------------------------------------- servers
-class UnixGrpcServer:
-    """A gRPC server on one unix socket path, with the servicers ``add(server)`` installs."""
-
-    def __init__(self, path: str, add: Callable[[grpc.Server], None], *, name: str, max_workers: int = 8) -> None:
-        self.path = path
-        self._add = add
-        self.name = name
-        self.max_workers = max_workers
-        self._server: grpc.Server | None = None
-        self._inode: tuple[int, int] | None = None
-
-    def start(self) -> None:
-        """Remove a stale socket file, then serve. Raises AgentError if it cannot bind."""
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name))
-        self._add(server)
-        try:
-            bound = server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError as exc:
-            bound = 0
-            log.debug("bind %s: %s", self.path, exc)
-        if not bound:
-            server.stop(0)
-            raise AgentError(f"cannot listen on {self.path} (socket paths must be shorter than 108 bytes)")
-        server.start()
-        self._server = server
-        try:
-            st = os.stat(self.path)
-            self._inode = (st.st_ino, st.st_ctime_ns)
-        except OSError:
-            self._inode = None
-
-    def socket_present(self) -> bool:
-        """True while our socket file is still in place."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        return (st.st_ino, st.st_ctime_ns) == self._inode
-
-    def stop(self, grace_s: float = 1.0) -> None:
-        if self._server is not None:
-            self._server.stop(grace_s).wait(grace_s + 1.0)
-            self._server = None
-        if self.socket_present():
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
 
 
 # ---------------------------------------------------------------------- the plugin
@@ -288,12 +233,7 @@ class DraPlugin:
         self.preparer.set_topology(topology)
 
     def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.ready():
-                return True
-            time.sleep(0.02)
-        return self.ready()
+        return wait_until(self.ready, timeout_s)
 
     # ------------------------------------------------------------------ internals
     def _registration_status(self, registered: bool, error: str) -> None:

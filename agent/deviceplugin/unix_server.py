@@ -1,0 +1,110 @@
+"""A gRPC server on one unix socket, as the kubelet's plugin APIs want them: the device
+plugins and the DRA plugin (registration and service sockets) all serve this way.
+
+Never takes a socket a live server holds (a second agent, or NVIDIA's plugin, on the same
+directory): :class:`SocketInUseError`, and the file is left alone. On stop only our own
+socket file is removed (identified by inode and change time: tmpfs and ext4 hand a freed
+inode number to the next file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from concurrent import futures
+from typing import Callable
+
+import grpc
+
+from agent.errors import AgentError
+
+log = logging.getLogger(__name__)
+
+
+class SocketInUseError(AgentError):
+    """Another live server answers on the socket we would serve on (a second agent, or
+    NVIDIA's device plugin, on the same kubelet directory)."""
+
+
+def socket_in_use(path: str, timeout_s: float = 0.5) -> bool:
+    """True when a server accepts connections on the unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout_s)
+    try:
+        probe.connect(path)
+    except OSError:  # absent, a stale file nobody listens on, not a socket
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+class UnixGrpcServer:
+    """A gRPC server on ``path`` with the servicers ``add(server)`` installs; ``name``
+    prefixes its worker threads. ``in_use`` is the message of the SocketInUseError raised
+    when a live server already holds ``path``."""
+
+    def __init__(
+        self,
+        path: str,
+        add: Callable[[grpc.Server], None],
+        *,
+        name: str,
+        max_workers: int = 8,
+        in_use: str = "another server is serving on this socket",
+    ) -> None:
+        self.path = path
+        self._add = add
+        self.name = name
+        self.max_workers = max_workers
+        self._in_use = in_use
+        self._server: grpc.Server | None = None
+        self._identity: tuple[int, int] | None = None
+
+    def start(self) -> None:
+        """Remove a stale socket file, then serve. SocketInUseError when a live server holds
+        the socket (it is never removed), AgentError if it cannot bind."""
+        if socket_in_use(self.path):
+            raise SocketInUseError(f"{self.path}: {self._in_use}")
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name))
+        self._add(server)
+        try:
+            bound = server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError as exc:
+            bound = 0
+            log.debug("bind %s: %s", self.path, exc)
+        if not bound:
+            server.stop(0)
+            raise AgentError(f"cannot listen on {self.path} (socket paths must be shorter than 108 bytes)")
+        server.start()
+        self._server = server
+        self._identity = _identity(self.path)
+
+    def socket_present(self) -> bool:
+        """True while our socket file is still in place (the kubelet removes it on restart)."""
+        return self._identity is not None and _identity(self.path) == self._identity
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving and remove our socket file (never another process's)."""
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1.0)
+            self._server = None
+        if self.socket_present():
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
