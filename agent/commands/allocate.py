@@ -57,11 +57,12 @@ def parse_gpu_list(text: str, topology: Topology, flag: str) -> list[int]:
             if text.strip():
                 raise UsageError(f"{flag}: empty item in {text!r}")
             continue
-        if item.isdigit():
+        if item.isdigit() or (item[0] in "+-" and item[1:].isdigit()):
             index = int(item)
-            if index >= topology.gpu_count:
+            if index < 0 or index >= topology.gpu_count:
                 raise UsageError(
-                    f"{flag}: no GPU {index} on this machine (GPUs 0-{topology.gpu_count - 1})"
+                    f"{flag}: {item} is not a GPU of this machine: expected GPU indices "
+                    f"0-{topology.gpu_count - 1} or GPU UUIDs"
                 )
             out.append(index)
             continue

@@ -7,8 +7,12 @@ its environment variables and these flags; flags win (see ``agent.config.load_co
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
+from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
+from agent.errors import AgentError, UsageError
 
 _DEFAULTS = Config()
 
@@ -23,9 +27,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--config", metavar="FILE", default=None,
                    help="NVIDIA device plugin config file (version: v1), YAML or JSON "
                         "(default: $CONFIG_FILE, else none)")
-    p.add_argument("--simulate", metavar="MACHINE", default=None,
-                   help="run on a simulated machine (built-in name, spec file, or `nvidia-smi topo -m` "
-                        "output) instead of NVML")
+    add_simulate_flag(p)
     p.add_argument("--kubelet-dir", metavar="DIR", dest="kubelet_dir", default=None,
                    help=f"kubelet device-plugin directory holding kubelet.sock (default: {_DEFAULTS.kubelet_dir})")
     p.add_argument("--pod-resources-socket", metavar="PATH", dest="pod_resources_socket", default=None,
@@ -70,6 +72,54 @@ FLAG_FIELDS = (
 )
 
 
+def _nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _probe_write(path: str, what: str) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gta-probe-", dir=path)
+    except OSError as exc:
+        raise AgentError(f"{what} {path}: cannot be written: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_directories(config: Config, args: argparse.Namespace) -> None:
+    """Fail at start, with one line naming the flag and the path, when the kubelet directory
+    or the features directory can never work: not a directory (exit 2) or not writable
+    (exit 1). A kubelet directory that does not exist yet is fine: the kubelet creates it.
+    The features directory is created when missing, as the label sink would."""
+    kubelet_what = "--kubelet-dir" if args.kubelet_dir else "kubelet directory"
+    existing = _nearest_existing(config.kubelet_dir)
+    if not os.path.isdir(existing):
+        raise UsageError(
+            f"{kubelet_what} {config.kubelet_dir}: {existing} is not a directory "
+            "(expected the kubelet's device-plugins directory)"
+        )
+    if existing == config.kubelet_dir:
+        _probe_write(config.kubelet_dir, kubelet_what)
+    features_what = "--features-dir" if args.features_dir else "features directory"
+    existing = _nearest_existing(config.features_dir)
+    if not os.path.isdir(existing):
+        raise UsageError(
+            f"{features_what} {config.features_dir}: {existing} is not a directory "
+            "(expected NFD's features.d directory)"
+        )
+    try:
+        os.makedirs(config.features_dir, exist_ok=True)
+    except OSError as exc:
+        raise AgentError(
+            f"{features_what} {config.features_dir}: cannot be created: {exc.strerror or exc}"
+        ) from None
+    _probe_write(config.features_dir, features_what)
+
+
 def run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon, setup_logging
 
@@ -80,5 +130,6 @@ def run(args: argparse.Namespace) -> int:
         return load_config(args.config, env, flags)
 
     config = loader()
+    check_directories(config, args)
     setup_logging(config)
     return Daemon.from_config(config, simulate=args.simulate, config_loader=loader).run()
