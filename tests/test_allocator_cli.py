@@ -125,7 +125,7 @@ def test_explain_json_adds_the_explanation(machine, capsys):
     [
         (["--size", "9"], "size 9 is more than the 8 available"),
         (["--size", "0"], "size must be at least 1"),
-        (["--size", "2", "--available", "0,12"], "--available: no GPU 12"),
+        (["--size", "2", "--available", "0,12"], "--available: 12 is not a GPU of this machine"),
         (["--size", "2", "--available", "0,,1"], "--available: empty item"),
         (["--size", "2", "--must-include", "GPU-nope"], "neither a GPU index nor a GPU UUID"),
         (
