@@ -70,6 +70,8 @@ class Config:
     #: domain (NVIDIA's plugin uses the same default: change it to run both on one node)
     socket_name: str = "nvidia-{resource}.sock"
     feature_file: str = "gpu-topology-agent"  # label file name in features_dir
+    #: leave out GFD's ``nvidia.com/gfd.timestamp`` label (GFD's --no-timestamp)
+    no_timestamp: bool = False
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -109,6 +111,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
     "SOCKET_NAME": "socket_name",
     "FEATURE_FILE": "feature_file",
+    "GFD_NO_TIMESTAMP": "no_timestamp",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
@@ -319,6 +322,9 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["socket_name"] = _expect_file_name(plugin["socketName"], "flags.plugin.socketName")
     if "featureFile" in flags:
         out["feature_file"] = _expect_file_name(flags["featureFile"], "flags.featureFile")
+    gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")
+    if "noTimestamp" in gfd:
+        out["no_timestamp"] = _expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
     sharing = _expect_mapping(doc.get("sharing"), "sharing")
@@ -388,6 +394,7 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "idle_utilization_threshold_pct": _expect_number,
     "socket_name": _expect_file_name,
     "feature_file": _expect_file_name,
+    "no_timestamp": _expect_bool,
     "log_format": lambda v, w: _expect_choice(v, LOG_FORMATS, w),
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
 }

@@ -327,7 +327,7 @@ class Daemon:
         if self.label_sink is None:
             return
         try:
-            if self.label_sink.write(compute_labels(topology, self.config)):
+            if self.label_sink.write(compute_labels(topology, self.config, time.time())):
                 log.info("labels written to %s", self.config.features_dir)
         except OSError as exc:
             log.error("cannot write labels to %s: %s", self.config.features_dir, exc)

@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--device-id-strategy", choices=("uuid", "index"), dest="device_id_strategy", default=None,
                    help="IDs in NVIDIA_VISIBLE_DEVICES (default: uuid)")
     p.add_argument("--pass-device-specs", action="store_true", dest="pass_device_specs", default=None,
-                   help="add /dev/nvidia* device nodes to Allocate responses")
+                   help="add /dev/nvidia* device nodes to Allocate responses (default: off)")
     p.add_argument("--health-recovery-s", metavar="SECONDS", type=float, dest="health_recovery_s", default=None,
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
@@ -62,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--feature-file", metavar="NAME", dest="feature_file", default=None,
                    help=f"label file name in the features directory (default: {_DEFAULTS.feature_file};"
                         " env FEATURE_FILE)")
+    p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
+                   help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
+                        " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
     p.set_defaults(func=run)
 
 
@@ -69,6 +72,7 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
+    "no_timestamp",
 )
 
 
