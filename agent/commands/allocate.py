@@ -25,10 +25,11 @@ from agent.commands._common import (
     add_wide_flag,
     load_topology,
 )
-from agent.config import MIG_STRATEGIES, REPLICA_POLICIES, Config, TimeSlicingResource, load_config
-from agent.errors import UsageError
+from agent.config import MIG_STRATEGIES, Config, TimeSlicingResource, load_config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import GPU_RESOURCE, PluginResource, build_resources
+from agent.errors import UsageError
+from agent.records import REPLICA_POLICIES
 from agent.topology.allocator import CRITERIA, AllocationEngine, Explanation
 from agent.topology.model import Topology
 
@@ -156,7 +157,10 @@ def _pick_resource(resources: tuple[PluginResource, ...], name: str | None) -> P
     for r in resources:
         if r.name == name:
             return r
-    raise UsageError(f"--resource: no {name!r} on this node with this configuration (it serves {', '.join(names) or 'nothing'})")
+    raise UsageError(
+        f"--resource: no {name!r} on this node with this configuration"
+        f" (it serves {', '.join(names) or 'nothing'})"
+    )
 
 
 def parse_device_list(text: str, topology: Topology, resource: PluginResource, flag: str,

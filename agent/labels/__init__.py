@@ -37,8 +37,8 @@ Ours (``topology.gpu-agent.io/``): ``nvlink-fabric`` (nvswitch|mesh|bridge|none)
 ``nvlink-max-links-per-pair``, ``numa-nodes`` (NUMA nodes holding GPUs),
 ``max-gpus-per-numa-node``, ``rdma-nics``, ``gpu-nic-same-switch`` (every GPU has an RDMA
 NIC behind the same PCIe switch complex: ``PIX`` or ``PXB`` in ``nvidia-smi topo -m``, a path
-through PCIe switches only, never through a host bridge), ``gpu-models`` (distinct GPU models on the node), ``gpu-count``
-(all GPUs, whatever the model).
+through PCIe switches only, never through a host bridge), ``gpu-models`` (distinct GPU
+models on the node), ``gpu-count`` (all GPUs, whatever the model).
 """
 
 from __future__ import annotations
