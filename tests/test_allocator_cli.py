@@ -94,7 +94,7 @@ def test_without_simulate_and_without_a_driver_the_error_is_one_clear_line(capsy
 
 
 def test_explain_table_shows_winner_runners_up_and_separating_criterion(machine, capsys):
-    rc, out, _ = run(capsys, "--size", "4", "--simulate", "h200-8gpu-8nic-epyc9534", "--explain")
+    rc, out, _ = run(capsys, "--size", "4", "--simulate", "h200-8gpu-8nic-epyc9534", "--explain", "--wide")
     assert rc == 0
     assert "indices   [0, 1, 2, 3]" in out
     assert "chosen [0, 1, 2, 3]" in out
