@@ -14,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from agent import __version__
+from agent.commands._common import friendly_paths
 from agent.errors import AgentError
 
 SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo", "slices")
@@ -37,9 +38,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Flags whose value may start with "-" followed by a digit (a list such as ``-1,0``):
+#: argparse would take it for an option and say only "expected one argument".
+_LIST_FLAGS = ("--available", "--must-include")
+
+
+def _join_list_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if token in _LIST_FLAGS and len(following) > 1 and following[0] == "-" and following[1].isdigit():
+            out.append(f"{token}={following}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_list_values(list(sys.argv[1:] if argv is None else argv)))
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -47,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except AgentError as exc:
-        print(f"gpu-topology-agent {args.command}: error: {exc}", file=sys.stderr)
+        message = friendly_paths(str(exc))
+        print(f"gpu-topology-agent {args.command}: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

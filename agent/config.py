@@ -73,6 +73,8 @@ class Config:
     #: how often the label file is re-asserted (s): one deleted or edited behind the agent's
     #: back, or a removed features_dir, is back within this (GFD relabels every 60 s too)
     label_interval_s: float = 60.0
+    #: leave out GFD's ``nvidia.com/gfd.timestamp`` label (GFD's --no-timestamp)
+    no_timestamp: bool = False
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -123,6 +125,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "SOCKET_NAME": "socket_name",
     "FEATURE_FILE": "feature_file",
     "LABEL_INTERVAL_S": "label_interval_s",
+    "GFD_NO_TIMESTAMP": "no_timestamp",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
@@ -336,6 +339,9 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["feature_file"] = _expect_file_name(flags["featureFile"], "flags.featureFile")
     if "labelIntervalSeconds" in flags:
         out["label_interval_s"] = _expect_number(flags["labelIntervalSeconds"], "flags.labelIntervalSeconds", 0.1)
+    gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")
+    if "noTimestamp" in gfd:
+        out["no_timestamp"] = _expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
     sharing = _expect_mapping(doc.get("sharing"), "sharing")
@@ -407,6 +413,7 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "idle_utilization_threshold_pct": _expect_number,
     "socket_name": _expect_file_name,
     "feature_file": _expect_file_name,
+    "no_timestamp": _expect_bool,
     "log_format": lambda v, w: _expect_choice(v, LOG_FORMATS, w),
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
 }

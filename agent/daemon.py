@@ -473,7 +473,7 @@ class Daemon:
             return
         self._next_labels_s = time.monotonic() + self.config.label_interval_s
         try:
-            if self.label_sink.write(compute_labels(topology, self.config)):
+            if self.label_sink.write(compute_labels(topology, self.config, time.time())):
                 log.info("labels written to %s", self.config.features_dir)
         except OSError as exc:
             self._labels_failing = True

@@ -94,7 +94,7 @@ def test_without_simulate_and_without_a_driver_the_error_is_one_clear_line(capsy
 
 
 def test_explain_table_shows_winner_runners_up_and_separating_criterion(machine, capsys):
-    rc, out, _ = run(capsys, "--size", "4", "--simulate", "h200-8gpu-8nic-epyc9534", "--explain")
+    rc, out, _ = run(capsys, "--size", "4", "--simulate", "h200-8gpu-8nic-epyc9534", "--explain", "--wide")
     assert rc == 0
     assert "indices   [0, 1, 2, 3]" in out
     assert "chosen [0, 1, 2, 3]" in out
@@ -125,7 +125,7 @@ def test_explain_json_adds_the_explanation(machine, capsys):
     [
         (["--size", "9"], "size 9 is more than the 8 available"),
         (["--size", "0"], "size must be at least 1"),
-        (["--size", "2", "--available", "0,12"], "--available: no GPU 12"),
+        (["--size", "2", "--available", "0,12"], "--available: 12 is not a GPU of this machine"),
         (["--size", "2", "--available", "0,,1"], "--available: empty item"),
         (["--size", "2", "--must-include", "GPU-nope"], "neither a GPU index nor a GPU UUID"),
         (

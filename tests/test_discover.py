@@ -118,7 +118,7 @@ def test_labels_prints_what_the_running_agent_writes_for_every_input(machine, ca
     from agent.config import Config
     from agent.labels import compute_labels, format_labels
 
-    assert cli.main(["labels", "--simulate", machine]) == 0
+    assert cli.main(["labels", "--simulate", machine, "--no-timestamp"]) == 0
     out, _ = capsys.readouterr()
     assert out == format_labels(compute_labels(daemon_topology(machine), Config()))
 

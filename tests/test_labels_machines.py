@@ -109,7 +109,7 @@ def test_mig_single_strategy_on_mixed_profiles_is_labelled_invalid():
 
 # ------------------------------------------------------------------ the subcommand
 def test_labels_command_prints_sorted_key_value_lines_of_a_simulated_machine(capsys):
-    assert main(["labels", "--simulate", "dgx-h100"]) == 0
+    assert main(["labels", "--simulate", "dgx-h100", "--no-timestamp"]) == 0
     out = capsys.readouterr().out
     expected = compute_labels(topology("dgx-h100"), Config())
     assert out == format_labels(expected)

@@ -142,7 +142,8 @@ def test_dgx_a100_has_eight_numa_nodes_as_on_the_real_box(topologies):
     assert topo.numa_distances[3] == (12, 12, 12, 10, 32, 32, 32, 32)
     assert [g.numa_node for g in topo.gpus] == [3, 3, 1, 1, 7, 7, 5, 5]
     assert topo.link(0, 1).pcie == PcieLevel.PXB and topo.link(0, 2).pcie == PcieLevel.SYS
-    assert nic_levels(topo)["mlx5_0"][:2] == ("PIX", "PXB")
+    # as `nvidia-smi topo -m` on a DGX A100: each GPU sees its pair's two NICs at PXB
+    assert nic_levels(topo)["mlx5_0"][:3] == ("PXB", "PXB", "SYS")
     assert len(topo.nics) == 8
 
 
@@ -154,7 +155,9 @@ def test_dgx_h100_has_nv18_two_numa_nodes_and_a_nic_beside_each_gpu(topologies):
     assert {k: list(v) for k, v in topo.numa_groups.items()} == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
     assert [nic.name for nic in topo.nics] == [f"mlx5_{i}" for i in range(8)]
     for i, nic in enumerate(topo.nics):
-        assert [g for g, lv in enumerate(nic.levels) if lv == PcieLevel.PIX] == [i]
+        # as `nvidia-smi topo -m` on a DGX H100: each GPU and its NIC are PXB
+        assert [g for g, lv in enumerate(nic.levels) if lv == PcieLevel.PXB] == [i]
+        assert PcieLevel.PIX not in nic.levels
         assert nic.numa_node == (0 if i < 4 else 1)
     assert topo.link(0, 1).pcie == PcieLevel.NODE and topo.link(0, 4).pcie == PcieLevel.SYS
 

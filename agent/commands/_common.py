@@ -1,12 +1,86 @@
-"""Helpers shared by the one-shot subcommands (discover, allocate, labels)."""
+"""Helpers shared by the subcommands: the ``--simulate`` and ``--format`` flags, standard
+input as a machine (``--simulate -``) and the width rule for terminal output."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
 
 from agent.discovery import load_topology
+from agent.errors import InputFormatError
 
-__all__ = ["add_format_flag", "add_simulate_flag", "load_topology"]
+__all__ = [
+    "MAX_COLUMNS",
+    "STDIN_LABEL",
+    "add_format_flag",
+    "add_simulate_flag",
+    "friendly_paths",
+    "load_topology",
+    "simulate_value",
+]
+
+#: Terminal output is laid out to fit this many columns unless ``--wide`` is given.
+MAX_COLUMNS = 100
+#: How error messages name standard input read with ``--simulate -``.
+STDIN_LABEL = "<stdin>"
+
+# temp file holding standard input -> how messages should name it
+_STDIN_PATHS: dict[str, str] = {}
+
+
+def friendly_paths(message: str) -> str:
+    """``message`` with the temp file that holds standard input named ``<stdin>``."""
+    for path, label in _STDIN_PATHS.items():
+        message = message.replace(f"topo-matrix:{path}", label).replace(path, label)
+    return message
+
+
+def _read_stdin_machine() -> str:
+    """Standard input saved to a temp file (removed at exit), read once: the spec or pasted
+    ``nvidia-smi topo -m`` that ``--simulate -`` names."""
+    stream = getattr(sys.stdin, "buffer", None)
+    raw = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
+    if not raw.strip():
+        raise InputFormatError(
+            "--simulate -: standard input is empty; expected a machine spec (YAML/JSON) or "
+            "`nvidia-smi topo -m` output, e.g. `nvidia-smi topo -m | gpu-topology-agent "
+            "discover --simulate -`"
+        )
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bom = " (it starts with a UTF-16 byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise InputFormatError(
+            f"--simulate -: standard input is not UTF-8 text: byte {raw[exc.start]:#04x} at "
+            f"offset {exc.start}{bom}; convert it to UTF-8 (e.g. iconv -t UTF-8)"
+        ) from None
+    folder = tempfile.mkdtemp(prefix="gta-stdin-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, "stdin")
+    with open(path, "wb") as fh:
+        fh.write(raw)
+    _STDIN_PATHS[path] = STDIN_LABEL
+    return path
+
+
+def simulate_value(value: str) -> str:
+    """argparse ``type`` of ``--simulate``: rejects an empty value (it would otherwise mean
+    "use NVML"); ``-`` reads standard input once, here, at start."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            "expected a built-in machine name (see `discover --simulate list`), a spec or "
+            "`nvidia-smi topo -m` file, or - for standard input; got an empty value"
+        )
+    if value == "-":
+        try:
+            return _read_stdin_machine()
+        except InputFormatError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("--simulate -: ")) from None
+    return value
 
 
 def add_simulate_flag(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -14,10 +88,11 @@ def add_simulate_flag(parser: argparse.ArgumentParser, default: str | None = Non
         "--simulate",
         metavar="MACHINE",
         default=default,
+        type=simulate_value,
         help=(
             "run on a simulated machine instead of NVML: a built-in name (see `discover "
-            "--simulate list`), a machine spec file (YAML/JSON) or a file holding "
-            "`nvidia-smi topo -m` output"
+            "--simulate list`), a machine spec file (YAML/JSON), a file holding "
+            "`nvidia-smi topo -m` output, or - to read either from standard input"
             + (f" (default: {default})" if default else " (default: the real GPUs via NVML)")
         ),
     )
@@ -26,4 +101,12 @@ def add_simulate_flag(parser: argparse.ArgumentParser, default: str | None = Non
 def add_format_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", choices=("table", "json"), default="table", help="output format (default: table)"
+    )
+
+
+def add_wide_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"do not fit the table to {MAX_COLUMNS} columns (default: fit)",
     )

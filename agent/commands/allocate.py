@@ -12,19 +12,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
+from dataclasses import replace
 from typing import Any
 
-from agent.commands._common import add_format_flag, add_simulate_flag, load_topology
+from agent.commands._common import (
+    MAX_COLUMNS,
+    add_format_flag,
+    add_simulate_flag,
+    add_wide_flag,
+    load_topology,
+)
+from agent.config import MIG_STRATEGIES, Config, TimeSlicingResource, load_config
+from agent.deviceplugin.allocation import RequestHandler
+from agent.deviceplugin.resources import GPU_RESOURCE, PluginResource, build_resources
 from agent.errors import UsageError
+from agent.records import REPLICA_POLICIES
 from agent.topology.allocator import CRITERIA, AllocationEngine, Explanation
 from agent.topology.model import Topology
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("allocate", help="show the preferred allocation for a request")
     p.add_argument(
-        "--size", type=int, required=True, metavar="K", help="number of GPUs to allocate"
+        "--size", type=int, required=True, metavar="K", help="number of devices to allocate (required)"
     )
     p.add_argument(
         "--available",
@@ -36,15 +49,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--must-include",
         metavar="LIST",
         default="",
-        help="comma-separated GPU indices or UUIDs the answer must contain",
+        help="comma-separated GPU indices or UUIDs the answer must contain (default: none)",
     )
     add_simulate_flag(p)
     add_format_flag(p)
     p.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="device plugin config file (version: v1): MIG strategy and time-slicing as the"
+             " running agent reads them (default: $CONFIG_FILE, else none)",
+    )
+    p.add_argument(
+        "--mig-strategy", choices=MIG_STRATEGIES, dest="mig_strategy", default=None,
+        help="how MIG devices are advertised; overrides the config (default: none)",
+    )
+    p.add_argument(
+        "--replicas", type=int, metavar="N", default=None,
+        help="time-slice every GPU into N replicas (sharing.timeSlicing for nvidia.com/gpu;"
+             " overrides the config's time-slicing) (default: no time-slicing)",
+    )
+    p.add_argument(
+        "--shared-devices-allocation-policy", choices=REPLICA_POLICIES,
+        dest="shared_devices_allocation_policy", default=None,
+        help="how replicas are spread over GPUs (default: distributed)",
+    )
+    p.add_argument(
+        "--resource", metavar="NAME", default=None,
+        help="the extended resource to allocate from, e.g. nvidia.com/mig-1g.10gb"
+             " (default: the node's only resource, else nvidia.com/gpu)",
+    )
+    p.add_argument(
         "--explain",
         action="store_true",
-        help="also show the runners-up and the criterion that separated them",
+        help="also show the runners-up and the criterion that separated them (default: off)",
     )
+    add_wide_flag(p)
     p.set_defaults(func=run)
 
 
@@ -57,11 +95,12 @@ def parse_gpu_list(text: str, topology: Topology, flag: str) -> list[int]:
             if text.strip():
                 raise UsageError(f"{flag}: empty item in {text!r}")
             continue
-        if item.isdigit():
+        if item.isdigit() or (item[0] in "+-" and item[1:].isdigit()):
             index = int(item)
-            if index >= topology.gpu_count:
+            if index < 0 or index >= topology.gpu_count:
                 raise UsageError(
-                    f"{flag}: no GPU {index} on this machine (GPUs 0-{topology.gpu_count - 1})"
+                    f"{flag}: {item} is not a GPU of this machine: expected GPU indices "
+                    f"0-{topology.gpu_count - 1} or GPU UUIDs"
                 )
             out.append(index)
             continue
@@ -92,15 +131,93 @@ def explanation_to_json(e: Explanation) -> dict[str, Any]:
     }
 
 
+def effective_config(args: argparse.Namespace) -> Config:
+    """The configuration the running agent would have with ``--config`` and these flags."""
+    if args.replicas is not None and args.replicas < 1:
+        raise UsageError(f"--replicas: expected a whole number of at least 1, got {args.replicas}")
+    flags = {
+        "mig_strategy": args.mig_strategy,
+        "shared_devices_allocation_policy": args.shared_devices_allocation_policy,
+    }
+    config = load_config(args.config, dict(os.environ), flags)
+    if args.replicas is not None:
+        config = replace(config, time_slicing=(TimeSlicingResource(replicas=args.replicas),))
+    return config
+
+
+def _pick_resource(resources: tuple[PluginResource, ...], name: str | None) -> PluginResource:
+    names = [r.name for r in resources]
+    if name is None:
+        if len(resources) == 1:
+            return resources[0]
+        for r in resources:
+            if r.name == GPU_RESOURCE:
+                return r
+        raise UsageError(f"this node serves several resources ({', '.join(names)}); pick one with --resource")
+    for r in resources:
+        if r.name == name:
+            return r
+    raise UsageError(
+        f"--resource: no {name!r} on this node with this configuration"
+        f" (it serves {', '.join(names) or 'nothing'})"
+    )
+
+
+def parse_device_list(text: str, topology: Topology, resource: PluginResource, flag: str,
+                      whole_gpus: bool) -> list[str]:
+    """``"0,GPU-ab..,MIG-..,GPU-cd..::1"`` -> device IDs of ``resource``. A GPU index or UUID
+    stands for every device of the resource on that GPU when ``whole_gpus`` (--available),
+    else only where that GPU has exactly one device (--must-include); other items must be
+    device IDs of the resource."""
+    ids: list[str] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            if text.strip():
+                raise UsageError(f"{flag}: empty item in {text!r}")
+            continue
+        if item in resource.by_id:
+            ids.append(item)
+            continue
+        if item.isdigit() or (item[0] in "+-" and item[1:].isdigit()) or topology.gpu_by_uuid(item) is not None:
+            index = parse_gpu_list(item, topology, flag)[0]
+            on_gpu = [d.id for d in resource.devices if d.gpu_index == index]
+            if not on_gpu:
+                raise UsageError(f"{flag}: GPU {item} has no {resource.name} device")
+            if not whole_gpus and len(on_gpu) > 1:
+                raise UsageError(
+                    f"{flag}: GPU {item} has {len(on_gpu)} {resource.name} devices; name the device"
+                    f" IDs (e.g. {on_gpu[0]})"
+                )
+            ids.extend(on_gpu)
+            continue
+        raise UsageError(
+            f"{flag}: {item!r} is neither a GPU index or UUID nor a {resource.name} device ID of this machine"
+        )
+    return list(dict.fromkeys(ids))
+
+
 def run(args: argparse.Namespace) -> int:
     topology = load_topology(args.simulate)
     if topology.gpu_count == 0:
         raise UsageError("this machine has no GPUs")
+    config = effective_config(args)
+    resource = _pick_resource(build_resources(topology, config), args.resource)
+    if resource.kind != "gpu":
+        return _run_devices(args, topology, config, resource)
     if args.available is None:
-        available = [g.index for g in topology.gpus if not g.lost]
+        available = [d.gpu_index for d in resource.devices if not topology.gpus[d.gpu_index].lost]
     else:
         available = parse_gpu_list(args.available, topology, "--available")
     must_include = parse_gpu_list(args.must_include, topology, "--must-include")
+    served = {d.gpu_index for d in resource.devices}
+    for flag, chosen in (("--available", available), ("--must-include", must_include)):
+        outside = [i for i in chosen if i not in served]
+        if outside:
+            raise UsageError(
+                f"{flag}: GPU {outside[0]} is not a {resource.name} device with this configuration"
+                f" (MIG-enabled GPUs are served as MIG devices; {resource.name}: GPUs {sorted(served)})"
+            )
     allocator = AllocationEngine(topology)
     indices = allocator.best_set(available, must_include, args.size)
     explanation = allocator.explain(available, must_include, args.size) if args.explain else None
@@ -124,5 +241,46 @@ def run(args: argparse.Namespace) -> int:
     if explanation is not None:
         lines.append("")
         lines.extend(explanation.lines())
+    if not args.wide:
+        lines = [
+            part
+            for line in lines
+            for part in (textwrap.wrap(line, MAX_COLUMNS, subsequent_indent=" " * 10,
+                                       break_on_hyphens=False) or [""])
+        ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _run_devices(args: argparse.Namespace, topology: Topology, config: Config,
+                 resource: PluginResource) -> int:
+    """MIG devices and time-sliced replicas: the running plugin's own request handler."""
+    if args.explain:
+        raise UsageError(f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind} devices")
+    if args.available is None:
+        available = [d.id for d in resource.devices if not topology.gpus[d.gpu_index].lost]
+    else:
+        available = parse_device_list(args.available, topology, resource, "--available", whole_gpus=True)
+    must_include = parse_device_list(args.must_include, topology, resource, "--must-include", whole_gpus=False)
+    devices = RequestHandler(resource, topology, config).preferred(available, must_include, args.size)
+    indices = [resource.by_id[d].gpu_index for d in devices]
+    score = topology.set_score(sorted(set(indices)))
+    if args.format == "json":
+        json.dump({"devices": devices, "indices": indices, "score": score, "resource": resource.name},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    lines = [
+        f"machine   {topology.machine or topology.source or '-'}",
+        f"resource  {resource.name} ({len(resource.devices)} {resource.kind} devices)",
+        f"request   size {args.size}, {len(available)} available, must-include {must_include}",
+        f"on GPUs   {indices}",
+        f"devices   {', '.join(devices)}",
+        f"score     {score} (of the GPUs they are on)",
+    ]
+    if not args.wide:
+        lines = [part for line in lines
+                 for part in (textwrap.wrap(line, MAX_COLUMNS, subsequent_indent=" " * 10,
+                                            break_on_hyphens=False) or [""])]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

@@ -13,7 +13,7 @@ from agent.commands._common import add_format_flag, add_simulate_flag
 DEFAULT_MACHINE = "dgx-h100"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
         help="run the agent on a simulated machine against a stand-in kubelet and show the story",

@@ -14,14 +14,21 @@ import sys
 import textwrap
 from typing import Any
 
-from agent.commands._common import add_format_flag, add_simulate_flag, load_topology
+from agent.commands._common import (
+    MAX_COLUMNS,
+    add_format_flag,
+    add_simulate_flag,
+    add_wide_flag,
+    load_topology,
+)
 from agent.topology.model import Link, PcieLevel, Topology
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("discover", help="print the GPU topology (NVML, sysfs or a simulation)")
     add_simulate_flag(p)
     add_format_flag(p)
+    add_wide_flag(p)
     p.set_defaults(func=run)
 
 
@@ -36,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(topology_to_json(topology), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render_table(topology))
+        sys.stdout.write(render_table(topology, None if args.wide else MAX_COLUMNS))
     return 0
 
 
@@ -137,6 +144,7 @@ def render_table(t: Topology, max_columns: int | None = None) -> str:
         show_affinity = line_length(heads, True) <= max_columns
         if line_length(heads, False) > max_columns:
             heads = [str(i) for i in range(n)]  # 16 GPUs: bare indices keep it narrow
+    narrowed = max_columns is not None and (len(nic_columns) < len(t.nics) or not show_affinity)
     width = width_of(heads)
     out: list[str] = []
     title = t.machine or t.source or "this node"
@@ -205,6 +213,10 @@ def render_table(t: Topology, max_columns: int | None = None) -> str:
     for note in t.notes:
         out.append(f"note: {note}")
     out.append("")
+    if narrowed:
+        left_out = [w for w, gone in (("NIC columns", len(nic_columns) < len(t.nics)),
+                                      ("CPU affinity", not show_affinity)) if gone]
+        out.append(f"({' and '.join(left_out)} left out to fit {max_columns} columns; --wide shows them)")
     out.append("Legend: X self; NV# bonded NVLinks; PIX one PCIe switch; PXB several switches;")
     out.append("        PHB host bridge; NODE across host bridges in a NUMA node; SYS across sockets")
     if max_columns is not None:

@@ -7,8 +7,12 @@ its environment variables and these flags; flags win (see ``agent.config.load_co
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
+from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
+from agent.errors import AgentError, UsageError
 
 _DEFAULTS = Config()
 
@@ -23,9 +27,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--config", metavar="FILE", default=None,
                    help="NVIDIA device plugin config file (version: v1), YAML or JSON "
                         "(default: $CONFIG_FILE, else none)")
-    p.add_argument("--simulate", metavar="MACHINE", default=None,
-                   help="run on a simulated machine (built-in name, spec file, or `nvidia-smi topo -m` "
-                        "output) instead of NVML")
+    add_simulate_flag(p)
     p.add_argument("--kubelet-dir", metavar="DIR", dest="kubelet_dir", default=None,
                    help=f"kubelet device-plugin directory holding kubelet.sock (default: {_DEFAULTS.kubelet_dir})")
     p.add_argument("--pod-resources-socket", metavar="PATH", dest="pod_resources_socket", default=None,
@@ -49,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--device-id-strategy", choices=("uuid", "index"), dest="device_id_strategy", default=None,
                    help="IDs in NVIDIA_VISIBLE_DEVICES (default: uuid)")
     p.add_argument("--pass-device-specs", action="store_true", dest="pass_device_specs", default=None,
-                   help="add /dev/nvidia* device nodes to Allocate responses")
+                   help="add /dev/nvidia* device nodes to Allocate responses (default: off)")
     p.add_argument("--health-recovery-s", metavar="SECONDS", type=float, dest="health_recovery_s", default=None,
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
@@ -80,6 +82,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     dra.add_argument("--delete-slices-on-shutdown", action="store_true", dest="delete_slices_on_shutdown",
                      default=None, help="delete the node's ResourceSlices on a clean stop"
                                         " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
+    p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
+                   help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
+                        " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
     p.set_defaults(func=run)
 
 
@@ -90,7 +95,56 @@ FLAG_FIELDS = (
     "label_interval_s",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown",
+    "no_timestamp",
 )
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _probe_write(path: str, what: str) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gta-probe-", dir=path)
+    except OSError as exc:
+        raise AgentError(f"{what} {path}: cannot be written: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_directories(config: Config, args: argparse.Namespace) -> None:
+    """Fail at start, with one line naming the flag and the path, when the kubelet directory
+    or the features directory can never work: not a directory (exit 2) or not writable
+    (exit 1). A kubelet directory that does not exist yet is fine: the kubelet creates it.
+    The features directory is created when missing, as the label sink would."""
+    kubelet_what = "--kubelet-dir" if args.kubelet_dir else "kubelet directory"
+    existing = _nearest_existing(config.kubelet_dir)
+    if not os.path.isdir(existing):
+        raise UsageError(
+            f"{kubelet_what} {config.kubelet_dir}: {existing} is not a directory "
+            "(expected the kubelet's device-plugins directory)"
+        )
+    if existing == config.kubelet_dir:
+        _probe_write(config.kubelet_dir, kubelet_what)
+    features_what = "--features-dir" if args.features_dir else "features directory"
+    existing = _nearest_existing(config.features_dir)
+    if not os.path.isdir(existing):
+        raise UsageError(
+            f"{features_what} {config.features_dir}: {existing} is not a directory "
+            "(expected NFD's features.d directory)"
+        )
+    try:
+        os.makedirs(config.features_dir, exist_ok=True)
+    except OSError as exc:
+        raise AgentError(
+            f"{features_what} {config.features_dir}: cannot be created: {exc.strerror or exc}"
+        ) from None
+    _probe_write(config.features_dir, features_what)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,5 +157,6 @@ def run(args: argparse.Namespace) -> int:
         return load_config(args.config, env, flags)
 
     config = loader()
+    check_directories(config, args)
     setup_logging(config)
     return Daemon.from_config(config, simulate=args.simulate, config_loader=loader).run()

@@ -163,7 +163,11 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
         if entry.devices is not None:
             unmatched = [s for s in entry.devices if not any(_selects_one(s, d, topology) for d in base[entry.name])]
             if unmatched:
-                log.warning("sharing.timeSlicing.resources[%d].devices: %s match no device here", i, unmatched)
+                raise ConfigError(
+                    f"{config.config_file or 'configuration'}: sharing.timeSlicing.resources[{i}].devices:"
+                    f" {', '.join(map(repr, unmatched))} is no {entry.name} device of this node (expected"
+                    f" GPU indices 0-{topology.gpu_count - 1}, GPU:MIG indices, or GPU/MIG UUIDs of this node)"
+                )
         name = _shared_name(entry.name, entry, config.rename_by_default)
         for d in matched:
             claimed.add(d.id)

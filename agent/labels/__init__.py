@@ -24,6 +24,9 @@ cuda.runtime-version.*, cuda.runtime.* from the CUDA driver API version ``12.2``
 mig.capable, mig.strategy, mps.capable
 mig-<profile>.*                        per MIG profile under ``mig-strategy=mixed``
 gpu.clique                             ``<cluster-uuid>.<clique-id>`` (NVLink fabric)
+gfd.timestamp                          when the labels were computed, seconds since the
+                                       epoch (as GFD); only when ``now`` is given and
+                                       ``no_timestamp`` is not set
 =====================================  ===============================================
 
 Heterogeneous nodes: GFD describes whichever model its map iteration visits last, so its
@@ -34,8 +37,9 @@ Ours (``topology.gpu-agent.io/``): ``nvlink-fabric`` (nvswitch|mesh|bridge|none)
 ``nvlink-islands``, ``nvlink-largest-island``, ``nvlink-largest-clique``,
 ``nvlink-max-links-per-pair``, ``numa-nodes`` (NUMA nodes holding GPUs),
 ``max-gpus-per-numa-node``, ``rdma-nics``, ``gpu-nic-same-switch`` (every GPU has an RDMA
-NIC at PIX or closer), ``gpu-models`` (distinct GPU models on the node), ``gpu-count``
-(all GPUs, whatever the model).
+NIC behind the same PCIe switch complex: ``PIX`` or ``PXB`` in ``nvidia-smi topo -m``, a path
+through PCIe switches only, never through a host bridge), ``gpu-models`` (distinct GPU
+models on the node), ``gpu-count`` (all GPUs, whatever the model).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ GFD_PREFIX = "nvidia.com/"
 MAX_NVLINK_PORTS_PER_GPU = 18
 TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
 FULL_GPU_RESOURCE = "nvidia.com/gpu"
+#: GFD's label holding when the labels were generated (seconds since the epoch).
+TIMESTAMP_LABEL = GFD_PREFIX + "gfd.timestamp"
 
 _VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -109,11 +115,13 @@ def arch_family(major: int, minor: int) -> str:
     }.get(major, "undefined")
 
 
-def compute_labels(topology: Topology, config: Config) -> dict[str, str]:
+def compute_labels(topology: Topology, config: Config, now: float | None = None) -> dict[str, str]:
     """All node labels for ``topology`` under ``config``; pure and deterministic.
 
     A node without GPUs gets no labels (as GFD). Labels whose value is unknown (no driver
     version, no compute capability, no model name) are left out, never written empty.
+    ``now`` (seconds since the epoch, the caller's clock) adds GFD's ``gfd.timestamp``
+    label unless ``config.no_timestamp``.
     """
     if not topology.gpus:
         return {}
@@ -124,6 +132,8 @@ def compute_labels(topology: Topology, config: Config) -> dict[str, str]:
     labels.update(_resource_labels(topology, config))
     labels.update(_clique_labels(topology))
     labels.update(_topology_labels(topology))
+    if now is not None and not config.no_timestamp:
+        labels[TIMESTAMP_LABEL] = str(int(now))
     return dict(sorted((k, v) for k, v in labels.items() if v))
 
 
@@ -345,7 +355,7 @@ def _topology_labels(topology: Topology) -> dict[str, str]:
         i
         for nic in topology.nics
         for i, level in enumerate(nic.levels)
-        if level is not None and level <= PcieLevel.PIX
+        if level is not None and level <= PcieLevel.PXB
     }
     out = {
         p + "nvlink-fabric": nvlink_fabric_kind(topology),

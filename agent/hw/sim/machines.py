@@ -44,6 +44,10 @@ BUILTIN_MACHINES: tuple[str, ...] = (
     "single-gpu",
 )
 
+#: Most GPUs a machine may have: the allocation engine's limit (64-bit GPU masks;
+#: ``agent.topology.engine.MAX_GPUS``, which a test keeps equal).
+MAX_GPUS = 64
+
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _TOPO_HEADER = re.compile(r"^\s*GPU0(\s|$)", re.MULTILINE)
 
@@ -80,8 +84,19 @@ def load_spec(machine: str) -> MachineSpec:
         from agent.hw.topo_matrix import read_topo_matrix
 
         name = os.path.splitext(os.path.basename(machine))[0] or "pasted"
-        return spec_from_facts(read_topo_matrix(machine), name=name)
-    return load_machine_spec(machine)
+        facts = read_topo_matrix(machine)
+        _check_gpu_count(len(facts.gpus), machine)
+        return spec_from_facts(facts, name=name)
+    spec = load_machine_spec(machine)
+    _check_gpu_count(len(spec.gpus), machine)
+    return spec
+
+
+def _check_gpu_count(count: int, machine: str) -> None:
+    if count > MAX_GPUS:
+        raise InputFormatError(
+            f"{machine}: {count} GPUs; gpu-topology-agent supports at most {MAX_GPUS} GPUs per node"
+        )
 
 
 def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
