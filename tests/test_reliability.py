@@ -241,8 +241,11 @@ def _devices(kubelet):
 
 
 def _labels(daemon) -> dict[str, str]:
+    """The label file as written, less GFD's timestamp (it moves with every write)."""
     with open(daemon.label_sink.path, encoding="utf-8") as f:
-        return dict(line.split("=", 1) for line in f.read().splitlines() if line)
+        labels = dict(line.split("=", 1) for line in f.read().splitlines() if line)
+    labels.pop("nvidia.com/gfd.timestamp", None)
+    return labels
 
 
 def test_a_gpu_lost_mid_run_keeps_its_id_numa_and_labels_across_a_kubelet_restart(agent):

@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("slices", help="print the DRA ResourceSlices the agent would publish (YAML)")
     add_simulate_flag(p)
     p.add_argument("--config", metavar="FILE", default=None,
-                   help="agent config file, as for `run` (the DRA driver name comes from it)")
+                   help="agent config file, as for `run`; the DRA driver name and the sharing settings come"
+                        " from it (default: none, the built-in defaults)")
     p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
                    help="node (and pool) name (default: $NODE_NAME, else the host name)")
     p.add_argument("--api-version", dest="api_version", default="v1", metavar="VERSION",

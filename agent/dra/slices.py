@@ -67,6 +67,7 @@ from typing import Any, Collection, Iterable, Mapping
 import yaml
 
 from agent.dra.devices import device_name
+from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
@@ -179,10 +180,12 @@ def semver(text: str | None) -> str | None:
 
 
 def _sysfs_bus_id(bus_id: str) -> str | None:
-    m = re.fullmatch(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])", bus_id.strip())
-    if m is None:
+    """The sysfs spelling (``0000:1b:00.0``, as Kubernetes' pciBusID attribute wants it);
+    None for a value that is no PCI bus id (never guessed)."""
+    try:
+        return nvml_to_sysfs_bus_id(bus_id)
+    except BusIdError:
         return None
-    return f"{int(m[1], 16):04x}:{m[2].lower()}:{m[3].lower()}.{m[4]}"
 
 
 def _quantity_mib(mib: int) -> str:

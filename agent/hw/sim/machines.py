@@ -186,7 +186,10 @@ def remove_stale_trees(tmp_dir: str | None = None) -> list[str]:
     removed = []
     for entry in os.scandir(tmp_dir):
         m = re.match(r"gta-sysfs-(\d+)-", entry.name)
-        if m is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+        try:
+            if m is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+        except FileNotFoundError:  # its owner (or another agent's clean-up) removed it just now
             continue
         try:
             os.kill(int(m.group(1)), 0)
