@@ -104,6 +104,7 @@ DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri
 DEVICE_ID_STRATEGIES = ("uuid", "index")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MODES = ("device-plugin", "dra")
 
 #: Environment variables read by :func:`load_config` (the anchor's names) -> Config field.
 ENV_FIELDS: Mapping[str, str] = {
@@ -126,6 +127,13 @@ ENV_FIELDS: Mapping[str, str] = {
     "FEATURE_FILE": "feature_file",
     "LABEL_INTERVAL_S": "label_interval_s",
     "GFD_NO_TIMESTAMP": "no_timestamp",
+    "AGENT_MODE": "mode",
+    "DRA_DRIVER_NAME": "driver_name",
+    "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",
+    "PLUGINS_DIR": "plugins_dir",
+    "CDI_DIR": "cdi_dir",
+    "KUBECONFIG": "kubeconfig",
+    "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
@@ -294,7 +302,21 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {doc.get('version')!r}")
     out: dict[str, object] = {}
-    flags = _expect_mapping(doc.get("flags"), "flags")
+    _parse_flags(_expect_mapping(doc.get("flags"), "flags"), out)
+    sharing = _expect_mapping(doc.get("sharing"), "sharing")
+    _check_keys(sharing, ("timeSlicing", "mps"), "sharing")
+    if sharing.get("mps"):
+        raise ValueError("sharing.mps: MPS sharing is not supported by gpu-topology-agent (use timeSlicing)")
+    if "timeSlicing" in sharing:
+        _parse_time_slicing(_expect_mapping(sharing["timeSlicing"], "sharing.timeSlicing"), out)
+    _parse_health(_expect_mapping(doc.get("health"), "health"), out)
+    _parse_dra_file_keys(doc, out)
+    _parse_metrics(_expect_mapping(doc.get("metrics"), "metrics"), out)
+    return out
+
+
+def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
+    """The file's ``flags`` section (with ``flags.plugin`` and ``flags.gfd``) into ``out``."""
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
@@ -344,13 +366,9 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["no_timestamp"] = _expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
-    sharing = _expect_mapping(doc.get("sharing"), "sharing")
-    _check_keys(sharing, ("timeSlicing", "mps"), "sharing")
-    if sharing.get("mps"):
-        raise ValueError("sharing.mps: MPS sharing is not supported by gpu-topology-agent (use timeSlicing)")
-    if "timeSlicing" in sharing:
-        _parse_time_slicing(_expect_mapping(sharing["timeSlicing"], "sharing.timeSlicing"), out)
-    health = _expect_mapping(doc.get("health"), "health")
+
+
+def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds"), "health")
     if "enabled" in health:
         out["health_checks_enabled"] = _expect_bool(health["enabled"], "health.enabled")
@@ -360,8 +378,9 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         out["extra_critical_xids"] = _expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = _expect_number(health["recoverySeconds"], "health.recoverySeconds")
-    _parse_dra_file_keys(doc, out)
-    metrics = _expect_mapping(doc.get("metrics"), "metrics")
+
+
+def _parse_metrics(metrics: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(
         metrics,
         ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent"),
@@ -380,7 +399,6 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         if threshold > 100:
             raise ValueError(f"metrics.idleThresholdPercent: expected 0 to 100, got {threshold:g}")
         out["idle_utilization_threshold_pct"] = threshold
-    return out
 
 
 def _read_config_file(path: str) -> dict[str, object]:
@@ -392,6 +410,20 @@ def _read_config_file(path: str) -> dict[str, object]:
         return _parse_file_document(doc)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _expect_driver_name(value: object, where: str) -> str:
+    """A DRA driver name: a lowercase DNS subdomain (the API server rejects anything else)."""
+    import re
+
+    name = _expect_str(value, where).strip()
+    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+    if len(name) > 63 or not re.fullmatch(rf"{label}(\.{label})*", name):
+        raise ValueError(
+            f"{where}: expected a DRA driver name (a lowercase DNS subdomain of at most 63"
+            f" characters, e.g. gpu.gpu-agent.io), got {value!r}"
+        )
+    return name
 
 
 _FIELD_PARSERS: Mapping[str, Any] = {
@@ -416,43 +448,11 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "no_timestamp": _expect_bool,
     "log_format": lambda v, w: _expect_choice(v, LOG_FORMATS, w),
     "log_level": lambda v, w: _expect_choice(str(v).upper(), tuple(x.lower() for x in LOG_LEVELS), w).upper(),
-}
-
-
-# --- DRA mode settings (issue 12): environment variables and value checks
-MODES = ("device-plugin", "dra")
-ENV_FIELDS = {
-    **ENV_FIELDS,
-    "AGENT_MODE": "mode",
-    "DRA_DRIVER_NAME": "driver_name",
-    "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",
-    "PLUGINS_DIR": "plugins_dir",
-    "CDI_DIR": "cdi_dir",
-    "KUBECONFIG": "kubeconfig",
-    "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
-}
-
-
-def _expect_driver_name(value: object, where: str) -> str:
-    """A DRA driver name: a lowercase DNS subdomain (the API server rejects anything else)."""
-    import re
-
-    name = _expect_str(value, where).strip()
-    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-    if len(name) > 63 or not re.fullmatch(rf"{label}(\.{label})*", name):
-        raise ValueError(
-            f"{where}: expected a DRA driver name (a lowercase DNS subdomain of at most 63"
-            f" characters, e.g. gpu.gpu-agent.io), got {value!r}"
-        )
-    return name
-
-
-_FIELD_PARSERS = {
-    **_FIELD_PARSERS,
     "mode": lambda v, w: _expect_choice(v, MODES, w),
     "driver_name": _expect_driver_name,
     "delete_slices_on_shutdown": _expect_bool,
 }
+
 
 #: The config file's ``dra:`` section: key -> Config field.
 DRA_FILE_KEYS: Mapping[str, str] = {

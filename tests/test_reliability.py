@@ -297,8 +297,8 @@ def test_a_gpu_lost_at_discovery_keeps_one_placeholder_id_until_it_is_read(agent
 
 
 def test_a_reread_fills_what_it_lacks_from_the_previous_read_and_takes_what_it_knows():
-    from agent.daemon import merge_reread
     from agent.topology.model import Topology
+    from agent.topology.reread import merge_reread
 
     first = hgx8_topology()
     blind = hgx8_topology(numa=False)  # this read got no NUMA nodes

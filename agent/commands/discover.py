@@ -21,7 +21,7 @@ from agent.commands._common import (
     add_wide_flag,
     load_topology,
 )
-from agent.topology.model import Link, PcieLevel, Topology
+from agent.topology.model import Gpu, Link, Nic, PcieLevel, Topology
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,6 +51,35 @@ def _level_name(level: PcieLevel | None) -> str | None:
     return level.name if level is not None else None
 
 
+def _gpu_json(g: Gpu) -> dict[str, Any]:
+    return {
+        "index": g.index,
+        "uuid": g.uuid,
+        "name": g.name,
+        "pci_bus_id": g.pci_bus_id,
+        "numa_node": g.numa_node,
+        "memory_mib": g.memory_mib,
+        "minor_number": g.minor_number,
+        "compute_capability": (
+            f"{g.compute_capability[0]}.{g.compute_capability[1]}"
+            if g.compute_capability
+            else None
+        ),
+        "cpu_affinity": g.cpu_affinity,
+        "numa_affinity": g.numa_affinity,
+        "memory_numa_node": g.memory_numa_node,
+        "mig_capable": g.mig_capable,
+        "mig_enabled": g.mig_enabled,
+        "mig_devices": [
+            {"uuid": m.uuid, "profile": m.profile, "memory_mib": m.memory_mib}
+            for m in g.mig_devices
+        ],
+        "fabric_cluster_uuid": g.fabric_cluster_uuid,
+        "fabric_clique_id": g.fabric_clique_id,
+        "lost": g.lost,
+    }
+
+
 def topology_to_json(t: Topology) -> dict[str, Any]:
     """The DESIGN.md ``discover --format json`` contract (and a few extra keys)."""
     return {
@@ -58,35 +87,7 @@ def topology_to_json(t: Topology) -> dict[str, Any]:
         "machine": t.machine,
         "driver_version": t.driver_version,
         "cuda_driver_version": t.cuda_driver_version,
-        "gpus": [
-            {
-                "index": g.index,
-                "uuid": g.uuid,
-                "name": g.name,
-                "pci_bus_id": g.pci_bus_id,
-                "numa_node": g.numa_node,
-                "memory_mib": g.memory_mib,
-                "minor_number": g.minor_number,
-                "compute_capability": (
-                    f"{g.compute_capability[0]}.{g.compute_capability[1]}"
-                    if g.compute_capability
-                    else None
-                ),
-                "cpu_affinity": g.cpu_affinity,
-                "numa_affinity": g.numa_affinity,
-                "memory_numa_node": g.memory_numa_node,
-                "mig_capable": g.mig_capable,
-                "mig_enabled": g.mig_enabled,
-                "mig_devices": [
-                    {"uuid": m.uuid, "profile": m.profile, "memory_mib": m.memory_mib}
-                    for m in g.mig_devices
-                ],
-                "fabric_cluster_uuid": g.fabric_cluster_uuid,
-                "fabric_clique_id": g.fabric_clique_id,
-                "lost": g.lost,
-            }
-            for g in t.gpus
-        ],
+        "gpus": [_gpu_json(g) for g in t.gpus],
         "links": [
             {
                 "a": link.a,
@@ -122,21 +123,21 @@ def _cell(link: Link) -> str:
     return link.pcie.name if link.pcie is not None else "?"
 
 
-def render_table(t: Topology, max_columns: int | None = None) -> str:
-    """A matrix like ``nvidia-smi topo -m``, then islands, cliques, NUMA groups and NICs.
+def _column_width(heads: list[str]) -> int:
+    return max([5] + [len(h) + 1 for h in heads])
 
-    With ``max_columns`` the matrix is narrowed to fit: NIC columns go first (the NIC list
-    below still says which GPUs each NIC is near), then the CPU affinity column."""
+
+def _fit_columns(t: Topology, max_columns: int | None) -> tuple[list[str], list[Nic], bool]:
+    """The matrix's column heads, its NIC columns and whether it shows CPU affinity, narrowed
+    to ``max_columns``: NIC columns go first, then the CPU affinity column, then the GPU
+    heads shrink to bare indices."""
     n = t.gpu_count
-    nic_columns = list(t.nics)
-    show_affinity = True
-
-    def width_of(heads: list[str]) -> int:
-        return max([5] + [len(h) + 1 for h in heads])
 
     def line_length(heads: list[str], affinity: bool) -> int:
-        return 8 + width_of(heads) * len(heads) + (16 if affinity else 0) + 4
+        return 8 + _column_width(heads) * len(heads) + (16 if affinity else 0) + 4
 
+    nic_columns = list(t.nics)
+    show_affinity = True
     heads = [f"GPU{i}" for i in range(n)] + [nic.name for nic in nic_columns]
     if max_columns is not None and line_length(heads, True) > max_columns:
         nic_columns = []
@@ -144,21 +145,20 @@ def render_table(t: Topology, max_columns: int | None = None) -> str:
         show_affinity = line_length(heads, True) <= max_columns
         if line_length(heads, False) > max_columns:
             heads = [str(i) for i in range(n)]  # 16 GPUs: bare indices keep it narrow
-    narrowed = max_columns is not None and (len(nic_columns) < len(t.nics) or not show_affinity)
-    width = width_of(heads)
-    out: list[str] = []
-    title = t.machine or t.source or "this node"
-    out.append(f"{title}: {n} GPU(s)" + (f", driver {t.driver_version}" if t.driver_version else ""))
-    out.append("")
-    out.append(
+    return heads, nic_columns, show_affinity
+
+
+def _matrix_lines(t: Topology, heads: list[str], nic_columns: list[Nic], show_affinity: bool) -> list[str]:
+    width = _column_width(heads)
+    out = [
         " " * 8
         + "".join(h.ljust(width) for h in heads)
         + ("CPU Affinity".ljust(16) if show_affinity else "")
         + "NUMA"
-    )
+    ]
     for g in t.gpus:
         cells = []
-        for j in range(n):
+        for j in range(t.gpu_count):
             cells.append(" X" if j == g.index else _cell(t.link(g.index, j)))
         for nic in nic_columns:
             lvl = nic.levels[g.index] if g.index < len(nic.levels) else None
@@ -170,7 +170,11 @@ def render_table(t: Topology, max_columns: int | None = None) -> str:
             + ((g.cpu_affinity or "N/A").ljust(16) if show_affinity else "")
             + numa
         )
-    out.append("")
+    return out
+
+
+def _gpu_lines(t: Topology) -> list[str]:
+    out = []
     for g in t.gpus:
         extra = []
         if g.mig_enabled:
@@ -184,13 +188,16 @@ def render_table(t: Topology, max_columns: int | None = None) -> str:
             f"  GPU{g.index}  {g.name}  {mem}  {g.pci_bus_id or '-'}  {g.uuid}"
             + (f"  [{'; '.join(extra)}]" if extra else "")
         )
-    out.append("")
+    return out
+
+
+def _group_lines(t: Topology) -> list[str]:
+    """Islands, cliques, NUMA groups, NICs and notes."""
 
     def groups(items: tuple[tuple[int, ...], ...]) -> str:
         return " ".join("{" + ",".join(map(str, g)) + "}" for g in items) or "none"
 
-    out.append(f"NVLink islands: {groups(t.nvlink_islands)}")
-    out.append(f"NVLink cliques: {groups(t.nvlink_cliques)}")
+    out = [f"NVLink islands: {groups(t.nvlink_islands)}", f"NVLink cliques: {groups(t.nvlink_cliques)}"]
     numa = ", ".join(
         f"{'?' if node is None else node}: {{{','.join(map(str, gpus))}}}"
         for node, gpus in t.numa_groups.items()
@@ -212,6 +219,23 @@ def render_table(t: Topology, max_columns: int | None = None) -> str:
         out.append("NICs:           none")
     for note in t.notes:
         out.append(f"note: {note}")
+    return out
+
+
+def render_table(t: Topology, max_columns: int | None = None) -> str:
+    """A matrix like ``nvidia-smi topo -m``, then islands, cliques, NUMA groups and NICs.
+
+    With ``max_columns`` the matrix is narrowed to fit: NIC columns go first (the NIC list
+    below still says which GPUs each NIC is near), then the CPU affinity column."""
+    heads, nic_columns, show_affinity = _fit_columns(t, max_columns)
+    narrowed = max_columns is not None and (len(nic_columns) < len(t.nics) or not show_affinity)
+    title = t.machine or t.source or "this node"
+    out = [f"{title}: {t.gpu_count} GPU(s)" + (f", driver {t.driver_version}" if t.driver_version else ""), ""]
+    out += _matrix_lines(t, heads, nic_columns, show_affinity)
+    out.append("")
+    out += _gpu_lines(t)
+    out.append("")
+    out += _group_lines(t)
     out.append("")
     if narrowed:
         left_out = [w for w, gone in (("NIC columns", len(nic_columns) < len(t.nics)),

@@ -28,6 +28,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="NVIDIA device plugin config file (version: v1), YAML or JSON "
                         "(default: $CONFIG_FILE, else none)")
     add_simulate_flag(p)
+    _add_location_flags(p)
+    _add_serving_flags(p)
+    _add_dra_flags(p)
+    p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
+                   help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
+                        " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
+    p.set_defaults(func=run)
+
+
+def _add_location_flags(p: argparse.ArgumentParser) -> None:
+    """Where the agent talks to the kubelet, writes labels, serves metrics and logs."""
     p.add_argument("--kubelet-dir", metavar="DIR", dest="kubelet_dir", default=None,
                    help=f"kubelet device-plugin directory holding kubelet.sock (default: {_DEFAULTS.kubelet_dir})")
     p.add_argument("--pod-resources-socket", metavar="PATH", dest="pod_resources_socket", default=None,
@@ -44,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="log line format (default: text)")
     p.add_argument("--log-level", metavar="LEVEL", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO)")
+
+
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """How the device plugins advertise and hand out GPUs, and how labels are kept."""
     p.add_argument("--mig-strategy", choices=("none", "single", "mixed"), dest="mig_strategy", default=None,
                    help="how MIG devices are advertised (default: none; env MIG_STRATEGY)")
     p.add_argument("--device-list-strategy", metavar="LIST", dest="device_list_strategy", default=None,
@@ -65,6 +80,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--label-interval-s", metavar="SECONDS", type=float, dest="label_interval_s", default=None,
                    help="re-assert the label file this often, restoring a deleted one"
                         f" (default: {_DEFAULTS.label_interval_s:g}; env LABEL_INTERVAL_S)")
+
+
+def _add_dra_flags(p: argparse.ArgumentParser) -> None:
     dra = p.add_argument_group("DRA mode")
     dra.add_argument("--mode", choices=("device-plugin", "dra"), dest="mode", default=None,
                      help="serve the GPUs as device plugins or as a DRA driver"
@@ -82,10 +100,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     dra.add_argument("--delete-slices-on-shutdown", action="store_true", dest="delete_slices_on_shutdown",
                      default=None, help="delete the node's ResourceSlices on a clean stop"
                                         " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
-    p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
-                   help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
-                        " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
-    p.set_defaults(func=run)
 
 
 FLAG_FIELDS = (

@@ -194,6 +194,13 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
         for name, devs in sorted(final.items())
         if devs
     )
+    _check_served(out, config)
+    return out
+
+
+def _check_served(out: tuple[PluginResource, ...], config: Config) -> None:
+    """Raise ConfigError when a resource's device list exceeds a gRPC message or two
+    resources would share one socket."""
     for resource in out:
         size = device_list_bytes(resource)
         if size > MAX_MESSAGE_BYTES:
@@ -209,7 +216,6 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
             f"socket name {config.socket_name!r} gives {len(out)} resources ({', '.join(r.name for r in out)})"
             " the same socket; put {resource} in it"
         )
-    return out
 
 
 def _selects_one(sel: str, device: PluginDevice, topology: Topology) -> bool:

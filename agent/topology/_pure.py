@@ -45,6 +45,13 @@ def _mask(v: object, what: str, n: int) -> int:
     return v
 
 
+def _take(free: list[int], taken: list[int], counts: list[int], gpu: int, count: int) -> None:
+    """Move ``count`` replicas of ``gpu`` from free into the request."""
+    free[gpu] -= count
+    taken[gpu] += count
+    counts[gpu] += count
+
+
 def _int_list(values: Sequence[int], what: str, n: int, hi: int) -> list[int]:
     """``values`` as a list when it holds n ints in 0..hi."""
     if len(values) != n:
@@ -458,15 +465,18 @@ class AllocationSolver:
         load = _int_list(load, "load", n, LOAD_MAX)
         need = _int(need, "need", 0, sum(free))
         counts = [0] * n
+        if not packed:
+            self._spread(free, taken, load, need, counts)
+        else:
+            self._pack(free, taken, load, need, counts)
+        return counts
 
-        def take(gpu: int, count: int) -> None:
-            free[gpu] -= count
-            taken[gpu] += count
-            counts[gpu] += count
-
-        while need > 0 and not packed:
-            # one round: each GPU at the lowest level of use in this request gets one more
-            # replica, least loaded first; a partly taken tier of equal load goes to topology
+    def _spread(self, free: list[int], taken: list[int], load: list[int], need: int, counts: list[int]) -> None:
+        """``replica_counts`` spread: rounds in which each GPU at the lowest level of use in
+        this request gets one more replica, least loaded first; a partly taken tier of equal
+        load goes to topology."""
+        n = self.n
+        while need > 0:
             level = min(taken[g] for g in range(n) if free[g])
             group = sorted((load[g], g) for g in range(n) if free[g] and taken[g] == level)
             start = 0
@@ -483,11 +493,14 @@ class AllocationSolver:
                 else:
                     picks = self._extend(taken, tier, need)
                 for g in picks:
-                    take(g, 1)
+                    _take(free, taken, counts, g, 1)
                 need -= len(picks)
                 start = end
-        while need > 0:  # packed: not in the request first, then the most loaded
-            eligible = [g for g in range(n) if free[g]]
+
+    def _pack(self, free: list[int], taken: list[int], load: list[int], need: int, counts: list[int]) -> None:
+        """``replica_counts`` packed: GPUs not in the request first, then the most loaded."""
+        while need > 0:
+            eligible = [g for g in range(self.n) if free[g]]
             key = {g: (0 if taken[g] else 1, -(load[g] + taken[g])) for g in eligible}
             best_key = min(key.values())
             tier = [g for g in eligible if key[g] == best_key]
@@ -497,9 +510,8 @@ class AllocationSolver:
             else:
                 (gpu,) = self._extend(taken, tier, 1)
             count = min(need, free[gpu])
-            take(gpu, count)
+            _take(free, taken, counts, gpu, count)
             need -= count
-        return counts
 
     def _extend(self, taken: list[int], tier: list[int], count: int) -> list[int]:
         """``count`` GPUs of ``tier`` that the GPU policy adds to those with ``taken``."""

@@ -531,27 +531,7 @@ class AllocationEngine:
             return (node is None, node or 0)
 
         def fill(parents: list[int]) -> list[str]:
-            counts = {p: len(free.get(p, [])) for p in parents}
-            out: list[str] = []
-            remaining = need
-            # parents already in the request first, best fit among them
-            order = sorted((p for p in used if p in counts), key=lambda p: (counts[p], p))
-            pool = [p for p in parents if p not in used]
-            for p in order:
-                n_take = min(remaining, counts[p])
-                out.extend(free.get(p, [])[:n_take])
-                remaining -= n_take
-            while remaining > 0:
-                fitting = [p for p in pool if counts[p] >= remaining]
-                if fitting:
-                    p = min(fitting, key=lambda q: (counts[q], q))
-                else:
-                    p = min(pool, key=lambda q: (-counts[q], q))
-                pool.remove(p)
-                n_take = min(remaining, counts[p])
-                out.extend(free.get(p, [])[:n_take])
-                remaining -= n_take
-            return out
+            return _fill_mig(free, used, need, parents)
 
         picked: list[str] | None = None
         if need == 0:
@@ -582,3 +562,29 @@ class AllocationEngine:
         if picked is None:
             picked = fill(sorted(set(free) | set(used)))
         return sorted(required + picked, key=lambda d: (parent[d], natural_key(d)))
+
+
+def _fill_mig(free: dict[int, list[str]], used: list[int], need: int, parents: list[int]) -> list[str]:
+    """``need`` MIG devices from ``parents``: parents already in the request (``used``)
+    first, best fit among them; then the parent with the fewest free instances that can
+    take the rest, else the one with the most."""
+    counts = {p: len(free.get(p, [])) for p in parents}
+    out: list[str] = []
+    remaining = need
+    order = sorted((p for p in used if p in counts), key=lambda p: (counts[p], p))
+    pool = [p for p in parents if p not in used]
+    for p in order:
+        n_take = min(remaining, counts[p])
+        out.extend(free.get(p, [])[:n_take])
+        remaining -= n_take
+    while remaining > 0:
+        fitting = [p for p in pool if counts[p] >= remaining]
+        if fitting:
+            p = min(fitting, key=lambda q: (counts[q], q))
+        else:
+            p = min(pool, key=lambda q: (-counts[q], q))
+        pool.remove(p)
+        n_take = min(remaining, counts[p])
+        out.extend(free.get(p, [])[:n_take])
+        remaining -= n_take
+    return out
