@@ -133,19 +133,22 @@ def read_document(path: str, what: str = "file") -> Any:
     return parse_document(raw, path, what)
 
 
+def decode_text(raw: bytes, source: str, what: str = "file", fix: str = "save it as UTF-8") -> str:
+    """``raw`` as UTF-8 text; :class:`InputFormatError` naming ``source``, the first bad byte
+    and its offset (and a UTF-16 byte-order mark, the usual culprit) otherwise."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        hint = " (it starts with a UTF-16 byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise InputFormatError(
+            f"{source}: {what} is not UTF-8 text: byte {raw[exc.start]:#04x} at offset "
+            f"{exc.start}{hint}; {fix}"
+        ) from None
+
+
 def parse_document(raw: bytes | str, source: str, what: str = "file") -> Any:
     """Like :func:`read_document` for bytes already read (``source`` names them)."""
-    if isinstance(raw, bytes):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            hint = " (it starts with a UTF-16 byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-            raise InputFormatError(
-                f"{source}: {what} is not UTF-8 text: byte {raw[exc.start]:#04x} at offset "
-                f"{exc.start}{hint}; save it as UTF-8"
-            ) from None
-    else:
-        text = raw
+    text = decode_text(raw, source, what) if isinstance(raw, bytes) else raw
     text = text.removeprefix("\ufeff")
     as_json = source.endswith(".json")
     try:

@@ -12,6 +12,7 @@ import tempfile
 
 from agent.discovery import load_topology
 from agent.errors import InputFormatError
+from agent.formats import decode_text
 
 __all__ = [
     "MAX_COLUMNS",
@@ -50,14 +51,7 @@ def _read_stdin_machine() -> str:
             "`nvidia-smi topo -m` output, e.g. `nvidia-smi topo -m | gpu-topology-agent "
             "discover --simulate -`"
         )
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        bom = " (it starts with a UTF-16 byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise InputFormatError(
-            f"--simulate -: standard input is not UTF-8 text: byte {raw[exc.start]:#04x} at "
-            f"offset {exc.start}{bom}; convert it to UTF-8 (e.g. iconv -t UTF-8)"
-        ) from None
+    decode_text(raw, "--simulate -", "standard input", "convert it to UTF-8 (e.g. iconv -t UTF-8)")
     folder = tempfile.mkdtemp(prefix="gta-stdin-")
     atexit.register(shutil.rmtree, folder, True)
     path = os.path.join(folder, "stdin")
