@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shlex
 import shutil
 import sys
-import shlex
 import tempfile
 import textwrap
 import time
