@@ -192,3 +192,18 @@ def test_pods_still_waiting_at_the_end_are_named_with_the_reason():
     assert "* infer-5 (1)" in out, "a waiting pod is placed when the GPU frees up"
     facts = json.loads(demo("single-gpu", "json")[0])
     assert {"pod": "infer-12", "size": 1, "free": 0} in facts["still_waiting"]
+
+
+def test_on_standard_input_the_suggested_command_reads_standard_input_too(monkeypatch, capsys):
+    matrix = (TOPO / "l40s-4gpu-2socket-2nic.txt").read_bytes()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(matrix)))
+    assert cli.main(["demo", "--simulate", "-"]) == 0
+    out = capsys.readouterr().out
+    assert "== Topology of standard input" in out
+    command = re.search(r"Next: `([^`]+)`", out)
+    assert command and "gta-stdin" not in out
+    argv = shlex.split(command.group(1))[1:]
+    assert argv[argv.index("--simulate") + 1] == "-"
+    assert "(with the same input on standard input)" in out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(matrix)))
+    assert cli.main(argv) == 0

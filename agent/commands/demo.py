@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from agent.commands._common import add_format_flag, add_simulate_flag
+from agent.commands._common import STDIN_LABEL, add_format_flag, add_simulate_flag, friendly_paths
 
 DEFAULT_MACHINE = "dgx-h100"
 
@@ -34,4 +34,5 @@ def run(args: argparse.Namespace) -> int:
     from agent.hw.sim.machines import load_spec
 
     load_spec(args.simulate)  # a bad machine name or file: one clear line, exit 2, before anything starts
-    return run_demo(args.simulate, args.format)
+    label = "-" if friendly_paths(args.simulate) == STDIN_LABEL else args.simulate
+    return run_demo(args.simulate, args.format, label=label)

@@ -219,11 +219,14 @@ class BusyNode:
 class Story:
     """Runs the demo and collects its facts (for the table or for ``--format json``)."""
 
-    def __init__(self, machine: str, out: TextIO, progress: Callable[[str], None]) -> None:
+    def __init__(
+        self, machine: str, out: TextIO, progress: Callable[[str], None], label: str | None = None
+    ) -> None:
         self.machine = machine
+        self.label = label or machine  # how the user named it: "-" for standard input
         self.out = out
         self.progress = progress
-        self.facts: dict[str, Any] = {"machine": machine}
+        self.facts: dict[str, Any] = {"machine": self.label}
 
     # ------------------------------------------------------------------ output helpers
     def say(self, text: str = "") -> None:
@@ -289,7 +292,7 @@ class Story:
             "in-process fake of the node agent that registers device plugins and asks them for "
             "GPUs); everything lives in a temporary directory."
         )
-        self.heading(f"Topology of {self.machine}")
+        self.heading(f"Topology of {'standard input' if self.label == '-' else self.label}")
         self.explain(
             "What the agent read, as `nvidia-smi topo -m` shows it. NVLink island = GPUs that "
             "reach each other over NVLink, directly or through other GPUs; NVLink clique = GPUs "
@@ -461,8 +464,15 @@ class Story:
         )
 
 
-def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """The ``demo`` subcommand's body (stdout/stderr by default): 0 on success."""
+def run_demo(
+    machine: str,
+    fmt: str,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    label: str | None = None,
+) -> int:
+    """The ``demo`` subcommand's body (stdout/stderr by default): 0 on success. ``label`` is
+    how the user named the machine where ``machine`` is a copy (``-``: standard input)."""
     out = out or sys.stdout
     err = err or sys.stderr
     logging.getLogger("agent").setLevel(logging.WARNING)
@@ -472,7 +482,7 @@ def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | No
         err.write(f"demo: {text}\n")
         err.flush()
 
-    story = Story(machine, out, progress)
+    story = Story(machine, out, progress, label)
     started = time.monotonic()
     facts = story.run(table=fmt == "table")
     facts["seconds"] = round(time.monotonic() - started, 2)
@@ -486,8 +496,8 @@ def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | No
         story.say(
             f"The agent served the stand-in kubelet for {facts['seconds']:.1f} s and stopped cleanly."
         )
-        story.say(f"Next: `{next_command(machine, facts)}`" + ("" if machine == "-" else ","))
-        if machine == "-":
+        story.say(f"Next: `{next_command(story.label, facts)}`" + ("" if story.label == "-" else ","))
+        if story.label == "-":
             story.say("      (with the same input on standard input),")
         story.say("or deploy it: `kubectl apply -k daemonset/` (see README).")
     return 0
