@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 
 from agent import cli
-from agent.demo.story import busy_node_trace, run_demo
+from agent._proto.deviceplugin_v1beta1_pb2 import Device
+from agent.demo.story import BusyNode, Step, busy_node_trace, run_demo
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 
@@ -83,3 +86,124 @@ def test_demo_with_an_unknown_machine_is_one_clear_line_and_exit_2(capsys):
 def test_demo_subcommand_exits_0(fmt, capsys):
     assert cli.main(["demo", "--simulate", "pcie-4gpu", "--format", fmt]) == 0
     assert capsys.readouterr().out
+
+
+MACHINES = ["dgx1-v100", "dgx2", "dgx-a100", "dgx-h100", "pcie-pairs", "pcie-4gpu",
+            "gb200-tray", "a100-mig", "single-gpu"]
+
+
+def test_the_machine_list_above_is_every_built_in_machine():
+    from agent.hw.sim.machines import BUILTIN_MACHINES
+
+    assert sorted(MACHINES) == sorted(BUILTIN_MACHINES)
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_the_suggested_next_command_works_on_the_machine_just_shown(machine, capsys):
+    out, _ = demo(machine, "table")
+    done = out.split("== Done", 1)[1]
+    suggested = [c for c in re.findall(r"`([^`]+)`", done) if c.startswith("gpu-topology-agent ")]
+    assert suggested, f"the demo suggests no command: {done}"
+    for command in suggested:
+        argv = shlex.split(command)[1:]
+        assert argv[argv.index("--simulate") + 1] == machine
+        capsys.readouterr()
+        assert cli.main(argv) == 0, f"{command}: {capsys.readouterr().err}"
+        assert capsys.readouterr().out
+
+
+def test_the_demo_explains_each_term_the_first_time_it_uses_it():
+    out, _ = demo("dgx-h100", "table")
+    explained = {
+        "anchor": "anchor = NVIDIA's go-gpuallocator",
+        "naive": "naive = the lowest free indices",
+        "score": "score = the sum over every two GPUs",
+        "NVLink island": "NVLink island = GPUs that",
+        "NVLink clique": "NVLink clique = GPUs",
+        "NUMA": "NUMA group = GPUs",
+        "single-NUMA": "1: single-NUMA",
+        "NFD": "NFD (Node Feature Discovery)",
+        "ListAndWatch": "ListAndWatch is its stream",
+        "stand-in kubelet": "stand-in kubelet (an",
+        "dcgm-exporter": "dcgm-exporter's (NVIDIA's GPU metrics exporter)",
+        "placement quality": "placement quality 1.0 = ",
+    }
+    flat = " ".join(out.split())  # explanations are wrapped
+    for term, explanation in explained.items():
+        assert explanation in flat, term
+        assert flat.index(term) >= flat.index(explanation) - len(term) - 5, (
+            f"{term!r} is used before it is explained"
+        )
+
+
+class FakeClient:
+    """GetPreferredAllocation and Allocate as the lowest free IDs, for the replay alone."""
+
+    def preferred(self, available, must, size):
+        return list(available[:size])
+
+    def allocate(self, ids):
+        class Response:
+            container_responses = [type("C", (), {"envs": {"NVIDIA_VISIBLE_DEVICES": ",".join(ids)}})()]
+
+        return Response()
+
+
+def replay(steps, machine="pcie-4gpu"):
+    from agent.discovery import load_topology
+
+    topology = load_topology(machine)
+    devices = [Device(ID=g.uuid, health="Healthy") for g in topology.gpus]
+    lines: list[str] = []
+    node = BusyNode(topology, devices, FakeClient(), lines.append, lambda _: None)
+    for step in steps:
+        node.play(step)
+    return node, lines
+
+
+def test_a_waiting_pod_is_placed_once_enough_gpus_free_up_oldest_first():
+    node, lines = replay([
+        Step("arrive", "a", 2), Step("arrive", "b", 2),
+        Step("arrive", "big", 4), Step("arrive", "small", 1),
+        Step("leave", "a"),          # 2 free: big (4) still waits, small (1) fits
+        Step("leave", "b"),          # 3 free: big fits now
+    ])
+    events = [(r["event"], r["pod"]) for r in node.rows]
+    assert events == [("arrive", "a"), ("arrive", "b"), ("wait", "big"), ("wait", "small"),
+                      ("leave", "a"), ("arrive", "small"), ("leave", "b")]
+    placed = [r["pod"] for r in node.rows if r["event"] == "arrive" and r["waited"]]
+    assert placed == ["small"], "small fitted after a left; big needs 4 and only 3 are free"
+    assert node.still_waiting() == [{"pod": "big", "size": 4, "free": 3}]
+    node.play(Step("leave", "small"))
+    assert [r["pod"] for r in node.rows if r["event"] == "arrive" and r["waited"]] == ["small", "big"]
+    assert node.still_waiting() == []
+    assert any(line.startswith("* big (4)") for line in lines)
+
+
+def test_a_pod_that_leaves_while_waiting_says_how_many_gpus_it_never_got():
+    node, lines = replay([Step("arrive", "a", 4), Step("arrive", "b", 2), Step("leave", "b")])
+    assert node.rows[-1] == {"event": "gives up", "pod": "b", "size": 2, "most_free": 0}
+    assert "gives up waiting: 2 GPUs asked, at most 0 were free" in lines[-1]
+
+
+def test_pods_still_waiting_at_the_end_are_named_with_the_reason():
+    out, _ = demo("single-gpu", "table")
+    assert "infer-12 still waiting at the end: 1 GPU asked, 0 free" in out
+    assert "* infer-5 (1)" in out, "a waiting pod is placed when the GPU frees up"
+    facts = json.loads(demo("single-gpu", "json")[0])
+    assert {"pod": "infer-12", "size": 1, "free": 0} in facts["still_waiting"]
+
+
+def test_on_standard_input_the_suggested_command_reads_standard_input_too(monkeypatch, capsys):
+    matrix = (TOPO / "l40s-4gpu-2socket-2nic.txt").read_bytes()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(matrix)))
+    assert cli.main(["demo", "--simulate", "-"]) == 0
+    out = capsys.readouterr().out
+    assert "== Topology of standard input" in out
+    command = re.search(r"Next: `([^`]+)`", out)
+    assert command and "gta-stdin" not in out
+    argv = shlex.split(command.group(1))[1:]
+    assert argv[argv.index("--simulate") + 1] == "-"
+    assert "(with the same input on standard input)" in out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(matrix)))
+    assert cli.main(argv) == 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from agent.commands._common import add_format_flag, add_simulate_flag
+from agent.commands._common import STDIN_LABEL, add_format_flag, add_simulate_flag, friendly_paths
 
 DEFAULT_MACHINE = "dgx-h100"
 
@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run the agent on a simulated machine against a stand-in kubelet and show the story",
         description=(
             "Run the real agent on a simulated machine against an in-process stand-in kubelet: "
-            "topology, labels, a busy node's allocations (ours vs the anchor's vs naive) and a "
+            "topology, labels, a busy node's allocations (ours vs the anchor, NVIDIA's go-gpuallocator, "
+            "vs naive, the lowest free indices) and a "
             "/metrics excerpt with pod attribution. Everything lives in a temporary directory."
         ),
     )
@@ -33,4 +34,5 @@ def run(args: argparse.Namespace) -> int:
     from agent.hw.sim.machines import load_spec
 
     load_spec(args.simulate)  # a bad machine name or file: one clear line, exit 2, before anything starts
-    return run_demo(args.simulate, args.format)
+    label = "-" if friendly_paths(args.simulate) == STDIN_LABEL else args.simulate
+    return run_demo(args.simulate, args.format, label=label)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shlex
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 from dataclasses import dataclass, replace
@@ -130,24 +132,51 @@ class BusyNode:
         self.free = [d.ID for d in devices if d.health == "Healthy"]
         self.running: dict[str, list[str]] = {}
         self.rows: list[dict[str, Any]] = []
+        #: Pods that did not fit, in arrival order, with the most GPUs free while they waited.
+        self.waiting: dict[str, tuple[Step, int]] = {}
 
     def play(self, step: Step) -> None:
-        if step.kind == "leave" and step.pod not in self.running:  # it never got its GPUs
-            self.rows.append({"event": "gives up", "pod": step.pod})
-            self._line(f"- {step.pod:<18}gives up waiting")
+        if step.kind == "leave" and step.pod in self.waiting:  # deleted before it got its GPUs
+            waited, most_free = self.waiting.pop(step.pod)
+            self.rows.append(
+                {"event": "gives up", "pod": step.pod, "size": waited.size, "most_free": most_free}
+            )
+            self._line(
+                f"- {step.pod:<18}gives up waiting: {_n_gpus(waited.size)} asked, "
+                f"at most {most_free} were free"
+            )
         elif step.kind == "leave":
             ids = self.running.pop(step.pod)
             self.free = sorted(self.free + ids, key=lambda d: self.index_of[d])
             freed = sorted(self.index_of[d] for d in ids)
             self.rows.append({"event": "leave", "pod": step.pod, "freed": freed})
             self._line(f"- {step.pod:<18}frees GPUs {_gpus(freed)}")
+            self._retry()
         elif step.size > len(self.free):
+            self.waiting[step.pod] = (step, len(self.free))
             self.rows.append({"event": "wait", "pod": step.pod, "size": step.size, "free": len(self.free)})
-            self._line(f"+ {step.pod:<18}waits: {step.size} GPUs asked, {len(self.free)} free")
+            self._line(f"+ {step.pod:<18}waits: {_n_gpus(step.size)} asked, {len(self.free)} free")
         else:
             self._arrive(step)
 
-    def _arrive(self, step: Step) -> None:
+    def _retry(self) -> None:
+        """GPUs were freed: place the waiting pods that now fit, oldest first, as the kubelet
+        admits pending pods once their GPUs are there."""
+        for pod, (step, most_free) in list(self.waiting.items()):
+            if step.size <= len(self.free):
+                del self.waiting[pod]
+                self._arrive(step, waited=True)
+            else:
+                self.waiting[pod] = (step, max(most_free, len(self.free)))
+
+    def still_waiting(self) -> list[dict[str, Any]]:
+        """The pods still waiting when the trace ends, each with why: too few GPUs free."""
+        return [
+            {"pod": pod, "size": step.size, "free": len(self.free)}
+            for pod, (step, _) in self.waiting.items()
+        ]
+
+    def _arrive(self, step: Step, waited: bool = False) -> None:
         self.progress(f"{step.pod} asks for {step.size} GPU(s)")
         chosen_ids = self.client.preferred(self.free, [], step.size)
         response = self.client.allocate(chosen_ids)
@@ -160,6 +189,7 @@ class BusyNode:
             "event": "arrive",
             "pod": step.pod,
             "size": step.size,
+            "waited": waited,
             "gpus": ours,
             "score": score(ours),
             "numa_nodes": self._numa_count(ours),
@@ -172,7 +202,7 @@ class BusyNode:
         taken = set(self.running[step.pod])
         self.free = [d for d in self.free if d not in taken]
         self._line(
-            f"+ {step.pod + f' ({step.size})':<18}{_gpus(ours):<18}{row['score']:>7}"
+            f"{'*' if waited else '+'} {step.pod + f' ({step.size})':<18}{_gpus(ours):<18}{row['score']:>7}"
             f"{_or_unknown(row['numa_nodes']):>5}"
             f"{_gpus(anchor):>18}{score(anchor):>7}{_gpus(naive):>18}{score(naive):>7}"
         )
@@ -189,16 +219,23 @@ class BusyNode:
 class Story:
     """Runs the demo and collects its facts (for the table or for ``--format json``)."""
 
-    def __init__(self, machine: str, out: TextIO, progress: Callable[[str], None]) -> None:
+    def __init__(
+        self, machine: str, out: TextIO, progress: Callable[[str], None], label: str | None = None
+    ) -> None:
         self.machine = machine
+        self.label = label or machine  # how the user named it: "-" for standard input
         self.out = out
         self.progress = progress
-        self.facts: dict[str, Any] = {"machine": machine}
+        self.facts: dict[str, Any] = {"machine": self.label}
 
     # ------------------------------------------------------------------ output helpers
     def say(self, text: str = "") -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+    def explain(self, text: str) -> None:
+        """Prose, wrapped to the output width."""
+        self.say(textwrap.fill(text, WIDTH, break_on_hyphens=False))
 
     def heading(self, text: str) -> None:
         self.say()
@@ -250,10 +287,27 @@ class Story:
         if not table:
             self.facts["labels"] = read_labels(features_dir)
             return
-        self.heading(f"Topology of {self.machine}")
+        self.explain(
+            "The real agent runs on a simulated machine against a stand-in kubelet (an "
+            "in-process fake of the node agent that registers device plugins and asks them for "
+            "GPUs); everything lives in a temporary directory."
+        )
+        self.heading(f"Topology of {'standard input' if self.label == '-' else self.label}")
+        self.explain(
+            "What the agent read, as `nvidia-smi topo -m` shows it. NVLink island = GPUs that "
+            "reach each other over NVLink, directly or through other GPUs; NVLink clique = GPUs "
+            "of which every two are linked directly; NUMA group = GPUs attached to one CPU "
+            "socket's memory node."
+        )
+        self.say()
         self.out.write(render_table(topology, max_columns=WIDTH))
         labels = self.facts["labels"] = read_labels(features_dir)
-        self.heading(f"Node labels ({len(labels)}, written to the NFD features.d file)")
+        self.heading(f"Node labels ({len(labels)})")
+        self.explain(
+            "Written to a features.d file of NFD (Node Feature Discovery), which puts them on the "
+            "Node object for node selectors: nvidia.com/ ones as NVIDIA's GPU Feature Discovery "
+            "(GFD) names them, topology.gpu-agent.io/ ones ours."
+        )
         for key, value in labels.items():
             self.say(f"  {key}={value}")
 
@@ -280,6 +334,11 @@ class Story:
         }
         if table:
             self.heading("The kubelet's view")
+            self.explain(
+                "The agent registered as a device plugin. ListAndWatch is its stream of devices "
+                "and their health to the kubelet; with preferred allocation on, the kubelet asks "
+                "it (GetPreferredAllocation) which of the free GPUs to give each pod."
+            )
             self.say(
                 f"registered {r['resource']} (API {r['version']}, socket {r['endpoint']}, "
                 f"preferred allocation {'on' if r['preferred_allocation'] else 'off'})"
@@ -298,13 +357,24 @@ class Story:
         beside it. Returns the running pods' device IDs."""
         if table:
             self.heading("A busy node: pods arrive and leave")
+            self.explain(
+                "Pods arrive (+) and leave (-); one that does not fit waits, and is placed (*) "
+                "once GPUs free up, oldest first, as the kubelet would. For each pod: ours = the "
+                "agent's answer to GetPreferredAllocation; anchor = NVIDIA's go-gpuallocator, "
+                "the allocator of NVIDIA's device plugin, which we compare against, on the same "
+                "free GPUs; naive = the lowest free indices. score = the sum over every two GPUs "
+                "of the set of 100 per NVLink plus 10 (PCIe SYS: across sockets) .. 60 (BOARD); "
+                "higher is better. NUMA = the NUMA nodes the set spans (1: single-NUMA)."
+            )
+            self.say()
             self.say(
                 f"{'event':<20}{'ours: GPUs':<18}{'score':>7}{'NUMA':>5}"
                 f"{'anchor: GPUs':>18}{'score':>7}{'naive: GPUs':>18}{'score':>7}"
             )
         node = BusyNode(topology, devices, client, self.say if table else None, self.progress)
-        for step in busy_node_trace(topology.gpu_count):
+        for step in busy_node_trace(len(node.free)):  # the sizes fit the GPUs advertised
             node.play(step)
+        waiting = self.facts["still_waiting"] = node.still_waiting()
         arrived = [r for r in node.rows if r["event"] == "arrive" and r["size"] > 1]
         score_totals: dict[str, int] = {
             k: sum((r[k]["score"] if k != "ours" else r["score"]) for r in arrived)
@@ -321,12 +391,12 @@ class Story:
             "one_numa_node": one_numa_node,
         }
         if table:
+            for w in waiting:
+                self.say(
+                    f"  {w['pod']} still waiting at the end: {_n_gpus(w['size'])} asked, "
+                    f"{w['free']} free"
+                )
             self.say()
-            self.say(
-                "score = sum of pair scores (NVLink 100 each + PCIe SYS 10 .. BOARD 60); anchor = "
-                "go-gpuallocator's"
-            )
-            self.say("choice on the same free GPUs; naive = the lowest free indices.")
             if arrived:
                 s, n = score_totals, one_numa_node
                 self.say(
@@ -387,12 +457,22 @@ class Story:
                 line = line[: WIDTH - len(value) - 5] + "...} " + value
             self.say(line)
         self.say()
-        self.say("dcgm-exporter's names and labels (gpu, UUID, device, modelName, Hostname, pod, ...);")
-        self.say("placement quality 1.0 = the best GPU set of that size this node offers.")
+        self.explain(
+            "dcgm-exporter's (NVIDIA's GPU metrics exporter) names and labels (gpu, UUID, device, "
+            "modelName, Hostname, pod, ...); placement quality 1.0 = the best GPU set of that "
+            "size this node offers."
+        )
 
 
-def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """The ``demo`` subcommand's body (stdout/stderr by default): 0 on success."""
+def run_demo(
+    machine: str,
+    fmt: str,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    label: str | None = None,
+) -> int:
+    """The ``demo`` subcommand's body (stdout/stderr by default): 0 on success. ``label`` is
+    how the user named the machine where ``machine`` is a copy (``-``: standard input)."""
     out = out or sys.stdout
     err = err or sys.stderr
     logging.getLogger("agent").setLevel(logging.WARNING)
@@ -402,7 +482,7 @@ def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | No
         err.write(f"demo: {text}\n")
         err.flush()
 
-    story = Story(machine, out, progress)
+    story = Story(machine, out, progress, label)
     started = time.monotonic()
     facts = story.run(table=fmt == "table")
     facts["seconds"] = round(time.monotonic() - started, 2)
@@ -416,13 +496,27 @@ def run_demo(machine: str, fmt: str, out: TextIO | None = None, err: TextIO | No
         story.say(
             f"The agent served the stand-in kubelet for {facts['seconds']:.1f} s and stopped cleanly."
         )
-        story.say("Next: `gpu-topology-agent allocate --simulate " + machine + " --size 4 --explain`,")
+        story.say(f"Next: `{next_command(story.label, facts)}`" + ("" if story.label == "-" else ","))
+        if story.label == "-":
+            story.say("      (with the same input on standard input),")
         story.say("or deploy it: `kubectl apply -k daemonset/` (see README).")
     return 0
 
 
+def next_command(machine: str, facts: dict[str, Any]) -> str:
+    """The command the demo suggests next: why the agent picks the GPUs it picks, on the same
+    machine, for a size that machine's advertised GPUs allow."""
+    devices = int(facts.get("registration", {}).get("healthy", 1))
+    size = max([s for s in (4, 2, 1) if s <= devices] or [1])
+    return f"gpu-topology-agent allocate --simulate {shlex.quote(machine)} --size {size} --explain"
+
+
 def _gpus(indices: list[int]) -> str:
     return format_cpulist(indices)  # "0-3,6": the cpulist notation fits 16 GPUs
+
+
+def _n_gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def _or_unknown(value: object) -> str:
