@@ -12,7 +12,9 @@ wall-clock p99 alongside, see ``time_calls``):
   availabilities (random subsets with at least k GPUs), so the memoised partition tables
   fill during the run and the cold calls are part of the distribution;
 * ``cold`` = the first call for each k on a fresh engine (no tables yet), full node;
-* 8 GPUs x 16 time-sliced replicas (``replicas()``, distributed and packed);
+* 8 GPUs x 16 time-sliced replicas, distributed and packed: ``replicas_in()`` on the
+  resource's device table (what the device plugin calls; ``replicas()`` on a build without
+  it), and, with ``--compare-old``, ``replicas()`` on (ID, GPU) pairs too (``replicas-pairs``);
 * a 64-GPU synthetic node (8 NVSwitch islands of 8), bounded search above 16 available.
 
 Goals (issue 3): 8 GPUs p99 <= 100 us for any k; 16 GPUs p99 <= 20 ms for any k; the
@@ -126,10 +128,16 @@ def bench_gpu_machine(
     return results
 
 
-def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
+def bench_replicas(impl: str, calls: int, pairs_only: bool = False) -> dict[str, dict[str, float]]:
+    """The call the device plugin makes: ``replicas_in`` on the resource's device table (IDs
+    only), or, on a build without it (before the table) or with ``pairs_only``,
+    ``replicas`` on (ID, GPU) pairs. Same requests either way."""
     engine.use(impl)
     topo = machine("dgx-h100")
     allocator = AllocationEngine(topo)
+    every = [(f"{g.uuid}::{r}", g.index) for g in topo.gpus for r in range(16)]
+    use_table = hasattr(allocator, "device_table") and not pairs_only
+    table = allocator.device_table(every) if use_table else None
     rng = random.Random(7)
     results = {}
     for policy in ("distributed", "packed"):
@@ -142,9 +150,12 @@ def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
                     for r in range(16)
                     if rng.random() < 0.6
                 ]
-                if len(pairs) >= k:
+                if len(pairs) >= k and table is not None:
+                    args.append((table, [d for d, _ in pairs], [], k, policy))
+                elif len(pairs) >= k:
                     args.append((pairs, [], k, policy))
-            results[f"{policy} k={k}"] = time_calls(allocator.replicas, args, calls)
+            call = allocator.replicas_in if table is not None else allocator.replicas
+            results[f"{policy} k={k}"] = time_calls(call, args, calls)
     return results
 
 
@@ -182,6 +193,8 @@ def compiled_cases(quick: bool) -> dict[str, dict[str, float]]:
             out[f"{name} k={k}"] = stats
     for key, stats in bench_replicas("cython", calls).items():
         out[f"replicas {key}"] = stats
+    for key, stats in bench_replicas("cython", calls, pairs_only=True).items():
+        out[f"replicas-pairs {key}"] = stats
     for k, stats in bench_large("cython", max(8, calls // 10), LARGE_KS).items():
         out[f"synthetic-64 k={k}"] = stats
     return out
@@ -290,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             + ("" if n <= 8 else f" (goal >= 20x: {'MET' if worst_ratio >= 20 else 'MISSED'})")
         )
 
-    print("\n== 8 GPUs x 16 replicas (replicas(), dgx-h100) ==")
+    print("\n== 8 GPUs x 16 replicas (replicas_in() on the device table, dgx-h100) ==")
     rc = bench_replicas("cython", calls_c)
     rp = bench_replicas("python", calls_py)
     report["replicas"] = {"cython": rc, "python": rp}

@@ -18,6 +18,7 @@ from agent.config import Config
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
 from agent.errors import AllocationError, shorten
 from agent.topology.allocator import AllocationEngine
+from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -77,6 +78,7 @@ class RequestHandler:
         self.topology = topology
         self.config = config
         self._engine: AllocationEngine | None = None
+        self._table: DeviceTable | None = None
         # Advertised devices per GPU: per-GPU sharing gives GPUs different replica counts,
         # and the engine needs them to tell a GPU's load from its free replicas.
         self._replicas_per_gpu: dict[int, int] = {}
@@ -90,6 +92,14 @@ class RequestHandler:
         if self._engine is None:
             self._engine = AllocationEngine(self.topology)
         return self._engine
+
+    @property
+    def table(self) -> DeviceTable:
+        """The resource's device IDs ranked for the engine (built on first use, like the
+        engine: the resource's devices never change while it is served)."""
+        if self._table is None:
+            self._table = self.engine.device_table([(d.id, d.gpu_index) for d in self.resource.devices])
+        return self._table
 
     # ------------------------------------------------------------------ preferred
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
@@ -114,14 +124,11 @@ class RequestHandler:
             indices = engine.best_set([d.gpu_index for d in avail], [d.gpu_index for d in must], size)
             by_index = {d.gpu_index: d.id for d in avail}
             return [by_index[i] for i in indices]
-        pairs = [(d.id, d.gpu_index) for d in avail]
         if kind == "mig":
-            return list(engine.mig(pairs, [d.id for d in must], size))
-        return list(
-            engine.replicas(
-                pairs, [d.id for d in must], size, self.config.shared_devices_allocation_policy,
-                replicas_per_gpu=self._replicas_per_gpu,
-            )
+            return list(engine.mig([(d.id, d.gpu_index) for d in avail], [d.id for d in must], size))
+        return engine.replicas_in(
+            self.table, [d.id for d in avail], [d.id for d in must], size,
+            self.config.shared_devices_allocation_policy, replicas_per_gpu=self._replicas_per_gpu,
         )
 
     def _check_shared_size(self, size: int, what: str) -> None:

@@ -32,12 +32,20 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from agent.errors import AllocationError
 from agent.records import REPLICA_POLICIES
 from agent.topology import engine
+from agent.topology.deviceids import (
+    DeviceTable,
+    fill_mig,
+    natural_key,
+    natural_lowest,
+    natural_sorted,
+)
 from agent.topology.model import Topology
 
 #: What separated a runner-up from the winner, by the index of the first differing criterion.
@@ -99,45 +107,7 @@ def _separating_criterion(winner: Candidate, other: Candidate) -> int:
     return 4
 
 
-_NATURAL_KEYS: dict[str, tuple[str, int, str]] = {}
-_HEADS: dict[str, str] = {}  # one string object per head: tuple keys then compare by identity
 _SEQUENCES = (list, tuple)
-
-
-def natural_key(device_id: str) -> tuple[str, int, str]:
-    """The one natural order of device IDs: ``<uuid>::2`` before ``<uuid>::10`` (replica
-    numbers as numbers), every other ID by its text. Cached: the same IDs come back on every
-    kubelet request."""
-    key = _NATURAL_KEYS.get(device_id)
-    if key is None:
-        head, sep, tail = device_id.rpartition("::")
-        if len(_NATURAL_KEYS) > 100_000:  # bound the caches on a node whose IDs churn
-            _NATURAL_KEYS.clear()
-            _HEADS.clear()
-        if sep and tail.isdigit():
-            key = (_HEADS.setdefault(head, head), int(tail), "")
-        else:
-            key = (device_id, -1, device_id)
-        _NATURAL_KEYS[device_id] = key
-    return key
-
-
-def natural_sorted(ids: Sequence[str]) -> list[str]:
-    """``ids`` in :func:`natural_key` order (the cached keys looked up at C level)."""
-    try:
-        return sorted(ids, key=_NATURAL_KEYS.__getitem__)
-    except KeyError:
-        return sorted(ids, key=natural_key)
-
-
-def natural_lowest(ids: Sequence[str], count: int) -> list[str]:
-    """The first ``count`` of ``natural_sorted(ids)``."""
-    if count == 1 and ids:
-        try:
-            return [min(ids, key=_NATURAL_KEYS.__getitem__)]
-        except KeyError:
-            return [min(ids, key=natural_key)]
-    return natural_sorted(ids)[:count]
 
 
 class AllocationEngine:
@@ -459,6 +429,80 @@ class AllocationEngine:
             load = [shrunk[v] if c else 0 for v, c in zip(load, counts)]
         return load
 
+    def _replica_counts(
+        self,
+        free: list[int],
+        taken: list[int],
+        per_gpu: int | Mapping[int, int] | None,
+        need: int,
+        policy: str,
+    ) -> list[int]:
+        """Per GPU index, how many more of its free replicas to take (the kernel's answer)."""
+        load = self._loads(free, taken, per_gpu)
+        solver = self._solver
+        assert solver is not None  # a node with no GPUs has no valid replica request
+        packed = policy == "packed"
+        if self._solver_locks:
+            counts: list[int] = solver.replica_counts(free, taken, load, need, packed)
+        else:
+            with self._lock:
+                counts = solver.replica_counts(free, taken, load, need, packed)
+        return counts
+
+    def device_table(self, devices: Sequence[tuple[str, int]]) -> DeviceTable:
+        """Every (device ID, GPU index) a resource offers, for :meth:`replicas_in` (once)."""
+        return DeviceTable(devices, self._n)
+
+    def replicas_in(
+        self,
+        table: DeviceTable,
+        available: Sequence[str],
+        must_include: Sequence[str],
+        size: int,
+        policy: str = "distributed",
+        *,
+        replicas_per_gpu: int | Mapping[int, int] | None = None,
+    ) -> list[str]:
+        """:meth:`replicas` for IDs of ``table`` (each ID's GPU comes from the table): the
+        same answer and the same errors, with one dict lookup per ID and the grouping, sort
+        and pick done on int ranks. An ID not in the table is an AllocationError."""
+        if policy not in REPLICA_POLICIES:
+            raise AllocationError(
+                f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}"
+            )
+        rank = table.rank
+        try:
+            ranks = set(map(rank.__getitem__, available))
+            req = list(map(rank.__getitem__, must_include)) if must_include else []
+        except (KeyError, TypeError):  # not in the table: the checking pass names it
+            ranks, req = set(), [-1]
+        if (
+            len(ranks) != len(available)
+            or (req and (len(set(req)) != len(req) or not ranks.issuperset(req)))
+            or type(size) is not int
+            or not max(len(req), 1) <= size <= len(ranks)
+        ):  # anything unusual, valid or not, takes the checking path (and its errors)
+            pairs, per = table.pairs(available, "available"), replicas_per_gpu
+            return self.replicas(pairs, must_include, size, policy, replicas_per_gpu=per)
+        n = self._n
+        taken = [0] * n
+        if req:
+            ranks.difference_update(req)
+            gpu = table.gpu
+            for r in req:
+                taken[gpu[r]] += 1
+        free_ranks = sorted(ranks)
+        bounds = [bisect_left(free_ranks, s) for s in table.start]
+        free = list(map(operator.sub, bounds[1:], bounds))
+        counts = self._replica_counts(free, taken, replicas_per_gpu, size - len(req), policy)
+        for g in range(n):
+            c = counts[g]
+            if c:
+                lo = bounds[g]
+                req += free_ranks[lo : lo + c]
+        req.sort()
+        return list(map(table.ids.__getitem__, req))
+
     def replicas(
         self,
         available: Sequence[tuple[str, int]],
@@ -485,22 +529,13 @@ class AllocationEngine:
             raise AllocationError(
                 f"unknown replica policy {policy!r}: expected one of {', '.join(REPLICA_POLICIES)}"
             )
-        packed = policy == "packed"
         parent, required, by_gpu, k = self._devices(available, must_include, size)
         n = self._n
         free = list(map(len, by_gpu))
         taken = [0] * n
         for device_id in required:
             taken[parent[device_id]] += 1
-        load = self._loads(free, taken, replicas_per_gpu)
-        solver = self._solver
-        assert solver is not None  # a node with no GPUs has no valid replica request
-        need = k - len(required)
-        if self._solver_locks:
-            counts = solver.replica_counts(free, taken, load, need, packed)
-        else:
-            with self._lock:
-                counts = solver.replica_counts(free, taken, load, need, packed)
+        counts = self._replica_counts(free, taken, replicas_per_gpu, k - len(required), policy)
         out: list[str] = []
         for g in range(n):
             c = counts[g]
@@ -531,7 +566,7 @@ class AllocationEngine:
             return (node is None, node or 0)
 
         def fill(parents: list[int]) -> list[str]:
-            return _fill_mig(free, used, need, parents)
+            return fill_mig(free, used, need, parents)
 
         picked: list[str] | None = None
         if need == 0:
@@ -563,28 +598,3 @@ class AllocationEngine:
             picked = fill(sorted(set(free) | set(used)))
         return sorted(required + picked, key=lambda d: (parent[d], natural_key(d)))
 
-
-def _fill_mig(free: dict[int, list[str]], used: list[int], need: int, parents: list[int]) -> list[str]:
-    """``need`` MIG devices from ``parents``: parents already in the request (``used``)
-    first, best fit among them; then the parent with the fewest free instances that can
-    take the rest, else the one with the most."""
-    counts = {p: len(free.get(p, [])) for p in parents}
-    out: list[str] = []
-    remaining = need
-    order = sorted((p for p in used if p in counts), key=lambda p: (counts[p], p))
-    pool = [p for p in parents if p not in used]
-    for p in order:
-        n_take = min(remaining, counts[p])
-        out.extend(free.get(p, [])[:n_take])
-        remaining -= n_take
-    while remaining > 0:
-        fitting = [p for p in pool if counts[p] >= remaining]
-        if fitting:
-            p = min(fitting, key=lambda q: (counts[q], q))
-        else:
-            p = min(pool, key=lambda q: (-counts[q], q))
-        pool.remove(p)
-        n_take = min(remaining, counts[p])
-        out.extend(free.get(p, [])[:n_take])
-        remaining -= n_take
-    return out
