@@ -71,6 +71,7 @@ class Gpu:
     index: int
     uuid: str
     name: str
+    brand: str | None = None  # NVML's product brand, "NVIDIA", "Tesla", "GeForce RTX", ...
     memory_mib: int | None = None
     pci_bus_id: str = ""  # NVML spelling: "00000000:3B:00.0"
     pci_class: int | None = None  # from sysfs: 0x030200 3D controller (compute), 0x0300xx VGA

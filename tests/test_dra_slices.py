@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -66,6 +67,13 @@ def test_versions_and_architecture_from_a_simulated_machine():
     assert a[D + "driverVersion"] == {"version": "550.54.15"}
     assert a[D + "architecture"] == {"string": "Hopper"}
     assert a["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:15"}
+    assert a[D + "brand"] == {"string": "NVIDIA"}  # nvmlDeviceGetBrand, as nvidia-smi spells it
+
+
+def test_brand_comes_from_nvml_and_is_left_out_where_the_input_does_not_say():
+    assert devices(load_topology("dgx1-v100"))[0]["attributes"][D + "brand"] == {"string": "Tesla"}
+    pasted = load_topology(str(Path(__file__).parent / "fixtures" / "topo" / "dgx1-v100-8gpu-4nic.txt"))
+    assert all(D + "brand" not in d["attributes"] for d in devices(pasted))
 
 
 @pytest.mark.parametrize("text,expected", [

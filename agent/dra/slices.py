@@ -12,7 +12,7 @@ Attributes (``<driver>/`` omitted):
                                       within the parent
 ``uuid``                    string    ``GPU-...`` / ``MIG-...``
 ``productName``             string    NVML's name, e.g. ``NVIDIA H100 80GB HBM3``
-``brand``                   string    NVML's brand, when the model carries it
+``brand``                   string    NVML's product brand as nvidia-smi spells it (``NVIDIA``, ``Tesla``)
 ``architecture``            string    from the compute capability: Volta, Turing, Ampere,
                                       Ada Lovelace, Hopper, Blackwell
 ``cudaComputeCapability``   version   ``9.0`` -> ``9.0.0``
@@ -239,7 +239,7 @@ def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> d
     cc = gpu.compute_capability
     return {
         "productName": _string(gpu.name if gpu.name != "unknown" else None),
-        "brand": _string(getattr(gpu, "brand", None)),  # published once the model reads it
+        "brand": _string(gpu.brand),
         "architecture": _string(architecture(cc)),
         "cudaComputeCapability": _version(f"{cc[0]}.{cc[1]}" if cc else None),
         "driverVersion": _version(topology.driver_version),

@@ -61,6 +61,21 @@ def _cpulist_from_words(words: Iterable[int]) -> str:
     )
 
 
+#: the NVML_BRAND_* constants (pynvml 12-13), matched against the library in use
+_BRANDS = (
+    "QUADRO", "TESLA", "NVS", "GRID", "GEFORCE", "TITAN", "NVIDIA_VAPPS", "NVIDIA_VPC",
+    "NVIDIA_VCS", "NVIDIA_VWS", "NVIDIA_CLOUD_GAMING", "NVIDIA_VGAMING", "QUADRO_RTX",
+    "NVIDIA_RTX", "NVIDIA", "GEFORCE_RTX", "TITAN_RTX", "NVIDIA_DLA", "NVIDIA_VGAMEDEV", "NVIDIA_NPU",
+)
+#: nvidia-smi's spelling of the words in NVML_BRAND_* names that are not plain capitals
+_BRAND_WORDS = {"TESLA": "Tesla", "QUADRO": "Quadro", "GEFORCE": "GeForce", "TITAN": "Titan"}
+
+
+def brand_display_name(constant_suffix: str) -> str:
+    """``"GEFORCE_RTX"`` (from ``NVML_BRAND_GEFORCE_RTX``) -> ``"GeForce RTX"``."""
+    return " ".join(_BRAND_WORDS.get(w, w) for w in constant_suffix.split("_"))
+
+
 def mig_memory_gb(parent_total_bytes: int, mig_memory_mib: int) -> int:
     """The ``<N>gb`` of a MIG profile name, computed as NVIDIA's device plugin (go-nvlib)
     does: the MIG memory's fraction of the GPU rounded up to eighths, times the GPU's
@@ -117,6 +132,7 @@ class _Identity:
     memory: Any
     minor: Any
     cc: Any
+    brand: Any
     bus_id: str
 
 
@@ -149,6 +165,7 @@ class _FactsReader:
             index=index,
             uuid=text_of(uuid),
             name=text_of(ident.name) if ident.name is not None else "unknown",
+            brand=self._brand_name(ident.brand),
             memory_mib=total_bytes // _MIB if ident.memory is not None else None,
             pci_bus_id=ident.bus_id,
             minor_number=int(ident.minor) if ident.minor is not None else None,
@@ -168,6 +185,16 @@ class _FactsReader:
         )
         return gpu, (None if lost else h)
 
+    def _brand_name(self, value: Any) -> str | None:
+        """NVML's brand constant as nvidia-smi spells it ("NVIDIA", "Tesla", "GeForce RTX");
+        None where NVML does not say or the constant is one this pynvml does not name."""
+        if value is None:
+            return None
+        for suffix in _BRANDS:
+            if self.backend.const(f"NVML_BRAND_{suffix}", None) == int(value):
+                return brand_display_name(suffix)
+        return None
+
     def _identity(self, index: int, h: Any) -> _Identity:
         def ask(function: str) -> Any:
             return self.backend.call(function, h, gpu=index) if h is not None else None
@@ -180,6 +207,7 @@ class _FactsReader:
             memory=ask("nvmlDeviceGetMemoryInfo"),
             minor=ask("nvmlDeviceGetMinorNumber"),
             cc=ask("nvmlDeviceGetCudaComputeCapability"),
+            brand=ask("nvmlDeviceGetBrand"),
             bus_id=_nvml_bus_id(pci.busId) if pci is not None else "",
         )
 

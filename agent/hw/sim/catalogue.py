@@ -21,6 +21,7 @@ class GpuModel:
     architecture: str = "unknown"  # volta | turing | ampere | ada | hopper | blackwell
     nvlinks: int = 0  # NVLink ports the chip has (0: none)
     mig: bool | None = False  # MIG capable (None: unknown)
+    brand: str | None = "NVIDIA"  # NVML_BRAND_<brand> (None: unknown, NotSupported)
     hbm: bool = True  # has a memory temperature sensor and row remapping (HBM)
     pci_device_id: int = 0x000010DE  # (device << 16) | vendor, as NVML packs it
     tdp_w: int = 300
@@ -55,6 +56,7 @@ GPU_MODELS: dict[str, GpuModel] = {
             "volta",
             6,
             pci_device_id=0x1DB110DE,
+            brand="TESLA",
             max_sm_clock_mhz=1530,
             mem_clock_mhz=877,
             sm_count=80,
@@ -66,6 +68,7 @@ GPU_MODELS: dict[str, GpuModel] = {
             "volta",
             6,
             pci_device_id=0x1DB810DE,
+            brand="TESLA",
             tdp_w=350,
             max_sm_clock_mhz=1597,
             mem_clock_mhz=958,
@@ -174,4 +177,4 @@ GPU_MODELS: dict[str, GpuModel] = {
 def unknown_model(name: str | None = None, nvlinks: int = 0) -> GpuModel:
     """A product the catalogue does not know: only its name (if given) and NVLink ports;
     memory, compute capability, architecture and MIG capability unknown."""
-    return GpuModel(name, None, None, "unknown", nvlinks, mig=None, hbm=False)
+    return GpuModel(name, None, None, "unknown", nvlinks, mig=None, hbm=False, brand=None)

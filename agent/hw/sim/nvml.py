@@ -134,6 +134,13 @@ class FakeNvml(TelemetryApi):
         return g.model.arch_constant
 
     @api
+    def nvmlDeviceGetBrand(self, handle: _Handle) -> int:
+        g, _ = self._dev(handle)
+        if g.model.brand is None:
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        return int(_C[f"NVML_BRAND_{g.model.brand}"])
+
+    @api
     def nvmlDeviceGetPersistenceMode(self, handle: _Handle) -> int:
         self._dev(handle, mig_ok=False)
         return _C["NVML_FEATURE_ENABLED"]
