@@ -89,8 +89,13 @@ class NvmlBackend(Backend):
     # included, and is never held across an NVML call. Order: ``_lock`` is never taken
     # while ``_call_lock`` is held, and the reverse does not happen either.
 
-    def __init__(self, lib: Any = None, sysfs: SysfsReader | None = None) -> None:
+    def __init__(
+        self, lib: Any = None, sysfs: SysfsReader | None = None, *, missing_function_level: int = logging.WARNING
+    ) -> None:
+        """``missing_function_level``: how loudly a function the driver lacks is logged (once
+        each); a simulated machine that leaves facts unknown on purpose logs it at INFO."""
         self._lib: Any = lib
+        self._missing_level = missing_function_level
         self._sysfs = sysfs
         self._call_lock = threading.Lock()
         self._lock = threading.RLock()
@@ -296,8 +301,10 @@ class NvmlBackend(Backend):
             if function_name in self._missing_logged:
                 return
             self._missing_logged.add(function_name)
-        log.warning(
-            "NVML function %s is not available with this driver; its data is skipped", function_name
+        log.log(
+            self._missing_level,
+            "NVML function %s is not available with this driver; its data is skipped",
+            function_name,
         )
 
     def _mark_lost(self, gpu: int, function_name: str) -> None:
