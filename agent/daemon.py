@@ -38,7 +38,7 @@ from agent.config import Config, describe_config
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.errors import AgentError
 from agent.health import EventSource, HealthState, HealthWatcher, lost_at_discovery
-from agent.labels import compute_labels
+from agent.labels import TIMESTAMP_LABEL, compute_labels
 from agent.labels.sinks import FeatureFileSink, LabelSink
 from agent.metrics.service import MetricsService, WaitingEndpoint
 from agent.records import NodeFacts
@@ -211,6 +211,7 @@ class Daemon:
         self.label_write_errors = 0
         self._label_errors_counted = 0  # how many of them the metrics counter has
         self._next_labels_s = float("inf")  # set by the first write
+        self._labels_logged: dict[str, str] = {}  # the labels last reported in the log
         # mode: dra (in place of the device plugins)
         self._dra_plugin_factory = dra_plugin
         self._slice_publisher_factory = slice_publisher
@@ -405,14 +406,18 @@ class Daemon:
 
     def _write_labels(self, topology: Topology) -> None:
         """Write (or re-assert) the label file. A failure is logged every time, counted
-        (``gpu_agent_label_write_errors_total``) and makes the agent not ready until a
-        write succeeds."""
+        (``gpu_agent_label_write_errors_total``) and keeps the agent not ready until a write works."""
         if self.label_sink is None:
             return
         self._next_labels_s = time.monotonic() + self.config.label_interval_s
+        labels = compute_labels(topology, self.config, time.time())
         try:
-            if self.label_sink.write(compute_labels(topology, self.config, time.time())):
-                log.info("labels written to %s", self.config.features_dir)
+            if self.label_sink.write(labels):
+                # GFD's timestamp moves with every write: say so only when a label changed
+                facts = {k: v for k, v in labels.items() if k != TIMESTAMP_LABEL}
+                if facts != self._labels_logged:
+                    log.info("labels written to %s", self.config.features_dir)
+                    self._labels_logged = facts
         except OSError as exc:
             self._labels_failing = True
             self.label_write_errors += 1
