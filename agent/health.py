@@ -146,10 +146,10 @@ class HealthState:
             self._cond.notify_all()
 
 
-def lost_at_discovery(backend: object) -> dict[int, str]:
+def lost_at_discovery(backend: EventSource) -> dict[int, str]:
     """GPUs the backend already found lost (``backend.lost_gpus``, e.g. while the topology
     was read), as the ``unhealthy`` seed of :class:`HealthState`."""
-    return {int(i): "GPU lost at discovery" for i in sorted(getattr(backend, "lost_gpus", ()) or ())}
+    return {int(i): "GPU lost at discovery" for i in sorted(backend.lost_gpus)}
 
 
 class HealthWatcher(Worker):

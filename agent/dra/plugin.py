@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable
 
 import grpc
@@ -51,12 +50,10 @@ class _DraServicer:
 
     pb: Any = None
 
-    def __init__(self, preparer: ClaimPreparer, metrics: object | None = None) -> None:
+    def __init__(self, preparer: ClaimPreparer) -> None:
         self.preparer = preparer
-        self.metrics = metrics
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
-        started = time.perf_counter()
         out = self.pb.NodePrepareResourcesResponse()
         for claim in request.claims:
             result = self.preparer.prepare(ClaimRef(claim.namespace, claim.uid, claim.name))
@@ -70,9 +67,6 @@ class _DraServicer:
                     request_names=[d.request] if d.request else [],
                     pool_name=d.pool, device_name=d.device, cdi_device_ids=list(d.cdi_ids),
                 )
-        observe = getattr(self.metrics, "observe_dra_prepare", None)
-        if observe is not None:
-            observe(time.perf_counter() - started)
         return out
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -141,7 +135,6 @@ class DraPlugin:
         claim_reader: ClaimReader,
         *,
         node_name: str | None = None,
-        metrics: object | None = None,
         poll_s: float = 0.5,
         max_workers: int = 8,
         path_exists: Callable[[str], bool] = os.path.exists,
@@ -163,10 +156,9 @@ class DraPlugin:
             topology, config, health, claim_reader, self.checkpoint,
             node_name=self.node_name, path_exists=path_exists,
         )
-        self.metrics = metrics
         self.poll_s = poll_s
-        self._v1 = DraV1Servicer(self.preparer, metrics)
-        self._v1beta1 = DraV1beta1Servicer(self.preparer, metrics)
+        self._v1 = DraV1Servicer(self.preparer)
+        self._v1beta1 = DraV1beta1Servicer(self.preparer)
         self._registration = RegistrationServicer(self.driver_name, self.endpoint, self._registration_status)
         self._dra_server = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
         self._reg_server = UnixGrpcServer(
