@@ -42,7 +42,7 @@ class Worker:
         raise NotImplementedError
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> bool:
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, poll_s: float = 0.02) -> bool:
     """Poll ``condition`` until it holds or ``timeout_s`` passes; its last answer (for
     ``wait_ready`` methods whose readiness is a cheap flag read, not an event)."""
     deadline = time.monotonic() + timeout_s

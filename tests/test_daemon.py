@@ -24,6 +24,7 @@ from agent.errors import ConfigError
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.service import WaitingEndpoint
 from agent.records import NodeFacts
+from agent.worker import wait_until as eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -261,14 +262,6 @@ def simulated(dirs):
         kubelet.stop()
 
 
-def _eventually(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
 
 def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.3))
@@ -281,10 +274,10 @@ def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     uuid3 = daemon.topology.gpus[3].uuid
     labels = {"resource": "nvidia.com/gpu", "device": uuid3}
     # the metrics listener runs right after the stream is woken: poll, do not race it
-    assert _eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 0.0)
+    assert eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 0.0)
     assert reg.get_sample_value("gpu_agent_registrations_total", {"resource": "nvidia.com/gpu"}) == 1.0
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
-    assert _eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 1.0)
+    assert eventually(lambda: reg.get_sample_value("gpu_agent_device_healthy", labels) == 1.0)
 
 
 def test_fake_nvml_lost_gpu_stays_unhealthy_until_it_answers_again(simulated):
@@ -365,7 +358,7 @@ def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
     try:
         daemon, _ = simulated(Config(pod_resources_refresh_s=0.05, sample_interval_s=0.05))
         assert daemon.topology.gpus[3].uuid == uuid3
-        assert _eventually(lambda: b'pod="train-0"' in daemon.metrics.render(), 10.0)
+        assert eventually(lambda: b'pod="train-0"' in daemon.metrics.render(), 10.0)
         lines = [line for line in daemon.metrics.render().decode().splitlines() if 'pod="train-0"' in line]
         dcgm = [line for line in lines if line.startswith("DCGM_FI_DEV_")]
         assert dcgm and all('gpu="3"' in line and 'namespace="ml"' in line for line in dcgm)
@@ -450,12 +443,12 @@ def test_ready_endpoint_follows_registration_with_the_kubelet(simulated):
             return exc.code
 
     daemon, kubelet = simulated(Config())
-    assert _eventually(lambda: status("/ready") == 200)
+    assert eventually(lambda: status("/ready") == 200)
     kubelet.stop()  # the kubelet goes away: not registered any more
-    assert _eventually(lambda: status("/ready") == 503)
+    assert eventually(lambda: status("/ready") == 503)
     assert status("/health") == 200
     kubelet.start()
-    assert _eventually(lambda: status("/ready") == 200)
+    assert eventually(lambda: status("/ready") == 200)
 
 
 class RecordingSink:

@@ -30,6 +30,7 @@ from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.dra.publisher import SlicePublisher
 from agent.labels.sinks import FeatureFileSink
+from agent.worker import wait_until as eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = "gpu.gpu-agent.io"
@@ -133,14 +134,6 @@ class Node:
         self.api.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
-
-def eventually(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def http_status(port: int, path: str) -> int:
