@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Callable, Protocol, TextIO
 from agent.config import Config, describe_config
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.errors import AgentError
-from agent.health import EventSource, HealthState, HealthWatcher, lost_at_discovery
+from agent.health import HealthState, HealthWatcher, lost_at_discovery
+from agent.hw.protocols import EventSource, FactsReader, Lifecycle
 from agent.labels import TIMESTAMP_LABEL, compute_labels
 from agent.labels.sinks import FeatureFileSink, LabelSink
 from agent.metrics.service import MetricsService, WaitingEndpoint
-from agent.records import NodeFacts
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
 
@@ -88,19 +88,9 @@ def setup_logging(config: Config, stream: TextIO | None = None) -> None:
 SHUTDOWN_BUDGET_S = 20.0
 
 
-class DaemonBackend(EventSource, Protocol):
-    """What the daemon needs of the hardware backend (``agent.hw.nvml.NvmlBackend``): the
-    health watcher's event source, plus its lifecycle and the topology."""
-
-    def init(self) -> None:
-        """Open NVML; :class:`agent.hw.nvml.NvmlUnavailable` (an AgentError) if it cannot."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-    def read_facts(self, source: str = "nvml") -> NodeFacts:
-        """What the hardware reader finds; the daemon builds its Topology from it."""
-        ...
+class DaemonBackend(Lifecycle, FactsReader, EventSource, Protocol):
+    """What the daemon needs of the hardware backend (``agent.hw.nvml.backend.NvmlBackend``):
+    its lifecycle, the facts it builds the Topology from, and the health watcher's events."""
 
 
 class Endpoint(Protocol):
