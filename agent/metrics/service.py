@@ -29,11 +29,11 @@ from agent.errors import shorten
 from agent.formats import parse_host_port as parse_address
 from agent.hw.backend import Backend
 from agent.hw.sampling import NvmlSampler
+from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.podresources import (
     Attribution,
     PodResourcesCache,
-    PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler, Snapshot
 from agent.metrics.self_metrics import AgentMetrics
