@@ -39,6 +39,7 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.hw.protocols import EventSource, FactsReader, Lifecycle
+from agent.kube import api_client
 from agent.labels import TIMESTAMP_LABEL, compute_labels
 from agent.labels.sinks import FeatureFileSink, LabelSink
 from agent.metrics.service import MetricsService, WaitingEndpoint
@@ -122,18 +123,17 @@ SlicePublisherFactory = Callable[[Topology, Config, HealthState], "SlicePublishe
 
 
 def _default_dra_plugin(topology: Topology, config: Config, health: HealthState) -> DraPlugin:
-    """The DRA kubelet plugin reading ResourceClaims through ``config.kubeconfig`` (or the
-    in-cluster configuration); ConfigError when neither can be loaded."""
-    from agent.dra.claims import KubernetesClaimReader, api_client
+    """The DRA kubelet plugin, reading ResourceClaims with :func:`agent.kube.api_client`."""
+    from agent.dra.claims import KubernetesClaimReader
     from agent.dra.plugin import DraPlugin
 
     return DraPlugin(config, topology, health, KubernetesClaimReader(api_client(config)))
 
 
 def _default_slice_publisher(topology: Topology, config: Config, health: HealthState) -> SlicePublisher:
-    from agent.dra.publisher import SlicePublisher, default_client_factory
+    from agent.dra.publisher import SlicePublisher
 
-    return SlicePublisher(default_client_factory(config.kubeconfig), config.node_name, topology,
+    return SlicePublisher(lambda: api_client(config, retries=False), config.node_name, topology,
                           config.driver_name, health=health, delete_on_stop=config.delete_slices_on_shutdown)
 
 

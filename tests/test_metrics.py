@@ -31,6 +31,7 @@ from metrics_support import (
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
+from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.podresources import (
@@ -38,7 +39,6 @@ from agent.metrics.podresources import (
     ContainerRef,
     DeviceIdResolver,
     PodResourcesCache,
-    PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler
 from agent.metrics.service import MetricsService

@@ -28,11 +28,11 @@ from agent.config import Config
 from agent.errors import shorten
 from agent.formats import parse_host_port as parse_address
 from agent.hw.protocols import Telemetry
+from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.podresources import (
     Attribution,
     PodResourcesCache,
-    PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler, Snapshot
 from agent.metrics.self_metrics import AgentMetrics
