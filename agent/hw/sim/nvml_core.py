@@ -18,7 +18,7 @@ from agent.hw.sim.nvml_types import (
     c_nvmlEventData_t,
     nvmlPciInfo_t,
 )
-from agent.hw.sim.spec import GpuSpec, MachineSpec, MigDeviceSpec
+from agent.hw.sim.spec_model import GpuSpec, MachineSpec, MigDeviceSpec
 
 _C = CONSTANTS
 _T = TypeVar("_T")
