@@ -31,6 +31,10 @@ Fault injection: :meth:`FakeNvml.lose_gpu`, :meth:`recover_gpu`, :meth:`make_uns
 Constants, errors and structs: :mod:`agent.hw.sim.nvml_types`; state, fault injection and
 the library functions: :mod:`agent.hw.sim.nvml_core`; telemetry, GPM and events:
 :mod:`agent.hw.sim.nvml_telemetry`.
+
+Size: :class:`FakeNvml` is pynvml's device, MIG and NVLink functions, one short method each
+with pynvml's own name and parameters, which ``tests/test_fake_nvml.py`` compares one by one
+with the installed pynvml; the state and the telemetry halves already live apart.
 """
 
 from __future__ import annotations

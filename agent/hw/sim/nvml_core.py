@@ -1,6 +1,11 @@
 """The fake NVML's state, fault injection, handles and library functions; the device,
 MIG and NVLink functions are in :mod:`agent.hw.sim.nvml`, telemetry, GPM and events in
-:mod:`agent.hw.sim.nvml_telemetry`."""
+:mod:`agent.hw.sim.nvml_telemetry`.
+
+Size: :class:`FakeNvmlCore` is the one object whose state (handles, lost GPUs, injected faults,
+event sets) both halves of the fake read and the fault-injection methods change; splitting it
+would split that state across modules.
+"""
 
 from __future__ import annotations
 
