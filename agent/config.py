@@ -2,8 +2,9 @@
 
 Sources, lowest precedence first: built-in defaults < config file (NVIDIA device plugin
 format ``version: v1``, YAML or JSON) < environment variables < command-line flags.
-It is built once at start (and again on SIGHUP) and passed down; no other module reads
-the environment.
+It is built once at start (and again on SIGHUP) and passed down; the subcommands hand the
+loader the environment (:func:`default_environ`) and no other module reads a setting from it
+(the engine switch ``AGENT_PUREPYTHON`` is read by :mod:`agent.topology.engine`).
 
 The loader (``load_config``) lives here too; field documentation says unit, default and why.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, cast
 
 from agent.errors import ConfigError, InputFormatError
-from agent.formats import parse_host_port, read_document
+from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX, parse_host_port, read_document
 from agent.records import REPLICA_POLICIES
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ DEFAULT_IGNORED_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
 class TimeSlicingResource:
     """One entry of ``sharing.timeSlicing.resources``."""
 
-    name: str = "nvidia.com/gpu"  # the resource being shared
+    name: str = GPU_RESOURCE  # the resource being shared
     replicas: int = 1  # how many replicas each GPU is advertised as (>= 2 to share)
     rename: str | None = None  # advertise the replicas under this resource name instead
     devices: tuple[str, ...] | None = None  # None = all; else indices, GPU or MIG UUIDs
@@ -268,7 +269,7 @@ def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> N
         entry = _expect_mapping(entry, at)
         _check_keys(entry, ("name", "replicas", "rename", "devices"), at)
         name = _expect_str(entry.get("name"), f"{at}.name")
-        if name != "nvidia.com/gpu" and not name.startswith("nvidia.com/mig-"):
+        if name != GPU_RESOURCE and not name.startswith(MIG_RESOURCE_PREFIX):
             raise ValueError(f"{at}.name: expected nvidia.com/gpu or nvidia.com/mig-<profile>, got {name!r}")
         replicas = entry.get("replicas")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -517,7 +518,7 @@ def _check_consistency(config: Config) -> None:
             raise ConfigError(f"{where}: {exc}") from None
     if config.mig_strategy == "single" or config.mig_strategy == "none":
         for ts in config.time_slicing:
-            if ts.name.startswith("nvidia.com/mig-"):
+            if ts.name.startswith(MIG_RESOURCE_PREFIX):
                 raise ConfigError(
                     f"{where}: sharing.timeSlicing.resources: {ts.name} needs migStrategy mixed,"
                     f" got {config.mig_strategy}"
@@ -593,5 +594,5 @@ def describe_config(config: Config) -> dict[str, object]:
 
 
 def default_environ() -> Mapping[str, str]:
-    """The process environment (the only place the agent reads it; for the CLI)."""
+    """The process environment, as every subcommand hands it to :func:`load_config`."""
     return os.environ

@@ -1,7 +1,8 @@
 """Small parsers and spellings shared by every layer: one definition each.
 
 A leaf module (it imports only :mod:`agent.errors`): kernel cpulists, PCI bus ids in NVML's
-and sysfs's spellings, ``HOST:PORT`` addresses, and YAML/JSON documents read from a file.
+and sysfs's spellings, the GPU resource names, ``HOST:PORT`` addresses, and YAML/JSON
+documents read from a file.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def format_cpulist(cpus: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+# --------------------------------------------------------------------------- resource names
+#: The extended resource of whole GPUs, NVIDIA's name (kept: pods and quotas ask for it).
+GPU_RESOURCE = "nvidia.com/gpu"
+#: The resources of MIG devices under ``migStrategy: mixed``: this prefix and the profile,
+#: ``nvidia.com/mig-1g.10gb``.
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 
 # --------------------------------------------------------------------------- HOST:PORT

@@ -1,7 +1,8 @@
 """Allocation quality through the scheduler's own DRA allocator, beside the device plugin's.
 
 Run: ``.venv/bin/python bench/quality_dra.py`` (``--events N``, ``--seed S``, ``--markdown``;
-needs ``../shared/tools/k8s-v1.32/draalloc``, see ``../shared/tools/README.md``).
+needs ``draalloc`` in the directory ``$GPU_AGENT_K8S_BINARIES`` names, see
+``tests/k8s_binaries.py``).
 
 The busy-node trace and the scoring are ``bench/quality.py``'s (``trace()``, ``replay()``):
 pods of 1, 2, 4 and 8 GPUs arrive and leave; a pod that does not fit in the free GPUs is
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -63,7 +65,9 @@ from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, island_ids, render_
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
-DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"
+#: Kubernetes v1.32's structured allocator as a command, built from Kubernetes source (never
+#: shipped): in the directory GPU_AGENT_K8S_BINARIES names, as for the tests.
+DRAALLOC = Path(os.environ.get("GPU_AGENT_K8S_BINARIES") or "/nonexistent", "draalloc")
 NODE = "node-1"
 GROUP = "resource.k8s.io/v1beta1"
 TOPOLOGY_ATTRIBUTES = ("numaNode", "nvlinkIsland", "nvlinkClique")
@@ -314,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
     if not DRAALLOC.exists():
-        print(f"{DRAALLOC} is absent: see ../shared/tools/README.md", file=sys.stderr)
+        print(f"{DRAALLOC} is absent: set GPU_AGENT_K8S_BINARIES to the directory holding draalloc"
+              " (tests/k8s_binaries.py)", file=sys.stderr)
         return 2
     results, runs, seconds = measure(args.events, args.seed)
     if args.markdown:

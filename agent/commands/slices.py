@@ -9,13 +9,12 @@ cluster, or feed them to the scheduler's allocator.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import socket
 import sys
 
 from agent.commands._common import add_simulate_flag, load_topology
-from agent.config import load_config
+from agent.config import default_environ, load_config
 from agent.errors import UsageError
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -56,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.api_version not in API_VERSIONS:
         raise UsageError(f"--api-version {args.api_version!r}: expected one of {', '.join(API_VERSIONS)}")
-    config = load_config(args.config, dict(os.environ), {})
+    config = load_config(args.config, dict(default_environ()), {})
     node = check_node_name(args.node_name or config.node_name or socket.gethostname().lower())
     topology = load_topology(args.simulate)
     slices = render_slices(topology, node_name=node, driver=config.driver_name,

@@ -14,11 +14,11 @@ from typing import Iterable, Mapping
 
 from agent.config import Config, TimeSlicingResource
 from agent.errors import ConfigError
+from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
 from agent.topology.model import Gpu, MigDevice, Topology
 
 log = logging.getLogger(__name__)
 
-GPU_RESOURCE = "nvidia.com/gpu"
 REPLICA_SEPARATOR = "::"
 #: The anchor's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
 DEFAULT_SOCKET_NAME = "nvidia-{resource}.sock"
@@ -119,7 +119,7 @@ def _base_resources(topology: Topology, strategy: str) -> dict[str, list[PluginD
             out[GPU_RESOURCE] = plain_devices
         for g in mig_gpus:
             for m in g.mig_devices:
-                out.setdefault(f"nvidia.com/mig-{m.profile}", []).append(_mig_device(g, m))
+                out.setdefault(f"{MIG_RESOURCE_PREFIX}{m.profile}", []).append(_mig_device(g, m))
     else:
         raise ConfigError(f"migStrategy: expected one of none, single, mixed, got {strategy!r}")
     return out

@@ -16,7 +16,7 @@ from agent.hw.sim.nvml_types import (
     c_nvmlProcessInfo_t,
     c_nvmlUtilization_t,
 )
-from agent.hw.sim.spec import GpuSpec
+from agent.hw.sim.spec_model import GpuSpec
 
 _C = CONSTANTS
 _NO_ID = 0xFFFFFFFF
