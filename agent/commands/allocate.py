@@ -25,7 +25,8 @@ from agent.commands._common import (
     add_wide_flag,
     load_topology,
 )
-from agent.config import MIG_STRATEGIES, Config, TimeSlicingResource, load_config
+from agent.config import Config, TimeSlicingResource, load_config
+from agent.config_values import MIG_STRATEGIES
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import GPU_RESOURCE, PluginResource, build_resources
 from agent.errors import UsageError
