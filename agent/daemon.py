@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Callable, Protocol, TextIO
 from agent.config import Config, describe_config
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.errors import AgentError
-from agent.health import EventSource, HealthState, HealthWatcher, lost_at_discovery
+from agent.health import HealthState, HealthWatcher, lost_at_discovery
+from agent.hw.protocols import EventSource, FactsReader, Lifecycle
+from agent.kube import api_client
 from agent.labels import TIMESTAMP_LABEL, compute_labels
 from agent.labels.sinks import FeatureFileSink, LabelSink
 from agent.metrics.service import MetricsService, WaitingEndpoint
-from agent.records import NodeFacts
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
 
@@ -88,19 +89,9 @@ def setup_logging(config: Config, stream: TextIO | None = None) -> None:
 SHUTDOWN_BUDGET_S = 20.0
 
 
-class DaemonBackend(EventSource, Protocol):
-    """What the daemon needs of the hardware backend (``agent.hw.nvml.NvmlBackend``): the
-    health watcher's event source, plus its lifecycle and the topology."""
-
-    def init(self) -> None:
-        """Open NVML; :class:`agent.hw.nvml.NvmlUnavailable` (an AgentError) if it cannot."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-    def read_facts(self, source: str = "nvml") -> NodeFacts:
-        """What the hardware reader finds; the daemon builds its Topology from it."""
-        ...
+class DaemonBackend(Lifecycle, FactsReader, EventSource, Protocol):
+    """What the daemon needs of the hardware backend (``agent.hw.nvml.backend.NvmlBackend``):
+    its lifecycle, the facts it builds the Topology from, and the health watcher's events."""
 
 
 class Endpoint(Protocol):
@@ -132,18 +123,17 @@ SlicePublisherFactory = Callable[[Topology, Config, HealthState], "SlicePublishe
 
 
 def _default_dra_plugin(topology: Topology, config: Config, health: HealthState) -> DraPlugin:
-    """The DRA kubelet plugin reading ResourceClaims through ``config.kubeconfig`` (or the
-    in-cluster configuration); ConfigError when neither can be loaded."""
-    from agent.dra.claims import KubernetesClaimReader, api_client
+    """The DRA kubelet plugin, reading ResourceClaims with :func:`agent.kube.api_client`."""
+    from agent.dra.claims import KubernetesClaimReader
     from agent.dra.plugin import DraPlugin
 
     return DraPlugin(config, topology, health, KubernetesClaimReader(api_client(config)))
 
 
 def _default_slice_publisher(topology: Topology, config: Config, health: HealthState) -> SlicePublisher:
-    from agent.dra.publisher import SlicePublisher, default_client_factory
+    from agent.dra.publisher import SlicePublisher
 
-    return SlicePublisher(default_client_factory(config.kubeconfig), config.node_name, topology,
+    return SlicePublisher(lambda: api_client(config, retries=False), config.node_name, topology,
                           config.driver_name, health=health, delete_on_stop=config.delete_slices_on_shutdown)
 
 

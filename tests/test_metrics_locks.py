@@ -15,7 +15,7 @@ import pytest
 from metrics_support import Node, PodResourcesStub, listing, node_of, pod, samples_of, small_machine
 
 from agent.config import Config
-from agent.hw.sampling import GpuSample, SampleSource
+from agent.hw.protocols import GpuSample, SampleSource
 from agent.metrics.service import MetricsService
 
 PROMPT_S = 1.0  # a scrape that waits on the hung call would take its full duration

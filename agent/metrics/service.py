@@ -27,13 +27,12 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config
 from agent.errors import shorten
 from agent.formats import parse_host_port as parse_address
-from agent.hw.backend import Backend
-from agent.hw.sampling import NvmlSampler
+from agent.hw.protocols import Telemetry
+from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.podresources import (
     Attribution,
     PodResourcesCache,
-    PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler, Snapshot
 from agent.metrics.self_metrics import AgentMetrics
@@ -113,7 +112,7 @@ class MetricsService:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Telemetry,
         topology: Topology,
         config: Config,
         *,
@@ -130,7 +129,7 @@ class MetricsService:
         self.ready = ready
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.sampler = Sampler(
-            NvmlSampler(backend), topology,
+            backend.sample_source(), topology,
             interval_s=config.sample_interval_s,
             idle_threshold_pct=config.idle_utilization_threshold_pct,
             clock=clock, on_round=self._on_round,
