@@ -29,7 +29,7 @@ from agent.config import Config
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
-from agent.errors import AgentError
+from agent.errors import AgentError, shorten
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
 from agent.kubelet.unix_server import UnixGrpcServer
 from agent.topology.model import Topology
@@ -223,7 +223,8 @@ class DraPlugin:
                 self._last_refusal = error
                 log.error(
                     "kubelet refused DRA driver %s: %s (still serving; the kubelet retries when it"
-                    " restarts or the registration socket is re-created)", self.driver_name, error or "no reason given",
+                    " restarts or the registration socket is re-created)", self.driver_name,
+                    shorten(error, 400) if error else "no reason given",
                 )
 
     def _watch(self) -> None:
