@@ -37,24 +37,8 @@ plus the standard ``resource.kubernetes.io/pcieRoot`` (the PCIe root complex,
 ``pci0000:17``, when known), so a claim can align a GPU with a NIC of another driver.
 A MIG device carries its parent's topology attributes; its capacity ``memory`` is the slice's.
 
-**Device order.** The scheduler's allocator takes devices in slice order, so the order is
-the placement policy of a claim without constraints: devices are grouped by NUMA node (unknown
-last), then by NVLink island (lowest index first), and inside a group they follow a greedy
-walk where each next GPU is the one best linked (pair score) to the one before, ties broken by
-its links to the whole group so far, then by the lower index. MIG devices keep their parent's
-place, in MIG index order.
-
-**Occupancy** (measured, not used by the agent). A fixed order makes the allocator's choice
-first fit over one permutation of the GPUs. ``device_order(topology, in_use)`` is the order an
-agent could re-publish after every NodePrepareResources / NodeUnprepareResources from the GPUs
-its prepared claims hold: NUMA nodes with the fewest free GPUs first, and in a NUMA node the
-NVLink islands with the fewest free GPUs first (ties: the order above), so that first fit
-approximates best fit. ``bench/quality_dra.py`` measures it through the scheduler's
-allocator (paths "occ"): it is worse than the static order on every built-in machine, as a
-claim larger than the fullest group's free GPUs then spills over two groups (a 4-GPU claim
-takes 3 GPUs of a used NUMA node and 1 of a whole free one). The running agent therefore
-publishes the static order. (Had it been used, the scheduler could also allocate the next
-claim before seeing the re-published slice: a worse choice, never a wrong one.)
+**Device order**: :func:`agent.dra.gpusets.device_order` (the placement policy of a claim
+without constraints: the allocator takes devices in slice order).
 """
 
 from __future__ import annotations
@@ -67,6 +51,7 @@ from typing import Any, Collection, Iterable, Mapping
 import yaml
 
 from agent.dra.devices import device_name
+from agent.dra.gpusets import clique_ids, device_order, island_ids
 from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.topology.model import Gpu, MigDevice, Topology
 
@@ -108,62 +93,6 @@ class Device:
     name: str
     attributes: Mapping[str, Mapping[str, Any]]
     capacity: Mapping[str, str]  # name -> quantity
-
-
-# ----------------------------------------------------------------------- topology ids
-def island_ids(topology: Topology) -> dict[int, int]:
-    """GPU index -> NVLink island id (lowest GPU index of its island; alone: itself)."""
-    out = {g.index: g.index for g in topology.gpus}
-    for island in topology.nvlink_islands:
-        for i in island:
-            out[i] = min(island)
-    return out
-
-
-def clique_ids(topology: Topology) -> dict[int, int]:
-    """GPU index -> NVLink clique id (see the module docstring for the rule)."""
-    cliques = [tuple(sorted(c)) for c in topology.nvlink_cliques]
-    covered = {i for c in cliques for i in c}
-    cliques += [(g.index,) for g in topology.gpus if g.index not in covered]
-    cliques.sort()
-    out: dict[int, int] = {}
-    for g in topology.gpus:
-        mine = [(-len(c), pos) for pos, c in enumerate(cliques) if g.index in c]
-        out[g.index] = min(mine)[1]
-    return out
-
-
-def device_order(topology: Topology, in_use: Collection[int] = ()) -> list[int]:
-    """GPU indices in slice order (see the module docstring); ``in_use``: indices of the GPUs
-    held by prepared claims (groups with fewer free GPUs come first)."""
-    islands = island_ids(topology)
-    groups: dict[tuple[bool, int, int], list[int]] = {}
-    for g in topology.gpus:
-        key = (g.numa_node is None, g.numa_node if g.numa_node is not None else 0, islands[g.index])
-        groups.setdefault(key, []).append(g.index)
-    used = set(in_use)
-    free = {key: sum(1 for i in members if i not in used) for key, members in groups.items()}
-    numa_free: dict[tuple[bool, int], int] = {}
-    for key, n in free.items():
-        numa_free[key[:2]] = numa_free.get(key[:2], 0) + n
-
-    def rank(key: tuple[bool, int, int]) -> tuple[object, ...]:
-        if not used:
-            return key
-        return (key[0], numa_free[key[:2]], key[1], free[key], key[2])
-
-    order: list[int] = []
-    for key in sorted(groups, key=rank):
-        left = list(groups[key])
-        walk = [left.pop(0)]
-        while left:
-            last = walk[-1]
-            best = max(left, key=lambda i: (topology.pair_score(last, i),
-                                            sum(topology.pair_score(w, i) for w in walk), -i))
-            left.remove(best)
-            walk.append(best)
-        order.extend(walk)
-    return order
 
 
 # ----------------------------------------------------------------------- values
