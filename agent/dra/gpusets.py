@@ -38,15 +38,16 @@ own choice on the empty node (:meth:`AllocationEngine.best_set`) is always publi
 What the pruning costs is measured by ``bench/quality_dra.py`` on 16, 32 and 64-GPU
 synthetic nodes.
 
-**Order.** Within a size, best first by the device plugin's objective on the empty node
-(``AllocationEngine.explain`` with the set as must-include): the anchor criterion (set score
-plus the best split of the other GPUs into groups of k), the set score, fewer NUMA nodes,
-the smaller cut to the other GPUs. Among equals: pairs fill from the front of the single GPUs'
-order (:func:`device_order`, which single GPUs also fill from the front), larger sets from
-its back; then the lower indices. Two-ended filling keeps whole units free for large sets
-while single GPUs and pairs share the front. (First fit cannot do the device plugin's best
-fit, which takes the GPUs next to busy ones; ``bench/quality_dra.py`` measures what that
-costs, and what the pruning costs beside it.)
+**Order.** Within a size, the device plugin's own choice on the empty node first (rank 0:
+a set claim on an empty node gets what GetPreferredAllocation gives), then best first by the
+device plugin's objective on the empty node (``AllocationEngine.explain`` with the set as
+must-include): the anchor criterion (set score plus the best split of the other GPUs into
+groups of k), the set score, fewer NUMA nodes, the smaller cut to the other GPUs. Among
+equals: pairs fill from the front of the single GPUs' order (:func:`device_order`, which
+single GPUs also fill from the front), larger sets from its back; then the lower indices.
+Two-ended filling keeps whole units free for large sets while single GPUs and pairs share
+the front. (First fit cannot do the device plugin's best fit, which takes the GPUs next to
+busy ones; ``bench/quality_dra.py`` measures what that costs, and what the pruning costs.)
 
 **Names and ranks** come from the whole topology (MIG-enabled and unhealthy GPUs included):
 a set's ``rank`` is its position in its size's order, 0 the best, and its device name
@@ -235,10 +236,11 @@ def gpu_sets(topology: Topology, engine: AllocationEngine | None = None) -> dict
     units = structural_units(topology)
     out: dict[int, list[GpuSet]] = {}
     for k in set_sizes(topology):
-        sets = candidate_sets(topology, k, units)
-        sets.add(tuple(engine.best_set(everyone, [], k)))
+        best = tuple(engine.best_set(everyone, [], k))
+        rest = candidate_sets(topology, k, units) - {best}
         key = _order_key(engine, everyone, position, from_front=k <= 2)
-        out[k] = [GpuSet(members, rank) for rank, members in enumerate(sorted(sets, key=key))]
+        ordered = [best, *sorted(rest, key=key)]
+        out[k] = [GpuSet(members, rank) for rank, members in enumerate(ordered)]
     return out
 
 
