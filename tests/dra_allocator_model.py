@@ -291,7 +291,10 @@ class _Constraint:
 class AllocatorModel:
     """``NewAllocator`` over ``slices`` (v1 objects), ``classes`` (v1 DeviceClass objects) and
     ``allocated`` (device IDs of claims allocated before: they are in use and their counters
-    consumed). ``cel`` maps every CEL expression the classes and claims use to a predicate."""
+    consumed; the attribute may be replaced between calls, as the scheduler builds a new
+    allocator with the current state each cycle). ``cel`` maps every CEL expression the
+    classes and claims use to a predicate. The pools of a node are gathered once and reused
+    (they depend on the slices and the node only)."""
 
     def __init__(self, slices: Iterable[Mapping[str, Any]], classes: Iterable[Mapping[str, Any]],
                  cel: Mapping[str, Predicate], allocated: Iterable[DeviceId] = (), *,
@@ -302,6 +305,7 @@ class AllocatorModel:
         self.allocated = set(allocated)
         self.leak = leak_rejected_counters
         self.steps = 0  # allocateOne invocations of the last allocate() (numAllocateOneInvocations)
+        self._pools: dict[str, list[Pool]] = {}
 
     def predicates(self, selectors: Iterable[Mapping[str, Any]], where: str) -> tuple[Predicate, ...]:
         out = []
@@ -317,7 +321,9 @@ class AllocatorModel:
     def allocate(self, claims: list[Mapping[str, Any]], node: str) -> list[list[tuple[str, DeviceId]]] | None:
         """Per claim, its results in order as (request name, device ID); None when the claims
         cannot all be allocated on ``node`` (unschedulable); AllocationError as upstream errs."""
-        pools = gather_pools(self.slices, node)
+        pools = self._pools.get(node)
+        if pools is None:
+            pools = self._pools[node] = gather_pools(self.slices, node)
         search = _Search(self, pools, [self._requests(c, pools) for c in claims],
                          [self._constraints(c) for c in claims])
         done = search.one(0, 0, 0, 0, False, (0, 0))

@@ -70,8 +70,6 @@ NOT_RUNNABLE: dict[str, str] = {
     ".venv/bin/python -m pytest -q tests/test_readme.py": "this test",
 }
 
-DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"
-
 #: The quickest flags of each benchmark (what the test runs instead of the shown flags).
 BENCH_QUICK: dict[str, list[str]] = {
     "bench/bench_allocate.py": ["--quick", "--json", "{tmp}/allocate.json"],
@@ -352,8 +350,6 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
         return
     if kind == "bench":
         script, env = detail  # type: ignore[misc]
-        if script == "bench/quality_dra.py" and not DRAALLOC.exists():
-            pytest.skip(f"{DRAALLOC} is absent (../shared/tools is provided beside the project in CI only)")
         flags = [f.replace("{tmp}", str(tmp_path)) for f in BENCH_QUICK[script]]
         argv = [sys.executable, script, *flags]
     else:
