@@ -98,8 +98,7 @@ class Node:
         return info
 
     def devices(self) -> list[str]:
-        (obj,) = self.api.slices()
-        return [d["name"] for d in obj["spec"]["devices"]]
+        return single_gpus(self.api.slices())
 
     def generation(self) -> int:
         return int(self.api.slices()[0]["spec"]["pool"]["generation"])
@@ -207,6 +206,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def single_gpus(slices) -> list[str]:
+    """The single-GPU devices of the pool (GPU sets and the counter slice aside)."""
+    return [d["name"] for s in slices for d in s["spec"].get("devices", []) if not d["name"].startswith("gpuset-")]
+
+
+#: dgx-h100 in v1: a counter slice, then 8 single GPUs and 99 GPU sets in two slices
+DGX_H100_SLICES = 3
+
+
 def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_slices_on_sigterm(node):
     port = free_port()
     proc = agent_process(["--simulate", "dgx-h100", "--metrics-address", f"127.0.0.1:{port}", *node.args()])
@@ -214,11 +222,11 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         info = node.kubelet_registers()
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, node.dra_socket)
         assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
-        assert node.api.wait_for(lambda s: len(s) == 1 and len(s[0]["spec"]["devices"]) == 8, 20.0)
-        (obj,) = node.api.slices()
-        assert obj["apiVersion"] == "resource.k8s.io/v1"
-        assert obj["spec"]["pool"]["name"] == NODE
-        assert obj["metadata"]["ownerReferences"][0]["uid"] == node.node_uid
+        assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 20.0)
+        for obj in node.api.slices():
+            assert obj["apiVersion"] == "resource.k8s.io/v1"
+            assert obj["spec"]["pool"]["name"] == NODE
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == node.node_uid
         assert eventually(lambda: http_status(port, "/ready") == 200, 10.0)
         # in dra mode no device-plugin socket is served: a GPU is never handed out twice
         assert os.listdir(node.dirs["k"]) == []
@@ -240,7 +248,7 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
     assert proc.returncode == 0, stderr
     assert not os.path.exists(node.registration_socket) and not os.path.exists(node.dra_socket)
     assert os.listdir(node.dirs["k"]) == []
-    assert len(node.api.slices()) == 1, "a restarting agent keeps its slices (deleteSlicesOnShutdown false)"
+    assert len(node.api.slices()) == DGX_H100_SLICES, "a restarting agent keeps its slices (deleteSlicesOnShutdown false)"
     assert node.api.count("DELETE", "resourceslices") == 0
 
 
@@ -249,7 +257,7 @@ def test_delete_slices_on_shutdown_removes_them_on_sigterm(node):
                           "--delete-slices-on-shutdown", *node.args()])
     try:
         node.kubelet_registers()
-        assert node.api.wait_for(lambda s: len(s) == 1, 20.0)
+        assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES, 20.0)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
@@ -306,7 +314,7 @@ def test_an_xid_republishes_the_slice_without_the_gpu_within_a_second(node, simu
     before, publications = node.generation(), daemon.publisher.publish_count
     t0 = time.monotonic()
     daemon.backend.lib.inject_xid(3, 79)
-    assert node.api.wait_for(lambda s: "gpu-3" not in [d["name"] for d in s[0]["spec"]["devices"]], 1.0)
+    assert node.api.wait_for(lambda s: "gpu-3" not in single_gpus(s), 1.0)
     assert time.monotonic() - t0 <= 1.0
     assert len(node.devices()) == 7 and node.generation() > before
     assert eventually(lambda: daemon.publisher.publish_count == publications + 1, 1.0)

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_binaries import missing_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -356,8 +355,6 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
         return
     if kind == "bench":
         script, env = detail  # type: ignore[misc]
-        if script == "bench/quality_dra.py" and missing_reason("draalloc") is not None:
-            pytest.skip(str(missing_reason("draalloc")))
         flags = [f.replace("{tmp}", str(tmp_path)) for f in BENCH_QUICK[script]]
         argv = [sys.executable, script, *flags]
     else:
