@@ -18,6 +18,7 @@ import pytest
 from kubelet_stub import KubeletStub, hgx8_topology
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import eventually
 
 from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
@@ -26,7 +27,6 @@ from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
 from agent.modes import servers_for
-from agent.worker import wait_until as eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
 from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -22,7 +23,6 @@ from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
-from agent.worker import wait_until as eventually
 
 
 def allocation_engine():

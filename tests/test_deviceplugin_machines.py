@@ -11,6 +11,7 @@ import tempfile
 import pytest
 from kubelet_stub import KubeletStub, PluginClient
 from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent.config import Config
 from agent.deviceplugin.manager import DevicePluginManager
@@ -19,7 +20,6 @@ from agent.errors import ConfigError
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
 from agent.topology.allocator import AllocationEngine
-from agent.worker import wait_until as eventually
 
 
 @functools.lru_cache(maxsize=None)

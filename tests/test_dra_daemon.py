@@ -22,6 +22,7 @@ import grpc
 import pytest
 from apiserver_stub import ApiServerStub
 from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc
 from agent._proto import pluginregistration_v1_pb2 as reg_pb
@@ -35,7 +36,6 @@ from agent.dra.servers import DraServers
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
-from agent.worker import wait_until as eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = "gpu.gpu-agent.io"

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from apiserver_stub import ApiServerStub
 from kubelet_stub import hgx8_topology
+from waiting import eventually
 
 from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from agent._proto import pluginregistration_v1_pb2 as reg_pb
@@ -25,7 +26,6 @@ from agent.dra.cdi import spec_path
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.health import HealthState
-from agent.worker import wait_until as eventually
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"

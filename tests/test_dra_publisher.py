@@ -8,10 +8,10 @@ import time
 import pytest
 from apiserver_stub import ApiServerStub
 from kubelet_stub import hgx8_topology
+from waiting import eventually
 
 from agent.dra.publisher import SlicePublisher, pick_version
 from agent.health import HealthState
-from agent.worker import wait_until as eventually
 
 DRIVER = "gpu.gpu-agent.io"
 

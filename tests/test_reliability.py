@@ -16,6 +16,7 @@ import grpc
 import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent.config import Config, TimeSlicingResource
@@ -24,7 +25,6 @@ from agent.deviceplugin.server import MAX_STREAMS
 from agent.errors import ConfigError, shorten
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
-from agent.worker import wait_until as eventually
 
 
 @pytest.fixture
