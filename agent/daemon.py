@@ -35,7 +35,8 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config, describe_config
 from agent.errors import AgentError
-from agent.health import EventSource, HealthState, HealthWatcher, lost_at_discovery
+from agent.health import HealthState, HealthWatcher, lost_at_discovery
+from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.logs import setup_logging
@@ -56,15 +57,9 @@ NVML_RETRY_S = 10.0
 SERVERS_GRACE_S = 1.0
 
 
-class DaemonBackend(EventSource, Protocol):
-    """What the daemon needs of the hardware backend (``agent.hw.nvml.NvmlBackend``): the
-    health watcher's event source, plus its lifecycle."""
-
-    def init(self) -> None:
-        """Open NVML; :class:`agent.hw.nvml.NvmlUnavailable` (an AgentError) if it cannot."""
-        ...
-
-    def shutdown(self) -> None: ...
+class DaemonBackend(Lifecycle, EventSource, Protocol):
+    """What the daemon needs of the hardware backend (``agent.hw.nvml.backend.NvmlBackend``):
+    its lifecycle and the health watcher's events (the topology comes from ``read_topology``)."""
 
 
 #: (topology, config, ready) -> the metrics service (not yet started).

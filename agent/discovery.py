@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
-    from agent.hw.backend import Backend
-    from agent.hw.nvml import NvmlBackend
+    from agent.hw.nvml.backend import NvmlBackend
+    from agent.hw.protocols import FactsReader
     from agent.hw.sim.machines import SimulatedMachine
 
 
@@ -30,13 +30,13 @@ def open_backend(
 
         sim = open_simulated(simulate)
         return sim.backend(), sim
-    from agent.hw.nvml import NvmlBackend
+    from agent.hw.nvml.backend import NvmlBackend
     from agent.hw.sysfs import SysfsReader
 
     return NvmlBackend(sysfs=SysfsReader(sysfs_root)), None
 
 
-def read_topology(backend: Backend, sim: SimulatedMachine | None) -> Topology:
+def read_topology(backend: FactsReader, sim: SimulatedMachine | None) -> Topology:
     """The topology an initialised backend reads; a simulated machine adds the notes of
     what its spec synthesised."""
     facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")

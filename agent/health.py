@@ -15,44 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Collection, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping
 
 from agent.config import Config, is_critical_xid
+from agent.hw.protocols import EventSource, HealthEvent
 from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
 FENCED_REASON_PREFIX = "fenced: "
-
-
-class GpuEvent(Protocol):
-    """What the watcher reads of an event (``agent.hw.nvml.HealthEvent``)."""
-
-    @property
-    def gpu_index(self) -> int: ...
-
-    @property
-    def kind(self) -> str:
-        """``"xid"``, ``"ecc_dbe"`` (double-bit ECC error) or ``"lost"``."""
-        ...
-
-    @property
-    def xid(self) -> int | None:
-        """The XID number of an ``"xid"`` event; None for the other kinds."""
-        ...
-
-
-class EventSource(Protocol):
-    """What the watcher needs of the NVML backend (``agent.hw.nvml.NvmlBackend``)."""
-
-    def wait_events(self, timeout_ms: int) -> Sequence[GpuEvent]: ...
-
-    def probe(self, index: int) -> bool: ...
-
-    @property
-    def lost_gpus(self) -> Collection[int]:
-        """GPUs the backend found lost on any call (e.g. while the metrics sampler read them)."""
-        ...
 
 
 class HealthState:
@@ -232,7 +203,7 @@ class HealthWatcher(Worker):
                     log.error("GPU %d marked unhealthy: GPU lost (NVML answered GPU_IS_LOST)", index)
         self._seen_lost = lost
 
-    def apply(self, events: Iterable[GpuEvent]) -> None:
+    def apply(self, events: Iterable[HealthEvent]) -> None:
         now = self._clock()
         for event in events:
             index = event.gpu_index

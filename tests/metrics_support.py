@@ -25,8 +25,7 @@ from prometheus_client.samples import Sample
 from agent._proto import podresources_v1_pb2 as pb
 from agent.demo.kubelet import PodResourcesStub  # noqa: F401  (re-exported for the tests)
 from agent.discovery import read_topology
-from agent.hw.nvml import NvmlBackend
-from agent.hw.sampling import NvmlSampler
+from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.machines import SimulatedMachine, open_simulated
 from agent.hw.sim.spec import machine_spec_from_dict
 from agent.metrics.collector import GpuCollector, render_text
@@ -60,7 +59,7 @@ class Node:
         return self.machine.lib
 
     def sampler(self, clock: Callable[[], float] | None = None, **kwargs: Any) -> Sampler:
-        return Sampler(NvmlSampler(self.backend), self.topology, interval_s=1.0,
+        return Sampler(self.backend.sample_source(), self.topology, interval_s=1.0,
                        clock=clock or Clock(), **kwargs)
 
     def close(self) -> None:

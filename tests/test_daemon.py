@@ -443,7 +443,7 @@ def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
 
 class NoDriverBackend(StubBackend):
     def init(self) -> None:
-        from agent.hw.nvml import NvmlUnavailable
+        from agent.hw.nvml.calls import NvmlUnavailable
 
         raise NvmlUnavailable("NVML library not found (libnvidia-ml.so.1)")
 

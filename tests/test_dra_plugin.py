@@ -522,8 +522,8 @@ def test_a_server_without_dra_is_a_clear_read_error():
 
 
 def test_a_bad_kubeconfig_is_a_config_error_naming_the_file(tmp_path):
-    from agent.dra.claims import api_client
     from agent.errors import ConfigError
+    from agent.kube import api_client
 
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=rf"--kubeconfig {missing}: cannot load"):
@@ -531,7 +531,7 @@ def test_a_bad_kubeconfig_is_a_config_error_naming_the_file(tmp_path):
 
 
 def test_a_kubeconfig_file_configures_the_client(tmp_path):
-    from agent.dra.claims import api_client
+    from agent.kube import api_client
 
     with ApiServerStub(served_versions=("v1",)) as api:
         api.put_claim(claim_object("c", ["gpu-0"]))

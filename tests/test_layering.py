@@ -1,5 +1,6 @@
 """The layering DESIGN.md writes down, enforced by import-linter contracts
-(``pyproject.toml``, ``[tool.importlinter]``); README.md "Architecture" draws the same layers."""
+(``pyproject.toml``, ``[tool.importlinter]``); README.md "Architecture" draws the same
+layers, row for row (compared below)."""
 
 from __future__ import annotations
 
@@ -50,17 +51,44 @@ def test_a_layering_violation_is_reported(tmp_path):
     assert result.returncode != 0 and "BROKEN" in result.stdout
 
 
-def test_the_readme_architecture_map_names_every_layer():
-    readme = (ROOT / "README.md").read_text()
+def _layer(text: str) -> tuple[str, tuple[str, ...]]:
+    """A layer as (separator, modules): ``|`` independent siblings, ``:`` siblings that may
+    import each other, ``""`` a single module."""
+    separators = set(re.findall(r"[|:]", text))
+    assert len(separators) <= 1, f"layer {text!r} mixes | and :"
+    return (separators.pop() if separators else "", tuple(m.strip() for m in re.split(r"[|:]", text)))
+
+
+def _readme_layers(readme: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The rows of README.md's Architecture table, top to bottom, in the contract's notation:
+    the modules column's `agent/x/` and `agent/x.py` become ``agent.x``, ``\\|`` becomes ``|``."""
     section = readme.split("### Architecture", 1)[1].split("\n### ", 1)[0]
-    layers = next(c for c in _contracts() if c["id"] == "layers")["layers"]
-    modules = {m.strip() for layer in layers for m in re.split(r"[|:]", layer)} - {"agent.__main__"}
-    missing = []
-    for module in sorted(modules):
-        path = module.replace(".", "/")
-        if f"`{path}/`" not in section and f"`{path}.py`" not in section:
-            missing.append(module)
-    assert missing == [], f"README.md Architecture does not show {missing}"
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # header, rule
+    layers = []
+    for row in rows:
+        modules = re.split(r"(?<!\\)\|", row)[2]
+        text = re.sub(r"`agent/([\w/]+?)(?:/|\.py)`", lambda m: "agent." + m[1].replace("/", "."), modules)
+        text = text.replace("\\|", "|")
+        assert "`" not in text, f"README.md Architecture: a module that is no agent/ path in row {row!r}"
+        layers.append(_layer(text))
+    return layers
+
+
+def test_the_readme_architecture_map_and_the_layers_contract_say_the_same():
+    layers = [_layer(layer) for layer in next(c for c in _contracts() if c["id"] == "layers")["layers"]]
+    assert _readme_layers((ROOT / "README.md").read_text()) == layers
+
+
+def test_the_readme_comparison_sees_a_stack_drawn_as_siblings():
+    # the comparison is not vacuous: the old map (DRA stacked on the device plugin) differs
+    readme = (ROOT / "README.md").read_text()
+    stacked = readme.replace(
+        "| kubelet sides | `agent/dra/` \\| `agent/deviceplugin/` |",
+        "| kubelet sides | `agent/dra/` |\n| | `agent/deviceplugin/` |",
+    )
+    assert stacked != readme
+    layers = [_layer(layer) for layer in next(c for c in _contracts() if c["id"] == "layers")["layers"]]
+    assert _readme_layers(stacked) != layers
 
 
 def test_the_contracts_cover_every_package_of_the_agent():

@@ -31,6 +31,7 @@ from metrics_support import (
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
+from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.podresources import (
@@ -38,7 +39,6 @@ from agent.metrics.podresources import (
     ContainerRef,
     DeviceIdResolver,
     PodResourcesCache,
-    PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
@@ -228,10 +228,8 @@ def test_recorded_xid_is_exported_as_the_last_xid(box2):
 
 
 def test_sampler_rejects_a_non_positive_interval(box2):
-    from agent.hw.sampling import NvmlSampler
-
     with pytest.raises(ValueError, match="sample interval must be > 0 s, got 0"):
-        Sampler(NvmlSampler(box2.backend), box2.topology, interval_s=0)
+        Sampler(box2.backend.sample_source(), box2.topology, interval_s=0)
 
 
 # ------------------------------------------------------------------ topology metrics

@@ -16,7 +16,7 @@ from metrics_support import Node, PodResourcesStub, listing, node_of, pod, sampl
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
-from agent.hw.sampling import GpuSample, SampleSource
+from agent.hw.protocols import GpuSample, SampleSource
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 

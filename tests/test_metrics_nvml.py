@@ -1,6 +1,6 @@
 """Metrics end to end on the real NVML code path on the built-in machines: ``NvmlBackend``
 over the fake ``pynvml`` of a simulated machine, with its fault injection; and the hw side's
-typed samples (``agent.hw.sampling``) on their own."""
+typed samples (``agent.hw.nvml.telemetry``) on their own."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.discovery import read_topology
-from agent.hw.sampling import GpuSample, NvmlSampler
+from agent.hw.protocols import GpuSample
 from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
 from agent.metrics.self_metrics import AgentMetrics
@@ -126,7 +126,7 @@ GPM_FIELDS = ("graphics_active_pct", "tensor_active_pct", "dram_active_pct")
 
 def test_nvml_sampler_gives_gpm_fields_on_hopper_from_the_second_round_on():
     with node_of("dgx-h100") as node:
-        sampler = NvmlSampler(node.backend)
+        sampler = node.backend.sample_source()
         first = sampler.sample(0)
         second = sampler.sample(0)
         sampler.close()
@@ -139,7 +139,7 @@ def test_nvml_sampler_gives_gpm_fields_on_hopper_from_the_second_round_on():
 
 def test_nvml_sampler_has_no_gpm_fields_before_hopper_and_reads_pcie_throughput():
     with node_of("dgx-a100") as node:
-        sampler = NvmlSampler(node.backend)
+        sampler = node.backend.sample_source()
         sampler.sample(0)
         sample = sampler.sample(0)
         gpm_calls = node.lib.calls["nvmlGpmSampleGet"]
@@ -150,7 +150,7 @@ def test_nvml_sampler_has_no_gpm_fields_before_hopper_and_reads_pcie_throughput(
 
 def test_nvml_sampler_gives_none_for_a_lost_gpu_and_samples_it_again_after_recovery():
     with node_of("pcie-pairs") as node:
-        sampler = NvmlSampler(node.backend)
+        sampler = node.backend.sample_source()
         node.lib.lose_gpu(1)
         assert sampler.sample(1) is None
         assert 1 in node.backend.lost_gpus
@@ -165,7 +165,7 @@ def test_nvml_sampler_gives_none_for_a_lost_gpu_and_samples_it_again_after_recov
 def test_an_unsupported_function_is_a_none_field_not_an_error():
     with node_of("single-gpu") as node:
         node.lib.make_unsupported("nvmlDeviceGetPowerUsage")
-        sample = NvmlSampler(node.backend).sample(0)
+        sample = node.backend.sample_source().sample(0)
         assert node.backend.error_counts == {}
     assert sample is not None and sample.power_mw is None and sample.gpu_temp_c is not None
 

@@ -11,8 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.errors import AgentError
-from agent.hw.nvml import HealthEvent, NvmlBackend, NvmlError, NvmlUnavailable
-from agent.hw.nvml_facts import mig_memory_gb
+from agent.hw.nvml.backend import NvmlBackend
+from agent.hw.nvml.calls import NvmlError, NvmlUnavailable
+from agent.hw.nvml.facts import mig_memory_gb
+from agent.hw.protocols import HealthEvent
 from agent.hw.sim.machines import load_spec, open_simulated
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.spec import machine_spec_from_dict
@@ -231,11 +233,24 @@ def test_an_injected_xid_arrives_through_wait_events(h100):
 
 def test_a_lost_gpu_is_reported_once_by_wait_events(h100):
     fake, backend = h100
-    backend.register_events()
+    assert backend.wait_events(0) == []  # registers the event set
     fake.lose_gpu(4)
     assert backend.wait_events(1000) == [HealthEvent(4, "lost")]
     assert backend.wait_events(0) == []
     assert backend.lost_gpus == {4}
+
+
+def test_a_gpu_that_recovers_has_its_events_again_and_a_new_loss_is_reported_again(h100):
+    fake, backend = h100
+    assert backend.wait_events(0) == []
+    fake.lose_gpu(4)
+    assert backend.wait_events(1000) == [HealthEvent(4, "lost")]
+    fake.recover_gpu(4)
+    assert backend.probe(4) is True and backend.lost_gpus == frozenset()
+    fake.inject_xid(4, 79)
+    assert backend.wait_events(1000) == [HealthEvent(4, "xid", 79)]
+    fake.lose_gpu(4)
+    assert backend.wait_events(1000) == [HealthEvent(4, "lost")]
 
 
 def test_probe_tells_a_lost_gpu_and_its_recovery(h100):

@@ -1,5 +1,6 @@
 """Request handling behind the gRPC servicer: validation, preferred allocation through the
-allocation engine, and the Allocate response per device-list strategy.
+allocation engine, and the Allocate response (what the container gets comes from
+:func:`agent.containers.container_edits`, as in DRA's CDI specs).
 
 Nothing here calls NVML: answers come from the frozen :class:`Topology` and the resource's
 device table. Invalid requests raise :class:`AllocationError`, which the servicer turns into
@@ -8,41 +9,19 @@ device table. Invalid requests raise :class:`AllocationError`, which the service
 
 from __future__ import annotations
 
-import os
 import re
-import uuid as uuidlib
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from agent.config import Config
+from agent.containers import ContainerDevice, ContainerEdits, container_edits
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
 from agent.errors import AllocationError, shorten
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
-VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
-VOLUME_MOUNTS_HOST_PATH = "/dev/null"
-CDI_KIND = "nvidia.com/gpu"
-CDI_ANNOTATION_PLUGIN = "nvidia-device-plugin"
-TOPOLOGY_ENV_PREFIX = "GPU_TOPOLOGY_"
-#: Control device nodes passed with ``passDeviceSpecs`` where they exist on the host.
-CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
-
 # GPU/MIG UUIDs (including the old "MIG-GPU-<uuid>/<gi>/<ci>" form), optional replica suffix.
 _DEVICE_ID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+(::[0-9]+)?$")
-
-
-@dataclass
-class ContainerAllocation:
-    """What one container gets; mirrors ``ContainerAllocateResponse``."""
-
-    envs: dict[str, str] = field(default_factory=dict)
-    mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (container, host, read_only)
-    devices: list[tuple[str, str, str]] = field(default_factory=list)  # (container, host, permissions)
-    annotations: dict[str, str] = field(default_factory=dict)
-    cdi_devices: list[str] = field(default_factory=list)
 
 
 def _lookup(resource: PluginResource, ids: Sequence[str], what: str) -> list[PluginDevice]:
@@ -69,11 +48,7 @@ class RequestHandler:
         resource: PluginResource,
         topology: Topology,
         config: Config,
-        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
-        """``path_exists`` tells which device nodes exist on the host (the DRA plugin's tests
-        pass a stand-in; the kubelet's node has the real ones)."""
-        self._path_exists = path_exists
         self.resource = resource
         self.topology = topology
         self.config = config
@@ -139,99 +114,13 @@ class RequestHandler:
             )
 
     # ------------------------------------------------------------------ allocate
-    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+    def allocate(self, device_ids: Sequence[str]) -> ContainerEdits:
         """The container response for ``device_ids``; raises AllocationError when invalid."""
         what = f"allocate {self.resource.name}"
         if not device_ids:
             raise AllocationError(f"{what}: empty device list")
         requested = _lookup(self.resource, device_ids, what)
         self._check_shared_size(len(requested), what)
-        devices = physical_devices(requested)
-        ids = [self._visible_id(d) for d in devices]
-        out = ContainerAllocation()
-        strategies = self.config.device_list_strategy
-        cdi = [s for s in strategies if s.startswith("cdi-")]
-        if cdi:
-            names = [f"{CDI_KIND}={i}" for i in ids]
-            if "cdi-annotations" in strategies:
-                key = f"{self.config.cdi_annotation_prefix}{CDI_ANNOTATION_PLUGIN}_{uuidlib.uuid4()}"
-                out.annotations[key] = ",".join(names)
-            if "cdi-cri" in strategies:
-                out.cdi_devices.extend(names)
-        if len(cdi) < len(strategies):  # at least one non-CDI strategy: the anchor's env/mounts
-            if "envvar" in strategies:
-                out.envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
-            if "volume-mounts" in strategies:
-                out.envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_ROOT
-                out.mounts.extend((f"{VOLUME_MOUNTS_ROOT}/{i}", VOLUME_MOUNTS_HOST_PATH, False) for i in ids)
-            if self.config.pass_device_specs:
-                out.devices.extend(self._device_specs(devices))
-        out.envs.update(self._topology_envs(devices))
-        return out
-
-    def _visible_id(self, device: PluginDevice) -> str:
-        if self.config.device_id_strategy == "index":
-            if device.mig is not None:
-                return f"{device.gpu_index}:{device.mig.index}"
-            return str(device.gpu_index)
-        return device.uuid
-
-    def _host_path(self, path: str) -> str:
-        root = self.config.nvidia_driver_root.rstrip("/")
-        return f"{root}{path}" if root else path
-
-    def _device_specs(self, devices: Sequence[PluginDevice]) -> list[tuple[str, str, str]]:
-        specs: list[tuple[str, str, str]] = []
-        for node in CONTROL_DEVICE_NODES:
-            if self._path_exists(self._host_path(node)):
-                specs.append((node, self._host_path(node), "rw"))
-        seen: set[str] = set()
-        for d in devices:
-            gpu = self.topology.gpus[d.gpu_index]
-            minor = gpu.minor_number if gpu.minor_number is not None else gpu.index
-            paths = [f"/dev/nvidia{minor}"]
-            if d.mig is not None:
-                paths.extend(self._mig_cap_nodes(minor, d))
-            for path in paths:
-                if path not in seen:
-                    seen.add(path)
-                    specs.append((path, self._host_path(path), "rw"))
-        return specs
-
-    def _mig_cap_nodes(self, minor: int, device: PluginDevice) -> list[str]:
-        """``/dev/nvidia-caps/nvidia-cap<N>`` for the MIG device's GPU and compute instance,
-        N read from the driver's ``/proc/driver/nvidia/capabilities`` files (skipped where
-        the driver does not publish them)."""
-        mig = device.mig
-        assert mig is not None
-        if mig.gi_id is None:
-            return []
-        base = f"/proc/driver/nvidia/capabilities/gpu{minor}/mig/gi{mig.gi_id}"
-        files = [f"{base}/access"]
-        if mig.ci_id is not None:
-            files.append(f"{base}/ci{mig.ci_id}/access")
-        out = []
-        for f in files:
-            try:
-                with open(self._host_path(f), encoding="ascii") as fh:
-                    for line in fh:
-                        if line.startswith("DeviceFileMinor:"):
-                            out.append(f"/dev/nvidia-caps/nvidia-cap{int(line.split(':', 1)[1])}")
-            except (OSError, ValueError):
-                continue
-        return out
-
-    def _topology_envs(self, devices: Sequence[PluginDevice]) -> dict[str, str]:
-        indices = sorted({d.gpu_index for d in devices})
-        envs = {f"{TOPOLOGY_ENV_PREFIX}GPU_INDICES": ",".join(map(str, indices))}
-        numa = sorted({d.numa_node for d in devices if d.numa_node is not None})
-        if numa and all(d.numa_node is not None for d in devices):
-            envs[f"{TOPOLOGY_ENV_PREFIX}NUMA_NODES"] = ",".join(map(str, numa))
-            cpulists = [self.topology.numa_cpulists[n] for n in numa if n in self.topology.numa_cpulists]
-            if len(cpulists) == len(numa):
-                envs[f"{TOPOLOGY_ENV_PREFIX}CPULIST"] = ",".join(cpulists)
-        if len(indices) > 1:
-            one_island = any(set(indices) <= set(island) for island in self.topology.nvlink_islands)
-            envs[f"{TOPOLOGY_ENV_PREFIX}NVLINK_CONNECTED"] = "true" if one_island else "false"
-            envs[f"{TOPOLOGY_ENV_PREFIX}SCORE"] = str(self.topology.set_score(indices))
-        return envs
+        gpus = self.topology.gpus
+        devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
+        return container_edits(self.topology, devices, self.config)

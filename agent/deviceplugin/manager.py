@@ -32,10 +32,11 @@ from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import KUBELET_SOCKET, PluginServer, register
-from agent.deviceplugin.unix_server import SocketInUseError
+from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError
 from agent.health import HealthState
+from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
+from agent.kubelet.unix_server import SocketInUseError
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -350,7 +351,10 @@ class DevicePluginManager:
     def _register(self, slot: _Slot, now: float) -> None:
         resource = slot.server.resource
         try:
-            register(self.kubelet_socket, resource, self.register_timeout_s)
+            register_device_plugin(
+                self.kubelet_socket, resource_name=resource.name, endpoint=resource.socket_name,
+                options=PLUGIN_OPTIONS, timeout_s=self.register_timeout_s,
+            )
         except grpc.RpcError as exc:
             slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))
             slot.next_try_s = now + slot.backoff_s

@@ -1,5 +1,5 @@
-"""The kubelet-facing gRPC pieces: one thin servicer per resource, its unix-socket server,
-and the Register call.
+"""The kubelet-facing gRPC pieces: one thin servicer per resource and its unix-socket server
+(:class:`agent.kubelet.unix_server.UnixGrpcServer`); the options it registers with.
 
 The servicer translates messages to :class:`RequestHandler` calls and back, nothing more.
 ``ListAndWatch`` follows grpc's ``HealthServicer.Watch``: it blocks on the health state's
@@ -21,14 +21,12 @@ from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource
-from agent.deviceplugin.unix_server import UnixGrpcServer
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
+from agent.kubelet.unix_server import UnixGrpcServer
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 #: Longest status message we send (characters); request values in it are shortened too.
@@ -36,6 +34,8 @@ MAX_STATUS_MESSAGE = 1000
 #: ListAndWatch streams one plugin serves at a time (the kubelet holds one; a restarting
 #: kubelet briefly two); the worker pool is larger, so unary calls always find a worker.
 MAX_STREAMS = 4
+#: What every plugin tells the kubelet, in Register and in GetDevicePluginOptions.
+PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
 def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) -> pb.ListAndWatchResponse:
@@ -77,7 +77,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.health.wake()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+        return PLUGIN_OPTIONS
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
@@ -199,16 +199,3 @@ class PluginServer:
         """Close the streams, stop serving, remove our socket file."""
         self.servicer.stop()
         self._unix.stop(grace_s)
-
-
-def register(kubelet_socket: str, resource: PluginResource, timeout_s: float = 5.0) -> None:
-    """Call ``/v1beta1.Registration/Register`` on the kubelet. Raises grpc.RpcError when the
-    kubelet is absent or refuses (its reason is in ``.details()``)."""
-    request = pb.RegisterRequest(
-        version=API_VERSION,
-        endpoint=resource.socket_name,
-        resource_name=resource.name,
-        options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
-    )
-    with grpc.insecure_channel(f"unix:{kubelet_socket}") as channel:
-        pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout_s)

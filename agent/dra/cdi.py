@@ -9,9 +9,9 @@ Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
 - spec-wide container edits, applied whenever any device of the claim is injected: the
   control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ... where they exist),
   ``NVIDIA_VISIBLE_DEVICES`` and the agent's ``GPU_TOPOLOGY_*`` variables for the claim's
-  whole device set. They come from the device plugin's Allocate code
-  (:class:`agent.deviceplugin.allocation.RequestHandler`), so both modes hand a container
-  the same environment for the same GPUs.
+  whole device set. They come from :func:`agent.containers.container_edits`, which the
+  device plugin's Allocate answers with too, so both modes hand a container the same
+  environment for the same GPUs.
 
 Files are written atomically (a temporary file in the same directory, then a rename), so the
 runtime never reads half a spec.
@@ -27,8 +27,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from agent.config import Config
-from agent.deviceplugin.allocation import ContainerAllocation, RequestHandler
-from agent.deviceplugin.resources import PluginDevice, PluginResource
+from agent.containers import ContainerDevice, container_edits
 from agent.dra.devices import DeviceRef
 from agent.topology.model import Topology
 
@@ -80,19 +79,10 @@ class CdiSpecWriter:
         self.topology = topology
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
-        # The device plugin's Allocate answer with the settings CDI needs: device nodes on,
-        # NVIDIA_VISIBLE_DEVICES as an env variable (the IDs as device_id_strategy says).
+        # What the device plugin's Allocate would answer with the settings CDI needs: device
+        # nodes on, NVIDIA_VISIBLE_DEVICES as an env variable (IDs as device_id_strategy says).
         self._config = replace(config, pass_device_specs=True, device_list_strategy=("envvar",))
         self._path_exists = path_exists
-
-    def _allocation(self, devices: Sequence[DeviceRef]) -> ContainerAllocation:
-        plugin_devices = tuple(
-            PluginDevice(id=d.uuid, gpu_index=d.gpu.index, uuid=d.uuid, numa_node=d.gpu.numa_node, mig=d.mig)
-            for d in devices
-        )
-        resource = PluginResource(name=cdi_kind(self.driver_name), devices=plugin_devices)
-        handler = RequestHandler(resource, self.topology, self._config, path_exists=self._path_exists)
-        return handler.allocate([d.id for d in plugin_devices])
 
     def build(self, claim_uid: str, devices: Sequence[DeviceRef]) -> dict[str, Any]:
         """The CDI spec for a claim's devices (at least one)."""
@@ -100,35 +90,28 @@ class CdiSpecWriter:
             name = cdi_device_name(claim_uid, d.name)
             if not _CDI_NAME.match(name):
                 raise ValueError(f"CDI device name {name!r} is not valid")
-        alloc = self._allocation(devices)
-        per_device = {d.uuid: self._device_nodes(d, alloc) for d in devices}
+        edits = container_edits(
+            self.topology, [ContainerDevice(d.gpu, d.mig) for d in devices], self._config,
+            path_exists=self._path_exists,
+        )
+        per_device = {d.uuid: set(edits.nodes_by_device[d.uuid]) for d in devices}
         own = {path for paths in per_device.values() for path in paths}
-        common = [spec for spec in alloc.devices if spec[0] not in own]
+        common = [spec for spec in edits.devices if spec[0] not in own]
         return {
             "cdiVersion": CDI_VERSION,
             "kind": cdi_kind(self.driver_name),
             "devices": [
                 {
                     "name": cdi_device_name(claim_uid, d.name),
-                    "containerEdits": {"deviceNodes": [_node(s) for s in alloc.devices if s[0] in per_device[d.uuid]]},
+                    "containerEdits": {"deviceNodes": [_node(s) for s in edits.devices if s[0] in per_device[d.uuid]]},
                 }
                 for d in devices
             ],
             "containerEdits": {
-                "env": [f"{k}={v}" for k, v in alloc.envs.items()],
+                "env": [f"{k}={v}" for k, v in edits.envs.items()],
                 "deviceNodes": [_node(s) for s in common],
             },
         }
-
-    def _device_nodes(self, device: DeviceRef, alloc: ContainerAllocation) -> set[str]:
-        """The container paths in ``alloc.devices`` that belong to ``device`` alone: its GPU
-        node, and for a MIG device its capability nodes."""
-        minor = device.gpu.minor_number if device.gpu.minor_number is not None else device.gpu.index
-        out = {f"/dev/nvidia{minor}"}
-        if device.mig is not None:
-            single = self._allocation([device])
-            out |= {s[0] for s in single.devices if s[0].startswith("/dev/nvidia-caps/")}
-        return out
 
     def write(self, claim_uid: str, devices: Sequence[DeviceRef]) -> str:
         """Write the claim's spec atomically; returns its path."""

@@ -3,8 +3,9 @@
 :class:`ClaimReader` is what the kubelet plugin needs: one ``get(namespace, name)`` that
 returns the claim as plain JSON data (the same shape in ``resource.k8s.io`` v1, v1beta2 and
 v1beta1 for everything read here: ``metadata.uid`` and ``status.allocation.devices.results``).
-:class:`KubernetesClaimReader` implements it with the official ``kubernetes`` client; the
-served version is discovered once, on first use (``v1``, else ``v1beta2``, else ``v1beta1``).
+:class:`KubernetesClaimReader` implements it with the official ``kubernetes`` client (built
+by :func:`agent.kube.api_client`); the served version is discovered once, on first use
+(``v1``, else ``v1beta2``, else ``v1beta1``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import logging
 import threading
 from typing import Any, Mapping, Protocol
 
-from agent.config import Config
-from agent.errors import AgentError, ConfigError
+from agent.errors import AgentError
 
 log = logging.getLogger(__name__)
 
@@ -35,28 +35,6 @@ class ClaimReader(Protocol):
     def get(self, namespace: str, name: str) -> Mapping[str, Any]:
         """The ResourceClaim as JSON data; raises ClaimNotFound or ClaimReadError."""
         ...
-
-
-def api_client(config: Config) -> Any:
-    """A ``kubernetes.client.ApiClient`` from ``config.kubeconfig``, or the in-cluster
-    configuration when it is empty. Raises ConfigError naming what is wrong."""
-    from kubernetes import client
-    from kubernetes import config as kube_config
-
-    if config.kubeconfig:
-        try:
-            return kube_config.new_client_from_config(config_file=config.kubeconfig)
-        except Exception as exc:  # the loader raises ConfigException, OSError, yaml errors
-            raise ConfigError(f"--kubeconfig {config.kubeconfig}: cannot load: {exc}") from None
-    configuration = client.Configuration()
-    try:
-        kube_config.load_incluster_config(client_configuration=configuration)
-    except Exception as exc:
-        raise ConfigError(
-            f"no --kubeconfig given and no in-cluster configuration ({exc}); "
-            "run in a pod with a service account or pass --kubeconfig FILE"
-        ) from None
-    return client.ApiClient(configuration)
 
 
 class KubernetesClaimReader:

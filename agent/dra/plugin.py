@@ -1,8 +1,9 @@
 """The kubelet-facing DRA plugin: registration, the DRA service, and the socket watch.
 
-- ``<plugins_registry_dir>/<driver>-reg.sock`` serves ``pluginregistration.Registration``:
-  the kubelet's plugin watcher finds the socket, calls ``GetInfo`` (type ``DRAPlugin``, the
-  driver name, the DRA endpoint, the services served) and reports the outcome with
+- ``<plugins_registry_dir>/<driver>-reg.sock`` serves ``pluginregistration.Registration``
+  (:class:`agent.kubelet.registration.WatcherRegistrationServicer`): the kubelet's plugin
+  watcher finds the socket, calls ``GetInfo`` (type ``DRAPlugin``, the driver name, the DRA
+  endpoint, the services served) and reports the outcome with
   ``NotifyRegistrationStatus``; a refusal is logged with the kubelet's reason and we keep
   serving (the kubelet tries again when it restarts or the socket is re-created).
 - ``<plugins_dir>/<driver>/dra.sock`` serves ``DRAPlugin`` in both API versions,
@@ -27,14 +28,13 @@ from typing import Any, Callable
 import grpc
 
 from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from agent._proto import pluginregistration_v1_pb2 as reg_pb
-from agent._proto import pluginregistration_v1_pb2_grpc as reg_pb_grpc
 from agent.config import Config
-from agent.deviceplugin.unix_server import UnixGrpcServer
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
 from agent.errors import AgentError
+from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
+from agent.kubelet.unix_server import UnixGrpcServer
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -94,34 +94,13 @@ class DraV1beta1Servicer(_DraServicer, dra_v1beta1_pb2_grpc.DRAPluginServicer):
     pb = dra_v1beta1_pb2
 
 
-class RegistrationServicer(reg_pb_grpc.RegistrationServicer):
-    """``/pluginregistration.Registration/*`` for the kubelet's plugin watcher."""
-
-    def __init__(self, driver_name: str, endpoint: str, on_status: Callable[[bool, str], None]) -> None:
-        self.driver_name = driver_name
-        self.endpoint = endpoint
-        self._on_status = on_status
-
-    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
-        return reg_pb.PluginInfo(
-            type=PLUGIN_TYPE, name=self.driver_name, endpoint=self.endpoint,
-            supported_versions=list(SUPPORTED_VERSIONS),
-        )
-
-    def NotifyRegistrationStatus(
-        self, request: reg_pb.RegistrationStatus, context: grpc.ServicerContext
-    ) -> reg_pb.RegistrationStatusResponse:
-        self._on_status(request.plugin_registered, request.error)
-        return reg_pb.RegistrationStatusResponse()
-
-
 # ---------------------------------------------------------------------- the plugin
 class DraPlugin:
     """The DRA kubelet plugin of one node: serves, registers, keeps its sockets.
 
     ``health`` is the :class:`agent.health.HealthState` (only ``is_healthy`` is read),
     ``claim_reader`` a :class:`agent.dra.claims.ClaimReader` (production:
-    ``KubernetesClaimReader(api_client(config))``). The pool served is ``node_name``
+    ``KubernetesClaimReader(agent.kube.api_client(config))``). The pool served is ``node_name``
     (default ``config.node_name``), as the slice publisher names it. The checkpoint lives
     in ``<plugins_dir>/<driver>/claims/`` (one file per prepared claim).
 
@@ -165,7 +144,9 @@ class DraPlugin:
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
         self._v1beta1 = DraV1beta1Servicer(self.preparer)
-        self._registration = RegistrationServicer(self.driver_name, self.endpoint, self._registration_status)
+        self._registration = WatcherRegistrationServicer(
+            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS, self._registration_status
+        )
         self._dra_server = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
         self._reg_server = UnixGrpcServer(
             self.registration_socket, self._add_registration, name="dra-reg", max_workers=2
@@ -185,7 +166,7 @@ class DraPlugin:
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1beta1, server)
 
     def _add_registration(self, server: grpc.Server) -> None:
-        reg_pb_grpc.add_RegistrationServicer_to_server(self._registration, server)
+        add_watcher_registration(self._registration, server)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

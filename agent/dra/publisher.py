@@ -28,28 +28,10 @@ from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SlicePublisher", "default_client_factory", "pick_version"]
+__all__ = ["SlicePublisher", "pick_version"]
 
 _REQUEST_TIMEOUT_S = 10.0
 _CONFLICT_RETRIES = 5
-
-
-def default_client_factory(kubeconfig: str = "") -> Callable[[], Any]:
-    """A factory of ``kubernetes.client.ApiClient``: from ``kubeconfig`` when given, else the
-    in-cluster service account (``KUBERNETES_SERVICE_HOST`` + the mounted token)."""
-
-    def make() -> Any:
-        from kubernetes import client, config
-
-        cfg = client.Configuration()
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        else:
-            config.load_incluster_config(client_configuration=cfg)
-        cfg.retries = False  # our own loop retries, with backoff and one log line per reason
-        return client.ApiClient(cfg)
-
-    return make
 
 
 def pick_version(served: Collection[str]) -> str | None:
@@ -72,10 +54,12 @@ class SlicePublisher:
     """Publish the node's ResourceSlices and keep them current.
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
-    thread, again after a failure to build one). ``health`` (an :class:`agent.health.HealthState`,
-    optional) is subscribed to: its unhealthy GPUs leave the slices and come back on recovery.
-    Without it, call :meth:`update`. ``delete_on_stop``: delete the slices on :meth:`stop`
-    (default keep: a restarting agent must not make running pods' devices vanish).
+    thread, again after a failure to build one; production: :func:`agent.kube.api_client`
+    with ``retries=False``, as the publisher's own loop retries). ``health`` (an
+    :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs leave the
+    slices and come back on recovery. Without it, call :meth:`update`. ``delete_on_stop``:
+    delete the slices on :meth:`stop` (default keep: a restarting agent must not make running
+    pods' devices vanish).
     """
 
     def __init__(

@@ -14,10 +14,11 @@ import logging
 from typing import Callable
 
 from agent.config import Config
-from agent.dra.claims import KubernetesClaimReader, api_client
+from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import SlicePublisher, default_client_factory
+from agent.dra.publisher import SlicePublisher
 from agent.health import HealthState
+from agent.kube import api_client
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -42,15 +43,15 @@ class DraServers:
         health: HealthState,
         on_kubelet_restart: Callable[[], None],
     ) -> DraServers:
-        """The real ones: ResourceClaims read and slices published through
-        ``config.kubeconfig`` (or the in-cluster configuration); ConfigError when neither
-        can be loaded."""
+        """The real ones: ResourceClaims read and slices published with the client
+        :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
+        configuration); ConfigError when neither can be loaded."""
         plugin = DraPlugin(
             config, topology, health, KubernetesClaimReader(api_client(config)),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(
-            default_client_factory(config.kubeconfig), config.node_name, topology, config.driver_name,
+            lambda: api_client(config, retries=False), config.node_name, topology, config.driver_name,
             health=health, delete_on_stop=config.delete_slices_on_shutdown,
         )
         return cls(plugin, publisher, config)

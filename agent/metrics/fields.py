@@ -1,4 +1,4 @@
-"""The metrics we export and the :class:`~agent.hw.sampling.GpuSample` field behind each.
+"""The metrics we export and the :class:`~agent.hw.protocols.GpuSample` field behind each.
 
 Names, Prometheus types, units and help texts are dcgm-exporter's (its default counter list,
 ``tests/fixtures/dcgm/dcgm-exporter-default-counters.csv``) so that dashboards and alerts
@@ -7,7 +7,7 @@ written for dcgm-exporter work unchanged. Every series carries dcgm-exporter's l
 (``nvidia<minor>``), ``modelName``, ``Hostname``, ``DCGM_FI_DRIVER_VERSION`` and, when the GPU
 is allocated, ``pod``/``namespace``/``container`` (one series per container on a shared GPU).
 
-The samples come from :mod:`agent.hw.sampling`, which says what NVML answers each field;
+The samples come from :mod:`agent.hw.nvml.telemetry`, which says what NVML answers each field;
 this module only maps them to dcgm-exporter's names and units.
 
 =========================================  =======  =====================================================
@@ -72,7 +72,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.hw.sampling import GpuSample
+from agent.hw.protocols import GpuSample
 
 _MIB = 1 << 20
 

@@ -1,13 +1,11 @@
 """Which container holds which GPU: the kubelet's pod-resources API v1, cached.
 
-``PodResourcesCache`` calls ``List`` on the kubelet's ``pod-resources/kubelet.sock`` on its
-own timer (``refresh_s``) and publishes an immutable :class:`Attribution`; scrapes read the
-latest one and never call the kubelet. (dcgm-exporter calls ``List`` on every scrape, which
-is slow and rate-limited by the kubelet on busy nodes.) When a call fails the last good
-attribution stays in place: pods do not vanish because the kubelet restarts.
-
-Layering note: this module imports ``grpc`` and ``agent._proto`` although it is outside
-``agent/deviceplugin/`` — it is a client of a kubelet API, like the device plugin.
+``PodResourcesCache`` calls ``List`` on the kubelet's ``pod-resources/kubelet.sock`` (with
+:class:`agent.kubelet.podresources.PodResourcesClient`) on its own timer (``refresh_s``) and
+publishes an immutable :class:`Attribution`; scrapes read the latest one and never call the
+kubelet. (dcgm-exporter calls ``List`` on every scrape, which is slow and rate-limited by the
+kubelet on busy nodes.) When a call fails the last good attribution stays in place: pods do
+not vanish because the kubelet restarts.
 
 Device IDs map back to GPU indices through the topology: a GPU UUID, a time-sliced replica
 ``<uuid>::<n>``, a MIG device UUID (its parent GPU), or with ``deviceIDStrategy: index`` a
@@ -23,9 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
-import grpc
-
-from agent._proto import podresources_v1_pb2, podresources_v1_pb2_grpc
+from agent.kubelet.podresources import PodResourcesClient, PodResourcesError
 from agent.topology.model import Topology
 from agent.worker import Worker
 
@@ -105,30 +101,6 @@ def attribute(pod_resources: Iterable[Any], resolver: DeviceIdResolver) -> dict[
     return out
 
 
-class PodResourcesClient:
-    """A ``PodResourcesLister`` client on a unix socket; the channel is reused."""
-
-    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
-        self.socket_path = socket_path
-        self.timeout_s = timeout_s
-        self._channel: grpc.Channel | None = None
-        self._stub: Any = None
-
-    def list(self) -> Any:
-        """``List`` -> ``ListPodResourcesResponse``; raises ``grpc.RpcError`` on failure."""
-        if self._stub is None:
-            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
-            self._stub = podresources_v1_pb2_grpc.PodResourcesListerStub(self._channel)
-        return self._stub.List(podresources_v1_pb2.ListPodResourcesRequest(),
-                               timeout=self.timeout_s)
-
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self._stub = None
-
-
 class PodResourcesCache(Worker):
     """Refreshes an :class:`Attribution` every ``refresh_s`` on its own thread."""
 
@@ -186,11 +158,11 @@ class PodResourcesCache(Worker):
         """The kubelet's answer, None (logged once per outage, counted) when it failed."""
         try:
             response = self.client.list()
-        except grpc.RpcError as exc:
+        except PodResourcesError as exc:
             if not self._logged_failure:
                 self._logged_failure = True
                 log.warning("pod-resources List on %s failed: %s (keeping the last answer)",
-                            self.client.socket_path, _rpc_message(exc))
+                            self.client.socket_path, exc)
             if self.on_error is not None:
                 self.on_error()
             return None
@@ -234,12 +206,3 @@ class PodResourcesCache(Worker):
             except Exception:  # keep attributing after any unexpected answer
                 log.exception("pod-resources refresh failed")
             self._stop.wait(self.refresh_s)
-
-
-def _rpc_message(exc: grpc.RpcError) -> str:
-    code = getattr(exc, "code", None)
-    details = getattr(exc, "details", None)
-    try:
-        return f"{code().name if code else 'UNKNOWN'}: {details() if details else exc}"
-    except Exception:  # an RpcError that is not a Call
-        return str(exc)

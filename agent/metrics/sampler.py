@@ -1,7 +1,7 @@
 """The one thread that polls the GPUs, and the immutable snapshot it publishes.
 
-``Sampler.sample_once()`` reads every GPU through a :class:`~agent.hw.sampling.SampleSource`
-(``NvmlSampler`` on the NVML backend), maps each :class:`~agent.hw.sampling.GpuSample` to
+``Sampler.sample_once()`` reads every GPU through a :class:`~agent.hw.protocols.SampleSource`
+(the NVML backend's ``sample_source()``), maps each :class:`~agent.hw.protocols.GpuSample` to
 dcgm-exporter's metrics (:func:`~agent.metrics.fields.dcgm_values`) and replaces
 ``Sampler.snapshot`` with a new :class:`Snapshot` (a single reference assignment, so readers
 never see half a round and never take a lock). Scrapes only read ``snapshot``.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from agent.hw.sampling import SampleSource
+from agent.hw.protocols import SampleSource
 from agent.metrics.fields import XID_METRIC, dcgm_values
 from agent.topology.model import Topology
 from agent.worker import Worker

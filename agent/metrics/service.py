@@ -26,13 +26,12 @@ from typing import Any, Callable
 from agent.config import Config
 from agent.errors import shorten
 from agent.formats import parse_host_port as parse_address
-from agent.hw.backend import Backend
-from agent.hw.sampling import NvmlSampler
+from agent.hw.protocols import Telemetry
+from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.podresources import (
     Attribution,
     PodResourcesCache,
-    PodResourcesClient,
 )
 from agent.metrics.sampler import Sampler, Snapshot
 from agent.metrics.self_metrics import AgentMetrics
@@ -110,7 +109,7 @@ class MetricsService:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Telemetry,
         topology: Topology,
         config: Config,
         *,
@@ -127,7 +126,7 @@ class MetricsService:
         self.agent_metrics = agent_metrics
         self.registry = agent_metrics.registry
         self.sampler = Sampler(
-            NvmlSampler(backend), topology,
+            backend.sample_source(), topology,
             interval_s=config.sample_interval_s,
             idle_threshold_pct=config.idle_utilization_threshold_pct,
             clock=clock, on_round=self._on_round,

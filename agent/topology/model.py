@@ -1,9 +1,10 @@
 """The frozen topology model every other layer reads.
 
 A :class:`Topology` is built once from what a backend read (:class:`NodeFacts`; NVML +
-sysfs, or the simulator), never mutated, and shared between threads. Derived facts (NVLink
-islands, cliques, NUMA groups, pair scores) are computed once at construction by the engine
-(``agent._topo`` or its pure-Python twin).
+sysfs, or the simulator), never mutated, and shared between threads. It holds those facts
+as a ``NodeFacts`` subclass (the ten fields are declared once, in ``agent.records``) and adds
+the derived ones (NVLink islands, cliques, NUMA groups, pair scores), computed once at
+construction by the engine (``agent._topo`` or its pure-Python twin).
 """
 
 from __future__ import annotations
@@ -31,23 +32,15 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Topology:
-    """A node's GPU topology, immutable.
+class Topology(NodeFacts):
+    """A node's GPU topology, immutable: the :class:`NodeFacts` it was built from
+    (normalised: GPUs in index order, one :class:`Link` per unordered pair ``a < b`` in
+    (a, b) order, an unknown link where the input gave none) and the facts derived from them.
 
-    Build it with :meth:`Topology.build`, which validates and computes the derived facts.
-    ``links`` holds one :class:`Link` per unordered pair ``a < b`` in (a, b) order.
+    Build it with :meth:`Topology.from_facts` or :meth:`Topology.build`, which validate and
+    compute the derived facts.
     """
 
-    gpus: tuple[Gpu, ...]
-    links: tuple[Link, ...]
-    nics: tuple[Nic, ...] = ()
-    numa_distances: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
-    numa_cpulists: Mapping[int, str] = field(default_factory=dict)
-    driver_version: str | None = None
-    cuda_driver_version: str | None = None  # "12.4"
-    machine: str | None = None  # DMI product name, e.g. "DGX H100"
-    source: str = ""  # "nvml", "simulated:dgx-h100", "topo-matrix:/path"
-    notes: tuple[str, ...] = ()  # what was inferred rather than read
     # derived, filled by build()
     nvlink_islands: tuple[tuple[int, ...], ...] = ()
     nvlink_cliques: tuple[tuple[int, ...], ...] = ()

@@ -11,7 +11,8 @@ output, opened as a fake NVML plus a fake sysfs tree.
   :func:`agent.hw.sim.from_facts.spec_from_facts`.
 
 Every one of them becomes a :class:`MachineSpec`, then a :class:`SimulatedMachine` whose
-backend is the real :class:`agent.hw.nvml.NvmlBackend` on the fake: one path for all inputs.
+backend is the real :class:`agent.hw.nvml.backend.NvmlBackend` on the fake: one path for all
+inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import weakref
 
 from agent.errors import InputFormatError
-from agent.hw.nvml import NvmlBackend
+from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.spec import MachineSpec, load_machine_spec
 from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree

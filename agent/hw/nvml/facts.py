@@ -1,6 +1,6 @@
-"""Discovery through the NVML backend: :func:`read_node_facts` reads the node's
-:class:`NodeFacts` from NVML (every call through :meth:`NvmlBackend.call`, never ``pynvml``
-itself) and sysfs.
+"""Discovery through NVML: :func:`read_node_facts` reads the node's :class:`NodeFacts` from
+NVML (every call through the wrapper, :meth:`agent.hw.nvml.calls.NvmlCalls.call`, never
+``pynvml`` itself) and sysfs.
 
 From NVML: count, UUID, name, memory, PCI bus id, minor number, compute capability, MIG mode
 and MIG devices, every NVLink's state and remote end, the common-ancestor PCIe level of each
@@ -11,6 +11,9 @@ distances and cpulists, RDMA NICs and their PCIe level to each GPU, the DMI prod
 NVSwitch systems: a link whose remote end is an NVSwitch makes every pair of switch-attached
 GPUs (in one fabric clique, P2P-capable over NVLink) NVLinked with the smaller of their
 switch-link counts, ``Link.nvswitch=True``.
+
+Above 400 lines because it is one discovery pass: the GPUs, their MIG devices, fabric and
+placement, the NICs and the links all share the pass's handles, sysfs reader and notes.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.formats import BusIdError, format_cpulist, parse_cpulist, sysfs_to_nvml_bus_id
+from agent.hw.nvml.calls import NvmlCalls
 from agent.records import Gpu, Link, MigDevice, Nic, NodeFacts, PcieLevel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from agent.hw.nvml import NvmlBackend
     from agent.hw.sysfs import NumaNode, SysfsReader
 
 _MIB = 1 << 20
@@ -90,7 +93,7 @@ def mig_memory_gb(parent_total_bytes: int, mig_memory_mib: int) -> int:
 
 
 def read_node_facts(
-    backend: NvmlBackend, sysfs: SysfsReader | None, source: str = "nvml"
+    backend: NvmlCalls, sysfs: SysfsReader | None, source: str = "nvml"
 ) -> NodeFacts:
     """Discover the node (module docstring), as read. GPUs lost while being read are
     returned with ``lost=True`` and whatever was read before; the others are complete."""
@@ -139,7 +142,7 @@ class _Identity:
 class _FactsReader:
     """One discovery pass: the backend, the sysfs reader and the notes gathered."""
 
-    def __init__(self, backend: NvmlBackend, sysfs: SysfsReader | None) -> None:
+    def __init__(self, backend: NvmlCalls, sysfs: SysfsReader | None) -> None:
         self.backend = backend
         self.sysfs = sysfs
         self.numa_nodes: Mapping[int, NumaNode] = sysfs.numa_nodes() if sysfs is not None else {}

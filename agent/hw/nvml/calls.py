@@ -1,26 +1,27 @@
-"""The NVML backend: the only module of ours that imports ``pynvml``.
+"""The NVML call wrapper: the only module of ours that imports ``pynvml``.
 
-:class:`NvmlBackend` wraps either the real ``pynvml`` module (imported lazily by
-:meth:`NvmlBackend.init`) or a module-like fake (:class:`agent.hw.sim.nvml.FakeNvml`). Every NVML
-call goes through :meth:`NvmlBackend.call`, which turns NVML's failure modes into ours:
+:class:`NvmlCalls` wraps either the real ``pynvml`` module (imported lazily by
+:meth:`NvmlCalls.init`) or a module-like fake (:class:`agent.hw.sim.nvml.FakeNvml`). Every NVML
+call goes through :meth:`NvmlCalls.call`, which turns NVML's failure modes into ours:
 
 * ``NotSupported`` -> ``None`` (the fact is absent);
-* ``GpuIsLost`` -> that GPU is marked lost (:attr:`NvmlBackend.lost_gpus`), ``None``; later
-  calls for it return ``None`` without touching NVML until :meth:`NvmlBackend.probe` sees it
+* ``GpuIsLost`` -> that GPU is marked lost (:attr:`NvmlCalls.lost_gpus`), ``None``; later
+  calls for it return ``None`` without touching NVML until :meth:`NvmlCalls.probe` sees it
   answer again. One failing GPU never takes the others down;
 * ``FunctionNotFound`` (an older driver) -> ``None``, logged once per function;
 * anything else -> :class:`NvmlError` (exit code 1) with the NVML error chained.
 
 Errors other than NotSupported are counted per function in
-:attr:`NvmlBackend.error_counts` (exported as a metric).
+:attr:`NvmlCalls.error_counts` (exported as a metric).
 
-NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`init` raises
-:class:`NvmlUnavailable` with one clear line. What the agent does then is the
+NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`NvmlCalls.init`
+raises :class:`NvmlUnavailable` with one clear line. What the agent does then is the
 ``fail_on_init_error`` setting (the anchor's ``failOnInitError``): exit 1 (True, default), or
 log and retry until NVML comes up (False): the daemon's loop (``agent.daemon``) does that.
 
-Discovery (:meth:`read_facts`) is :mod:`agent.hw.nvml_facts`, which calls NVML only
-through this wrapper. Health events (:meth:`wait_events`) and the GPU probe live here.
+Discovery (:mod:`agent.hw.nvml.facts`), health events (:mod:`agent.hw.nvml.events`) and
+telemetry (:mod:`agent.hw.nvml.telemetry`) call NVML through this wrapper;
+:mod:`agent.hw.nvml.backend` puts them together.
 """
 
 from __future__ import annotations
@@ -28,19 +29,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent.errors import AgentError
-from agent.hw.backend import Backend, HealthEvent
-from agent.hw.nvml_facts import read_node_facts
-from agent.records import NodeFacts
 
-if TYPE_CHECKING:  # pragma: no cover
-    from agent.hw.sysfs import SysfsReader
-
-__all__ = ["HealthEvent", "NvmlBackend", "NvmlError", "NvmlUnavailable"]
+__all__ = ["NvmlCalls", "NvmlError", "NvmlUnavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -74,40 +68,32 @@ class NvmlError(AgentError):
         self.gpu = gpu
 
 
-class NvmlBackend(Backend):
+class NvmlCalls:
     """NVML (real or fake) behind one wrapper; see the module docstring.
 
     ``lib``: None for the real ``pynvml`` (imported in :meth:`init`), else a module-like
-    object with pynvml's API (the fake). ``sysfs``: where NUMA, cpulists, NICs and the
-    product name come from; None means NVML only (no NICs, no NUMA distances).
-    Thread-safe: calls are serialised by one lock, except event waits.
+    object with pynvml's API (the fake). Thread-safe: calls are serialised by one lock,
+    except event waits.
     """
 
     # Locks: ``_call_lock`` serialises NVML calls (held across the call, the only lock held
     # across I/O; nothing but the call runs under it). ``_lock`` guards the bookkeeping
-    # (lost GPUs, error counts, handles, the event set) that other threads read, a scrape
-    # included, and is never held across an NVML call. Order: ``_lock`` is never taken
-    # while ``_call_lock`` is held, and the reverse does not happen either.
+    # (lost GPUs, error counts, handles) that other threads read, a scrape included, and is
+    # never held across an NVML call. Order: ``_lock`` is never taken while ``_call_lock``
+    # is held, and the reverse does not happen either.
 
-    def __init__(
-        self, lib: Any = None, sysfs: SysfsReader | None = None, *, missing_function_level: int = logging.WARNING
-    ) -> None:
+    def __init__(self, lib: Any = None, *, missing_function_level: int = logging.WARNING) -> None:
         """``missing_function_level``: how loudly a function the driver lacks is logged (once
         each); a simulated machine that leaves facts unknown on purpose logs it at INFO."""
         self._lib: Any = lib
         self._missing_level = missing_function_level
-        self._sysfs = sysfs
         self._call_lock = threading.Lock()
         self._lock = threading.RLock()
         self._lost: set[int] = set()
-        self._reported_lost: set[int] = set()
         self._errors: dict[str, int] = {}
         self._missing_logged: set[str] = set()
         self._handles: dict[int, Any] = {}
         self._handle_gpu: dict[object, int] = {}
-        self._event_set: Any = None
-        self._events_registered: set[int] = set()
-        self._event_gpus: int | None = None  # GPU count, read once for event registration
         self._initialized = False
 
     # ------------------------------------------------------------------ state
@@ -175,20 +161,15 @@ class NvmlBackend(Backend):
         return f"NVML is not available: {reason}"
 
     def shutdown(self) -> None:
-        """Free the event set and shut NVML down; never raises."""
+        """Shut NVML down; never raises."""
         lib = self._lib
         if lib is None or not self._initialized:
             return
         with self._lock:
-            event_set, self._event_set = self._event_set, None
-            self._events_registered.clear()
-            self._event_gpus = None
             self._handles.clear()
             self._handle_gpu.clear()
             self._initialized = False
         try:
-            if event_set is not None:
-                lib.nvmlEventSetFree(event_set)
             lib.nvmlShutdown()
         except lib.NVMLError as exc:
             log.warning("NVML shutdown failed: %s", exc)
@@ -210,6 +191,16 @@ class NvmlBackend(Backend):
             return ("ptr", ctypes.cast(handle, ctypes.c_void_p).value)  # type: ignore[arg-type]
         except (TypeError, ctypes.ArgumentError):
             return ("obj", id(handle))
+
+    def gpu_of(self, handle: object) -> int | None:
+        """The index of the GPU whose handle (from :meth:`handle`) this is; None if unknown."""
+        with self._lock:
+            return self._handle_gpu.get(self._handle_key(handle))
+
+    def count_error(self, function_name: str) -> None:
+        """Count one NVML error of ``function_name`` (a call made outside :meth:`call`)."""
+        with self._lock:
+            self._errors[function_name] = self._errors.get(function_name, 0) + 1
 
     def _gpu_of_args(self, args: Sequence[object]) -> int | None:
         if not self._handle_gpu:
@@ -271,8 +262,7 @@ class NvmlBackend(Backend):
             code = exc.value
             if code == self.const("NVML_ERROR_NOT_SUPPORTED") or code in absent:
                 return None
-            with self._lock:
-                self._errors[function_name] = self._errors.get(function_name, 0) + 1
+            self.count_error(function_name)
             if code == self.const("NVML_ERROR_GPU_IS_LOST"):
                 if gpu is not None:
                     self._mark_lost(gpu, function_name)
@@ -340,7 +330,7 @@ class NvmlBackend(Backend):
 
     def probe(self, index: int) -> bool:
         """Whether GPU ``index`` answers NVML normally right now. A lost GPU that answers is
-        no longer lost (its handle and event registration are renewed)."""
+        no longer lost (its handle is renewed)."""
         lib = self._lib
         if lib is None:
             return False
@@ -353,8 +343,7 @@ class NvmlBackend(Backend):
                     h = lib.nvmlDeviceGetHandleByIndex(index)
                 lib.nvmlDeviceGetUUID(h)
         except lib.NVMLError as exc:
-            with self._lock:
-                self._errors["nvmlDeviceGetUUID"] = self._errors.get("nvmlDeviceGetUUID", 0) + 1
+            self.count_error("nvmlDeviceGetUUID")
             if exc.value == self.const("NVML_ERROR_GPU_IS_LOST"):
                 self._mark_lost(index, "nvmlDeviceGetUUID")
             return False
@@ -363,111 +352,6 @@ class NvmlBackend(Backend):
             self._handle_gpu[self._handle_key(h)] = index
             if was_lost:
                 self._lost.discard(index)
-                self._reported_lost.discard(index)
-                self._events_registered.discard(index)
         if was_lost:
             log.warning("GPU %d answers NVML again", index)
-            if self._event_set is not None:
-                self._register_gpu_events(index)
         return True
-
-    # ------------------------------------------------------------------ events
-    def register_events(self) -> bool:
-        """Create the event set and register XID and double-bit ECC events for every GPU
-        that supports them (idempotent). False if NVML has no event support here."""
-        if self._event_set is None:  # only the health watcher's thread registers events
-            event_set = self.call("nvmlEventSetCreate")
-            with self._lock:
-                self._event_set = event_set
-        if self._event_set is None:
-            return False
-        if self._event_gpus is None:
-            self._event_gpus = self.device_count()
-        for index in range(self._event_gpus):
-            if index not in self._events_registered:
-                self._register_gpu_events(index)
-        return True
-
-    def _register_gpu_events(self, index: int) -> None:
-        h = self.handle(index)
-        if h is None:
-            return
-        wanted = self.const("nvmlEventTypeXidCriticalError") | self.const(
-            "nvmlEventTypeDoubleBitEccError"
-        )
-        supported = self.call("nvmlDeviceGetSupportedEventTypes", h, gpu=index)
-        if supported is None:
-            log.warning(
-                "GPU %d: NVML events not supported; XID health checks are off for it", index
-            )
-            self._events_registered.add(index)
-            return
-        mask = wanted & int(supported)
-        if mask:
-            self.call("nvmlDeviceRegisterEvents", h, mask, self._event_set, gpu=index)
-        if index not in self._lost:
-            self._events_registered.add(index)
-
-    def wait_events(self, timeout_ms: int) -> list[HealthEvent]:
-        """Block up to ``timeout_ms`` for health events; [] on timeout. Returns every event
-        already queued once one arrives, plus a ``lost`` event for each GPU newly marked lost
-        (by any call, or found when NVML reports a lost GPU during the wait)."""
-        lib = self._lib
-        if lib is None:
-            raise NvmlError("wait_events before init()")
-        events: list[HealthEvent] = []
-        if not self.register_events():
-            time.sleep(max(0, timeout_ms) / 1000)
-        else:
-            wait_name = (
-                "nvmlEventSetWait_v2" if hasattr(lib, "nvmlEventSetWait_v2") else "nvmlEventSetWait"
-            )
-            wait = getattr(lib, wait_name)
-            timeout = max(0, int(timeout_ms))
-            while len(events) < 256:
-                try:
-                    data = wait(self._event_set, timeout)
-                except lib.NVMLError as exc:
-                    if exc.value == self.const("NVML_ERROR_TIMEOUT"):
-                        break
-                    with self._lock:
-                        self._errors[wait_name] = self._errors.get(wait_name, 0) + 1
-                    if exc.value == self.const("NVML_ERROR_GPU_IS_LOST"):
-                        for index in range(self._event_gpus or 0):
-                            if index not in self._lost:
-                                self.probe(index)
-                        timeout = 0
-                        continue
-                    raise NvmlError(
-                        f"NVML {wait_name} failed: {exc} (NVML error {exc.value})",
-                        function_name=wait_name,
-                        code=exc.value,
-                    ) from exc
-                events.extend(self._health_events(data))
-                timeout = 0  # drain what is already queued, without waiting again
-        with self._lock:
-            new_lost = sorted(self._lost - self._reported_lost)
-            self._reported_lost.update(new_lost)
-        events.extend(HealthEvent(i, "lost") for i in new_lost)
-        return events
-
-    def _health_events(self, data: Any) -> list[HealthEvent]:
-        index = self._handle_gpu.get(self._handle_key(data.device))
-        if index is None:
-            index = self.call("nvmlDeviceGetIndex", data.device)
-        if index is None:
-            return []
-        out: list[HealthEvent] = []
-        event_type = int(data.eventType)
-        if event_type & self.const("nvmlEventTypeXidCriticalError"):
-            out.append(HealthEvent(int(index), "xid", int(data.eventData)))
-        if event_type & self.const("nvmlEventTypeDoubleBitEccError"):
-            out.append(HealthEvent(int(index), "ecc_dbe"))
-        return out
-
-    # ------------------------------------------------------------------ discovery
-    def read_facts(self, source: str = "nvml") -> NodeFacts:
-        """Discover the node, as read (:func:`agent.hw.nvml_facts.read_node_facts`):
-        ``agent.topology`` derives the model from it. GPUs that are lost while being read are
-        returned with ``lost=True`` and whatever was read before; the others are complete."""
-        return read_node_facts(self, self._sysfs, source)

@@ -1,12 +1,13 @@
-"""GPU telemetry through the NVML backend, as typed samples.
+"""GPU telemetry through the NVML call wrapper, as typed samples.
 
-``NvmlSampler(backend).sample(index)`` reads one GPU and returns a frozen
-:class:`GpuSample`: every field is a number in the unit its name says, or None where NVML
-has no answer (NotSupported, an older driver, a field that failed). The metrics layer maps
-these fields to dcgm-exporter's names; it never calls NVML itself.
+``NvmlSampler(nvml).sample(index)`` reads one GPU and returns a frozen
+:class:`~agent.hw.protocols.GpuSample`: every field is a number in the unit its name says, or
+None where NVML has no answer (NotSupported, an older driver, a field that failed). The
+metrics layer gets a sampler from the backend (``Telemetry.sample_source()``) and maps these
+fields to dcgm-exporter's names; it never calls NVML itself.
 
 =================================  =====================================================
-GpuSample field                    NVML source (all through ``Backend.call``)
+GpuSample field                    NVML source (all through ``NvmlCalls.call``)
 =================================  =====================================================
 sm_clock_mhz, mem_clock_mhz        nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM / NVML_CLOCK_MEM)
 gpu_temp_c                         nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU)
@@ -44,10 +45,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from agent.errors import AgentError
-from agent.hw.backend import Backend
+from agent.hw.nvml.calls import NvmlCalls
+from agent.hw.protocols import GpuSample, SampleSource
+
+__all__ = ["NvmlSampler"]
 
 log = logging.getLogger(__name__)
 
@@ -64,48 +68,6 @@ _GPM_METRICS: tuple[tuple[str, str, float], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class GpuSample:
-    """One GPU's telemetry of one round; None: NVML gave no answer for it."""
-
-    index: int
-    sm_clock_mhz: int | None = None
-    mem_clock_mhz: int | None = None
-    gpu_temp_c: int | None = None
-    memory_temp_c: float | None = None
-    power_mw: int | None = None
-    energy_mj: int | None = None
-    pcie_replays: int | None = None
-    gpu_util_pct: int | None = None
-    memory_util_pct: int | None = None
-    encoder_util_pct: int | None = None
-    decoder_util_pct: int | None = None
-    fb_free_bytes: int | None = None
-    fb_used_bytes: int | None = None
-    fb_reserved_bytes: int | None = None
-    nvlink_bandwidth_total: float | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
-    row_remap_failure: int | None = None
-    ecc_sbe_volatile: int | None = None
-    ecc_dbe_volatile: int | None = None
-    ecc_sbe_aggregate: int | None = None
-    ecc_dbe_aggregate: int | None = None
-    graphics_active_pct: float | None = None
-    tensor_active_pct: float | None = None
-    dram_active_pct: float | None = None
-    pcie_tx_bytes_per_s: float | None = None
-    pcie_rx_bytes_per_s: float | None = None
-
-
-class SampleSource(Protocol):
-    """What the metrics sampler reads GPUs through (:class:`NvmlSampler`)."""
-
-    def sample(self, index: int) -> GpuSample | None: ...
-
-    def close(self) -> None: ...
-
-
 @dataclass
 class _GpuState:
     gpm_supported: bool | None = None
@@ -117,12 +79,11 @@ class _GpuState:
 _Step = Callable[[int, Any, "_GpuState"], None]
 
 
-class NvmlSampler:
-    """Reads GPU telemetry through a :class:`agent.hw.backend.Backend` (module docstring);
-    keeps each GPU's GPM sample between rounds. Not thread-safe: owned by one sampling
-    thread."""
+class NvmlSampler(SampleSource):
+    """Reads GPU telemetry through the NVML call wrapper (module docstring); keeps each
+    GPU's GPM sample between rounds. Not thread-safe: owned by one sampling thread."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: NvmlCalls) -> None:
         self.backend = backend
         self._state: dict[int, _GpuState] = {}
         self._warned: set[tuple[int, str]] = set()

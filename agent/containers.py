@@ -1,0 +1,189 @@
+"""What a container gets for a set of GPUs: one function, :func:`container_edits`, used by
+the device plugin's Allocate and by the DRA plugin's CDI writer alike, so both modes hand a
+container the same device nodes and the same environment for the same GPUs.
+
+The device plugin answers in the NVIDIA device plugin's formats (per
+``deviceListStrategy``): ``NVIDIA_VISIBLE_DEVICES`` as an env variable or as volume mounts
+under ``/var/run/nvidia-container-devices``, CDI device names ``nvidia.com/gpu=<id>`` as an
+annotation or as CRI CDI devices, and with ``passDeviceSpecs`` the device nodes. IDs are
+UUIDs or indices (``deviceIDStrategy``). The agent adds the ``GPU_TOPOLOGY_*`` variables:
+the GPU indices, their NUMA nodes and CPUs, whether they share one NVLink island, and the
+set's score.
+
+Nothing here calls NVML: the answer comes from the frozen :class:`Topology`; device nodes
+of the host are looked for only to pass the control nodes that exist and a MIG device's
+capability nodes the driver publishes.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from agent.config import Config
+from agent.topology.model import Gpu, MigDevice, Topology
+
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
+VOLUME_MOUNTS_HOST_PATH = "/dev/null"
+#: The CDI kind of the device plugin's CDI device names (``nvidia.com/gpu=<id>``).
+CDI_KIND = "nvidia.com/gpu"
+CDI_ANNOTATION_PLUGIN = "nvidia-device-plugin"
+TOPOLOGY_ENV_PREFIX = "GPU_TOPOLOGY_"
+#: Control device nodes passed with ``passDeviceSpecs`` where they exist on the host.
+CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+
+@dataclass(frozen=True)
+class ContainerDevice:
+    """One GPU, or one MIG device of it, handed to a container."""
+
+    gpu: Gpu
+    mig: MigDevice | None = None
+
+    @property
+    def uuid(self) -> str:
+        return self.mig.uuid if self.mig is not None else self.gpu.uuid
+
+
+@dataclass(frozen=True)
+class ContainerEdits:
+    """What one container gets; mirrors the device plugin's ``ContainerAllocateResponse``.
+
+    ``nodes_by_device`` holds, by device UUID, the container paths in ``devices`` that
+    belong to that device alone (its GPU node, a MIG device's capability nodes): the rest of
+    ``devices`` are the control nodes every device needs."""
+
+    envs: Mapping[str, str] = field(default_factory=dict)
+    mounts: tuple[tuple[str, str, bool], ...] = ()  # (container, host, read_only)
+    devices: tuple[tuple[str, str, str], ...] = ()  # (container, host, permissions)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    cdi_devices: tuple[str, ...] = ()
+    nodes_by_device: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def container_edits(
+    topology: Topology,
+    devices: Sequence[ContainerDevice],
+    config: Config,
+    *,
+    path_exists: Callable[[str], bool] = os.path.exists,
+) -> ContainerEdits:
+    """What a container gets for ``devices`` (distinct, at least one), as ``config``'s
+    ``deviceListStrategy``, ``deviceIDStrategy``, ``passDeviceSpecs``, ``nvidiaDriverRoot``
+    and CDI annotation prefix say. ``path_exists`` tells which control nodes exist on the
+    host."""
+    ids = [_visible_id(d, config) for d in devices]
+    envs: dict[str, str] = {}
+    mounts: list[tuple[str, str, bool]] = []
+    nodes: list[tuple[str, str, str]] = []
+    nodes_by_device: dict[str, tuple[str, ...]] = {}
+    annotations: dict[str, str] = {}
+    cdi_devices: list[str] = []
+    strategies = config.device_list_strategy
+    cdi = [s for s in strategies if s.startswith("cdi-")]
+    if cdi:
+        names = [f"{CDI_KIND}={i}" for i in ids]
+        if "cdi-annotations" in strategies:
+            key = f"{config.cdi_annotation_prefix}{CDI_ANNOTATION_PLUGIN}_{uuidlib.uuid4()}"
+            annotations[key] = ",".join(names)
+        if "cdi-cri" in strategies:
+            cdi_devices.extend(names)
+    if len(cdi) < len(strategies):  # at least one non-CDI strategy: the anchor's env/mounts
+        if "envvar" in strategies:
+            envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
+        if "volume-mounts" in strategies:
+            envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_ROOT
+            mounts.extend((f"{VOLUME_MOUNTS_ROOT}/{i}", VOLUME_MOUNTS_HOST_PATH, False) for i in ids)
+        if config.pass_device_specs:
+            nodes, nodes_by_device = _device_specs(devices, config.nvidia_driver_root, path_exists)
+    envs.update(_topology_envs(topology, devices))
+    return ContainerEdits(
+        envs=envs, mounts=tuple(mounts), devices=tuple(nodes), annotations=annotations,
+        cdi_devices=tuple(cdi_devices), nodes_by_device=nodes_by_device,
+    )
+
+
+def _visible_id(device: ContainerDevice, config: Config) -> str:
+    if config.device_id_strategy == "index":
+        if device.mig is not None:
+            return f"{device.gpu.index}:{device.mig.index}"
+        return str(device.gpu.index)
+    return device.uuid
+
+
+def _host_path(path: str, driver_root: str) -> str:
+    root = driver_root.rstrip("/")
+    return f"{root}{path}" if root else path
+
+
+def _device_specs(
+    devices: Sequence[ContainerDevice], driver_root: str, path_exists: Callable[[str], bool]
+) -> tuple[list[tuple[str, str, str]], dict[str, tuple[str, ...]]]:
+    """The device nodes to pass (the control nodes that exist, then each device's own, each
+    node once) and each device's own nodes by UUID."""
+    specs: list[tuple[str, str, str]] = []
+    for node in CONTROL_DEVICE_NODES:
+        if path_exists(_host_path(node, driver_root)):
+            specs.append((node, _host_path(node, driver_root), "rw"))
+    own: dict[str, tuple[str, ...]] = {}
+    seen: set[str] = set()
+    for d in devices:
+        paths = _device_nodes(d, driver_root)
+        own[d.uuid] = tuple(paths)
+        for path in paths:
+            if path not in seen:
+                seen.add(path)
+                specs.append((path, _host_path(path, driver_root), "rw"))
+    return specs, own
+
+
+def _device_nodes(device: ContainerDevice, driver_root: str) -> list[str]:
+    """The device's own nodes (container paths): ``/dev/nvidia<minor>``, and for a MIG
+    device its capability nodes."""
+    gpu = device.gpu
+    minor = gpu.minor_number if gpu.minor_number is not None else gpu.index
+    paths = [f"/dev/nvidia{minor}"]
+    if device.mig is not None:
+        paths.extend(_mig_cap_nodes(minor, device.mig, driver_root))
+    return paths
+
+
+def _mig_cap_nodes(minor: int, mig: MigDevice, driver_root: str) -> list[str]:
+    """``/dev/nvidia-caps/nvidia-cap<N>`` for the MIG device's GPU and compute instance,
+    N read from the driver's ``/proc/driver/nvidia/capabilities`` files (skipped where
+    the driver does not publish them)."""
+    if mig.gi_id is None:
+        return []
+    base = f"/proc/driver/nvidia/capabilities/gpu{minor}/mig/gi{mig.gi_id}"
+    files = [f"{base}/access"]
+    if mig.ci_id is not None:
+        files.append(f"{base}/ci{mig.ci_id}/access")
+    out = []
+    for f in files:
+        try:
+            with open(_host_path(f, driver_root), encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("DeviceFileMinor:"):
+                        out.append(f"/dev/nvidia-caps/nvidia-cap{int(line.split(':', 1)[1])}")
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _topology_envs(topology: Topology, devices: Sequence[ContainerDevice]) -> dict[str, str]:
+    indices = sorted({d.gpu.index for d in devices})
+    envs = {f"{TOPOLOGY_ENV_PREFIX}GPU_INDICES": ",".join(map(str, indices))}
+    numa = sorted({d.gpu.numa_node for d in devices if d.gpu.numa_node is not None})
+    if numa and all(d.gpu.numa_node is not None for d in devices):
+        envs[f"{TOPOLOGY_ENV_PREFIX}NUMA_NODES"] = ",".join(map(str, numa))
+        cpulists = [topology.numa_cpulists[n] for n in numa if n in topology.numa_cpulists]
+        if len(cpulists) == len(numa):
+            envs[f"{TOPOLOGY_ENV_PREFIX}CPULIST"] = ",".join(cpulists)
+    if len(indices) > 1:
+        one_island = any(set(indices) <= set(island) for island in topology.nvlink_islands)
+        envs[f"{TOPOLOGY_ENV_PREFIX}NVLINK_CONNECTED"] = "true" if one_island else "false"
+        envs[f"{TOPOLOGY_ENV_PREFIX}SCORE"] = str(topology.set_score(indices))
+    return envs

@@ -1,0 +1,90 @@
+"""The NVML backend: the call wrapper with discovery, health events and telemetry on it.
+
+:class:`NvmlBackend` is the implementation of every protocol of :mod:`agent.hw.protocols`
+(it subclasses each, so mypy checks them against it), on the real ``pynvml`` or on the
+simulator's fake. It is an :class:`~agent.hw.nvml.calls.NvmlCalls` (every NVML call goes
+through that wrapper) that adds what the layers above ask of the hardware:
+
+* discovery, :meth:`NvmlBackend.read_facts` (:mod:`agent.hw.nvml.facts`);
+* health events, :meth:`NvmlBackend.wait_events` (:mod:`agent.hw.nvml.events`);
+* telemetry, :meth:`NvmlBackend.sample_source` (:mod:`agent.hw.nvml.telemetry`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from agent.hw.nvml.calls import NvmlCalls
+from agent.hw.nvml.events import NvmlEvents
+from agent.hw.nvml.facts import read_node_facts
+from agent.hw.nvml.telemetry import NvmlSampler
+from agent.hw.protocols import (
+    EventSource,
+    FactsReader,
+    HealthEvent,
+    Lifecycle,
+    SampleSource,
+    Telemetry,
+)
+from agent.records import NodeFacts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.hw.sysfs import SysfsReader
+
+__all__ = ["NvmlBackend"]
+
+
+class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
+    """NVML (real or fake) behind one wrapper, with discovery, events and telemetry.
+
+    ``lib``: None for the real ``pynvml`` (imported in :meth:`init`), else a module-like
+    object with pynvml's API (the fake). ``sysfs``: where NUMA, cpulists, NICs and the
+    product name come from; None means NVML only (no NICs, no NUMA distances).
+    ``missing_function_level``: how loudly a function the driver lacks is logged (once
+    each); a simulated machine that leaves facts unknown on purpose logs it at INFO.
+    Thread-safe: calls are serialised by one lock, except event waits.
+    """
+
+    def __init__(
+        self,
+        lib: Any = None,
+        sysfs: SysfsReader | None = None,
+        *,
+        missing_function_level: int = logging.WARNING,
+    ) -> None:
+        super().__init__(lib, missing_function_level=missing_function_level)
+        self._sysfs = sysfs
+        self._events = NvmlEvents(self)
+
+    def shutdown(self) -> None:
+        """Free the event set and shut NVML down; never raises."""
+        self._events.close()
+        super().shutdown()
+
+    # ------------------------------------------------------------------ discovery
+    def read_facts(self, source: str = "nvml") -> NodeFacts:
+        """Discover the node, as read (:func:`agent.hw.nvml.facts.read_node_facts`):
+        ``agent.topology`` derives the model from it. GPUs that are lost while being read are
+        returned with ``lost=True`` and whatever was read before; the others are complete."""
+        return read_node_facts(self, self._sysfs, source)
+
+    # ------------------------------------------------------------------ health
+    def probe(self, index: int) -> bool:
+        """Whether GPU ``index`` answers NVML normally right now. A lost GPU that answers is
+        no longer lost (its handle and event registration are renewed)."""
+        was_lost = index in self.lost_gpus
+        if not super().probe(index):
+            return False
+        if was_lost:
+            self._events.recovered(index)
+        return True
+
+    def wait_events(self, timeout_ms: int) -> list[HealthEvent]:
+        """Block up to ``timeout_ms`` for health events (:meth:`NvmlEvents.wait`)."""
+        return self._events.wait(timeout_ms)
+
+    # ------------------------------------------------------------------ telemetry
+    def sample_source(self) -> SampleSource:
+        """A new telemetry sampler on this backend (its own GPM state); the caller closes it."""
+        return NvmlSampler(self)

@@ -1,0 +1,142 @@
+"""The narrow typed protocols through which the agent's layers reach the hardware backend,
+and the records they answer in (:class:`HealthEvent`, :class:`GpuSample`).
+
+:class:`agent.hw.nvml.backend.NvmlBackend` (on the real ``pynvml`` or on the simulator's
+fake) implements every protocol here and subclasses each, so mypy checks every signature
+against it. A consumer names only the protocols it uses, never the concrete class:
+
+=====================  ===================================  ==============================
+protocol               members                              who uses it
+=====================  ===================================  ==============================
+:class:`Lifecycle`     ``init``, ``shutdown``               the daemon
+:class:`FactsReader`   ``read_facts``                       the daemon, ``agent.discovery``
+:class:`EventSource`   ``wait_events``, ``probe``,          the health watcher (the daemon
+                       ``lost_gpus``                        hands it the backend)
+:class:`Telemetry`     ``sample_source``, ``error_counts``  the metrics service
+:class:`SampleSource`  ``sample``, ``close``                the metrics sampler
+=====================  ===================================  ==============================
+
+Every implementation is thread-safe unless it says otherwise; no method but ``init`` and
+``wait_events`` blocks for long. A GPU that is lost makes its calls answer None, never raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.records import NodeFacts
+
+__all__ = [
+    "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "SampleSource",
+    "Telemetry",
+]
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """Something happened to a GPU: an XID, a double-bit ECC error, or it fell off the bus."""
+
+    gpu_index: int
+    kind: str  # "xid" | "ecc_dbe" | "lost"
+    xid: int | None = None  # the XID number of an "xid" event
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU's telemetry of one round, each field in the unit its name says; None: the
+    hardware gave no answer for it (``agent.hw.nvml.telemetry`` names each field's source)."""
+
+    index: int
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    gpu_temp_c: int | None = None
+    memory_temp_c: float | None = None
+    power_mw: int | None = None
+    energy_mj: int | None = None
+    pcie_replays: int | None = None
+    gpu_util_pct: int | None = None
+    memory_util_pct: int | None = None
+    encoder_util_pct: int | None = None
+    decoder_util_pct: int | None = None
+    fb_free_bytes: int | None = None
+    fb_used_bytes: int | None = None
+    fb_reserved_bytes: int | None = None
+    nvlink_bandwidth_total: float | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    row_remap_failure: int | None = None
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    ecc_sbe_aggregate: int | None = None
+    ecc_dbe_aggregate: int | None = None
+    graphics_active_pct: float | None = None
+    tensor_active_pct: float | None = None
+    dram_active_pct: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+
+
+class Lifecycle(Protocol):
+    """Opening and closing the hardware library."""
+
+    def init(self) -> None:
+        """Open the hardware library; an ``AgentError`` (exit 1) with one clear line if it
+        cannot."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what :meth:`init` and the event registration took; never raises."""
+        ...
+
+
+class FactsReader(Protocol):
+    """Discovery: the node as read (an initialised backend)."""
+
+    def read_facts(self, source: str = "nvml") -> NodeFacts:
+        """The node as read, named ``source``; ``agent.topology`` builds the model from it."""
+        ...
+
+
+class EventSource(Protocol):
+    """Health: events, probes and the GPUs found lost."""
+
+    def wait_events(self, timeout_ms: int) -> Sequence[HealthEvent]:
+        """Block up to ``timeout_ms`` for health events; empty on timeout."""
+        ...
+
+    def probe(self, index: int) -> bool:
+        """Whether GPU ``index`` answers normally now (a lost one that does is lost no more)."""
+        ...
+
+    @property
+    def lost_gpus(self) -> Collection[int]:
+        """GPUs found lost on any call (e.g. while the metrics sampler read them), until a
+        successful :meth:`probe`."""
+        ...
+
+
+class SampleSource(Protocol):
+    """GPU telemetry, one GPU at a time. Not thread-safe: owned by one sampling thread."""
+
+    def sample(self, index: int) -> GpuSample | None:
+        """One round of GPU ``index``; None when the GPU is lost or answered nothing."""
+        ...
+
+    def close(self) -> None:
+        """Free what the source holds between rounds."""
+        ...
+
+
+class Telemetry(Protocol):
+    """What the metrics service reads: GPU samples and the library's error counts."""
+
+    def sample_source(self) -> SampleSource:
+        """A new :class:`SampleSource` (its own state between rounds); the caller closes it."""
+        ...
+
+    @property
+    def error_counts(self) -> dict[str, int]:
+        """Library errors (not "not supported") by function name since start; a copy."""
+        ...
