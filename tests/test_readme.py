@@ -616,7 +616,8 @@ def _exported_types() -> dict[str, str]:
     from agent.metrics.self_metrics import AgentMetrics
 
     registry = CollectorRegistry()
-    AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={"nvmlDeviceGetCount": 1}))
+    agent_metrics = AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={"nvmlDeviceGetCount": 1}))
+    agent_metrics.watch_devices(lambda: [("nvidia.com/gpu", "GPU-0", True)])  # what the device plugin offers
     registry.register(GpuCollector(load_topology("dgx-h100"), hostname="node"))
     text = render_text(registry).decode()
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
