@@ -36,7 +36,9 @@ DEPLOY_DIR = ROOT / "daemonset"
 BASE_DIR = DEPLOY_DIR / "base"
 DRA_DIR = DEPLOY_DIR / "dra"
 CHART_FILES = DEPLOY_DIR / "helm" / "gpu-topology-agent" / "files"
-KUBECTL = shutil.which("kubectl")
+#: kubectl on PATH, else the one .ci/run puts beside Helm in .tools/bin
+KUBECTL = shutil.which("kubectl") or next(
+    (str(p) for p in [ROOT / ".tools" / "bin" / "kubectl"] if p.exists()), None)
 
 CLUSTER_SCOPED_KINDS = {
     "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
