@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -713,3 +714,52 @@ def test_notes_say_how_to_check_labels_allocatable_and_metrics(tmp_path: Path) -
 
 def test_notes_warn_when_the_nodefeature_api_is_missing(tmp_path: Path) -> None:
     assert "serves no nfd.k8s-sigs.io/v1alpha1 NodeFeature" in _notes({}, tmp_path)
+
+
+# ----------------------------------------------------------------------------- the README
+
+
+def _readme_table(header: str) -> list[list[str]]:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index(header)
+    rows = []
+    for row in lines[start + 2:]:
+        if not row.startswith("|"):
+            break
+        rows.append([c.strip() for c in row.strip("|").split(" | ")])
+    return rows
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def test_readme_values_table_lists_every_value_with_its_default() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    rows = _readme_table("| Value | Default | Meaning |")
+    listed = {row[0].strip("`"): row[1] for row in rows}
+    assert set(listed) == _leaves(values)
+    for leaf, shown in listed.items():
+        value: Any = values
+        for part in leaf.split("."):
+            value = value[part]
+        if not isinstance(value, (dict, list)):
+            assert shown == f"`{_shown(value)}`", f"{leaf}: README says {shown}, values.yaml {value!r}"
+
+
+def test_readme_maps_nvidias_chart_values_that_exist_here() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    mapped = [row for row in _readme_table("| NVIDIA chart value | Here | What differs |") if row[1] == "same"]
+    names = {n for row in mapped for n in re.findall(r"`([^`]+)`", row[0])}
+    assert names
+    for name in names:
+        value: Any = values
+        for part in name.split("."):
+            assert isinstance(value, dict) and part in value, f"{name} is said to be the same, but is no value"
+            value = value[part]
