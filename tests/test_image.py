@@ -57,20 +57,22 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A Docker engine: the running one, or a dockerd this fixture starts (and stops)."""
     if shutil.which("docker") is None:
         pytest.skip("no docker client (Debian package docker.io)")
-    started = None
-    if not _engine_answers():
-        if shutil.which("dockerd") is None or os.geteuid() != 0:
-            pytest.skip("no Docker engine answers and none can be started (dockerd as root)")
-        log = open(tmp_path_factory.mktemp("dockerd") / "dockerd.log", "wb")
+    if _engine_answers():
+        yield
+        return
+    if shutil.which("dockerd") is None or os.geteuid() != 0:
+        pytest.skip("no Docker engine answers and none can be started (dockerd as root)")
+    log_path = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
+    with open(log_path, "wb") as log:
         started = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
+    try:
         deadline = time.monotonic() + 60
         while not _engine_answers():
             if started.poll() is not None or time.monotonic() > deadline:
-                started.terminate()
-                pytest.skip(f"dockerd did not start (see {log.name})")
+                pytest.skip(f"dockerd did not start (see {log_path})")
             time.sleep(1)
-    yield
-    if started is not None:
+        yield
+    finally:
         started.terminate()
         started.wait(timeout=60)
 
