@@ -573,12 +573,3 @@ def test_the_config_file_sets_the_dra_settings_and_names_a_bad_key(tmp_path):
     path.write_text("version: v1\nmode: DRA-please\n")
     with pytest.raises(ConfigError, match=r"config.yaml: mode: expected one of device-plugin, dra, got 'DRA-please'"):
         load_config(str(path), {}, {})
-
-
-def test_the_shipped_dra_config_map_loads_in_dra_mode():
-    from pathlib import Path
-
-    from agent.config import load_config
-
-    path = Path(__file__).resolve().parent.parent / "daemonset" / "dra" / "config.yaml"
-    assert load_config(str(path), {}, {}).mode == "dra"

@@ -507,8 +507,8 @@ def test_any_mix_of_missing_failing_and_lost_still_gives_a_valid_scrape(unsuppor
 
 
 def test_every_metric_our_dashboard_uses_is_exported(box2):
-    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" / "base" /
-                            "grafana-dashboard.json").read_text())
+    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" / "helm" / "gpu-topology-agent" /
+                            "files" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = set()
     for expr in exprs:
