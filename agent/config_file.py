@@ -2,7 +2,7 @@
 the :class:`agent.config.Config` fields it sets.
 
 We accept every key the anchor's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
-``sharing.timeSlicing``, ``resources``) so that its files load unchanged, plus our sections
+``sharing.timeSlicing``, ``resources``, ``imex``) so that its files load unchanged, plus our sections
 ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor parses for other
 components (GFD, MPS, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
@@ -21,6 +21,7 @@ from agent.config_values import (
     expect_bool,
     expect_choice,
     expect_file_name,
+    expect_imex_channel_ids,
     expect_list_strategy,
     expect_number,
     expect_str,
@@ -47,7 +48,7 @@ class TimeSlicingResource:
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
 _IGNORED_FLAG_KEYS = (
     "gfd", "mpsRoot", "gdsEnabled", "mofedEnabled", "useNodeFeatureAPI",
-    "deviceDiscoveryStrategy", "imexChannelIDs", "imexRequired",
+    "deviceDiscoveryStrategy",
 )
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
 
@@ -127,7 +128,7 @@ def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> N
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics", "mode", "dra"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {got(doc.get('version'))}")
     out: dict[str, object] = {}
@@ -139,6 +140,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     if "timeSlicing" in sharing:
         _parse_time_slicing(_expect_mapping(sharing["timeSlicing"], "sharing.timeSlicing"), out)
     _parse_health(_expect_mapping(doc.get("health"), "health"), out)
+    _parse_imex(_expect_mapping(doc.get("imex"), "imex"), out)
     _parse_dra_file_keys(doc, out)
     _parse_metrics(_expect_mapping(doc.get("metrics"), "metrics"), out)
     return out
@@ -146,6 +148,10 @@ def _parse_file_document(doc: object) -> dict[str, object]:
 
 def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     """The file's ``flags`` section (with ``flags.plugin`` and ``flags.gfd``) into ``out``."""
+    for key in ("imexChannelIDs", "imexRequired"):  # an IMEX setting must never be ignored
+        if key in flags:
+            raise ValueError(f"flags.{key}: not a key of this format; IMEX channels are set in the"
+                             " top-level imex section (imex.channelIDs, imex.required)")
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
@@ -207,6 +213,15 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
         out["extra_critical_xids"] = expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = expect_number(health["recoverySeconds"], "health.recoverySeconds")
+
+
+def _parse_imex(imex: Mapping[str, Any], out: dict[str, object]) -> None:
+    """NVIDIA's ``imex`` section: ``channelIDs`` ([] or [0]) and ``required``."""
+    _check_keys(imex, ("channelIDs", "required"), "imex")
+    if "channelIDs" in imex:
+        out["imex_channel_ids"] = expect_imex_channel_ids(imex["channelIDs"] or [], "imex.channelIDs")
+    if "required" in imex:
+        out["imex_required"] = expect_bool(imex["required"], "imex.required")
 
 
 def _parse_metrics(metrics: Mapping[str, Any], out: dict[str, object]) -> None:

@@ -23,6 +23,21 @@ nothing more:
   port (connection refused in between).
 
 Errors are ``Status`` objects with ``code``, ``reason`` and ``message``, as the client expects.
+
+Node objects for the per-node config label (issue 18), in their own section below:
+
+- ``/api/v1/nodes``: list (``fieldSelector`` ``metadata.name``, ``labelSelector``), with the
+  list's ``resourceVersion``; labels changed by the test (:meth:`ApiServerStub.label_node`)
+  as ``kubectl label`` does, each change a new ``resourceVersion``;
+- ``/api/v1/nodes?watch=true`` (``apiserver/pkg/endpoints/handlers/watch.go`` serveWatch and
+  ``apiserver/pkg/storage/cacher``): a chunked stream of ``{"type", "object"}`` lines, the
+  objects the field selector picks; without a ``resourceVersion`` (or ``0``) the current
+  nodes first as ``ADDED``, then every change after the given one; it ends at
+  ``timeoutSeconds`` (with a ``BOOKMARK`` holding the current ``resourceVersion`` first when
+  ``allowWatchBookmarks``, as the cacher sends one before a watch's deadline) or at once when
+  the test calls :meth:`ApiServerStub.end_node_watches` (a restarting server: no bookmark);
+  after :meth:`ApiServerStub.compact_node_events` a watch from an older ``resourceVersion``
+  gets one ``ERROR`` event with a 410 ``Expired`` Status and ends (etcd compaction).
 """
 
 from __future__ import annotations
@@ -96,6 +111,9 @@ class ApiServerStub:
         self._slices: dict[str, dict[str, Any]] = {}
         self._claims: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
+        self._node_events: list[tuple[int, str, dict[str, Any]]] = []  # (rv, type, node)
+        self._node_compacted_rv = 0
+        self._node_watch_generation = 0
         self._failures: list[_FailureRule] = []
         self.requests: list[Request] = []
         self._server: ThreadingHTTPServer | None = None
@@ -174,7 +192,7 @@ class ApiServerStub:
         with self._lock:
             self._failures.clear()
 
-    def add_node(self, name: str, uid: str | None = None) -> str:
+    def add_node(self, name: str, uid: str | None = None, labels: dict[str, str] | None = None) -> str:
         """Add a Node object; returns its UID."""
         with self._lock:
             uid = uid or str(uuidlib.uuid4())
@@ -184,6 +202,9 @@ class ApiServerStub:
                              "creationTimestamp": _now()},
                 "spec": {}, "status": {},
             }
+            if labels:
+                self._nodes[name]["metadata"]["labels"] = dict(labels)
+            self._node_event("ADDED", self._nodes[name])
             return uid
 
     def put_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +315,7 @@ class ApiServerStub:
             if seg == ["api", "v1"]:
                 return 200, {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
                     {"name": "nodes", "singularName": "node", "namespaced": False, "kind": "Node",
-                     "verbs": ["get", "list"]}]}
+                     "verbs": ["get", "list", "watch"]}]}
             if seg == ["apis"]:
                 groups = [self._group()] if self.served_versions else []
                 return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
@@ -305,6 +326,8 @@ class ApiServerStub:
             if len(seg) == 3 and seg[:2] == ["apis", GROUP]:
                 self._version(seg[2])
                 return 200, self._resource_list(seg[2])
+            if seg == ["api", "v1", "nodes"]:
+                return self._nodes_collection(query)
             if len(seg) == 4 and seg[:3] == ["api", "v1", "nodes"]:
                 node = self._nodes.get(seg[3])
                 if node is None:
@@ -461,6 +484,103 @@ class ApiServerStub:
         return 200, self._as_version(obj, version)
 
 
+    # ---------------------------------------------------------- nodes: labels, list, watch
+    def label_node(self, name: str, **labels: str | None) -> None:
+        """Set (or, with None, remove) labels of a node, as ``kubectl label --overwrite``:
+        ``label_node("n1", **{"nvidia.com/device-plugin.config": "a"})``."""
+        with self._lock:
+            meta = self._nodes[name]["metadata"]
+            current = meta.setdefault("labels", {})
+            for key, value in labels.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            meta["resourceVersion"] = self._next_rv()
+            self._node_event("MODIFIED", self._nodes[name])
+
+    def bump(self) -> None:
+        """A write to some other object: the global resourceVersion moves on."""
+        with self._lock:
+            self._next_rv()
+            self._changed.notify_all()
+
+    def end_node_watches(self) -> None:
+        """End every open node watch now (the server restarting): clients must resume."""
+        with self._lock:
+            self._node_watch_generation += 1
+            self._changed.notify_all()
+
+    def compact_node_events(self) -> None:
+        """Forget the node event history (etcd compaction): a watch from an older
+        resourceVersion gets 410 Expired and the client must list again."""
+        with self._lock:
+            self._node_compacted_rv = self._rv
+            self._node_events.clear()
+
+    def _node_event(self, kind: str, node: dict[str, Any]) -> None:
+        self._node_events.append((int(node["metadata"]["resourceVersion"]), kind, copy.deepcopy(node)))
+        self._changed.notify_all()
+
+    def _nodes_collection(self, query: dict[str, str]) -> tuple[int, Any]:
+        if query.get("watch") in ("true", "1"):
+            since = query.get("resourceVersion") or "0"
+            if not since.isdigit():
+                raise ApiError(400, f"invalid resourceVersion {since!r}")
+            return 200, NodeWatch(self, int(since), query, self._node_watch_generation)
+        items = [copy.deepcopy(n) for _, n in sorted(self._nodes.items()) if _selected(n, query)]
+        return 200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._rv)},
+                     "items": items}
+
+
+class NodeWatch:
+    """One open node watch, streamed by the HTTP handler outside the stub's lock."""
+
+    def __init__(self, stub: ApiServerStub, since: int, query: dict[str, str], generation: int) -> None:
+        self.stub, self.since, self.query, self.generation = stub, since, query, generation
+        self.timeout_s = float(query.get("timeoutSeconds") or 1800)
+        self.bookmarks = query.get("allowWatchBookmarks") in ("true", "1")
+
+    def events(self) -> Iterable[dict[str, Any]]:
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            batch, done = self._next(deadline)
+            yield from batch  # written to the socket outside the lock
+            if done:
+                return
+
+    def _next(self, deadline: float) -> tuple[list[dict[str, Any]], bool]:
+        """(events to send now, whether the watch ends after them)."""
+        import time
+
+        stub = self.stub
+        with stub._changed:
+            if self.since == 0:  # the current state first, as ADDED
+                self.since = stub._rv
+                return [{"type": "ADDED", "object": copy.deepcopy(n)}
+                        for _, n in sorted(stub._nodes.items()) if _selected(n, self.query)], False
+            if self.since < stub._node_compacted_rv:
+                gone = ApiError(410, f"too old resource version: {self.since} ({stub._node_compacted_rv})",
+                                reason="Expired")
+                return [{"type": "ERROR", "object": gone.status()}], True
+            pending = [e for e in stub._node_events if e[0] > self.since]
+            if pending:
+                self.since = pending[-1][0]
+                return [{"type": kind, "object": copy.deepcopy(n)} for _, kind, n in pending
+                        if _selected(n, self.query)], False
+            if stub._server is None or stub._node_watch_generation != self.generation:
+                return [], True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                bookmark = {"type": "BOOKMARK", "object": {
+                    "kind": "Node", "apiVersion": "v1", "metadata": {"resourceVersion": str(stub._rv)}}}
+                return ([bookmark] if self.bookmarks else []), True
+            stub._changed.wait(min(left, 0.2))
+            return [], False
+
+
 def _selected(obj: dict[str, Any], query: dict[str, str]) -> bool:
     for term in filter(None, query.get("fieldSelector", "").split(",")):
         key, _, want = term.partition("=")
@@ -532,11 +652,29 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         code, payload = self.server_stub.handle(self.command, self.path, body)
+        if isinstance(payload, NodeWatch):
+            self._stream(payload)
+            return
         data = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _stream(self, watch: NodeWatch) -> None:
+        """A watch answer: chunked, one JSON event per line, ended by the last chunk."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in watch.events():
+                line = json.dumps(event).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client went away (stopped its watch)
+            self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve

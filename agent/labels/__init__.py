@@ -40,10 +40,17 @@ Ours (``topology.gpu-agent.io/``): ``nvlink-fabric`` (nvswitch|mesh|bridge|none)
 NIC behind the same PCIe switch complex: ``PIX`` or ``PXB`` in ``nvidia-smi topo -m``, a path
 through PCIe switches only, never through a host bridge), ``gpu-models`` (distinct GPU
 models on the node), ``gpu-count`` (all GPUs, whatever the model).
+
+For gang schedulers (Kueue's topology-aware scheduling, Volcano's HyperNode discovery), which
+group nodes by label values coarsest first: ``nvlink-domain``, the NVLink fabric's cluster
+UUID, published exactly when ``nvidia.com/gpu.clique`` is (whose value starts with it), so
+every node of a clique is in its domain: the levels nest strictly. With per-node configs,
+``active-config`` names the config the agent applies.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from typing import Mapping
@@ -59,6 +66,10 @@ MAX_NVLINK_PORTS_PER_GPU = 18
 TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
 #: GFD's label holding when the labels were generated (seconds since the epoch).
 TIMESTAMP_LABEL = GFD_PREFIX + "gfd.timestamp"
+#: The node's NVLink domain (the fabric's cluster UUID), one level above GFD's clique.
+NVLINK_DOMAIN_LABEL = TOPOLOGY_PREFIX + "nvlink-domain"
+#: The per-node config applied (``config_file_srcdir``): the name its label chose.
+ACTIVE_CONFIG_LABEL = TOPOLOGY_PREFIX + "active-config"
 
 _VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _PRODUCT_DROP_RE = re.compile(r"[^A-Za-z0-9\-_. ]")
@@ -121,6 +132,8 @@ def compute_labels(topology: Topology, config: Config, now: float | None = None)
     labels.update(_resource_labels(topology, config))
     labels.update(_clique_labels(topology))
     labels.update(_topology_labels(topology))
+    if config.config_file_srcdir and config.config_file:
+        labels[ACTIVE_CONFIG_LABEL] = _valid_or_empty(os.path.basename(config.config_file))
     if now is not None and not config.no_timestamp:
         labels[TIMESTAMP_LABEL] = str(int(now))
     return dict(sorted((k, v) for k, v in labels.items() if v))
@@ -300,9 +313,13 @@ def _mig_resource_labels(resource: str, config: Config, parent_model: str, profi
     return out
 
 
+def _valid_or_empty(value: str) -> str:
+    return value if is_valid_label_value(value) else ""
+
+
 def _clique_labels(topology: Topology) -> dict[str, str]:
     """``gpu.clique`` only when every fabric-attached GPU agrees on cluster and clique
-    (GFD omits it otherwise)."""
+    (GFD omits it otherwise), and with it the NVLink domain: the clique's cluster UUID."""
     attached = [g for g in topology.gpus if g.fabric_cluster_uuid]
     ids = {(g.fabric_cluster_uuid, g.fabric_clique_id) for g in attached}
     if len(ids) != 1:
@@ -311,7 +328,9 @@ def _clique_labels(topology: Topology) -> dict[str, str]:
     if clique is None:
         return {}
     value = f"{cluster}.{clique}"
-    return {GFD_PREFIX + "gpu.clique": value} if is_valid_label_value(value) else {}
+    if not is_valid_label_value(value):
+        return {}
+    return {GFD_PREFIX + "gpu.clique": value, NVLINK_DOMAIN_LABEL: str(cluster)}
 
 
 # ------------------------------------------------------------------ our topology labels

@@ -67,6 +67,18 @@ class AgentMetrics:
             "gpu_agent_label_write_errors",
             "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
         )
+        # per-node configs (issue 18): one series each, replaced on change
+        self._active_config = Gauge(
+            "gpu_agent_active_config",
+            "1 for the per-node config the agent applies (chosen by the node label).",
+            ["name"], registry=registry,
+        )
+        self._refused_config = Gauge(
+            "gpu_agent_config_refused",
+            "1 while the node label asks for a config that is not applied (reason: unknown when"
+            " no config has that name, invalid when it does not load); the last good one stays.",
+            ["label", "reason"], registry=registry,
+        )
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
@@ -78,6 +90,17 @@ class AgentMetrics:
 
     def kubelet_restart(self) -> None:
         self._kubelet_restarts.inc()
+
+    def config_applied(self, name: str) -> None:
+        """The per-node config ``name`` is applied now (and no label is refused)."""
+        self._active_config.clear()
+        self._active_config.labels(name=name).set(1)
+        self._refused_config.clear()
+
+    def config_refused(self, label: str, reason: str) -> None:
+        """The node label's value ``label`` is refused for ``reason`` (unknown|invalid)."""
+        self._refused_config.clear()
+        self._refused_config.labels(label=label, reason=reason).set(1)
 
     def watch_devices(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         """Export ``gpu_agent_device_healthy`` from ``devices()``, read at every scrape:
