@@ -153,6 +153,8 @@ def expect_fallbacks(value: object, where: str) -> tuple[str, ...]:
 
 def expect_imex_channel_ids(value: object, where: str) -> tuple[int, ...]:
     """NVIDIA's check: ``[]`` or ``[0]`` (the one channel its plugin injects)."""
+    if isinstance(value, str):  # "0", "", or spelled as the file's list: "[0]", "[]"
+        value = value.strip().removeprefix("[").removesuffix("]")
     items = expect_items(value, where, "[] or [0]")
     if not items:
         return ()
