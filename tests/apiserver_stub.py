@@ -499,12 +499,6 @@ class ApiServerStub:
             meta["resourceVersion"] = self._next_rv()
             self._node_event("MODIFIED", self._nodes[name])
 
-    def bump(self) -> None:
-        """A write to some other object: the global resourceVersion moves on."""
-        with self._lock:
-            self._next_rv()
-            self._changed.notify_all()
-
     def end_node_watches(self) -> None:
         """End every open node watch now (the server restarting): clients must resume."""
         with self._lock:
