@@ -50,6 +50,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN useradd --system --uid 10001 --user-group --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin agent
 USER 10001:10001
-EXPOSE 9400
+# 9400: /metrics (TLS and basic auth with --web-config-file); 9401: /health and /ready
+EXPOSE 9400 9401
 ENTRYPOINT ["gpu-topology-agent"]
 CMD ["run"]

@@ -64,6 +64,8 @@ class Config:
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     features_dir: str = "/etc/kubernetes/node-feature-discovery/features.d"
     metrics_address: str = ":9400"
+    probe_address: str = ""  # /health, /ready for the kubelet; "" = see probe_address_of
+    web_config_file: str = ""  # exporter-toolkit web config (TLS, basic auth); "" = plain HTTP
     node_name: str = ""
     sysfs_root: str = "/sys"
     #: plugin socket file name in kubelet_dir; {resource} is the resource name after the
@@ -118,6 +120,8 @@ ENV_FIELDS: Mapping[str, str] = {
     "NODE_NAME": "node_name",
     "KUBELET_DIR": "kubelet_dir",
     "METRICS_ADDRESS": "metrics_address",
+    "PROBE_ADDRESS": "probe_address",
+    "WEB_CONFIG_FILE": "web_config_file",
     "LOG_FORMAT": "log_format",
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
@@ -138,7 +142,8 @@ ENV_FIELDS: Mapping[str, str] = {
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
-PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root", "config_file")
+PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
+               "config_file", "web_config_file")
 
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
@@ -383,9 +388,13 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_metrics(metrics: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(
         metrics,
-        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent"),
+        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent",
+         "probeAddress", "webConfigFile"),
         "metrics",
     )
+    for key, name in (("probeAddress", "probe_address"), ("webConfigFile", "web_config_file")):
+        if key in metrics:  # left empty: the default
+            out[name] = "" if metrics[key] is None else _expect_str(metrics[key], f"metrics.{key}")
     if "sampleIntervalSeconds" in metrics:
         out["sample_interval_s"] = _expect_number(
             metrics["sampleIntervalSeconds"], "metrics.sampleIntervalSeconds", 0.1
@@ -510,11 +519,18 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
 
 def _check_consistency(config: Config) -> None:
     where = config.config_file or "configuration"
-    if config.metrics_address:
-        try:
-            parse_host_port(config.metrics_address, "metrics_address")
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+    try:
+        metrics = parse_host_port(config.metrics_address, "metrics_address") if config.metrics_address else None
+        probe_address = probe_address_of(config)
+        probes = parse_host_port(probe_address, "probe_address") if probe_address else None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if (probes is not None and metrics is not None and probes[1] == metrics[1] != 0
+            and (probes[0] == metrics[0] or "" in (probes[0], metrics[0]))):
+        raise ConfigError(
+            f"{where}: probe_address {config.probe_address!r}: expected another port than"
+            f" metrics_address {config.metrics_address!r} (the probes have their own listener)"
+        )
     if config.mig_strategy == "single" or config.mig_strategy == "none":
         for ts in config.time_slicing:
             if ts.name.startswith("nvidia.com/mig-"):
@@ -568,6 +584,18 @@ def load_config(
         )
     _check_consistency(config)
     return replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
+
+
+def probe_address_of(config: Config) -> str:
+    """Where ``/health`` and ``/ready`` listen (their own listener, apart from ``/metrics``):
+    ``config.probe_address``, or when it is empty the metrics address's host with the next
+    port (``:9401`` by default; port 0, a free one, stays 0)."""
+    if config.probe_address:
+        return config.probe_address
+    host, sep, port = config.metrics_address.rpartition(":")
+    if not sep or not port.isdigit():
+        return config.metrics_address  # parse_host_port names the bad metrics address
+    return f"{host}:{int(port) + 1 if int(port) else 0}"
 
 
 def is_critical_xid(config: Config, xid: int) -> bool:

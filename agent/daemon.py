@@ -42,7 +42,8 @@ from agent.hw.protocols import EventSource, FactsReader, Lifecycle
 from agent.kube import api_client
 from agent.labels import TIMESTAMP_LABEL, compute_labels
 from agent.labels.sinks import FeatureFileSink, LabelSink
-from agent.metrics.service import MetricsService, WaitingEndpoint
+from agent.metrics.http import WaitingEndpoint
+from agent.metrics.service import MetricsService
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
 
@@ -165,7 +166,7 @@ class Daemon:
         plugins: PluginsFactory = DevicePluginManager,
         metrics: MetricsFactory | None = None,
         watcher: WatcherFactory = _default_watcher,
-        waiting_endpoint: Callable[[str], Endpoint] | None = None,
+        waiting_endpoint: Callable[[Config], Endpoint] | None = None,
         label_sink: LabelSink | None = None,
         config_loader: Callable[[], Config] | None = None,
         on_close: Callable[[], None] | None = None,
@@ -322,7 +323,7 @@ class Daemon:
     def _start_waiting_endpoint(self) -> Endpoint | None:
         if self._waiting_endpoint_factory is None:
             return None
-        endpoint = self._waiting_endpoint_factory(self.config.metrics_address)
+        endpoint = self._waiting_endpoint_factory(self.config)
         try:
             endpoint.start()
         except OSError as exc:  # the real service reports this at its start; keep waiting

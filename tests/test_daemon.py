@@ -22,7 +22,7 @@ from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
 from agent.errors import ConfigError
 from agent.labels.sinks import FeatureFileSink
-from agent.metrics.service import WaitingEndpoint
+from agent.metrics.http import WaitingEndpoint
 from agent.records import NodeFacts
 from agent.worker import wait_until as eventually
 

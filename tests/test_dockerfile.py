@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import SUBCOMMANDS
-from agent.config import Config
+from agent.config import Config, probe_address_of
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = "/opt/venv"
@@ -313,9 +313,10 @@ def test_runtime_user_is_not_root(stages: list[Stage]) -> None:
     assert not gid or (gid.isdigit() and int(gid) != 0)
 
 
-def test_exposed_port_is_the_agents_default_metrics_port(stages: list[Stage]) -> None:
+def test_exposed_ports_are_the_agents_default_metrics_and_probe_ports(stages: list[Stage]) -> None:
     exposed = {int(w.split("/")[0]) for i in stages[1].of("EXPOSE") for w in i.arguments.split()}
-    assert exposed == {int(Config().metrics_address.rpartition(":")[2])}
+    default = Config()
+    assert exposed == {int(a.rpartition(":")[2]) for a in (default.metrics_address, probe_address_of(default))}
 
 
 # ----------------------------------------------------------------------------- build context
