@@ -117,6 +117,30 @@ def test_the_metrics_port_speaks_only_tls_when_the_web_config_has_a_certificate(
 
 
 @needs_openssl
+def test_a_tls_handshake_dribbled_byte_by_byte_is_dropped_at_the_request_deadline(pki, tmp_path, endpoints):
+    served = endpoints(write_web_config(tmp_path / "web.yaml", tls_and_users(*pki.server_a)))
+    hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(49))  # a ClientHello's start, 60 bytes
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as conn:
+        sent = 0
+        try:
+            for i in range(len(hello)):  # 15 s at 4 bytes a second: past the 5 s deadline
+                conn.sendall(hello[i:i + 1])
+                sent += 1
+                time.sleep(0.25)
+                conn.setblocking(False)
+                try:
+                    if conn.recv(1024) == b"":
+                        break
+                except BlockingIOError:
+                    pass
+                finally:
+                    conn.setblocking(True)
+        except ConnectionError:
+            pass
+    assert sent < len(hello), "the server waited for the whole dribbled handshake"
+
+
+@needs_openssl
 def test_probes_stay_plain_http_and_need_no_credentials_whatever_the_web_config_says(pki, tmp_path, endpoints):
     served = endpoints(write_web_config(tmp_path / "web.yaml", tls_and_users(*pki.server_a)), ready=True)
     assert plain_get(served.probe_port, "/health") == 200
