@@ -40,8 +40,9 @@ from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.logs import setup_logging
+from agent.metrics.http import WaitingEndpoint
 from agent.metrics.self_metrics import AgentMetrics
-from agent.metrics.service import MetricsService, WaitingEndpoint
+from agent.metrics.service import MetricsService
 from agent.modes import Servers, ServersFactory, servers_for
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
@@ -96,7 +97,7 @@ class Daemon:
         labels: LabelPublisher | None = None,
         metrics: MetricsFactory | None = None,
         watcher: WatcherFactory = _default_watcher,
-        waiting_endpoint: Callable[[str], WaitingEndpoint] | None = None,
+        waiting_endpoint: Callable[[Config], WaitingEndpoint] | None = None,
         config_loader: Callable[[], Config] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -211,7 +212,7 @@ class Daemon:
     def _start_waiting_endpoint(self) -> WaitingEndpoint | None:
         if self._waiting_endpoint_factory is None:
             return None
-        endpoint = self._waiting_endpoint_factory(self.config.metrics_address)
+        endpoint = self._waiting_endpoint_factory(self.config)
         try:
             endpoint.start()
         except OSError as exc:  # the real service reports this at its start; keep waiting

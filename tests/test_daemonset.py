@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 import agent
-from agent.config import Config, load_config
+from agent.config import Config, load_config, probe_address_of
 from agent.topology.model import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -365,13 +365,15 @@ def test_metrics_port_is_named_metrics_and_is_the_agents_default_port(rendered: 
     assert port["containerPort"] == _agent_metrics_port()
 
 
-def test_probes_hit_health_and_ready_on_the_metrics_port(rendered: Rendered) -> None:
+def test_probes_hit_health_and_ready_on_the_agents_probe_port_not_the_metrics_port(rendered: Rendered) -> None:
     liveness = rendered.container["livenessProbe"]["httpGet"]
     readiness = rendered.container["readinessProbe"]["httpGet"]
-    assert (liveness["path"], liveness["port"]) == ("/health", "metrics")
+    assert (liveness["path"], liveness["port"]) == ("/health", "probes")
     if "startupProbe" in rendered.container:
         assert rendered.container["startupProbe"]["httpGet"] == liveness
-    assert (readiness["path"], readiness["port"]) == ("/ready", "metrics")
+    assert (readiness["path"], readiness["port"]) == ("/ready", "probes")
+    (port,) = [p for p in rendered.container["ports"] if p["name"] == "probes"]
+    assert port["containerPort"] == int(probe_address_of(Config()).rpartition(":")[2]) != _agent_metrics_port()
 
 
 def test_headless_service_and_service_monitor_select_the_agent_metrics(rendered: Rendered) -> None:
@@ -475,7 +477,7 @@ def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> 
         try:
             liveness = container["livenessProbe"]["httpGet"]["path"]
             readiness = container["readinessProbe"]["httpGet"]["path"]
-            base = f"http://127.0.0.1:{service.port}"
+            base = f"http://127.0.0.1:{service.probe_port}"
             assert _http_status(base + liveness) == 200
             assert _http_status(base + readiness) == 503
             ready["value"] = True
