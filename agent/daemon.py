@@ -24,6 +24,7 @@ servers, remove sockets, stop the watcher and metrics, NVML shutdown) within
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -233,6 +234,8 @@ class Daemon:
         hostname = config.node_name or socket.gethostname()
 
         def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
+            if sim is not None:  # the simulated machine's /proc holds its GPU processes
+                cfg = dataclasses.replace(cfg, proc_root=sim.proc_root)
             return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready)
 
         return cls(

@@ -28,8 +28,11 @@ from agent.config import Config
 from agent.errors import shorten
 from agent.formats import parse_host_port as parse_address
 from agent.hw.protocols import Telemetry
+from agent.kubelet.cri import CriClient
 from agent.kubelet.podresources import PodResourcesClient
+from agent.metrics.cgroups import CgroupReader
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
+from agent.metrics.pod_processes import ContainerDirectory, PodProcesses
 from agent.metrics.podresources import (
     Attribution,
     PodResourcesCache,
@@ -120,6 +123,7 @@ class MetricsService:
         ready: Callable[[], bool],
         registry: CollectorRegistry | None = None,
         pod_resources: PodResourcesCache | None = None,
+        pod_processes: PodProcesses | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.backend = backend
@@ -128,11 +132,14 @@ class MetricsService:
         self.hostname = hostname
         self.ready = ready
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        if pod_processes is None:  # GPU processes -> pods: the host's /proc and the CRI
+            pod_processes = PodProcesses(CgroupReader(config.proc_root),
+                                         ContainerDirectory(CriClient(config.cri_socket)))
         self.sampler = Sampler(
             backend.sample_source(), topology,
             interval_s=config.sample_interval_s,
             idle_threshold_pct=config.idle_utilization_threshold_pct,
-            clock=clock, on_round=self._on_round,
+            clock=clock, on_round=self._on_round, pods=pod_processes,
         )
         self.scorer = PlacementScorer(topology)
         self.collector = GpuCollector(

@@ -19,6 +19,7 @@ from agent.errors import InputFormatError
 from agent.formats import BusIdError, parse_cpulist, read_document, sysfs_to_nvml_bus_id
 from agent.hw.sim.catalogue import GPU_MODELS, GpuModel, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS as _C
+from agent.hw.sim.processes import ProcessSpec, check_process_cgroups, read_processes
 from agent.records import synthetic_gpu_uuid
 
 
@@ -50,6 +51,7 @@ class GpuSpec:
     fabric_clique_id: int | None = None
     gpu_numa_id: int | None = None  # nvmlDeviceGetNumaNodeId (GPU memory node on Grace)
     board: str | None = None  # GPUs on one multi-GPU board are NVML_TOPOLOGY_INTERNAL
+    processes: tuple[ProcessSpec, ...] = ()  # agent.hw.sim.processes
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ _GPU_KEYS = frozenset(
         "fabric",
         "gpu_numa_id",
         "board",
+        "processes",
     }
 )
 _TOP_KEYS = frozenset(
@@ -259,7 +262,7 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         or "12.4"), numa_nodes: {id: {cpus, distances}}, gpu_defaults: {...},
         gpus: [{bus_id, model, numa_node, cpus, host_bridge, switches, uuid, minor_number,
                 memory_mib, compute_capability, nvlinks, mig, mig_capable, fabric,
-                gpu_numa_id, board}],
+                gpu_numa_id, board, processes}],
         nvlink: {pairs: [[a, b, links]], nvswitch: {links_per_gpu, bus_ids, gpus}},
         nics: [{name, bus_id, numa_node, cpus, host_bridge, switches}],
         pcie_levels: {"0-1": PIX}, faults: {lost_gpus, unsupported, init_error}
@@ -269,6 +272,7 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
     name = r.str_(data.get("name"), "name")
     numa = _read_numa_nodes(r, data.get("numa_nodes"))
     gpus = _read_gpus(r, data, name, numa)
+    check_process_cgroups(((g.index, g.processes) for g in gpus), source)
     n = len(gpus)
     pairs, switch = _read_nvlink(r, data.get("nvlink"), n)
     _check_nvlink_ports(r, gpus, pairs, switch)
@@ -441,6 +445,7 @@ def _read_gpu(
         fabric_clique_id=clique,
         gpu_numa_id=r.opt_int(entry.get("gpu_numa_id"), f"{where}.gpu_numa_id", minimum=0),
         board=str(entry["board"]) if entry.get("board") is not None else None,
+        processes=read_processes(entry.get("processes"), r.source, f"{where}.processes"),
     )
 
 
