@@ -231,3 +231,15 @@ def test_metrics_address_error_names_the_config_file(tmp_path):
     path = write(tmp_path, "c.yaml", "version: v1\n")
     with pytest.raises(ConfigError, match=r"c\.yaml: metrics_address ':x': expected HOST:PORT"):
         load_config(path, {}, {"metrics_address": ":x"})
+
+
+def test_proc_root_and_cri_socket_come_from_flags_or_env_and_take_the_kubelets_spelling():
+    from agent.cli import build_parser
+
+    assert Config().proc_root == "/proc" and Config().cri_socket == "/run/containerd/containerd.sock"
+    env = {"PROC_ROOT": "/host/proc", "CRI_SOCKET": "unix:///var/run/crio/crio.sock"}
+    c = load_config(None, env, {})
+    assert (c.proc_root, c.cri_socket) == ("/host/proc", "/var/run/crio/crio.sock")
+    args = build_parser().parse_args(["run", "--proc-root", "/hp", "--cri-socket", "/run/k3s/c.sock"])
+    c = load_config(None, env, {"proc_root": args.proc_root, "cri_socket": args.cri_socket})
+    assert (c.proc_root, c.cri_socket) == ("/hp", "/run/k3s/c.sock")
