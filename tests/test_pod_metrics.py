@@ -375,3 +375,15 @@ def test_the_service_maps_processes_through_the_configured_proc_root_and_cri_soc
     body = service.render().decode()
     assert per_pod(body, SM)[("0", "trainer", "main")] == 70.0
     service.sampler.stop()
+
+
+def test_the_readmes_per_pod_table_lists_exactly_the_per_pod_series():
+    from pathlib import Path
+
+    from agent.metrics.fields import POD_METRICS
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("| Per-pod metric | Type | Unit | Meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.strip().splitlines()[1:]]
+    assert {name.strip().strip("`"): kind.strip() for name, kind in rows} == \
+        {m.name: "gauge" for m in POD_METRICS}
