@@ -387,3 +387,19 @@ def test_the_readmes_per_pod_table_lists_exactly_the_per_pod_series():
     rows = [line.split("|")[1:3] for line in table.strip().splitlines()[1:]]
     assert {name.strip().strip("`"): kind.strip() for name, kind in rows} == \
         {m.name: "gauge" for m in POD_METRICS}
+
+
+def test_a_pid_that_leaves_and_comes_back_in_another_container_is_read_again(node, containerd):
+    sampler = sampler_of(node, containerd)
+    sampler.sample_once()
+    assert per_pod(render(node, sampler), PROCS)[("1", "solo", "main")] == 1.0
+    node.lib.set_value(1, "processes", [])  # the solo job ends...
+    sampler.sample_once()
+    # ...and the kernel gives its PID to a process of another pod
+    with open(os.path.join(node.machine.proc_root, "4001", "cgroup"), "w") as f:
+        f.write(containerd_cgroup(2, 2))
+    node.lib.set_value(1, "processes", [ProcessSpec(4001, 10, 50, 0)])
+    sampler.sample_once()
+    text = render(node, sampler)
+    assert per_pod(text, PROCS)[("1", "notebook", "jupyter")] == 1.0
+    assert ("1", "solo", "main") not in per_pod(text, PROCS)

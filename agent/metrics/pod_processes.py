@@ -3,8 +3,10 @@
 Each sampling round, :meth:`PodProcesses.per_pod` takes the processes of every GPU
 (:class:`~agent.hw.protocols.ProcessSample`) and
 
-1. reads each host PID's cgroup once (:class:`~agent.metrics.cgroups.CgroupReader`) for its
-   container ID (or pod UID);
+1. reads each host PID's cgroup (:class:`~agent.metrics.cgroups.CgroupReader`) for its
+   container ID (or pod UID): once while NVML keeps listing the PID round after round (a
+   PID missing from one round is read afresh if it returns: it may be another process; a
+   PID that named no container is read again every round);
 2. names the container from the runtime's CRI API (:class:`ContainerDirectory`, which calls
    ``ListContainers`` only when an ID it has not seen turns up, at most once per round and
    not again within ``retry_s`` of a failure);
@@ -125,6 +127,7 @@ class PodProcesses:
     def __init__(self, cgroups: CgroupReader, containers: ContainerDirectory) -> None:
         self.cgroups = cgroups
         self.containers = containers
+        self._owners: dict[int, CgroupOwner] = {}  # the last round's PIDs in a container
 
     def per_pod(
         self, processes: Mapping[int, Sequence[ProcessSample]]
@@ -132,7 +135,9 @@ class PodProcesses:
         """GPU index -> the use of each container with processes on it (sorted, NO_POD
         first when present)."""
         pids = {p.pid for procs in processes.values() for p in procs}
-        owner_of = {pid: self.cgroups.owner(pid) for pid in pids}
+        known = self._owners
+        owner_of = {pid: known[pid] if pid in known else self.cgroups.owner(pid) for pid in pids}
+        self._owners = {pid: o for pid, o in owner_of.items() if o is not None}
         owners = {o for o in owner_of.values() if o is not None}
         refs = self.containers.lookup(owners) if owners else {}
         out: dict[int, tuple[PodUse, ...]] = {}
