@@ -33,6 +33,12 @@ class PcieLevel(enum.IntEnum):
         return cls[alias.get(t, t)]
 
 
+#: Most GPUs per node: the topology engine works on 64-bit GPU masks. The one definition in
+#: Python (the simulator refuses bigger machines, the allocator bigger topologies, the
+#: pure-Python twin bigger inputs); the Cython kernel compiles the same number in as its
+#: array bound, and the parity suite checks the kernel against the twin.
+MAX_GPUS = 64
+
 #: Pair score by PCIe level, as go-gpuallocator scores links.
 PCIE_SCORE: Mapping[PcieLevel, int] = {
     PcieLevel.SYS: 10,

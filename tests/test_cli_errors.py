@@ -103,13 +103,6 @@ def test_a_pasted_matrix_with_65_gpus_says_the_limit(tmp_path, capsys):
     assert rc == 2 and str(path) in line and "65 GPUs" in line and "at most 64" in line
 
 
-def test_the_simulator_limit_is_the_engines():
-    from agent.hw.sim.machines import MAX_GPUS
-    from agent.topology import engine
-
-    assert MAX_GPUS == engine.impl.MAX_GPUS
-
-
 # ------------------------------------------------------------------ --simulate "" and -
 @pytest.mark.parametrize("command", ["discover", "labels", "allocate", "demo", "run"])
 def test_an_empty_simulate_is_rejected_not_taken_for_nvml(capsys, command):

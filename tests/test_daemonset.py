@@ -16,7 +16,6 @@ and the checks on that object skip, saying so.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import posixpath
 import re
@@ -411,7 +410,6 @@ def _agent_shutdown_budget_s() -> float:
     """The daemon's shutdown budget (what ``run`` uses)."""
     from agent import daemon
 
-    assert inspect.signature(daemon.Daemon).parameters["shutdown_budget_s"].default == daemon.SHUTDOWN_BUDGET_S
     return daemon.SHUTDOWN_BUDGET_S
 
 
@@ -587,8 +585,11 @@ def test_commented_time_slicing_example_loads_when_uncommented(tmp_path: Path) -
 
 
 def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
     from agent.hw.sim import machines
     from agent.metrics import service as service_module
+    from agent.metrics.self_metrics import AgentMetrics
 
     container = Rendered(_render_with_yaml(_prepare(tmp_path)[0]), (), "yaml").container
     backend = machines.open_simulated("dgx-h100").backend()
@@ -598,7 +599,8 @@ def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> 
         config = dataclasses.replace(Config(), metrics_address="127.0.0.1:0")
         ready = {"value": False}
         service = service_module.MetricsService(
-            backend, topology, config, hostname="gpu-node-7", ready=lambda: ready["value"]
+            backend, topology, config, hostname="gpu-node-7", ready=lambda: ready["value"],
+            agent_metrics=AgentMetrics(CollectorRegistry(), backend),
         )
         service.start()
         try:

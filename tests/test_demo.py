@@ -12,7 +12,8 @@ import pytest
 
 from agent import cli
 from agent._proto.deviceplugin_v1beta1_pb2 import Device
-from agent.demo.story import BusyNode, Step, busy_node_trace, run_demo
+from agent.demo.busy_node import BusyNode, Step, busy_node_trace
+from agent.demo.story import run_demo
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from agent import cli
-from agent.commands.discover import render_table
 from agent.discovery import load_topology
 from agent.hw.sim.machines import BUILTIN_MACHINES
+from agent.render import render_table
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 LEVELS = {"BOARD", "PIX", "PXB", "PHB", "NODE", "SYS", None}
@@ -106,7 +106,7 @@ def daemon_topology(machine: str):
 
 @pytest.mark.parametrize("machine", [*BUILTIN_MACHINES, *MATRIX_FILES], ids=lambda m: Path(m).name)
 def test_discover_shows_the_topology_run_serves_for_every_input(machine, capsys):
-    from agent.commands.discover import topology_to_json
+    from agent.render import topology_to_json
 
     rc, out, _ = discover(capsys, "--simulate", machine, "--format", "json")
     assert rc == 0

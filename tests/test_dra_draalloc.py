@@ -11,21 +11,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from k8s_binaries import k8s_binary, missing_reason
 
 from agent.discovery import load_topology
 from agent.dra.slices import dump_yaml, render_slices
 from agent.hw.sim.machines import BUILTIN_MACHINES
 
 ROOT = Path(__file__).resolve().parents[1]
-DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"
+DRAALLOC = k8s_binary("draalloc")
 EXAMPLES = ROOT / "daemonset" / "dra" / "examples" / "claim-templates.yaml"
 CLASSES = ROOT / "daemonset" / "dra" / "deviceclass.yaml"
 D = "gpu.gpu-agent.io"
 
-pytestmark = pytest.mark.skipif(
-    not DRAALLOC.exists(),
-    reason=f"{DRAALLOC} is absent (../shared/tools is provided beside the project in CI only)",
-)
+needs_draalloc = pytest.mark.skipif(missing_reason("draalloc") is not None, reason=str(missing_reason("draalloc")))
 
 
 def to_v1beta1(obj):
@@ -75,6 +73,26 @@ def slices_of(machine):
     return render_slices(load_topology(machine), node_name="node-1", api_version="v1beta1")
 
 
+def test_what_the_allocator_tests_hand_draalloc_still_exists():
+    """Runs without draalloc, so that these tests cannot rot while they skip: the claim
+    templates and classes they name, every machine's v1beta1 slices with devices named
+    ``gpu-<index>`` (as :func:`indices` reads them), and the NIC the RDMA test pairs with."""
+    assert {c["metadata"]["name"] for c in classes()} == {"gpu.gpu-agent.io", "mig.gpu.gpu-agent.io"}
+    for name in ("any-gpus", "gpus-one-nvlink-island", "gpus-one-numa-node", "gpu-with-rdma-nic"):
+        assert template_claim(name)["spec"]["devices"]["requests"], name
+    for machine in BUILTIN_MACHINES:
+        topo = load_topology(machine)
+        names = [d["name"] for obj in slices_of(machine) for d in obj["spec"]["devices"]]
+        assert yaml.safe_load_all(dump_yaml(slices_of(machine)))
+        if not any(g.mig_enabled for g in topo.gpus):
+            assert sorted(int(n.split("-")[1]) for n in names if n.startswith("gpu-")) == [
+                g.index for g in topo.gpus
+            ], (machine, names)
+    dgx = load_topology("dgx-h100")
+    assert [n.pcie_root for n in dgx.nics if n.name == "mlx5_5"] != [None]
+
+
+@needs_draalloc
 def test_every_machines_slices_decode_strictly_and_allocate(tmp_path):
     def one(machine):
         topo = load_topology(machine)
@@ -92,6 +110,7 @@ def test_every_machines_slices_decode_strictly_and_allocate(tmp_path):
             assert result["any-gpus"]["allocated"], (machine, result)
 
 
+@needs_draalloc
 def test_island_constraint_keeps_a_claim_in_one_island(tmp_path):
     # pcie-pairs: islands {0,1} {2,3} {4,5} {6,7}; with GPU 1 taken, a 2-GPU island claim
     # must skip GPU 0 (alone in its island now) and take a whole pair
@@ -102,6 +121,7 @@ def test_island_constraint_keeps_a_claim_in_one_island(tmp_path):
     assert sorted(indices(got["gpus-one-nvlink-island"])) == [2, 3]
 
 
+@needs_draalloc
 def test_numa_selector_gets_gpus_of_that_node(tmp_path):
     claim = template_claim("any-gpus", "numa1")
     claim["spec"]["devices"]["requests"][0]["selectors"] = [
@@ -110,12 +130,14 @@ def test_numa_selector_gets_gpus_of_that_node(tmp_path):
     assert sorted(indices(got["numa1"])) == [4, 5]
 
 
+@needs_draalloc
 def test_numa_constraint_keeps_a_claim_on_one_numa_node(tmp_path):
     claim = template_claim("gpus-one-numa-node")
     got = allocate(tmp_path, slices_of("dgx-h100"), [claim], allocated=["gpu-0", "gpu-1", "gpu-2"])
     assert sorted(indices(got["gpus-one-numa-node"])) == [4, 5]
 
 
+@needs_draalloc
 def test_impossible_claim_is_reported_unschedulable(tmp_path):
     claim = template_claim("gpus-one-nvlink-island")  # 4 GPUs on one island: islands are pairs
     got = allocate(tmp_path, slices_of("pcie-pairs"), [claim])
@@ -123,6 +145,7 @@ def test_impossible_claim_is_reported_unschedulable(tmp_path):
     assert got["gpus-one-nvlink-island"]["error"]
 
 
+@needs_draalloc
 def test_gpu_aligned_with_an_rdma_nic_by_pcie_root(tmp_path):
     topo = load_topology("dgx-h100")
     nic_slice = {

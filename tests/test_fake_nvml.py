@@ -16,7 +16,8 @@ from agent.hw.sim.machines import load_spec
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.nvml_core import TELEMETRY_FIELDS
 from agent.hw.sim.nvml_types import CONSTANTS, ERROR_CLASSES, STRUCTS
-from agent.hw.sim.spec import machine_spec_from_dict, parse_mig_profile
+from agent.hw.sim.spec import machine_spec_from_dict
+from agent.hw.sim.spec_gpus import parse_mig_profile
 
 
 @pytest.fixture(scope="module")

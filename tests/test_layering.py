@@ -101,3 +101,54 @@ def test_the_contracts_cover_every_package_of_the_agent():
     }
     assert sorted(top - named - {"agent._proto"}) == []
 
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value) + '"'
+
+
+def test_the_layers_contract_sees_function_level_and_type_checking_imports(tmp_path):
+    """DESIGN.md: no module imports one from a layer above it, function-level imports
+    included. import-linter's ``layers`` contract is that check: grimp reads every import
+    statement of a module, those inside functions too, and, since our
+    ``[tool.importlinter]`` does not set ``exclude_type_checking_imports``, those under
+    ``if TYPE_CHECKING:`` as well. This runs import-linter with our options on a two-layer
+    package whose lower layer imports the upper one only inside a function and only for
+    type checking: both must be reported, so nothing else needs adding for the direction
+    rule. (Loops between modules, which layers cannot see inside one layer, are checked by
+    tests/test_static_checks.py.)"""
+    options = {
+        k: v for k, v in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"].items()
+        if k not in ("root_package", "contracts")
+    }
+    files = {
+        "__init__.py": "",
+        "high.py": "X = 1\n",
+        "low/__init__.py": "",
+        "low/by_function.py": "def f():\n    from layered import high\n    return high\n",
+        "low/by_typing.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from layered.high import X\n",
+    }
+    for name, text in files.items():
+        path = tmp_path / "layered" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    config = (
+        '[tool.importlinter]\nroot_package = "layered"\n'
+        + "".join(f"{k} = {_toml_value(v)}\n" for k, v in options.items())
+        + '\n[[tool.importlinter.contracts]]\nname = "down"\ntype = "layers"\n'
+        + 'layers = ["layered.high", "layered.low"]\n'
+    )
+    (tmp_path / "pyproject.toml").write_text(config)
+    if not LINT_IMPORTS.exists():
+        pytest.skip("import-linter is not installed in this interpreter (pip install '.[test]')")
+    result = subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(tmp_path / "pyproject.toml"), "--no-cache"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "layered.low.by_function -> layered.high" in result.stdout, result.stdout
+    assert "layered.low.by_typing -> layered.high" in result.stdout, result.stdout

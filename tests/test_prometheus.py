@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 from metrics_support import PodResourcesStub, listing, open_node, pod
+from prometheus_client import CollectorRegistry
 
 from agent.config import Config
+from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +118,8 @@ def scraped(tmp_path_factory):
     try:
         config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                         sample_interval_s=3600, pod_resources_refresh_s=3600)
-        service = MetricsService(backend, topology, config, hostname="node-a", ready=lambda: True)
+        service = MetricsService(backend, topology, config, hostname="node-a", ready=lambda: True,
+                                 agent_metrics=AgentMetrics(CollectorRegistry(), backend))
         service.start()
         service.sampler.sample_once()  # GPM ratios need two samples
         service.pod_resources.refresh_once()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import textwrap
 from dataclasses import replace
@@ -25,10 +24,12 @@ from agent.commands._common import (
     add_wide_flag,
     load_topology,
 )
-from agent.config import MIG_STRATEGIES, Config, TimeSlicingResource, load_config
+from agent.config import Config, TimeSlicingResource, default_environ, load_config
+from agent.config_values import MIG_STRATEGIES
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.resources import GPU_RESOURCE, PluginResource, build_resources
+from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.errors import UsageError
+from agent.formats import GPU_RESOURCE
 from agent.records import REPLICA_POLICIES
 from agent.topology.allocator import CRITERIA, AllocationEngine, Explanation
 from agent.topology.model import Topology
@@ -139,7 +140,7 @@ def effective_config(args: argparse.Namespace) -> Config:
         "mig_strategy": args.mig_strategy,
         "shared_devices_allocation_policy": args.shared_devices_allocation_policy,
     }
-    config = load_config(args.config, dict(os.environ), flags)
+    config = load_config(args.config, dict(default_environ()), flags)
     if args.replicas is not None:
         config = replace(config, time_slicing=(TimeSlicingResource(replicas=args.replicas),))
     return config

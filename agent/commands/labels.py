@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 from agent.commands._common import add_simulate_flag, load_topology
-from agent.config import Config, load_config
+from agent.config import Config, default_environ, load_config
 from agent.labels import compute_labels, format_labels
 
 
@@ -35,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def load_effective_config(config_file: str | None, flags: dict[str, object] | None = None) -> Config:
     """The agent's configuration from ``config_file`` + environment (+ ``flags``), as ``run``
     reads it."""
-    return load_config(config_file, dict(os.environ), flags or {})
+    return load_config(config_file, dict(default_environ()), flags or {})
 
 
 def run(args: argparse.Namespace) -> int:

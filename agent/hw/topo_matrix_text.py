@@ -2,6 +2,10 @@
 their cells, the NIC legend (:class:`MatrixReader`), and the one error every unreadable
 input raises (:class:`TopoMatrixError`). What the rows state becomes :class:`NodeFacts` in
 :mod:`agent.hw.topo_matrix`, whose docstring describes the accepted text.
+
+Size: :class:`MatrixReader` is one pass over the pasted text (header, rows, legend) whose
+steps share the column positions it found; its cell and tab-stop helpers and the error
+it raises read only with it.
 """
 
 from __future__ import annotations

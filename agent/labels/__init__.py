@@ -3,7 +3,7 @@
 ``compute_labels(topology, config)`` returns GPU Feature Discovery's labels (same keys, same
 value formats, so existing ``nodeSelector``/``nodeAffinity`` terms keep working) plus our
 topology labels under ``topology.gpu-agent.io/``. Every key and value is a valid Kubernetes
-label (checked by :func:`is_valid_label_key` / :func:`is_valid_label_value`).
+label (values are checked by :func:`is_valid_label_value`; the keys are constants).
 
 GFD-compatible labels (``nvidia.com/``):
 
@@ -49,6 +49,7 @@ from collections import Counter
 from typing import Mapping
 
 from agent.config import Config
+from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
 from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
@@ -56,13 +57,10 @@ GFD_PREFIX = "nvidia.com/"
 #: means NVSwitches.
 MAX_NVLINK_PORTS_PER_GPU = 18
 TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
-FULL_GPU_RESOURCE = "nvidia.com/gpu"
 #: GFD's label holding when the labels were generated (seconds since the epoch).
 TIMESTAMP_LABEL = GFD_PREFIX + "gfd.timestamp"
 
 _VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _PRODUCT_DROP_RE = re.compile(r"[^A-Za-z0-9\-_. ]")
 _MIG_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
 #: Model-name fragments of GPUs that support MIG: the fallback for a GPU whose record does
@@ -77,15 +75,6 @@ _GRAPHICS_RE = re.compile(r"GeForce|Quadro|TITAN|\bRTX\b(?! PRO \d+ Blackwell Se
 def is_valid_label_value(value: str) -> bool:
     """Kubernetes label value: <= 63 characters, alphanumeric at both ends, ``-_.`` inside."""
     return len(value) <= 63 and bool(_VALUE_RE.match(value))
-
-
-def is_valid_label_key(key: str) -> bool:
-    """Kubernetes label key: optional DNS-subdomain prefix (<= 253) + ``/`` + name (<= 63)."""
-    prefix, _, name = key.rpartition("/")
-    if prefix:
-        if len(prefix) > 253 or not all(_DNS_LABEL_RE.match(p) for p in prefix.split(".")):
-            return False
-    return len(name) <= 63 and bool(_NAME_RE.match(name))
 
 
 def sanitize_value(text: str) -> str:
@@ -234,9 +223,9 @@ def _majority_model(gpus: tuple[Gpu, ...] | list[Gpu]) -> tuple[str, list[Gpu]]:
 
 def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
     out: dict[str, str] = {}
-    key = FULL_GPU_RESOURCE + "."
+    key = GPU_RESOURCE + "."
     name, same_model = _majority_model(topology.gpus)
-    replicas, renamed = _time_slicing_replicas(config, FULL_GPU_RESOURCE)
+    replicas, renamed = _time_slicing_replicas(config, GPU_RESOURCE)
     shared = replicas > 1
     product = _product([name], shared, renamed) if _known_model(name) else ""
     if product:  # a pasted topology matrix names no model ("unknown")
@@ -264,7 +253,7 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
         for profile in sorted(by_profile):
             devices = by_profile[profile]
             parent = topology.gpus[devices[0].parent_index].name
-            resource = f"nvidia.com/mig-{profile}"
+            resource = f"{MIG_RESOURCE_PREFIX}{profile}"
             out.update(_mig_resource_labels(resource, config, parent, profile, devices))
     return out
 
@@ -273,7 +262,7 @@ def _mig_single_labels(topology: Topology, config: Config, model: str) -> dict[s
     enabled = [g for g in topology.gpus if g.mig_enabled]
     if not enabled:
         return {}  # no MIG-enabled GPU: single behaves as none
-    key = FULL_GPU_RESOURCE + "."
+    key = GPU_RESOURCE + "."
     migs = [m for g in enabled for m in g.mig_devices]
     profiles = {m.profile for m in migs}
     invalid = (
@@ -290,7 +279,7 @@ def _mig_single_labels(topology: Topology, config: Config, model: str) -> dict[s
         }
     profile = profiles.pop()
     parent = enabled[0].name
-    return _mig_resource_labels(FULL_GPU_RESOURCE, config, parent, profile, migs)
+    return _mig_resource_labels(GPU_RESOURCE, config, parent, profile, migs)
 
 
 def _mig_resource_labels(resource: str, config: Config, parent_model: str, profile: str,

@@ -15,8 +15,8 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any, Sequence
 
-#: Most GPUs per node (bitmasks are 64-bit in the extension).
-MAX_GPUS = 64
+from agent.records import MAX_GPUS  # re-exported: the engine API (agent.topology.engine)
+
 #: Largest number of GPUs solved exactly (bitmask tables of 2**n entries). The extension
 #: compiles the same number in; ``engine.EXACT_MAX_GPUS`` reads it from the implementation
 #: in use and a test checks that both agree.

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from agent.errors import AllocationError
-from agent.records import REPLICA_POLICIES
+from agent.records import MAX_GPUS, REPLICA_POLICIES
 from agent.topology import engine
 from agent.topology.deviceids import (
     DeviceTable,
@@ -116,8 +116,8 @@ class AllocationEngine:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._n = topology.gpu_count
-        if self._n > 64:
-            raise AllocationError(f"at most 64 GPUs per node are supported, got {self._n}")
+        if self._n > MAX_GPUS:
+            raise AllocationError(f"at most {MAX_GPUS} GPUs per node are supported, got {self._n}")
         known = sorted({g.numa_node for g in topology.gpus if g.numa_node is not None})
         ids = {node: i for i, node in enumerate(known)}
         unknown_id = len(known)  # "unknown" is one node of its own

@@ -1,7 +1,8 @@
 """Harness cases of the conformance tier and how they run (the hooks are in conftest.py).
 
 The installed agent against the kubelet's own device manager and topology manager
-(Kubernetes v1.32, ``../shared/tools/k8s-v1.32/dmharness``).
+(Kubernetes v1.32, ``dmharness`` in the directory ``$GPU_AGENT_K8S_BINARIES`` names; see
+``tests/k8s_binaries.py``).
 
 Every harness run ("case") is declared once in :data:`CASES`. Tests name the cases they
 read with ``@pytest.mark.parametrize("case", [...])`` (or ``@pytest.mark.cases(...)``);
@@ -9,8 +10,8 @@ when collection is done, the cases the selected tests need are all started at on
 most :data:`PARALLEL` at a time, and each test waits only for its own summaries. A harness
 run takes a few seconds, mostly waiting; the tier takes well under a minute on 2 cores.
 
-The tier skips, naming the path it looked for, when ``../shared/tools/`` (next to the
-repository) is absent: a user's clone has no ``../shared``; CI has it.
+The tier skips, saying why, where ``GPU_AGENT_K8S_BINARIES`` is unset or holds no
+executable ``dmharness``.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from k8s_binaries import k8s_binary, missing_reason
 
-REPO = Path(__file__).resolve().parents[2]
-DMHARNESS = REPO.parent / "shared" / "tools" / "k8s-v1.32" / "dmharness"
+DMHARNESS = k8s_binary("dmharness")
 #: the console script of the installed agent (next to the interpreter running the tests)
 AGENT = Path(sys.executable).parent / "gpu-topology-agent"
 PARALLEL = 4
@@ -239,11 +240,9 @@ class Harness:
 
 
 def skip_reason() -> str | None:
-    if not DMHARNESS.is_file() or not os.access(DMHARNESS, os.X_OK):
-        return (
-            f"conformance tier needs the kubelet device-manager harness at {DMHARNESS} "
-            "(../shared/tools/ next to the repository; present in CI, absent in a user's clone)"
-        )
+    missing = missing_reason("dmharness")
+    if missing is not None:
+        return f"conformance tier: {missing}"
     if not AGENT.is_file():
         return f"conformance tier runs the installed agent; {AGENT} is missing (pip install -e .)"
     return None

@@ -12,7 +12,7 @@ NVSwitch systems: a link whose remote end is an NVSwitch makes every pair of swi
 GPUs (in one fabric clique, P2P-capable over NVLink) NVLinked with the smaller of their
 switch-link counts, ``Link.nvswitch=True``.
 
-Above 400 lines because it is one discovery pass: the GPUs, their MIG devices, fabric and
+Size: above 400 lines because it is one discovery pass: the GPUs, their MIG devices, fabric and
 placement, the NICs and the links all share the pass's handles, sysfs reader and notes.
 """
 

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from agent.errors import InputFormatError
-from agent.formats import parse_cpulist
+from agent.formats import parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.sim.catalogue import GPU_MODELS, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS
-from agent.hw.sim.spec import GpuSpec, MachineSpec, NicSpec, NvSwitchSpec, nvml_bus_id
+from agent.hw.sim.spec_model import GpuSpec, MachineSpec, NicSpec, NvSwitchSpec
 from agent.records import NodeFacts, PcieLevel
 
 _MAX_LINKS = CONSTANTS["NVML_NVLINK_MAX_LINKS"]
@@ -268,7 +268,7 @@ def _gpu_spec(facts: NodeFacts, i: int, ports: int, bus_id: str, place: _Placeme
     return GpuSpec(
         index=i,
         model=model,
-        bus_id=nvml_bus_id(bus_id),
+        bus_id=sysfs_to_nvml_bus_id(bus_id),
         uuid=g.uuid,
         numa_node=g.numa_node,
         cpulist=g.cpu_affinity or None,

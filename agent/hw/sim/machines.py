@@ -28,9 +28,11 @@ from agent.errors import InputFormatError
 from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.processes import write_proc_tree
-from agent.hw.sim.spec import MachineSpec, load_machine_spec
+from agent.hw.sim.spec import load_machine_spec
+from agent.hw.sim.spec_model import MachineSpec
 from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree
 from agent.hw.sysfs import SysfsReader
+from agent.records import MAX_GPUS
 
 _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
 
@@ -46,10 +48,6 @@ BUILTIN_MACHINES: tuple[str, ...] = (
     "a100-mig",
     "single-gpu",
 )
-
-#: Most GPUs a machine may have: the allocation engine's limit (64-bit GPU masks;
-#: ``agent.topology.engine.MAX_GPUS``, which a test keeps equal).
-MAX_GPUS = 64
 
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _TOPO_HEADER = re.compile(r"^\s*GPU0(\s|$)", re.MULTILINE)

@@ -31,6 +31,10 @@ Fault injection: :meth:`FakeNvml.lose_gpu`, :meth:`recover_gpu`, :meth:`make_uns
 Constants, errors and structs: :mod:`agent.hw.sim.nvml_types`; state, fault injection and
 the library functions: :mod:`agent.hw.sim.nvml_core`; telemetry, GPM and events:
 :mod:`agent.hw.sim.nvml_telemetry`.
+
+Size: :class:`FakeNvml` is pynvml's device, MIG and NVLink functions, one short method each
+with pynvml's own name and parameters, which ``tests/test_fake_nvml.py`` compares one by one
+with the installed pynvml; the state and the telemetry halves already live apart.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import uuid as uuid_mod
 import zlib
 from typing import Any
 
-from agent.formats import parse_cpulist
+from agent.formats import parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.pcie import PciePlace, pcie_level
 from agent.hw.sim.nvml_core import _Handle, _Link, api
 from agent.hw.sim.nvml_telemetry import TelemetryApi
@@ -56,7 +60,7 @@ from agent.hw.sim.nvml_types import (
     c_nvmlMemory_t,
     c_nvmlMemory_v2_t,
 )
-from agent.hw.sim.spec import GpuSpec, MigDeviceSpec, nvml_bus_id
+from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
 from agent.hw.sim.sysfs_tree import placement_path
 
 _C = CONSTANTS
@@ -101,7 +105,7 @@ class FakeNvml(TelemetryApi):
     def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> _Handle:
         key = pciBusId.decode() if isinstance(pciBusId, bytes) else pciBusId
         try:
-            index = self._by_bus[nvml_bus_id(key)]
+            index = self._by_bus[sysfs_to_nvml_bus_id(key)]
         except (ValueError, KeyError):
             raise _err("NVML_ERROR_NOT_FOUND") from None
         return self._handles[index]

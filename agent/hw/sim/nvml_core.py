@@ -1,6 +1,11 @@
 """The fake NVML's state, fault injection, handles and library functions; the device,
 MIG and NVLink functions are in :mod:`agent.hw.sim.nvml`, telemetry, GPM and events in
-:mod:`agent.hw.sim.nvml_telemetry`."""
+:mod:`agent.hw.sim.nvml_telemetry`.
+
+Size: :class:`FakeNvmlCore` is the one object whose state (handles, lost GPUs, injected faults,
+event sets) both halves of the fake read and the fault-injection methods change; splitting it
+would split that state across modules.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from agent.hw.sim.nvml_types import (
     nvmlPciInfo_t,
 )
 from agent.hw.sim.processes import ProcessSpec
-from agent.hw.sim.spec import GpuSpec, MachineSpec, MigDeviceSpec
+from agent.hw.sim.spec_model import GpuSpec, MachineSpec, MigDeviceSpec
 
 _C = CONSTANTS
 _T = TypeVar("_T")

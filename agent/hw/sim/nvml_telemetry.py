@@ -19,7 +19,7 @@ from agent.hw.sim.nvml_types import (
     c_nvmlUtilization_t,
 )
 from agent.hw.sim.processes import ProcessSpec
-from agent.hw.sim.spec import GpuSpec
+from agent.hw.sim.spec_model import GpuSpec
 
 _C = CONSTANTS
 _NO_ID = 0xFFFFFFFF

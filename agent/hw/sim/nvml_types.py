@@ -5,6 +5,9 @@ exposes them: same names, values and ``.value`` codes as the installed pynvml (1
 Structs have the same attribute names as pynvml's ctypes structs; the two that callers
 allocate and pass by reference (``c_nvmlGpuFabricInfoV_t``/``c_nvmlGpuFabricInfo_t``) and the
 field-value array are real ctypes structures with pynvml's layout.
+
+Size: most of it is a table, pynvml's constants one per line with pynvml's names and values,
+each checked against the installed pynvml; the error classes and structs are pynvml's too.
 """
 
 from __future__ import annotations
