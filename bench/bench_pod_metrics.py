@@ -42,6 +42,7 @@ from typing import Any
 
 import psutil
 import yaml
+from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,6 +61,7 @@ from agent.kubelet.cri import CriClient  # noqa: E402
 from agent.metrics.cgroups import CgroupReader  # noqa: E402
 from agent.metrics.pod_processes import ContainerDirectory, PodProcesses  # noqa: E402
 from agent.metrics.sampler import Sampler  # noqa: E402
+from agent.metrics.self_metrics import AgentMetrics  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
 
 SPECS = ROOT / "agent" / "hw" / "sim" / "specs"
@@ -159,7 +161,8 @@ def bench_scrape(spec_path: str, cri_socket: str, workdir: str, requests: int) -
     config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                     proc_root=sim.proc_root, cri_socket=cri_socket,
                     sample_interval_s=3600, pod_resources_refresh_s=3600)
-    service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True)
+    service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True,
+                             agent_metrics=AgentMetrics(CollectorRegistry(), backend))
     service.start()
     try:
         service.sampler.sample_once()

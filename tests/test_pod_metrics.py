@@ -36,6 +36,7 @@ from agent.metrics.collector import GpuCollector, render_text
 from agent.metrics.pod_processes import ContainerDirectory, PodProcesses
 from agent.metrics.podresources import PodResourcesCache
 from agent.metrics.sampler import Sampler
+from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -370,7 +371,8 @@ def test_the_service_maps_processes_through_the_configured_proc_root_and_cri_soc
     config = Config(metrics_address="127.0.0.1:0", proc_root=node.machine.proc_root,
                     cri_socket="unix://" + containerd.socket_path)
     service = MetricsService(node.backend, node.topology, config, hostname="h",
-                             ready=lambda: True)
+                             ready=lambda: True,
+                             agent_metrics=AgentMetrics(CollectorRegistry(), node.backend))
     service.sampler.sample_once()
     body = service.render().decode()
     assert per_pod(body, SM)[("0", "trainer", "main")] == 70.0
