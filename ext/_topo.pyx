@@ -24,7 +24,9 @@ Directives (above), chosen deliberately:
 
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport malloc, free
+from libc.stdlib cimport free as free_mem  # ``free`` is also a parameter name below
 from libc.string cimport memset
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 
 cimport cython
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
@@ -47,14 +49,13 @@ MAX_GPUS = _MAX_GPUS
 #: of this limit: ``agent.topology.engine.EXACT_MAX_GPUS`` reads it from here (or from the
 #: twin, which a test keeps equal).
 EXACT_MAX_GPUS = _EXACT
-#: Largest pair score, replica count and replica load accepted (as in the twin).
+#: Largest pair score and device rank accepted (as in the twin).
 SCORE_MAX = 2**31 - 1
 COUNT_MAX = 2**31 - 1
-LOAD_MAX = 2**62
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks: the twin's _int/_mask/_int_list, message for message.
+# Argument checks: the twin's _int/_mask/_bounds/_ranks, message for message.
 # ---------------------------------------------------------------------------------------------
 
 cdef long long _int(object v, str what, long long lo, long long hi) except? -1:
@@ -73,16 +74,46 @@ cdef uint64_t _mask(object v, str what, int n) except? 0xFFFFFFFFFFFFFFFF:
     return <uint64_t>v
 
 
-cdef int _int_list(object values, str what, int n, long long hi, long long* out) except -1:
-    cdef int i
-    if len(values) != n:
-        raise ValueError(f"{what} has {len(values)} entries for {n} GPUs")
-    for i in range(n):
-        v = values[i]
-        if type(v) is not int or not 0 <= v <= hi:
-            _int(v, f"{what}[{i}]", 0, hi)  # raises with the twin's message
-        out[i] = <long long>v
+cdef int _bounds(object start, int n, long long* out) except -1:
+    """Copy a valid ``start`` (n + 1 non-decreasing ints from 0) into ``out``."""
+    cdef int i, overflow = 0
+    cdef long long lo = 0, x
+    if len(start) != n + 1:
+        raise ValueError(f"start has {len(start)} entries for {n} GPUs (expected {n + 1})")
+    for i in range(n + 1):
+        v = start[i]
+        x = PyLong_AsLongLongAndOverflow(v, &overflow) if type(v) is int else -1
+        if overflow or x < lo or x > (0 if i == 0 else COUNT_MAX):
+            _int(v, f"start[{i}]", lo, 0 if i == 0 else COUNT_MAX)  # raises the twin's error
+        out[i] = lo = x
     return 0
+
+
+cdef int _ranks(object values, str what, long long total, long long* out) except -1:
+    """Copy ``values`` (strictly ascending ints in 0..total-1) into ``out``."""
+    cdef Py_ssize_t i, m = len(values)
+    cdef int overflow = 0
+    cdef long long lo = 0, x
+    for i in range(m):
+        v = values[i]
+        x = PyLong_AsLongLongAndOverflow(v, &overflow) if type(v) is int else -1
+        if overflow or x < lo or x >= total:
+            _int(v, f"{what}[{i}]", lo, total - 1)  # raises the twin's error
+        out[i] = x
+        lo = x + 1
+    return 0
+
+
+cdef void _per_gpu(long long* ranks, Py_ssize_t m, long long* bounds, int n,
+                   long long* out) noexcept:
+    """``out[g]``: how many of the ascending ``ranks`` GPU g holds."""
+    cdef int g = 0
+    cdef Py_ssize_t i
+    memset(out, 0, n * sizeof(long long))
+    for i in range(m):
+        while ranks[i] >= bounds[g + 1]:
+            g += 1
+        out[g] += 1
 
 
 cdef int _adjacency(object adjacency, uint64_t* adj) except -1:
@@ -783,24 +814,63 @@ cdef class AllocationSolver:
 
 
     # ------------------------------------------------------------------ replicas
-    def replica_counts(self, free, taken, load, need, packed):
-        """See the twin: how many more replicas of each GPU a time-sliced request takes."""
+    def replica_ranks(self, start, free, required, size, packed):
+        """See the twin: the ranks a time-sliced request gets, ascending."""
+        cdef long long bounds[_MAX_GPUS + 1]
         cdef long long nfree[_MAX_GPUS]
         cdef long long tk[_MAX_GPUS]
         cdef long long ld[_MAX_GPUS]
-        cdef long long total = 0, nd
+        cdef long long counts[_MAX_GPUS]
         cdef int n = self.n, g
-        _int_list(free, "free", n, COUNT_MAX, nfree)
-        _int_list(taken, "taken", n, COUNT_MAX, tk)
-        _int_list(load, "load", n, LOAD_MAX, ld)
-        for g in range(n):
-            total += nfree[g]
-        nd = _int(need, "need", 0, total)
-        self._acquire()
+        cdef Py_ssize_t nf, nr, i = 0, j = 0, a, b, a_end, b_end
+        cdef long long need
+        cdef long long* fr = NULL
+        cdef long long* rq = NULL
+        cdef list out = []
+        _bounds(start, n, bounds)
+        nf = len(free)
+        nr = len(required)
+        fr = <long long*>malloc((nf + nr + 1) * sizeof(long long))
+        if fr == NULL:
+            raise MemoryError()
+        rq = fr + nf
         try:
-            return self._replica_counts(nfree, tk, ld, nd, bool(packed))
+            _ranks(free, "free", bounds[n], fr)
+            _ranks(required, "required", bounds[n], rq)
+            while i < nf and j < nr:
+                if fr[i] == rq[j]:
+                    raise ValueError(f"rank {fr[i]} is both free and required")
+                if fr[i] < rq[j]:
+                    i += 1
+                else:
+                    j += 1
+            need = _int(size, "size", nr, nr + nf) - nr
+            _per_gpu(fr, nf, bounds, n, nfree)
+            _per_gpu(rq, nr, bounds, n, tk)
+            for g in range(n):
+                ld[g] = bounds[g + 1] - bounds[g] - nfree[g] - tk[g] if nfree[g] or tk[g] else 0
+            self._acquire()
+            try:
+                self._replica_counts(nfree, tk, ld, need, bool(packed), counts)
+            finally:
+                self._release()
+            # GPU by GPU: its required ranks merged with its first counts[g] free ones
+            i = j = 0
+            for g in range(n):
+                a, a_end = i, i + counts[g]
+                b, b_end = j, j + tk[g] - counts[g]
+                while a < a_end or b < b_end:
+                    if b == b_end or (a < a_end and fr[a] < rq[b]):
+                        out.append(fr[a])
+                        a += 1
+                    else:
+                        out.append(rq[b])
+                        b += 1
+                i += nfree[g] + counts[g]
+                j = b_end
+            return out
         finally:
-            self._release()
+            free_mem(fr)
 
     cdef inline uint64_t _in_request(self, long long* taken) noexcept:
         cdef uint64_t m = 0
@@ -810,14 +880,15 @@ cdef class AllocationSolver:
                 m |= (<uint64_t>1) << g
         return m
 
-    cdef list _replica_counts(self, long long* nfree, long long* taken, long long* load,
-                              long long need, bint packed):
+    cdef int _replica_counts(self, long long* nfree, long long* taken, long long* load,
+                             long long need, bint packed, long long* counts) except -1:
+        """Per GPU, how many more replicas to take (``counts``); ``nfree`` and ``taken`` are
+        updated as replicas move into the request. The caller holds the lock."""
         cdef int n = self.n, g, i, j, start_t, end_t, tier_len, n_group, t
         cdef long long level, best0, best1, key0, key1, c
-        cdef long long counts[_MAX_GPUS]
         cdef int group[_MAX_GPUS]
         cdef uint64_t in_req, tier_mask, picks
-        memset(counts, 0, sizeof(counts))
+        memset(counts, 0, n * sizeof(long long))
         while need > 0 and not packed:
             # one round: each GPU at the lowest level of use in this request gets one more
             # replica, least loaded first; a partly taken tier of equal load goes to topology
@@ -887,4 +958,4 @@ cdef class AllocationSolver:
             taken[g] += c
             counts[g] += c
             need -= c
-        return [counts[g] for g in range(n)]
+        return 0
