@@ -10,7 +10,7 @@ turned away. Here each pod is a ResourceClaim that ``draalloc`` (Kubernetes v1.3
 allocates over the agent's ResourceSlices (``render_slices(..., api_version="v1beta1")``),
 with the GPUs held by the pods still running passed as ``--allocated``. Paths per machine:
 
-* ``device-plugin``: the agent's ``AllocationEngine.best_set`` (what quality.py calls "ours");
+* ``device-plugin``: the device plugin's answer (what quality.py calls "ours");
 * ``DRA (a)``: claims without constraints over the agent's slices (the allocator walks the
   agent's device order, first fit);
 * ``DRA (b)``: claims with ``matchAttribute: <driver>/nvlinkIsland`` where the size fits
@@ -60,7 +60,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import quality  # noqa: E402
 
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, island_ids, render_slices  # noqa: E402
-from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
 DRAALLOC = ROOT.parent / "shared" / "tools" / "k8s-v1.32" / "draalloc"
@@ -253,7 +252,7 @@ def measure(events_n: int, seed: int) -> tuple[dict[str, dict[str, dict[str, Any
     plans = []
     for m, (name, topo) in enumerate(dra_machines()):
         events = quality.trace(topo.gpu_count, events_n, seed)
-        results[name] = {"device-plugin": dict(quality.replay(topo, AllocationEngine(topo), events))}
+        results[name] = {"device-plugin": dict(quality.replay(topo, quality.Ours(topo), events))}
         largest_island = max(list(island_ids(topo).values()).count(i) for i in set(island_ids(topo).values()))
         for p, path in enumerate(PATHS[1:]):
             driver = f"m{m}p{p}.bench.gpu-agent.io"

@@ -84,6 +84,35 @@ def test_extension_and_twin_choose_the_brute_force_optimum(problem):
         assert _members(ranked[0][0]) == expected, impl.__name__
 
 
+@st.composite
+def twin_problems(draw, max_gpus=10):
+    """Nodes with interchangeable GPUs (the extension searches the best set once per group of
+    them): every GPU has a type, pair scores and NUMA nodes depend on the types only."""
+    n = draw(st.integers(2, max_gpus))
+    types = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    value = {(a, b): draw(st.sampled_from(PAIR_VALUES)) for a in range(4) for b in range(a, 4)}
+    s = [[0 if a == b else value[tuple(sorted((types[a], types[b])))] for b in range(n)]
+         for a in range(n)]
+    numa_of_type = draw(st.lists(st.integers(0, 1), min_size=4, max_size=4))
+    numa = [numa_of_type[t] for t in types]
+    available = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    k = draw(st.integers(1, len(available)))
+    required = sorted(draw(st.sets(st.sampled_from(available), max_size=min(k, 3))))
+    return s, numa, available, required, k
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(twin_problems())
+def test_the_best_set_among_interchangeable_gpus_is_the_brute_force_optimum(problem):
+    s, numa, available, required, k = problem
+    expected = brute_force_best(s, numa, available, required, k)
+    a, r = _mask(available), _mask(required)
+    for impl in (_topo, _pure):
+        solver = impl.AllocationSolver(s, numa)
+        assert _members(solver.best_mask(a, r, k)) == expected, impl.__name__
+        assert solver.rank(a, r, k, 1) == _pure.AllocationSolver(s, numa).rank(a, r, k, 1)
+
+
 @settings(max_examples=80, deadline=None)
 @given(problems(max_gpus=12), st.integers(1, 8))
 def test_extension_and_twin_rank_runners_up_identically(problem, top):

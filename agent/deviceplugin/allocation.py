@@ -64,8 +64,10 @@ class RequestHandler:
         self.config = config
         self._engine: AllocationEngine | None = None
         self._table: DeviceTable | None = None
-        self._packed = config.shared_devices_allocation_policy == "packed"
+        # read once: both scan the resource's devices
+        self._kind = resource.kind
         self._one_at_most = config.fail_requests_greater_than_one and resource.shared
+        self._packed = config.shared_devices_allocation_policy == "packed"
 
     @property
     def engine(self) -> AllocationEngine:
@@ -99,7 +101,7 @@ class RequestHandler:
     def answer(self, request: DeviceRequest) -> list[str]:
         """The device IDs the engine chooses for a checked request."""
         table = self.table
-        kind = self.resource.kind
+        kind = self._kind
         if kind == "gpu":
             ranks = self.engine.gpus(table, request)
         elif kind == "mig":

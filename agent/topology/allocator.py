@@ -20,6 +20,11 @@ always k distinct real GPUs. Exact when at most 16 GPUs are available; above tha
 a bounded greedy search (one candidate grown from each available GPU, the rest partitioned
 greedily) answers in O(n^3) pair look-ups: well under 100 ms compiled, but not exact.
 
+Requests arrive checked, in the ranks of the resource's device table
+(:mod:`agent.topology.deviceids`, the one validation at the edge); the engine answers in ranks
+of the same table and checks nothing again. Time-sliced replicas are picked by the kernel
+(``replica_ranks``), MIG devices by :mod:`agent.topology.mig`.
+
 One :class:`AllocationEngine` per topology: it memoises partition tables across calls and
 serialises calls with a lock, so one instance may be shared by gRPC worker threads. Memory on
 a 16-GPU node: a 512 KiB set-score table plus 512 KiB per request size k seen. Without the
@@ -137,7 +142,9 @@ class AllocationEngine:
     def gpus(self, table: DeviceTable, request: DeviceRequest) -> list[int]:
         """The ranks to allocate, ascending, from a table of whole GPUs (one device per GPU):
         the set of ``request.size`` GPUs the policy chooses."""
-        available, required = self._masks(table, request)
+        bit = table.gpu_bit
+        available = sum(map(bit.__getitem__, request.available))
+        required = sum(map(bit.__getitem__, request.required)) if request.required else 0
         solver = self._solver
         assert solver is not None  # a node without GPUs has no devices to request
         if self._solver_locks:

@@ -45,7 +45,8 @@ class AllocationSolver:
     Exact when ``|A| <= EXACT_MAX_GPUS``. The partition values ``P_k`` are memoised per k
     over the whole node (they depend only on the mask), so repeated calls get cheaper. With
     more available GPUs, :meth:`rank` runs a bounded greedy search (see ``_heuristic``).
-    Not thread-safe: callers serialise calls.
+    Not thread-safe: callers serialise calls. (The extension finds the same single best set
+    with fewer candidates where free GPUs are interchangeable: ``ext/_topo.pyx``.)
     """
 
     #: Not thread-safe: callers serialise calls (the extension's solver locks itself).
