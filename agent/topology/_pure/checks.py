@@ -6,7 +6,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Sequence
 
-from agent.records import MAX_GPUS as MAX_GPUS  # re-exported: the engine API (agent.topology.engine)
+from agent.records import (
+    MAX_GPUS as MAX_GPUS,  # re-exported: the engine API (agent.topology.engine)
+)
 
 #: Largest number of GPUs solved exactly (bitmask tables of 2**n entries). The extension
 #: compiles the same number in; ``engine.EXACT_MAX_GPUS`` reads it from the implementation
