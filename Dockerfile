@@ -83,6 +83,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=utility
 USER 10001:10001
-EXPOSE 9400
+# 9400: /metrics (TLS and basic auth with --web-config-file); 9401: /health and /ready
+EXPOSE 9400 9401
 ENTRYPOINT ["gpu-topology-agent"]
 CMD ["run"]

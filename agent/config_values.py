@@ -193,6 +193,8 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "mode": lambda v, w: expect_choice(v, MODES, w),
     "driver_name": expect_driver_name,
     "delete_slices_on_shutdown": expect_bool,
+    # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
+    "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
     "default_config": expect_config_name,
     "node_label": expect_label_key,
     "fallback_strategies": expect_fallbacks,

@@ -30,6 +30,7 @@ order this module exists to show.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,8 +49,9 @@ from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.logs import setup_logging
+from agent.metrics.http import WaitingEndpoint
 from agent.metrics.self_metrics import AgentMetrics
-from agent.metrics.service import MetricsService, WaitingEndpoint
+from agent.metrics.service import MetricsService
 from agent.modes import Servers, ServersFactory, servers_for
 from agent.nodeconfig import NamedConfigs, NodeConfigSelector, NodeLabelWatch
 from agent.topology.model import Topology
@@ -109,7 +111,7 @@ class Daemon:
         labels: LabelPublisher | None = None,
         metrics: MetricsFactory | None = None,
         watcher: WatcherFactory = _default_watcher,
-        waiting_endpoint: Callable[[str], WaitingEndpoint] | None = None,
+        waiting_endpoint: Callable[[Config], WaitingEndpoint] | None = None,
         config_loader: Callable[[], Config] | None = None,
         node_config: NodeConfigSelector | None = None,
         on_close: Callable[[], None] | None = None,
@@ -162,6 +164,8 @@ class Daemon:
         sink = FeatureFileSink(config.features_dir, config.feature_file)
 
         def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
+            if sim is not None:  # the simulated machine's /proc holds its GPU processes
+                cfg = dataclasses.replace(cfg, proc_root=sim.proc_root)
             return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready, agent_metrics=agent_metrics)
 
         node_config = None
@@ -238,7 +242,7 @@ class Daemon:
     def _start_waiting_endpoint(self) -> WaitingEndpoint | None:
         if self._waiting_endpoint_factory is None:
             return None
-        endpoint = self._waiting_endpoint_factory(self.config.metrics_address)
+        endpoint = self._waiting_endpoint_factory(self.config)
         try:
             endpoint.start()
         except OSError as exc:  # the real service reports this at its start; keep waiting

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 import agent
-from agent.config import Config, load_config
+from agent.config import Config, load_config, probe_address_of
 from agent.topology.model import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,6 +307,7 @@ def test_every_hostpath_the_agent_needs_is_mounted_where_its_defaults_look(rende
         posixpath.dirname(defaults.pod_resources_socket): "read-only",  # connect only
         defaults.features_dir: "writable",  # the NFD feature file is written here
         defaults.sysfs_root: "read-only",
+        posixpath.dirname(defaults.cri_socket): "read-only",  # connect only: ListContainers
     }
     mounts = _mounts_by_path(rendered)
     for path, access in needed.items():
@@ -328,8 +329,16 @@ def test_container_is_unprivileged_with_every_capability_dropped(rendered: Rende
     assert not security["capabilities"].get("add")
     assert security["readOnlyRootFilesystem"] is True
     pod = rendered.pod
-    assert not (pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"))
+    assert not (pod.get("hostNetwork") or pod.get("hostIPC"))
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+
+
+def test_pod_shares_the_host_pid_namespace_where_the_default_proc_root_is_the_hosts(
+        rendered: Rendered) -> None:
+    # NVML reports GPU processes by host PID; their cgroups name their pods (per-pod metrics)
+    assert rendered.pod.get("hostPID") is True
+    assert Config().proc_root == "/proc"
+    assert "/proc" not in _mounts_by_path(rendered)
 
 
 def test_only_tmp_and_the_agents_output_directories_are_writable(rendered: Rendered) -> None:
@@ -365,13 +374,15 @@ def test_metrics_port_is_named_metrics_and_is_the_agents_default_port(rendered: 
     assert port["containerPort"] == _agent_metrics_port()
 
 
-def test_probes_hit_health_and_ready_on_the_metrics_port(rendered: Rendered) -> None:
+def test_probes_hit_health_and_ready_on_the_agents_probe_port_not_the_metrics_port(rendered: Rendered) -> None:
     liveness = rendered.container["livenessProbe"]["httpGet"]
     readiness = rendered.container["readinessProbe"]["httpGet"]
-    assert (liveness["path"], liveness["port"]) == ("/health", "metrics")
+    assert (liveness["path"], liveness["port"]) == ("/health", "probes")
     if "startupProbe" in rendered.container:
         assert rendered.container["startupProbe"]["httpGet"] == liveness
-    assert (readiness["path"], readiness["port"]) == ("/ready", "metrics")
+    assert (readiness["path"], readiness["port"]) == ("/ready", "probes")
+    (port,) = [p for p in rendered.container["ports"] if p["name"] == "probes"]
+    assert port["containerPort"] == int(probe_address_of(Config()).rpartition(":")[2]) != _agent_metrics_port()
 
 
 def test_headless_service_and_service_monitor_select_the_agent_metrics(rendered: Rendered) -> None:
@@ -475,7 +486,7 @@ def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> 
         try:
             liveness = container["livenessProbe"]["httpGet"]["path"]
             readiness = container["readinessProbe"]["httpGet"]["path"]
-            base = f"http://127.0.0.1:{service.port}"
+            base = f"http://127.0.0.1:{service.probe_port}"
             assert _http_status(base + liveness) == 200
             assert _http_status(base + readiness) == 503
             ready["value"] = True

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import SUBCOMMANDS
-from agent.config import Config
+from agent.config import Config, probe_address_of
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = "/opt/venv"
@@ -425,9 +425,10 @@ def test_oci_labels_carry_the_version_and_the_source(stages: list[Stage], pyproj
     assert labels["org.opencontainers.image.licenses"] == pyproject["project"]["license"]
 
 
-def test_exposed_port_is_the_agents_default_metrics_port(stages: list[Stage]) -> None:
+def test_exposed_ports_are_the_agents_default_metrics_and_probe_ports(stages: list[Stage]) -> None:
     exposed = {int(w.split("/")[0]) for i in stages[1].of("EXPOSE") for w in i.arguments.split()}
-    assert exposed == {int(Config().metrics_address.rpartition(":")[2])}
+    default = Config()
+    assert exposed == {int(a.rpartition(":")[2]) for a in (default.metrics_address, probe_address_of(default))}
 
 
 # ----------------------------------------------------------------------------- build context

@@ -539,7 +539,7 @@ def test_nvidia_override_values_become_the_variables_nvidias_plugin_and_the_agen
 # ----------------------------------------------------------------------------- metrics TLS
 
 
-def test_tls_serves_metrics_with_the_web_config_and_probes_over_https() -> None:
+def test_tls_serves_metrics_with_the_web_config_and_the_probes_stay_plain_http_on_their_port() -> None:
     objects = render(EVERYTHING_ELSE)
     assert "--web-config-file=/etc/gpu-topology-agent/web/web-config.yml" in container(objects)["args"]
     secret = one(objects, "Secret", f"{FULLNAME}-web-config")
@@ -560,7 +560,8 @@ def test_tls_serves_metrics_with_the_web_config_and_probes_over_https() -> None:
     assert "subPath" not in tls_mount  # a renewed certificate reaches the agent
     assert found["/etc/gpu-topology-agent/web"][1]["secret"] == {"secretName": f"{FULLNAME}-web-config"}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container(objects)[probe]["httpGet"]["scheme"] == "HTTPS"
+        get = container(objects)[probe]["httpGet"]
+        assert get["port"] == "probes" and get.get("scheme", "HTTP") == "HTTP"  # the probe listener
     annotations = one(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     assert "checksum/web-config" in annotations
 
@@ -591,7 +592,12 @@ def test_service_monitor_scrapes_over_tls_with_client_certificate_and_basic_auth
                                      "password": {"name": "scrape-auth", "key": "password"}}
     service = one(objects, "Service")
     assert service["spec"]["ports"][0]["port"] == 9500
-    assert container(objects)["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
+    assert container(objects)["ports"] == [
+        {"name": "metrics", "containerPort": 9500, "protocol": "TCP"},
+        {"name": "probes", "containerPort": 9401, "protocol": "TCP"},
+    ]
+    # the agent's default probe port follows the metrics port (+1): the chart's is passed
+    assert "--probe-address=:9401" in container(objects)["args"]
     assert "--metrics-address=:9500" in container(objects)["args"]
     insecure = one(render({"metrics": {"tls": {"enabled": True, "secretName": "s",
                                                "scrape": {"insecureSkipVerify": True}}}}), "ServiceMonitor")

@@ -55,14 +55,17 @@ def dashboard_expressions() -> list[str]:
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, target: str) -> None:
+    """Prometheus scraping ``target`` every second as job ``gpu-topology-agent``, or running
+    the scrape ``jobs`` given (Prometheus's ``scrape_configs`` entries)."""
+
+    def __init__(self, workdir: Path, target: str, jobs: list[dict] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "gpu-topology-agent", "honor_labels": True,
-                                "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": jobs or [{"job_name": "gpu-topology-agent", "honor_labels": True,
+                                        "static_configs": [{"targets": [target]}]}],
         }))
         self.log = open(workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(

@@ -51,8 +51,14 @@ def _add_location_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features-dir", metavar="DIR", dest="features_dir", default=None,
                    help=f"NFD features.d directory for the labels file (default: {_DEFAULTS.features_dir})")
     p.add_argument("--metrics-address", metavar="HOST:PORT", dest="metrics_address", default=None,
-                   help="where /metrics, /health and /ready listen; port 0 picks one"
-                        f" (default: {_DEFAULTS.metrics_address})")
+                   help="where /metrics listens (and /health, /ready behind its TLS and auth);"
+                        f" port 0 picks one (default: {_DEFAULTS.metrics_address})")
+    p.add_argument("--probe-address", metavar="HOST:PORT", dest="probe_address", default=None,
+                   help="where /health and /ready listen for the kubelet's probes, plain HTTP"
+                        " (default: the metrics host, next port: :9401; env PROBE_ADDRESS)")
+    p.add_argument("--web-config-file", metavar="PATH", dest="web_config_file", default=None,
+                   help="exporter-toolkit web configuration for the metrics address: TLS and"
+                        " basic auth (default: none, plain HTTP; env WEB_CONFIG_FILE)")
     p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
                    help="node name for the Hostname metric label (default: $NODE_NAME, else the host name)")
     p.add_argument("--log-format", choices=("text", "json"), dest="log_format", default=None,
@@ -75,6 +81,12 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
+    p.add_argument("--proc-root", metavar="DIR", dest="proc_root", default=None,
+                   help="the host's /proc, for the cgroups of GPU processes"
+                        f" (default: {_DEFAULTS.proc_root}; env PROC_ROOT)")
+    p.add_argument("--cri-socket", metavar="PATH", dest="cri_socket", default=None,
+                   help="the container runtime's CRI socket, for the pods of GPU processes"
+                        f" (default: {_DEFAULTS.cri_socket}; env CRI_SOCKET)")
     p.add_argument("--socket-name", metavar="NAME", dest="socket_name", default=None,
                    help="plugin socket file name in the kubelet directory; {resource} is the resource"
                         f" name after the domain (default: {_DEFAULTS.socket_name}; env SOCKET_NAME)")
@@ -128,10 +140,11 @@ def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = (
-    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
+    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
+    "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
-    "label_interval_s",
+    "label_interval_s", "proc_root", "cri_socket",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown",
     "no_timestamp",
@@ -202,6 +215,7 @@ def _first_named_config(config: Config, env: Mapping[str, str], load_file: Calla
 def run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon
     from agent.logs import setup_logging
+    from agent.metrics.webconfig import load_web_config
 
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
     env = dict(default_environ())
@@ -216,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, env, flags)
     check_directories(config, args)
+    if config.web_config_file:  # a bad one is exit 2 here, before anything is served
+        load_web_config(config.web_config_file)
     setup_logging(config)
     config = _first_named_config(config, env, load_file) if config.config_file_srcdir else load_file(args.config)
     return Daemon.from_config(config, simulate=args.simulate, config_loader=loader, load_file=load_file).run()
