@@ -246,3 +246,26 @@ def test_configs_are_chosen_by_label_default_then_named_then_single(tmp_path: Pa
                                           r" \(.* has: a100, default\)"):
         single.choose("h100")
 
+
+
+def test_a_watch_ended_at_its_timeout_resumes_from_the_bookmarks_resource_version() -> None:
+    """The API server ends each watch at ``timeoutSeconds``, after a bookmark naming the
+    newest resourceVersion: the next watch starts there, not from an older event's."""
+    from agent.nodeconfig import NodeLabelWatch
+
+    api = ApiServerStub().start()
+    try:
+        api.add_node(NODE, labels={LABEL: "a"})
+        api.add_node("other-node")
+        values: list[str] = []
+        watch = NodeLabelWatch(api.api_client, NODE, LABEL, watch_timeout_s=1)
+        watch.start(values.append)
+        assert eventually(lambda: values == ["a"], 15.0)
+        api.label_node("other-node", team="ml")  # not this node: no event, but a newer version
+        newest = api._nodes["other-node"]["metadata"]["resourceVersion"]
+        assert eventually(lambda: any(f"resourceVersion={newest}" in q for q in _watch_queries(api)), 10.0)
+        api.label_node(NODE, **{LABEL: "b"})
+        assert eventually(lambda: values == ["a", "b"], 10.0)
+        watch.stop()
+    finally:
+        api.stop()

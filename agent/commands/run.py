@@ -123,9 +123,9 @@ def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("per-node configs and IMEX")
     g.add_argument("--config-file-srcdir", metavar="DIR", dest="config_file_srcdir", default=None,
                    help="directory of named configs (a ConfigMap): the node's label names its config,"
-                        " instead of --config (env CONFIG_FILE_SRCDIR)")
+                        " instead of --config (default: none; env CONFIG_FILE_SRCDIR)")
     g.add_argument("--default-config", metavar="NAME", dest="default_config", default=None,
-                   help="the config of a node without the label (env DEFAULT_CONFIG)")
+                   help="the config of a node without the label (default: the fallbacks; env DEFAULT_CONFIG)")
     g.add_argument("--node-label", metavar="KEY", dest="node_label", default=None,
                    help=f"the node label naming the config (default: {_DEFAULTS.node_label}; env NODE_LABEL)")
     g.add_argument("--fallback-strategies", metavar="LIST", dest="fallback_strategies", default=None,
@@ -133,10 +133,10 @@ def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
                         " one), in order (default: named,single; env FALLBACK_STRATEGIES)")
     g.add_argument("--imex-channel-ids", metavar="LIST", dest="imex_channel_ids", default=None,
                    help="IMEX channels given to every container with GPUs: empty or 0"
-                        " (env IMEX_CHANNEL_IDS, file imex.channelIDs)")
+                        " (default: none; env IMEX_CHANNEL_IDS, file imex.channelIDs)")
     g.add_argument("--imex-required", action="store_true", dest="imex_required", default=None,
                    help="a configured IMEX channel missing on the node is an error"
-                        " (env IMEX_REQUIRED, file imex.required)")
+                        " (default: left out; env IMEX_REQUIRED, file imex.required)")
 
 
 FLAG_FIELDS = (
