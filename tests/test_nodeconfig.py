@@ -33,20 +33,11 @@ sharing:
 CONFIGS = {"default": "version: v1\n", "shared": SHARED_4, "broken": "version: v1\nflags:\n  migStrategy: both\n"}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Agent:
     """The agent process, its stand-ins and what can be seen of it from outside."""
 
     def __init__(self, tmp: Path, api: ApiServerStub, kubelet: KubeletStub, args: list[str]) -> None:
         self.tmp, self.api, self.kubelet = tmp, api, kubelet
-        self.port = free_port()
         self.log = tmp / "agent.log"
         kubeconfig = tmp / "kubeconfig"
         kubeconfig.write_text(
@@ -60,7 +51,7 @@ class Agent:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100",
                  "--kubelet-dir", str(tmp / "k"), "--features-dir", str(tmp / "features"),
-                 "--metrics-address", f"127.0.0.1:{self.port}", "--kubeconfig", str(kubeconfig),
+                 "--metrics-address", "127.0.0.1:0", "--kubeconfig", str(kubeconfig),
                  "--pod-resources-socket", str(tmp / "k" / "podres.sock"), *args],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
 
@@ -76,10 +67,15 @@ class Agent:
         return dict(line.split("=", 1) for line in text.splitlines() if line)
 
     def series(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """The samples of ``name`` on /metrics (the port the agent picked, from its log)."""
+        import re
         import urllib.request
 
+        port = re.search(r"metrics on 127\.0\.0\.1:(\d+)", self.log_text())
+        if port is None:
+            return {}
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5) as resp:
                 body = resp.read().decode()
         except OSError:
             return {}
@@ -132,7 +128,7 @@ def test_the_node_label_picks_the_config_and_a_changed_label_applies_the_other(n
     assert eventually(lambda: agent.offered() == 32, 30.0), agent.log_text()[-2000:]  # 4 replicas x 8
     assert agent.log_text().count("per-node config shared applied (label nvidia.com/device-plugin.config=shared)") == 1
     assert eventually(lambda: agent.labels().get("topology.gpu-agent.io/active-config") == "shared")
-    assert agent.series("gpu_agent_active_config") == {(("name", "shared"),): 1.0}
+    assert eventually(lambda: agent.series("gpu_agent_active_config") == {(("name", "shared"),): 1.0})
 
     agent.api.label_node(NODE, **{LABEL: "default"})
     assert eventually(lambda: agent.offered() == 8, 15.0), agent.log_text()[-2000:]
