@@ -76,6 +76,15 @@ class Config:
     label_interval_s: float = 60.0
     #: leave out GFD's ``nvidia.com/gfd.timestamp`` label (GFD's --no-timestamp)
     no_timestamp: bool = False
+    #: where labels go: ``file`` (NFD's feature file in features_dir) or ``nodefeature`` (one
+    #: nfd.k8s-sigs.io/v1alpha1 NodeFeature object through the API server) (env LABELS_SINK)
+    labels_sink: str = "file"
+    #: the agent's own pod, from the downward API (env POD_NAMESPACE, POD_NAME, POD_UID): the
+    #: NodeFeature lives in pod_namespace ("" = the service account's namespace file) and is
+    #: owned by the pod (pod_name and pod_uid; either empty = no owner reference)
+    pod_namespace: str = ""
+    pod_name: str = ""
+    pod_uid: str = ""
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -89,7 +98,9 @@ class Config:
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
     plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
     cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
-    kubeconfig: str = ""  # API server access for ResourceClaims/Slices; "" = in-cluster config
+    #: API server access for every API-server user (ResourceClaims/Slices, the NodeFeature
+    #: label sink): a kubeconfig file; "" = the pod's in-cluster configuration (env KUBECONFIG)
+    kubeconfig: str = ""
     #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
     #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
     delete_slices_on_shutdown: bool = False
@@ -106,6 +117,7 @@ DEVICE_ID_STRATEGIES = ("uuid", "index")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
+LABEL_SINKS = ("file", "nodefeature")
 
 #: Environment variables read by :func:`load_config` (the anchor's names) -> Config field.
 ENV_FIELDS: Mapping[str, str] = {
@@ -128,6 +140,10 @@ ENV_FIELDS: Mapping[str, str] = {
     "FEATURE_FILE": "feature_file",
     "LABEL_INTERVAL_S": "label_interval_s",
     "GFD_NO_TIMESTAMP": "no_timestamp",
+    "LABELS_SINK": "labels_sink",
+    "POD_NAMESPACE": "pod_namespace",
+    "POD_NAME": "pod_name",
+    "POD_UID": "pod_uid",
     "AGENT_MODE": "mode",
     "DRA_DRIVER_NAME": "driver_name",
     "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",
@@ -144,7 +160,7 @@ PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_roo
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
 _IGNORED_FLAG_KEYS = (
-    "gfd", "mpsRoot", "gdsEnabled", "mofedEnabled", "useNodeFeatureAPI",
+    "gfd", "mpsRoot", "gdsEnabled", "mofedEnabled",
     "deviceDiscoveryStrategy", "imexChannelIDs", "imexRequired",
 )
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
@@ -321,7 +337,8 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
-         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds")
+         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds",
+         "labelsSink", "useNodeFeatureAPI", "kubeconfig")
         + _IGNORED_FLAG_KEYS,
         "flags",
     )
@@ -362,11 +379,28 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         out["feature_file"] = _expect_file_name(flags["featureFile"], "flags.featureFile")
     if "labelIntervalSeconds" in flags:
         out["label_interval_s"] = _expect_number(flags["labelIntervalSeconds"], "flags.labelIntervalSeconds", 0.1)
+    _parse_labels_sink(flags, out)
+    if flags.get("kubeconfig") is not None:  # "kubeconfig:" left empty = in-cluster
+        out["kubeconfig"] = _expect_str(flags["kubeconfig"], "flags.kubeconfig")
     gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")
     if "noTimestamp" in gfd:
         out["no_timestamp"] = _expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = _expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
+
+
+def _parse_labels_sink(flags: Mapping[str, Any], out: dict[str, object]) -> None:
+    """``flags.labelsSink``, or NVIDIA's ``flags.useNodeFeatureAPI`` (true: nodefeature)."""
+    sink = None
+    if "labelsSink" in flags:
+        sink = _expect_choice(flags["labelsSink"], LABEL_SINKS, "flags.labelsSink")
+    if flags.get("useNodeFeatureAPI") is not None:
+        nvidia = "nodefeature" if _expect_bool(flags["useNodeFeatureAPI"], "flags.useNodeFeatureAPI") else "file"
+        if sink is not None and sink != nvidia:
+            raise ValueError(f"flags.useNodeFeatureAPI: says {nvidia} but flags.labelsSink says {sink}: keep one")
+        sink = nvidia
+    if sink is not None:
+        out["labels_sink"] = sink
 
 
 def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
@@ -452,6 +486,7 @@ _FIELD_PARSERS: Mapping[str, Any] = {
     "mode": lambda v, w: _expect_choice(v, MODES, w),
     "driver_name": _expect_driver_name,
     "delete_slices_on_shutdown": _expect_bool,
+    "labels_sink": lambda v, w: _expect_choice(v, LABEL_SINKS, w),
 }
 
 
@@ -477,6 +512,9 @@ def _parse_dra_file_keys(doc: Mapping[str, Any], out: dict[str, object]) -> None
             value = dra[key]
             if name == "kubeconfig" and value is None:  # "kubeconfig:" left empty = in-cluster
                 value = ""
+            if name == "kubeconfig" and out.get(name, value) != value:
+                raise ValueError("dra.kubeconfig: differs from flags.kubeconfig (one client for"
+                                 " every API-server user): keep one")
             out[name] = _parse_field(name, value, f"dra.{key}")
 
 def _parse_field(name: str, value: object, where: str) -> object:

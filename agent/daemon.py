@@ -41,7 +41,7 @@ from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.hw.protocols import EventSource, FactsReader, Lifecycle
 from agent.kube import api_client
 from agent.labels import TIMESTAMP_LABEL, compute_labels
-from agent.labels.sinks import FeatureFileSink, LabelSink
+from agent.labels.sinks import LabelSink, label_sink
 from agent.metrics.service import MetricsService, WaitingEndpoint
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
@@ -224,10 +224,12 @@ class Daemon:
         config_loader: Callable[[], Config] | None = None,
     ) -> Daemon:
         """The real agent: NVML (or the simulated machine ``simulate``, ``--simulate``),
-        the device plugins, the metrics service and the NFD feature file. Raises
-        AgentError when the simulated machine cannot be opened (exit 2)."""
+        the device plugins, the metrics service and the label sink ``--labels-sink`` names.
+        Raises AgentError when the simulated machine cannot be opened or the label sink
+        cannot be set up (exit 2)."""
         from agent.discovery import open_backend, read_topology
 
+        sink = label_sink(config)  # before the backend: a bad sink setting opens nothing
         backend, sim = open_backend(simulate, config.sysfs_root)
         on_close = sim.close if sim is not None else None
         hostname = config.node_name or socket.gethostname()
@@ -240,7 +242,7 @@ class Daemon:
             source=f"simulated:{simulate}" if simulate else "nvml",
             metrics=metrics,
             waiting_endpoint=WaitingEndpoint,
-            label_sink=FeatureFileSink(config.features_dir, config.feature_file),
+            label_sink=sink,
             config_loader=config_loader,
             on_close=on_close,
             read_topology=lambda: read_topology(backend, sim),
@@ -406,7 +408,7 @@ class Daemon:
                 # GFD's timestamp moves with every write: say so only when a label changed
                 facts = {k: v for k, v in labels.items() if k != TIMESTAMP_LABEL}
                 if facts != self._labels_logged:
-                    log.info("labels written to %s", self.config.features_dir)
+                    log.info("labels written to %s", self.label_sink.where)
                     self._labels_logged = facts
         except OSError as exc:
             self._labels_failing = True
@@ -414,11 +416,11 @@ class Daemon:
             self._count_label_errors()
             log.error(
                 "cannot write labels to %s: %s (not ready; retrying in %g s)",
-                self.config.features_dir, exc.strerror or exc, self.config.label_interval_s,
+                self.label_sink.where, exc.strerror or exc, self.config.label_interval_s,
             )
             return
         if self._labels_failing:
-            log.warning("labels written to %s again", self.config.features_dir)
+            log.warning("labels written to %s again", self.label_sink.where)
         self._labels_failing = False
 
     def _count_label_errors(self) -> None:
