@@ -72,7 +72,7 @@ class ApiCallError(AgentError):
 
     def __init__(self, what: str, status: int | None, reason: str, message: str) -> None:
         where = f"HTTP {status} {reason}" if status is not None else f"API server unreachable ({reason})"
-        super().__init__(f"{what}: {where}: {shorten(message, 300)}")
+        super().__init__(f"{what}: {where}: {shorten(message, 600)}")
         self.status = status
         self.reason = reason
         self.state = f"{status} {reason}" if status is not None else f"unreachable {reason}"

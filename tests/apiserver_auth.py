@@ -42,9 +42,11 @@ Upstream behaviour each part follows:
   '<binding>' denied request: <message>``. The stand-in evaluates no CEL: it recognises the
   one expression shape the project's policies use (the user's name compared with a string;
   the user's ``authentication.kubernetes.io/node-name`` compared with a node name read from the
-  object: ``spec.?nodeName`` or ``metadata.?labels[?'<key>']``) and enforces what it says:
-  the token must name a node, and the object before (UPDATE, DELETE) and after (CREATE,
-  UPDATE) the request must name that node. A policy of another shape is refused when the
+  object, ``spec.?nodeName`` or ``metadata.?labels[?'<key>']``, and optionally with the
+  object's name, ``== "<prefix>" + variables.userNodeName``) and enforces what it says: the
+  token must name a node, and the object (the old one for DELETE, the new one otherwise) must
+  name that node (on DELETE only where the policy reads ``oldObject``) and be called
+  ``<prefix><node>``. A policy of another shape is refused when the
   manifests are loaded, so a changed policy fails the tests instead of going unenforced.
 """
 
@@ -205,12 +207,16 @@ _USER_IS = re.compile(r'^request\.userInfo\.username\s*==\s*"([^"]+)"$')
 _USER_NODE = re.compile(
     r"^request\.userInfo\.extra\[\?'" + re.escape(NODE_NAME_EXTRA) + r"'\]\[0\]\.orValue\(''\)$")
 _OBJECT_NODE = re.compile(
-    r"(?:object|oldObject)\.(?:spec\.\?(nodeName)|metadata\.\?labels\[\?'([^']+)'\])\.orValue")
+    r"(oldObject|object)\)?\.(?:spec\.\?(nodeName)|metadata\.\?labels\[\?'([^']+)'\])\.orValue")
+_NAME_PREFIX = re.compile(r'variables\.\w+ == "([^"]+)" \+ variables\.userNodeName')
 
 
 @dataclass(frozen=True)
 class OwnNodePolicy:
-    """One of the project's "own node" ValidatingAdmissionPolicies, as the stand-in enforces it."""
+    """One of the project's "own node" ValidatingAdmissionPolicies, as the stand-in enforces it:
+    the object (the old one for DELETE, else the new one) must name the user's node at
+    ``node_path`` (on DELETE only if the policy reads ``oldObject`` there) and, with
+    ``name_prefix``, be named ``<name_prefix><node>``."""
 
     name: str
     binding: str
@@ -219,6 +225,8 @@ class OwnNodePolicy:
     operations: tuple[str, ...]
     username: str
     node_path: tuple[str, ...]  # where the object names its node
+    node_on_delete: bool
+    name_prefix: str | None
 
     def applies(self, a: Attributes, operation: str) -> bool:
         return (a.user.name == self.username and operation in self.operations
@@ -235,15 +243,16 @@ class OwnNodePolicy:
                new: dict[str, Any] | None) -> str | None:
         """None when allowed, else the message the API server answers with."""
         node = a.user.node_name
+        obj = old if operation == "DELETE" else new
+        obj_name = ((obj or {}).get("metadata") or {}).get("name", "")
+        obj_node = self._node_of(obj) if operation != "DELETE" or self.node_on_delete else node
         if not node:
             message = "the agent's token names no node (a pod-bound service account token is needed)"
+        elif obj_node != node or (self.name_prefix is not None and obj_name != self.name_prefix + node):
+            message = (f"the agent on node {node} may only write its own node's objects,"
+                       f" not {obj_name} for node {obj_node}")
         else:
-            named = [self._node_of(o) for o, used in ((old, operation != "CREATE"), (new, operation != "DELETE"))
-                     if used]
-            other = next((n for n in named if n != node), None)
-            if other is None:
-                return None
-            message = f"the agent on node {node} may only write its own node's objects, not node {other!r}"
+            return None
         what = f"{a.resource}.{a.group}" if a.group else a.resource
         return (f'{what} "{a.name}" is forbidden: ValidatingAdmissionPolicy \'{self.name}\' with binding'
                 f" '{self.binding}' denied request: {message}")
@@ -264,8 +273,11 @@ def own_node_policies(objects: Iterable[dict[str, Any]]) -> list[OwnNodePolicy]:
         conditions = [c["expression"].strip() for c in spec.get("matchConditions") or []]
         users = [m.group(1) for c in conditions if (m := _USER_IS.match(c))]
         variables = {v["name"]: " ".join(v["expression"].split()) for v in spec.get("variables") or []}
-        paths = {m.groups() for e in variables.values() for m in _OBJECT_NODE.finditer(e)}
-        if (len(users) != 1 or len(conditions) != 1 or len(paths) != 1
+        paths = {(m.group(2), m.group(3)) for e in variables.values() for m in _OBJECT_NODE.finditer(e)}
+        reads_old = any("oldObject" in e for e in variables.values() if _OBJECT_NODE.search(e))
+        checks = " ".join(" ".join(v["expression"].split()) for v in spec.get("validations") or [])
+        prefixes = _NAME_PREFIX.findall(checks)
+        if (len(users) != 1 or len(conditions) != 1 or len(paths) != 1 or len(prefixes) > 1
                 or not any(_USER_NODE.match(e) for e in variables.values())):
             raise ValueError(f"ValidatingAdmissionPolicy {name}: not the own-node shape the stand-in enforces")
         field_name, label = paths.pop()
@@ -276,7 +288,8 @@ def own_node_policies(objects: Iterable[dict[str, Any]]) -> list[OwnNodePolicy]:
             resources=tuple(x for r in rules for x in r.get("resources") or []),
             operations=tuple(x for r in rules for x in r.get("operations") or []),
             username=users[0],
-            node_path=("spec", field_name) if field_name else ("metadata", "labels", label)))
+            node_path=("spec", field_name) if field_name else ("metadata", "labels", label),
+            node_on_delete=reads_old, name_prefix=prefixes[0] if prefixes else None))
     return out
 
 

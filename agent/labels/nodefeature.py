@@ -27,7 +27,6 @@ that write is the only copy of the labels).
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from typing import Any, Mapping
 
@@ -48,11 +47,8 @@ _MAX_NAME = 253  # a DNS subdomain
 
 
 def object_name(node_name: str) -> str:
-    """``gpu-topology-agent-<node>``; a node name too long for that is replaced by a hash."""
-    name = f"{NAME_PREFIX}-{node_name}"
-    if len(name) <= _MAX_NAME:
-        return name
-    return f"{NAME_PREFIX}-{hashlib.sha256(node_name.encode()).hexdigest()[:32]}"
+    """``gpu-topology-agent-<node>`` (the admission policy of the manifests checks this name)."""
+    return f"{NAME_PREFIX}-{node_name}"
 
 
 def pod_owner(config: Config) -> dict[str, Any] | None:
@@ -83,6 +79,9 @@ class NodeFeatureSink:
         if not config.node_name:
             raise ConfigError("--labels-sink nodefeature needs the node name: set --node-name or NODE_NAME"
                               " (the downward API's spec.nodeName)")
+        if len(object_name(config.node_name)) > _MAX_NAME:
+            raise ConfigError(f"--node-name {config.node_name[:40]}...: too long for the NodeFeature name"
+                              f" {NAME_PREFIX}-<node> (at most {_MAX_NAME} characters)")
         namespace = own_namespace(config)
         owner = pod_owner(config)
         if owner is None:
