@@ -81,10 +81,11 @@ class ApiCallError(AgentError):
 class CustomObjects:
     """Namespaced custom objects of one kind (``group``/``version``/``plural``). The client
     is built on first use by ``client_factory`` and dropped after a connection failure; each
-    request waits at most ``timeout_s``."""
+    request waits at most ``timeout_s`` (callers on the daemon's main thread: a stop must not
+    wait long behind an API server that does not answer)."""
 
     def __init__(self, client_factory: Callable[[], Any], group: str, version: str, plural: str,
-                 *, timeout_s: float = 10.0) -> None:
+                 *, timeout_s: float = 5.0) -> None:
         self._client_factory = client_factory
         self.group, self.version, self.plural = group, version, plural
         self.timeout_s = timeout_s
@@ -138,7 +139,10 @@ class CustomObjects:
         from kubernetes.client.exceptions import ApiException
 
         if self._client is None:
-            self._client = self._client_factory()
+            try:
+                self._client = self._client_factory()
+            except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
+                raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
         api = client.CustomObjectsApi(self._client)
         try:
             resp = getattr(api, method)(*args, _preload_content=False, _request_timeout=self.timeout_s, **kwargs)
@@ -150,8 +154,10 @@ class CustomObjects:
         except Exception as exc:  # urllib3 connection errors, timeouts, TLS
             self.close()
             raise ApiCallError(what, None, type(exc).__name__, str(exc)) from None
-        data = resp.data
-        out = json.loads(data) if data else {}
+        try:
+            out = json.loads(resp.data) if resp.data else {}
+        except ValueError as exc:
+            raise ApiCallError(what, resp.status, "BadResponse", f"the answer is not JSON: {exc}") from None
         return out if isinstance(out, dict) else {}
 
 

@@ -210,6 +210,22 @@ def test_api_server_errors_are_logged_once_per_change_of_state_and_the_agent_kee
     assert stderr.count(f"NodeFeature {NAMESPACE}/{OBJECT} published again (after: 500 InternalError)") == 1
 
 
+def test_an_api_server_that_goes_away_is_logged_once_and_the_labels_come_back(cluster):
+    proc = agent(sink_flags(cluster, "--label-interval-s", "0.1"))
+    try:
+        assert cluster.api.wait_for_nodefeatures(lambda objs: len(objs) == 1, 30)
+        cluster.api.go_down()
+        cluster.api.delete_nodefeature(NAMESPACE, OBJECT)  # lost while the server was away
+        time.sleep(1.0)  # ten re-assertions against a closed port
+        cluster.api.come_up()
+        assert cluster.api.wait_for_nodefeatures(lambda objs: len(objs) == 1, 20), "not re-created"
+    finally:
+        stderr = stop(proc)
+    errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+    assert len(errors) == 1 and "API server unreachable" in errors[0], stderr
+    assert stderr.count("published again (after: unreachable") == 1
+
+
 def test_without_the_nodefeature_rbac_the_agent_logs_the_forbidden_request_once():
     base = Cluster("base")  # the plain manifests' device-plugin variant: no RBAC at all
     try:
