@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from agent.errors import InputFormatError
+from agent.errors import InputFormatError, shorten
 
 
 # --------------------------------------------------------------------------- PCI bus ids
@@ -121,22 +121,103 @@ def parse_host_port(address: str, what: str = "address") -> tuple[str, int]:
     interfaces); ``"[::1]:9400"`` -> ("::1", 9400). ``ValueError`` naming ``what`` otherwise."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{what} {address!r}: expected HOST:PORT or :PORT (port 0-65535)")
+        raise ValueError(f"{what} {shorten(repr(address))}: expected HOST:PORT or :PORT (port 0-65535)")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
 
 
 # --------------------------------------------------------------------------- files
+#: What a YAML or JSON document read here may be. A config file or a machine spec is a few
+#: KiB holding hundreds of values; parsing YAML costs about 0.7 KiB of memory per value
+#: (measured: 500,000 values, 340 MiB), so these bounds keep a bad file far inside the
+#: agent's 256 MiB limit. Values are counted with YAML aliases expanded (as every reader of
+#: the result sees them): a 242-byte "billion laughs" alias bomb is refused, not walked.
+MAX_DOCUMENT_BYTES = 1 << 20
+MAX_DOCUMENT_VALUES = 50_000
+MAX_DOCUMENT_DEPTH = 100
+
+
+class _TooLarge(Exception):
+    """A document past one of the bounds above; the message says which."""
+
+
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no stubs here
+    """``yaml.SafeLoader`` that stops composing past :data:`MAX_DOCUMENT_VALUES` values or
+    :data:`MAX_DOCUMENT_DEPTH` levels, and refuses a document whose aliases expand past the
+    value bound (or into themselves) before anything is constructed from it."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._values = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):  # the anchored node again: counted when expanded
+            return super().compose_node(parent, index)
+        self._values += 1
+        if self._values > MAX_DOCUMENT_VALUES:
+            raise _TooLarge(f"more than {MAX_DOCUMENT_VALUES} values")
+        self._depth += 1
+        try:
+            if self._depth > MAX_DOCUMENT_DEPTH:
+                raise _TooLarge(f"nested deeper than {MAX_DOCUMENT_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            _check_expanded(node)
+        return node
+
+
+def _children(node: Any) -> list[Any]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expanded(root: Any) -> None:
+    """Raise :class:`_TooLarge` when ``root`` holds more than MAX_DOCUMENT_VALUES values with
+    every alias counted as a copy, or an alias inside the value it names. Each node is sized
+    once (a depth-first walk with memory), so a bomb costs as little as its text."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # entered, not yet sized: the ancestors of the current node
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            open_nodes.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[key] > MAX_DOCUMENT_VALUES:
+                raise _TooLarge(f"more than {MAX_DOCUMENT_VALUES} values once its aliases are expanded")
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:
+            raise _TooLarge("an alias inside the value it names")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+
+
 def read_document(path: str, what: str = "file") -> Any:
     """The YAML or JSON document in ``path`` (JSON when the name ends in ``.json``: json gives
     better messages for JSON files). Raises :class:`InputFormatError` naming the file when it
-    cannot be read, is not UTF-8 text, or does not parse."""
+    cannot be read, is larger than :data:`MAX_DOCUMENT_BYTES`, is not UTF-8 text, or does not
+    parse within the bounds above."""
     try:
         with open(path, "rb") as fh:
-            raw = fh.read()
+            raw = fh.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         raise InputFormatError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise InputFormatError(f"{path}: {what} is larger than {MAX_DOCUMENT_BYTES} bytes (1 MiB)")
     return parse_document(raw, path, what)
 
 
@@ -159,7 +240,11 @@ def parse_document(raw: bytes | str, source: str, what: str = "file") -> Any:
     text = text.removeprefix("\ufeff")
     as_json = source.endswith(".json")
     try:
-        return json.loads(text) if as_json else yaml.safe_load(text)
+        return json.loads(text) if as_json else yaml.load(text, Loader=_BoundedLoader)
+    except _TooLarge as exc:
+        raise InputFormatError(f"{source}: {what} refused: {exc}") from None
+    except RecursionError:  # json's nesting (YAML's stops at MAX_DOCUMENT_DEPTH)
+        raise InputFormatError(f"{source}: {what} refused: nested too deeply") from None
     except (ValueError, yaml.YAMLError) as exc:
-        detail = " ".join(str(exc).split()) or type(exc).__name__
+        detail = shorten(" ".join(str(exc).split()) or type(exc).__name__, 400)
         raise InputFormatError(f"{source}: not valid {'JSON' if as_json else 'YAML'}: {detail}") from None

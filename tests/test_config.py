@@ -270,3 +270,42 @@ def test_the_pods_identity_comes_from_the_downward_api_variables():
     assert (config.pod_namespace, config.pod_name, config.pod_uid) == ("gpu", "gta-1", "u-1")
     with pytest.raises(ConfigError, match="environment LABELS_SINK: expected one of file, nodefeature"):
         load_config(None, {"LABELS_SINK": "api"}, {})
+
+
+MEGABYTE = "x" * 1_000_000
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        (f"flags:\n  migStrategy: {MEGABYTE}\n", "flags.migStrategy"),
+        (f"version: v1{MEGABYTE}\n", "version"),
+        (f"flags:\n  ? {MEGABYTE}\n  : 1\n", "flags.xxxx"),  # a long key is written "? key"
+        (f"sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+         f"      devices: [{MEGABYTE}]\n", "sharing.timeSlicing.resources[0].devices"),
+        (f"sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/mig-{MEGABYTE}\n      replicas: 2\n",
+         "sharing.timeSlicing.resources"),
+        (f"dra:\n  driverName: {MEGABYTE}\n", "dra.driverName"),
+    ],
+)
+def test_a_megabyte_config_value_is_shortened_in_its_one_line_error(tmp_path, body, key):
+    text = body if body.startswith("version") else "version: v1\n" + body
+    path = write(tmp_path, "c.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {}, {})
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and key in message, message[:300]
+    assert "chars)" in message and len(message) < 500 and "\n" not in message
+
+
+def test_a_megabyte_environment_or_flag_value_is_shortened_in_its_error():
+    for env, flags, where in (
+        ({"MIG_STRATEGY": MEGABYTE}, {}, "environment MIG_STRATEGY"),
+        ({"DP_DISABLE_HEALTHCHECKS": MEGABYTE}, {}, "environment DP_DISABLE_HEALTHCHECKS"),
+        ({}, {"metrics_address": MEGABYTE}, "metrics_address"),
+        ({}, {"sample_interval_s": MEGABYTE}, "--sample-interval-s"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, env, flags)
+        message = str(info.value)
+        assert where in message and "chars)" in message and len(message) < 500, message[:300]

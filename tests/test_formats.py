@@ -98,3 +98,37 @@ def test_documents_are_read_as_yaml_or_json_and_other_encodings_are_one_clear_li
         message = str(info.value)
         assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
         assert info.value.exit_code == 2
+
+
+def test_aliases_are_expanded_within_a_bound_and_a_bomb_is_one_short_line(tmp_path):
+    ok = tmp_path / "anchors.yaml"
+    ok.write_text("base: &gpu {replicas: 2}\nfirst: *gpu\nsecond: {<<: *gpu, rename: shared}\n", encoding="utf-8")
+    assert read_document(str(ok)) == {
+        "base": {"replicas": 2}, "first": {"replicas": 2}, "second": {"replicas": 2, "rename": "shared"},
+    }
+    bomb = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+        f"{b}: &{b} [{','.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")
+    )
+    cases = [
+        (bomb, "more than 50000 values once its aliases are expanded"),
+        ("a: &a [1, *a]\n", "an alias inside the value it names"),
+        ("a: " + "[" * 200 + "]" * 200 + "\n", "nested deeper than 100 levels"),
+        ("a: [" + "1," * 60_000 + "1]\n", "more than 50000 values"),
+    ]
+    for text, expected in cases:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(InputFormatError) as info:
+            read_document(str(path), "config file")
+        assert str(info.value) == f"{path}: config file refused: {expected}"
+
+
+def test_a_file_above_one_mebibyte_is_refused_unread_and_deep_json_is_one_line(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("a: " + "x" * (1 << 20) + "\n", encoding="utf-8")
+    with pytest.raises(InputFormatError, match=r"big\.yaml: machine spec is larger than 1048576 bytes \(1 MiB\)$"):
+        read_document(str(big), "machine spec")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(InputFormatError, match=r"deep\.json: machine spec refused: nested too deeply$"):
+        read_document(str(deep), "machine spec")

@@ -24,7 +24,8 @@ from agent.commands._common import (
     add_wide_flag,
     load_topology,
 )
-from agent.config import MIG_STRATEGIES, Config, TimeSlicingResource, default_environ, load_config
+from agent.config import Config, TimeSlicingResource, default_environ, load_config
+from agent.config_values import MIG_STRATEGIES
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.errors import UsageError

@@ -180,7 +180,8 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.daemon import Daemon, setup_logging
+    from agent.daemon import Daemon
+    from agent.logs import setup_logging
 
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
     env = dict(default_environ())

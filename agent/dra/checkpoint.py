@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 from agent.dra.cdi import write_json_atomic
+from agent.errors import shorten
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Checkpoint:
                 raise ValueError("checksum mismatch")
             claim = PreparedClaim.from_json(doc["claim"])
             if os.path.basename(path) != claim.uid + SUFFIX:
-                raise ValueError(f"it holds claim uid {claim.uid!r}")
+                raise ValueError(f"it holds claim uid {shorten(repr(claim.uid))}")
             return claim
         except OSError as exc:
             log.error("checkpoint %s: cannot read (%s); that claim counts as not prepared", path, exc.strerror)
@@ -138,7 +139,7 @@ class Checkpoint:
     def add(self, claim: PreparedClaim) -> None:
         """Record ``claim`` (written before it counts; raises OSError when it cannot be)."""
         if not _safe_uid(claim.uid):
-            raise ValueError(f"claim uid {claim.uid!r} cannot name a checkpoint file")
+            raise ValueError(f"claim uid {shorten(repr(claim.uid))} cannot name a checkpoint file")
         raw = claim.to_json()
         with self._lock:
             write_json_atomic(

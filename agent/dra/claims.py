@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any, Mapping, Protocol
 
-from agent.errors import AgentError
+from agent.errors import AgentError, shorten
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class KubernetesClaimReader:
         try:
             groups = self._apis.get_api_versions(_request_timeout=self.timeout_s)
         except ApiException as exc:
-            raise ClaimReadError(f"API discovery failed: HTTP {exc.status} {exc.reason}") from None
+            raise ClaimReadError(f"API discovery failed: HTTP {exc.status} {shorten(exc.reason)}") from None
         except Exception as exc:  # urllib3 connection errors
             raise ClaimReadError(f"API server unreachable: {_short(exc)}") from None
         served: list[str] = []
@@ -77,7 +77,8 @@ class KubernetesClaimReader:
                 return version
         raise ClaimReadError(
             f"the API server serves no {GROUP} version this agent reads "
-            f"(served: {', '.join(served) or 'none'}; expected one of {', '.join(self._versions)});"
+            f"(served: {shorten(', '.join(served), 200) or 'none'};"
+            f" expected one of {', '.join(self._versions)});"
             " is DynamicResourceAllocation enabled?"
         )
 
@@ -85,23 +86,22 @@ class KubernetesClaimReader:
         from kubernetes.client.exceptions import ApiException
 
         version = self.version
+        claim = f"ResourceClaim {shorten(namespace)}/{shorten(name, 253)}"  # as the caller got them
         try:
             obj = self._api.get_namespaced_custom_object(
                 GROUP, version, namespace, "resourceclaims", name, _request_timeout=self.timeout_s
             )
         except ApiException as exc:
             if exc.status == 404:
-                raise ClaimNotFound(f"ResourceClaim {namespace}/{name} not found") from None
-            raise ClaimReadError(
-                f"reading ResourceClaim {namespace}/{name}: HTTP {exc.status} {exc.reason}"
-            ) from None
+                raise ClaimNotFound(f"{claim} not found") from None
+            raise ClaimReadError(f"reading {claim}: HTTP {exc.status} {shorten(exc.reason)}") from None
         except Exception as exc:
-            raise ClaimReadError(f"reading ResourceClaim {namespace}/{name}: {_short(exc)}") from None
+            raise ClaimReadError(f"reading {claim}: {_short(exc)}") from None
         if not isinstance(obj, Mapping):
-            raise ClaimReadError(f"reading ResourceClaim {namespace}/{name}: the answer is not an object")
+            raise ClaimReadError(f"reading {claim}: the answer is not an object")
         return obj
 
 
 def _short(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 200 else text[:197] + "..."
+    """An exception from the client on one line, shortened (it may quote the request URL)."""
+    return shorten(" ".join(str(exc).split()), 200)

@@ -22,9 +22,21 @@ from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path, valid_claim_u
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef, device_refs
+from agent.errors import shorten
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
+
+#: The longest claim UID taken (Kubernetes UIDs are 36-character UUIDs): it names the CDI
+#: spec and the checkpoint file, which must stay under the file-name limit (255 bytes).
+MAX_CLAIM_UID_CHARS = 128
+#: Kubernetes object names: a namespace is a DNS label, a claim name a DNS subdomain. A
+#: longer one cannot exist, so it is refused without asking the API server.
+MAX_NAMESPACE_CHARS = 63
+MAX_NAME_CHARS = 253
+#: How much of a message built from several untrusted values (a list of refused devices,
+#: the drivers of a claim) goes to the kubelet and the log.
+MESSAGE_LIMIT = 600
 
 
 class HealthView(Protocol):
@@ -42,7 +54,10 @@ class ClaimRef:
     name: str
 
     def __str__(self) -> str:
-        return f"ResourceClaim {self.namespace}/{self.name} (uid {self.uid})"
+        # all three come from the kubelet as they are: a megabyte each would be a megabyte
+        # in the reply and the log
+        return (f"ResourceClaim {shorten(self.namespace)}/{shorten(self.name, MAX_NAME_CHARS)}"
+                f" (uid {shorten(self.uid)})")
 
 
 @dataclass(frozen=True)
@@ -90,8 +105,13 @@ class ClaimPreparer:
         missing = [f for f in ("namespace", "uid", "name") if not getattr(ref, f)]
         if missing:
             return PrepareResult(error=f"{ref}: the claim's {', '.join(missing)} must not be empty")
-        if not valid_claim_uid(ref.uid):
-            return PrepareResult(error=f"{ref}: not a claim UID (expected letters, digits, '-', '_' or '.')")
+        if _uid_problem(ref.uid):
+            return PrepareResult(error=f"{ref}: {_uid_problem(ref.uid)}")
+        if len(ref.namespace) > MAX_NAMESPACE_CHARS or len(ref.name) > MAX_NAME_CHARS:
+            return PrepareResult(
+                error=f"{ref}: not a ResourceClaim name (a namespace has at most {MAX_NAMESPACE_CHARS}"
+                f" characters, a name at most {MAX_NAME_CHARS})"
+            )
         done = self.checkpoint.get(ref.uid)
         if done is not None:
             return self._answer_again(done)
@@ -111,20 +131,46 @@ class ClaimPreparer:
                 return self._answer_again(done)
             try:
                 path = self.cdi.write(ref.uid, [d for _, d in chosen])
-                prepared = PreparedClaim(
-                    uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
-                    devices=tuple(
-                        PreparedDevice(request, self.node_name, d.name,
-                                       (cdi_device_id(self.driver_name, ref.uid, d.name),))
-                        for request, d in chosen
-                    ),
-                )
+            except OSError as exc:
+                path = spec_path(self.cdi_dir, self.driver_name, ref.uid)
+                return self._failed(ref, "write its CDI spec", path, exc)
+            prepared = PreparedClaim(
+                uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
+                devices=tuple(
+                    PreparedDevice(request, self.node_name, d.name,
+                                   (cdi_device_id(self.driver_name, ref.uid, d.name),))
+                    for request, d in chosen
+                ),
+            )
+            try:
                 self.checkpoint.add(prepared)
             except OSError as exc:
-                log.error("%s: cannot write its CDI spec or checkpoint: %s", ref, exc)
-                return PrepareResult(error=f"{ref}: cannot write the CDI spec in {self.cdi_dir}: {exc.strerror or exc}")
+                # nothing half-prepared: a spec without its checkpoint entry would be a
+                # device the runtime can inject and no unprepare after a restart removes
+                self._remove_spec(ref, path)
+                return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
         return PrepareResult(devices=prepared.devices)
+
+    @staticmethod
+    def _failed(ref: ClaimRef, what: str, path: str, exc: OSError) -> PrepareResult:
+        """The error for a file that could not be written, naming that file and the OS's
+        reason (with the path it concerns when that is another one: a directory in the way)."""
+        reason = exc.strerror or str(exc)
+        if exc.filename and exc.filename != path:
+            reason = f"{exc.filename}: {reason}"
+        error = f"{ref}: cannot {what} {path}: {shorten(reason, MESSAGE_LIMIT)}"
+        log.error("%s", error)
+        return PrepareResult(error=error)
+
+    @staticmethod
+    def _remove_spec(ref: ClaimRef, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("%s: cannot remove its CDI spec %s: %s", ref, path, exc.strerror or exc)
 
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
         """The checkpointed answer; the spec is written again if it went missing."""
@@ -133,13 +179,14 @@ class ClaimPreparer:
             if len(refs) != len(done.devices):
                 return PrepareResult(
                     error=f"{ClaimRef(done.namespace, done.uid, done.name)}: prepared before, but its devices"
-                    f" {[d.device for d in done.devices]} are no longer on this node"
+                    f" {shorten([d.device for d in done.devices], MESSAGE_LIMIT)} are no longer on this node"
                 )
             try:
                 with self._lock:
                     self.cdi.write(done.uid, refs)
             except OSError as exc:
-                return PrepareResult(error=f"cannot write the CDI spec {done.spec_path}: {exc.strerror or exc}")
+                ref = ClaimRef(done.namespace, done.uid, done.name)
+                return self._failed(ref, "write its CDI spec", done.spec_path, exc)
         return PrepareResult(devices=done.devices)
 
     def _devices_of(self, ref: ClaimRef, obj: Mapping[str, Any]) -> list[tuple[str, DeviceRef]]:
@@ -148,8 +195,8 @@ class ClaimPreparer:
         uid = _get(obj, "metadata", "uid")
         if uid != ref.uid:
             raise ValueError(
-                f"{ref}: the API server's claim has uid {uid!r}; it was deleted and created again,"
-                " the kubelet's claim no longer exists"
+                f"{ref}: the API server's claim has uid {shorten(repr(uid))}; it was deleted and created"
+                " again, the kubelet's claim no longer exists"
             )
         allocation = _get(obj, "status", "allocation")
         if not isinstance(allocation, Mapping):
@@ -159,29 +206,31 @@ class ClaimPreparer:
             raise ValueError(f"{ref}: status.allocation.devices.results is not a list")
         ours = [r for r in results if isinstance(r, Mapping) and r.get("driver") == self.driver_name]
         if not ours:
-            drivers = sorted({str(r.get("driver")) for r in results if isinstance(r, Mapping)})
+            drivers = sorted({shorten(r.get("driver")) for r in results if isinstance(r, Mapping)})
             raise ValueError(
-                f"{ref}: no device of driver {self.driver_name} is allocated"
-                f" (drivers in status.allocation.devices.results: {', '.join(drivers) or 'none'})"
+                f"{ref}: no device of driver {self.driver_name} is allocated (drivers in"
+                f" status.allocation.devices.results: {shorten(', '.join(drivers), MESSAGE_LIMIT) or 'none'})"
             )
         chosen: list[tuple[str, DeviceRef]] = []
         problems: list[str] = []
         for r in ours:
             pool, name, request = str(r.get("pool", "")), str(r.get("device", "")), str(r.get("request", ""))
-            what = f"device {name!r} of pool {pool!r} (request {request!r})"
+            what = (f"device {shorten(repr(name))} of pool {shorten(repr(pool))}"
+                    f" (request {shorten(repr(request))})")
             if pool != self.node_name:
                 problems.append(f"{what}: from another pool, this node serves pool {self.node_name!r}")
                 continue
             device = self.devices.get(name)
             if device is None:
-                problems.append(f"{what}: unknown, this node has {', '.join(self.devices) or 'no devices'}")
+                known = shorten(", ".join(self.devices), 200) or "no devices"
+                problems.append(f"{what}: unknown, this node has {known}")
                 continue
             if not self.health.is_healthy(device.gpu.index):
                 problems.append(f"{what}: GPU {device.gpu.index} ({device.gpu.uuid}) is unhealthy")
                 continue
             chosen.append((request, device))
         if problems:
-            raise ValueError(f"{ref}: cannot prepare " + "; ".join(problems))
+            raise ValueError(f"{ref}: cannot prepare " + shorten("; ".join(problems), MESSAGE_LIMIT))
         return chosen
 
     # ------------------------------------------------------------------ unprepare
@@ -190,8 +239,8 @@ class ClaimPreparer:
         prepared here), else the error."""
         if not ref.uid:
             return f"{ref}: the claim's uid must not be empty"
-        if not valid_claim_uid(ref.uid):
-            return f"{ref}: not a claim UID (expected letters, digits, '-', '_' or '.')"
+        if _uid_problem(ref.uid):
+            return f"{ref}: {_uid_problem(ref.uid)}"
         with self._lock:
             done = self.checkpoint.get(ref.uid)
             path = done.spec_path if done is not None else spec_path(self.cdi_dir, self.driver_name, ref.uid)
@@ -208,6 +257,15 @@ class ClaimPreparer:
         if done is not None:
             log.info("unprepared %s", ref)
         return ""
+
+
+def _uid_problem(uid: str) -> str:
+    """Why ``uid`` cannot be a claim UID here ("" when it can)."""
+    if len(uid) > MAX_CLAIM_UID_CHARS:
+        return f"not a claim UID (more than {MAX_CLAIM_UID_CHARS} characters)"
+    if not valid_claim_uid(uid):
+        return "not a claim UID (expected letters, digits, '-', '_' or '.')"
+    return ""
 
 
 def _get(obj: Any, *keys: str) -> Any:

@@ -1,8 +1,9 @@
 """The metrics service: sampler thread + pod-resources cache + HTTP server.
 
-``MetricsService(backend, topology, config, hostname=..., ready=..., registry=...)`` registers
-the GPU collector and the agent's self-metrics on the agent's registry (one registry, passed
-in; a new one when none is given, never the global one). HTTP endpoints on
+``MetricsService(backend, topology, config, hostname=..., ready=..., agent_metrics=...)``
+registers the GPU collector on the registry of the agent's self-metrics (built first and
+passed in, never the global registry) and reports its sampling rounds and pod-resources
+errors to them. HTTP endpoints on
 ``config.metrics_address`` (``HOST:PORT``, ``:PORT`` for all interfaces, ``[::1]:PORT``;
 port 0 picks a free one, see ``.port``):
 
@@ -21,8 +22,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
-
-from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.errors import shorten
@@ -72,12 +71,10 @@ class _Server(ThreadingHTTPServer):
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
-        self.refused = 0  # connections answered 503 (tests and the soak read it)
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.refused += 1
             try:
                 request.settimeout(0.5)
                 request.sendall(_BUSY_REPLY)
@@ -118,8 +115,7 @@ class MetricsService:
         *,
         hostname: str,
         ready: Callable[[], bool],
-        registry: CollectorRegistry | None = None,
-        pod_resources: PodResourcesCache | None = None,
+        agent_metrics: AgentMetrics,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.backend = backend
@@ -127,7 +123,8 @@ class MetricsService:
         self.config = config
         self.hostname = hostname
         self.ready = ready
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.agent_metrics = agent_metrics
+        self.registry = agent_metrics.registry
         self.sampler = Sampler(
             backend.sample_source(), topology,
             interval_s=config.sample_interval_s,
@@ -141,24 +138,20 @@ class MetricsService:
             attribution=self._attribution,
             scorer=self.scorer, clock=clock,
         )
-        # the GPU families first, then the agent's own: the order of the exposition
         self.registry.register(self.collector)
-        self.agent_metrics = AgentMetrics(self.registry, backend)
-        if pod_resources is None:
-            pod_resources = PodResourcesCache(
-                PodResourcesClient(config.pod_resources_socket), topology,
-                refresh_s=config.pod_resources_refresh_s,
-                index_ids=config.device_id_strategy == "index",
-                clock=clock,
-            )
-        pod_resources.on_error = self.agent_metrics.pod_resources_errors.inc
-        pod_resources.on_refresh = self._warm_scores
-        self.pod_resources = pod_resources
+        self.pod_resources = PodResourcesCache(
+            PodResourcesClient(config.pod_resources_socket), topology,
+            refresh_s=config.pod_resources_refresh_s,
+            index_ids=config.device_id_strategy == "index",
+            clock=clock,
+            on_error=agent_metrics.pod_resources_errors.inc,
+            on_refresh=self._warm_scores,
+        )
         self._server: _Server | None = None
         self._server_thread: threading.Thread | None = None
         self.port: int | None = None
 
-    # ---------------------------------------------------------------- hooks
+    # ---------------------------------------------------------------- reports
     def record_xid(self, gpu_index: int, xid: int) -> None:
         """The health watcher reports an XID; exported as ``DCGM_FI_DEV_XID_ERRORS``."""
         self.sampler.record_xid(gpu_index, xid)

@@ -1,0 +1,166 @@
+"""Checks of single setting values, the same whichever source gives them (config file,
+environment variable, command-line flag).
+
+Each ``expect_*`` takes the raw value and ``where`` (the key, variable or flag) and returns
+the parsed value, or raises ``ValueError`` naming ``where``, what was expected and what was
+given; the value given is cut with :func:`agent.errors.shorten` (a config value can be a
+megabyte). :data:`FIELD_PARSERS` maps a :class:`agent.config.Config` field to its check.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+from agent.errors import shorten
+from agent.records import REPLICA_POLICIES
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+ALLOCATION_POLICIES = ("best-effort",)  # the topology policy of issue 3; no other is built
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MODES = ("device-plugin", "dra")
+LABEL_SINKS = ("file", "nodefeature")
+
+
+def got(value: object) -> str:
+    """``value`` as a message shows what was given: its repr, shortened."""
+    return shorten(repr(value))
+
+
+def expect_bool(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", ""):
+        return False
+    raise ValueError(f"{where}: expected true or false, got {got(value)}")
+
+
+def expect_choice(value: object, choices: tuple[str, ...], where: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ValueError(f"{where}: expected one of {', '.join(choices)}, got {got(value)}")
+
+
+def expect_number(value: object, where: str, minimum: float = 0.0) -> float:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{where}: expected a number, got {got(value)}") from None
+    if number < minimum or number != number:
+        raise ValueError(f"{where}: expected a number >= {minimum:g}, got {got(value)}")
+    return number
+
+
+def expect_str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string, got {got(value)}")
+    return value
+
+
+def expect_file_name(value: object, where: str) -> str:
+    name = expect_str(value, where)
+    if not name or "/" in name or name.startswith(".") or name == "kubelet.sock":
+        raise ValueError(
+            f"{where}: expected a file name (no '/', not a dot-file, not kubelet.sock), got {got(name)}"
+        )
+    return name
+
+
+def expect_items(value: object, where: str, expected: str) -> list[object]:
+    """A YAML list, or a comma-separated string (environment variables, flags)."""
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{where}: expected {expected}, got {got(value)}")
+
+
+def expect_list_strategy(value: object, where: str) -> tuple[str, ...]:
+    items = expect_items(value, where, "a strategy name or a list of them")
+    if not items:
+        raise ValueError(f"{where}: expected at least one of {', '.join(DEVICE_LIST_STRATEGIES)}")
+    out: list[str] = []
+    for item in items:
+        choice = expect_choice(item, DEVICE_LIST_STRATEGIES, where)
+        if choice not in out:
+            out.append(choice)
+    return tuple(out)
+
+
+def expect_xids(value: object, where: str) -> tuple[int, ...]:
+    items = expect_items(value, where, "a list of XID numbers")
+    out: list[int] = []
+    for item in items:
+        try:
+            if isinstance(item, bool):
+                raise TypeError
+            xid = int(str(item).strip())
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected XID numbers, got {got(item)}") from None
+        if xid < 0:
+            raise ValueError(f"{where}: expected XID numbers >= 0, got {got(item)}")
+        out.append(xid)
+    return tuple(sorted(set(out)))
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+
+def expect_driver_name(value: object, where: str) -> str:
+    """A DRA driver name: a lowercase DNS subdomain (the API server rejects anything else)."""
+    name = expect_str(value, where).strip()
+    if len(name) > 63 or not re.fullmatch(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*", name):
+        raise ValueError(
+            f"{where}: expected a DRA driver name (a lowercase DNS subdomain of at most 63"
+            f" characters, e.g. gpu.gpu-agent.io), got {got(value)}"
+        )
+    return name
+
+
+def _log_level(value: object, where: str) -> str:
+    return expect_choice(str(value).upper(), tuple(x.lower() for x in LOG_LEVELS), where).upper()
+
+
+#: Config field -> its check (fields not named here are strings).
+FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
+    "mig_strategy": lambda v, w: expect_choice(v, MIG_STRATEGIES, w),
+    "fail_on_init_error": expect_bool,
+    "pass_device_specs": expect_bool,
+    "device_list_strategy": expect_list_strategy,
+    "device_id_strategy": lambda v, w: expect_choice(v, DEVICE_ID_STRATEGIES, w),
+    "shared_devices_allocation_policy": lambda v, w: expect_choice(v, REPLICA_POLICIES, w),
+    "rename_by_default": expect_bool,
+    "fail_requests_greater_than_one": expect_bool,
+    "health_checks_enabled": expect_bool,
+    "ignored_xids": expect_xids,
+    "extra_critical_xids": expect_xids,
+    "health_recovery_s": expect_number,
+    "sample_interval_s": lambda v, w: expect_number(v, w, 0.1),
+    "pod_resources_refresh_s": lambda v, w: expect_number(v, w, 0.1),
+    "label_interval_s": lambda v, w: expect_number(v, w, 0.1),
+    "idle_utilization_threshold_pct": expect_number,
+    "socket_name": expect_file_name,
+    "feature_file": expect_file_name,
+    "no_timestamp": expect_bool,
+    "log_format": lambda v, w: expect_choice(v, LOG_FORMATS, w),
+    "log_level": _log_level,
+    "mode": lambda v, w: expect_choice(v, MODES, w),
+    "driver_name": expect_driver_name,
+    "delete_slices_on_shutdown": expect_bool,
+    "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),
+}
+
+
+def parse_field(name: str, value: object, where: str) -> object:
+    """``value`` checked as the Config field ``name`` (``where`` names its source)."""
+    parser = FIELD_PARSERS.get(name)
+    if parser is not None:
+        return parser(value, where)
+    return expect_str(value, where)
