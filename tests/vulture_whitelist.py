@@ -41,3 +41,15 @@ _.uiVal  # pynvml c_nvmlValue_t union member, filled as the real NVML fills it
 _.ullVal  # pynvml c_nvmlValue_t union member, filled as the real NVML fills it
 taken_at  # metrics Snapshot field: when the round was taken
 
+# --- the simulator's runtime fault injection (agent/hw/sim/nvml_core.py), part of the fake
+# pynvml's documented API (agent/hw/sim/nvml.py's docstring): the machine spec's ``faults:``
+# is its static form (lost GPUs, unsupported functions, a failing nvmlInit) that the product
+# reads; these change a running fake and are driven by tests/ and bench/bench_dra.py
+_.lose_gpu  # tests (health, metrics, reliability)
+_.recover_gpu  # tests (health recovery)
+_.make_unsupported  # tests (metrics of unsupported functions)
+_.make_missing  # tests (an older driver)
+_.fail_init  # tests (NVML that does not load)
+_.inject_xid  # tests and bench/bench_dra.py
+_.inject_ecc_dbe  # tests (ECC events and counters)
+_.set_value  # tests (telemetry knobs)
