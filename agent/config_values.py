@@ -22,6 +22,7 @@ DEVICE_ID_STRATEGIES = ("uuid", "index")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
+LABEL_SINKS = ("file", "nodefeature")
 
 
 def got(value: object) -> str:
@@ -195,6 +196,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "delete_slices_on_shutdown": expect_bool,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
     "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
+    "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),
     "default_config": expect_config_name,
     "node_label": expect_label_key,
     "fallback_strategies": expect_fallbacks,

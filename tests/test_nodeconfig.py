@@ -172,15 +172,15 @@ def test_a_watch_that_ends_is_resumed_and_an_expired_one_lists_again(node) -> No
     seen_rv = api._nodes[NODE]["metadata"]["resourceVersion"]
     assert eventually(lambda: _watch_queries(api) and "resourceVersion=" in _watch_queries(api)[-1])
 
-    api.end_node_watches()  # a restarting API server: the agent resumes where it was
+    api.end_watches()  # a restarting API server: the agent resumes where it was
     assert eventually(lambda: any(f"resourceVersion={seen_rv}" in q for q in _watch_queries(api)), 15.0)
     api.label_node(NODE, **{LABEL: "shared"})
     assert eventually(lambda: agent.offered() == 32, 15.0), agent.log_text()[-2000:]
 
     lists = _list_count(api)
-    api.end_node_watches()  # ... and, while it was away, the history was compacted: 410, list again
+    api.end_watches()  # ... and, while it was away, the history was compacted: 410, list again
     api.label_node(NODE, **{LABEL: "default"})
-    api.compact_node_events()
+    api.compact()
     assert eventually(lambda: agent.offered() == 8, 15.0), agent.log_text()[-2000:]
     assert _list_count(api) > lists
     assert "listing it again" in agent.log_text()

@@ -78,11 +78,6 @@ class PluginResource:
         names it (``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``)."""
         return self.socket_template.replace("{resource}", self.name.split("/", 1)[-1])
 
-    def numa_consistent(self) -> bool:
-        """True when every device has a NUMA node. (A device without one is advertised
-        without TopologyInfo, as NVIDIA's plugin does; the others keep theirs.)"""
-        return all(d.numa_node is not None for d in self.devices)
-
 
 def _gpu_device(gpu: Gpu) -> PluginDevice:
     return PluginDevice(id=gpu.uuid, gpu_index=gpu.index, uuid=gpu.uuid, numa_node=gpu.numa_node)
@@ -323,10 +318,3 @@ def _planned_bytes(device: PluginDevice, replicas: int) -> int:
         total += (high - low) * _device_bytes(stem + digits, device.numa_node)
         low, digits = high, digits + 1
     return total
-
-
-def device_list_bytes(resource: PluginResource) -> int:
-    """The serialized size of ``resource``'s ListAndWatchResponse with every device
-    Unhealthy (the longer health word), computed from the wire format without building
-    the message (a test checks it against protobuf's own ``ByteSize``)."""
-    return sum(_device_bytes(len(d.id.encode()), d.numa_node) for d in resource.devices)

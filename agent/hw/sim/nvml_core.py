@@ -114,7 +114,6 @@ def api(fn: Callable[..., Any]) -> Callable[..., Any]:
         self._check(name, args)
         return fn(self, *args, **kwargs)
 
-    wrapper._nvml_api = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -312,11 +311,6 @@ class FakeNvmlCore:
                 s.cond.notify_all()
 
     # ------------------------------------------------------------------ helpers
-    @classmethod
-    def api_functions(cls) -> list[str]:
-        """The names of the pynvml functions this fake implements."""
-        return sorted(n for n in dir(cls) if getattr(getattr(cls, n), "_nvml_api", False))
-
     @staticmethod
     def _stated(value: _T | None) -> _T:
         """A fact the spec states; NotSupported where it states none (as NVML answers)."""
