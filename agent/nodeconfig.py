@@ -154,6 +154,7 @@ class NodeLabelWatch:
                 api = api or client.CoreV1Api(self.client_factory())
                 if resource_version is None:
                     resource_version = self._list(api)
+                    self._recovered()
                 resource_version = self._watch_from(api, resource_version)
                 self._recovered()
                 backoff_s = self.backoff_initial_s
@@ -199,6 +200,7 @@ class NodeLabelWatch:
             ):
                 if self._stop.is_set():
                     break
+                self._recovered()
                 labels = ((event.get("raw_object") or {}).get("metadata") or {}).get("labels") or {}
                 if event.get("type") in ("ADDED", "MODIFIED"):
                     self._report(str(labels.get(self.label, "")))
