@@ -15,7 +15,7 @@ from agent.hw.sim.catalogue import GPU_MODELS, GpuModel, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS as _C
 from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
 from agent.hw.sim.spec_reader import SpecReader
-from agent.records import synthetic_gpu_uuid
+from agent.records import COMPUTE_MODES, synthetic_gpu_uuid
 
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb$")
 
@@ -55,6 +55,7 @@ _GPU_KEYS = frozenset(
         "fabric",
         "gpu_numa_id",
         "board",
+        "compute_mode",
     }
 )
 
@@ -177,4 +178,15 @@ def _read_gpu(
         fabric_clique_id=clique,
         gpu_numa_id=r.opt_int(entry.get("gpu_numa_id"), f"{where}.gpu_numa_id", minimum=0),
         board=str(entry["board"]) if entry.get("board") is not None else None,
+        compute_mode=_read_compute_mode(r, entry.get("compute_mode", "Default"), f"{where}.compute_mode"),
     )
+
+
+def _read_compute_mode(r: SpecReader, value: object, where: str) -> str:
+    """nvidia-smi's name of a compute mode (``Default``, ``Exclusive_Process``,
+    ``Prohibited``, ``Exclusive_Thread``), any case."""
+    text = r.str_(value, where)
+    for name in COMPUTE_MODES.values():
+        if text.strip().lower() == name.lower():
+            return name
+    raise r.fail(where, f"expected one of {', '.join(COMPUTE_MODES.values())}, got {text!r}")
