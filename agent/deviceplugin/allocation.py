@@ -13,7 +13,7 @@ import re
 from typing import Sequence
 
 from agent.config import Config
-from agent.containers import ContainerDevice, ContainerEdits, container_edits
+from agent.containers import ContainerDevice, ContainerEdits, MpsShare, container_edits
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
 from agent.errors import AllocationError, shorten
 from agent.topology.allocator import AllocationEngine
@@ -123,4 +123,14 @@ class RequestHandler:
         self._check_shared_size(len(requested), what)
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
-        return container_edits(self.topology, devices, self.config)
+        return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested))
+
+    def _mps_share(self, requested: Sequence[PluginDevice]) -> MpsShare | None:
+        """What the container holds of an MPS resource's replicas (None: no MPS replica)."""
+        held: dict[int, int] = {}
+        for d in requested:
+            if d.replica is not None:
+                held[d.gpu_index] = held.get(d.gpu_index, 0) + 1
+        if not self.resource.mps or not held:
+            return None
+        return MpsShare(self.resource.name, {i: self._replicas_per_gpu[i] for i in held}, held)

@@ -12,6 +12,11 @@ thread registers and re-serves; gRPC workers and the metrics HTTP server call
 :meth:`~DevicePluginManager.ready`; the health watcher's listener publishes device health.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``reload`` hands it the new (topology, config) and waits for the outcome.
+
+MPS-shared resources have a control daemon each (:class:`MpsControlDaemon`, its own thread),
+started with the servers and kept across a reload that leaves its GPUs and limits alone. The
+watch thread registers such a resource once its daemon first answers; its replicas are
+Unhealthy while the daemon does not answer; the daemons quit when the manager stops.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
+from agent.deviceplugin.mps import COMMAND_TIMEOUT_S, PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemonSpec
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
+    mps: MpsControlDaemon | None = None  # an MPS resource's control daemon
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # watch thread only
     backoff_s: float = 0.0  # watch thread only
@@ -80,9 +87,11 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
+        mps_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
+        self.mps_probe_s = mps_probe_s
         self.register_timeout_s = register_timeout_s
         self.max_backoff_s = max_backoff_s
         # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
@@ -95,6 +104,7 @@ class DevicePluginManager:
         self.config = config
         self.hooks = hooks
         self._slots: list[_Slot] = []
+        self._mps: dict[str, MpsControlDaemon] = {}  # by resource name; the servers' owner only
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
@@ -141,6 +151,9 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
+        daemons, self._mps = list(self._mps.values()), {}
+        for daemon in daemons:
+            daemon.stop(2 * COMMAND_TIMEOUT_S)
 
     def reload(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -179,7 +192,8 @@ class DevicePluginManager:
         """Every resource is registered with the running kubelet. Never waits on I/O (the
         readiness probe calls it)."""
         with self._lock:
-            return bool(self._slots) and all(s.registered for s in self._slots)
+            slots = list(self._slots)
+        return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
 
     def wait_ready(self, timeout_s: float) -> bool:
         return wait_until(self.ready, timeout_s)
@@ -188,9 +202,37 @@ class DevicePluginManager:
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         with self._lock:
             hooks = self.hooks
-        server = PluginServer(RequestHandler(resource, topology, config), self.health, config.kubelet_dir, hooks=hooks)
+        server = PluginServer(
+            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, hooks=hooks,
+            mps=self._mps.get(resource.name),
+        )
         server.start()
         return server
+
+    def _sync_mps(self, resources: tuple[PluginResource, ...], topology: Topology, config: Config) -> None:
+        """One control daemon per MPS resource: a running one whose GPUs, limits, root and
+        program stay is kept (its pods keep their MPS server), the others quit, new ones
+        start."""
+        wanted = {
+            r.name: (MpsDaemonSpec.for_resource(r, topology), config.mps_root, config.mps_control_binary)
+            for r in resources if r.mps
+        }
+        for name, daemon in list(self._mps.items()):
+            if wanted.get(name) != (daemon.spec, daemon.mps_root, daemon.program):
+                del self._mps[name]
+                daemon.stop(2 * COMMAND_TIMEOUT_S)
+        for name, (spec, root, program) in wanted.items():
+            if name not in self._mps:
+                daemon = MpsControlDaemon(spec, root, program, self._mps_changed, probe_s=self.mps_probe_s)
+                self._mps[name] = daemon
+                daemon.start()
+
+    def _mps_changed(self) -> None:
+        """A control daemon started or stopped answering: re-send the device lists, report
+        the health, and let the watch thread register a resource whose daemon now answers."""
+        self.health.wake()
+        self._publish_health()
+        self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
         """Stop the servers, serve (topology, config). Runs on the thread that owns the
@@ -201,11 +243,12 @@ class DevicePluginManager:
             self.topology, self.config, self.resources = topology, config, resources
         for slot in old:
             slot.server.stop(0.5)
+        self._sync_mps(resources, topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
-            slot = _Slot(self._new_server(resource, topology, config))
+            slot = _Slot(self._new_server(resource, topology, config), self._mps.get(resource.name))
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
@@ -218,11 +261,14 @@ class DevicePluginManager:
 
     def _publish_health(self) -> None:
         with self._lock:
-            hooks, resources = self.hooks, self.resources
+            hooks, resources, slots = self.hooks, self.resources, list(self._slots)
+        answering = {s.server.resource.name: s.mps.answering for s in slots if s.mps is not None}
         unhealthy = self.health.snapshot()
         for resource in resources:
+            mps_up = answering.get(resource.name, True)
             for d in resource.devices:
-                hooks.set_device_health(resource.name, d.id, d.gpu_index not in unhealthy)
+                up = d.gpu_index not in unhealthy and (d.replica is None or mps_up)
+                hooks.set_device_health(resource.name, d.id, up)
 
     def _kubelet_inode_now(self) -> tuple[int, int, int] | None:
         # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
@@ -311,6 +357,8 @@ class DevicePluginManager:
                 slot = fresh
             if inode is None or slot.registered or now < slot.next_try_s:
                 continue
+            if slot.mps is not None and not slot.mps.answering:
+                continue  # MPS replicas are advertised once their daemon answers
             self._register(slot, now)
 
     def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
@@ -365,7 +413,7 @@ class DevicePluginManager:
         if slot.serve_failing:
             log.warning("serving %s again on %s", slot.server.resource.name, path)
         self._taken.discard(path)
-        fresh = _Slot(server, next_try_s=now)
+        fresh = _Slot(server, slot.mps, next_try_s=now)
         with self._lock:
             self._slots = [fresh if s is slot else s for s in self._slots]
         return fresh
