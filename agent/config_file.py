@@ -137,7 +137,9 @@ def _parse_replicated_entry(entry: Mapping[str, Any], at: str, mps: bool) -> Tim
                     f"{at}.devices: expected GPU indices, MIG indices (GPU:MIG), GPU or MIG UUIDs, got {got(d)}"
                 )
             if mps and (":" in d or d.startswith("MIG-")):
-                raise ValueError(f"{at}.devices: MPS cannot share MIG devices; expected GPU indices or UUIDs, got {got(d)}")
+                raise ValueError(
+                    f"{at}.devices: MPS cannot share MIG devices; expected GPU indices or UUIDs, got {got(d)}"
+                )
     else:
         raise ValueError(f"{at}.devices: expected \"all\" or a non-empty list, got {got(devices_raw)}")
     return TimeSlicingResource(name=name, replicas=replicas, rename=rename, devices=devices)
@@ -225,10 +227,9 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         out["feature_file"] = expect_file_name(flags["featureFile"], "flags.featureFile")
     if "labelIntervalSeconds" in flags:
         out["label_interval_s"] = expect_number(flags["labelIntervalSeconds"], "flags.labelIntervalSeconds", 0.1)
-    if "mpsRoot" in flags:
-        out["mps_root"] = parse_field("mps_root", flags["mpsRoot"], "flags.mpsRoot")
-    if "mpsControlBinary" in flags:
-        out["mps_control_binary"] = parse_field("mps_control_binary", flags["mpsControlBinary"], "flags.mpsControlBinary")
+    for key, name in (("mpsRoot", "mps_root"), ("mpsControlBinary", "mps_control_binary")):
+        if key in flags:
+            out[name] = parse_field(name, flags[key], f"flags.{key}")
     gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")
     if "noTimestamp" in gfd:
         out["no_timestamp"] = expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")

@@ -13,10 +13,12 @@ thread registers and re-serves; gRPC workers and the metrics HTTP server call
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``reload`` hands it the new (topology, config) and waits for the outcome.
 
-MPS-shared resources have a control daemon each (:class:`MpsControlDaemon`, its own thread),
-started with the servers and kept across a reload that leaves its GPUs and limits alone. The
-watch thread registers such a resource once its daemon first answers; its replicas are
-Unhealthy while the daemon does not answer; the daemons quit when the manager stops.
+MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
+the servers; the watch thread registers such a resource once its daemon first answers.
+
+Size: above 400 lines because serving, registration, the kubelet watch and reloads are one
+owner of the slots and their one lock; the servers, the request handling and the MPS daemons
+already live apart.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.mps import COMMAND_TIMEOUT_S, PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemonSpec
+from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError
@@ -91,7 +93,6 @@ class DevicePluginManager:
     ) -> None:
         self.health = health
         self.poll_s = poll_s
-        self.mps_probe_s = mps_probe_s
         self.register_timeout_s = register_timeout_s
         self.max_backoff_s = max_backoff_s
         # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
@@ -104,7 +105,7 @@ class DevicePluginManager:
         self.config = config
         self.hooks = hooks
         self._slots: list[_Slot] = []
-        self._mps: dict[str, MpsControlDaemon] = {}  # by resource name; the servers' owner only
+        self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
@@ -151,9 +152,7 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
-        daemons, self._mps = list(self._mps.values()), {}
-        for daemon in daemons:
-            daemon.stop(2 * COMMAND_TIMEOUT_S)
+        self._mps.stop()
 
     def reload(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -209,23 +208,6 @@ class DevicePluginManager:
         server.start()
         return server
 
-    def _sync_mps(self, resources: tuple[PluginResource, ...], topology: Topology, config: Config) -> None:
-        """One control daemon per MPS resource: a running one whose GPUs, limits, root and
-        program stay is kept (its pods keep their MPS server), the others quit, new ones
-        start."""
-        wanted = {
-            r.name: (MpsDaemonSpec.for_resource(r, topology), config.mps_root, config.mps_control_binary)
-            for r in resources if r.mps
-        }
-        for name, daemon in list(self._mps.items()):
-            if wanted.get(name) != (daemon.spec, daemon.mps_root, daemon.program):
-                del self._mps[name]
-                daemon.stop(2 * COMMAND_TIMEOUT_S)
-        for name, (spec, root, program) in wanted.items():
-            if name not in self._mps:
-                daemon = MpsControlDaemon(spec, root, program, self._mps_changed, probe_s=self.mps_probe_s)
-                self._mps[name] = daemon
-                daemon.start()
 
     def _mps_changed(self) -> None:
         """A control daemon started or stopped answering: re-send the device lists, report
@@ -243,7 +225,7 @@ class DevicePluginManager:
             self.topology, self.config, self.resources = topology, config, resources
         for slot in old:
             slot.server.stop(0.5)
-        self._sync_mps(resources, topology, config)
+        self._mps.sync(resources, topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)

@@ -39,7 +39,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from agent.containers import mps_memory_limit_mib, mps_resource_dir, mps_shm_dir, mps_thread_percentage
+from agent.config import Config
+from agent.containers import (
+    mps_memory_limit_mib,
+    mps_resource_dir,
+    mps_shm_dir,
+    mps_thread_percentage,
+)
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError
 from agent.topology.model import Topology
@@ -242,3 +248,39 @@ class MpsControlDaemon(Worker):
             log.info("MPS control daemon for %s told to quit", self.spec.resource)
         except AgentError as exc:
             log.warning("MPS control daemon for %s: quit failed: %s", self.spec.resource, exc)
+
+
+class MpsDaemons:
+    """The control daemons of a node's MPS resources, by resource name. Used by the one
+    thread that owns the device-plugin servers."""
+
+    def __init__(self, on_change: Callable[[], None], probe_s: float = PROBE_INTERVAL_S) -> None:
+        self._on_change = on_change
+        self.probe_s = probe_s
+        self._daemons: dict[str, MpsControlDaemon] = {}
+
+    def get(self, resource: str) -> MpsControlDaemon | None:
+        return self._daemons.get(resource)
+
+    def sync(self, resources: tuple[PluginResource, ...], topology: Topology, config: Config) -> None:
+        """One daemon per MPS resource: a running one whose GPUs, limits, root and program
+        stay is kept (its pods keep their MPS server), the others quit, new ones start."""
+        wanted = {
+            r.name: (MpsDaemonSpec.for_resource(r, topology), config.mps_root, config.mps_control_binary)
+            for r in resources if r.mps
+        }
+        for name, daemon in list(self._daemons.items()):
+            if wanted.get(name) != (daemon.spec, daemon.mps_root, daemon.program):
+                del self._daemons[name]
+                daemon.stop(2 * COMMAND_TIMEOUT_S)
+        for name, (spec, root, program) in wanted.items():
+            if name not in self._daemons:
+                daemon = MpsControlDaemon(spec, root, program, self._on_change, probe_s=self.probe_s)
+                self._daemons[name] = daemon
+                daemon.start()
+
+    def stop(self) -> None:
+        """Every daemon quits."""
+        daemons, self._daemons = list(self._daemons.values()), {}
+        for daemon in daemons:
+            daemon.stop(2 * COMMAND_TIMEOUT_S)
