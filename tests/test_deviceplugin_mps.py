@@ -185,6 +185,26 @@ def test_killed_control_daemon_makes_the_replicas_unhealthy_until_it_is_restarte
     assert node.commands().count("set_default_active_thread_percentage 50") == 2
 
 
+def test_a_daemon_left_by_an_earlier_agent_is_told_to_quit_and_replaced(node):
+    import subprocess
+
+    env = {"CUDA_MPS_PIPE_DIRECTORY": node.pipe_dir(), "CUDA_MPS_LOG_DIRECTORY": os.path.join(node.mps_root, RESOURCE, "log"),
+           "CUDA_VISIBLE_DEVICES": "GPU-old"}
+    for path in env.values():
+        if path.startswith("/"):
+            os.makedirs(path, exist_ok=True)
+    subprocess.run([node.program, "-d"], env=env, check=True, timeout=10)
+    assert eventually(lambda: node.daemon_pid() is not None, 5.0)
+    left = node.daemon_pid()
+    node.start(node.config(replicas=2))
+    assert node.manager.wait_ready(10.0)
+    old, new = node.starts()
+    assert old["start"]["CUDA_VISIBLE_DEVICES"] == "GPU-old"
+    assert new["start"]["CUDA_VISIBLE_DEVICES"] == ",".join(g.uuid for g in node.topology.gpus)
+    assert node.record().index({"command": "quit"}) < node.record().index(new)
+    assert node.daemon_pid() != left
+
+
 def test_stopping_the_plugins_tells_the_control_daemon_to_quit(node):
     node.start(node.config(replicas=2))
     assert node.manager.wait_ready(10.0)

@@ -130,7 +130,6 @@ class MpsControlDaemon(Worker):
         self._lock = threading.Lock()
         self._answering = False
         self.generation = 0  # increases whenever answering flips
-        self.restarts = 0  # starts after the first
         self._started = False  # thread only: we started a daemon that may still run
 
     @property
@@ -179,7 +178,6 @@ class MpsControlDaemon(Worker):
                     " restarting it", self.spec.resource, exc,
                 )
                 self._set_answering(False)
-                self.restarts += 1
                 if backoff_s and self._stop.wait(backoff_s):
                     break
                 backoff_s = min(self.max_backoff_s, max(FIRST_BACKOFF_S, backoff_s * 2))
@@ -187,23 +185,29 @@ class MpsControlDaemon(Worker):
         self._set_answering(False)
 
     def _start_daemon(self) -> None:
-        """Start the daemon and give it its settings; AgentError when any step fails."""
+        """Start the daemon and give it its settings; AgentError when any step fails. One
+        that answers already is kept if we started it (a probe it missed, not a death), and
+        told to quit otherwise (left by an agent that stopped without quitting it)."""
         for path in (self.pipe_dir, self.log_dir, self.shm_dir):
             try:
                 os.makedirs(path, exist_ok=True)
             except OSError as exc:
                 raise AgentError(f"cannot create {path}: {exc.strerror or exc}") from None
-        try:  # one left by an agent that stopped without quitting it: start afresh
+        try:
             self._control("get_default_active_thread_percentage")
-            log.warning("an MPS control daemon already serves %s: telling it to quit", self.pipe_dir)
-            self._control("quit")
         except AgentError:
             pass
+        else:
+            if self._started:
+                return
+            log.warning("an MPS control daemon already serves %s: telling it to quit", self.pipe_dir)
+            self._control("quit")
         self._run_program(["-d"], None)
         self._started = True
-        for command in self.spec.commands():
+        for command in [*self.spec.commands(), "get_default_active_thread_percentage"]:
+            if self._stop.is_set():
+                raise AgentError("stopping")
             self._control(command)
-        self._control("get_default_active_thread_percentage")
 
     def _control(self, command: str) -> str:
         """Send one command to the running daemon; its answer (AgentError if it fails)."""
