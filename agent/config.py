@@ -19,7 +19,7 @@ from typing import Mapping, cast
 
 from agent.config_file import TimeSlicingResource as TimeSlicingResource
 from agent.config_file import read_config_file
-from agent.config_values import expect_xids, parse_field
+from agent.config_values import expect_xids, got, parse_field
 from agent.errors import ConfigError, shorten
 from agent.formats import parse_host_port
 
@@ -64,6 +64,8 @@ class Config:
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     features_dir: str = "/etc/kubernetes/node-feature-discovery/features.d"
     metrics_address: str = ":9400"
+    probe_address: str = ""  # /health, /ready for the kubelet; "" = see probe_address_of
+    web_config_file: str = ""  # exporter-toolkit web config (TLS, basic auth); "" = plain HTTP
     node_name: str = ""
     sysfs_root: str = "/sys"
     #: plugin socket file name in kubelet_dir; {resource} is the resource name after the
@@ -130,6 +132,8 @@ ENV_FIELDS: Mapping[str, str] = {
     "NODE_NAME": "node_name",
     "KUBELET_DIR": "kubelet_dir",
     "METRICS_ADDRESS": "metrics_address",
+    "PROBE_ADDRESS": "probe_address",
+    "WEB_CONFIG_FILE": "web_config_file",
     "LOG_FORMAT": "log_format",
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
@@ -152,8 +156,8 @@ ENV_FIELDS: Mapping[str, str] = {
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
-PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root", "config_file",
-               "mps_root")
+PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
+               "config_file", "web_config_file", "mps_root")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -181,11 +185,18 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
 
 def _check_consistency(config: Config) -> None:
     where = config.config_file or "configuration"
-    if config.metrics_address:
-        try:
-            parse_host_port(config.metrics_address, "metrics_address")
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+    try:
+        metrics = parse_host_port(config.metrics_address, "metrics_address") if config.metrics_address else None
+        probe_address = probe_address_of(config)
+        probes = parse_host_port(probe_address, "probe_address") if probe_address else None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if (probes is not None and metrics is not None and probes[1] == metrics[1] != 0
+            and (probes[0] == metrics[0] or "" in (probes[0], metrics[0]))):
+        raise ConfigError(
+            f"{where}: probe_address {got(config.probe_address)}: expected another port than"
+            f" metrics_address {got(config.metrics_address)} (the probes have their own listener)"
+        )
     if config.mps and config.time_slicing:
         raise ConfigError(
             f"{where}: sharing: timeSlicing and mps are exclusive on a node (a GPU is shared one way);"
@@ -252,6 +263,18 @@ def load_config(
     if "/" in config.mps_control_binary:  # a path, not a name looked up on the PATH
         config = replace(config, mps_control_binary=os.path.abspath(config.mps_control_binary))
     return config
+
+
+def probe_address_of(config: Config) -> str:
+    """Where ``/health`` and ``/ready`` listen (their own listener, apart from ``/metrics``):
+    ``config.probe_address``, or when it is empty the metrics address's host with the next
+    port (``:9401`` by default; port 0, a free one, stays 0)."""
+    if config.probe_address:
+        return config.probe_address
+    host, sep, port = config.metrics_address.rpartition(":")
+    if not sep or not port.isdigit():
+        return config.metrics_address  # parse_host_port names the bad metrics address
+    return f"{host}:{int(port) + 1 if int(port) else 0}"
 
 
 def is_critical_xid(config: Config, xid: int) -> bool:

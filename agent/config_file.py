@@ -252,9 +252,13 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_metrics(metrics: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(
         metrics,
-        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent"),
+        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent",
+         "probeAddress", "webConfigFile"),
         "metrics",
     )
+    for key, name in (("probeAddress", "probe_address"), ("webConfigFile", "web_config_file")):
+        if key in metrics:  # left empty: the default
+            out[name] = "" if metrics[key] is None else expect_str(metrics[key], f"metrics.{key}")
     if "sampleIntervalSeconds" in metrics:
         out["sample_interval_s"] = expect_number(
             metrics["sampleIntervalSeconds"], "metrics.sampleIntervalSeconds", 0.1

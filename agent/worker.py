@@ -4,8 +4,6 @@ started once, stopped by setting an event that its loop waits on."""
 from __future__ import annotations
 
 import threading
-import time
-from typing import Callable
 
 
 class Worker:
@@ -41,13 +39,3 @@ class Worker:
     def _run(self) -> None:
         raise NotImplementedError
 
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, poll_s: float = 0.02) -> bool:
-    """Poll ``condition`` until it holds or ``timeout_s`` passes; its last answer (for
-    ``wait_ready`` methods whose readiness is a cheap flag read, not an event)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(poll_s)
-    return condition()

@@ -34,15 +34,19 @@ def percentile(samples: list[float], q: float) -> float:
 
 def bench_calls(machine: str, calls: int) -> dict[str, float]:
     from kubelet_stub import PluginClient
+    from prometheus_client import CollectorRegistry
 
     from agent.config import Config
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.discovery import load_topology
     from agent.health import HealthState
+    from agent.metrics.self_metrics import AgentMetrics
 
     topology = load_topology(machine)
     kdir = tempfile.mkdtemp(prefix="bdp", dir="/tmp")
-    manager = DevicePluginManager(topology, Config(kubelet_dir=kdir), HealthState(topology.gpu_count))
+    # the agent's own metrics observe every GetPreferredAllocation, as in the running agent
+    manager = DevicePluginManager(topology, Config(kubelet_dir=kdir), HealthState(topology.gpu_count),
+                                  events=AgentMetrics(CollectorRegistry()))
     manager.start()
     try:
         resource = manager.resources[0]

@@ -140,6 +140,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.dra.claims import KubernetesClaimReader
     from agent.dra.plugin import DraPlugin
     from agent.dra.publisher import SlicePublisher
+    from agent.dra.servers import DraServers
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
@@ -150,11 +151,14 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     config = Config(mode="dra", node_name="node-1", plugins_registry_dir=f"{root}/reg",
                     plugins_dir=f"{root}/plugins", cdi_dir=f"{root}/cdi", health_recovery_s=3600.0)
     backend, sim = open_backend(machine, config.sysfs_root)
+
+    def servers(t, c, h, on_kubelet_restart):  # DraServers.from_config, over the stand-in
+        plugin = DraPlugin(c, t, h, KubernetesClaimReader(api.api_client()), on_kubelet_restart=on_kubelet_restart)
+        return DraServers(plugin, SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h), c)
+
     daemon = Daemon(
-        config, backend, source=f"simulated:{machine}", on_close=sim.close if sim is not None else None,
-        read_topology=lambda: read_topology(backend, sim),
-        dra_plugin=lambda t, c, h: DraPlugin(c, t, h, KubernetesClaimReader(api.api_client())),
-        slice_publisher=lambda t, c, h: SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h),
+        config, backend, servers=servers, read_topology=lambda: read_topology(backend, sim),
+        on_close=sim.close if sim is not None else None,
     )
 
     def names(slices: list[dict[str, object]]) -> set[str]:
@@ -162,8 +166,8 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 
     gone, back = [], []
     try:
-        assert daemon.start() and daemon.publisher is not None and daemon.health is not None
-        assert daemon.publisher.wait_ready(10), "slices not published"
+        assert daemon.start() and daemon.health is not None
+        assert api.wait_for(lambda s: len(s) == 1, 10.0), "slices not published"
         if daemon.watcher is not None:
             daemon.watcher.poll_ms = 20  # as the tests run it; real NVML wakes on the event itself
         lib = backend.lib  # type: ignore[attr-defined]

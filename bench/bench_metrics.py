@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from agent.config import Config  # noqa: E402
 from agent.demo.kubelet import PodResourcesStub  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
+from agent.metrics.self_metrics import AgentMetrics  # noqa: E402
 from metrics_support import listing, pod  # noqa: E402
 
 
@@ -65,7 +67,8 @@ def bench_scrape(scrapes: int, workdir: str) -> dict:
     try:
         config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                         sample_interval_s=3600, pod_resources_refresh_s=3600)
-        service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True)
+        service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True,
+                                 agent_metrics=AgentMetrics(CollectorRegistry(), backend))
         service.start()
         try:
             service.sampler.sample_once()
@@ -117,7 +120,8 @@ def bench_resources(duration_s: float) -> dict:
     proc = psutil.Process()
     config = Config(metrics_address="127.0.0.1:0", pod_resources_socket="/nonexistent/kubelet.sock",
                     sample_interval_s=1.0, pod_resources_refresh_s=10.0)
-    service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True)
+    service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True,
+                             agent_metrics=AgentMetrics(CollectorRegistry(), backend))
     service.start()
     try:
         time.sleep(2.0)  # first rounds, imports settled

@@ -3,7 +3,6 @@ SIGHUP reload, and a real ``python -m agent run`` process stopped by SIGTERM."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -17,14 +16,17 @@ from dataclasses import dataclass, replace
 
 import pytest
 from kubelet_stub import KubeletStub, hgx8_topology
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from waiting import eventually
 
 from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
 from agent.errors import ConfigError
+from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
-from agent.metrics.service import WaitingEndpoint
-from agent.records import NodeFacts
-from agent.worker import wait_until as eventually
+from agent.metrics.self_metrics import AgentMetrics
+from agent.modes import servers_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +39,7 @@ class Event:
 
 
 class StubBackend:
-    """The NvmlBackend methods the daemon and the health watcher use, over a fixed topology
+    """The NvmlBackend methods the daemon and the health watcher use, a topology to read
     and a queue of events (for in-process tests that do not need a simulated NVML)."""
 
     def __init__(self, topology) -> None:
@@ -53,10 +55,6 @@ class StubBackend:
 
     def shutdown(self) -> None:
         self.shut_down = True
-
-    def read_facts(self, source: str = "nvml") -> NodeFacts:
-        t = self.topology
-        return NodeFacts(**{f.name: getattr(t, f.name) for f in dataclasses.fields(NodeFacts)})
 
     def inject(self, event: Event) -> None:
         with self.cond:
@@ -78,8 +76,34 @@ class StubBackend:
 
 def in_process_daemon(config, backend, **kwargs) -> Daemon:
     """The real Daemon with the stub backend, the real device plugins, the feature file and
-    no metrics server."""
-    return Daemon(config, backend, label_sink=FeatureFileSink(config.features_dir), **kwargs)
+    no metrics server (the agent's own metrics are built first, as ``from_config`` does)."""
+    agent_metrics = AgentMetrics(CollectorRegistry())
+    kwargs.setdefault("labels", LabelPublisher(FeatureFileSink(config.features_dir),
+                                               count_error=agent_metrics.label_write_errors.inc))
+    return Daemon(config, backend, servers=servers_for(config.mode, agent_metrics),
+                  read_topology=lambda: backend.topology, **kwargs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return int(exc.code), exc.read().decode()
+    except OSError as exc:  # not listening yet
+        return 0, str(exc)
 
 
 @pytest.fixture
@@ -166,7 +190,7 @@ def test_reload_serves_the_new_config_and_reregisters(running):
     daemon, kubelet, _ = running(Config(), loader=lambda: holder["config"])
     assert kubelet.wait_for(lambda: len(kubelet.registrations) == 1)
     holder["config"] = replace(daemon.config, time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),))
-    daemon.reload()
+    daemon.reread(reload_config=True)
     assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2, 3.0)
     # the first stream may not have sent anything before the reload: None until it does
     assert kubelet.wait_for(lambda: len(getattr(kubelet.latest("nvidia.com/gpu"), "devices", ())) == 16, 3.0)
@@ -180,7 +204,7 @@ def test_reload_with_a_bad_config_keeps_the_running_one(running, caplog):
     daemon, kubelet, _ = running(Config(), loader=broken)
     before = daemon.config
     with caplog.at_level(logging.ERROR, logger="agent.daemon"):
-        daemon.reload()
+        assert daemon.reread(reload_config=True) is False
     assert daemon.config is before
     assert any("keeping the running configuration" in r.message for r in caplog.records)
 
@@ -194,8 +218,8 @@ def test_shutdown_removes_sockets_and_shuts_nvml_down(running, dirs):
 
 
 # ---------------------------------------------------------------------- a real process
-def agent_process(args, **kwargs):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def agent_process(args, env=None, **kwargs):
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     env.pop("CONFIG_FILE", None)
     return subprocess.Popen(
         [sys.executable, "-m", "agent", *args], cwd=ROOT, env=env,
@@ -226,6 +250,57 @@ def test_sighup_reregisters_and_sigterm_stops_a_real_agent_process_cleanly(dirs)
     assert os.listdir(dirs["k"]) == []
     assert os.listdir(dirs["features"]) == [], "a clean stop removes the labels feature file"
     assert "effective configuration" in stderr
+
+
+TIME_SLICED_4 = """version: v1
+sharing:
+  timeSlicing:
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+"""
+
+
+def offered(kubelet, resource="nvidia.com/gpu") -> set[str]:
+    latest = kubelet.latest(resource)
+    return {d.ID for d in latest.devices} if latest is not None else set()
+
+
+def device_health_series(port: int) -> set[str]:
+    status, body = http_get(port, "/metrics")
+    if status != 200:
+        return set()
+    return {s.labels["device"] for f in text_string_to_metric_families(body)
+            if f.name == "gpu_agent_device_healthy" for s in f.samples}
+
+
+def test_after_a_reload_that_changes_the_devices_every_health_series_names_an_offered_device(dirs, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(TIME_SLICED_4, encoding="utf-8")
+    kubelet = KubeletStub(dirs["k"]).start()
+    port = free_port()
+    proc = agent_process([
+        "run", "--config", str(config), "--simulate", "dgx-h100", "--kubelet-dir", dirs["k"],
+        "--features-dir", dirs["features"], "--metrics-address", f"127.0.0.1:{port}",
+        "--pod-resources-socket", os.path.join(dirs["k"], "podres.sock"),
+    ])
+    try:
+        assert kubelet.wait_for(lambda: len(offered(kubelet)) == 32, 20.0), "4 replicas of 8 GPUs"
+        assert eventually(lambda: device_health_series(port) == offered(kubelet), 10.0)
+        config.write_text("version: v1\n", encoding="utf-8")  # time-slicing off
+        proc.send_signal(signal.SIGHUP)
+        assert kubelet.wait_for(lambda: len(offered(kubelet)) == 8, 10.0)
+        # the replicas' series are gone: the series are the devices offered, nothing else
+        assert eventually(lambda: device_health_series(port) == offered(kubelet), 5.0), (
+            sorted(device_health_series(port) - offered(kubelet))[:4])
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kubelet.stop()
+    assert proc.returncode == 0, stderr
 
 
 def test_bad_config_file_exits_2_with_one_line(dirs, tmp_path):
@@ -266,7 +341,7 @@ def simulated(dirs):
 def test_fake_nvml_xid_makes_the_gpu_unhealthy_then_it_recovers(simulated):
     daemon, kubelet = simulated(Config(health_recovery_s=0.3))
     assert kubelet.wait_for(lambda: health_of(kubelet) == ["Healthy"] * 8, 5.0)
-    assert daemon.manager.wait_ready(2.0) and daemon.ready()
+    assert eventually(daemon.ready, 2.0)
     daemon.backend.lib.inject_xid(3, 79)
     assert kubelet.wait_for(lambda: (health_of(kubelet) or [])[3:4] == ["Unhealthy"], 5.0)
     assert health_of(kubelet).count("Unhealthy") == 1
@@ -295,7 +370,7 @@ def test_json_log_format_writes_one_object_per_line():
     import io
     import json
 
-    from agent.daemon import setup_logging
+    from agent.logs import setup_logging
 
     stream = io.StringIO()
     root = logging.getLogger()
@@ -323,9 +398,9 @@ def test_kubelet_restart_rereads_the_topology_and_serves_a_changed_one(running):
     kubelet.restart()
     # the main loop is not running in this test: do what it does when woken
     assert daemon._wake.wait(3.0) and daemon._reread_requested
-    assert daemon.reread_topology()
+    assert daemon.reread()
     assert kubelet.wait_for(lambda: (lst := kubelet.latest("nvidia.com/gpu")) is not None and len(lst.devices) == 6, 3.0)
-    assert daemon.reread_topology() is False  # unchanged the second time
+    assert daemon.reread() is False  # unchanged the second time
 
 
 def test_second_stop_signal_exits_at_once(monkeypatch):
@@ -336,7 +411,7 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
         raise SystemExit(code)
 
     monkeypatch.setattr(os, "_exit", fake_exit)
-    daemon = Daemon(Config(), StubBackend(hgx8_topology()))
+    daemon = in_process_daemon(Config(), StubBackend(hgx8_topology()))
     daemon._on_stop_signal(signal.SIGTERM, None)
     assert daemon._stop_requested and exits == []
     with pytest.raises(SystemExit):
@@ -380,36 +455,32 @@ def test_missing_nvml_fails_start_when_fail_on_init_error(dirs):
     assert info.value.exit_code == 1
 
 
-def test_missing_nvml_waits_without_fail_on_init_error_until_stopped(dirs, caplog):
-    import urllib.error
-    import urllib.request
+def test_missing_nvml_waits_without_fail_on_init_error_answering_only_health_until_stopped(dirs, tmp_path):
+    from agent.hw.sim.machines import _SPECS
 
-    config = Config(kubelet_dir=dirs["k"], fail_on_init_error=False, metrics_address="127.0.0.1:0")
-    daemon = in_process_daemon(config, NoDriverBackend(hgx8_topology()), nvml_retry_s=0.01,
-                               waiting_endpoint=WaitingEndpoint)
-    answers: dict[str, int] = {}
-
-    def probe_then_stop() -> None:
+    with open(os.path.join(_SPECS, "pcie-4gpu.yaml"), encoding="utf-8") as f:
+        spec = f.read() + "faults: {init_error: library_not_found}\n"  # a node without the driver
+    path = tmp_path / "no-driver.yaml"
+    path.write_text(spec, encoding="utf-8")
+    port = free_port()
+    proc = agent_process(["run", "--simulate", str(path), "--kubelet-dir", dirs["k"], "--features-dir",
+                          dirs["features"], "--metrics-address", f"127.0.0.1:{port}"],
+                         env={"FAIL_ON_INIT_ERROR": "false"})
+    try:
         # while it waits, liveness answers and readiness does not
-        deadline = time.monotonic() + 5
-        while daemon.waiting_port is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for path in ("/health", "/ready", "/metrics"):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{daemon.waiting_port}{path}", timeout=5) as r:
-                    answers[path] = r.status
-            except urllib.error.HTTPError as exc:
-                answers[path] = exc.code
-        daemon.request_stop()
-
-    prober = threading.Thread(target=probe_then_stop)
-    prober.start()
-    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
-        assert daemon.start() is False
-    prober.join()
-    assert daemon.manager is None and not daemon.ready()
-    assert any("failOnInitError is false" in r.message for r in caplog.records)
+        assert eventually(lambda: http_get(port, "/health")[0] == 200, 20.0), "no /health while waiting"
+        answers = {path: http_get(port, path)[0] for path in ("/health", "/ready", "/metrics")}
+        assert proc.poll() is None, "the agent waits for NVML, it does not exit"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert answers == {"/health": 200, "/ready": 503, "/metrics": 503}
+    assert proc.returncode == 0, stderr
+    assert "failOnInitError is false" in stderr
+    assert os.listdir(dirs["k"]) == [] and os.listdir(dirs["features"]) == []
 
 
 def test_metrics_port_in_use_is_a_one_line_error(dirs):
@@ -479,12 +550,14 @@ def test_daemon_uses_the_collaborators_it_is_given(dirs):
         return w
 
     backend = StubBackend(hgx8_topology())
-    daemon = Daemon(Config(kubelet_dir=dirs["k"]), backend, label_sink=sink, watcher=watcher, source="test:given")
+    errors: list[int] = []
+    labels = LabelPublisher(sink, count_error=lambda: errors.append(1))
+    daemon = in_process_daemon(Config(kubelet_dir=dirs["k"]), backend, labels=labels, watcher=watcher)
     try:
         assert daemon.start()
         assert kubelet.wait_for(lambda: kubelet.registered("nvidia.com/gpu"))
         assert sink.written and sink.written[0]["nvidia.com/gpu.count"] == "8"
-        assert made == [(backend, daemon.watcher)] and daemon.metrics is None
+        assert made == [(backend, daemon.watcher)] and daemon.metrics is None and errors == []
     finally:
         daemon.shutdown()
         kubelet.stop()

@@ -3,6 +3,7 @@ over real unix sockets."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -13,12 +14,15 @@ from concurrent import futures
 import grpc
 import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
+from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
+from agent.metrics.self_metrics import AgentMetrics
 
 
 def allocation_engine():
@@ -52,9 +56,15 @@ class Node:
         if kubelet:
             self.kubelet = KubeletStub(self.kubelet_dir).start()
         self.health = HealthState(topology.gpu_count)
-        self.manager = DevicePluginManager(topology, config, self.health, poll_s=0.05, **kwargs)
+        # the agent's own metrics, built first and passed in (as the daemon does)
+        self.metrics = AgentMetrics(CollectorRegistry())
+        self.manager = DevicePluginManager(topology, config, self.health, events=self.metrics, poll_s=0.05, **kwargs)
+        self.metrics.watch_devices(self.manager.advertised)
         self.manager.start()
         return self
+
+    def metric(self, name, labels=None):
+        return self.metrics.registry.get_sample_value(name, labels or {})
 
     def client(self, resource="nvidia.com/gpu"):
         res = next(r for r in self.manager.resources if r.name == resource)
@@ -86,7 +96,7 @@ def test_plugin_registers_with_version_endpoint_resource_and_preferred_option(no
     assert reg.request.version == "v1beta1"
     assert reg.request.endpoint == "nvidia-gpu.sock"
     assert reg.request.options.get_preferred_allocation_available is True
-    assert node.manager.wait_ready(2.0)
+    assert eventually(node.manager.ready, 2.0)
 
 
 def test_kubelet_gets_options_from_the_plugin_during_register(node):
@@ -109,15 +119,15 @@ def test_one_registration_per_resource(node):
 def test_refused_registration_is_retried_until_the_kubelet_accepts(node):
     node.kubelet = KubeletStub(node.kubelet_dir, refuse_reason="resource already registered").start()
     node.start(hgx8_topology(), kubelet=False, max_backoff_s=0.2)
-    assert not node.manager.wait_ready(0.5)
+    assert not eventually(node.manager.ready, 0.5)
     node.kubelet.refuse_reason = None
-    assert node.manager.wait_ready(3.0)
+    assert eventually(node.manager.ready, 3.0)
 
 
 def test_stale_socket_file_is_replaced(node):
     open(os.path.join(node.kubelet_dir, "nvidia-gpu.sock"), "w").close()
     node.start(hgx8_topology())
-    assert node.manager.wait_ready(2.0)
+    assert eventually(node.manager.ready, 2.0)
     assert node.client().options().get_preferred_allocation_available
 
 
@@ -146,7 +156,7 @@ def test_readiness_answers_at_once_while_a_slow_register_is_in_flight(node):
         started = time.monotonic()
         assert node.manager.ready() is False
         assert time.monotonic() - started < 0.2, "the readiness probe waited for the kubelet's Register"
-        assert node.manager.wait_ready(3.0)
+        assert eventually(node.manager.ready, 3.0)
     finally:
         node.manager.stop(0.5)
         server.stop(0)
@@ -199,11 +209,11 @@ def test_stop_closes_streams_and_removes_sockets(node):
 # ---------------------------------------------------------------------- kubelet lifecycle
 def test_kubelet_restart_triggers_reregistration_within_two_seconds(node):
     node.start(hgx8_topology())
-    assert node.manager.wait_ready(2.0)
+    assert eventually(node.manager.ready, 2.0)
     node.kubelet.restart()
     assert node.kubelet.wait_for(lambda: len(node.kubelet.registrations) == 2, 2.0)
-    assert node.manager.kubelet_restarts == 1
-    assert node.manager.wait_ready(1.0)
+    assert node.metric("gpu_agent_kubelet_restarts_total") == 1
+    assert eventually(node.manager.ready, 1.0)
     assert node.kubelet.wait_for(lambda: node.kubelet.latest("nvidia.com/gpu") is not None)
     assert node.client().options().get_preferred_allocation_available
 
@@ -213,26 +223,30 @@ def test_kubelet_that_starts_after_the_agent_gets_a_registration(node):
     assert not node.manager.ready()
     node.kubelet = KubeletStub(node.kubelet_dir).start()
     assert node.kubelet.wait_for(lambda: node.kubelet.registrations, 2.0)
-    assert node.manager.kubelet_restarts == 0 and node.manager.wait_ready(1.0)
+    assert node.metric("gpu_agent_kubelet_restarts_total") == 0 and eventually(node.manager.ready, 1.0)
 
 
-def test_removed_plugin_socket_is_served_again_and_reregistered(node):
+def test_removed_plugin_socket_is_served_again_and_reregistered(node, caplog):
     node.start(hgx8_topology())
-    assert node.manager.wait_ready(2.0)
-    os.unlink(os.path.join(node.kubelet_dir, "nvidia-gpu.sock"))
-    assert node.kubelet.wait_for(lambda: len(node.kubelet.registrations) == 2, 2.0)
-    assert node.manager.socket_losses == 1
+    assert eventually(node.manager.ready, 2.0)
+    with caplog.at_level(logging.WARNING, logger="agent.deviceplugin"):
+        os.unlink(os.path.join(node.kubelet_dir, "nvidia-gpu.sock"))
+        assert node.kubelet.wait_for(lambda: len(node.kubelet.registrations) == 2, 2.0)
+    assert [r.getMessage() for r in caplog.records if "vanished" in r.getMessage()] == [
+        f"socket {os.path.join(node.kubelet_dir, 'nvidia-gpu.sock')} vanished: serving it again"
+    ]
+    assert node.metric("gpu_agent_kubelet_restarts_total") == 0  # the kubelet stayed
     assert node.client().options().get_preferred_allocation_available
 
 
 def test_reload_serves_the_new_configuration(node):
     topo = pcie4_topology()
     node.start(topo)
-    assert node.manager.wait_ready(2.0)
+    assert eventually(node.manager.ready, 2.0)
     from dataclasses import replace
 
     new = replace(node.manager.config, time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),))
-    node.manager.reload(topo, new)
+    node.manager.set_topology(topo, new)
     assert node.kubelet.wait_for(
         lambda: (lst := node.kubelet.latest("nvidia.com/gpu")) is not None and len(lst.devices) == 8, 3.0
     )
@@ -479,52 +493,18 @@ def test_distributed_replica_policy_spreads_over_idle_gpus(node):
     assert len({g.split("::")[0] for g in got}) == 2 and not any(g.startswith(u[1]) for g in got)
 
 
-# ---------------------------------------------------------------------- hooks (self-metrics)
-class RecordingHooks:
-    """A DevicePluginHooks that records every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def registration(self, resource: str) -> None:
-        self.calls.append(("registration", resource))
-
-    def kubelet_restart(self) -> None:
-        self.calls.append(("kubelet_restart",))
-
-    def set_device_health(self, resource: str, device_id: str, healthy: bool) -> None:
-        self.calls.append(("set_device_health", resource, device_id, healthy))
-
-    def observe_preferred_allocation(self, seconds: float) -> None:
-        self.calls.append(("observe_preferred_allocation", seconds))
-
-
-def test_every_device_plugin_event_reaches_the_hooks_attached_after_start(node):
+# ---------------------------------------------------------------------- self-metrics
+def test_every_device_plugin_event_reaches_the_agent_metrics_it_was_built_with(node):
     topo = pcie4_topology()
     node.start(topo)
-    assert node.manager.wait_ready(2.0)
-    hooks = RecordingHooks()
-    node.manager.attach_hooks(hooks)  # as the daemon does once the metrics service is up
-    assert ("registration", "nvidia.com/gpu") in hooks.calls  # replayed: it happened before
-    assert ("set_device_health", "nvidia.com/gpu", topo.gpus[1].uuid, True) in hooks.calls
+    healthy = {"resource": "nvidia.com/gpu", "device": topo.gpus[1].uuid}
+    assert eventually(node.manager.ready, 2.0)
+    assert node.metric("gpu_agent_registrations_total", {"resource": "nvidia.com/gpu"}) == 1
+    assert node.metric("gpu_agent_device_healthy", healthy) == 1
     node.client().preferred([g.uuid for g in topo.gpus], [], 2)
-    assert any(c[0] == "observe_preferred_allocation" and c[1] >= 0 for c in hooks.calls)
+    assert node.metric("gpu_agent_preferred_allocation_seconds_count") == 1
     node.health.mark_unhealthy(1, "XID 79")
-    assert ("set_device_health", "nvidia.com/gpu", topo.gpus[1].uuid, False) in hooks.calls
+    assert node.metric("gpu_agent_device_healthy", healthy) == 0  # read at the scrape, no mirror
     node.kubelet.restart()
-    assert node.kubelet.wait_for(lambda: ("kubelet_restart",) in hooks.calls, 2.0)
+    assert node.kubelet.wait_for(lambda: node.metric("gpu_agent_kubelet_restarts_total") == 1, 2.0)
 
-
-def test_the_self_metrics_and_the_no_op_default_implement_every_hook_with_its_signature():
-    import inspect
-
-    from agent.hooks import NO_HOOKS, DevicePluginHooks
-    from agent.metrics.self_metrics import AgentMetrics
-
-    hooks = [n for n, v in vars(DevicePluginHooks).items() if callable(v) and not n.startswith("_")]
-    assert sorted(hooks) == ["kubelet_restart", "observe_preferred_allocation", "registration", "set_device_health"]
-    for implementation in (AgentMetrics, type(NO_HOOKS), RecordingHooks):
-        for name in hooks:
-            assert inspect.signature(getattr(implementation, name)) == inspect.signature(
-                getattr(DevicePluginHooks, name)
-            ), f"{implementation.__name__}.{name}"

@@ -10,12 +10,15 @@ import tempfile
 
 import pytest
 from kubelet_stub import KubeletStub, PluginClient
+from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent.config import Config
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.discovery import load_topology
 from agent.errors import ConfigError
 from agent.health import HealthState
+from agent.metrics.self_metrics import AgentMetrics
 from agent.topology.allocator import AllocationEngine
 
 
@@ -34,11 +37,12 @@ def serve():
 
         config = replace(config, kubelet_dir=kdir)
         kubelet = KubeletStub(kdir).start()
-        manager = DevicePluginManager(topology, config, HealthState(topology.gpu_count), poll_s=0.05)
+        manager = DevicePluginManager(topology, config, HealthState(topology.gpu_count),
+                                      events=AgentMetrics(CollectorRegistry()), poll_s=0.05)
         manager.start()
         clients = {r.name: PluginClient(os.path.join(kdir, r.socket_name)) for r in manager.resources}
         made.append((manager, kubelet, clients, kdir))
-        assert manager.wait_ready(3.0)
+        assert eventually(manager.ready, 3.0)
         return manager, kubelet, clients
 
     yield start

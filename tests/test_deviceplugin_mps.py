@@ -16,11 +16,13 @@ from dataclasses import replace
 
 import pytest
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology
+from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
-from agent.worker import wait_until as eventually
+from agent.metrics.self_metrics import AgentMetrics
 
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mps_control_standin.py")
 H100_MIB = 81559  # hgx8_topology's GPUs
@@ -68,9 +70,22 @@ class MpsNode:
         self.topology = topology or hgx8_topology()
         self.kubelet = KubeletStub(self.kubelet_dir).start()
         self.health = HealthState(self.topology.gpu_count)
-        self.manager = DevicePluginManager(self.topology, config, self.health, poll_s=0.05, mps_probe_s=0.1)
+        # the agent's own metrics, built first and passed in (as the daemon does)
+        self.metrics = AgentMetrics(CollectorRegistry())
+        self.manager = DevicePluginManager(
+            self.topology, config, self.health, events=self.metrics, poll_s=0.05, mps_probe_s=0.1
+        )
+        self.metrics.watch_devices(self.manager.advertised)
         self.manager.start()
         return self
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return eventually(self.manager.ready, timeout_s)
+
+    def device_metric(self, device: str) -> float | None:
+        return self.metrics.registry.get_sample_value(
+            "gpu_agent_device_healthy", {"resource": RESOURCE, "device": device}
+        )
 
     def client(self, resource: str = RESOURCE) -> PluginClient:
         res = next(r for r in self.manager.resources if r.name == resource)
@@ -137,12 +152,12 @@ def test_mps_resource_registers_its_replicas_once_the_control_daemon_answers(nod
     assert node.kubelet.wait_for(lambda: node.device_health() == ["Healthy"] * 32, 5.0)
     ids = [d.ID for d in node.kubelet.latest(RESOURCE).devices]
     assert ids[:4] == [f"{node.topology.gpus[0].uuid}::{n}" for n in range(4)]
-    assert node.manager.wait_ready(2.0)
+    assert node.wait_ready(2.0)
 
 
 def test_control_daemon_gets_the_shared_gpus_its_directories_and_the_anchors_default_limits(node):
     node.start(node.config(replicas=4))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     (start,) = node.starts()
     uuids = [g.uuid for g in node.topology.gpus]
     assert start["start"] == {
@@ -197,7 +212,7 @@ def test_a_daemon_left_by_an_earlier_agent_is_told_to_quit_and_replaced(node):
     assert eventually(lambda: node.daemon_pid() is not None, 5.0)
     left = node.daemon_pid()
     node.start(node.config(replicas=2))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     old, new = node.starts()
     assert old["start"]["CUDA_VISIBLE_DEVICES"] == "GPU-old"
     assert new["start"]["CUDA_VISIBLE_DEVICES"] == ",".join(g.uuid for g in node.topology.gpus)
@@ -207,7 +222,7 @@ def test_a_daemon_left_by_an_earlier_agent_is_told_to_quit_and_replaced(node):
 
 def test_stopping_the_plugins_tells_the_control_daemon_to_quit(node):
     node.start(node.config(replicas=2))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     node.manager.stop(0.5)
     assert node.commands()[-1] == "quit"
     assert node.daemon_pid() is None
@@ -216,10 +231,10 @@ def test_stopping_the_plugins_tells_the_control_daemon_to_quit(node):
 def test_reload_keeps_a_daemon_whose_gpus_and_limits_stay_and_restarts_a_changed_one(node):
     config = node.config(replicas=2)
     node.start(config)
-    assert node.manager.wait_ready(10.0)
-    node.manager.reload(node.topology, replace(config, log_level="DEBUG"))
-    assert node.manager.wait_ready(10.0) and len(node.starts()) == 1
-    node.manager.reload(node.topology, node.config(replicas=4))
+    assert node.wait_ready(10.0)
+    node.manager.set_topology(node.topology, replace(config, log_level="DEBUG"))
+    assert node.wait_ready(10.0) and len(node.starts()) == 1
+    node.manager.set_topology(node.topology, node.config(replicas=4))
     assert node.kubelet.wait_for(lambda: node.device_health() == ["Healthy"] * 32, 10.0)
     record = node.record()
     second = [i for i, e in enumerate(record) if "start" in e][1]
@@ -232,7 +247,7 @@ def test_reload_keeps_a_daemon_whose_gpus_and_limits_stay_and_restarts_a_changed
 # ---------------------------------------------------------------------- Allocate
 def test_allocate_hands_the_container_the_pipe_directory_shm_and_its_limits(node):
     node.start(node.config(replicas=4))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     gpu2 = node.topology.gpus[2].uuid
     resp = node.client().allocate([f"{gpu2}::3"]).container_responses[0]
     assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == gpu2
@@ -248,7 +263,7 @@ def test_allocate_hands_the_container_the_pipe_directory_shm_and_its_limits(node
 
 def test_replicas_held_together_add_up_their_shares(node):
     node.start(node.config(replicas=4, fail_requests_greater_than_one=False))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     g0, g5 = node.topology.gpus[0].uuid, node.topology.gpus[5].uuid
     resp = node.client().allocate([f"{g5}::0", f"{g0}::1", f"{g5}::2"]).container_responses[0]
     assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == f"{g5},{g0}"
@@ -261,7 +276,7 @@ def test_mps_requests_above_one_replica_are_refused_by_default(node):
     import grpc
 
     node.start(node.config(replicas=4))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     g0 = node.topology.gpus[0].uuid
     with pytest.raises(grpc.RpcError) as info:
         node.client().allocate([f"{g0}::0", f"{g0}::1"])
@@ -285,26 +300,17 @@ def test_gpus_left_out_of_mps_are_served_whole_without_mps_settings(node):
 def test_preferred_allocation_spreads_or_packs_mps_replicas_by_policy(node, policy, gpus_used):
     node.start(node.config(replicas=4, fail_requests_greater_than_one=False,
                            shared_devices_allocation_policy=policy))
-    assert node.manager.wait_ready(10.0)
+    assert node.wait_ready(10.0)
     devices = [d.ID for d in node.kubelet.latest(RESOURCE).devices]
     chosen = node.client().preferred(devices, [], 2)
     assert len({c.split("::")[0] for c in chosen}) == gpus_used
 
 
 def test_device_health_metric_follows_the_control_daemon(node):
-    class Hooks:
-        def __init__(self):
-            self.health = {}
-
-        def set_device_health(self, resource, device, healthy):
-            self.health[device] = healthy
-
-        def __getattr__(self, name):
-            return lambda *a, **k: None
-
     node.start(node.config(replicas=2))
-    hooks = Hooks()
-    node.manager.attach_hooks(hooks)
-    assert eventually(lambda: len(hooks.health) == 16 and all(hooks.health.values()), 10.0)
+    assert node.wait_ready(10.0)
+    ids = [d.ID for d in node.kubelet.latest(RESOURCE).devices]
+    assert [node.device_metric(i) for i in ids] == [1.0] * 16
     os.kill(node.daemon_pid(), signal.SIGKILL)
-    assert eventually(lambda: not any(hooks.health.values()), 10.0)
+    assert eventually(lambda: [node.device_metric(i) for i in ids] == [0.0] * 16, 10.0)
+    assert eventually(lambda: [node.device_metric(i) for i in ids] == [1.0] * 16, 10.0)

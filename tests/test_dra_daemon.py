@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +21,8 @@ from dataclasses import replace
 import grpc
 import pytest
 from apiserver_stub import ApiServerStub
+from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc
 from agent._proto import pluginregistration_v1_pb2 as reg_pb
@@ -29,8 +32,10 @@ from agent.daemon import Daemon
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.dra.publisher import SlicePublisher
+from agent.dra.servers import DraServers
+from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
-from agent.worker import wait_until as eventually
+from agent.metrics.self_metrics import AgentMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = "gpu.gpu-agent.io"
@@ -58,6 +63,8 @@ class Node:
                 "contexts:\n- name: stub\n  context:\n    cluster: stub\n    user: stub\n"
             )
         self._channels: list[grpc.Channel] = []
+        #: topologies the daemon's next reads return (then the simulated machine's again)
+        self.rereads: list = []
 
     @property
     def registration_socket(self) -> str:
@@ -98,8 +105,7 @@ class Node:
         return info
 
     def devices(self) -> list[str]:
-        (obj,) = self.api.slices()
-        return [d["name"] for d in obj["spec"]["devices"]]
+        return single_gpus(self.api.slices())
 
     def generation(self) -> int:
         return int(self.api.slices()[0]["spec"]["pool"]["generation"])
@@ -136,9 +142,9 @@ class Node:
 
 
 
-def http_status(port: int, path: str) -> int:
+def http_status(port: int, path: str, timeout_s: float = 5.0) -> int:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
@@ -154,7 +160,8 @@ def node():
 @pytest.fixture
 def simulated_daemon(node):
     """The real Daemon in mode dra on the simulated dgx-h100 (fake NVML, metrics included),
-    with publisher and plugin built by factories over the stand-in (short backoff)."""
+    with the DRA servers built over the stand-ins (short backoff); SIGHUP's configuration is
+    the one it started with."""
     from agent.discovery import open_backend, read_topology
     from agent.metrics.service import MetricsService
 
@@ -163,24 +170,26 @@ def simulated_daemon(node):
     def start(config: Config | None = None, backoff_max_s: float = 0.2) -> Daemon:
         config = config or node.config(metrics_address="127.0.0.1:0")
         backend, sim = open_backend("dgx-h100", config.sysfs_root)
+        agent_metrics = AgentMetrics(CollectorRegistry(), backend)
 
-        def plugin(topology, cfg, health):
-            return DraPlugin(cfg, topology, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
-                             poll_s=0.05)
-
-        def publisher(topology, cfg, health):
-            return SlicePublisher(node.api.api_client, cfg.node_name, topology, cfg.driver_name, health=health,
-                                  delete_on_stop=cfg.delete_slices_on_shutdown,
-                                  backoff_initial_s=0.05, backoff_max_s=backoff_max_s)
+        def servers(topology, cfg, health, on_kubelet_restart):
+            plugin = DraPlugin(cfg, topology, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
+                               on_kubelet_restart=on_kubelet_restart, poll_s=0.05)
+            publisher = SlicePublisher(node.api.api_client, cfg.node_name, topology, cfg.driver_name, health=health,
+                                       delete_on_stop=cfg.delete_slices_on_shutdown,
+                                       backoff_initial_s=0.05, backoff_max_s=backoff_max_s)
+            return DraServers(plugin, publisher, cfg)
 
         def metrics(topology, cfg, ready):
-            return MetricsService(backend, topology, cfg, hostname=NODE, ready=ready)
+            return MetricsService(backend, topology, cfg, hostname=NODE, ready=ready, agent_metrics=agent_metrics)
 
-        daemon = Daemon(config, backend, source="simulated:dgx-h100", metrics=metrics,
-                        label_sink=FeatureFileSink(config.features_dir, config.feature_file),
-                        on_close=sim.close if sim is not None else None,
-                        read_topology=lambda: read_topology(backend, sim),
-                        dra_plugin=plugin, slice_publisher=publisher)
+        def read():
+            return node.rereads.pop(0) if node.rereads else read_topology(backend, sim)
+
+        labels = LabelPublisher(FeatureFileSink(config.features_dir, config.feature_file),
+                                count_error=agent_metrics.label_write_errors.inc)
+        daemon = Daemon(config, backend, servers=servers, read_topology=read, metrics=metrics, labels=labels,
+                        config_loader=lambda: config, on_close=sim.close if sim is not None else None)
         made.append(daemon)
         assert daemon.start()
         if daemon.watcher is not None:
@@ -207,6 +216,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def single_gpus(slices) -> list[str]:
+    """The single-GPU devices of the pool (GPU sets and the counter slice aside)."""
+    return [d["name"] for s in slices for d in s["spec"].get("devices", []) if not d["name"].startswith("gpuset-")]
+
+
+#: dgx-h100 in v1: a counter slice, then 8 single GPUs and 99 GPU sets in two slices
+DGX_H100_SLICES = 3
+
+
 def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_slices_on_sigterm(node):
     port = free_port()
     proc = agent_process(["--simulate", "dgx-h100", "--metrics-address", f"127.0.0.1:{port}", *node.args()])
@@ -214,11 +232,11 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         info = node.kubelet_registers()
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, node.dra_socket)
         assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
-        assert node.api.wait_for(lambda s: len(s) == 1 and len(s[0]["spec"]["devices"]) == 8, 20.0)
-        (obj,) = node.api.slices()
-        assert obj["apiVersion"] == "resource.k8s.io/v1"
-        assert obj["spec"]["pool"]["name"] == NODE
-        assert obj["metadata"]["ownerReferences"][0]["uid"] == node.node_uid
+        assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 20.0)
+        for obj in node.api.slices():
+            assert obj["apiVersion"] == "resource.k8s.io/v1"
+            assert obj["spec"]["pool"]["name"] == NODE
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == node.node_uid
         assert eventually(lambda: http_status(port, "/ready") == 200, 10.0)
         # in dra mode no device-plugin socket is served: a GPU is never handed out twice
         assert os.listdir(node.dirs["k"]) == []
@@ -240,7 +258,7 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
     assert proc.returncode == 0, stderr
     assert not os.path.exists(node.registration_socket) and not os.path.exists(node.dra_socket)
     assert os.listdir(node.dirs["k"]) == []
-    assert len(node.api.slices()) == 1, "a restarting agent keeps its slices (deleteSlicesOnShutdown false)"
+    assert len(node.api.slices()) == DGX_H100_SLICES, "a restarting agent keeps its slices (deleteSlicesOnShutdown false)"
     assert node.api.count("DELETE", "resourceslices") == 0
 
 
@@ -249,7 +267,7 @@ def test_delete_slices_on_shutdown_removes_them_on_sigterm(node):
                           "--delete-slices-on-shutdown", *node.args()])
     try:
         node.kubelet_registers()
-        assert node.api.wait_for(lambda s: len(s) == 1, 20.0)
+        assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES, 20.0)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
@@ -265,13 +283,13 @@ def test_ready_only_when_registered_and_slices_published(node, simulated_daemon)
     node.api.go_down()
     daemon = simulated_daemon()
     port = daemon.metrics.port
-    assert daemon.manager is None and daemon.dra is not None
+    assert isinstance(daemon.servers, DraServers) and os.listdir(node.dirs["k"]) == []
     node.kubelet_registers()
-    assert daemon.dra.wait_ready(5)
+    assert eventually(daemon.servers.plugin.ready, 5)
     time.sleep(0.3)
     assert not daemon.ready() and http_status(port, "/ready") == 503, "registered but nothing published"
     node.api.come_up()
-    assert daemon.publisher.wait_ready(5)
+    assert node.api.wait_for(lambda s: len(s) == 1, 5)
     assert eventually(daemon.ready, 2.0) and http_status(port, "/ready") == 200
 
 
@@ -281,7 +299,7 @@ def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_ba
     caplog.set_level(logging.WARNING, logger="agent.dra.publisher")
     daemon = simulated_daemon(backoff_max_s=0.2)
     node.kubelet_registers()
-    assert daemon.dra.wait_ready(5)
+    assert eventually(daemon.servers.plugin.ready, 5)
     time.sleep(1.5)  # 0.05, 0.1, 0.2, 0.2, ...: at least 6 tries in 1.5 s with the cap at 0.2 s
     failures = [r for r in caplog.records if "cannot publish" in r.getMessage()]
     assert len(failures) == 1, "one log line per reason, not one per retry"
@@ -293,7 +311,7 @@ def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_ba
     assert "cannot be read" in resp.claims["u-1"].error
     node.api.come_up()
     node.api.fail(403, method="POST", path_contains="resourceslices", times=2)
-    assert daemon.publisher.wait_ready(5)
+    assert node.api.wait_for(lambda s: len(s) == 1, 5)
     assert eventually(daemon.ready, 2.0)
     reasons = [r.getMessage() for r in caplog.records if "cannot publish" in r.getMessage()]
     assert len(reasons) == 2 and "403" in reasons[1], reasons
@@ -302,15 +320,14 @@ def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_ba
 def test_an_xid_republishes_the_slice_without_the_gpu_within_a_second(node, simulated_daemon):
     daemon = simulated_daemon(node.config(metrics_address="127.0.0.1:0", health_recovery_s=60))
     node.kubelet_registers()
-    assert daemon.publisher.wait_ready(5) and len(node.devices()) == 8
-    before, publications = node.generation(), daemon.publisher.publish_count
+    assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 5)
+    before, updates = node.generation(), node.api.count("PUT", "resourceslices")
     t0 = time.monotonic()
     daemon.backend.lib.inject_xid(3, 79)
-    assert node.api.wait_for(lambda s: "gpu-3" not in [d["name"] for d in s[0]["spec"]["devices"]], 1.0)
+    assert node.api.wait_for(lambda s: "gpu-3" not in single_gpus(s), 1.0)
     assert time.monotonic() - t0 <= 1.0
     assert len(node.devices()) == 7 and node.generation() > before
-    assert eventually(lambda: daemon.publisher.publish_count == publications + 1, 1.0)
-    assert t0 <= daemon.publisher.last_published_s <= t0 + 1.0
+    assert node.api.count("PUT", "resourceslices") == updates + DGX_H100_SLICES - 1, "one publication: each device slice written once"
     # an unhealthy GPU is not prepared either
     resp = node.prepare(node.put_claim("late", ["gpu-3"]))
     assert "unhealthy" in next(iter(resp.claims.values())).error
@@ -322,19 +339,64 @@ def test_kubelet_restart_re_registers_and_sighup_hands_the_topology_to_plugin_an
     node.kubelet_registers()
     assert eventually(daemon.ready, 5.0)
     os.unlink(node.registration_socket)  # the kubelet restarted and cleared its directory
-    assert eventually(lambda: not daemon.dra.ready(), 2.0)
+    assert eventually(lambda: not daemon.ready(), 2.0)
     assert eventually(lambda: os.path.exists(node.registration_socket), 2.0)
     node.kubelet_registers()
-    assert eventually(daemon.ready, 5.0) and daemon.dra.registrations == 2
-    seen = []
-    daemon.dra.set_topology = lambda t: seen.append(("plugin", t))  # type: ignore[method-assign]
-    original = daemon.publisher.update
-    daemon.publisher.update = lambda **kw: (seen.append(("publisher", kw.get("topology"))),  # type: ignore[method-assign]
-                                            original(**kw))
-    daemon.config_loader = lambda: daemon.config
-    daemon.reload()
-    assert [who for who, _ in seen] == ["plugin", "publisher"]
-    assert all(t == daemon.topology for _, t in seen)
+    assert eventually(daemon.ready, 5.0)
+    # GPU 0 was replaced meanwhile: the next read finds another UUID at index 0
+    replaced = "GPU-feedface-0000-0000-0000-000000000000"
+    node.rereads.append(replace(daemon.topology, gpus=tuple(
+        replace(g, uuid=replaced) if g.index == 0 else g for g in daemon.topology.gpus)))
+    assert daemon.reread(reload_config=True)  # what the main loop does on SIGHUP
+    assert node.api.wait_for(lambda s: _attribute(s, "gpu-0", "uuid") == replaced, 5.0), "publisher"
+    claim = node.put_claim("after-sighup", ["gpu-0"])
+    assert node.prepare(claim).claims[claim["metadata"]["uid"]].error == ""
+    (spec,) = os.listdir(node.dirs["cdi"])
+    with open(os.path.join(node.dirs["cdi"], spec), encoding="utf-8") as fh:
+        assert replaced in fh.read(), "plugin"
+
+
+class StalledLog(logging.Handler):
+    """A log stream that stalls (stderr into a full pipe) at the first record saying
+    ``text``, until released: whatever logs it waits, and so does whatever holds a lock
+    meanwhile."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text = text
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage() and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(10.0)
+
+
+def test_ready_answers_at_once_while_the_dra_sockets_are_served_again(node, simulated_daemon):
+    daemon = simulated_daemon()
+    port = daemon.metrics.port
+    node.kubelet_registers()
+    assert eventually(lambda: http_status(port, "/ready") == 200, 5.0)
+    stalled = StalledLog("vanished: serving it again")
+    plugin_log = logging.getLogger("agent.dra.plugin")
+    plugin_log.addHandler(stalled)
+    try:
+        os.unlink(node.registration_socket)  # the kubelet restarted and cleared its directory
+        assert stalled.entered.wait(5.0), "the socket watch never noticed"
+        # the watch is in the middle of serving the socket again: the probe must not wait
+        assert http_status(port, "/ready", timeout_s=0.2) == 503
+    finally:
+        stalled.release.set()
+        plugin_log.removeHandler(stalled)
+    node.kubelet_registers()
+    assert eventually(lambda: http_status(port, "/ready") == 200, 5.0)
+
+
+def _attribute(slices: list, device: str, name: str):
+    (d,) = [d for s in slices for d in s["spec"].get("devices", []) if d["name"] == device]
+    value = d["attributes"][f"{DRIVER}/{name}"]
+    return next(iter(value.values()))
 
 
 def test_delete_slices_on_shutdown_is_a_flag_a_variable_and_a_config_key(tmp_path):

@@ -8,6 +8,7 @@ import time
 import pytest
 from apiserver_stub import ApiServerStub
 from kubelet_stub import hgx8_topology
+from waiting import eventually
 
 from agent.dra.publisher import SlicePublisher, pick_version
 from agent.health import HealthState
@@ -15,8 +16,9 @@ from agent.health import HealthState
 DRIVER = "gpu.gpu-agent.io"
 
 
-def device_names(obj):
-    return [d["name"] for d in obj["spec"]["devices"]]
+def device_names(slices):
+    """Every device name of the pool's slices (counter slice, single GPUs, GPU sets)."""
+    return [d["name"] for obj in slices for d in obj["spec"].get("devices", [])]
 
 
 @pytest.fixture
@@ -50,19 +52,23 @@ def test_publisher_discovers_the_served_version_once_and_publishes_in_it(served,
         pub = make(server)
         pub.start()
         try:
-            assert pub.wait_ready(30)
-            assert pub.api_version == expected
+            assert eventually(pub.ready, 30)
             pub.update(unhealthy={3})
-            assert server.wait_for(lambda s: s and "gpu-3" not in device_names(s[0]))
+            assert server.wait_for(lambda s: s and "gpu-3" not in device_names(s))
         finally:
             pub.stop()
-        (obj,) = server.slices()
-        assert obj["apiVersion"] == f"resource.k8s.io/{expected}"
-        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
-        assert obj["spec"]["pool"] == {"name": "node-1", "generation": 2, "resourceSliceCount": 1}
+        objs = server.slices()
+        # v1: a counter slice, then the single GPUs and the GPU sets (107 devices: two slices at
+        # first, one after GPU 3 and its sets left); older versions: the single GPUs only
+        assert len(objs) == (2 if expected == "v1" else 1)
+        for obj in objs:
+            assert obj["apiVersion"] == f"resource.k8s.io/{expected}"
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+            assert obj["spec"]["pool"] == {"name": "node-1", "generation": 2, "resourceSliceCount": len(objs)}
+        obj = next(o for o in objs if o["spec"].get("devices"))
         discovery = [r for r in server.requests if r.path == "/apis/resource.k8s.io"]
         assert len(discovery) == 1  # discovery once at start
-        assert server.count("POST", f"/apis/resource.k8s.io/{expected}/resourceslices") == 1
+        assert server.count("POST", f"/apis/resource.k8s.io/{expected}/resourceslices") == (3 if expected == "v1" else 1)
         if expected == "v1beta1":
             assert "basic" in obj["spec"]["devices"][0]
         else:
@@ -75,15 +81,15 @@ def test_unhealthy_gpu_leaves_the_slice_within_a_second_and_comes_back_with_a_hi
     pub = make(server, health=health)
     pub.start()
     try:
-        assert pub.wait_ready(30)
+        assert eventually(pub.ready, 30)
         first = server.slices()[0]["spec"]["pool"]["generation"]
         t0 = time.monotonic()
         health.mark_unhealthy(5, "XID 79")
-        assert server.wait_for(lambda s: "gpu-5" not in device_names(s[0]), timeout_s=1.0)
+        assert server.wait_for(lambda s: "gpu-5" not in device_names(s), timeout_s=1.0)
         assert time.monotonic() - t0 < 1.0
         second = server.slices()[0]["spec"]["pool"]["generation"]
         health.mark_healthy(5)
-        assert server.wait_for(lambda s: "gpu-5" in device_names(s[0]), timeout_s=1.0)
+        assert server.wait_for(lambda s: "gpu-5" in device_names(s), timeout_s=1.0)
         third = server.slices()[0]["spec"]["pool"]["generation"]
     finally:
         pub.stop()
@@ -95,14 +101,14 @@ def test_stale_resource_version_conflict_is_reread_and_retried(server):
     pub = make(server)
     pub.start()
     try:
-        assert pub.wait_ready(30)
+        assert eventually(pub.ready, 30)
         name = server.slices()[0]["metadata"]["name"]
         # another writer changes the slice behind the publisher's back, between its list and
         # its update: the first PUT carries a stale resourceVersion
         server.fail(409, method="PUT", times=1)
         server.modify_slice(name, lambda o: o["metadata"].setdefault("labels", {}).update(x="y"))
         pub.update(unhealthy={0})
-        assert server.wait_for(lambda s: "gpu-0" not in device_names(s[0]))
+        assert server.wait_for(lambda s: "gpu-0" not in device_names(s))
     finally:
         pub.stop()
     assert server.count("PUT") >= 2
@@ -113,7 +119,7 @@ def test_a_real_stale_resource_version_from_the_server_is_retried(server):
     server.add_node("node-1")
     pub = make(server)
     pub.start()
-    assert pub.wait_ready(30)
+    assert eventually(pub.ready, 30)
     pub.stop()
     name = server.slices()[0]["metadata"]["name"]
     # the publisher lists, then someone else writes, then it updates with the stale version
@@ -130,10 +136,10 @@ def test_a_real_stale_resource_version_from_the_server_is_retried(server):
     pub.update(unhealthy={1})
     pub.start()
     try:
-        assert server.wait_for(lambda s: "gpu-1" not in device_names(s[0]))
+        assert server.wait_for(lambda s: "gpu-1" not in device_names(s))
     finally:
         pub.stop()
-    puts = [r for r in server.requests if r.method == "PUT"]
+    puts = [r for r in server.requests if r.method == "PUT" and r.path.endswith(f"/{name}")]
     assert len(puts) == 2
 
 
@@ -142,11 +148,11 @@ def test_a_slice_deleted_by_someone_else_is_created_again_on_the_next_change(ser
     pub = make(server)
     pub.start()
     try:
-        assert pub.wait_ready(30)
+        assert eventually(pub.ready, 30)
         name = server.slices()[0]["metadata"]["name"]
         server.delete_slice(name)
         pub.update(unhealthy={2})
-        assert server.wait_for(lambda s: len(s) == 1 and "gpu-2" not in device_names(s[0]))
+        assert server.wait_for(lambda s: len(s) == len(pub.desired()) and "gpu-2" not in device_names(s))
     finally:
         pub.stop()
 
@@ -161,13 +167,13 @@ def test_unreachable_server_is_not_ready_then_publishes_on_recovery(server, capl
             time.sleep(0.6)  # several retries
             assert not pub.ready()
             server.come_up()
-            assert pub.wait_ready(30)
+            assert eventually(pub.ready, 30)
         finally:
             pub.stop()
     failures = [r for r in caplog.records if "cannot publish" in r.getMessage()]
     assert len(failures) == 1, "one log line per reason, not per retry"
     assert "unreachable" in failures[0].getMessage()
-    assert len(server.slices()) == 1
+    assert len(server.slices()) == len(pub.desired())
 
 
 def test_forbidden_then_server_error_logs_once_per_reason_and_recovers(server, caplog):
@@ -178,7 +184,7 @@ def test_forbidden_then_server_error_logs_once_per_reason_and_recovers(server, c
     with caplog.at_level(logging.WARNING, logger="agent.dra.publisher"):
         pub.start()
         try:
-            assert pub.wait_ready(30)
+            assert eventually(pub.ready, 30)
         finally:
             pub.stop()
     failures = [r.getMessage() for r in caplog.records if "cannot publish" in r.getMessage()]
@@ -191,7 +197,7 @@ def test_node_not_found_publishes_without_owner(server):
     pub = make(server)
     pub.start()
     try:
-        assert pub.wait_ready(30)
+        assert eventually(pub.ready, 30)
     finally:
         pub.stop()
     assert "ownerReferences" not in server.slices()[0]["metadata"]
@@ -202,7 +208,7 @@ def test_group_not_served_is_not_ready():
         pub = make(server)
         pub.start()
         try:
-            assert not pub.wait_ready(0.5)
+            assert not eventually(pub.ready, 0.5)
         finally:
             pub.stop()
 
@@ -211,12 +217,12 @@ def test_slices_are_kept_on_stop_by_default_and_deleted_when_configured(server):
     server.add_node("node-1")
     pub = make(server)
     pub.start()
-    assert pub.wait_ready(30)
+    assert eventually(pub.ready, 30)
     pub.stop()
-    assert len(server.slices()) == 1
+    assert len(server.slices()) == len(pub.desired())
     pub = make(server, delete_on_stop=True)
     pub.start()
-    assert pub.wait_ready(30)
+    assert eventually(pub.ready, 30)
     pub.stop()
     assert server.slices() == []
 
@@ -225,15 +231,15 @@ def test_restart_with_unchanged_content_writes_nothing(server):
     server.add_node("node-1")
     pub = make(server)
     pub.start()
-    assert pub.wait_ready(30)
+    assert eventually(pub.ready, 30)
     pub.stop()
     writes = server.count("POST") + server.count("PUT")
     pub = make(server)
     pub.start()
-    assert pub.wait_ready(30)
+    assert eventually(pub.ready, 30)
     pub.stop()
     assert server.count("POST") + server.count("PUT") == writes
-    assert pub.generation == 1
+    assert server.slices()[0]["spec"]["pool"]["generation"] == 1
 
 
 def test_other_drivers_and_nodes_slices_are_left_alone_and_our_strays_removed(server):
@@ -252,7 +258,7 @@ def test_other_drivers_and_nodes_slices_are_left_alone_and_our_strays_removed(se
     pub = make(server)
     pub.start()
     try:
-        assert pub.wait_ready(30)
+        assert eventually(pub.ready, 30)
     finally:
         pub.stop()
     names = [o["metadata"]["name"] for o in server.slices()]

@@ -28,9 +28,9 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def devices(topology, **kw):
+    """Every device of every slice, in publication order."""
     kw.setdefault("node_name", "node-1")
-    (obj,) = render_slices(topology, **kw)
-    return obj["spec"]["devices"]
+    return [d for obj in render_slices(topology, **kw) for d in obj["spec"].get("devices", [])]
 
 
 def by_name(devs):
@@ -129,7 +129,7 @@ def test_occupancy_puts_the_half_used_nvlink_island_first_inside_a_numa_node():
     assert device_order(topo, in_use={3}) == [2, 3, 0, 1, 4, 5, 6, 7]
     assert device_order(topo, in_use={3, 6}) == [2, 3, 0, 1, 6, 7, 4, 5]
     # the slices follow: the published device order is the occupancy order
-    names = [d["name"] for d in render_slices(topo, node_name="n1", in_use={7})[0]["spec"]["devices"]]
+    names = [d["name"] for d in devices(topo, node_name="n1", in_use={7}) if d["name"].startswith("gpu-")]
     assert names == ["gpu-6", "gpu-7", "gpu-4", "gpu-5", "gpu-0", "gpu-1", "gpu-2", "gpu-3"]
 
 
@@ -161,15 +161,19 @@ def test_unhealthy_gpus_and_their_mig_devices_are_left_out():
 
 
 @pytest.mark.parametrize("machine", BUILTIN_MACHINES)
-def test_every_machine_respects_the_api_limits(machine):
-    for version in ("v1", "v1beta2", "v1beta1"):
-        for obj in render_slices(load_topology(machine), node_name="node-1", api_version=version):
+def test_older_versions_render_single_gpus_within_the_api_limits(machine):
+    # (v1 with counters and sets: tests/test_dra_gpusets.py checks it against the API rules)
+    for version in ("v1beta2", "v1beta1"):
+        objs = render_slices(load_topology(machine), node_name="node-1", api_version=version)
+        assert [o["metadata"]["name"] for o in objs] == sorted(o["metadata"]["name"] for o in objs)
+        for obj in objs:
             assert len(obj["metadata"]["name"]) <= 253
+            assert "sharedCounters" not in obj["spec"]
             devs = obj["spec"]["devices"]
             assert len(devs) <= MAX_DEVICES_PER_SLICE
             assert len({d["name"] for d in devs}) == len(devs)
             for d in devs:
-                assert DNS_LABEL.match(d["name"])
+                assert DNS_LABEL.match(d["name"]) and not d["name"].startswith("gpuset-")
                 body = d["basic"] if version == "v1beta1" else d
                 assert len(body["attributes"]) + len(body.get("capacity", {})) <= 32
                 for key, value in body["attributes"].items():
@@ -193,9 +197,9 @@ def test_more_than_128_devices_are_split_into_slices_of_one_pool():
 
 
 def test_owner_reference_names_the_node_when_its_uid_is_known():
-    (obj,) = render_slices(pcie4_topology(), node_name="n1", node_uid="1234")
-    assert obj["metadata"]["ownerReferences"] == [
-        {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "1234", "controller": True}]
+    for obj in render_slices(pcie4_topology(), node_name="n1", node_uid="1234"):
+        assert obj["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "1234", "controller": True}]
 
 
 def test_v1beta1_puts_attributes_and_capacity_under_basic():

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from label_rules import is_valid_label_key
 
 from agent.config import Config, TimeSlicingResource
 from agent.labels import (
     arch_family,
     compute_labels,
     format_labels,
-    is_valid_label_key,
     is_valid_label_value,
     nvlink_fabric_kind,
     sanitize_value,
 )
+from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.topology.model import Gpu, Link, MigDevice, Nic, PcieLevel, Topology
 
@@ -337,6 +339,60 @@ def test_feature_file_is_removed_on_clean_shutdown_and_removal_is_idempotent(tmp
     sink.remove()
     sink.remove()
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ publisher
+class Clocks:
+    """The publisher's monotonic and wall clocks, moved by hand."""
+
+    def __init__(self) -> None:
+        self.mono, self.wall = 100.0, 1_700_000_000.0
+
+    def tick(self, seconds: float) -> None:
+        self.mono += seconds
+        self.wall += seconds
+
+
+def test_publisher_reasserts_a_deleted_file_after_the_interval_and_says_written_only_on_change(tmp_path, caplog):
+    clocks, errors = Clocks(), []
+    sink = FeatureFileSink(str(tmp_path))
+    publisher = LabelPublisher(sink, count_error=lambda: errors.append(1),
+                               clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall)
+    config = Config(features_dir=str(tmp_path), label_interval_s=60)
+    topology = pcie_pairs([H100] * 4)
+    with caplog.at_level(logging.INFO, logger="agent.labels.publisher"):
+        publisher.publish(topology, config)
+        os.unlink(sink.path)
+        clocks.tick(30)
+        publisher.maintain()  # before the interval: nothing yet
+        assert not os.path.exists(sink.path)
+        clocks.tick(31)
+        publisher.maintain()  # back, with a new timestamp only
+    assert os.path.exists(sink.path) and publisher.ready() and errors == []
+    said = [r.getMessage() for r in caplog.records if r.name == "agent.labels.publisher"]
+    assert said == [f"labels written to {tmp_path}"]
+    publisher.withdraw()
+    assert os.listdir(tmp_path) == []
+
+
+def test_publisher_counts_each_failed_write_and_is_not_ready_until_one_works(tmp_path, caplog):
+    clocks, errors = Clocks(), []
+    features = tmp_path / "features.d"
+    features.write_text("a file where the directory should be\n")
+    publisher = LabelPublisher(FeatureFileSink(str(features)), count_error=lambda: errors.append(1),
+                               clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall)
+    config = Config(features_dir=str(features), label_interval_s=5)
+    with caplog.at_level(logging.ERROR, logger="agent.labels.publisher"):
+        publisher.publish(pcie_pairs([H100] * 2), config)
+        clocks.tick(5)
+        publisher.maintain()
+    assert errors == [1, 1] and not publisher.ready()
+    said = [r.getMessage().split(":")[0] for r in caplog.records if r.name == "agent.labels.publisher"]
+    assert said == [f"cannot write labels to {features}"] * 2
+    features.unlink()
+    clocks.tick(5)
+    publisher.maintain()
+    assert publisher.ready() and errors == [1, 1] and (features / "gpu-topology-agent").exists()
 
 
 def test_feature_file_name_must_be_a_plain_visible_name(tmp_path):

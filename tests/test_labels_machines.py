@@ -7,6 +7,7 @@ import functools
 from pathlib import Path
 
 import pytest
+from label_rules import is_valid_label_key
 
 from agent import discovery
 from agent.cli import main
@@ -17,7 +18,6 @@ from agent.labels import (
     TOPOLOGY_PREFIX,
     compute_labels,
     format_labels,
-    is_valid_label_key,
     is_valid_label_value,
 )
 

@@ -41,9 +41,15 @@ from agent.metrics.podresources import (
     PodResourcesCache,
 )
 from agent.metrics.sampler import Sampler
+from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
+
+
+def agent_metrics(node) -> AgentMetrics:
+    """The agent's own metrics on a registry of their own, built first (as the daemon does)."""
+    return AgentMetrics(CollectorRegistry(auto_describe=True), node.backend)
 
 
 def dcgm_default_counters() -> dict[str, tuple[str, str]]:
@@ -359,7 +365,6 @@ def test_first_seen_is_kept_across_refreshes(kubelet, box2):
     cache.refresh_once()
     cache.client.close()
     assert cache.current.first_seen[(ContainerRef("ml", "a", "main"), 0)] == 100.0
-    assert cache.current.fetched_at == 200.0
 
 
 # ------------------------------------------------------------------ service over HTTP
@@ -379,7 +384,7 @@ def test_service_serves_metrics_health_and_readiness(kubelet, box2):
     config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                     sample_interval_s=60, pod_resources_refresh_s=60)
     service = MetricsService(box2.backend, topo, config, hostname="node-a",
-                             ready=lambda: ready["value"])
+                             ready=lambda: ready["value"], agent_metrics=agent_metrics(box2))
     service.start()
     try:
         base = f"http://127.0.0.1:{service.port}"
@@ -390,13 +395,15 @@ def test_service_serves_metrics_health_and_readiness(kubelet, box2):
         assert get(base + "/nope")[0] == 404
         service.sampler.sample_once()
         service.pod_resources.refresh_once()
-        calls = service.pod_resources.list_calls
+        # the kubelet's answer changes: a scrape that called List would show pod b
+        kubelet.list_response = listing(
+            pod("ml", "b", {"main": [("nvidia.com/gpu", [topo.gpus[1].uuid])]}))
         for _ in range(5):
             status, body = get(base + "/metrics")
             assert status == 200
-        assert service.pod_resources.list_calls == calls  # never one List per scrape
-        temps = samples_of(body, "DCGM_FI_DEV_GPU_TEMP")
-        assert [s.labels.get("pod") for s in temps if s.labels["gpu"] == "1"] == ["a"]
+            temps = samples_of(body, "DCGM_FI_DEV_GPU_TEMP")
+            # never one List per scrape: the attribution of the last refresh
+            assert [s.labels.get("pod") for s in temps if s.labels["gpu"] == "1"] == ["a"]
         assert samples_of(body, "gpu_agent_samples")[0].value >= 1
     finally:
         service.stop()
@@ -406,7 +413,7 @@ def test_service_serves_metrics_health_and_readiness(kubelet, box2):
 def test_agent_metrics_record_what_other_components_report(box2):
     box2.lib.fail("nvmlDeviceGetPowerUsage", box2.lib.NVML_ERROR_UNKNOWN, index=0)
     service = MetricsService(box2.backend, box2.topology, Config(metrics_address="127.0.0.1:0"),
-                             hostname="h", ready=lambda: True)
+                             hostname="h", ready=lambda: True, agent_metrics=agent_metrics(box2))
     for _ in range(3):
         service.sampler.sample_once()
     am = service.agent_metrics
@@ -414,7 +421,8 @@ def test_agent_metrics_record_what_other_components_report(box2):
     am.registration("nvidia.com/gpu")
     am.registration("nvidia.com/gpu")
     am.kubelet_restart()
-    am.set_device_health("nvidia.com/gpu", "GPU-1", False)
+    offered = [("nvidia.com/gpu", "GPU-1", False)]
+    am.watch_devices(lambda: offered)
     reg = service.registry
     assert reg.get_sample_value("gpu_agent_preferred_allocation_seconds_count") == 1
     assert reg.get_sample_value("gpu_agent_preferred_allocation_seconds_bucket",
@@ -424,19 +432,23 @@ def test_agent_metrics_record_what_other_components_report(box2):
     assert reg.get_sample_value("gpu_agent_kubelet_restarts_total") == 1
     assert reg.get_sample_value("gpu_agent_device_healthy",
                                 {"resource": "nvidia.com/gpu", "device": "GPU-1"}) == 0
+    offered[:] = [("nvidia.com/gpu", "GPU-2", True)]  # read at the scrape: no stale series
+    assert reg.get_sample_value("gpu_agent_device_healthy",
+                                {"resource": "nvidia.com/gpu", "device": "GPU-1"}) is None
+    assert reg.get_sample_value("gpu_agent_device_healthy",
+                                {"resource": "nvidia.com/gpu", "device": "GPU-2"}) == 1
     assert reg.get_sample_value("gpu_agent_nvml_errors_total",
                                 {"function": "nvmlDeviceGetPowerUsage"}) == 3
-    assert am.nvml_errors == {"nvmlDeviceGetPowerUsage": 3}
     text = service.render().decode()
     assert "# TYPE gpu_agent_nvml_errors_total counter" in text
     assert "# TYPE gpu_agent_preferred_allocation_seconds histogram" in text
     assert families(text)["gpu_agent_preferred_allocation_seconds"].type == "histogram"
 
 
-def test_the_service_registers_on_the_registry_it_is_given(box2):
+def test_the_service_registers_on_the_registry_of_the_agent_metrics_it_is_given(box2):
     registry = CollectorRegistry()
     service = MetricsService(box2.backend, box2.topology, Config(metrics_address="127.0.0.1:0"),
-                             hostname="h", ready=lambda: True, registry=registry)
+                             hostname="h", ready=lambda: True, agent_metrics=AgentMetrics(registry, box2.backend))
     service.sampler.sample_once()
     assert service.registry is registry
     assert registry.get_sample_value("gpu_agent_samples_total") == 1
@@ -447,7 +459,7 @@ def test_the_service_registers_on_the_registry_it_is_given(box2):
 def test_served_body_equals_the_rendered_registry_and_follows_new_snapshots(box2):
     clock = Clock()
     service = MetricsService(box2.backend, box2.topology, Config(metrics_address="127.0.0.1:0"),
-                             hostname="h", ready=lambda: True, clock=clock)
+                             hostname="h", ready=lambda: True, agent_metrics=agent_metrics(box2), clock=clock)
     service.sampler.sample_once()
     first = service.render()
     assert first == service.render()  # from the cache this time
@@ -495,19 +507,19 @@ def test_any_mix_of_missing_failing_and_lost_still_gives_a_valid_scrape(unsuppor
 
 
 def test_every_metric_our_dashboard_uses_is_exported(box2):
-    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" / "base" /
-                            "grafana-dashboard.json").read_text())
+    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" / "helm" / "gpu-topology-agent" /
+                            "files" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = set()
     for expr in exprs:
         used |= set(re.findall(r"\b((?:DCGM_FI|gpu_topology|gpu_agent)_[A-Za-z0-9_]+)", expr))
     service = MetricsService(box2.backend, box2.topology,
                              Config(metrics_address="127.0.0.1:0"), hostname="h",
-                             ready=lambda: True)
+                             ready=lambda: True, agent_metrics=agent_metrics(box2))
     service.sampler.sample_once()
     service.sampler.sample_once()
     service.agent_metrics.observe_preferred_allocation(0.001)
-    service.agent_metrics.set_device_health("nvidia.com/gpu", "GPU-x", True)
+    service.agent_metrics.watch_devices(lambda: [("nvidia.com/gpu", "GPU-x", True)])
     service.agent_metrics.registration("nvidia.com/gpu")
     body = service.render().decode()
     exported = {m.group(1) for m in re.finditer(r"^# TYPE (\S+) ", body, re.M)}
@@ -522,7 +534,8 @@ def test_placement_scores_are_prepared_on_refresh_so_scrapes_never_compute_them(
     kubelet.list_response = listing(
         pod("ml", "x", {"m": [("nvidia.com/gpu", [g[0].uuid, g[2].uuid, g[3].uuid])]}))
     config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path)
-    service = MetricsService(box.backend, box.topology, config, hostname="h", ready=lambda: True)
+    service = MetricsService(box.backend, box.topology, config, hostname="h", ready=lambda: True,
+                             agent_metrics=agent_metrics(box))
     service.pod_resources.refresh_once()
     service.pod_resources.client.close()
 

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 from metrics_support import Node, PodResourcesStub, listing, node_of, pod, samples_of, small_machine
+from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.hw.protocols import GpuSample, SampleSource
+from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 
 PROMPT_S = 1.0  # a scrape that waits on the hung call would take its full duration
@@ -87,10 +89,23 @@ def kubelet(tmp_path: Any) -> Iterator[PodResourcesStub]:
     stub.stop()
 
 
+class Gate(threading.Event):
+    """The stand-in kubelet's ``list_gate`` that also says when a List reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.entered.set()
+        return super().wait(timeout)
+
+
 def service_on(node: Node, kubelet: PodResourcesStub) -> MetricsService:
     config = Config(metrics_address="127.0.0.1:0", pod_resources_socket=kubelet.socket_path,
                     sample_interval_s=60, pod_resources_refresh_s=60)
-    return MetricsService(node.backend, node.topology, config, hostname="node-a", ready=lambda: True)
+    return MetricsService(node.backend, node.topology, config, hostname="node-a", ready=lambda: True,
+                          agent_metrics=AgentMetrics(CollectorRegistry(), node.backend))
 
 
 def test_a_hung_nvml_read_holds_no_lock_and_the_scrape_answers_from_the_last_snapshot(box2, kubelet):
@@ -157,16 +172,12 @@ def test_a_round_asked_for_while_another_is_in_flight_waits_for_it_then_reads_ag
 def test_a_hung_pod_resources_list_holds_no_lock_and_the_scrape_answers(box2, kubelet):
     kubelet.list_response = listing(
         pod("ml", "a", {"main": [("nvidia.com/gpu", [box2.topology.gpus[0].uuid])]}))
-    kubelet.list_gate = threading.Event()
+    kubelet.list_gate = Gate()
     service = service_on(box2, kubelet)
     service.sampler.sample_once()
     service.start()  # the cache's first List hangs in the kubelet
     try:
-        deadline = time.monotonic() + 5
-        while service.pod_resources.list_calls < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert service.pod_resources.list_calls == 1
-        time.sleep(0.1)  # the call is in the kubelet now
+        assert kubelet.list_gate.entered.wait(5), "the cache's List never reached the kubelet"
         assert held_locks(service.pod_resources) == []
         status, body, took = get(f"http://127.0.0.1:{service.port}/metrics")
         assert status == 200 and took < PROMPT_S

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 from metrics_support import by_gpu, node_of
+from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.discovery import read_topology
 from agent.hw.protocols import GpuSample
 from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
+from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +32,8 @@ def service_for(name: str) -> tuple[MetricsService, machines.SimulatedMachine]:
     backend.init()
     topology = read_topology(backend, machine)
     service = MetricsService(backend, topology, Config(metrics_address="127.0.0.1:0"),
-                             hostname="sim", ready=lambda: True)
+                             hostname="sim", ready=lambda: True,
+                             agent_metrics=AgentMetrics(CollectorRegistry(), backend))
     return service, machine
 
 
@@ -188,7 +191,8 @@ def test_sampled_values_reach_the_scrape_unchanged(machine):
     with node_of(machine) as node:
         service = MetricsService(node.backend, node.topology,
                                  Config(metrics_address="127.0.0.1:0"), hostname="h",
-                                 ready=lambda: True)
+                                 ready=lambda: True,
+                                 agent_metrics=AgentMetrics(CollectorRegistry(), node.backend))
         snap = service.sampler.sample_once()
         text = service.render().decode()
     for m in DCGM_METRICS:

@@ -3,7 +3,7 @@
 - Every command in a README code block is classified: run here (``gpu-topology-agent ...``
   through ``python -m agent``, ``python bench/...`` with its quickest flags, a ``pytest``
   run of one test file, ``kubectl kustomize daemonset/`` or ``daemonset/dra`` where kubectl
-  exists), or listed
+  exists, ``helm template`` or ``helm lint`` where helm exists), or listed
   in :data:`NOT_RUNNABLE` with the reason. A command that is neither fails the test, and so
   does a listed command the README no longer shows.
 - Commands in ``sh`` blocks must exit 0. In ``console`` blocks (``$ command`` then its
@@ -37,7 +37,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_binaries import missing_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -50,8 +49,8 @@ COMMAND_LANGS = {"sh", "console"}
 #: Commands the README shows that cannot run here, with the reason. Exact text.
 NOT_RUNNABLE: dict[str, str] = {
     "docker build -t gpu-topology-agent:0.1.0 .": (
-        "needs a Docker engine; these machines have none (tests/test_dockerfile.py checks "
-        "the Dockerfile's stages and the files it copies instead)"
+        "minutes with a Docker engine: the image tier (tests/test_image.py, marker image, run by "
+        ".ci/run) builds this Dockerfile unchanged"
     ),
     "docker tag gpu-topology-agent:0.1.0 registry.example.com/gpu-topology-agent:0.1.0": (
         "needs a Docker engine and the image built above"
@@ -59,9 +58,13 @@ NOT_RUNNABLE: dict[str, str] = {
     "docker push registry.example.com/gpu-topology-agent:0.1.0": (
         "needs a Docker engine, a registry and the network"
     ),
-    "(cd daemonset/base && kustomize edit set image "
-    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0)": (
-        "rewrites daemonset/base/kustomization.yaml in place (and needs the standalone kustomize)"
+    "kubectl create namespace gpu-topology-agent": "changes a live cluster",
+    "kubectl label namespace gpu-topology-agent pod-security.kubernetes.io/enforce=privileged": (
+        "changes a live cluster"
+    ),
+    "helm install gpu-topology-agent daemonset/helm/gpu-topology-agent --namespace gpu-topology-agent "
+    "--set image.repository=registry.example.com/gpu-topology-agent": (
+        "changes a live cluster (tests/test_helm.py renders the chart with the same values)"
     ),
     "kubectl apply -k daemonset/": "changes a live cluster",
     "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent": (
@@ -72,6 +75,9 @@ NOT_RUNNABLE: dict[str, str] = {
     "GPU_AGENT_K8S_BINARIES=/path/to/k8s-v1.32 .venv/bin/python -m pytest -q tests/conformance tests/test_dra_draalloc.py": (
         "needs dmharness and draalloc, built from Kubernetes source and never shipped "
         "(the tests skip without them, tests/k8s_binaries.py)"
+    ),
+    ".venv/bin/python -m pytest -q -m image tests/test_image.py": (
+        "the image tier: minutes of docker build (.ci/run runs it)"
     ),
 }
 
@@ -274,6 +280,8 @@ def classify(text: str) -> tuple[str, object]:
         return "run", ([sys.executable, *argv[1:]], env)
     if argv in (["kubectl", "kustomize", "daemonset/"], ["kubectl", "kustomize", "daemonset/dra"]):
         return "kubectl", argv
+    if argv[0] == "helm" and argv[1:2] in (["template"], ["lint"]):
+        return "helm", argv  # offline: renders the chart, changes nothing
     return "unknown", None
 
 
@@ -354,10 +362,18 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         assert "kind: DaemonSet" in result.stdout
         return
+    if kind == "helm":
+        helm = shutil.which("helm") or str(ROOT / ".tools" / "bin" / "helm")
+        if not os.access(helm, os.X_OK):
+            pytest.skip("helm is not installed here (.ci/run puts it in .tools/bin)")
+        homes = {n: str(tmp_path / n.lower()) for n in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}
+        result = _run([helm, *detail[1:]], homes)  # type: ignore[index]
+        assert result.returncode == 0, result.stderr
+        if detail[1] == "template":  # type: ignore[index]
+            assert "kind: DaemonSet" in result.stdout
+        return
     if kind == "bench":
         script, env = detail  # type: ignore[misc]
-        if script == "bench/quality_dra.py" and missing_reason("draalloc") is not None:
-            pytest.skip(str(missing_reason("draalloc")))
         flags = [f.replace("{tmp}", str(tmp_path)) for f in BENCH_QUICK[script]]
         argv = [sys.executable, script, *flags]
     else:
@@ -619,7 +635,8 @@ def _exported_types() -> dict[str, str]:
     from agent.metrics.self_metrics import AgentMetrics
 
     registry = CollectorRegistry()
-    AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={"nvmlDeviceGetCount": 1}))
+    agent_metrics = AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={"nvmlDeviceGetCount": 1}))
+    agent_metrics.watch_devices(lambda: [("nvidia.com/gpu", "GPU-0", True)])  # what the device plugin offers
     registry.register(GpuCollector(load_topology("dgx-h100"), hostname="node"))
     text = render_text(registry).decode()
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))

@@ -47,8 +47,14 @@ def _add_location_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features-dir", metavar="DIR", dest="features_dir", default=None,
                    help=f"NFD features.d directory for the labels file (default: {_DEFAULTS.features_dir})")
     p.add_argument("--metrics-address", metavar="HOST:PORT", dest="metrics_address", default=None,
-                   help="where /metrics, /health and /ready listen; port 0 picks one"
-                        f" (default: {_DEFAULTS.metrics_address})")
+                   help="where /metrics listens (and /health, /ready behind its TLS and auth);"
+                        f" port 0 picks one (default: {_DEFAULTS.metrics_address})")
+    p.add_argument("--probe-address", metavar="HOST:PORT", dest="probe_address", default=None,
+                   help="where /health and /ready listen for the kubelet's probes, plain HTTP"
+                        " (default: the metrics host, next port: :9401; env PROBE_ADDRESS)")
+    p.add_argument("--web-config-file", metavar="PATH", dest="web_config_file", default=None,
+                   help="exporter-toolkit web configuration for the metrics address: TLS and"
+                        " basic auth (default: none, plain HTTP; env WEB_CONFIG_FILE)")
     p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
                    help="node name for the Hostname metric label (default: $NODE_NAME, else the host name)")
     p.add_argument("--log-format", choices=("text", "json"), dest="log_format", default=None,
@@ -110,7 +116,8 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = (
-    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
+    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
+    "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "mps_root", "mps_control_binary",
@@ -169,7 +176,9 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.daemon import Daemon, setup_logging
+    from agent.daemon import Daemon
+    from agent.logs import setup_logging
+    from agent.metrics.webconfig import load_web_config
 
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
     env = dict(default_environ())
@@ -179,5 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = loader()
     check_directories(config, args)
+    if config.web_config_file:  # a bad one is exit 2 here, before anything is served
+        load_web_config(config.web_config_file)
     setup_logging(config)
     return Daemon.from_config(config, simulate=args.simulate, config_loader=loader).run()

@@ -2,8 +2,10 @@
 
 Exactly the objects the DRA publisher sends (``agent.dra.slices.render_slices``), for pool
 generation 1; the publisher adds the Node owner reference once it has read the Node's UID from
-the API server. Pipe into ``kubectl apply --dry-run=server -f -`` to check them against a
-cluster, or feed them to the scheduler's allocator.
+the API server. With ``--api-version v1`` (the default) that is the counter slice, the single
+GPUs and the GPU-set devices; ``v1beta2`` and ``v1beta1`` have no partitionable devices, so
+they render the single GPUs only, and the command says so on stderr. Pipe into
+``kubectl apply --dry-run=server -f -`` to check them against a cluster.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
                    help="node (and pool) name (default: $NODE_NAME, else the host name)")
     p.add_argument("--api-version", dest="api_version", default="v1", metavar="VERSION",
-                   help=f"resource.k8s.io version to render: {' | '.join(API_VERSIONS)} (default: v1)")
+                   help=f"resource.k8s.io version to render: {' | '.join(API_VERSIONS)} (default: v1;"
+                        " GPU sets only in v1)")
     p.set_defaults(func=run)
 
 
@@ -46,7 +49,7 @@ def check_node_name(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.dra.slices import API_VERSIONS, dump_yaml, render_slices
+    from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, dump_yaml, render_slices
 
     if args.simulate == "list":
         from agent.hw.sim.machines import BUILTIN_MACHINES
@@ -61,4 +64,7 @@ def run(args: argparse.Namespace) -> int:
     slices = render_slices(topology, node_name=node, driver=config.driver_name,
                            api_version=args.api_version)
     sys.stdout.write(dump_yaml(slices))
+    if args.api_version not in SETS_API_VERSIONS:
+        print(f"note: resource.k8s.io/{args.api_version} has no partitionable devices: single GPUs "
+              f"only, no GPU sets (they need {' or '.join(SETS_API_VERSIONS)})", file=sys.stderr)
     return 0

@@ -6,19 +6,18 @@ or our own socket vanishing, serves again and re-registers (well within 2 s: it 
 ``poll_s``). A kubelet that appears after the agent started is handled the same way.
 Registration that fails is retried with capped exponential backoff.
 
+The manager is the device-plugin mode's servers as the daemon runs them (start, ready,
+set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the same shape).
+
 Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
-:meth:`~DevicePluginManager.reload` and :meth:`~DevicePluginManager.stop`; the kubelet-watch
-thread registers and re-serves; gRPC workers and the metrics HTTP server call
-:meth:`~DevicePluginManager.ready`; the health watcher's listener publishes device health.
+:meth:`~DevicePluginManager.set_topology` and :meth:`~DevicePluginManager.stop`; the
+kubelet-watch thread registers and re-serves; the metrics HTTP server calls
+:meth:`~DevicePluginManager.ready` and, at each scrape, :meth:`~DevicePluginManager.advertised`.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
-I/O); ``reload`` hands it the new (topology, config) and waits for the outcome.
+I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
 MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
 the servers; the watch thread registers such a resource once its daemon first answers.
-
-Size: above 400 lines because serving, registration, the kubelet watch and reloads are one
-owner of the slots and their one lock; the servers, the request handling and the MPS daemons
-already live apart.
 """
 
 from __future__ import annotations
@@ -34,16 +33,15 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
+from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError
 from agent.health import HealthState
-from agent.hooks import NO_HOOKS, DevicePluginHooks
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.kubelet.unix_server import SocketInUseError
 from agent.topology.model import Topology
-from agent.worker import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +73,10 @@ class DevicePluginManager:
 
     ``start()`` raises :class:`agent.errors.ConfigError` when the resources cannot be built
     (a MIG layout that does not fit the strategy) and AgentError when a socket cannot be
-    bound. Events are reported to ``hooks`` (the agent's self-metrics; see
-    :meth:`attach_hooks`).
+    bound. Registrations, kubelet restarts and preferred-allocation latency are reported to
+    ``events`` (the agent's self-metrics); ``on_kubelet_restart`` is called (on the watch
+    thread, no lock held) after a kubelet restart was seen: the daemon reads the topology
+    again.
     """
 
     def __init__(
@@ -85,7 +85,8 @@ class DevicePluginManager:
         config: Config,
         health: HealthState,
         *,
-        hooks: DevicePluginHooks = NO_HOOKS,
+        events: DevicePluginEvents,
+        on_kubelet_restart: Callable[[], None] | None = None,
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
@@ -96,14 +97,15 @@ class DevicePluginManager:
         self.register_timeout_s = register_timeout_s
         self.max_backoff_s = max_backoff_s
         # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
-        # slots list and their ``registered`` flags, topology, config, resources, hooks,
-        # the pending reload) and is held only to read or assign them: never across I/O
-        # (a Register call, starting or stopping a server), a hook or a callback, and no
+        # slots list and their ``registered`` flags, topology, config, resources, the
+        # pending reload) and is held only to read or assign them: never across I/O (a
+        # Register call, starting or stopping a server), an event or a callback, and no
         # other lock (the health state's condition included) is taken while it is held.
         self._lock = threading.Lock()
         self.topology = topology
         self.config = config
-        self.hooks = hooks
+        self.events = events
+        self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
         self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
         self._pending: _Reload | None = None
@@ -118,13 +120,6 @@ class DevicePluginManager:
         self._round_error: str | None = None  # the last failed round's error (said once)
         self._round_backoff_s = 0.0
         self.resources: tuple[PluginResource, ...] = ()
-        self.kubelet_restarts = 0  # a new kubelet.sock after we had seen one
-        self.socket_losses = 0  # our socket removed while the kubelet stayed
-        self.registrations = 0  # successful Register calls
-        #: Called (on the watch thread, no lock held) after a kubelet restart was detected;
-        #: the daemon uses it to read the topology again.
-        self.on_kubelet_restart: Callable[[], None] | None = None
-        health.add_listener(self._publish_health)
 
     @property
     def kubelet_socket(self) -> str:
@@ -154,7 +149,7 @@ class DevicePluginManager:
             slot.server.stop(grace_s)
         self._mps.stop()
 
-    def reload(self, topology: Topology, config: Config) -> None:
+    def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
         ConfigError the old servers keep running; AgentError when a socket cannot be bound."""
         build_resources(topology, config)  # validate before tearing anything down
@@ -173,20 +168,6 @@ class DevicePluginManager:
         if request.error is not None:
             raise request.error
 
-    def attach_hooks(self, hooks: DevicePluginHooks) -> None:
-        """Report to ``hooks`` (the agent's self-metrics) from now on: registrations so far
-        and from now on, kubelet restarts, preferred-allocation latency, device health
-        (published at once)."""
-        with self._lock:
-            self.hooks = hooks
-            slots = list(self._slots)
-            registered = [s.server.resource.name for s in slots if s.registered]
-        for slot in slots:
-            slot.server.servicer.hooks = hooks
-        for name in registered:
-            hooks.registration(name)
-        self._publish_health()
-
     def ready(self) -> bool:
         """Every resource is registered with the running kubelet. Never waits on I/O (the
         readiness probe calls it)."""
@@ -194,26 +175,31 @@ class DevicePluginManager:
             slots = list(self._slots)
         return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        return wait_until(self.ready, timeout_s)
+    def advertised(self) -> list[tuple[str, str, bool]]:
+        """(resource, device ID, healthy) for every device offered to the kubelet now (the
+        ``gpu_agent_device_healthy`` series, read at each scrape). Never waits on I/O."""
+        with self._lock:
+            resources, slots = self.resources, list(self._slots)
+        unhealthy = self.health.snapshot()
+        mps_down = {s.server.resource.name for s in slots if s.mps is not None and not s.mps.answering}
+        return [
+            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in mps_down))
+            for r in resources for d in r.devices
+        ]
 
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
-        with self._lock:
-            hooks = self.hooks
         server = PluginServer(
-            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, hooks=hooks,
+            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
             mps=self._mps.get(resource.name),
         )
         server.start()
         return server
 
-
     def _mps_changed(self) -> None:
-        """A control daemon started or stopped answering: re-send the device lists, report
-        the health, and let the watch thread register a resource whose daemon now answers."""
+        """A control daemon started or stopped answering: re-send the device lists and let the
+        watch thread register a resource whose daemon now answers."""
         self.health.wake()
-        self._publish_health()
         self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
@@ -239,18 +225,6 @@ class DevicePluginManager:
                 "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
                 self.kubelet_socket,
             )
-        self._publish_health()
-
-    def _publish_health(self) -> None:
-        with self._lock:
-            hooks, resources, slots = self.hooks, self.resources, list(self._slots)
-        answering = {s.server.resource.name: s.mps.answering for s in slots if s.mps is not None}
-        unhealthy = self.health.snapshot()
-        for resource in resources:
-            mps_up = answering.get(resource.name, True)
-            for d in resource.devices:
-                up = d.gpu_index not in unhealthy and (d.replica is None or mps_up)
-                hooks.set_device_health(resource.name, d.id, up)
 
     def _kubelet_inode_now(self) -> tuple[int, int, int] | None:
         # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
@@ -307,7 +281,6 @@ class DevicePluginManager:
             if inode is not None:
                 if self._seen_kubelet:
                     restarted = True
-                    self.kubelet_restarts += 1
                     log.warning("kubelet restarted (kubelet.sock re-created): serving and registering again")
                 else:
                     log.info("kubelet socket %s found", self.kubelet_socket)
@@ -322,9 +295,9 @@ class DevicePluginManager:
                 slot.next_try_s = now
                 slot.backoff_s = 0.0
         if restarted:
-            self.hooks.kubelet_restart()
-            if self.on_kubelet_restart is not None:
-                self.on_kubelet_restart()
+            self.events.kubelet_restart()
+            if self._on_kubelet_restart is not None:
+                self._on_kubelet_restart()
         if not self._kubelet_dir_present(inode is not None):
             return  # nothing can be served there; the kubelet re-creates it
         for slot in slots:
@@ -333,7 +306,7 @@ class DevicePluginManager:
             if not slot.server.socket_present():
                 if now < slot.next_serve_s:
                     continue
-                fresh = self._serve_again(slot, inode is not None, now)
+                fresh = self._serve_again(slot, now)
                 if fresh is None:
                     continue
                 slot = fresh
@@ -359,14 +332,12 @@ class DevicePluginManager:
             )
         return present
 
-    def _serve_again(self, slot: _Slot, kubelet_present: bool, now: float) -> _Slot | None:
+    def _serve_again(self, slot: _Slot, now: float) -> _Slot | None:
         """Serve a vanished socket again; None while another live server holds its name
         (never delete it, never fight: logged once until it is gone) or while serving
         fails (logged once, retried with capped exponential backoff)."""
         path = slot.server.path
         if path not in self._taken and not slot.serve_failing:
-            if kubelet_present:
-                self.socket_losses += 1
             log.warning("socket %s vanished: serving it again", path)
         slot.server.stop(0)
         with self._lock:
@@ -418,7 +389,5 @@ class DevicePluginManager:
             return
         with self._lock:
             slot.registered = True
-            hooks = self.hooks
-        self.registrations += 1
         log.info("registered %s with the kubelet (endpoint %s)", resource.name, resource.socket_name)
-        hooks.registration(resource.name)
+        self.events.registration(resource.name)

@@ -19,11 +19,11 @@ import grpc
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
+from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.mps import MpsControlDaemon
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
-from agent.hooks import NO_HOOKS, DevicePluginHooks
 from agent.kubelet.unix_server import UnixGrpcServer
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self,
         handler: RequestHandler,
         health: HealthState,
-        hooks: DevicePluginHooks = NO_HOOKS,
+        events: DevicePluginEvents,
         *,
         max_streams: int = MAX_STREAMS,
         mps: MpsControlDaemon | None = None,
@@ -70,8 +70,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.handler = handler
         self.resource = handler.resource
         self.health = health
+        self.events = events
         self.mps = mps  # the MPS resource's control daemon: its replicas follow it
-        self.hooks = hooks  # replaced (one assignment) when the metrics service comes up
         self._stopped = threading.Event()
         # Each open ListAndWatch holds a worker thread for its lifetime; past this many the
         # stream is refused, so the rest of the pool always serves the unary calls.
@@ -124,7 +124,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 out.container_responses.add(deviceIDs=ids)
         except AgentError as exc:
             self._abort(context, exc)
-        self.hooks.observe_preferred_allocation(time.perf_counter() - started)
+        self.events.observe_preferred_allocation(time.perf_counter() - started)
         return out
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
@@ -175,7 +175,7 @@ class PluginServer:
         health: HealthState,
         socket_dir: str,
         *,
-        hooks: DevicePluginHooks = NO_HOOKS,
+        events: DevicePluginEvents,
         max_workers: int = 16,
         max_streams: int = MAX_STREAMS,
         mps: MpsControlDaemon | None = None,
@@ -184,7 +184,7 @@ class PluginServer:
             raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, hooks, max_streams=max_streams, mps=mps)
+        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams, mps=mps)
         self.max_workers = max_workers
         self._unix = UnixGrpcServer(
             self.path,

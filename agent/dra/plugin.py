@@ -10,7 +10,10 @@
   ``k8s.io.kubelet.pkg.apis.dra.v1`` and ``...v1beta1``, through thin servicers over one
   :class:`ClaimPreparer`.
 - A watch thread re-creates either socket when it vanishes (a kubelet restart can clear its
-  directories; the watcher then registers us again from the new socket).
+  directories; the watcher then registers us again from the new socket). Only that thread
+  starts and stops the servers once started; the lock guards the registration flag and is
+  never held across I/O (serving, stopping, logging), so :meth:`DraPlugin.ready` (the
+  readiness probe) never waits for a socket being created again.
 
 Nothing here calls NVML: answers come from the frozen topology and the health state.
 """
@@ -33,7 +36,6 @@ from agent.errors import AgentError, shorten
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
 from agent.kubelet.unix_server import UnixGrpcServer
 from agent.topology.model import Topology
-from agent.worker import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,9 @@ class DraPlugin:
 
     ``start()`` raises AgentError when a socket cannot be bound; ``ready()`` is true once
     both sockets serve and the kubelet has confirmed the registration.
+    ``on_kubelet_restart`` is called (on the watch thread, no lock held) after the
+    registration socket was found gone and served again: the kubelet restarted, and the
+    daemon reads the topology again.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class DraPlugin:
         health: HealthView,
         claim_reader: ClaimReader,
         *,
+        on_kubelet_restart: Callable[[], None] | None = None,
         node_name: str | None = None,
         poll_s: float = 0.5,
         max_workers: int = 8,
@@ -145,17 +151,15 @@ class DraPlugin:
         self._reg_server = UnixGrpcServer(
             self.registration_socket, self._add_registration, name="dra-reg", max_workers=2
         )
+        self._on_kubelet_restart = on_kubelet_restart
+        # Lock order: a leaf guarding ``_registered`` and ``_last_refusal`` (written by the
+        # gRPC worker of NotifyRegistrationStatus and by the watch thread); held only to
+        # read or assign them, never across I/O.
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered = False
         self._last_refusal: str | None = None
-        self.registrations = 0  # NotifyRegistrationStatus with plugin_registered=True
-        self.refusals = 0
-        self.socket_losses = 0  # sockets found gone and served again
-        #: called (from the watch thread, no lock held) after the registration socket was
-        #: found gone and served again: the kubelet restarted (the daemon re-reads the topology)
-        self.on_kubelet_restart: Callable[[], None] | None = None
 
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
@@ -191,65 +195,60 @@ class DraPlugin:
             self._thread.join(self.poll_s + 2.0)
             self._thread = None
         with self._lock:
-            self._reg_server.stop(grace_s)
-            self._dra_server.stop(grace_s)
             self._registered = False
+        self._reg_server.stop(grace_s)
+        self._dra_server.stop(grace_s)
 
     def ready(self) -> bool:
         """Both sockets serve and the kubelet has confirmed our registration."""
         with self._lock:
-            return self._registered and self._dra_server.socket_present() and self._reg_server.socket_present()
+            registered = self._registered
+        return registered and self._dra_server.socket_present() and self._reg_server.socket_present()
 
     def set_topology(self, topology: Topology) -> None:
         """Prepare new claims from ``topology`` (the daemon read it again); sockets, the
         registration and the prepared claims stay as they are."""
         self.preparer.set_topology(topology)
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        return wait_until(self.ready, timeout_s)
-
     # ------------------------------------------------------------------ internals
     def _registration_status(self, registered: bool, error: str) -> None:
         with self._lock:
-            if registered:
-                self._registered = True
-                self.registrations += 1
-                self._last_refusal = None
-                log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
-                return
-            self._registered = False
-            self.refusals += 1
-            if error != self._last_refusal:
-                self._last_refusal = error
-                log.error(
-                    "kubelet refused DRA driver %s: %s (still serving; the kubelet retries when it"
-                    " restarts or the registration socket is re-created)", self.driver_name,
-                    shorten(error, 400) if error else "no reason given",
-                )
+            self._registered = registered
+            repeated = not registered and error == self._last_refusal
+            self._last_refusal = None if registered else error
+        if registered:
+            log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
+        elif not repeated:
+            log.error(
+                "kubelet refused DRA driver %s: %s (still serving; the kubelet retries when it"
+                " restarts or the registration socket is re-created)", self.driver_name,
+                shorten(error, 400) if error else "no reason given",
+            )
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                self.check_sockets()
+                self._check_sockets()
             except Exception:  # keep watching whatever happens; the next round retries
                 log.exception("DRA socket watch round failed")
 
-    def check_sockets(self) -> None:
-        """Serve again on any socket that vanished (one watch round)."""
+    def _check_sockets(self) -> None:
+        """Serve again on any socket that vanished (one watch round, on the watch thread:
+        the only one that starts and stops the servers once started)."""
         restarted = False
-        with self._lock:
+        for server in (self._dra_server, self._reg_server):
             if self._stop.is_set():
                 return
-            for server in (self._dra_server, self._reg_server):
-                if server.socket_present():
-                    continue
-                self.socket_losses += 1
-                log.warning("socket %s vanished: serving it again", server.path)
-                server.stop(0)
-                server.start()
-                if server is self._reg_server:
-                    self._registered = False  # the kubelet registers the new socket afresh
-                    restarted = True
-        callback = self.on_kubelet_restart
-        if restarted and callback is not None:
-            callback()
+            if server.socket_present():
+                continue
+            if server is self._reg_server:
+                # before serving again: the kubelet's registration of the new socket, which
+                # may come at once, must not be overwritten
+                with self._lock:
+                    self._registered = False
+                restarted = True
+            log.warning("socket %s vanished: serving it again", server.path)
+            server.stop(0)
+            server.start()
+        if restarted and self._on_kubelet_restart is not None:
+            self._on_kubelet_restart()

@@ -92,13 +92,11 @@ class SlicePublisher:
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self._last_reason: str | None = None
-        # what the thread learnt (read by tests and the daemon's log line)
+        # what the thread learnt (the thread's own state)
         self.api_version: str | None = None
         self.node_uid: str | None = None
         self._node_read = False
         self.generation = 0  # the pool generation last published
-        self.publish_count = 0  # successful writes of a new content
-        self.last_published_s: float | None = None  # time.monotonic() of the last publication
         if health is not None:
             self._unhealthy = frozenset(health.snapshot())
             health.add_listener(self._on_health_change)
@@ -136,9 +134,6 @@ class SlicePublisher:
         what was published is still there for the scheduler)."""
         return self._ready.is_set()
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        return self._ready.wait(timeout_s)
-
     def update(self, topology: Topology | None = None, unhealthy: Collection[int] | None = None) -> None:
         """Publish a new topology and/or set of unhealthy GPU indices (returns at once)."""
         with self._cond:
@@ -149,12 +144,12 @@ class SlicePublisher:
             self._dirty = True
             self._cond.notify_all()
 
-    def desired(self, api_version: str | None = None) -> list[dict[str, Any]]:
+    def _desired(self) -> list[dict[str, Any]]:
         """The slices as they would be published now, for generation :attr:`generation`."""
         with self._cond:
             topology, unhealthy = self._topology, self._unhealthy
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
-                             api_version=api_version or self.api_version or "v1",
+                             api_version=self.api_version or "v1",
                              generation=max(self.generation, 1), node_uid=self.node_uid,
                              unhealthy=unhealthy)
 
@@ -292,7 +287,7 @@ class SlicePublisher:
         existing = self._ours(api)
         seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
                                for o in existing.values()] + [self.generation])
-        want = self.desired()
+        want = self._desired()
         same = len(want) == len(existing) and all(
             w["metadata"]["name"] in existing and _same(w, existing[w["metadata"]["name"]]) for w in want)
         if same:
@@ -306,8 +301,6 @@ class SlicePublisher:
         for name in sorted(set(existing) - {w["metadata"]["name"] for w in want}):
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         self.generation = generation
-        self.publish_count += 1
-        self.last_published_s = time.monotonic()
         log.info("published %d ResourceSlice(s) of node %s, pool generation %d",
                  len(want), self.node_name, generation)
 

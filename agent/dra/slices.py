@@ -34,27 +34,39 @@ Attributes (``<driver>/`` omitted):
 ==========================  ========  =====================================================
 
 plus the standard ``resource.kubernetes.io/pcieRoot`` (the PCIe root complex,
-``pci0000:17``, when known), so a claim can align a GPU with a NIC of another driver.
-A MIG device carries its parent's topology attributes; its capacity ``memory`` is the slice's.
+``pci0000:17``, when known), so a claim can align a GPU with a NIC of another driver, and the
+standard ``resource.kubernetes.io/numaNode`` (KEP-6072, an int, left out where unknown). A
+MIG device carries its parent's topology attributes; its capacity ``memory`` is the slice's.
 
-**Device order.** The scheduler's allocator takes devices in slice order, so the order is
-the placement policy of a claim without constraints: devices are grouped by NUMA node (unknown
-last), then by NVLink island (lowest index first), and inside a group they follow a greedy
-walk where each next GPU is the one best linked (pair score) to the one before, ties broken by
-its links to the whole group so far, then by the lower index. MIG devices keep their parent's
-place, in MIG index order.
+**GPU sets** (``resource.k8s.io/v1`` only): the sets of :mod:`agent.dra.gpusets` as devices
+of their own, with partitionable devices (KEP-4815). One counter per GPU (``gpu-<index>``,
+value 1) in counter sets of at most 32 (``gpus-<n>`` holds GPUs 32n..32n+31), published in a
+slice of their own (``sharedCounters``, no devices); every full GPU consumes its own counter
+and every set device its members' counters, so allocating a set blocks its members and every
+overlapping set, and allocating a single blocks every set that contains it. MIG-enabled GPUs
+are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
+counter and a MIG device never competes with a set. Set device attributes:
 
-**Occupancy** (measured, not used by the agent). A fixed order makes the allocator's choice
-first fit over one permutation of the GPUs. ``device_order(topology, in_use)`` is the order an
-agent could re-publish after every NodePrepareResources / NodeUnprepareResources from the GPUs
-its prepared claims hold: NUMA nodes with the fewest free GPUs first, and in a NUMA node the
-NVLink islands with the fewest free GPUs first (ties: the order above), so that first fit
-approximates best fit. ``bench/quality_dra.py`` measures it through the scheduler's
-allocator (paths "occ"): it is worse than the static order on every built-in machine, as a
-claim larger than the fullest group's free GPUs then spills over two groups (a 4-GPU claim
-takes 3 GPUs of a used NUMA node and 1 of a whole free one). The running agent therefore
-publishes the static order. (Had it been used, the scheduler could also allocate the next
-claim before seeing the re-published slice: a worse choice, never a wrong one.)
+==========================  ========  =====================================================
+``type``                    string    ``gpuset``
+``gpuCount``                int       number of GPUs in the set
+``members``                 string    their indices, ``0-3`` / ``0,2,4,6`` (cpulist spelling;
+                                      left out above 64 characters)
+``rank``                    int       position among the sets of its size, 0 = best
+``nvlinkIsland``,           int       where every member shares one
+``nvlinkClique``,
+``numaNode``
+==========================  ========  =====================================================
+
+plus ``resource.kubernetes.io/numaNode`` and ``resource.kubernetes.io/pcieRoot`` where every
+member shares one, and capacity ``memory`` (the members' total, when every member's is known).
+
+**Slices.** Devices in publication order: the single GPUs (MIG devices in their parent's
+place) in :func:`agent.dra.gpusets.device_order`, then the sets by size, best first; at most
+128 devices a slice, 64 when they consume counters (the API's limit for slices using
+partitionable devices). Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
+so they sort in publication order (the allocator walks slices by name); the counter slice is
+number 0. ``v1beta1`` and ``v1beta2`` render single GPUs only (no counters, no sets).
 """
 
 from __future__ import annotations
@@ -67,21 +79,29 @@ from typing import Any, Collection, Iterable, Mapping
 import yaml
 
 from agent.dra.devices import device_name
-from agent.formats import BusIdError, nvml_to_sysfs_bus_id
+from agent.dra.gpusets import clique_ids, device_order, gpu_sets, island_ids, publishable
+from agent.formats import BusIdError, format_cpulist, nvml_to_sysfs_bus_id
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
-    "API_VERSIONS", "DEFAULT_DRIVER", "MAX_DEVICES_PER_SLICE", "PCIE_ROOT_ATTRIBUTE",
-    "Device", "clique_ids", "device_order", "dump_yaml", "island_ids", "render_devices",
+    "API_VERSIONS", "DEFAULT_DRIVER", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
+    "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "clique_ids",
+    "device_order", "dump_yaml", "island_ids", "render_devices", "render_set_devices",
     "render_slices", "semver",
 ]
 
 API_VERSIONS = ("v1", "v1beta2", "v1beta1")
+#: Versions the GPU sets (counters, partitionable devices) are rendered in.
+SETS_API_VERSIONS = ("v1",)
 DEFAULT_DRIVER = "gpu.gpu-agent.io"
 GROUP = "resource.k8s.io"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
-# API limits (k8s.io/api/resource/*/types.go)
+NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
+# API limits (k8s.io/api/resource/v1/types.go, v0.36)
 MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+MAX_DEVICES_WITH_COUNTERS = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures
+MAX_COUNTERS_PER_SET = 32  # ResourceSliceMaxCountersPerCounterSet
+MAX_COUNTER_SETS_PER_SLICE = 8  # ResourceSliceMaxCounterSets
 MAX_ATTRIBUTES_AND_CAPACITIES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
 MAX_ATTRIBUTE_STRING = 64  # DeviceAttributeMaxValueLength
 MAX_NAME = 253  # object names are DNS subdomains
@@ -103,67 +123,13 @@ def architecture(cc: tuple[int, int] | None) -> str | None:
 @dataclass(frozen=True)
 class Device:
     """One device of the slice, version-neutral: ``attributes`` maps a qualified name to one
-    typed value (``{"int": 3}``, ``{"string": ...}``, ``{"version": ...}``)."""
+    typed value (``{"int": 3}``, ``{"string": ...}``, ``{"version": ...}``); ``consumes``:
+    the GPU indices whose counters the device consumes (empty: none)."""
 
     name: str
     attributes: Mapping[str, Mapping[str, Any]]
     capacity: Mapping[str, str]  # name -> quantity
-
-
-# ----------------------------------------------------------------------- topology ids
-def island_ids(topology: Topology) -> dict[int, int]:
-    """GPU index -> NVLink island id (lowest GPU index of its island; alone: itself)."""
-    out = {g.index: g.index for g in topology.gpus}
-    for island in topology.nvlink_islands:
-        for i in island:
-            out[i] = min(island)
-    return out
-
-
-def clique_ids(topology: Topology) -> dict[int, int]:
-    """GPU index -> NVLink clique id (see the module docstring for the rule)."""
-    cliques = [tuple(sorted(c)) for c in topology.nvlink_cliques]
-    covered = {i for c in cliques for i in c}
-    cliques += [(g.index,) for g in topology.gpus if g.index not in covered]
-    cliques.sort()
-    out: dict[int, int] = {}
-    for g in topology.gpus:
-        mine = [(-len(c), pos) for pos, c in enumerate(cliques) if g.index in c]
-        out[g.index] = min(mine)[1]
-    return out
-
-
-def device_order(topology: Topology, in_use: Collection[int] = ()) -> list[int]:
-    """GPU indices in slice order (see the module docstring); ``in_use``: indices of the GPUs
-    held by prepared claims (groups with fewer free GPUs come first)."""
-    islands = island_ids(topology)
-    groups: dict[tuple[bool, int, int], list[int]] = {}
-    for g in topology.gpus:
-        key = (g.numa_node is None, g.numa_node if g.numa_node is not None else 0, islands[g.index])
-        groups.setdefault(key, []).append(g.index)
-    used = set(in_use)
-    free = {key: sum(1 for i in members if i not in used) for key, members in groups.items()}
-    numa_free: dict[tuple[bool, int], int] = {}
-    for key, n in free.items():
-        numa_free[key[:2]] = numa_free.get(key[:2], 0) + n
-
-    def rank(key: tuple[bool, int, int]) -> tuple[object, ...]:
-        if not used:
-            return key
-        return (key[0], numa_free[key[:2]], key[1], free[key], key[2])
-
-    order: list[int] = []
-    for key in sorted(groups, key=rank):
-        left = list(groups[key])
-        walk = [left.pop(0)]
-        while left:
-            last = walk[-1]
-            best = max(left, key=lambda i: (topology.pair_score(last, i),
-                                            sum(topology.pair_score(w, i) for w in walk), -i))
-            left.remove(best)
-            walk.append(best)
-        order.extend(walk)
-    return order
+    consumes: tuple[int, ...] = ()
 
 
 # ----------------------------------------------------------------------- values
@@ -213,9 +179,11 @@ def _int(value: int | None) -> dict[str, Any] | None:
 
 # ----------------------------------------------------------------------- devices
 def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
-                   unhealthy: Collection[int] = (), in_use: Collection[int] = ()) -> list[Device]:
-    """The node's devices in slice order (``in_use``: see :func:`device_order`); GPUs in
-    ``unhealthy`` (indices) and lost GPUs are left out (with all their MIG devices)."""
+                   unhealthy: Collection[int] = (), in_use: Collection[int] = (),
+                   counters: bool = False) -> list[Device]:
+    """The node's single devices (full GPUs, MIG devices) in slice order (``in_use``: see
+    :func:`device_order`); GPUs in ``unhealthy`` (indices) and lost GPUs are left out (with
+    all their MIG devices). ``counters``: every full GPU consumes its own counter."""
     islands = island_ids(topology)
     cliques = clique_ids(topology)
     bad = set(unhealthy)
@@ -231,8 +199,45 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
                                    mig.memory_mib))
         else:
             own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": _string(gpu.uuid)}
-            out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib))
+            out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib,
+                               (index,) if counters else ()))
     return out
+
+
+def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
+                       unhealthy: Collection[int] = ()) -> list[Device]:
+    """The GPU-set devices (:func:`agent.dra.gpusets.gpu_sets`) by size, best first; sets
+    with a MIG-enabled, lost or ``unhealthy`` member are left out."""
+    islands = island_ids(topology)
+    cliques = clique_ids(topology)
+    bad = set(unhealthy)
+    out: list[Device] = []
+    for sets in gpu_sets(topology).values():
+        for s in sets:
+            if not publishable(topology, s, bad):
+                continue
+            gpus = [topology.gpus[i] for i in s.members]
+            attributes = {
+                "type": {"string": "gpuset"},
+                "gpuCount": {"int": s.size},
+                "members": _string(format_cpulist(s.members)),
+                "rank": {"int": s.rank},
+                "nvlinkIsland": _int(_shared(islands[i] for i in s.members)),
+                "nvlinkClique": _int(_shared(cliques[i] for i in s.members)),
+                "numaNode": _int(_shared(g.numa_node for g in gpus)),
+                NUMA_NODE_ATTRIBUTE: _int(_shared(g.numa_node for g in gpus)),
+                PCIE_ROOT_ATTRIBUTE: _string(_shared(g.pcie_root for g in gpus)),
+            }
+            memory = [g.memory_mib for g in gpus]
+            total = sum(m for m in memory if m) if all(memory) else None
+            out.append(_device(driver, s.name, attributes, total, s.members))
+    return out
+
+
+def _shared(values: Iterable[Any]) -> Any:
+    """The one value every member has; None when they differ or one is unknown."""
+    seen = set(values)
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
@@ -249,6 +254,7 @@ def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> d
         "nvlinkIsland": {"int": island},
         "nvlinkClique": {"int": clique},
         PCIE_ROOT_ATTRIBUTE: _string(gpu.pcie_root),
+        NUMA_NODE_ATTRIBUTE: _int(gpu.numa_node),
     }
 
 
@@ -263,7 +269,8 @@ def _mig_attributes(gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
     }
 
 
-def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: int | None) -> Device:
+def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: int | None,
+            consumes: tuple[int, ...] = ()) -> Device:
     qualified = {
         (key if "/" in key else f"{driver}/{key}"): value
         for key, value in attributes.items()
@@ -272,18 +279,25 @@ def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: i
     capacity = {"memory": _quantity_mib(memory_mib)} if memory_mib else {}
     if len(qualified) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
         raise ValueError(f"device {name}: more than {MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities")
-    return Device(name, dict(sorted(qualified.items())), capacity)
+    return Device(name, dict(sorted(qualified.items())), capacity, consumes)
 
 
 # ----------------------------------------------------------------------- slices
-def slice_name(node_name: str, driver: str, number: int) -> str:
-    """``<node>-<driver>-<n>``, a DNS subdomain of at most 253 characters (a long name is
-    cut and made unique with a hash)."""
-    name = f"{node_name}-{driver}-{number}"
+def slice_name(node_name: str, driver: str, number: int, width: int = 3) -> str:
+    """``<node>-<driver>-<nnn>`` (zero-padded to ``width``, so names sort in number order),
+    a DNS subdomain of at most 253 characters (a long name is cut and made unique with a
+    hash)."""
+    name = f"{node_name}-{driver}-{number:0{width}d}"
     if len(name) <= MAX_NAME:
         return name
     digest = hashlib.sha256(f"{node_name}/{driver}".encode()).hexdigest()[:10]
-    return f"{node_name[: MAX_NAME - len(driver) - 16]}-{digest}-{driver}-{number}".replace("..", ".")
+    keep = MAX_NAME - len(driver) - 13 - width
+    return f"{node_name[:keep]}-{digest}-{driver}-{number:0{width}d}".replace("..", ".")
+
+
+def counter_set_name(gpu_index: int) -> str:
+    """The counter set holding GPU ``gpu_index``'s counter (32 counters a set)."""
+    return f"gpus-{gpu_index // MAX_COUNTERS_PER_SET}"
 
 
 def render_slices(
@@ -296,41 +310,61 @@ def render_slices(
     node_uid: str | None = None,
     unhealthy: Collection[int] = (),
     in_use: Collection[int] = (),
+    with_sets: bool = True,
 ) -> list[dict[str, Any]]:
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
-    after the node, at most 128 devices per slice, owned by the Node when its UID is known."""
+    after the node, owned by the Node when its UID is known. With ``with_sets`` (the default)
+    and an ``api_version`` of :data:`SETS_API_VERSIONS`, and at least one set to publish: a
+    counter slice, then the single GPUs and the sets consuming counters, 64 devices a slice;
+    otherwise the single GPUs only, 128 a slice (module docstring)."""
     if api_version not in API_VERSIONS:
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
-    devices = render_devices(topology, driver, unhealthy, in_use)
-    chunks = [devices[i : i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)]
-    chunks = chunks or [[]]  # an empty pool is published too: it says "no devices here now"
+    sets = render_set_devices(topology, driver, unhealthy) if with_sets and api_version in SETS_API_VERSIONS else []
+    devices = render_devices(topology, driver, unhealthy, in_use, counters=bool(sets)) + sets
+    per_slice = MAX_DEVICES_WITH_COUNTERS if sets else MAX_DEVICES_PER_SLICE
+    specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
+    specs += [{"devices": [_render_device(d, api_version) for d in devices[i : i + per_slice]]}
+              for i in range(0, len(devices), per_slice)]
+    if not devices:
+        specs.append({"devices": []})  # an empty pool is published too: "no devices here now"
+    width = max(3, len(str(len(specs) - 1)))
     out = []
-    for number, chunk in enumerate(chunks):
-        metadata: dict[str, Any] = {"name": slice_name(node_name, driver, number)}
+    for number, body in enumerate(specs):
+        metadata: dict[str, Any] = {"name": slice_name(node_name, driver, number, width)}
         if node_uid:
-            metadata["ownerReferences"] = [{
-                "apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid,
-                "controller": True,
-            }]
+            metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node_name,
+                                            "uid": node_uid, "controller": True}]
         out.append({
             "apiVersion": f"{GROUP}/{api_version}",
             "kind": "ResourceSlice",
             "metadata": metadata,
-            "spec": {
-                "driver": driver,
-                "nodeName": node_name,
-                "pool": {"name": node_name, "generation": generation,
-                         "resourceSliceCount": len(chunks)},
-                "devices": [_render_device(d, api_version) for d in chunk],
-            },
+            "spec": {"driver": driver, "nodeName": node_name,
+                     "pool": {"name": node_name, "generation": generation, "resourceSliceCount": len(specs)},
+                     **body},
         })
     return out
+
+
+def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
+    """One counter per GPU, value 1, in sets of 32 (at most 8 sets: 256 GPUs, four times
+    the most a node may have)."""
+    sets: dict[str, dict[str, Any]] = {}
+    for g in topology.gpus:
+        sets.setdefault(counter_set_name(g.index), {})[f"gpu-{g.index}"] = {"value": "1"}
+    if len(sets) > MAX_COUNTER_SETS_PER_SLICE:
+        raise ValueError(f"{topology.gpu_count} GPUs need more than {MAX_COUNTER_SETS_PER_SLICE} counter sets")
+    return [{"name": name, "counters": counters} for name, counters in sets.items()]
 
 
 def _render_device(device: Device, api_version: str) -> dict[str, Any]:
     body: dict[str, Any] = {"attributes": {k: dict(v) for k, v in device.attributes.items()}}
     if device.capacity:
         body["capacity"] = {k: {"value": v} for k, v in device.capacity.items()}
+    if device.consumes:
+        uses: dict[str, dict[str, Any]] = {}
+        for i in device.consumes:
+            uses.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
+        body["consumesCounters"] = [{"counterSet": name, "counters": c} for name, c in uses.items()]
     if api_version == "v1beta1":
         return {"name": device.name, "basic": body}
     return {"name": device.name, **body}

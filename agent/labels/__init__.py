@@ -3,7 +3,7 @@
 ``compute_labels(topology, config)`` returns GPU Feature Discovery's labels (same keys, same
 value formats, so existing ``nodeSelector``/``nodeAffinity`` terms keep working) plus our
 topology labels under ``topology.gpu-agent.io/``. Every key and value is a valid Kubernetes
-label (checked by :func:`is_valid_label_key` / :func:`is_valid_label_value`).
+label (values are checked by :func:`is_valid_label_value`; the keys are constants).
 
 GFD-compatible labels (``nvidia.com/``):
 
@@ -65,8 +65,6 @@ TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
 TIMESTAMP_LABEL = GFD_PREFIX + "gfd.timestamp"
 
 _VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _PRODUCT_DROP_RE = re.compile(r"[^A-Za-z0-9\-_. ]")
 _MIG_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
 #: Model-name fragments of GPUs that support MIG: the fallback for a GPU whose record does
@@ -81,15 +79,6 @@ _GRAPHICS_RE = re.compile(r"GeForce|Quadro|TITAN|\bRTX\b(?! PRO \d+ Blackwell Se
 def is_valid_label_value(value: str) -> bool:
     """Kubernetes label value: <= 63 characters, alphanumeric at both ends, ``-_.`` inside."""
     return len(value) <= 63 and bool(_VALUE_RE.match(value))
-
-
-def is_valid_label_key(key: str) -> bool:
-    """Kubernetes label key: optional DNS-subdomain prefix (<= 253) + ``/`` + name (<= 63)."""
-    prefix, _, name = key.rpartition("/")
-    if prefix:
-        if len(prefix) > 253 or not all(_DNS_LABEL_RE.match(p) for p in prefix.split(".")):
-            return False
-    return len(name) <= 63 and bool(_NAME_RE.match(name))
 
 
 def sanitize_value(text: str) -> str:

@@ -49,7 +49,6 @@ class Attribution:
     containers: Mapping[ContainerRef, tuple[int, ...]] = field(default_factory=dict)
     by_gpu: Mapping[int, tuple[ContainerRef, ...]] = field(default_factory=dict)
     first_seen: Mapping[tuple[ContainerRef, int], float] = field(default_factory=dict)
-    fetched_at: float = 0.0
 
 
 EMPTY_ATTRIBUTION = Attribution()
@@ -127,12 +126,11 @@ class PodResourcesCache(Worker):
         self.on_error = on_error
         self.on_refresh = on_refresh
         self.current: Attribution = EMPTY_ATTRIBUTION
-        self.list_calls = 0
-        # Lock order: ``_refresh`` is a leaf guarding only ``_refreshing`` and
-        # ``list_calls``; it is never held across the ``List`` call or a hook. One refresh
-        # runs at a time (a second caller waits on the condition), and the refresh in
-        # flight owns ``_logged_failure`` and publishes ``current`` by a single assignment,
-        # which scrapes read without any lock.
+        # Lock order: ``_refresh`` is a leaf guarding only ``_refreshing``; it is never
+        # held across the ``List`` call or a hook. One refresh runs at a time (a second
+        # caller waits on the condition), and the refresh in flight owns ``_logged_failure``
+        # and publishes ``current`` by a single assignment, which scrapes read without any
+        # lock.
         self._refresh = threading.Condition(threading.Lock())
         self._refreshing = False
         self._logged_failure = False
@@ -145,7 +143,6 @@ class PodResourcesCache(Worker):
         with self._refresh:
             self._refresh.wait_for(lambda: not self._refreshing)
             self._refreshing = True
-            self.list_calls += 1
         try:
             response = self._list()
             if response is None:
@@ -188,7 +185,6 @@ class PodResourcesCache(Worker):
             containers=MappingProxyType(containers),
             by_gpu=MappingProxyType({i: tuple(v) for i, v in sorted(by_gpu.items())}),
             first_seen=MappingProxyType(first_seen),
-            fetched_at=now,
         )
         if self.on_refresh is not None:
             # before publishing: whatever it prepares (placement scores) is ready when

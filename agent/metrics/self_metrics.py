@@ -1,20 +1,23 @@
 """The agent's own health metrics (``gpu_agent_*``), registered on the service's registry.
 
-Other components report through :class:`AgentMetrics` (the device plugin: preferred
-allocation latency, registrations, kubelet restarts, device health; the health watcher:
-XIDs through ``MetricsService.record_xid``). NVML errors are read from
-``backend.error_counts`` at scrape time (a dict read, no NVML call).
+Built first (before the topology is read) and handed to each component's constructor: the
+device plugin reports preferred-allocation latency, registrations and kubelet restarts (its
+``DevicePluginEvents``, which :class:`AgentMetrics` implements), the label publisher its
+failed writes, the metrics service its sampling rounds and pod-resources errors.
+
+State that lives elsewhere is read at scrape time, never mirrored: NVML errors from
+``backend.error_counts`` (a dict read, no NVML call) and the health of every device the
+kubelet is being offered (:class:`DeviceHealthCollector`), so a device that is no longer
+offered simply has no series.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from agent.hooks import DevicePluginHooks
 
 #: GetPreferredAllocation answers from memory: buckets from 50 us to 1 s (the anchor's
 #: 16-30 s calls would land in +Inf).
@@ -30,9 +33,9 @@ class ErrorCounting(Protocol):
     def error_counts(self) -> dict[str, int]: ...
 
 
-class AgentMetrics(DevicePluginHooks):
-    """Self-metrics; every method is thread-safe and cheap (no I/O). Subclassing the hooks
-    protocol makes mypy check that every hook is here with its signature."""
+class AgentMetrics:
+    """Self-metrics on ``registry``; every method is thread-safe and cheap (no I/O), so
+    serving threads call them directly."""
 
     def __init__(self, registry: CollectorRegistry, backend: ErrorCounting | None = None) -> None:
         self.registry = registry
@@ -49,11 +52,6 @@ class AgentMetrics(DevicePluginHooks):
             "gpu_agent_kubelet_restarts", "Kubelet restarts seen (its socket re-created).",
             registry=registry,
         )
-        self._device_health = Gauge(
-            "gpu_agent_device_healthy",
-            "1 if the device is advertised healthy to the kubelet, 0 if unhealthy.",
-            ["resource", "device"], registry=registry,
-        )
         self.sampler_duration = Gauge(
             "gpu_agent_sampler_duration_seconds",
             "Duration of the last NVML sampling round.", registry=registry,
@@ -69,7 +67,6 @@ class AgentMetrics(DevicePluginHooks):
             "gpu_agent_label_write_errors",
             "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
         )
-        self._backend = backend
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
@@ -82,13 +79,10 @@ class AgentMetrics(DevicePluginHooks):
     def kubelet_restart(self) -> None:
         self._kubelet_restarts.inc()
 
-    def set_device_health(self, resource: str, device_id: str, healthy: bool) -> None:
-        self._device_health.labels(resource=resource, device=device_id).set(1.0 if healthy else 0.0)
-
-    @property
-    def nvml_errors(self) -> dict[str, int]:
-        """NVML errors by function, as counted by the backend."""
-        return dict(self._backend.error_counts) if self._backend is not None else {}
+    def watch_devices(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        """Export ``gpu_agent_device_healthy`` from ``devices()``, read at every scrape:
+        (resource, device ID, healthy) for each device the kubelet is being offered."""
+        self.registry.register(DeviceHealthCollector(devices))
 
 
 class NvmlErrorCollector(Collector):
@@ -106,4 +100,25 @@ class NvmlErrorCollector(Collector):
         )
         for function, count in sorted(dict(self._counts() or {}).items()):
             family.add_metric([function], float(count))
+        yield family
+
+
+class DeviceHealthCollector(Collector):
+    """``gpu_agent_device_healthy{resource,device}`` from ``devices()`` at collect time:
+    (resource, device ID, healthy) for each device offered to the kubelet now."""
+
+    def __init__(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        self._devices = devices
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("gpu_agent_device_healthy", "", labels=["resource", "device"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gpu_agent_device_healthy",
+            "1 if the device is advertised healthy to the kubelet, 0 if unhealthy.",
+            labels=["resource", "device"],
+        )
+        for resource, device_id, healthy in self._devices():
+            family.add_metric([resource, device_id], 1.0 if healthy else 0.0)
         yield family

@@ -1,0 +1,88 @@
+"""The DRA mode's servers as the daemon runs them: the kubelet plugin and the ResourceSlice
+publisher behind the same four calls as the device-plugin mode's manager (start, ready,
+set_topology, stop), so the daemon runs "the servers" without knowing which.
+
+No device-plugin socket is served in this mode: a GPU is never handed out by both. The
+publisher follows health through its own subscription. The device order is the static one:
+an occupancy-following order (re-published after each prepare/unprepare) was measured worse,
+see ``bench/quality_dra.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from agent.config import Config
+from agent.dra.claims import KubernetesClaimReader
+from agent.dra.plugin import DraPlugin
+from agent.dra.publisher import SlicePublisher
+from agent.health import HealthState
+from agent.kube import api_client
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+#: Seconds the publisher may take to stop (one last delete of the slices when configured).
+PUBLISHER_STOP_S = 3.0
+
+
+class DraServers:
+    """``plugin`` and ``publisher`` (not yet started), served from ``config``."""
+
+    def __init__(self, plugin: DraPlugin, publisher: SlicePublisher, config: Config) -> None:
+        self.plugin = plugin
+        self.publisher = publisher
+        self._settings = _dra_settings(config)
+
+    @classmethod
+    def from_config(
+        cls,
+        topology: Topology,
+        config: Config,
+        health: HealthState,
+        on_kubelet_restart: Callable[[], None],
+    ) -> DraServers:
+        """The real ones: ResourceClaims read and slices published with the client
+        :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
+        configuration); ConfigError when neither can be loaded."""
+        plugin = DraPlugin(
+            config, topology, health, KubernetesClaimReader(api_client(config)),
+            on_kubelet_restart=on_kubelet_restart,
+        )
+        publisher = SlicePublisher(
+            lambda: api_client(config, retries=False), config.node_name, topology, config.driver_name,
+            health=health, delete_on_stop=config.delete_slices_on_shutdown,
+        )
+        return cls(plugin, publisher, config)
+
+    def start(self) -> None:
+        """Serve the kubelet plugin (AgentError when a socket cannot be bound), then start
+        publishing (in the background)."""
+        self.plugin.start()
+        self.publisher.start()
+
+    def ready(self) -> bool:
+        """The kubelet registered the plugin and the scheduler can see our devices."""
+        return self.plugin.ready() and self.publisher.ready()
+
+    def set_topology(self, topology: Topology, config: Config) -> None:
+        """Prepare new claims from ``topology`` and publish it; the sockets, the registration
+        and the prepared claims stay. The DRA settings apply at start only."""
+        if _dra_settings(config) != self._settings:
+            log.warning("DRA settings apply at start: restart the agent to change them")
+        self.plugin.set_topology(topology)
+        self.publisher.update(topology=topology)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop the plugin (sockets removed, claims kept checkpointed), then the publisher
+        (slices kept unless ``deleteSlicesOnShutdown``), even if the first fails."""
+        try:
+            self.plugin.stop(grace_s)
+        finally:
+            self.publisher.stop(PUBLISHER_STOP_S)
+
+
+def _dra_settings(config: Config) -> tuple[object, ...]:
+    return (config.driver_name, config.plugins_registry_dir, config.plugins_dir, config.cdi_dir,
+            config.kubeconfig, config.node_name, config.delete_slices_on_shutdown)

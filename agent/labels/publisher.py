@@ -1,0 +1,87 @@
+"""Keeps the node's labels published: written at start and after every re-read of the
+topology, re-asserted every ``config.label_interval_s`` (a file deleted or edited behind the
+agent's back, or a removed features directory, comes back), withdrawn on a clean stop.
+
+A failed write is logged every time, counted (``count_error``: the agent's
+``gpu_agent_label_write_errors_total``) and makes :meth:`LabelPublisher.ready` False until a
+write succeeds. Called from the daemon's main thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from agent.config import Config
+from agent.labels import TIMESTAMP_LABEL, compute_labels
+from agent.labels.sinks import LabelSink
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+
+class LabelPublisher:
+    """Publishes ``compute_labels(topology, config)`` to ``sink``.
+
+    ``count_error`` is called once per failed write. ``clock`` (monotonic seconds) times the
+    re-assertion; ``wall_clock`` stamps GFD's timestamp label.
+    """
+
+    def __init__(
+        self,
+        sink: LabelSink,
+        *,
+        count_error: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.sink = sink
+        self._count_error = count_error
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._served: tuple[Topology, Config] | None = None
+        self._failing = False
+        self._logged: dict[str, str] = {}  # the labels last reported in the log
+        #: when the next re-assertion is due (``clock`` seconds); infinite before the first write
+        self.due_s = float("inf")
+
+    def publish(self, topology: Topology, config: Config) -> None:
+        """Write the labels of (topology, config) now, and re-assert them from now on."""
+        self._served = (topology, config)
+        self.due_s = self._clock() + config.label_interval_s
+        labels = compute_labels(topology, config, self._wall_clock())
+        try:
+            changed = self.sink.write(labels)
+        except OSError as exc:
+            self._failing = True
+            self._count_error()
+            log.error(
+                "cannot write labels to %s: %s (not ready; retrying in %g s)",
+                config.features_dir, exc.strerror or exc, config.label_interval_s,
+            )
+            return
+        if changed:
+            # GFD's timestamp moves with every write: say so only when a label changed
+            facts = {k: v for k, v in labels.items() if k != TIMESTAMP_LABEL}
+            if facts != self._logged:
+                log.info("labels written to %s", config.features_dir)
+                self._logged = facts
+        if self._failing:
+            log.warning("labels written to %s again", config.features_dir)
+        self._failing = False
+
+    def maintain(self) -> None:
+        """Re-assert the labels last published once ``label_interval_s`` has passed."""
+        if self._served is not None and self._clock() >= self.due_s:
+            self.publish(*self._served)
+
+    def ready(self) -> bool:
+        """False while the last write failed."""
+        return not self._failing
+
+    def withdraw(self) -> None:
+        """A clean stop withdraws the labels (NFD drops them from the node); nothing if none
+        were published."""
+        if self._served is not None:
+            self.sink.remove()

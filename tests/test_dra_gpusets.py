@@ -1,0 +1,293 @@
+"""GPU sets as partitionable devices (agent.dra.gpusets, agent.dra.slices): the rendered v1
+slices pass the API server's rules, and the scheduler's allocator (tests/dra_allocator_model.py)
+gives a set claim the device plugin's choice and keeps overlapping claims apart."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from dra_allocator_model import AllocatorModel, gather_pools
+from dra_api_validation import default_claim, validate_claim, validate_slice
+
+from agent.cli import main
+from agent.discovery import load_topology
+from agent.dra.gpusets import gpu_sets, set_sizes
+from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, render_slices
+from agent.hw.sim.machines import BUILTIN_MACHINES
+from agent.topology.allocator import AllocationEngine
+from agent.topology.synthetic import synthetic_islands_topology
+
+D = "gpu.gpu-agent.io"
+NODE = "node-1"
+CLASSES_FILE = Path(__file__).resolve().parents[1] / "daemonset" / "dra" / "deviceclass.yaml"
+GPU_CLASS = next(c for c in yaml.safe_load_all(CLASSES_FILE.read_text()) if c["metadata"]["name"] == D)
+SET_EXPR = f'device.driver == "{D}" && device.attributes["{D}"].type == "gpuset"'
+SET_CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": f"gpuset.{D}"},
+             "spec": {"selectors": [{"cel": {"expression": SET_EXPR}}]}}
+
+
+def count_expr(k):
+    return f'device.attributes["{D}"].gpuCount == {k}'
+
+
+CEL = {GPU_CLASS["spec"]["selectors"][0]["cel"]["expression"]:
+       lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
+       SET_EXPR: lambda d: d.driver == D and d.attributes[D]["type"] == "gpuset",
+       **{count_expr(k): (lambda d, k=k: d.attributes[D]["gpuCount"] == k) for k in range(2, 65)}}
+
+MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
+                      and not any(g.mig_enabled for g in load_topology(m).gpus)]
+
+
+def set_request(k, name="gpus"):
+    return {"name": name, "exactly": {"deviceClassName": f"gpuset.{D}", "count": 1,
+                                      "selectors": [{"cel": {"expression": count_expr(k)}}]}}
+
+
+def singles_request(k, name="gpus"):
+    return {"name": name, "exactly": {"deviceClassName": D, "count": k}}
+
+
+def prioritized(k, name="gpus"):
+    return {"name": name, "firstAvailable": [
+        {"name": "set", "deviceClassName": f"gpuset.{D}", "selectors": [{"cel": {"expression": count_expr(k)}}]},
+        {"name": "singles", "deviceClassName": D, "count": k}]}
+
+
+def claim(name, *requests):
+    obj = default_claim({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                         "metadata": {"name": name, "namespace": "default"},
+                         "spec": {"devices": {"requests": list(requests)}}})
+    assert validate_claim(obj) == []
+    return obj
+
+
+class Node:
+    """A node's v1 slices and the scheduler's allocator over them, with claims kept allocated."""
+
+    def __init__(self, topology, slices=None):
+        self.topology = topology
+        self.slices = slices if slices is not None else render_slices(topology, node_name=NODE)
+        self.devices = {d["name"]: d for s in self.slices for d in s["spec"].get("devices", [])}
+        self.allocated: list[tuple[str, str, str]] = []
+
+    def allocate(self, *claims):
+        model = AllocatorModel(self.slices, [GPU_CLASS, SET_CLASS], CEL, self.allocated)
+        got = model.allocate(list(claims), NODE)
+        if got is not None:
+            self.allocated += [dev for result in got for _, dev in result]
+        return got
+
+    def gpus(self, result):
+        """The GPU indices a claim's result holds (a set's members, a single's index)."""
+        out = []
+        for _, (_, _, name) in result:
+            attrs = self.devices[name]["attributes"]
+            if attrs[f"{D}/type"]["string"] == "gpuset":
+                out += [g for g in range(self.topology.gpu_count) if f"gpu-{g}" in self._members(name)]
+            else:
+                out.append(attrs[f"{D}/index"]["int"])
+        return sorted(out)
+
+    def _members(self, name):
+        uses = self.devices[name]["consumesCounters"]
+        return {c for u in uses for c in u["counters"]}
+
+
+def topologies():
+    out = [(m, load_topology(m)) for m in BUILTIN_MACHINES]
+    out += [(f"synthetic-{8 * i}", synthetic_islands_topology(i, 8)) for i in (2, 4, 8)]
+    return out
+
+
+@pytest.mark.parametrize("name,topology", topologies(), ids=[n for n, _ in topologies()])
+def test_every_rendered_slice_passes_the_api_rules_and_forms_one_valid_pool(name, topology):
+    for unhealthy in ((), (1,)):
+        objs = render_slices(topology, node_name=NODE, unhealthy=unhealthy)
+        for obj in objs:
+            assert validate_slice(obj) == [], (name, obj["metadata"]["name"])
+            devices = obj["spec"].get("devices", [])
+            if any("consumesCounters" in d for d in devices):
+                assert len(devices) <= MAX_DEVICES_WITH_COUNTERS
+        names = [o["metadata"]["name"] for o in objs]
+        assert names == sorted(names) and len(set(names)) == len(names)
+        assert {o["spec"]["pool"]["resourceSliceCount"] for o in objs} == {len(objs)}
+        (pool,) = gather_pools(objs, NODE)
+        assert not pool.invalid and not pool.incomplete
+        # publication order: singles first, then sets by size, best first
+        order = [d.view.attributes[D] for d in pool.devices]
+        sets = [(a["gpuCount"], a["rank"]) for a in order if a["type"] == "gpuset"]
+        assert sets == sorted(sets)
+        assert all(a["type"] != "gpuset" for a in order[: len(order) - len(sets)])
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_a_set_claim_gets_the_device_plugins_choice_on_an_empty_node(machine):
+    topology = load_topology(machine)
+    engine = AllocationEngine(topology)
+    for k in set_sizes(topology):
+        node = Node(topology)
+        (result,) = node.allocate(claim("c", set_request(k)))
+        assert node.gpus(result) == engine.best_set(list(range(topology.gpu_count)), [], k), (machine, k)
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_a_second_claim_cannot_get_any_gpu_of_an_allocated_set(machine):
+    topology = load_topology(machine)
+    for k in set_sizes(topology):
+        node = Node(topology)
+        (first,) = node.allocate(claim("a", set_request(k)))
+        held = set(node.gpus(first))
+        rest = topology.gpu_count - k
+        while True:  # sets of every size, then singles, until nothing is left
+            got = next((r for size in [*set_sizes(topology), 1] for r in
+                        [node.allocate(claim("b", set_request(size) if size > 1 else singles_request(1)))]
+                        if r is not None), None)
+            if got is None:
+                break
+            gpus = set(node.gpus(got[0]))
+            assert not gpus & held, (machine, k, sorted(held), sorted(gpus))
+            held |= gpus
+            rest -= len(gpus)
+        assert rest == 0
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_a_single_allocated_first_changes_which_set_comes_next(machine):
+    topology = load_topology(machine)
+    node = Node(topology)
+    empty_best = {k: node.gpus(Node(topology).allocate(claim("c", set_request(k)))[0]) for k in set_sizes(topology)}
+    (single,) = node.allocate(claim("s", singles_request(1)))
+    (gpu,) = node.gpus(single)
+    for k in set_sizes(topology):
+        if k == topology.gpu_count:
+            assert node.allocate(claim("c", set_request(k))) is None  # the whole node is not free
+            continue
+        (got,) = _with(node, claim("c", set_request(k)))
+        members = node.gpus(got)
+        assert gpu not in members
+        published = [s.members for s in gpu_sets(topology)[k]]
+        assert tuple(members) == next(s for s in published if gpu not in s)
+        if gpu in empty_best[k]:
+            assert members != empty_best[k]
+
+
+def _with(node, c):
+    """Allocate ``c`` over ``node`` without keeping it."""
+    kept = list(node.allocated)
+    try:
+        return node.allocate(c)
+    finally:
+        node.allocated = kept
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_a_prioritized_list_falls_back_to_singles_when_no_set_is_free(machine):
+    topology = load_topology(machine)
+    for k in set_sizes(topology):
+        node = Node(topology)
+        (got,) = _with(node, claim("c", prioritized(k)))
+        assert [req for req, _ in got] == ["gpus/set"]
+        # one single out of every set of size k (those sets stay busy), k GPUs still free
+        busy: set[int] = set()
+        for s in gpu_sets(topology)[k]:
+            if not busy & set(s.members):
+                busy.add(s.members[-1])
+        if topology.gpu_count - len(busy) < k:
+            continue
+        node.allocated += [(D, NODE, f"gpu-{g}") for g in busy]
+        (got,) = node.allocate(claim("c", prioritized(k)))
+        assert [req for req, _ in got] == ["gpus/singles"] * k
+        assert not set(node.gpus(got)) & busy
+
+
+def tainted(slices, names, effect="NoSchedule"):
+    """``slices`` with a taint on the devices ``names``."""
+    out = copy.deepcopy(slices)
+    for s in out:
+        for d in s["spec"].get("devices", []):
+            if d["name"] in names:
+                d["taints"] = [{"key": f"{D}/xid", "value": "79", "effect": effect}]
+    return out
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_a_tainted_set_is_never_allocated(machine):
+    topology = load_topology(machine)
+    for k in set_sizes(topology):
+        names = [s.name for s in gpu_sets(topology)[k]]
+        for effect in ("NoSchedule", "NoExecute"):
+            node = Node(topology, tainted(render_slices(topology, node_name=NODE), {names[0]}, effect))
+            for _ in range(len(names)):
+                got = node.allocate(claim("c", set_request(k)))
+                if got is None:
+                    break
+                assert got[0][0][1][2] != names[0]
+            everything = Node(topology, tainted(render_slices(topology, node_name=NODE), set(names), effect))
+            assert everything.allocate(claim("c", set_request(k))) is None
+
+
+def test_sets_are_left_out_of_older_api_versions_and_the_slices_command_says_so(capsys):
+    for version in ("v1beta2", "v1beta1"):
+        assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--api-version", version]) == 0
+        out = capsys.readouterr()
+        docs = list(yaml.safe_load_all(out.out))
+        assert docs == render_slices(load_topology("dgx-h100"), node_name=NODE, api_version=version)
+        assert "gpuset" not in out.out and "sharedCounters" not in out.out
+        assert f"resource.k8s.io/{version} has no partitionable devices" in out.err
+
+
+def test_the_slices_command_renders_exactly_what_is_published_in_v1(capsys):
+    assert main(["slices", "--simulate", "dgx2", "--node-name", NODE, "--api-version", "v1"]) == 0
+    out = capsys.readouterr()
+    docs = list(yaml.safe_load_all(out.out))
+    assert docs == render_slices(load_topology("dgx2"), node_name=NODE, api_version="v1")
+    assert "sharedCounters" in docs[0]["spec"] and out.err == ""
+
+
+@pytest.mark.parametrize("machine,sizes,counts", [
+    ("dgx1-v100", [2, 4, 8], [28, 70, 1]),  # 8 GPUs: every set of every size
+    ("dgx-h100", [2, 4, 8], [28, 70, 1]),
+    ("pcie-4gpu", [2, 4], [6, 1]),
+    ("dgx2", [2, 4, 8, 16], [120, 140, 2, 1]),  # pairs: all; quads: inside a NUMA node; halves
+])
+def test_sizes_and_how_many_sets_each_machine_publishes(machine, sizes, counts):
+    sets = gpu_sets(load_topology(machine))
+    assert list(sets) == sizes == set_sizes(load_topology(machine))
+    assert [len(v) for v in sets.values()] == counts
+
+
+def test_large_synthetic_nodes_stay_publishable():
+    for islands, sets_published in ((2, 263), (4, 526), (8, 804)):
+        topology = synthetic_islands_topology(islands, 8)
+        assert sum(len(v) for v in gpu_sets(topology).values()) == sets_published
+        # 16-GPU sets are unions of two whole NVLink islands, never a straddling mix
+        island_of = {g: g // 8 for g in range(topology.gpu_count)}
+        for s in gpu_sets(topology).get(16, []):
+            assert len({island_of[g] for g in s.members}) == 2
+
+
+def test_ranks_are_best_first_by_the_device_plugins_criteria():
+    topology = load_topology("pcie-pairs")  # NVLink pairs {0,1} {2,3} on NUMA 0, {4,5} {6,7} on 1
+    engine = AllocationEngine(topology)
+    for k, sets in gpu_sets(topology).items():
+        keys = []
+        for s in sets:
+            c = engine.explain(list(range(8)), list(s.members), k, runners_up=0).chosen
+            keys.append((-c.anchor_score, -c.score, c.numa_nodes, c.cut))
+        assert keys[1:] == sorted(keys[1:]) and keys[0] == min(keys)  # rank 0: the device plugin's choice
+    assert [s.members for s in gpu_sets(topology)[2][:4]] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def test_set_names_stay_with_their_gpus_while_a_member_is_unhealthy():
+    topology = load_topology("dgx-h100")
+    names = {d["name"]: d["consumesCounters"] for s in render_slices(topology, node_name=NODE)
+             for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
+    sick = {d["name"]: d["consumesCounters"] for s in render_slices(topology, node_name=NODE, unhealthy={2})
+            for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
+    assert sick and set(sick) < set(names)
+    assert all(names[n] == sick[n] and "gpu-2" not in sick[n][0]["counters"] for n in sick)
+    assert len(names) - len(sick) == 7 + 35 + 1  # every set holding GPU 2 left out
