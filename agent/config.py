@@ -68,6 +68,12 @@ class Config:
     web_config_file: str = ""  # exporter-toolkit web config (TLS, basic auth); "" = plain HTTP
     node_name: str = ""
     sysfs_root: str = "/sys"
+    #: where the host's /proc is: the cgroup of each GPU process (NVML's host PIDs) names
+    #: its container (the host PID namespace, or the host's /proc mounted elsewhere)
+    proc_root: str = "/proc"
+    #: the container runtime's CRI socket (read-only ListContainers: container -> pod);
+    #: containerd's default; CRI-O's is /var/run/crio/crio.sock
+    cri_socket: str = "/run/containerd/containerd.sock"
     #: plugin socket file name in kubelet_dir; {resource} is the resource name after the
     #: domain (NVIDIA's plugin uses the same default: change it to run both on one node)
     socket_name: str = "nvidia-{resource}.sock"
@@ -152,12 +158,14 @@ ENV_FIELDS: Mapping[str, str] = {
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
+    "PROC_ROOT": "proc_root",
+    "CRI_SOCKET": "cri_socket",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
-               "config_file", "web_config_file", "mps_root")
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:

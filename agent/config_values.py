@@ -171,6 +171,8 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "delete_slices_on_shutdown": expect_bool,
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
+    # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
+    "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
 }
 
 

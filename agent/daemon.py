@@ -22,6 +22,7 @@ backstop; a second SIGTERM/SIGINT exits at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -145,6 +146,8 @@ class Daemon:
         sink = FeatureFileSink(config.features_dir, config.feature_file)
 
         def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
+            if sim is not None:  # the simulated machine's /proc holds its GPU processes
+                cfg = dataclasses.replace(cfg, proc_root=sim.proc_root)
             return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready, agent_metrics=agent_metrics)
 
         return cls(

@@ -270,3 +270,13 @@ def test_a_megabyte_environment_or_flag_value_is_shortened_in_its_error():
             load_config(None, env, flags)
         message = str(info.value)
         assert where in message and "chars)" in message and len(message) < 500, message[:300]
+def test_proc_root_and_cri_socket_come_from_flags_or_env_and_take_the_kubelets_spelling():
+    from agent.cli import build_parser
+
+    assert Config().proc_root == "/proc" and Config().cri_socket == "/run/containerd/containerd.sock"
+    env = {"PROC_ROOT": "/host/proc", "CRI_SOCKET": "unix:///var/run/crio/crio.sock"}
+    c = load_config(None, env, {})
+    assert (c.proc_root, c.cri_socket) == ("/host/proc", "/var/run/crio/crio.sock")
+    args = build_parser().parse_args(["run", "--proc-root", "/hp", "--cri-socket", "/run/k3s/c.sock"])
+    c = load_config(None, env, {"proc_root": args.proc_root, "cri_socket": args.cri_socket})
+    assert (c.proc_root, c.cri_socket) == ("/hp", "/run/k3s/c.sock")

@@ -307,6 +307,7 @@ def test_every_hostpath_the_agent_needs_is_mounted_where_its_defaults_look(rende
         posixpath.dirname(defaults.pod_resources_socket): "read-only",  # connect only
         defaults.features_dir: "writable",  # the NFD feature file is written here
         defaults.sysfs_root: "read-only",
+        posixpath.dirname(defaults.cri_socket): "read-only",  # connect only: ListContainers
     }
     mounts = _mounts_by_path(rendered)
     for path, access in needed.items():
@@ -328,8 +329,16 @@ def test_container_is_unprivileged_with_every_capability_dropped(rendered: Rende
     assert not security["capabilities"].get("add")
     assert security["readOnlyRootFilesystem"] is True
     pod = rendered.pod
-    assert not (pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"))
+    assert not (pod.get("hostNetwork") or pod.get("hostIPC"))
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+
+
+def test_pod_shares_the_host_pid_namespace_where_the_default_proc_root_is_the_hosts(
+        rendered: Rendered) -> None:
+    # NVML reports GPU processes by host PID; their cgroups name their pods (per-pod metrics)
+    assert rendered.pod.get("hostPID") is True
+    assert Config().proc_root == "/proc"
+    assert "/proc" not in _mounts_by_path(rendered)
 
 
 def test_only_tmp_and_the_agents_output_directories_are_writable(rendered: Rendered) -> None:

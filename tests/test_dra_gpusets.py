@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from allocation_support import best_set, explain, synthetic_islands_topology
 from dra_allocator_model import AllocatorModel, gather_pools
 from dra_api_validation import default_claim, validate_claim, validate_slice
 
@@ -18,7 +19,6 @@ from agent.dra.gpusets import gpu_sets, set_sizes
 from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, render_slices
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
-from agent.topology.synthetic import synthetic_islands_topology
 
 D = "gpu.gpu-agent.io"
 NODE = "node-1"
@@ -131,7 +131,7 @@ def test_a_set_claim_gets_the_device_plugins_choice_on_an_empty_node(machine):
     for k in set_sizes(topology):
         node = Node(topology)
         (result,) = node.allocate(claim("c", set_request(k)))
-        assert node.gpus(result) == engine.best_set(list(range(topology.gpu_count)), [], k), (machine, k)
+        assert node.gpus(result) == best_set(engine, list(range(topology.gpu_count)), [], k), (machine, k)
 
 
 @pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
@@ -276,7 +276,7 @@ def test_ranks_are_best_first_by_the_device_plugins_criteria():
     for k, sets in gpu_sets(topology).items():
         keys = []
         for s in sets:
-            c = engine.explain(list(range(8)), list(s.members), k, runners_up=0).chosen
+            c = explain(engine, list(range(8)), list(s.members), k, runners_up=0).chosen
             keys.append((-c.anchor_score, -c.score, c.numa_nodes, c.cut))
         assert keys[1:] == sorted(keys[1:]) and keys[0] == min(keys)  # rank 0: the device plugin's choice
     assert [s.members for s in gpu_sets(topology)[2][:4]] == [(0, 1), (2, 3), (4, 5), (6, 7)]

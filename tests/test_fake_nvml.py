@@ -88,6 +88,8 @@ def test_the_fake_implements_what_the_backend_and_metrics_call():
         "nvmlDeviceGetTotalEccErrors",
         "nvmlDeviceGetPcieThroughput",
         "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetMPSComputeRunningProcesses",
+        "nvmlDeviceGetProcessUtilization",
         "nvmlGpmQueryDeviceSupport",
         "nvmlGpmSampleAlloc",
         "nvmlGpmSampleGet",

@@ -513,8 +513,10 @@ def test_every_metric_our_dashboard_uses_is_exported(box2):
     used = set()
     for expr in exprs:
         used |= set(re.findall(r"\b((?:DCGM_FI|gpu_topology|gpu_agent)_[A-Za-z0-9_]+)", expr))
+    box2.lib.set_value(0, "processes", [(4242, 1024)])  # the per-pod series need a process
     service = MetricsService(box2.backend, box2.topology,
-                             Config(metrics_address="127.0.0.1:0"), hostname="h",
+                             Config(metrics_address="127.0.0.1:0",
+                                    proc_root=box2.machine.proc_root), hostname="h",
                              ready=lambda: True, agent_metrics=agent_metrics(box2))
     service.sampler.sample_once()
     service.sampler.sample_once()

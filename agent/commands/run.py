@@ -77,6 +77,12 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
+    p.add_argument("--proc-root", metavar="DIR", dest="proc_root", default=None,
+                   help="the host's /proc, for the cgroups of GPU processes"
+                        f" (default: {_DEFAULTS.proc_root}; env PROC_ROOT)")
+    p.add_argument("--cri-socket", metavar="PATH", dest="cri_socket", default=None,
+                   help="the container runtime's CRI socket, for the pods of GPU processes"
+                        f" (default: {_DEFAULTS.cri_socket}; env CRI_SOCKET)")
     p.add_argument("--socket-name", metavar="NAME", dest="socket_name", default=None,
                    help="plugin socket file name in the kubelet directory; {resource} is the resource"
                         f" name after the domain (default: {_DEFAULTS.socket_name}; env SOCKET_NAME)")
@@ -120,7 +126,7 @@ FLAG_FIELDS = (
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
-    "label_interval_s", "mps_root", "mps_control_binary",
+    "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown",
     "no_timestamp",

@@ -119,7 +119,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         try:
             for creq in request.container_requests:
                 ids = self.handler.preferred(
-                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
+                    creq.available_deviceIDs, creq.must_include_deviceIDs, creq.allocation_size
                 )
                 out.container_responses.add(deviceIDs=ids)
         except AgentError as exc:

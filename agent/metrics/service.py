@@ -22,9 +22,12 @@ from typing import Callable
 
 from agent.config import Config
 from agent.hw.protocols import Telemetry
+from agent.kubelet.cri import CriClient
 from agent.kubelet.podresources import PodResourcesClient
+from agent.metrics.cgroups import CgroupReader
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.http import HttpEndpoints
+from agent.metrics.pod_processes import ContainerDirectory, PodProcesses
 from agent.metrics.podresources import (
     Attribution,
     PodResourcesCache,
@@ -58,11 +61,14 @@ class MetricsService:
         self.ready = ready
         self.agent_metrics = agent_metrics
         self.registry = agent_metrics.registry
+        # GPU processes -> pods: the cgroups under the host's /proc, the runtime's CRI
+        pod_processes = PodProcesses(CgroupReader(config.proc_root),
+                                     ContainerDirectory(CriClient(config.cri_socket)))
         self.sampler = Sampler(
             backend.sample_source(), topology,
             interval_s=config.sample_interval_s,
             idle_threshold_pct=config.idle_utilization_threshold_pct,
-            clock=clock, on_round=self._on_round,
+            clock=clock, on_round=self._on_round, pods=pod_processes,
         )
         self.scorer = PlacementScorer(topology)
         self.collector = GpuCollector(

@@ -23,6 +23,7 @@ from agent.hw.sim.nvml_types import (
     c_nvmlEventData_t,
     nvmlPciInfo_t,
 )
+from agent.hw.sim.processes import ProcessSpec
 from agent.hw.sim.spec_model import GpuSpec, MachineSpec, MigDeviceSpec
 
 _C = CONSTANTS
@@ -216,7 +217,7 @@ class FakeNvmlCore:
             "fp64_active_pct": 0,
             "fp32_active_pct": util // 5,
             "fp16_active_pct": util // 6,
-            "processes": [],
+            "processes": list(g.processes),
         }
 
     # ------------------------------------------------------------------ fault injection
@@ -276,11 +277,15 @@ class FakeNvmlCore:
 
     def set_value(self, index: int, field: str, value: Any) -> None:
         """Set telemetry knob ``field`` (one of :data:`TELEMETRY_FIELDS`) of GPU ``index``.
-        ``processes`` is a list of ``(pid, used_mib)``."""
+        ``processes`` is a list of :class:`~agent.hw.sim.processes.ProcessSpec` or of
+        ``(pid, used_mib)`` (a process without utilisation or cgroup)."""
         if field not in TELEMETRY_FIELDS:
             raise ValueError(
                 f"unknown telemetry field {field!r}; expected one of {', '.join(TELEMETRY_FIELDS)}"
             )
+        if field == "processes":
+            value = [p if isinstance(p, ProcessSpec) else ProcessSpec(int(p[0]), int(p[1]))
+                     for p in value]
         with self._lock:
             self._telemetry[self._gpu(index).index][field] = value
 
