@@ -83,6 +83,15 @@ class Config:
     label_interval_s: float = 60.0
     #: leave out GFD's ``nvidia.com/gfd.timestamp`` label (GFD's --no-timestamp)
     no_timestamp: bool = False
+    #: where labels go: ``file`` (NFD's feature file in features_dir) or ``nodefeature`` (one
+    #: nfd.k8s-sigs.io/v1alpha1 NodeFeature object through the API server) (env LABELS_SINK)
+    labels_sink: str = "file"
+    #: the agent's own pod, from the downward API (env POD_NAMESPACE, POD_NAME, POD_UID): the
+    #: NodeFeature lives in pod_namespace ("" = the service account's namespace file) and is
+    #: owned by the pod (pod_name and pod_uid; either empty = no owner reference)
+    pod_namespace: str = ""
+    pod_name: str = ""
+    pod_uid: str = ""
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -96,7 +105,9 @@ class Config:
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
     plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
     cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
-    kubeconfig: str = ""  # API server access for ResourceClaims/Slices; "" = in-cluster config
+    #: API server access for every API-server user (ResourceClaims/Slices, the NodeFeature
+    #: label sink): a kubeconfig file; "" = the pod's in-cluster configuration (env KUBECONFIG)
+    kubeconfig: str = ""
     #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
     #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
     delete_slices_on_shutdown: bool = False
@@ -149,6 +160,10 @@ ENV_FIELDS: Mapping[str, str] = {
     "FEATURE_FILE": "feature_file",
     "LABEL_INTERVAL_S": "label_interval_s",
     "GFD_NO_TIMESTAMP": "no_timestamp",
+    "LABELS_SINK": "labels_sink",
+    "POD_NAMESPACE": "pod_namespace",
+    "POD_NAME": "pod_name",
+    "POD_UID": "pod_uid",
     "AGENT_MODE": "mode",
     "DRA_DRIVER_NAME": "driver_name",
     "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",

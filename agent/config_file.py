@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from agent.config_values import (
     ALLOCATION_POLICIES,
     DEVICE_ID_STRATEGIES,
+    LABEL_SINKS,
     MIG_STRATEGIES,
     MODES,
     expect_bool,
@@ -47,7 +48,7 @@ class TimeSlicingResource:
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
 _IGNORED_FLAG_KEYS = (
-    "gfd", "gdsEnabled", "mofedEnabled", "useNodeFeatureAPI",
+    "gfd", "gdsEnabled", "mofedEnabled",
     "deviceDiscoveryStrategy", "imexChannelIDs", "imexRequired",
 )
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
@@ -186,7 +187,7 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
          "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds",
-         "mpsRoot", "mpsControlBinary")
+         "labelsSink", "useNodeFeatureAPI", "kubeconfig", "mpsRoot", "mpsControlBinary")
         + _IGNORED_FLAG_KEYS,
         "flags",
     )
@@ -227,6 +228,9 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         out["feature_file"] = expect_file_name(flags["featureFile"], "flags.featureFile")
     if "labelIntervalSeconds" in flags:
         out["label_interval_s"] = expect_number(flags["labelIntervalSeconds"], "flags.labelIntervalSeconds", 0.1)
+    _parse_labels_sink(flags, out)
+    if flags.get("kubeconfig") is not None:  # "kubeconfig:" left empty = in-cluster
+        out["kubeconfig"] = expect_str(flags["kubeconfig"], "flags.kubeconfig")
     for key, name in (("mpsRoot", "mps_root"), ("mpsControlBinary", "mps_control_binary")):
         if key in flags:
             out[name] = parse_field(name, flags[key], f"flags.{key}")
@@ -235,6 +239,20 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         out["no_timestamp"] = expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
+
+
+def _parse_labels_sink(flags: Mapping[str, Any], out: dict[str, object]) -> None:
+    """``flags.labelsSink``, or NVIDIA's ``flags.useNodeFeatureAPI`` (true: nodefeature)."""
+    sink = None
+    if "labelsSink" in flags:
+        sink = expect_choice(flags["labelsSink"], LABEL_SINKS, "flags.labelsSink")
+    if flags.get("useNodeFeatureAPI") is not None:
+        nvidia = "nodefeature" if expect_bool(flags["useNodeFeatureAPI"], "flags.useNodeFeatureAPI") else "file"
+        if sink is not None and sink != nvidia:
+            raise ValueError(f"flags.useNodeFeatureAPI: says {nvidia} but flags.labelsSink says {sink}: keep one")
+        sink = nvidia
+    if sink is not None:
+        out["labels_sink"] = sink
 
 
 def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
@@ -296,6 +314,9 @@ def _parse_dra_file_keys(doc: Mapping[str, Any], out: dict[str, object]) -> None
             value = dra[key]
             if name == "kubeconfig" and value is None:  # "kubeconfig:" left empty = in-cluster
                 value = ""
+            if name == "kubeconfig" and out.get(name, value) != value:
+                raise ValueError("dra.kubeconfig: differs from flags.kubeconfig (one client for"
+                                 " every API-server user): keep one")
             out[name] = parse_field(name, value, f"dra.{key}")
 
 

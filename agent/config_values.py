@@ -22,6 +22,7 @@ DEVICE_ID_STRATEGIES = ("uuid", "index")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
+LABEL_SINKS = ("file", "nodefeature")
 
 
 def got(value: object) -> str:
@@ -173,6 +174,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "mps_control_binary": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
     "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
+    "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),
 }
 
 

@@ -39,7 +39,7 @@ from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publisher import LabelPublisher
-from agent.labels.sinks import FeatureFileSink
+from agent.labels.sinks import label_sink
 from agent.logs import setup_logging
 from agent.metrics.http import WaitingEndpoint
 from agent.metrics.self_metrics import AgentMetrics
@@ -135,15 +135,16 @@ class Daemon:
         config_loader: Callable[[], Config] | None = None,
     ) -> Daemon:
         """The real agent: NVML (or the simulated machine ``simulate``, ``--simulate``),
-        the servers of ``config.mode``, the metrics service and the NFD feature file. Raises
-        AgentError when the simulated machine cannot be opened (exit 2)."""
+        the servers of ``config.mode``, the metrics service and the label sink
+        ``--labels-sink`` names. Raises AgentError when the simulated machine cannot be opened
+        or the label sink cannot be set up (exit 2)."""
         from agent.discovery import open_backend, read_topology
 
+        sink = label_sink(config)  # before the backend: a bad sink setting opens nothing
         backend, sim = open_backend(simulate, config.sysfs_root)
         hostname = config.node_name or socket.gethostname()
         # the agent's own metrics first: everything built below reports to them from its start
         agent_metrics = AgentMetrics(CollectorRegistry(auto_describe=True), backend)
-        sink = FeatureFileSink(config.features_dir, config.feature_file)
 
         def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
             if sim is not None:  # the simulated machine's /proc holds its GPU processes

@@ -233,6 +233,45 @@ def test_metrics_address_error_names_the_config_file(tmp_path):
         load_config(path, {}, {"metrics_address": ":x"})
 
 
+# ---------------------------------------------------------------------- the label sink, the API server
+def test_labels_sink_and_kubeconfig_are_a_flag_an_environment_variable_and_a_file_key(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nflags:\n  labelsSink: nodefeature\n  kubeconfig: /k/file\n")
+    assert load_config(path, {}, {}).labels_sink == "nodefeature"
+    assert load_config(path, {}, {}).kubeconfig == "/k/file"
+    env = {"LABELS_SINK": "file", "KUBECONFIG": "/k/env"}
+    assert (load_config(path, env, {}).labels_sink, load_config(path, env, {}).kubeconfig) == ("file", "/k/env")
+    flags = {"labels_sink": "nodefeature", "kubeconfig": "/k/flag"}
+    assert (load_config(path, env, flags).labels_sink, load_config(path, env, flags).kubeconfig) == (
+        "nodefeature", "/k/flag")
+    assert Config().labels_sink == "file" and Config().kubeconfig == ""
+
+
+def test_nvidias_use_node_feature_api_chooses_the_nodefeature_sink(tmp_path):
+    on = write(tmp_path, "on.yaml", "version: v1\nflags:\n  useNodeFeatureAPI: true\n")
+    off = write(tmp_path, "off.yaml", "version: v1\nflags:\n  useNodeFeatureAPI: false\n")
+    assert load_config(on, {}, {}).labels_sink == "nodefeature"
+    assert load_config(off, {}, {}).labels_sink == "file"
+    both = write(tmp_path, "both.yaml", "version: v1\nflags:\n  useNodeFeatureAPI: true\n  labelsSink: file\n")
+    with pytest.raises(ConfigError, match="flags.useNodeFeatureAPI: says nodefeature but flags.labelsSink says file"):
+        load_config(both, {}, {})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("version: v1\nflags:\n  labelsSink: configmap\n", "flags.labelsSink: expected one of file, nodefeature"),
+    ("version: v1\nflags:\n  kubeconfig: /a\ndra:\n  kubeconfig: /b\n", "dra.kubeconfig: differs from flags.kubeconfig"),
+])
+def test_bad_label_sink_settings_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "c.yaml", text), {}, {})
+
+
+def test_the_pods_identity_comes_from_the_downward_api_variables():
+    config = load_config(None, {"POD_NAMESPACE": "gpu", "POD_NAME": "gta-1", "POD_UID": "u-1"}, {})
+    assert (config.pod_namespace, config.pod_name, config.pod_uid) == ("gpu", "gta-1", "u-1")
+    with pytest.raises(ConfigError, match="environment LABELS_SINK: expected one of file, nodefeature"):
+        load_config(None, {"LABELS_SINK": "api"}, {})
+
+
 MEGABYTE = "x" * 1_000_000
 
 

@@ -525,6 +525,8 @@ def test_ready_endpoint_follows_registration_with_the_kubelet(simulated):
 class RecordingSink:
     """A label sink that keeps what it was given."""
 
+    where = "the test's recording sink"
+
     def __init__(self) -> None:
         self.written: list[dict[str, str]] = []
         self.removed = False

@@ -341,7 +341,7 @@ def test_mode_and_sink_decide_the_api_access(mode: str, sink: str) -> None:
     expected_namespaced = {}
     if sink == "nodefeature":
         expected_namespaced = {("nfd.k8s-sigs.io", "nodefeatures"):
-                               sorted(["create", "get", "list", "watch", "update", "delete"])}
+                               sorted(["create", "get", "update", "delete"])}  # no list/watch/patch
     assert namespaced == expected_namespaced
     for role in [o for o in objects if o["kind"] == "Role"]:
         assert role["metadata"]["namespace"] == NAMESPACE
@@ -379,18 +379,18 @@ def test_rbac_and_admission_policies_name_the_agents_service_account(scenario: s
         assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
 
 
-def test_nodefeature_policy_checks_the_node_label_before_and_after_a_change() -> None:
+def test_nodefeature_policy_lets_an_agent_write_only_its_own_nodes_object() -> None:
     policy = one(render({}), "ValidatingAdmissionPolicy")
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
     assert (rule["apiGroups"], rule["resources"]) == (["nfd.k8s-sigs.io"], ["nodefeatures"])
     assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
     variables = {v["name"]: " ".join(v["expression"].split()) for v in policy["spec"]["variables"]}
     assert "authentication.kubernetes.io/node-name" in variables["userNodeName"]
-    assert "oldObject" in variables["oldNodeName"] and "'nfd.node.kubernetes.io/node-name'" in variables["oldNodeName"]
-    assert variables["newNodeName"].startswith('request.operation == "DELETE"')
+    assert "oldObject" in variables["objectName"] and "metadata.name" in variables["objectName"]
+    assert "'nfd.node.kubernetes.io/node-name'" in variables["objectNodeName"]
     expressions = [" ".join(v["expression"].split()) for v in policy["spec"]["validations"]]
-    assert ("variables.oldNodeName == variables.userNodeName && "
-            "variables.newNodeName == variables.userNodeName") in expressions
+    assert ('variables.objectName == "gpu-topology-agent-" + variables.userNodeName && '
+            "variables.objectNodeName == variables.userNodeName") in expressions
 
 
 def test_dra_mounts_the_kubelet_plugin_directories_under_kubelet_root_dir() -> None:

@@ -29,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(default: $CONFIG_FILE, else none)")
     add_simulate_flag(p)
     _add_location_flags(p)
+    _add_api_server_flags(p)
     _add_serving_flags(p)
     _add_dra_flags(p)
     p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
@@ -61,6 +62,23 @@ def _add_location_flags(p: argparse.ArgumentParser) -> None:
                    help="log line format (default: text)")
     p.add_argument("--log-level", metavar="LEVEL", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO)")
+
+
+def _add_api_server_flags(p: argparse.ArgumentParser) -> None:
+    """How the agent reaches the API server (DRA, the NodeFeature sink) and who it is there."""
+    p.add_argument("--kubeconfig", metavar="FILE", dest="kubeconfig", default=None,
+                   help="API server access for every API-server user (default: the in-cluster"
+                        " configuration; env KUBECONFIG, file flags.kubeconfig)")
+    p.add_argument("--labels-sink", choices=("file", "nodefeature"), dest="labels_sink", default=None,
+                   help="where labels go: NFD's feature file or an NFD NodeFeature object"
+                        " (default: file; env LABELS_SINK, file flags.labelsSink)")
+    p.add_argument("--pod-namespace", metavar="NAMESPACE", dest="pod_namespace", default=None,
+                   help="the agent's namespace, where its NodeFeature lives (default: $POD_NAMESPACE,"
+                        " else the service account's namespace)")
+    p.add_argument("--pod-name", metavar="NAME", dest="pod_name", default=None,
+                   help="the agent's pod, owner of its NodeFeature (default: $POD_NAME)")
+    p.add_argument("--pod-uid", metavar="UID", dest="pod_uid", default=None,
+                   help="the agent's pod UID, owner of its NodeFeature (default: $POD_UID)")
 
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -114,8 +132,6 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                      help=f"where the DRA socket and checkpoint go, under <driver> (default: {_DEFAULTS.plugins_dir})")
     dra.add_argument("--cdi-dir", metavar="DIR", dest="cdi_dir", default=None,
                      help=f"where CDI specs of prepared claims are written (default: {_DEFAULTS.cdi_dir})")
-    dra.add_argument("--kubeconfig", metavar="FILE", dest="kubeconfig", default=None,
-                     help="API server access (default: the in-cluster configuration; env KUBECONFIG)")
     dra.add_argument("--delete-slices-on-shutdown", action="store_true", dest="delete_slices_on_shutdown",
                      default=None, help="delete the node's ResourceSlices on a clean stop"
                                         " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
@@ -129,7 +145,7 @@ FLAG_FIELDS = (
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown",
-    "no_timestamp",
+    "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
 )
 
 
@@ -153,7 +169,7 @@ def _probe_write(path: str, what: str) -> None:
 
 def check_directories(config: Config, args: argparse.Namespace) -> None:
     """Fail at start, with one line naming the flag and the path, when the kubelet directory
-    or the features directory can never work: not a directory (exit 2) or not writable
+    or (with the file label sink) the features directory can never work: not a directory (exit 2) or not writable
     (exit 1). A kubelet directory that does not exist yet is fine: the kubelet creates it.
     The features directory is created when missing, as the label sink would."""
     kubelet_what = "--kubelet-dir" if args.kubelet_dir else "kubelet directory"
@@ -165,6 +181,8 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
         )
     if existing == config.kubelet_dir:
         _probe_write(config.kubelet_dir, kubelet_what)
+    if config.labels_sink != "file":  # labels go through the API server: no directory needed
+        return
     features_what = "--features-dir" if args.features_dir else "features directory"
     existing = _nearest_existing(config.features_dir)
     if not os.path.isdir(existing):

@@ -5,6 +5,9 @@
 may read the directory at any moment, so the file is written to a dot-file in the same
 directory (NFD skips dot-files) and renamed over the old one: readers see the old or the
 new content, never half a file.
+
+:func:`label_sink` picks the sink ``--labels-sink`` names: this one, or
+:class:`agent.labels.nodefeature.NodeFeatureSink` (NFD's NodeFeature API).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import tempfile
 from typing import Mapping, Protocol
 
+from agent.config import Config
 from agent.labels import format_labels
 
 log = logging.getLogger(__name__)
@@ -21,6 +25,9 @@ log = logging.getLogger(__name__)
 
 class LabelSink(Protocol):
     """Destination for node labels."""
+
+    #: where the labels go, for log lines (a directory, an object's kind and name)
+    where: str
 
     def write(self, labels: Mapping[str, str]) -> bool:
         """Publish ``labels`` (the complete set); True if what was published changed."""
@@ -40,6 +47,7 @@ class FeatureFileSink:
         self.features_dir = features_dir
         self.filename = filename
         self.path = os.path.join(features_dir, filename)
+        self.where = features_dir
         self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we wrote
 
     def _identity(self) -> tuple[int, int] | None:
@@ -97,3 +105,13 @@ class FeatureFileSink:
         except FileNotFoundError:
             pass
         self._written = None
+
+
+def label_sink(config: Config) -> LabelSink:
+    """The sink ``config.labels_sink`` names. Raises ConfigError when the NodeFeature sink
+    cannot be set up (no node name, namespace or API-server access)."""
+    if config.labels_sink == "nodefeature":
+        from agent.labels.nodefeature import NodeFeatureSink
+
+        return NodeFeatureSink.from_config(config)
+    return FeatureFileSink(config.features_dir, config.feature_file)
