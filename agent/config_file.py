@@ -70,8 +70,9 @@ def _check_keys(section: Mapping[str, Any], allowed: tuple[str, ...], where: str
     for key in section:
         if key not in allowed:
             prefix = f"{where}." if where else ""
+            # no key is longer than 40 characters: the list of the allowed ones gets the room
             raise ValueError(
-                f"{prefix}{shorten(key)}: unknown key (expected one of {', '.join(allowed)})"
+                f"{prefix}{shorten(key, 40)}: unknown key (expected one of {', '.join(allowed)})"
             )
 
 
