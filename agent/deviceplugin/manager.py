@@ -15,6 +15,9 @@ kubelet-watch thread registers and re-serves; the metrics HTTP server calls
 :meth:`~DevicePluginManager.ready` and, at each scrape, :meth:`~DevicePluginManager.advertised`.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
+
+MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
+the servers; the watch thread registers such a resource once its daemon first answers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
+    mps: MpsControlDaemon | None = None  # an MPS resource's control daemon
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # watch thread only
     backoff_s: float = 0.0  # watch thread only
@@ -85,6 +90,7 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
+        mps_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
@@ -101,6 +107,7 @@ class DevicePluginManager:
         self.events = events
         self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
+        self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
@@ -140,6 +147,7 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
+        self._mps.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -164,23 +172,35 @@ class DevicePluginManager:
         """Every resource is registered with the running kubelet. Never waits on I/O (the
         readiness probe calls it)."""
         with self._lock:
-            return bool(self._slots) and all(s.registered for s in self._slots)
+            slots = list(self._slots)
+        return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
         """(resource, device ID, healthy) for every device offered to the kubelet now (the
         ``gpu_agent_device_healthy`` series, read at each scrape). Never waits on I/O."""
         with self._lock:
-            resources = self.resources
+            resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
-        return [(r.name, d.id, d.gpu_index not in unhealthy) for r in resources for d in r.devices]
+        mps_down = {s.server.resource.name for s in slots if s.mps is not None and not s.mps.answering}
+        return [
+            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in mps_down))
+            for r in resources for d in r.devices
+        ]
 
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
-            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events
+            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
+            mps=self._mps.get(resource.name),
         )
         server.start()
         return server
+
+    def _mps_changed(self) -> None:
+        """A control daemon started or stopped answering: re-send the device lists and let the
+        watch thread register a resource whose daemon now answers."""
+        self.health.wake()
+        self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
         """Stop the servers, serve (topology, config). Runs on the thread that owns the
@@ -191,11 +211,12 @@ class DevicePluginManager:
             self.topology, self.config, self.resources = topology, config, resources
         for slot in old:
             slot.server.stop(0.5)
+        self._mps.sync(resources, topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
-            slot = _Slot(self._new_server(resource, topology, config))
+            slot = _Slot(self._new_server(resource, topology, config), self._mps.get(resource.name))
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
@@ -291,6 +312,8 @@ class DevicePluginManager:
                 slot = fresh
             if inode is None or slot.registered or now < slot.next_try_s:
                 continue
+            if slot.mps is not None and not slot.mps.answering:
+                continue  # MPS replicas are advertised once their daemon answers
             self._register(slot, now)
 
     def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
@@ -343,7 +366,7 @@ class DevicePluginManager:
         if slot.serve_failing:
             log.warning("serving %s again on %s", slot.server.resource.name, path)
         self._taken.discard(path)
-        fresh = _Slot(server, next_try_s=now)
+        fresh = _Slot(server, slot.mps, next_try_s=now)
         with self._lock:
             self._slots = [fresh if s is slot else s for s in self._slots]
         return fresh
