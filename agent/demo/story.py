@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
+from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
 from agent.render import render_table, topology_to_json
@@ -137,7 +138,19 @@ class Story:
             if kubelet is not None:
                 kubelet.stop()
             shutil.rmtree(workdir, ignore_errors=True)
+        self.show_shared_gpu(table)
         return self.facts
+
+    def show_shared_gpu(self, table: bool) -> None:
+        """Two pods time-slicing one GPU of the machine's model (:mod:`agent.demo.shared_gpu`),
+        the agent run again in a directory of its own."""
+        workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
+        try:
+            gpus = self.facts["topology"]["gpus"]
+            model = gpus[0]["name"] if gpus else None
+            self.facts["shared_gpu"] = show_shared_gpu(self, demo_config(workdir), workdir, model, table)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ sections
     def show_node(self, topology: Topology, features_dir: str, table: bool) -> None:
