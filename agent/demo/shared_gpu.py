@@ -211,7 +211,7 @@ def _scrape(daemon: Daemon) -> str:
     deadline = time.monotonic() + 15.0
     while True:
         with urllib.request.urlopen(url, timeout=5) as reply:
-            text = reply.read().decode()
+            text: str = reply.read().decode()
         found = _pod_samples(text, wanted)
         if all({p.pod for p in PODS} <= {s["labels"]["pod"] for s in found[n]} for n in wanted):
             return text

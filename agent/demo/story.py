@@ -5,6 +5,8 @@ sockets, labels file, metrics server, health watcher), in a temporary directory,
 in-process stand-in kubelet (:mod:`agent.demo.kubelet`). The stand-in registers the plugin,
 watches its device list, asks it for preferred allocations over gRPC and allocates, then
 reports the running pods through a pod-resources server so the metrics carry pod labels.
+Last, the agent runs again with one GPU time-sliced between two pods
+(:mod:`agent.demo.shared_gpu`), to show each pod's own use of it.
 """
 
 from __future__ import annotations
