@@ -34,7 +34,7 @@ from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from agent.config import Config, describe_config
+from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.hw.protocols import EventSource, Lifecycle
@@ -281,8 +281,9 @@ class Daemon:
     def reread(self, reload_config: bool = False) -> bool:
         """Read the topology again and hand it to the servers and the labels.
 
-        SIGHUP (``reload_config``): with the configuration read again, served again in any
-        case (the servers re-register). A kubelet restart: with the running configuration,
+        SIGHUP (``reload_config``): with the configuration read again (the settings that
+        apply at start only keep their running values, said in one warning), served again in
+        any case (the servers re-register). A kubelet restart: with the running configuration,
         served only when the topology changed (a GPU replaced or MIG reconfigured while the
         node was in maintenance). A failure is logged and the running configuration and
         topology are kept. True when served.
@@ -291,12 +292,12 @@ class Daemon:
         if current is None or servers is None:
             return False
         try:
-            config = self.config_loader() if reload_config and self.config_loader is not None else self.config
+            config = self.config
+            if reload_config and self.config_loader is not None:
+                config = self._reloaded(self.config_loader())
             topology = self._read_again(current)
             if not reload_config and topology is current:
                 return False
-            if config.mode != self.config.mode:
-                log.warning("the mode applies at start: restart the agent to change it")
             if topology is not current:
                 log.warning("topology changed since it was last read: serving the new one")
             servers.set_topology(topology, config)
@@ -312,6 +313,18 @@ class Daemon:
         if self.labels is not None:
             self.labels.publish(topology, config)
         return True
+
+    def _reloaded(self, loaded: Config) -> Config:
+        """The configuration a reload serves: ``loaded`` with the running start-only
+        settings (the mode, the DRA settings, where metrics and labels go), said once when
+        the file asks for others."""
+        config, ignored = keep_start_settings(loaded, self.config)
+        if ignored:
+            log.warning(
+                "not applied, these settings apply at start only (restart the agent to change them): %s",
+                ignored,
+            )
+        return config
 
     def _read_again(self, current: Topology) -> Topology:
         """The topology read now, merged with what ``current`` knew; ``current`` itself

@@ -15,11 +15,10 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
-import sys
 import tempfile
 
 import pytest
+from agent_run import AgentRun
 from kubelet_stub import KubeletStub, pcie4_topology
 from waiting import eventually
 
@@ -27,14 +26,12 @@ from agent.config import Config
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILENAME = "gpu-topology-agent"
 NOT_UTF8 = b"\xff\xfe\x00garbage \xc3\x28 not utf-8\n" * 64
 
 
-class Agent:
-    """A real agent process (dgx-h100 simulated) against a stand-in kubelet; its log goes to
-    a file, so it can be read while the process runs."""
+class Agent(AgentRun):
+    """A real agent process (dgx-h100 simulated) against a stand-in kubelet."""
 
     def __init__(self, base: str, *extra: str) -> None:
         self.kubelet_dir = os.path.join(base, "k")
@@ -43,20 +40,12 @@ class Agent:
         os.makedirs(self.features, exist_ok=True)
         self.path = os.path.join(self.features, FILENAME)
         self.kubelet = KubeletStub(self.kubelet_dir).start()
-        self.log_path = os.path.join(base, "agent.log")
-        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        env.pop("CONFIG_FILE", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--kubelet-dir", self.kubelet_dir,
-             "--features-dir", self.features, "--metrics-address", "127.0.0.1:0",
-             "--pod-resources-socket", os.path.join(self.kubelet_dir, "podres.sock"), *extra],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self._log, text=True,
+        super().__init__(
+            ["--simulate", "dgx-h100", "--kubelet-dir", self.kubelet_dir, "--features-dir", self.features,
+             "--metrics-address", "127.0.0.1:0", "--pod-resources-socket", os.path.join(self.kubelet_dir, "podres.sock"),
+             *extra],
+            os.path.join(base, "agent.log"),
         )
-
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
 
     def labelled(self) -> bool:
         """The path holds a regular file of labels (``key=value`` lines)."""
@@ -70,21 +59,9 @@ class Agent:
             data = fh.read()
         return b"nvidia.com/gpu.count=8\n" in data and NOT_UTF8[:8] not in data
 
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM; the exit code, or None when it did not exit within ``timeout_s``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        self.kill()
         self.kubelet.stop()
-        self._log.close()
 
 
 @pytest.fixture
@@ -140,7 +117,7 @@ def test_a_named_pipe_at_the_label_path_at_start_is_replaced_and_sigterm_still_s
     agent = start()
     assert eventually(agent.labelled, 20.0), agent.log()[-2000:]
     assert agent.stop() == 0, "SIGTERM ends the agent: " + agent.log()[-2000:]
-    said = [line for line in agent.log().splitlines() if "named pipe" in line]
+    said = agent.lines("named pipe")
     assert len(said) == 1 and fifo in said[0], said
 
 
@@ -151,7 +128,7 @@ def test_a_named_pipe_put_at_the_label_path_mid_run_blocks_nothing(base):
     os.unlink(agent.path)
     os.mkfifo(agent.path)
     assert eventually(agent.labelled, 10.0), "the re-assertion replaced the pipe: " + agent.log()[-2000:]
-    agent.proc.send_signal(signal.SIGHUP)  # the main loop still takes signals
+    agent.signal(signal.SIGHUP)  # the main loop still takes signals
     assert eventually(lambda: "reloaded; effective configuration" in agent.log(), 10.0), agent.log()[-2000:]
     assert agent.stop() == 0, agent.log()[-2000:]
 
