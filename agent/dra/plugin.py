@@ -62,7 +62,8 @@ class _DraServicer:
             entry = out.claims[claim.uid]
             if result.error:
                 entry.error = result.error
-                log.warning("NodePrepareResources: %s", result.error)
+                if not result.logged:
+                    log.warning("NodePrepareResources: %s", result.error)
                 continue
             for d in result.devices:
                 entry.devices.add(

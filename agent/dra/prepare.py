@@ -64,6 +64,9 @@ class ClaimRef:
 class PrepareResult:
     devices: tuple[PreparedDevice, ...] = ()
     error: str = ""
+    #: the error's cause is in the log already: the claim reader says once when reading
+    #: claims starts failing, not once per claim
+    logged: bool = False
 
 
 class ClaimPreparer:
@@ -120,7 +123,7 @@ class ClaimPreparer:
         except ClaimNotFound:
             return PrepareResult(error=f"{ref}: not found in the API server")
         except ClaimReadError as exc:
-            return PrepareResult(error=f"{ref}: cannot be read: {exc}")
+            return PrepareResult(error=f"{ref}: cannot be read: {exc}", logged=True)
         try:
             chosen = self._devices_of(ref, obj)
         except ValueError as exc:

@@ -38,16 +38,19 @@ class DraServers:
         config: Config,
         health: HealthState,
         on_kubelet_restart: Callable[[], None],
+        *,
+        count_claim_read_error: Callable[[], None],
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
-        configuration); ConfigError when neither can be loaded."""
+        configuration); ConfigError when neither can be loaded. ``count_claim_read_error``
+        is called for each claim that could not be read (the agent's self-metrics)."""
         plugin = DraPlugin(
-            config, topology, health, KubernetesClaimReader(api_client(config)),
+            config, topology, health, KubernetesClaimReader(api_client(config), count_error=count_claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(
-            lambda: api_client(config, retries=False), config.node_name, topology, config.driver_name,
+            lambda: api_client(config), config.node_name, topology, config.driver_name,
             health=health, delete_on_stop=config.delete_slices_on_shutdown,
         )
         return cls(plugin, publisher)
