@@ -281,20 +281,21 @@ class Daemon:
     def reread(self, reload_config: bool = False) -> bool:
         """Read the topology again and hand it to the servers and the labels.
 
-        SIGHUP (``reload_config``): with the configuration read again (the settings that
-        apply at start only keep their running values, said in one warning), served again in
-        any case (the servers re-register). A kubelet restart: with the running configuration,
-        served only when the topology changed (a GPU replaced or MIG reconfigured while the
-        node was in maintenance). A failure is logged and the running configuration and
-        topology are kept. True when served.
+        SIGHUP (``reload_config``): with the configuration read again (the start-only settings
+        keep their running values: one warning), served again in any case (re-registered). A
+        kubelet restart: with the running configuration, served only when the topology
+        changed (a GPU replaced or MIG reconfigured during maintenance). A failure is logged
+        and the running configuration and topology are kept. True when served.
         """
         current, servers = self.topology, self.servers
         if current is None or servers is None:
             return False
         try:
-            config = self.config
-            if reload_config and self.config_loader is not None:
-                config = self._reloaded(self.config_loader())
+            loaded = self.config_loader() if reload_config and self.config_loader is not None else self.config
+            config, ignored = keep_start_settings(loaded, self.config)
+            if ignored:
+                log.warning("not applied, these settings apply at start only (restart the agent to change"
+                            " them): %s", ignored)
             topology = self._read_again(current)
             if not reload_config and topology is current:
                 return False
@@ -313,18 +314,6 @@ class Daemon:
         if self.labels is not None:
             self.labels.publish(topology, config)
         return True
-
-    def _reloaded(self, loaded: Config) -> Config:
-        """The configuration a reload serves: ``loaded`` with the running start-only
-        settings (the mode, the DRA settings, where metrics and labels go), said once when
-        the file asks for others."""
-        config, ignored = keep_start_settings(loaded, self.config)
-        if ignored:
-            log.warning(
-                "not applied, these settings apply at start only (restart the agent to change them): %s",
-                ignored,
-            )
-        return config
 
     def _read_again(self, current: Topology) -> Topology:
         """The topology read now, merged with what ``current`` knew; ``current`` itself
