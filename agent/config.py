@@ -265,14 +265,16 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 #: Settings read once, at start: which servers serve the GPUs (the mode; in DRA mode the
 #: driver, its directories, the API server and the node's pool), where metrics and probes
 #: are served (the web config file's path; its content is re-read when it changes), what
-#: the sampler polls and where it finds the pods, where the labels go, the sysfs root. A
-#: reload (SIGHUP) keeps their running values (:func:`keep_start_settings`): what the agent
-#: says it runs is what it runs. Everything else follows a reload.
+#: the sampler polls and where it finds the pods, where the labels go (the sink, its file,
+#: the pod owning its NodeFeature), the sysfs root. A reload (SIGHUP) keeps their running
+#: values (:func:`keep_start_settings`): what the agent says it runs is what it runs.
+#: Everything else follows a reload.
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
     "delete_slices_on_shutdown", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
-    "idle_utilization_threshold_pct", "features_dir", "feature_file", "sysfs_root",
+    "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
+    "pod_name", "pod_uid", "sysfs_root",
 )
 
 

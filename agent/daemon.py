@@ -294,8 +294,7 @@ class Daemon:
             loaded = self.config_loader() if reload_config and self.config_loader is not None else self.config
             config, ignored = keep_start_settings(loaded, self.config)
             if ignored:
-                log.warning("not applied, these settings apply at start only (restart the agent to change"
-                            " them): %s", ignored)
+                log.warning("not applied, these apply at start only (restart the agent to change them): %s", ignored)
             topology = self._read_again(current)
             if not reload_config and topology is current:
                 return False

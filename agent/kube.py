@@ -25,7 +25,8 @@ def api_client(config: Config) -> Any:
     configuration when it is empty. Raises ConfigError naming what is wrong.
 
     The client does not retry on its own: every caller already does, in its own loop (the
-    slice publisher with backoff; the kubelet calls NodePrepareResources again), and
+    slice publisher with backoff, the label sink at its next re-assertion; the kubelet calls
+    NodePrepareResources again), and
     urllib3's retries would each log a warning of their own (three per request with the
     API server down) and hold the caller meanwhile. Callers log one line per change of
     state instead."""
@@ -98,7 +99,7 @@ class CustomObjects:
     def from_config(cls, config: Config, group: str, version: str, plural: str) -> CustomObjects:
         """Through :func:`api_client` (no client-side retries: callers retry in their loop).
         The client is built at once, so a bad ``--kubeconfig`` fails here (ConfigError)."""
-        objects = cls(lambda: api_client(config, retries=False), group, version, plural)
+        objects = cls(lambda: api_client(config), group, version, plural)
         objects._client = objects._client_factory()
         return objects
 
