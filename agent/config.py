@@ -305,6 +305,34 @@ def is_critical_xid(config: Config, xid: int) -> bool:
     return xid in config.extra_critical_xids or xid not in config.ignored_xids
 
 
+#: Settings read once, at start: which servers serve the GPUs (the mode; in DRA mode the
+#: driver, its directories, the API server and the node's pool), where metrics and probes
+#: are served (the web config file's path; its content is re-read when it changes), what
+#: the sampler polls and where it finds the pods, where the labels go (the sink, its file,
+#: the pod owning its NodeFeature), the sysfs root. A reload (SIGHUP) keeps their running
+#: values (:func:`keep_start_settings`): what the agent says it runs is what it runs.
+#: Everything else follows a reload.
+START_ONLY_FIELDS = (
+    "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
+    "delete_slices_on_shutdown", "metrics_address", "probe_address", "web_config_file",
+    "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
+    "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
+    "pod_name", "pod_uid", "sysfs_root",
+)
+
+
+def keep_start_settings(reloaded: Config, running: Config) -> tuple[Config, str]:
+    """``reloaded`` with the running value of every setting in :data:`START_ONLY_FIELDS`,
+    and "" or what the reload asked for and did not get, for the log (``mode 'dra' (running
+    'device-plugin'), ...``, values shortened: they come from the file)."""
+    changed = [f for f in START_ONLY_FIELDS if getattr(reloaded, f) != getattr(running, f)]
+    said = ", ".join(
+        f"{f} {shorten(repr(getattr(reloaded, f)), 120)} (running {shorten(repr(getattr(running, f)), 120)})"
+        for f in changed
+    )
+    return replace(reloaded, **{f: getattr(running, f) for f in changed}), said
+
+
 def describe_config(config: Config) -> dict[str, object]:
     """The effective configuration as plain data, for the start-up log line."""
     out: dict[str, object] = {}

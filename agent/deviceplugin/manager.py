@@ -3,8 +3,10 @@
 The kubelet clears its device-plugin directory when it starts, so a restarted kubelet knows
 nothing of us: a watch thread notices ``kubelet.sock`` being re-created (its inode changes)
 or our own socket vanishing, serves again and re-registers (well within 2 s: it polls every
-``poll_s``). A kubelet that appears after the agent started is handled the same way.
-Registration that fails is retried with capped exponential backoff.
+``poll_s``). A kubelet that appears after the agent started is handled the same way;
+anything but a socket at ``kubelet.sock`` is no kubelet, said once for what it is.
+Registration that fails is retried with capped exponential backoff: logged when it starts
+failing, each failure counted (``events.registration_failure``).
 
 The manager is the device-plugin mode's servers as the daemon runs them (start, ready,
 set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the same shape).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +40,7 @@ from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
-from agent.errors import AgentError
+from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.kubelet.unix_server import SocketInUseError
@@ -56,6 +59,7 @@ class _Slot:
     serve_failing: bool = False  # watch thread only: serving again failed, being retried
     next_serve_s: float = 0.0  # watch thread only
     serve_backoff_s: float = 0.0  # watch thread only
+    register_failing: bool = False  # watch thread only: registration failed, being retried
 
 
 @dataclass
@@ -114,6 +118,7 @@ class DevicePluginManager:
         self._thread: threading.Thread | None = None
         # watch thread only
         self._kubelet_inode: tuple[int, int, int] | None = None
+        self._kubelet_oddity: str | None = None  # what stands at kubelet.sock if not a socket
         self._seen_kubelet = False
         self._taken: set[str] = set()  # our socket paths another live server holds now
         self._dir_missing = False  # the kubelet directory is gone (said once)
@@ -226,15 +231,20 @@ class DevicePluginManager:
                 self.kubelet_socket,
             )
 
-    def _kubelet_inode_now(self) -> tuple[int, int, int] | None:
+    def _kubelet_inode_now(self) -> tuple[tuple[int, int, int] | None, str | None]:
+        """The kubelet socket's identity (None: no socket there) and, when something else
+        stands at its path, what it is."""
         # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
         # to the next file, so a re-created kubelet.sock can get the same one. The change
         # time (ns) tells the new file apart.
         try:
             st = os.stat(self.kubelet_socket)
         except OSError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_ctime_ns)
+            return None, None
+        if not stat.S_ISSOCK(st.st_mode):  # no kubelet listens on a file: nothing to register with
+            kinds = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
+            return None, kinds.get(stat.S_IFMT(st.st_mode), "not a socket")
+        return (st.st_dev, st.st_ino, st.st_ctime_ns), None
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -273,10 +283,17 @@ class DevicePluginManager:
 
     def _watch_once(self) -> None:
         now = time.monotonic()
-        inode = self._kubelet_inode_now()
+        inode, oddity = self._kubelet_inode_now()
         with self._lock:
             slots = list(self._slots)
         restarted = False
+        if oddity != self._kubelet_oddity:
+            self._kubelet_oddity = oddity
+            if oddity is not None:
+                log.warning(
+                    "%s is %s, not the kubelet's socket: registering once the kubelet creates its socket there",
+                    self.kubelet_socket, oddity,
+                )
         if inode != self._kubelet_inode:
             if inode is not None:
                 if self._seen_kubelet:
@@ -285,7 +302,7 @@ class DevicePluginManager:
                 else:
                     log.info("kubelet socket %s found", self.kubelet_socket)
                 self._seen_kubelet = True
-            else:
+            elif oddity is None:  # else said above
                 log.warning("kubelet socket %s is gone; waiting for the kubelet", self.kubelet_socket)
             self._kubelet_inode = inode
             with self._lock:
@@ -382,12 +399,19 @@ class DevicePluginManager:
             slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))
             slot.next_try_s = now + slot.backoff_s
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            log.warning(
-                "kubelet refused registration of %s: %s (retry in %.1f s)",
-                resource.name, details, slot.backoff_s,
+            self.events.registration_failure(resource.name)
+            # one line when registering starts failing; the retries are counted, not logged
+            log.log(
+                logging.DEBUG if slot.register_failing else logging.WARNING,
+                "registering %s with the kubelet failed: %s (retrying with backoff up to %g s; failures"
+                " are counted in gpu_agent_registration_failures_total)",
+                resource.name, shorten(details, 300), self.max_backoff_s,
             )
+            slot.register_failing = True
             return
+        slot.register_failing = False
         with self._lock:
             slot.registered = True
         log.info("registered %s with the kubelet (endpoint %s)", resource.name, resource.socket_name)
         self.events.registration(resource.name)
+

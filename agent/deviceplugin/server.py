@@ -77,6 +77,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         # stream is refused, so the rest of the pool always serves the unary calls.
         self.max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
+        # True from a refused stream until one is accepted again: the refusals in between
+        # are one state, logged once
+        self._refusing = False
+        self._refusing_lock = threading.Lock()
 
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
@@ -88,14 +92,21 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
-            log.warning(
-                "%s: refused a ListAndWatch stream: %d are open already (the kubelet needs one)",
-                self.resource.name, self.max_streams,
-            )
+            self.events.stream_refused(self.resource.name)
+            with self._refusing_lock:
+                first, self._refusing = not self._refusing, True
+            if first:  # one line per change of state: a client retrying in a loop is counted
+                log.warning(
+                    "%s: refusing ListAndWatch streams: %d are open already (the kubelet needs one);"
+                    " refusals are counted in gpu_agent_list_and_watch_refused_total",
+                    self.resource.name, self.max_streams,
+                )
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.resource.name}: at most {self.max_streams} ListAndWatch streams at a time",
             )
+        with self._refusing_lock:
+            self._refusing = False
         try:
             context.add_callback(self.health.wake)
             sent: tuple[int, int] | None = None
