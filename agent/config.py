@@ -42,10 +42,18 @@ class Config:
     cdi_annotation_prefix: str = "cdi.k8s.io/"
     shared_devices_allocation_policy: str = "distributed"  # distributed | packed
     allocation_policy: str = "best-effort"
-    # --- sharing
+    # --- sharing: time-slicing or MPS, never both (the file's sharing.timeSlicing / sharing.mps)
     time_slicing: tuple[TimeSlicingResource, ...] = ()
+    mps: tuple[TimeSlicingResource, ...] = ()
     rename_by_default: bool = False
-    fail_requests_greater_than_one: bool = False
+    fail_requests_greater_than_one: bool = False  # true by default under sharing.mps (the anchor's)
+    #: MPS: each shared resource's control daemon keeps its pipe and log directories under
+    #: <mps_root>/<resource>/ and pods mount <mps_root>/shm as /dev/shm (flags.mpsRoot, env
+    #: MPS_ROOT, the anchor's default): the agent must see this host directory at this path
+    mps_root: str = "/run/nvidia/mps"
+    #: the MPS control program, a name on the PATH or a path (flags.mpsControlBinary, env
+    #: MPS_CONTROL_BINARY): the agent runs one control daemon per MPS-shared resource
+    mps_control_binary: str = "nvidia-cuda-mps-control"
     # --- health
     health_checks_enabled: bool = True
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
@@ -120,6 +128,26 @@ class Config:
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
+    @property
+    def sharing_strategy(self) -> str:
+        """GFD's ``gpu.sharing-strategy``: ``mps`` or ``time-slicing`` when a resource is
+        shared into more than one replica, else ``none``."""
+        if any(r.replicas > 1 for r in self.mps):
+            return "mps"
+        if any(r.replicas > 1 for r in self.time_slicing):
+            return "time-slicing"
+        return "none"
+
+    @property
+    def shared_resources(self) -> tuple[TimeSlicingResource, ...]:
+        """The entries of whichever sharing section is in use (they are exclusive)."""
+        return self.mps or self.time_slicing
+
+    @property
+    def sharing_section(self) -> str:
+        """The config file's key of :attr:`shared_resources`, for messages."""
+        return "sharing.mps" if self.mps else "sharing.timeSlicing"
+
 
 # ----------------------------------------------------------------------------- loading
 
@@ -157,6 +185,8 @@ ENV_FIELDS: Mapping[str, str] = {
     "CDI_DIR": "cdi_dir",
     "KUBECONFIG": "kubeconfig",
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
+    "MPS_ROOT": "mps_root",
+    "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
     "CRI_SOCKET": "cri_socket",
     "CONFIG_FILE_SRCDIR": "config_file_srcdir",
@@ -170,7 +200,7 @@ ENV_FIELDS: Mapping[str, str] = {
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
-               "config_file", "web_config_file", "proc_root", "cri_socket", "config_file_srcdir")
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -209,6 +239,16 @@ def _check_consistency(config: Config) -> None:
         raise ConfigError(
             f"{where}: probe_address {got(config.probe_address)}: expected another port than"
             f" metrics_address {got(config.metrics_address)} (the probes have their own listener)"
+        )
+    if config.mps and config.time_slicing:
+        raise ConfigError(
+            f"{where}: sharing: timeSlicing and mps are exclusive on a node (a GPU is shared one way);"
+            " keep one of them"
+        )
+    if config.mps and config.mig_strategy == "mixed":
+        raise ConfigError(
+            f"{where}: sharing.mps: MPS cannot share MIG devices and NVIDIA's plugin refuses it with"
+            " migStrategy mixed; use migStrategy none or single"
         )
     if config.mig_strategy == "single" or config.mig_strategy == "none":
         for ts in config.time_slicing:
@@ -262,7 +302,10 @@ def load_config(
             extra_critical_xids=tuple(sorted(set(config.extra_critical_xids) | set(enable_xids))),
         )
     _check_consistency(config)
-    return replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
+    config = replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
+    if "/" in config.mps_control_binary:  # a path, not a name looked up on the PATH
+        config = replace(config, mps_control_binary=os.path.abspath(config.mps_control_binary))
+    return config
 
 
 def probe_address_of(config: Config) -> str:
@@ -282,12 +325,40 @@ def is_critical_xid(config: Config, xid: int) -> bool:
     return xid in config.extra_critical_xids or xid not in config.ignored_xids
 
 
+#: Settings read once, at start: which servers serve the GPUs (the mode; in DRA mode the
+#: driver, its directories, the API server and the node's pool), where metrics and probes
+#: are served (the web config file's path; its content is re-read when it changes), what
+#: the sampler polls and where it finds the pods, where the labels go (the sink, its file,
+#: the pod owning its NodeFeature), the sysfs root. A reload (SIGHUP) keeps their running
+#: values (:func:`keep_start_settings`): what the agent says it runs is what it runs.
+#: Everything else follows a reload.
+START_ONLY_FIELDS = (
+    "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
+    "delete_slices_on_shutdown", "metrics_address", "probe_address", "web_config_file",
+    "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
+    "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
+    "pod_name", "pod_uid", "sysfs_root",
+)
+
+
+def keep_start_settings(reloaded: Config, running: Config) -> tuple[Config, str]:
+    """``reloaded`` with the running value of every setting in :data:`START_ONLY_FIELDS`,
+    and "" or what the reload asked for and did not get, for the log (``mode 'dra' (running
+    'device-plugin'), ...``, values shortened: they come from the file)."""
+    changed = [f for f in START_ONLY_FIELDS if getattr(reloaded, f) != getattr(running, f)]
+    said = ", ".join(
+        f"{f} {shorten(repr(getattr(reloaded, f)), 120)} (running {shorten(repr(getattr(running, f)), 120)})"
+        for f in changed
+    )
+    return replace(reloaded, **{f: getattr(running, f) for f in changed}), said
+
+
 def describe_config(config: Config) -> dict[str, object]:
     """The effective configuration as plain data, for the start-up log line."""
     out: dict[str, object] = {}
     for f in fields(Config):
         value = getattr(config, f.name)
-        if f.name == "time_slicing":
+        if f.name in ("time_slicing", "mps"):
             value = [
                 {"name": t.name, "replicas": t.replicas, "rename": t.rename,
                  "devices": list(t.devices) if t.devices is not None else "all"}

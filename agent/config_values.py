@@ -124,6 +124,22 @@ def expect_driver_name(value: object, where: str) -> str:
     return name
 
 
+def expect_path(value: object, where: str) -> str:
+    """A non-empty path (made absolute by the loader)."""
+    path = expect_str(value, where).strip()
+    if not path or "\0" in path:
+        raise ValueError(f"{where}: expected a path, got {got(value)}")
+    return path
+
+
+def expect_program(value: object, where: str) -> str:
+    """A program: a name looked up on the ``PATH`` or a path to it."""
+    program = expect_str(value, where).strip()
+    if not program or "\0" in program or program.endswith("/"):
+        raise ValueError(f"{where}: expected a program name on the PATH or a path to it, got {got(value)}")
+    return program
+
+
 # --- per-node configs and IMEX (issue 18)
 FALLBACK_STRATEGIES = ("named", "single")
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -194,6 +210,8 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "mode": lambda v, w: expect_choice(v, MODES, w),
     "driver_name": expect_driver_name,
     "delete_slices_on_shutdown": expect_bool,
+    "mps_root": expect_path,
+    "mps_control_binary": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
     "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
     "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),

@@ -42,7 +42,7 @@ from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from agent.config import Config, describe_config
+from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.hw.protocols import EventSource, Lifecycle
@@ -313,24 +313,26 @@ class Daemon:
     def reread(self, reload_config: bool = False, loader: Callable[[], Config] | None = None) -> bool:
         """Read the topology again and hand it to the servers and the labels.
 
-        SIGHUP (``reload_config``): with the configuration read again, served again in any
-        case (the servers re-register). A kubelet restart: with the running configuration,
-        served only when the topology changed (a GPU replaced or MIG reconfigured while the
-        node was in maintenance). A failure is logged and the running configuration and
-        topology are kept. True when served. ``loader`` reads the new configuration instead of
-        ``config_loader`` (a per-node config the label chose).
+        SIGHUP (``reload_config``): with the configuration read again (the start-only settings
+        keep their running values: one warning), served again in any case (re-registered). A
+        kubelet restart: with the running configuration, served only when the topology
+        changed (a GPU replaced or MIG reconfigured during maintenance). A failure is logged
+        and the running configuration and topology are kept. True when served. ``loader``
+        reads the new configuration instead of ``config_loader`` (a per-node config the label
+        chose).
         """
         current, servers = self.topology, self.servers
         loader = loader or self.config_loader
         if current is None or servers is None:
             return False
         try:
-            config = loader() if reload_config and loader is not None else self.config
+            loaded = loader() if reload_config and loader is not None else self.config
+            config, ignored = keep_start_settings(loaded, self.config)
+            if ignored:
+                log.warning("not applied, these apply at start only (restart the agent to change them): %s", ignored)
             topology = self._read_again(current)
             if not reload_config and topology is current:
                 return False
-            if config.mode != self.config.mode:
-                log.warning("the mode applies at start: restart the agent to change it")
             if topology is not current:
                 log.warning("topology changed since it was last read: serving the new one")
             servers.set_topology(topology, config)

@@ -20,11 +20,16 @@ from agent.errors import AgentError, ConfigError, shorten
 SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
-def api_client(config: Config, *, retries: bool = True) -> Any:
+def api_client(config: Config) -> Any:
     """A ``kubernetes.client.ApiClient`` from ``config.kubeconfig``, or the in-cluster
-    configuration when it is empty. ``retries=False`` turns off the client's own retries
-    (for a caller that retries in its own loop, with backoff and one log line per reason).
-    Raises ConfigError naming what is wrong."""
+    configuration when it is empty. Raises ConfigError naming what is wrong.
+
+    The client does not retry on its own: every caller already does, in its own loop (the
+    slice publisher with backoff, the label sink at its next re-assertion; the kubelet calls
+    NodePrepareResources again), and
+    urllib3's retries would each log a warning of their own (three per request with the
+    API server down) and hold the caller meanwhile. Callers log one line per change of
+    state instead."""
     from kubernetes import client
     from kubernetes import config as kube_config
 
@@ -42,8 +47,7 @@ def api_client(config: Config, *, retries: bool = True) -> Any:
                 f"no --kubeconfig given and no in-cluster configuration ({exc}); "
                 "run in a pod with a service account or pass --kubeconfig FILE"
             ) from None
-    if not retries:
-        configuration.retries = False
+    configuration.retries = False
     return client.ApiClient(configuration)
 
 
@@ -95,7 +99,7 @@ class CustomObjects:
     def from_config(cls, config: Config, group: str, version: str, plural: str) -> CustomObjects:
         """Through :func:`api_client` (no client-side retries: callers retry in their loop).
         The client is built at once, so a bad ``--kubeconfig`` fails here (ConfigError)."""
-        objects = cls(lambda: api_client(config, retries=False), group, version, plural)
+        objects = cls(lambda: api_client(config), group, version, plural)
         objects._client = objects._client_factory()
         return objects
 

@@ -50,7 +50,15 @@ def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
         # imported here: a device-plugin node never loads the DRA stubs and clients
         from agent.dra.servers import DraServers
 
-        return DraServers.from_config
+        def dra(
+            topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]
+        ) -> DraServers:
+            return DraServers.from_config(
+                topology, config, health, on_kubelet_restart,
+                count_claim_read_error=agent_metrics.claim_read_errors.inc,
+            )
+
+        return dra
 
     def device_plugins(
         topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]

@@ -137,7 +137,7 @@ def test_health_section_sets_xids_and_recovery_period(tmp_path):
         ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [fast]\n", "devices", "GPU indices"),
         ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      rename: a/b\n", "rename", "without a domain"),
         ("version: v1\nhealth:\n  recoverySeconds: soon\n", "health.recoverySeconds", "a number"),
-        ("version: v1\nsharing:\n  mps:\n    resources: []\n    x: 1\n", "sharing.mps", "not supported"),
+        ("version: v1\nsharing:\n  mps:\n    resources: []\n", "sharing.mps.resources", "at least one resource"),
         ("version: v1\nflags: [1]\n", "flags", "mapping"),
     ],
 )

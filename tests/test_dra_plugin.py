@@ -550,7 +550,7 @@ def test_a_new_topology_serves_new_claims_and_keeps_prepared_ones(node):
     plugin = node.start(hgx8_topology())
     old = node.put_claim("old", ["gpu-7"])
     first = node.prepare(old)
-    plugin.set_topology(hgx8_topology(mig=True))  # GPU 7 is now split into MIG devices
+    plugin.set_topology(hgx8_topology(mig=True), plugin.config)  # GPU 7 is now split into MIG devices
     assert node.prepare(old) == first
     new = node.put_claim("new", ["gpu-7"])
     assert "device 'gpu-7' of pool 'node-1' (request 'gpus'): unknown" in node.prepare(new).claims[new["metadata"]["uid"]].error

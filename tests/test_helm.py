@@ -769,3 +769,14 @@ def test_readme_maps_nvidias_chart_values_that_exist_here() -> None:
         for part in name.split("."):
             assert isinstance(value, dict) and part in value, f"{name} is said to be the same, but is no value"
             value = value[part]
+
+
+def test_mps_mounts_its_root_and_shm_only_when_enabled() -> None:
+    assert "/run/nvidia/mps" not in mounts(render({}))
+    objects = render({"mps": {"enabled": True, "root": "/var/run/mps"}})
+    found = mounts(objects)
+    assert found["/var/run/mps"][1]["hostPath"] == {"path": "/var/run/mps", "type": "DirectoryOrCreate"}
+    assert found["/dev/shm"][1]["hostPath"] == {"path": "/var/run/mps/shm", "type": "DirectoryOrCreate"}
+    assert "--mps-root=/var/run/mps" in container(objects)["args"]
+    default_root = render({"mps": {"enabled": True}})
+    assert not [a for a in container(default_root)["args"] if a.startswith("--mps-root")]

@@ -107,6 +107,16 @@ def test_mps_client_list_is_empty_without_a_simulated_mps_daemon():
     assert lib.nvmlDeviceGetMPSComputeRunningProcesses(lib.nvmlDeviceGetHandleByIndex(0)) == []
 
 
+def test_a_gpu_with_processes_reports_their_use_as_its_own():
+    lib = fake(spec_with([{"pid": 10, "used_memory_mib": 9000, "sm_util": 55, "mem_util": 30},
+                          {"pid": 11, "used_memory_mib": 3000, "sm_util": 12, "mem_util": 4}]))
+    h = lib.nvmlDeviceGetHandleByIndex(0)
+    rates = lib.nvmlDeviceGetUtilizationRates(h)
+    assert (rates.gpu, rates.memory) == (67, 34), "time-sliced processes add up"
+    memory = lib.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2)
+    assert memory.used == 12000 << 20
+
+
 # ---------------------------------------------------------------- fake /proc
 def test_the_fake_proc_holds_the_cgroup_of_each_process_that_has_one():
     spec = spec_with([{"pid": 10, "cgroup": CGROUP}, {"pid": 11}],

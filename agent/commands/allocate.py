@@ -65,8 +65,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--replicas", type=int, metavar="N", default=None,
-        help="time-slice every GPU into N replicas (sharing.timeSlicing for nvidia.com/gpu;"
-             " overrides the config's time-slicing) (default: no time-slicing)",
+        help="share every GPU as N replicas (sharing.timeSlicing, or sharing.mps with --sharing mps,"
+             " for nvidia.com/gpu; overrides the config's sharing) (default: no sharing)",
+    )
+    p.add_argument(
+        "--sharing", choices=("time-slicing", "mps"), default=None,
+        help="how --replicas shares the GPUs (default: time-slicing)",
     )
     p.add_argument(
         "--shared-devices-allocation-policy", choices=REPLICA_POLICIES,
@@ -122,15 +126,26 @@ def explanation_to_json(e: Explanation) -> dict[str, Any]:
 
 def effective_config(args: argparse.Namespace) -> Config:
     """The configuration the running agent would have with ``--config`` and these flags."""
-    if args.replicas is not None and args.replicas < 1:
-        raise UsageError(f"--replicas: expected a whole number of at least 1, got {args.replicas}")
+    if args.sharing is not None and args.replicas is None:
+        raise UsageError("--sharing: says how --replicas shares the GPUs; give --replicas N too")
+    least = 2 if args.sharing == "mps" else 1
+    if args.replicas is not None and args.replicas < least:
+        raise UsageError(
+            f"--replicas: expected a whole number of at least {least}{' with --sharing mps' if least > 1 else ''},"
+            f" got {args.replicas}"
+        )
     flags = {
         "mig_strategy": args.mig_strategy,
         "shared_devices_allocation_policy": args.shared_devices_allocation_policy,
     }
     config = load_config(args.config, dict(default_environ()), flags)
     if args.replicas is not None:
-        config = replace(config, time_slicing=(TimeSlicingResource(replicas=args.replicas),))
+        shared = (TimeSlicingResource(replicas=args.replicas),)
+        if args.sharing == "mps":
+            # what a file's sharing.mps gives: no time-slicing, one replica per request
+            config = replace(config, mps=shared, time_slicing=(), fail_requests_greater_than_one=True)
+        else:
+            config = replace(config, time_slicing=shared, mps=())
     return config
 
 
@@ -204,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     devices = handler.answer(request)
     indices = [resource.by_id[d].gpu_index for d in devices]
     if resource.kind != "gpu":
-        return _print_devices(args, topology, resource, devices, indices, len(available), must_include)
+        return _print_devices(args, topology, handler, devices, indices, len(available), must_include)
     explanation = handler.engine.explain(handler.table, request) if args.explain else None
     score = topology.set_score(indices)
     if args.format == "json":
@@ -242,22 +257,31 @@ def _write(args: argparse.Namespace, lines: list[str]) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-def _print_devices(args: argparse.Namespace, topology: Topology, resource: PluginResource,
+def _print_devices(args: argparse.Namespace, topology: Topology, handler: RequestHandler,
                    devices: list[str], indices: list[int], n_available: int,
                    must_include: list[str]) -> int:
-    """MIG devices and time-sliced replicas."""
+    """MIG devices and replicas (time-sliced, or MPS with what the container gets)."""
+    resource = handler.resource
     score = topology.set_score(sorted(set(indices)))
+    sharing = ("mps" if resource.mps else "time-slicing") if resource.shared else "none"
+    # an MPS replica's client settings, as Allocate hands them to the container
+    mps = {k: v for k, v in handler.allocate(devices).envs.items() if k.startswith("CUDA_MPS_")} if resource.mps else {}
     if args.format == "json":
-        json.dump({"devices": devices, "indices": indices, "score": score, "resource": resource.name},
-                  sys.stdout, indent=2)
+        doc: dict[str, Any] = {"devices": devices, "indices": indices, "score": score, "resource": resource.name,
+                               "sharing": sharing}
+        if mps:
+            doc["mps"] = mps
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
+    how = {"mps": ", shared through MPS", "time-slicing": ", time-sliced"}.get(sharing, "")
     _write(args, [
         f"machine   {topology.machine or topology.source or '-'}",
-        f"resource  {resource.name} ({len(resource.devices)} {resource.kind} devices)",
+        f"resource  {resource.name} ({len(resource.devices)} {resource.kind} devices{how})",
         f"request   size {args.size}, {n_available} available, must-include {must_include}",
         f"on GPUs   {indices}",
         f"devices   {', '.join(devices)}",
         f"score     {score} (of the GPUs they are on)",
+        *([f"mps       {' '.join(f'{k}={v}' for k, v in mps.items())}"] if mps else []),
     ])
     return 0

@@ -114,6 +114,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-interval-s", metavar="SECONDS", type=float, dest="label_interval_s", default=None,
                    help="re-assert the label file this often, restoring a deleted one"
                         f" (default: {_DEFAULTS.label_interval_s:g}; env LABEL_INTERVAL_S)")
+    p.add_argument("--mps-root", metavar="DIR", dest="mps_root", default=None,
+                   help="host directory of the MPS control daemons' pipe and log directories"
+                        f" (sharing.mps) and the pods' shm (default: {_DEFAULTS.mps_root}; env MPS_ROOT,"
+                        " file flags.mpsRoot)")
+    p.add_argument("--mps-control-binary", metavar="PATH", dest="mps_control_binary", default=None,
+                   help=f"the MPS control program (default: {_DEFAULTS.mps_control_binary} on the PATH;"
+                        " env MPS_CONTROL_BINARY, file flags.mpsControlBinary)")
 
 
 def _add_dra_flags(p: argparse.ArgumentParser) -> None:
@@ -160,7 +167,7 @@ FLAG_FIELDS = (
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
-    "label_interval_s", "proc_root", "cri_socket",
+    "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",

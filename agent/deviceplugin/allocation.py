@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import NoReturn, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerDevice, ContainerEdits, container_edits
-from agent.deviceplugin.resources import PluginResource, physical_devices
+from agent.containers import ContainerDevice, ContainerEdits, MpsShare, container_edits
+from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
 from agent.errors import AllocationError
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable
@@ -42,6 +42,11 @@ class RequestHandler:
         self._kind = resource.kind
         self._one_at_most = config.fail_requests_greater_than_one and resource.shared
         self._packed = config.shared_devices_allocation_policy == "packed"
+        # an MPS resource's replicas per GPU: what one replica's share is divided by
+        self._mps_replicas: dict[int, int] = {}
+        for d in resource.devices if resource.mps else ():
+            if d.replica is not None:
+                self._mps_replicas[d.gpu_index] = self._mps_replicas.get(d.gpu_index, 0) + 1
 
     @property
     def engine(self) -> AllocationEngine:
@@ -101,4 +106,14 @@ class RequestHandler:
         requested = [self.resource.by_id[table.ids[r]] for r in ranks]
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
-        return container_edits(self.topology, devices, self.config)
+        return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested))
+
+    def _mps_share(self, requested: Sequence[PluginDevice]) -> MpsShare | None:
+        """What the container holds of an MPS resource's replicas (None: no MPS replica)."""
+        held: dict[int, int] = {}
+        for d in requested:
+            if d.replica is not None:
+                held[d.gpu_index] = held.get(d.gpu_index, 0) + 1
+        if not self._mps_replicas or not held:
+            return None
+        return MpsShare(self.resource.name, {i: self._mps_replicas[i] for i in held}, held)

@@ -54,8 +54,8 @@ class SlicePublisher:
     """Publish the node's ResourceSlices and keep them current.
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
-    thread, again after a failure to build one; production: :func:`agent.kube.api_client`
-    with ``retries=False``, as the publisher's own loop retries). ``health`` (an
+    thread, again after a failure to build one; production: :func:`agent.kube.api_client`,
+    which leaves retrying to the publisher's own loop). ``health`` (an
     :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs leave the
     slices and come back on recovery. Without it, call :meth:`update`. ``delete_on_stop``:
     delete the slices on :meth:`stop` (default keep: a restarting agent must not make running

@@ -1,9 +1,12 @@
 """The agent's own health metrics (``gpu_agent_*``), registered on the service's registry.
 
 Built first (before the topology is read) and handed to each component's constructor: the
-device plugin reports preferred-allocation latency, registrations and kubelet restarts (its
-``DevicePluginEvents``, which :class:`AgentMetrics` implements), the label publisher its
-failed writes, the metrics service its sampling rounds and pod-resources errors.
+device plugin reports preferred-allocation latency, registrations and failed ones, refused
+ListAndWatch streams and kubelet restarts (its ``DevicePluginEvents``, which
+:class:`AgentMetrics` implements), the label publisher its failed writes, the DRA claim
+reader the claims it could not read, the metrics service its sampling rounds and
+pod-resources errors. Where a condition repeats (a client retrying in a loop, an API server
+down), the log says it once and these count the repeats.
 
 State that lives elsewhere is read at scrape time, never mirrored: NVML errors from
 ``backend.error_counts`` (a dict read, no NVML call) and the health of every device the
@@ -48,6 +51,16 @@ class AgentMetrics:
             "gpu_agent_registrations", "Registrations with the kubelet, by resource.",
             ["resource"], registry=registry,
         )
+        self._registration_failures = Counter(
+            "gpu_agent_registration_failures",
+            "Failed registrations with the kubelet, by resource (each is retried with backoff).",
+            ["resource"], registry=registry,
+        )
+        self._streams_refused = Counter(
+            "gpu_agent_list_and_watch_refused",
+            "ListAndWatch streams refused because the per-resource cap was reached, by resource.",
+            ["resource"], registry=registry,
+        )
         self._kubelet_restarts = Counter(
             "gpu_agent_kubelet_restarts", "Kubelet restarts seen (its socket re-created).",
             registry=registry,
@@ -66,6 +79,11 @@ class AgentMetrics:
         self.label_write_errors = Counter(
             "gpu_agent_label_write_errors",
             "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
+        )
+        self.claim_read_errors = Counter(
+            "gpu_agent_claim_read_errors",
+            "ResourceClaims that could not be read from the API server (their NodePrepareResources"
+            " fails; the kubelet retries).", registry=registry,
         )
         # per-node configs (issue 18): one series each, replaced on change
         self._active_config = Gauge(
@@ -101,6 +119,12 @@ class AgentMetrics:
         """The node label's value ``label`` is refused for ``reason`` (unknown|invalid)."""
         self._refused_config.clear()
         self._refused_config.labels(label=label, reason=reason).set(1)
+
+    def registration_failure(self, resource: str) -> None:
+        self._registration_failures.labels(resource=resource).inc()
+
+    def stream_refused(self, resource: str) -> None:
+        self._streams_refused.labels(resource=resource).inc()
 
     def watch_devices(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         """Export ``gpu_agent_device_healthy`` from ``devices()``, read at every scrape:

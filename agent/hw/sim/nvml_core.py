@@ -185,10 +185,16 @@ class FakeNvmlCore:
     def _default_telemetry(self, g: GpuSpec) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.spec.name}:{g.index}".encode())
         util = 20 + seed % 71  # 20..90
+        mem_util = util // 2
+        used_mib = min((g.model.memory_mib or 0) // 2, 1024 + (seed >> 16) % 20000)
+        if g.processes:  # the GPU's figures are its processes' (time-sliced: they add up)
+            util = min(100, sum(p.sm_util for p in g.processes))
+            mem_util = min(100, sum(p.mem_util for p in g.processes))
+            used_mib = sum(p.used_memory_mib for p in g.processes)
         temp = 32 + (seed >> 8) % 30
         return {
             "gpu_util_pct": util,
-            "mem_util_pct": util // 2,
+            "mem_util_pct": mem_util,
             "enc_util_pct": 0,
             "dec_util_pct": (seed >> 4) % 5,
             "gpu_temp_c": temp,
@@ -197,7 +203,7 @@ class FakeNvmlCore:
             "sm_clock_mhz": g.model.max_sm_clock_mhz - (seed >> 12) % 200,
             "mem_clock_mhz": g.model.mem_clock_mhz,
             "video_clock_mhz": 1275,
-            "memory_used_mib": min((g.model.memory_mib or 0) // 2, 1024 + (seed >> 16) % 20000),
+            "memory_used_mib": used_mib,
             "pcie_tx_kbps": 1000 + (seed >> 3) % 50000,
             "pcie_rx_kbps": 2000 + (seed >> 5) % 80000,
             "pcie_replay": 0,

@@ -17,7 +17,7 @@ from agent.hw.sim.nvml_types import CONSTANTS as _C
 from agent.hw.sim.processes import check_process_cgroups, read_processes
 from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
 from agent.hw.sim.spec_reader import SpecReader
-from agent.records import synthetic_gpu_uuid
+from agent.records import COMPUTE_MODES, synthetic_gpu_uuid
 
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb$")
 
@@ -57,6 +57,7 @@ _GPU_KEYS = frozenset(
         "fabric",
         "gpu_numa_id",
         "board",
+        "compute_mode",
         "processes",
     }
 )
@@ -181,5 +182,16 @@ def _read_gpu(
         fabric_clique_id=clique,
         gpu_numa_id=r.opt_int(entry.get("gpu_numa_id"), f"{where}.gpu_numa_id", minimum=0),
         board=str(entry["board"]) if entry.get("board") is not None else None,
+        compute_mode=_read_compute_mode(r, entry.get("compute_mode", "Default"), f"{where}.compute_mode"),
         processes=read_processes(entry.get("processes"), r.source, f"{where}.processes"),
     )
+
+
+def _read_compute_mode(r: SpecReader, value: object, where: str) -> str:
+    """nvidia-smi's name of a compute mode (``Default``, ``Exclusive_Process``,
+    ``Prohibited``, ``Exclusive_Thread``), any case."""
+    text = r.str_(value, where)
+    for name in COMPUTE_MODES.values():
+        if text.strip().lower() == name.lower():
+            return name
+    raise r.fail(where, f"expected one of {', '.join(COMPUTE_MODES.values())}, got {text!r}")

@@ -42,6 +42,7 @@ class GpuSpec:
     fabric_clique_id: int | None = None
     gpu_numa_id: int | None = None  # nvmlDeviceGetNumaNodeId (GPU memory node on Grace)
     board: str | None = None  # GPUs on one multi-GPU board are NVML_TOPOLOGY_INTERNAL
+    compute_mode: str = "Default"  # nvmlDeviceGetComputeMode, as nvidia-smi names it
     processes: tuple[ProcessSpec, ...] = ()  # what runs on it (agent.hw.sim.processes)
 
 
