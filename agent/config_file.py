@@ -186,10 +186,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
 
 def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     """The file's ``flags`` section (with ``flags.plugin`` and ``flags.gfd``) into ``out``."""
-    for key in ("imexChannelIDs", "imexRequired"):  # an IMEX setting must never be ignored
-        if key in flags:
-            raise ValueError(f"flags.{key}: not a key of this format; IMEX channels are set in the"
-                             " top-level imex section (imex.channelIDs, imex.required)")
+    _refuse_misplaced_imex(flags)
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
@@ -272,6 +269,14 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
         out["extra_critical_xids"] = expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = expect_number(health["recoverySeconds"], "health.recoverySeconds")
+
+
+def _refuse_misplaced_imex(flags: Mapping[str, Any]) -> None:
+    """An IMEX setting must never be ignored: these spellings are not NVIDIA's."""
+    for key in ("imexChannelIDs", "imexRequired"):
+        if key in flags:
+            raise ValueError(f"flags.{key}: not a key of this format; IMEX channels are set in the"
+                             " top-level imex section (imex.channelIDs, imex.required)")
 
 
 def _parse_imex(imex: Mapping[str, Any], out: dict[str, object]) -> None:

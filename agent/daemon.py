@@ -171,7 +171,7 @@ class Daemon:
 
         node_config = None
         if config.config_file_srcdir and load_file is not None:
-            watch = NodeLabelWatch(lambda: api_client(config, retries=False), config.node_name, config.node_label)
+            watch = NodeLabelWatch(lambda: api_client(config), config.node_name, config.node_label)
             node_config = NodeConfigSelector(
                 NamedConfigs.from_config(config), watch, load_file, agent_metrics,
                 active=os.path.basename(config.config_file or ""),

@@ -97,7 +97,7 @@ class NodeLabelWatch:
     ``on_value`` (on its own thread) at first and whenever it changes.
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (production:
-    :func:`agent.kube.api_client` with ``retries=False``: this loop retries, with a capped
+    :func:`agent.kube.api_client`, which does not retry: this loop does, with a capped
     exponential backoff, each failure logged once per reason). ``watch_timeout_s`` is the
     ``timeoutSeconds`` of each watch; the server may end one sooner.
     """

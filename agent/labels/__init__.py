@@ -45,11 +45,9 @@ NIC behind the same PCIe switch complex: ``PIX`` or ``PXB`` in ``nvidia-smi topo
 through PCIe switches only, never through a host bridge), ``gpu-models`` (distinct GPU
 models on the node), ``gpu-count`` (all GPUs, whatever the model).
 
-For gang schedulers (Kueue's topology-aware scheduling, Volcano's HyperNode discovery), which
-group nodes by label values coarsest first: ``nvlink-domain``, the NVLink fabric's cluster
-UUID, published exactly when ``nvidia.com/gpu.clique`` is (whose value starts with it), so
-every node of a clique is in its domain: the levels nest strictly. With per-node configs,
-``active-config`` names the config the agent applies.
+For gang schedulers (Kueue TAS, Volcano HyperNodes): ``nvlink-domain``, the fabric's cluster
+UUID, exactly when ``nvidia.com/gpu.clique`` (which starts with it) is there: strictly nested.
+With per-node configs, ``active-config`` names the config applied.
 """
 
 from __future__ import annotations
@@ -136,8 +134,9 @@ def compute_labels(topology: Topology, config: Config, now: float | None = None)
     labels.update(_resource_labels(topology, config))
     labels.update(_clique_labels(topology))
     labels.update(_topology_labels(topology))
-    if config.config_file_srcdir and config.config_file:
-        labels[ACTIVE_CONFIG_LABEL] = _valid_or_empty(os.path.basename(config.config_file))
+    active = os.path.basename(config.config_file or "") if config.config_file_srcdir else ""
+    if is_valid_label_value(active):  # an empty value is dropped below
+        labels[ACTIVE_CONFIG_LABEL] = active
     if now is not None and not config.no_timestamp:
         labels[TIMESTAMP_LABEL] = str(int(now))
     return dict(sorted((k, v) for k, v in labels.items() if v))
@@ -324,10 +323,6 @@ def _mig_resource_labels(resource: str, config: Config, parent_model: str, profi
         out[key + "slices.gi"] = gi
         out[key + "slices.ci"] = ci or gi
     return out
-
-
-def _valid_or_empty(value: str) -> str:
-    return value if is_valid_label_value(value) else ""
 
 
 def _clique_labels(topology: Topology) -> dict[str, str]:
