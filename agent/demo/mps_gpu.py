@@ -91,11 +91,12 @@ def show_mps(
 def _serve(config: Config, spec_path: str) -> dict[str, Any]:
     """Run the agent with the stand-ins until each pod has its Allocate answer."""
     from agent.daemon import Daemon
-    from agent.demo.kubelet import KubeletStub, PluginClient
+    from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub
 
-    kubelet = daemon = client = None
+    kubelet = pod_resources = daemon = client = None
     try:
         kubelet = KubeletStub(config.kubelet_dir).start()
+        pod_resources = PodResourcesStub(config.pod_resources_socket).start()  # no pods to list
         daemon = Daemon.from_config(config, simulate=spec_path)
         if not daemon.start():
             raise AgentError("the agent stopped while starting")
@@ -123,6 +124,8 @@ def _serve(config: Config, spec_path: str) -> dict[str, Any]:
             client.close()
         if daemon is not None:
             daemon.shutdown()
+        if pod_resources is not None:
+            pod_resources.stop()
         if kubelet is not None:
             kubelet.stop()
 
@@ -186,7 +189,8 @@ def _show(teller: Teller, facts: dict[str, Any]) -> None:
                    f"got {p['device']}")
     first = facts["pods"][0]
     teller.say()
-    teller.say(f"Allocate for {first['pod']}'s replica returns, beside NVIDIA_VISIBLE_DEVICES:")
+    teller.say(f"Allocate for {first['pod']}'s replica returns, besides NVIDIA_VISIBLE_DEVICES and "
+               "GPU_TOPOLOGY_*:")
     for key, value in first["envs"].items():
         if key.startswith("CUDA_MPS_"):
             teller.say(f"  {key}={value}")
