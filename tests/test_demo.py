@@ -212,6 +212,7 @@ def test_on_standard_input_the_suggested_command_reads_standard_input_too(monkey
 
 # ---------------------------------------------------------------- one GPU, two pods
 SHARED = "== One GPU, two pods: time-slicing and per-pod use"
+MPS = "== One GPU, two pods: MPS"
 SERIES_RE = re.compile(r'^(\w+)\{gpu="(\d+)",pod="(\w+)",container="(\w+)"\} ([\d.]+)$')
 
 
@@ -219,7 +220,7 @@ def test_the_demo_shows_two_pods_on_one_time_sliced_gpu_with_their_own_figures(c
     assert cli.main(["demo", "--simulate", "pcie-4gpu"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
-    section = out.split(SHARED, 1)[1].split("== Done", 1)[0]
+    section = out.split(SHARED, 1)[1].split(MPS, 1)[0]
     got = re.findall(r"demo/(\w+) +container (\w+) +got (GPU-[0-9a-f-]+)::(\d)", section)
     assert [(pod, container) for pod, container, _, _ in got] == \
         [("trainer", "main"), ("notebook", "jupyter")]
@@ -265,7 +266,6 @@ def test_the_demo_json_tells_the_same_shared_gpu_facts(capsys):
 
 
 # ---------------------------------------------------------------- one GPU, two pods, MPS
-MPS = "== One GPU, two pods: MPS"
 
 
 def test_the_demo_shows_an_mps_shared_gpu_advertised_once_its_daemon_answers(capsys):
