@@ -111,6 +111,20 @@ class Config:
     #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
     #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
     delete_slices_on_shutdown: bool = False
+    # --- per-node configs (issue 18), as NVIDIA's config-manager names and reads them
+    #: directory of named config files (the ConfigMap, one key each); when set, the node's
+    #: label ``node_label`` names the config to apply instead of ``--config``
+    #: (env CONFIG_FILE_SRCDIR)
+    config_file_srcdir: str = ""
+    #: the config of a node without the label (env DEFAULT_CONFIG); empty: the fallbacks
+    default_config: str = ""
+    node_label: str = "nvidia.com/device-plugin.config"  # env NODE_LABEL
+    #: without the label and a default: ``named`` (the config called ``default``), then
+    #: ``single`` (the only config), NVIDIA's chart's order (env FALLBACK_STRATEGIES)
+    fallback_strategies: tuple[str, ...] = ("named", "single")
+    # --- IMEX channels (NVIDIA's top-level ``imex:`` section)
+    imex_channel_ids: tuple[int, ...] = ()  # [] or [0] (env IMEX_CHANNEL_IDS)
+    imex_required: bool = False  # a configured channel missing on the node is an error (env IMEX_REQUIRED)
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -175,12 +189,18 @@ ENV_FIELDS: Mapping[str, str] = {
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
     "CRI_SOCKET": "cri_socket",
+    "CONFIG_FILE_SRCDIR": "config_file_srcdir",
+    "DEFAULT_CONFIG": "default_config",
+    "NODE_LABEL": "node_label",
+    "FALLBACK_STRATEGIES": "fallback_strategies",
+    "IMEX_CHANNEL_IDS": "imex_channel_ids",
+    "IMEX_REQUIRED": "imex_required",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
-               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root")
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:

@@ -2,9 +2,9 @@
 the :class:`agent.config.Config` fields it sets.
 
 We accept every key the anchor's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
-``sharing.timeSlicing``, ``sharing.mps``, ``resources``) so that its files load unchanged,
-plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor parses
-for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
+``sharing.timeSlicing``, ``sharing.mps``, ``resources``, ``imex``) so that its files load
+unchanged, plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor
+parses for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
 """
 
@@ -22,6 +22,7 @@ from agent.config_values import (
     expect_bool,
     expect_choice,
     expect_file_name,
+    expect_imex_channel_ids,
     expect_list_strategy,
     expect_number,
     expect_str,
@@ -49,7 +50,7 @@ class TimeSlicingResource:
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
 _IGNORED_FLAG_KEYS = (
     "gfd", "gdsEnabled", "mofedEnabled",
-    "deviceDiscoveryStrategy", "imexChannelIDs", "imexRequired",
+    "deviceDiscoveryStrategy",
 )
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
 
@@ -170,13 +171,14 @@ def _parse_sharing(sharing: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "health", "metrics", "mode", "dra"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {got(doc.get('version'))}")
     out: dict[str, object] = {}
     _parse_flags(_expect_mapping(doc.get("flags"), "flags"), out)
     _parse_sharing(_expect_mapping(doc.get("sharing"), "sharing"), out)
     _parse_health(_expect_mapping(doc.get("health"), "health"), out)
+    _parse_imex(_expect_mapping(doc.get("imex"), "imex"), out)
     _parse_dra_file_keys(doc, out)
     _parse_metrics(_expect_mapping(doc.get("metrics"), "metrics"), out)
     return out
@@ -184,6 +186,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
 
 def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     """The file's ``flags`` section (with ``flags.plugin`` and ``flags.gfd``) into ``out``."""
+    _refuse_misplaced_imex(flags)
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
@@ -266,6 +269,23 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
         out["extra_critical_xids"] = expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = expect_number(health["recoverySeconds"], "health.recoverySeconds")
+
+
+def _refuse_misplaced_imex(flags: Mapping[str, Any]) -> None:
+    """An IMEX setting must never be ignored: these spellings are not NVIDIA's."""
+    for key in ("imexChannelIDs", "imexRequired"):
+        if key in flags:
+            raise ValueError(f"flags.{key}: not a key of this format; IMEX channels are set in the"
+                             " top-level imex section (imex.channelIDs, imex.required)")
+
+
+def _parse_imex(imex: Mapping[str, Any], out: dict[str, object]) -> None:
+    """NVIDIA's ``imex`` section: ``channelIDs`` ([] or [0]) and ``required``."""
+    _check_keys(imex, ("channelIDs", "required"), "imex")
+    if "channelIDs" in imex:
+        out["imex_channel_ids"] = expect_imex_channel_ids(imex["channelIDs"] or [], "imex.channelIDs")
+    if "required" in imex:
+        out["imex_required"] = expect_bool(imex["required"], "imex.required")
 
 
 def _parse_metrics(metrics: Mapping[str, Any], out: dict[str, object]) -> None:

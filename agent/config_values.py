@@ -140,6 +140,46 @@ def expect_program(value: object, where: str) -> str:
     return program
 
 
+# --- per-node configs and IMEX (issue 18)
+FALLBACK_STRATEGIES = ("named", "single")
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+
+
+def expect_config_name(value: object, where: str) -> str:
+    """A config's name: a ConfigMap key (``[-._a-zA-Z0-9]+``, not ``.``/``..``); empty: none."""
+    name = expect_str(value, where).strip()
+    if name and (not re.fullmatch(r"[-._a-zA-Z0-9]+", name) or name.startswith("..") or name == "."):
+        raise ValueError(f"{where}: expected a config name (a ConfigMap key: letters, digits, '-', '_', '.'),"
+                         f" got {got(value)}")
+    return name
+
+
+def expect_label_key(value: object, where: str) -> str:
+    """A node label key: ``[prefix/]name``, the prefix a DNS subdomain."""
+    key = expect_str(value, where).strip()
+    prefix, _, name = key.rpartition("/")
+    if not re.fullmatch(_LABEL_NAME, name) or (prefix and not re.fullmatch(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*", prefix)):
+        raise ValueError(f"{where}: expected a label key such as nvidia.com/device-plugin.config, got {got(value)}")
+    return key
+
+
+def expect_fallbacks(value: object, where: str) -> tuple[str, ...]:
+    items = expect_items(value, where, "a list of fallback strategies")
+    return tuple(dict.fromkeys(expect_choice(item, FALLBACK_STRATEGIES, where) for item in items))
+
+
+def expect_imex_channel_ids(value: object, where: str) -> tuple[int, ...]:
+    """NVIDIA's check: ``[]`` or ``[0]`` (the one channel its plugin injects)."""
+    if isinstance(value, str):  # "0", "", or spelled as the file's list: "[0]", "[]"
+        value = value.strip().removeprefix("[").removesuffix("]")
+    items = expect_items(value, where, "[] or [0]")
+    if not items:
+        return ()
+    if len(items) == 1 and not isinstance(items[0], bool) and str(items[0]).strip() == "0":
+        return (0,)
+    raise ValueError(f"{where}: expected [] or [0] (channel 0 is the only one injected), got {got(value)}")
+
+
 def _log_level(value: object, where: str) -> str:
     return expect_choice(str(value).upper(), tuple(x.lower() for x in LOG_LEVELS), where).upper()
 
@@ -175,6 +215,11 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
     "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
     "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),
+    "default_config": expect_config_name,
+    "node_label": expect_label_key,
+    "fallback_strategies": expect_fallbacks,
+    "imex_channel_ids": expect_imex_channel_ids,
+    "imex_required": expect_bool,
 }
 
 

@@ -17,6 +17,15 @@ the client limits matching the daemon's defaults (``CUDA_MPS_ACTIVE_THREAD_PERCE
 ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), scaled by the replicas the container holds. The
 paths and the per-replica shares are defined here once, for the daemon's supervisor too.
 
+IMEX channels (``imex.channelIDs``, multi-node NVLink) go with every set of GPUs as NVIDIA's
+plugin hands them: ``NVIDIA_IMEX_CHANNELS`` with ``envvar``, a mount under
+``/var/run/nvidia-container-devices/imex`` with ``volume-mounts``, the CDI device
+``nvidia.com/imex-channel=<id>`` (the toolkit's ``nvidia-ctk cdi generate --mode imex``
+name) with the CDI strategies, and the node ``/dev/nvidia-caps-imex-channels/channel<id>``
+with ``passDeviceSpecs``. A channel is handed out while its node exists (a character device
+under ``nvidiaDriverRoot``); a required one always (:func:`check_imex_channels` refused to
+load a configuration requiring a missing one).
+
 Nothing here calls NVML: the answer comes from the frozen :class:`Topology`; device nodes
 of the host are looked for only to pass the control nodes that exist and a MIG device's
 capability nodes the driver publishes.
@@ -24,13 +33,18 @@ capability nodes the driver publishes.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from agent.config import Config
+from agent.errors import ConfigError
 from agent.topology.model import Gpu, MigDevice, Topology
+
+log = logging.getLogger(__name__)
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
@@ -41,6 +55,9 @@ CDI_ANNOTATION_PLUGIN = "nvidia-device-plugin"
 TOPOLOGY_ENV_PREFIX = "GPU_TOPOLOGY_"
 #: Control device nodes passed with ``passDeviceSpecs`` where they exist on the host.
 CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+IMEX_CHANNELS_DIR = "/dev/nvidia-caps-imex-channels"
+IMEX_CHANNELS_ENV = "NVIDIA_IMEX_CHANNELS"
+IMEX_CDI_KIND = "nvidia.com/imex-channel"
 
 
 #: Where NVIDIA's plugin puts a resource's MPS pipe directory in the container (its
@@ -125,6 +142,7 @@ def container_edits(
     and CDI annotation prefix say. ``path_exists`` tells which control nodes exist on the
     host; ``mps`` adds what an MPS client needs."""
     ids = [_visible_id(d, config) for d in devices]
+    channels = [c for c in config.imex_channel_ids if config.imex_required or _imex_node_exists(c, config)]
     envs: dict[str, str] = {}
     mounts: list[tuple[str, str, bool]] = []
     nodes: list[tuple[str, str, str]] = []
@@ -134,7 +152,7 @@ def container_edits(
     strategies = config.device_list_strategy
     cdi = [s for s in strategies if s.startswith("cdi-")]
     if cdi:
-        names = [f"{CDI_KIND}={i}" for i in ids]
+        names = [f"{CDI_KIND}={i}" for i in ids] + [f"{IMEX_CDI_KIND}={c}" for c in channels]
         if "cdi-annotations" in strategies:
             key = f"{config.cdi_annotation_prefix}{CDI_ANNOTATION_PLUGIN}_{uuidlib.uuid4()}"
             annotations[key] = ",".join(names)
@@ -143,11 +161,16 @@ def container_edits(
     if len(cdi) < len(strategies):  # at least one non-CDI strategy: the anchor's env/mounts
         if "envvar" in strategies:
             envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
+            if channels:
+                envs[IMEX_CHANNELS_ENV] = ",".join(map(str, channels))
         if "volume-mounts" in strategies:
             envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_ROOT
             mounts.extend((f"{VOLUME_MOUNTS_ROOT}/{i}", VOLUME_MOUNTS_HOST_PATH, False) for i in ids)
+            mounts.extend((f"{VOLUME_MOUNTS_ROOT}/imex/{c}", VOLUME_MOUNTS_HOST_PATH, False) for c in channels)
         if config.pass_device_specs:
             nodes, nodes_by_device = _device_specs(devices, config.nvidia_driver_root, path_exists)
+            nodes.extend((_imex_path(c), _host_path(_imex_path(c), config.nvidia_driver_root), "rw")
+                         for c in channels)
     envs.update(_topology_envs(topology, devices))
     if mps is not None:
         envs.update(_mps_envs(topology, devices, mps))
@@ -156,6 +179,43 @@ def container_edits(
         envs=envs, mounts=tuple(mounts), devices=tuple(nodes), annotations=annotations,
         cdi_devices=tuple(cdi_devices), nodes_by_device=nodes_by_device,
     )
+
+
+def _imex_path(channel: int) -> str:
+    return f"{IMEX_CHANNELS_DIR}/channel{channel}"
+
+
+def _imex_node_exists(channel: int, config: Config) -> bool:
+    """The channel's node is a character device under the driver root, or (an agent given
+    the host's device nodes by CDI) at its own path: where NVIDIA's plugin looks."""
+    path = _imex_path(channel)
+    for candidate in dict.fromkeys((_host_path(path, config.nvidia_driver_root), path)):
+        try:
+            if stat.S_ISCHR(os.stat(candidate).st_mode):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_imex_channels(config: Config) -> None:
+    """Check the configured IMEX channels on this node, when a configuration is loaded (at
+    start and at each reload): a required channel without its device node is a
+    :class:`ConfigError` naming it (the agent does not start, a reload keeps the running
+    configuration); an optional one is logged and left out of containers until its node
+    exists."""
+    for channel in config.imex_channel_ids:
+        path = _host_path(_imex_path(channel), config.nvidia_driver_root)
+        if _imex_node_exists(channel, config):
+            log.info("IMEX channel channel%d (%s) goes to every container given GPUs", channel, path)
+        elif config.imex_required:
+            raise ConfigError(
+                f"imex.required: IMEX channel channel{channel} does not exist on this node: no character"
+                f" device at {path} (create the channel with the IMEX driver, or set imex.required false)"
+            )
+        else:
+            log.warning("IMEX channel channel%d: no character device at %s; left out of containers"
+                        " until it exists", channel, path)
 
 
 def _mps_envs(topology: Topology, devices: Sequence[ContainerDevice], mps: MpsShare) -> dict[str, str]:

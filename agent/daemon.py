@@ -18,6 +18,14 @@ path (:meth:`Daemon.reread`): read the topology again and hand it to the servers
 labels (SIGHUP with the configuration read again). SIGTERM/SIGINT shut down in a fixed order
 (servers, watcher, metrics, labels, NVML) within ``SHUTDOWN_BUDGET_S``, with a hard
 backstop; a second SIGTERM/SIGINT exits at once.
+
+Per-node configs (``--config-file-srcdir``): the node's label is followed from the start
+(:class:`agent.nodeconfig.NodeConfigSelector`); the config it names is the one started with
+when it is read within ``NODE_LABEL_WAIT_S``, and a new one takes the SIGHUP path.
+
+Size: above 400 lines because it is the one place where every collaborator's start, reload
+and stop order is written; each step is a few lines, and splitting them would scatter the
+order this module exists to show.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from agent.metrics.http import WaitingEndpoint
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 from agent.modes import Servers, ServersFactory, servers_for
+from agent.nodeconfig import NamedConfigs, NodeConfigSelector, NodeLabelWatch
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
 
@@ -57,6 +66,9 @@ SHUTDOWN_BUDGET_S = 20.0
 NVML_RETRY_S = 10.0
 #: Seconds the servers get to close their streams and calls at shutdown.
 SERVERS_GRACE_S = 1.0
+#: Seconds the start waits for the node's label (per-node configs) before it goes on with
+#: the default config (the label's config follows once it is read).
+NODE_LABEL_WAIT_S = 10.0
 
 
 class DaemonBackend(Lifecycle, EventSource, Protocol):
@@ -84,8 +96,9 @@ class Daemon:
     ``watcher`` build the mode's servers, the metrics service (None: no metrics endpoint)
     and the health watcher once the topology is read; ``waiting_endpoint`` serves
     ``/health`` while NVML is awaited (None: nothing). ``labels`` publishes the node labels
-    (None: none). ``config_loader`` reads the configuration again (SIGHUP). ``on_close``
-    runs last at shutdown (a simulated machine's clean-up).
+    (None: none). ``config_loader`` reads the configuration again (SIGHUP). ``node_config``
+    follows the node's label choosing its config (None: one config). ``on_close`` runs last
+    at shutdown (a simulated machine's clean-up).
     """
 
     def __init__(
@@ -100,9 +113,11 @@ class Daemon:
         watcher: WatcherFactory = _default_watcher,
         waiting_endpoint: Callable[[Config], WaitingEndpoint] | None = None,
         config_loader: Callable[[], Config] | None = None,
+        node_config: NodeConfigSelector | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self.node_config = node_config
         self.backend = backend
         self._servers_factory = servers
         self._read_topology = read_topology
@@ -133,12 +148,15 @@ class Daemon:
         *,
         simulate: str | None = None,
         config_loader: Callable[[], Config] | None = None,
+        load_file: Callable[[str], Config] | None = None,
     ) -> Daemon:
         """The real agent: NVML (or the simulated machine ``simulate``, ``--simulate``),
         the servers of ``config.mode``, the metrics service and the label sink
-        ``--labels-sink`` names. Raises AgentError when the simulated machine cannot be opened
-        or the label sink cannot be set up (exit 2)."""
+        ``--labels-sink`` names; with ``config.config_file_srcdir``, the node label's config
+        read by ``load_file(path)``. Raises AgentError when the simulated machine cannot be
+        opened or the label sink cannot be set up (exit 2)."""
         from agent.discovery import open_backend, read_topology
+        from agent.kube import api_client
 
         sink = label_sink(config)  # before the backend: a bad sink setting opens nothing
         backend, sim = open_backend(simulate, config.sysfs_root)
@@ -151,6 +169,14 @@ class Daemon:
                 cfg = dataclasses.replace(cfg, proc_root=sim.proc_root)
             return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready, agent_metrics=agent_metrics)
 
+        node_config = None
+        if config.config_file_srcdir and load_file is not None:
+            watch = NodeLabelWatch(lambda: api_client(config), config.node_name, config.node_label)
+            node_config = NodeConfigSelector(
+                NamedConfigs.from_config(config), watch, load_file, agent_metrics,
+                active=os.path.basename(config.config_file or ""),
+            )
+            config_loader = node_config.load_active
         return cls(
             config, backend,
             servers=servers_for(config.mode, agent_metrics),
@@ -159,6 +185,7 @@ class Daemon:
             metrics=metrics,
             waiting_endpoint=WaitingEndpoint,
             config_loader=config_loader,
+            node_config=node_config,
             on_close=sim.close if sim is not None else None,
         )
 
@@ -235,6 +262,11 @@ class Daemon:
     def start(self) -> bool:
         """Bring everything up; False if a stop arrived first. Raises AgentError on
         configuration or NVML problems (exit 2 / 1)."""
+        if self.node_config is not None:
+            labelled = self.node_config.start(self._wake.set, NODE_LABEL_WAIT_S, lambda: self._stop_requested)
+            if labelled is not None:
+                self.config = labelled
+                setup_logging(labelled)
         log.info("effective configuration: %s", json.dumps(describe_config(self.config), sort_keys=True))
         if not self._init_nvml():
             return False
@@ -278,20 +310,23 @@ class Daemon:
         self.watcher.start()
 
     # ------------------------------------------------------------------ SIGHUP, kubelet restart
-    def reread(self, reload_config: bool = False) -> bool:
+    def reread(self, reload_config: bool = False, loader: Callable[[], Config] | None = None) -> bool:
         """Read the topology again and hand it to the servers and the labels.
 
         SIGHUP (``reload_config``): with the configuration read again (the start-only settings
         keep their running values: one warning), served again in any case (re-registered). A
         kubelet restart: with the running configuration, served only when the topology
         changed (a GPU replaced or MIG reconfigured during maintenance). A failure is logged
-        and the running configuration and topology are kept. True when served.
+        and the running configuration and topology are kept. True when served. ``loader``
+        reads the new configuration instead of ``config_loader`` (a per-node config the label
+        chose).
         """
         current, servers = self.topology, self.servers
+        loader = loader or self.config_loader
         if current is None or servers is None:
             return False
         try:
-            loaded = self.config_loader() if reload_config and self.config_loader is not None else self.config
+            loaded = loader() if reload_config and loader is not None else self.config
             config, ignored = keep_start_settings(loaded, self.config)
             if ignored:
                 log.warning("not applied, these apply at start only (restart the agent to change them): %s", ignored)
@@ -313,6 +348,13 @@ class Daemon:
         if self.labels is not None:
             self.labels.publish(topology, config)
         return True
+
+    def _follow_node_label(self, node_config: NodeConfigSelector) -> None:
+        """Apply the config a new label value names (the SIGHUP path); a refused one keeps
+        the running config."""
+        choice = node_config.take()
+        if choice is not None:
+            node_config.applied(choice[0], self.reread(reload_config=True, loader=choice[1]))
 
     def _read_again(self, current: Topology) -> Topology:
         """The topology read now, merged with what ``current`` knew; ``current`` itself
@@ -346,6 +388,8 @@ class Daemon:
         try:
             steps: list[tuple[str, Callable[[], None]]] = []
             servers, watcher, metrics, labels = self.servers, self.watcher, self.metrics, self.labels
+            if self.node_config is not None:
+                steps.append(("node label watch", self.node_config.stop))
             if servers is not None:
                 steps.append(("servers", lambda: servers.stop(SERVERS_GRACE_S)))
             if watcher is not None:
@@ -387,6 +431,10 @@ class Daemon:
                         self._reload_requested = self._reread_requested = False
                         log.info("SIGHUP: reloading")
                         self.reread(reload_config=True)
+                        if self.node_config is not None:
+                            self.node_config.reconsider()
+                    if self.node_config is not None:
+                        self._follow_node_label(self.node_config)
                     if self._reread_requested:
                         self._reread_requested = False
                         self.reread()

@@ -51,6 +51,13 @@ each following the named upstream code:
   ``timeoutSeconds`` or when the test calls :meth:`ApiServerStub.end_watches`, and the client
   resumes from the last ``resourceVersion`` it saw; after :meth:`ApiServerStub.compact`, a
   resumed watch from before gets one ``ERROR`` event holding a 410 ``Expired`` Status;
+- **Node labels and the Node list**, for the per-node config label (issue 18):
+  ``/api/v1/nodes`` lists (``fieldSelector`` ``metadata.name``) with the list's
+  ``resourceVersion``; :meth:`ApiServerStub.label_node` changes labels as ``kubectl label
+  --overwrite`` does (a new ``resourceVersion``, a ``MODIFIED`` event); a watch asked with
+  ``allowWatchBookmarks`` gets a ``BOOKMARK`` holding the newest ``resourceVersion`` just
+  before its ``timeoutSeconds`` end, as the cacher sends one before a watcher's deadline
+  (``cacheWatcher.nextBookmarkTime``), not when :meth:`ApiServerStub.end_watches` cuts it;
 - **authentication, RBAC (403) and admission** (``access``: :class:`apiserver_auth.Access`,
   from the project's manifests under ``daemonset/``): the rules and their upstream sources
   are in :mod:`apiserver_auth`. Without ``access`` every request is allowed, as the DRA tests
@@ -224,18 +231,32 @@ class ApiServerStub:
         with self._lock:
             self._failures.clear()
 
-    def add_node(self, name: str, uid: str | None = None) -> str:
-        """Add a Node object; returns its UID."""
+    def add_node(self, name: str, uid: str | None = None, labels: dict[str, str] | None = None) -> str:
+        """Add a Node object (with ``labels``); returns its UID."""
         with self._lock:
             uid = uid or str(uuidlib.uuid4())
             self._nodes[name] = {
                 "kind": "Node", "apiVersion": "v1",
                 "metadata": {"name": name, "uid": uid, "resourceVersion": self._next_rv(),
-                             "creationTimestamp": _now()},
+                             "creationTimestamp": _now(), **({"labels": dict(labels)} if labels else {})},
                 "spec": {}, "status": {},
             }
             self._record("nodes", "ADDED", self._nodes[name])
             return uid
+
+    def label_node(self, name: str, **labels: str | None) -> None:
+        """Set (None: remove) labels of a node, as ``kubectl label --overwrite``:
+        ``label_node("n1", **{"nvidia.com/device-plugin.config": "a"})``."""
+        with self._lock:
+            meta = self._nodes[name]["metadata"]
+            current = meta.setdefault("labels", {})
+            for key, value in labels.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            meta["resourceVersion"] = self._next_rv()
+            self._record("nodes", "MODIFIED", self._nodes[name])
 
     def put_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
         """Store a ResourceClaim (``metadata.namespace``/``name`` required; a UID is assigned
@@ -350,7 +371,7 @@ class ApiServerStub:
             if seg == ["api", "v1"]:
                 return 200, {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
                     {"name": "nodes", "singularName": "node", "namespaced": False, "kind": "Node",
-                     "verbs": ["get", "list"]}]}
+                     "verbs": ["get", "list", "watch"]}]}
             if seg == ["apis"]:
                 groups = [self._group()] if self.served_versions else []
                 groups += [_NFD_API_GROUP] if self.nfd_installed else []
@@ -364,6 +385,9 @@ class ApiServerStub:
                 return 200, self._resource_list(seg[2])
             if seg == ["api", "v1", "nodes"] and query.get("watch") in ("true", "1"):
                 return 200, self._watch("nodes", query, copy.deepcopy)
+            if seg == ["api", "v1", "nodes"]:
+                return 200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._rv)},
+                             "items": [copy.deepcopy(n) for _, n in sorted(self._nodes.items()) if _selected(n, query)]}
             if len(seg) == 4 and seg[:3] == ["api", "v1", "nodes"]:
                 node = self._nodes.get(seg[3])
                 if node is None:
@@ -889,8 +913,12 @@ class WatchStream:
                                 reason="Expired")
                 return [{"type": "ERROR", "object": gone.status()}], True
             for _ in range(2):
-                if stub._server is None or stub._watch_generation != self.generation or left_s <= 0:
+                if stub._server is None or stub._watch_generation != self.generation:
                     return [], True
+                if left_s <= 0:  # the deadline: a bookmark first, when the client takes them
+                    bookmarks = self.query.get("allowWatchBookmarks") in ("true", "1")
+                    bookmark = {"type": "BOOKMARK", "object": self.render({"metadata": {"resourceVersion": str(stub._rv)}})}
+                    return ([bookmark] if bookmarks else []), True
                 pending = [e for e in stub._events if e[0] > self.since and e[1] == self.resource]
                 if pending:
                     self.since = pending[-1][0]

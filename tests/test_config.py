@@ -309,6 +309,8 @@ def test_a_megabyte_environment_or_flag_value_is_shortened_in_its_error():
             load_config(None, env, flags)
         message = str(info.value)
         assert where in message and "chars)" in message and len(message) < 500, message[:300]
+
+
 def test_proc_root_and_cri_socket_come_from_flags_or_env_and_take_the_kubelets_spelling():
     from agent.cli import build_parser
 
@@ -319,3 +321,40 @@ def test_proc_root_and_cri_socket_come_from_flags_or_env_and_take_the_kubelets_s
     args = build_parser().parse_args(["run", "--proc-root", "/hp", "--cri-socket", "/run/k3s/c.sock"])
     c = load_config(None, env, {"proc_root": args.proc_root, "cri_socket": args.cri_socket})
     assert (c.proc_root, c.cri_socket) == ("/hp", "/run/k3s/c.sock")
+
+
+# ----------------------------------------------------------------------------- issue 18
+def test_imex_section_flags_and_environment_set_the_channels(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nimex:\n  channelIDs: [0]\n  required: true\n")
+    c = load_config(path, {}, {})
+    assert (c.imex_channel_ids, c.imex_required) == ((0,), True)
+    assert load_config(write(tmp_path, "e.yaml", "version: v1\nimex:\n  channelIDs: []\n"), {}, {}).imex_channel_ids == ()
+    assert load_config(None, {"IMEX_CHANNEL_IDS": "0", "IMEX_REQUIRED": "true"}, {}).imex_required is True
+    assert load_config(None, {}, {"imex_channel_ids": "0"}).imex_channel_ids == (0,)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("imex:\n  channelIDs: [1]\n", r"imex.channelIDs: expected \[\] or \[0\] .*got \[1\]"),
+    ("imex:\n  channelIDs: [0, 0]\n", r"imex.channelIDs: expected \[\] or \[0\]"),
+    ("imex:\n  required: maybe\n", r"imex.required: expected true or false, got 'maybe'"),
+    ("imex:\n  channels: [0]\n", r"imex.channels: unknown key \(expected one of channelIDs, required\)"),
+    ("flags:\n  imexChannelIDs: [0]\n", r"flags.imexChannelIDs: not a key of this format; IMEX channels are set in"
+                                         r" the top-level imex section"),
+])
+def test_bad_imex_settings_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "c.yaml", "version: v1\n" + text), {}, {})
+
+
+def test_per_node_config_settings_come_from_config_managers_variables():
+    c = load_config(None, {"CONFIG_FILE_SRCDIR": "/etc/configs", "DEFAULT_CONFIG": "a100",
+                           "NODE_LABEL": "example.com/gpu-config", "FALLBACK_STRATEGIES": "single"}, {})
+    assert (c.config_file_srcdir, c.default_config, c.node_label, c.fallback_strategies) == (
+        "/etc/configs", "a100", "example.com/gpu-config", ("single",))
+    d = Config()
+    assert (d.config_file_srcdir, d.default_config, d.node_label, d.fallback_strategies) == (
+        "", "", "nvidia.com/device-plugin.config", ("named", "single"))
+    with pytest.raises(ConfigError, match=r"environment NODE_LABEL: expected a label key"):
+        load_config(None, {"NODE_LABEL": "not a/label/key"}, {})
+    with pytest.raises(ConfigError, match=r"--default-config: expected a config name"):
+        load_config(None, {}, {"default_config": "../etc/passwd"})

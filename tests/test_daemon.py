@@ -315,6 +315,19 @@ def test_bad_config_file_exits_2_with_one_line(dirs, tmp_path):
     assert len(lines) == 1 and str(bad) in lines[0] and "flags.migStrategy" in lines[0]
 
 
+def test_a_required_imex_channel_missing_on_the_node_exits_2_with_one_line(dirs, tmp_path):
+    root = tmp_path / "driver"
+    (root / "dev").mkdir(parents=True)
+    proc = agent_process(["run", "--simulate", "dgx-h100", "--kubelet-dir", dirs["k"], "--imex-channel-ids", "0",
+                          "--imex-required"], env={"NVIDIA_DRIVER_ROOT": str(root)})
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "imex.required: IMEX channel channel0 does not exist on this node" in lines[0]
+    assert f"{root}/dev/nvidia-caps-imex-channels/channel0" in lines[0]
+
+
 # ---------------------------------------------------------------------- on the simulated NVML
 @pytest.fixture
 def simulated(dirs):

@@ -574,3 +574,48 @@ def test_every_device_plugin_event_reaches_the_agent_metrics_it_was_built_with(n
     node.kubelet.restart()
     assert node.kubelet.wait_for(lambda: node.metric("gpu_agent_kubelet_restarts_total") == 1, 2.0)
 
+
+
+# ---------------------------------------------------------------------- IMEX channels
+def imex_root(tmp_path, channel: bool = True):
+    """A driver root whose /dev holds IMEX channel 0 (a character device: /dev/null's, linked)."""
+    root = tmp_path / "driver"
+    (root / "dev" / "nvidia-caps-imex-channels").mkdir(parents=True)
+    if channel:
+        os.symlink("/dev/null", root / "dev" / "nvidia-caps-imex-channels" / "channel0")
+    return root
+
+
+def test_imex_channel_goes_with_the_gpus_in_every_strategy_as_nvidia_hands_it(node, tmp_path):
+    root = imex_root(tmp_path)
+    topo = hgx8_topology()
+    node.start(topo, Config(imex_channel_ids=(0,), nvidia_driver_root=str(root), pass_device_specs=True,
+                            device_list_strategy=("envvar", "volume-mounts", "cdi-cri")))
+    c = node.client().allocate([topo.gpus[2].uuid]).container_responses[0]
+    assert c.envs["NVIDIA_IMEX_CHANNELS"] == "0"
+    assert ("/var/run/nvidia-container-devices/imex/0", "/dev/null") in [(m.container_path, m.host_path) for m in c.mounts]
+    assert [d.name for d in c.cdi_devices] == [f"nvidia.com/gpu={topo.gpus[2].uuid}", "nvidia.com/imex-channel=0"]
+    assert (("/dev/nvidia-caps-imex-channels/channel0", f"{root}/dev/nvidia-caps-imex-channels/channel0", "rw")
+            in [(d.container_path, d.host_path, d.permissions) for d in c.devices])
+
+
+def test_an_absent_optional_imex_channel_is_left_out_until_its_node_exists(node, tmp_path):
+    root = imex_root(tmp_path, channel=False)
+    (root / "dev" / "nvidia-caps-imex-channels" / "channel0").write_text("")  # a file is no channel
+    topo = hgx8_topology()
+    node.start(topo, Config(imex_channel_ids=(0,), nvidia_driver_root=str(root), pass_device_specs=True))
+    c = node.client().allocate([topo.gpus[0].uuid]).container_responses[0]
+    assert "NVIDIA_IMEX_CHANNELS" not in c.envs
+    assert not [d for d in c.devices if "imex" in d.container_path]
+    os.unlink(root / "dev" / "nvidia-caps-imex-channels" / "channel0")
+    os.symlink("/dev/null", root / "dev" / "nvidia-caps-imex-channels" / "channel0")  # the IMEX daemon made it
+    c = node.client().allocate([topo.gpus[0].uuid]).container_responses[0]
+    assert c.envs["NVIDIA_IMEX_CHANNELS"] == "0"
+
+
+def test_no_imex_channel_without_channel_ids(node, tmp_path):
+    root = imex_root(tmp_path)
+    topo = hgx8_topology()
+    node.start(topo, Config(nvidia_driver_root=str(root), pass_device_specs=True, device_list_strategy=("cdi-cri",)))
+    c = node.client().allocate([topo.gpus[0].uuid]).container_responses[0]
+    assert "NVIDIA_IMEX_CHANNELS" not in c.envs and [d.name for d in c.cdi_devices] == [f"nvidia.com/gpu={topo.gpus[0].uuid}"]

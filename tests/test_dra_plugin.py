@@ -573,3 +573,17 @@ def test_the_config_file_sets_the_dra_settings_and_names_a_bad_key(tmp_path):
     path.write_text("version: v1\nmode: DRA-please\n")
     with pytest.raises(ConfigError, match=r"config.yaml: mode: expected one of device-plugin, dra, got 'DRA-please'"):
         load_config(str(path), {}, {})
+
+
+def test_a_claims_cdi_spec_carries_the_imex_channel_node_and_variable(node, tmp_path):
+    root = tmp_path / "driver"
+    (root / "dev" / "nvidia-caps-imex-channels").mkdir(parents=True)
+    os.symlink("/dev/null", root / "dev" / "nvidia-caps-imex-channels" / "channel0")  # a character device
+    node.start(config=replace(node.config, nvidia_driver_root=str(root), imex_channel_ids=(0,)))
+    c = node.put_claim("imex", ["gpu-1"])
+    uid = c["metadata"]["uid"]
+    assert node.prepare(c).claims[uid].error == ""
+    edits = spec_of(node, uid)["containerEdits"]
+    assert "NVIDIA_IMEX_CHANNELS=0" in edits["env"]
+    assert {"path": "/dev/nvidia-caps-imex-channels/channel0", "permissions": "rw",
+            "hostPath": f"{root}/dev/nvidia-caps-imex-channels/channel0"} in edits["deviceNodes"]

@@ -486,7 +486,7 @@ def test_one_named_config_is_every_nodes_config() -> None:
 def test_several_configs_let_each_node_choose_by_its_label(config: dict[str, Any], default: str) -> None:
     objects = render({"labels": {"sink": "file"}, "config": config})
     args = container(objects)["args"]
-    assert "--config-dir=/etc/gpu-topology-agent/configs" in args
+    assert "--config-file-srcdir=/etc/gpu-topology-agent/configs" in args
     assert f"--default-config={default}" in args
     assert not [a for a in args if a.startswith("--config=")]
     # the agent reads its own Node's label nvidia.com/device-plugin.config, and watches it

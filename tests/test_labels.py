@@ -250,6 +250,34 @@ def test_disagreeing_fabric_cliques_give_no_clique_label():
     assert "nvidia.com/gpu.clique" not in compute_labels(Topology.build(gpus, []), Config())
 
 
+def test_nvlink_domain_label_is_the_cliques_cluster_one_level_above_it():
+    """Kueue TAS and Volcano group by label, coarsest first: every node of a clique carries
+    the same domain, and a node has both labels or neither."""
+    cluster = "8ab3dc4b-1d6e-4b3e-9a4f-5f1e2d3c4b5a"
+    nodes = []
+    for clique in (1, 1, 2):
+        gpus = [Gpu(i, f"GPU-{clique}{i}", "NVIDIA GB200", fabric_cluster_uuid=cluster, fabric_clique_id=clique)
+                for i in range(4)]
+        nodes.append(compute_labels(Topology.build(gpus, []), Config()))
+    assert {n["topology.gpu-agent.io/nvlink-domain"] for n in nodes} == {cluster}
+    for labels in nodes:
+        assert labels["nvidia.com/gpu.clique"].rsplit(".", 1)[0] == labels["topology.gpu-agent.io/nvlink-domain"]
+    disagreeing = [Gpu(i, f"GPU-{i}", "NVIDIA GB200", fabric_cluster_uuid=cluster, fabric_clique_id=i) for i in range(2)]
+    no_fabric = [Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3") for i in range(2)]
+    for gpus in (disagreeing, no_fabric):
+        labels = compute_labels(Topology.build(gpus, []), Config())
+        assert "topology.gpu-agent.io/nvlink-domain" not in labels and "nvidia.com/gpu.clique" not in labels
+
+
+def test_active_config_label_names_the_per_node_config_only_when_configs_are_per_node():
+    topology = Topology.build([Gpu(0, "GPU-0", "NVIDIA H100 80GB HBM3")], [])
+    per_node = Config(config_file_srcdir="/etc/configs", config_file="/etc/configs/mig-mixed")
+    assert compute_labels(topology, per_node)["topology.gpu-agent.io/active-config"] == "mig-mixed"
+    assert "topology.gpu-agent.io/active-config" not in compute_labels(topology, Config(config_file="/etc/c.yaml"))
+    long_name = Config(config_file_srcdir="/c", config_file="/c/" + "x" * 64)  # not a label value
+    assert "topology.gpu-agent.io/active-config" not in compute_labels(topology, long_name)
+
+
 # ------------------------------------------------------------------ formats and validity
 @pytest.mark.parametrize(
     "raw, expected",

@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from typing import Callable, Mapping
 
 from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
+from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
+from agent.nodeconfig import NamedConfigs
 
 _DEFAULTS = Config()
 
@@ -32,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_api_server_flags(p)
     _add_serving_flags(p)
     _add_dra_flags(p)
+    _add_node_config_flags(p)
     p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
                    help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
                         " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
@@ -137,6 +141,27 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                                         " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
 
 
+def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
+    """Per-node configs (NVIDIA's config-manager's flags) and IMEX channels."""
+    g = p.add_argument_group("per-node configs and IMEX")
+    g.add_argument("--config-file-srcdir", metavar="DIR", dest="config_file_srcdir", default=None,
+                   help="directory of named configs (a ConfigMap): the node's label names its config,"
+                        " instead of --config (default: none; env CONFIG_FILE_SRCDIR)")
+    g.add_argument("--default-config", metavar="NAME", dest="default_config", default=None,
+                   help="the config of a node without the label (default: the fallbacks; env DEFAULT_CONFIG)")
+    g.add_argument("--node-label", metavar="KEY", dest="node_label", default=None,
+                   help=f"the node label naming the config (default: {_DEFAULTS.node_label}; env NODE_LABEL)")
+    g.add_argument("--fallback-strategies", metavar="LIST", dest="fallback_strategies", default=None,
+                   help="without label and default: named (the config called default), single (the only"
+                        " one), in order (default: named,single; env FALLBACK_STRATEGIES)")
+    g.add_argument("--imex-channel-ids", metavar="LIST", dest="imex_channel_ids", default=None,
+                   help="IMEX channels given to every container with GPUs: empty or 0"
+                        " (default: none; env IMEX_CHANNEL_IDS, file imex.channelIDs)")
+    g.add_argument("--imex-required", action="store_true", dest="imex_required", default=None,
+                   help="a configured IMEX channel missing on the node is an error"
+                        " (default: left out; env IMEX_REQUIRED, file imex.required)")
+
+
 FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
     "web_config_file", "node_name",
@@ -146,6 +171,8 @@ FLAG_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
+    "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
+    "imex_required",
 )
 
 
@@ -199,6 +226,17 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
     _probe_write(config.features_dir, features_what)
 
 
+def _first_named_config(config: Config, env: Mapping[str, str], load_file: Callable[[str], Config]) -> Config:
+    """Per-node configs: the config of a node without the label, read and checked at start
+    (the label's own is applied once the daemon reads it)."""
+    if config.config_file:
+        raise UsageError("--config-file-srcdir and --config (or CONFIG_FILE): set only one")
+    if not config.node_name:
+        raise UsageError("--config-file-srcdir needs the node's name to read its label: --node-name or NODE_NAME")
+    configs = NamedConfigs.from_config(config)
+    return load_file(configs.path(configs.choose("")))
+
+
 def run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon
     from agent.logs import setup_logging
@@ -207,12 +245,18 @@ def run(args: argparse.Namespace) -> int:
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
     env = dict(default_environ())
 
-    def loader() -> Config:
-        return load_config(args.config, env, flags)
+    def load_file(path: str | None) -> Config:
+        config = load_config(path, env, flags)
+        check_imex_channels(config)
+        return config
 
-    config = loader()
+    def loader() -> Config:
+        return load_file(args.config)
+
+    config = load_config(args.config, env, flags)
     check_directories(config, args)
     if config.web_config_file:  # a bad one is exit 2 here, before anything is served
         load_web_config(config.web_config_file)
     setup_logging(config)
-    return Daemon.from_config(config, simulate=args.simulate, config_loader=loader).run()
+    config = _first_named_config(config, env, load_file) if config.config_file_srcdir else load_file(args.config)
+    return Daemon.from_config(config, simulate=args.simulate, config_loader=loader, load_file=load_file).run()

@@ -44,10 +44,15 @@ Ours (``topology.gpu-agent.io/``): ``nvlink-fabric`` (nvswitch|mesh|bridge|none)
 NIC behind the same PCIe switch complex: ``PIX`` or ``PXB`` in ``nvidia-smi topo -m``, a path
 through PCIe switches only, never through a host bridge), ``gpu-models`` (distinct GPU
 models on the node), ``gpu-count`` (all GPUs, whatever the model).
+
+For gang schedulers (Kueue TAS, Volcano HyperNodes): ``nvlink-domain``, the fabric's cluster
+UUID, exactly when ``nvidia.com/gpu.clique`` (which starts with it) is there: strictly nested.
+With per-node configs, ``active-config`` names the config applied.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from typing import Mapping
@@ -63,6 +68,10 @@ MAX_NVLINK_PORTS_PER_GPU = 18
 TOPOLOGY_PREFIX = "topology.gpu-agent.io/"
 #: GFD's label holding when the labels were generated (seconds since the epoch).
 TIMESTAMP_LABEL = GFD_PREFIX + "gfd.timestamp"
+#: The node's NVLink domain (the fabric's cluster UUID), one level above GFD's clique.
+NVLINK_DOMAIN_LABEL = TOPOLOGY_PREFIX + "nvlink-domain"
+#: The per-node config applied (``config_file_srcdir``): the name its label chose.
+ACTIVE_CONFIG_LABEL = TOPOLOGY_PREFIX + "active-config"
 
 _VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _PRODUCT_DROP_RE = re.compile(r"[^A-Za-z0-9\-_. ]")
@@ -125,6 +134,9 @@ def compute_labels(topology: Topology, config: Config, now: float | None = None)
     labels.update(_resource_labels(topology, config))
     labels.update(_clique_labels(topology))
     labels.update(_topology_labels(topology))
+    active = os.path.basename(config.config_file or "") if config.config_file_srcdir else ""
+    if is_valid_label_value(active):  # an empty value is dropped below
+        labels[ACTIVE_CONFIG_LABEL] = active
     if now is not None and not config.no_timestamp:
         labels[TIMESTAMP_LABEL] = str(int(now))
     return dict(sorted((k, v) for k, v in labels.items() if v))
@@ -315,7 +327,7 @@ def _mig_resource_labels(resource: str, config: Config, parent_model: str, profi
 
 def _clique_labels(topology: Topology) -> dict[str, str]:
     """``gpu.clique`` only when every fabric-attached GPU agrees on cluster and clique
-    (GFD omits it otherwise)."""
+    (GFD omits it otherwise), and with it the NVLink domain: the clique's cluster UUID."""
     attached = [g for g in topology.gpus if g.fabric_cluster_uuid]
     ids = {(g.fabric_cluster_uuid, g.fabric_clique_id) for g in attached}
     if len(ids) != 1:
@@ -324,7 +336,9 @@ def _clique_labels(topology: Topology) -> dict[str, str]:
     if clique is None:
         return {}
     value = f"{cluster}.{clique}"
-    return {GFD_PREFIX + "gpu.clique": value} if is_valid_label_value(value) else {}
+    if not is_valid_label_value(value):
+        return {}
+    return {GFD_PREFIX + "gpu.clique": value, NVLINK_DOMAIN_LABEL: str(cluster)}
 
 
 # ------------------------------------------------------------------ our topology labels

@@ -85,6 +85,18 @@ class AgentMetrics:
             "ResourceClaims that could not be read from the API server (their NodePrepareResources"
             " fails; the kubelet retries).", registry=registry,
         )
+        # per-node configs (issue 18): one series each, replaced on change
+        self._active_config = Gauge(
+            "gpu_agent_active_config",
+            "1 for the per-node config the agent applies (chosen by the node label).",
+            ["name"], registry=registry,
+        )
+        self._refused_config = Gauge(
+            "gpu_agent_config_refused",
+            "1 while the node label asks for a config that is not applied (reason: unknown when"
+            " no config has that name, invalid when it does not load); the last good one stays.",
+            ["label", "reason"], registry=registry,
+        )
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
@@ -96,6 +108,17 @@ class AgentMetrics:
 
     def kubelet_restart(self) -> None:
         self._kubelet_restarts.inc()
+
+    def config_applied(self, name: str) -> None:
+        """The per-node config ``name`` is applied now (and no label is refused)."""
+        self._active_config.clear()
+        self._active_config.labels(name=name).set(1)
+        self._refused_config.clear()
+
+    def config_refused(self, label: str, reason: str) -> None:
+        """The node label's value ``label`` is refused for ``reason`` (unknown|invalid)."""
+        self._refused_config.clear()
+        self._refused_config.labels(label=label, reason=reason).set(1)
 
     def registration_failure(self, resource: str) -> None:
         self._registration_failures.labels(resource=resource).inc()
