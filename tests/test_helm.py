@@ -780,3 +780,10 @@ def test_mps_mounts_its_root_and_shm_only_when_enabled() -> None:
     assert "--mps-root=/var/run/mps" in container(objects)["args"]
     default_root = render({"mps": {"enabled": True}})
     assert not [a for a in container(default_root)["args"] if a.startswith("--mps-root")]
+
+
+def test_imex_mounts_the_channel_directory_only_when_enabled() -> None:
+    assert "/dev/nvidia-caps-imex-channels" not in mounts(render({}))
+    mount, volume = mounts(render({"imex": {"enabled": True}}))["/dev/nvidia-caps-imex-channels"]
+    assert mount["readOnly"] is True
+    assert volume["hostPath"] == {"path": "/dev/nvidia-caps-imex-channels", "type": "DirectoryOrCreate"}
