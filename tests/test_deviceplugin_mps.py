@@ -309,8 +309,10 @@ def test_preferred_allocation_spreads_or_packs_mps_replicas_by_policy(node, poli
 def test_device_health_metric_follows_the_control_daemon(node):
     node.start(node.config(replicas=2))
     assert node.wait_ready(10.0)
+    # ready = registered; the first device list reaches the kubelet on its ListAndWatch
+    assert eventually(lambda: node.kubelet.latest(RESOURCE) is not None, 10.0)
     ids = [d.ID for d in node.kubelet.latest(RESOURCE).devices]
-    assert [node.device_metric(i) for i in ids] == [1.0] * 16
+    assert eventually(lambda: [node.device_metric(i) for i in ids] == [1.0] * 16, 10.0)
     os.kill(node.daemon_pid(), signal.SIGKILL)
     assert eventually(lambda: [node.device_metric(i) for i in ids] == [0.0] * 16, 10.0)
     assert eventually(lambda: [node.device_metric(i) for i in ids] == [1.0] * 16, 10.0)
