@@ -84,6 +84,10 @@ class Config:
     #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
     #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
     delete_slices_on_shutdown: bool = False
+    #: the effect of the device taint on an unhealthy GPU and every GPU set holding it:
+    #: NoSchedule (no new claims; running pods keep it) or NoExecute (pods using it are
+    #: evicted unless they tolerate it) (env DRA_TAINT_EFFECT)
+    taint_effect: str = "NoSchedule"
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -118,6 +122,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "CDI_DIR": "cdi_dir",
     "KUBECONFIG": "kubeconfig",
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
+    "DRA_TAINT_EFFECT": "taint_effect",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative

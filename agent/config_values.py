@@ -22,6 +22,8 @@ DEVICE_ID_STRATEGIES = ("uuid", "index")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
+#: Device-taint effects for unhealthy GPUs in DRA mode (agent.dra.taints).
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 
 
 def got(value: object) -> str:
@@ -43,6 +45,14 @@ def expect_choice(value: object, choices: tuple[str, ...], where: str) -> str:
     if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
     raise ValueError(f"{where}: expected one of {', '.join(choices)}, got {got(value)}")
+
+
+def _taint_effect(value: object, where: str) -> str:
+    """One of :data:`TAINT_EFFECTS`, in any letter case, spelled as Kubernetes does."""
+    for effect in TAINT_EFFECTS:
+        if isinstance(value, str) and value.strip().lower() == effect.lower():
+            return effect
+    raise ValueError(f"{where}: expected one of {', '.join(TAINT_EFFECTS)}, got {got(value)}")
 
 
 def expect_number(value: object, where: str, minimum: float = 0.0) -> float:
@@ -153,6 +163,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "mode": lambda v, w: expect_choice(v, MODES, w),
     "driver_name": expect_driver_name,
     "delete_slices_on_shutdown": expect_bool,
+    "taint_effect": _taint_effect,
 }
 
 

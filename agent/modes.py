@@ -50,7 +50,11 @@ def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
         # imported here: a device-plugin node never loads the DRA stubs and clients
         from agent.dra.servers import DraServers
 
-        return DraServers.from_config
+        def dra(topology: Topology, config: Config, health: HealthState,
+                on_kubelet_restart: Callable[[], None]) -> DraServers:
+            return DraServers.from_config(topology, config, health, on_kubelet_restart, events=agent_metrics)
+
+        return dra
 
     def device_plugins(
         topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]

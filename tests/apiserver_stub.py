@@ -18,6 +18,14 @@ nothing more:
   are DNS labels and unique) so that a bad slice fails here as it would there;
 - ``resourceclaims`` (namespaced): get and list, objects put in by the test (:meth:`put_claim`);
 - ``/api/v1/nodes/<name>``: get, objects put in by the test (:meth:`add_node`);
+- feature gates (``disabled_features``, upstream's gate names): with
+  ``DRAPartitionableDevices`` off a written slice loses ``sharedCounters``,
+  ``perDeviceNodeSelection`` and every device's ``consumesCounters`` / ``nodeName`` /
+  ``nodeSelector`` / ``allNodes``, with ``DRADeviceTaints`` off every device's ``taints``,
+  silently, unless the stored slice being updated already uses them (``dropDisabledFields``
+  in ``pkg/registry/resource/resourceslice/strategy.go``). A device taint written without
+  ``timeAdded`` gets the current time (the field is "added automatically during create or
+  update if not set", ``k8s.io/api/resource/v1`` ``DeviceTaint``);
 - failures on demand: :meth:`fail` answers matching requests with a ``Status`` error (403,
   500, ...), :meth:`go_down` / :meth:`come_up` close and reopen the listening socket on the same
   port (connection refused in between).
@@ -40,6 +48,7 @@ from urllib.parse import parse_qs, urlsplit
 
 GROUP = "resource.k8s.io"
 ALL_VERSIONS = ("v1", "v1beta2", "v1beta1")
+FEATURE_GATES = ("DRAPartitionableDevices", "DRADeviceTaints")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _MAX_DEVICES = 128
 
@@ -86,11 +95,15 @@ class Request:
 class ApiServerStub:
     """Start with :meth:`start` (or as a context manager); point the client at :attr:`url`."""
 
-    def __init__(self, served_versions: Iterable[str] = ALL_VERSIONS) -> None:
+    def __init__(self, served_versions: Iterable[str] = ALL_VERSIONS, *,
+                 disabled_features: Iterable[str] = ()) -> None:
         self.served_versions = tuple(served_versions)
         unknown = set(self.served_versions) - set(ALL_VERSIONS)
         if unknown:
             raise ValueError(f"unknown resource.k8s.io versions {sorted(unknown)}")
+        self.disabled_features = frozenset(disabled_features)
+        if self.disabled_features - set(FEATURE_GATES):
+            raise ValueError(f"unknown feature gates {sorted(self.disabled_features - set(FEATURE_GATES))}")
         self._lock = threading.RLock()
         self._rv = 1000
         self._slices: dict[str, dict[str, Any]] = {}
@@ -403,6 +416,7 @@ class ApiServerStub:
 
     def _create_slice(self, version: str, obj: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         self._check_slice(version, obj)
+        self._drop_disabled(obj, None)
         meta = obj.setdefault("metadata", {})
         if not meta.get("name"):
             prefix = meta.get("generateName")
@@ -435,6 +449,7 @@ class ApiServerStub:
         for field_name in ("nodeName", "driver"):
             if obj["spec"].get(field_name) != current["spec"].get(field_name):
                 raise ApiError(422, f"spec.{field_name}: Invalid value: field is immutable")
+        self._drop_disabled(obj, current)
         meta["uid"] = current["metadata"]["uid"]
         meta["creationTimestamp"] = current["metadata"]["creationTimestamp"]
         changed = obj["spec"] != current["spec"]
@@ -443,6 +458,28 @@ class ApiServerStub:
         self._slices[name] = obj
         self._changed.notify_all()
         return 200, self._as_version(obj, version)
+
+    def _drop_disabled(self, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """``dropDisabledFields`` of the slice strategy, then the taints' ``timeAdded``."""
+        spec = obj.get("spec") or {}
+        old_devices = [_device_body(d) for d in ((old or {}).get("spec") or {}).get("devices") or ()]
+        devices = [_device_body(d) for d in spec.get("devices") or ()]
+        if "DRADeviceTaints" in self.disabled_features and not any(d.get("taints") for d in old_devices):
+            for d in devices:
+                d.pop("taints", None)
+        partitionable = ("consumesCounters", "nodeName", "nodeSelector", "allNodes")
+        old_spec = (old or {}).get("spec") or {}
+        in_use = bool(old_spec.get("sharedCounters") or old_spec.get("perDeviceNodeSelection")
+                      or any(d.get(k) for d in old_devices for k in partitionable))
+        if "DRAPartitionableDevices" in self.disabled_features and not in_use:
+            spec.pop("sharedCounters", None)
+            spec.pop("perDeviceNodeSelection", None)
+            for d in devices:
+                for k in partitionable:
+                    d.pop(k, None)
+        for d in devices:
+            for t in d.get("taints") or ():
+                t.setdefault("timeAdded", _now())
 
     # ---------------------------------------------------------- resourceclaims
     def _claims_route(self, method: str, version: str, namespace: str, rest: list[str],
@@ -476,6 +513,11 @@ def _selected(obj: dict[str, Any], query: dict[str, str]) -> bool:
         if labels.get(key) != want.lstrip("="):
             return False
     return True
+
+
+def _device_body(device: dict[str, Any]) -> dict[str, Any]:
+    """A device's fields (inside ``basic`` in v1beta1)."""
+    return device.get("basic") or device
 
 
 def _json(body: bytes) -> dict[str, Any]:

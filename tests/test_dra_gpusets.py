@@ -245,7 +245,8 @@ def test_the_slices_command_renders_exactly_what_is_published_in_v1(capsys):
     out = capsys.readouterr()
     docs = list(yaml.safe_load_all(out.out))
     assert docs == render_slices(load_topology("dgx2"), node_name=NODE, api_version="v1")
-    assert "sharedCounters" in docs[0]["spec"] and out.err == ""
+    assert "sharedCounters" in docs[0]["spec"]
+    assert "DRAPartitionableDevices" in out.err and "single GPUs only" in out.err
 
 
 @pytest.mark.parametrize("machine,sizes,counts", [
@@ -284,10 +285,36 @@ def test_ranks_are_best_first_by_the_device_plugins_criteria():
 
 def test_set_names_stay_with_their_gpus_while_a_member_is_unhealthy():
     topology = load_topology("dgx-h100")
-    names = {d["name"]: d["consumesCounters"] for s in render_slices(topology, node_name=NODE)
-             for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
-    sick = {d["name"]: d["consumesCounters"] for s in render_slices(topology, node_name=NODE, unhealthy={2})
-            for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
-    assert sick and set(sick) < set(names)
-    assert all(names[n] == sick[n] and "gpu-2" not in sick[n][0]["counters"] for n in sick)
-    assert len(names) - len(sick) == 7 + 35 + 1  # every set holding GPU 2 left out
+
+    def sets(**kw):
+        return {d["name"]: d for s in render_slices(topology, node_name=NODE, **kw)
+                for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
+
+    names, sick = sets(), sets(unhealthy={2: "XID 79"})
+    assert set(sick) == set(names)
+    holding = {n for n, d in names.items() if "gpu-2" in d["consumesCounters"][0]["counters"]}
+    assert len(holding) == 7 + 35 + 1
+    for n, d in sick.items():
+        assert d["consumesCounters"] == names[n]["consumesCounters"]
+        assert d.get("taints") == ([{"key": f"{D}/xid", "value": "79", "effect": "NoSchedule"}] if n in holding else None)
+    gone = sets(unhealthy={2: "XID 79"}, taint_effect=None, keep={"gpuset-4-3"})
+    assert set(names) - set(gone) == holding - {"gpuset-4-3"}
+    assert not any("taints" in d for d in gone.values())
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_sets_tainted_for_an_unhealthy_gpu_are_never_allocated_and_a_claim_gets_the_next_set(machine):
+    topology = load_topology(machine)
+    bad = topology.gpu_count // 2
+    node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={bad: "XID 79"}))
+    for k in set_sizes(topology):
+        healthy = [s for s in gpu_sets(topology)[k] if bad not in s.members]
+        got = _with(node, claim("c", set_request(k)))
+        if not healthy:
+            assert got is None
+            continue
+        # the best set without the unhealthy GPU, as on a node without that GPU
+        assert [d for _, d in got[0]] == [(D, NODE, healthy[0].name)], (machine, k)
+        assert bad not in node.gpus(got[0])
+    assert _with(node, claim("c", singles_request(topology.gpu_count))) is None
+    assert bad not in node.gpus(_with(node, claim("c", singles_request(topology.gpu_count - 1)))[0])

@@ -16,7 +16,7 @@ from typing import Callable
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import SlicePublisher
+from agent.dra.publisher import PublisherEvents, SlicePublisher
 from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
@@ -42,17 +42,22 @@ class DraServers:
         config: Config,
         health: HealthState,
         on_kubelet_restart: Callable[[], None],
+        *,
+        events: PublisherEvents | None = None,
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
-        configuration); ConfigError when neither can be loaded."""
+        configuration); ConfigError when neither can be loaded. The publisher reports to
+        ``events`` (the agent's self-metrics) and keeps the devices of prepared claims while
+        the API server keeps no taints."""
         plugin = DraPlugin(
             config, topology, health, KubernetesClaimReader(api_client(config)),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(
             lambda: api_client(config, retries=False), config.node_name, topology, config.driver_name,
-            health=health, delete_on_stop=config.delete_slices_on_shutdown,
+            health=health, prepared=plugin.checkpoint, events=events, taint_effect=config.taint_effect,
+            delete_on_stop=config.delete_slices_on_shutdown,
         )
         return cls(plugin, publisher, config)
 
@@ -85,4 +90,4 @@ class DraServers:
 
 def _dra_settings(config: Config) -> tuple[object, ...]:
     return (config.driver_name, config.plugins_registry_dir, config.plugins_dir, config.cdi_dir,
-            config.kubeconfig, config.node_name, config.delete_slices_on_shutdown)
+            config.kubeconfig, config.node_name, config.delete_slices_on_shutdown, config.taint_effect)

@@ -3,7 +3,8 @@
 Built first (before the topology is read) and handed to each component's constructor: the
 device plugin reports preferred-allocation latency, registrations and kubelet restarts (its
 ``DevicePluginEvents``, which :class:`AgentMetrics` implements), the label publisher its
-failed writes, the metrics service its sampling rounds and pod-resources errors.
+failed writes, the metrics service its sampling rounds and pod-resources errors, the DRA
+slice publisher which features the API server keeps (its ``PublisherEvents``).
 
 State that lives elsewhere is read at scrape time, never mirrored: NVML errors from
 ``backend.error_counts`` (a dict read, no NVML call) and the health of every device the
@@ -67,6 +68,13 @@ class AgentMetrics:
             "gpu_agent_label_write_errors",
             "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
         )
+        self._dra_api_features = Gauge(
+            "gpu_agent_dra_api_feature",
+            "1 while the API server keeps the ResourceSlice fields of a DRA feature (by feature gate:"
+            " DRAPartitionableDevices for GPU sets and counters, DRADeviceTaints for health taints),"
+            " 0 once it dropped them on write and the agent publishes without.",
+            ["feature"], registry=registry,
+        )
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
@@ -78,6 +86,9 @@ class AgentMetrics:
 
     def kubelet_restart(self) -> None:
         self._kubelet_restarts.inc()
+
+    def dra_api_feature(self, feature: str, kept: bool) -> None:
+        self._dra_api_features.labels(feature=feature).set(1.0 if kept else 0.0)
 
     def watch_devices(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         """Export ``gpu_agent_device_healthy`` from ``devices()``, read at every scrape:
