@@ -4,14 +4,16 @@
                                        [--cdi-base DIR] [--state-base DIR]
 
 NodePrepareResources round trips (v1 service, one client, sequential calls, after a warm-up)
-for a claim of 1 GPU and one of 8 GPUs. Every call prepares a new claim, so each includes
+for a claim of 1 GPU, one of 8 single GPUs and one of an 8-GPU set device (``gpuset-8-0``:
+one CDI device with the 8 members' nodes). Every call prepares a new claim, so each includes
 the whole path: the ResourceClaim read from the stand-in API server (HTTP on 127.0.0.1,
 through the official client), the device checks, the atomic CDI spec write (rename) and the
 checkpoint write (fsync + rename). As on a node, the CDI directory is on a tmpfs
 (``--cdi-base``, default /dev/shm, like /var/run/cdi) and the checkpoint on disk
 (``--state-base``, default /tmp, like /var/lib/kubelet/plugins). Also measured: a repeated prepare (answered from
 the checkpoint) and NodeUnprepareResources. Goal (issue 12): p99 <= 20 ms including the CDI
-write. Timings vary by machine, disk and load: report them as one run's figures.
+write (issue 17: the same for the 8-GPU set). Timings vary by machine, disk and load:
+report them as one run's figures.
 
 Also (``--republish N``, default 50): the time from a health change to the republished
 taint, end to end in the agent as ``run --mode dra`` builds it (the Daemon on the simulated
@@ -72,7 +74,9 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True
     topology = load_topology(machine)
-    names = list(device_refs(topology))
+    names = [n for n in device_refs(topology) if not n.startswith("gpuset-")]
+    largest = max((n for n in device_refs(topology) if n.startswith("gpuset-")),
+                  key=lambda n: (int(n.split("-")[1]), -int(n.split("-")[2])), default=None)
     root = tempfile.mkdtemp(prefix="bdra", dir=state_base)
     cdi_root = tempfile.mkdtemp(prefix="bdra-cdi", dir=cdi_base)
     config = Config(
@@ -88,12 +92,16 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     out: dict[str, object] = {"machine": machine, "gpus": topology.gpu_count, "claims_per_size": claims,
                               "cdi_dir_on": cdi_base, "checkpoint_on": state_base}
     try:
-        for size in (1, min(8, len(names))):
+        cases = [(f"{size}gpu", lambda i, size=size: [names[(i + k) % len(names)] for k in range(size)])
+                 for size in (1, min(8, len(names)))]
+        if largest is not None:
+            cases.append((f"set{largest.split('-')[1]}", lambda i: [largest]))
+        for key, devices_of in cases:
             refs = []
             for i in range(claims + 50):  # 50 warm-up claims
-                devices = [names[(i + k) % len(names)] for k in range(size)]
+                devices = devices_of(i)
                 obj = api.put_claim({
-                    "metadata": {"namespace": "bench", "name": f"c{size}-{i}"},
+                    "metadata": {"namespace": "bench", "name": f"c{key}-{i}"},
                     "status": {"allocation": {"devices": {"results": [
                         {"request": "gpus", "driver": config.driver_name, "pool": "node-1", "device": d}
                         for d in devices]}}},
@@ -108,7 +116,7 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
                 stub.NodePrepareResources(req, timeout=10)
                 t2 = time.perf_counter()
                 assert resp.claims[ref.uid].error == "", resp.claims[ref.uid].error
-                assert len(resp.claims[ref.uid].devices) == size
+                assert len(resp.claims[ref.uid].devices) == len(devices)
                 if i >= 50:
                     prepare.append(t1 - t0)
                     again.append(t2 - t1)
@@ -118,7 +126,7 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
                 if i >= 50:
                     unprepare.append(time.perf_counter() - t0)
                 assert resp_u.claims[ref.uid].error == ""
-            out[f"{size}gpu"] = {
+            out[key] = {
                 "prepare": summary(prepare), "prepare_again": summary(again), "unprepare": summary(unprepare),
             }
     finally:
@@ -212,7 +220,7 @@ def main() -> int:
           f" CDI dir under {args.cdi_base}, checkpoint under {args.state_base}")
     print(f"{'claim':>6} {'call':>14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for key, value in result.items():
-        if not key.endswith("gpu"):
+        if not (key.endswith("gpu") or key.startswith("set")):
             continue
         assert isinstance(value, dict)
         for call, s in value.items():
