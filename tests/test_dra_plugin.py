@@ -145,7 +145,8 @@ def test_get_info_names_the_driver_its_endpoint_and_both_dra_services(node):
     assert info.type == "DRAPlugin"
     assert info.name == DRIVER
     assert info.endpoint == os.path.join(node.root, "plugins", DRIVER, "dra.sock")
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == [
+        "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
 
 
 def test_a_refused_registration_is_logged_with_the_kubelets_reason_and_serving_goes_on(node, caplog):
