@@ -23,19 +23,30 @@ from agent.topology.synthetic import synthetic_islands_topology
 D = "gpu.gpu-agent.io"
 NODE = "node-1"
 CLASSES_FILE = Path(__file__).resolve().parents[1] / "daemonset" / "dra" / "deviceclass.yaml"
+SET_CLASSES_FILE = CLASSES_FILE.parent / "deviceclass-sets.yaml"
+TEMPLATES_FILE = CLASSES_FILE.parent / "examples" / "gpuset-claim-templates.yaml"
 GPU_CLASS = next(c for c in yaml.safe_load_all(CLASSES_FILE.read_text()) if c["metadata"]["name"] == D)
-SET_EXPR = f'device.driver == "{D}" && device.attributes["{D}"].type == "gpuset"'
-SET_CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": f"gpuset.{D}"},
-             "spec": {"selectors": [{"cel": {"expression": SET_EXPR}}]}}
+SET_CLASSES = {c["metadata"]["name"]: c for c in yaml.safe_load_all(SET_CLASSES_FILE.read_text())}
+SET_CLASS = SET_CLASSES["gpuset.gpu-agent.io"]
 
 
 def count_expr(k):
     return f'device.attributes["{D}"].gpuCount == {k}'
 
 
-CEL = {GPU_CLASS["spec"]["selectors"][0]["cel"]["expression"]:
-       lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
-       SET_EXPR: lambda d: d.driver == D and d.attributes[D]["type"] == "gpuset",
+def expression(device_class):
+    (selector,) = device_class["spec"]["selectors"]
+    return selector["cel"]["expression"]
+
+
+def is_set(d, k=None):
+    return d.driver == D and d.attributes[D]["type"] == "gpuset" and k in (None, d.attributes[D]["gpuCount"])
+
+
+# the CEL of the shipped classes and of the tests' and templates' selectors, as predicates
+CEL = {expression(GPU_CLASS): lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
+       expression(SET_CLASS): is_set,
+       **{expression(SET_CLASSES[f"set-of-{k}.gpuset.gpu-agent.io"]): (lambda d, k=k: is_set(d, k)) for k in (2, 4, 8)},
        **{count_expr(k): (lambda d, k=k: d.attributes[D]["gpuCount"] == k) for k in range(2, 65)}}
 
 MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
@@ -43,7 +54,7 @@ MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
 
 
 def set_request(k, name="gpus"):
-    return {"name": name, "exactly": {"deviceClassName": f"gpuset.{D}", "count": 1,
+    return {"name": name, "exactly": {"deviceClassName": "gpuset.gpu-agent.io", "count": 1,
                                       "selectors": [{"cel": {"expression": count_expr(k)}}]}}
 
 
@@ -53,7 +64,7 @@ def singles_request(k, name="gpus"):
 
 def prioritized(k, name="gpus"):
     return {"name": name, "firstAvailable": [
-        {"name": "set", "deviceClassName": f"gpuset.{D}", "selectors": [{"cel": {"expression": count_expr(k)}}]},
+        {"name": "set", "deviceClassName": "gpuset.gpu-agent.io", "selectors": [{"cel": {"expression": count_expr(k)}}]},
         {"name": "singles", "deviceClassName": D, "count": k}]}
 
 
@@ -74,8 +85,9 @@ class Node:
         self.devices = {d["name"]: d for s in self.slices for d in s["spec"].get("devices", [])}
         self.allocated: list[tuple[str, str, str]] = []
 
-    def allocate(self, *claims):
-        model = AllocatorModel(self.slices, [GPU_CLASS, SET_CLASS], CEL, self.allocated)
+    def allocate(self, *claims, leak=True):
+        model = AllocatorModel(self.slices, [GPU_CLASS, *SET_CLASSES.values()], CEL, self.allocated,
+                               leak_rejected_counters=leak)
         got = model.allocate(list(claims), NODE)
         if got is not None:
             self.allocated += [dev for result in got for _, dev in result]
@@ -318,3 +330,62 @@ def test_sets_tainted_for_an_unhealthy_gpu_are_never_allocated_and_a_claim_gets_
         assert bad not in node.gpus(got[0])
     assert _with(node, claim("c", singles_request(topology.gpu_count))) is None
     assert bad not in node.gpus(_with(node, claim("c", singles_request(topology.gpu_count - 1)))[0])
+
+
+def template_claim(name):
+    """The shipped example ResourceClaimTemplate ``name``'s claim, as the API server stores it."""
+    (template,) = [t for t in yaml.safe_load_all(TEMPLATES_FILE.read_text()) if t["metadata"]["name"] == name]
+    return claim(name, *template["spec"]["spec"]["devices"]["requests"]) | {
+        "spec": {"devices": dict(template["spec"]["spec"]["devices"])}}
+
+
+def test_the_shipped_set_templates_are_valid_claims_and_get_the_best_free_set_of_4():
+    templates = [t["metadata"]["name"] for t in yaml.safe_load_all(TEMPLATES_FILE.read_text())]
+    assert templates == ["best-set-of-4", "set-of-4-or-one-numa-node-or-any", "set-of-4-or-any"]
+    topology = load_topology("dgx-h100")
+    best = AllocationEngine(topology).best_set(list(range(8)), [], 4)
+    for name in templates:
+        c = default_claim(template_claim(name))
+        assert validate_claim(c) == [], name
+        node = Node(topology)
+        (got,) = node.allocate(c)
+        assert node.gpus(got) == best and [req for req, _ in got] in (["gpus"], ["gpus/set"]), name
+
+
+def test_a_pod_asking_for_the_extended_resource_set_of_4_gets_one_set_device_of_4():
+    # the scheduler turns `gpu.gpu-agent.io/set-of-4: 1` into a claim for one device of the
+    # class naming that extended resource (KEP-5004)
+    (cls,) = [c for c in SET_CLASSES.values() if c["spec"].get("extendedResourceName") == f"{D}/set-of-4"]
+    topology = load_topology("dgx-h100")
+    node = Node(topology)
+    (got,) = node.allocate(claim("pod-extended-resources", {
+        "name": "container-0-request-0", "exactly": {"deviceClassName": cls["metadata"]["name"], "count": 1}}))
+    assert node.gpus(got) == AllocationEngine(topology).best_set(list(range(8)), [], 4)
+
+
+def test_the_prioritized_template_falls_back_tier_by_tier_and_v0_36_2_leaks_the_middle_tier():
+    topology = load_topology("dgx2")  # 16 GPUs, NUMA nodes of 8; sets of 4 inside a NUMA node
+    numa = {g.index: g.numa_node for g in topology.gpus}
+    nodes = sorted(set(numa.values()))
+    # 5 busy GPUs on each NUMA node: 3 free on each, no set of 4 and no NUMA node with 4 free
+    busy = [g for n in nodes for g in [i for i in range(16) if numa[i] == n][:5]]
+    node = Node(topology)
+    node.allocated = [(D, NODE, f"gpu-{g}") for g in busy]
+    c = default_claim(template_claim("set-of-4-or-one-numa-node-or-any"))
+    (got,) = _with_leak(node, c, leak=False)  # kubernetes#140431 (the fix)
+    assert [req for req, _ in got] == ["gpus/any"] * 4 and not set(node.gpus(got)) & set(busy)
+    assert _with_leak(node, c, leak=True) is None  # v0.36.2: kubernetes#140436
+    (got,) = _with_leak(node, default_claim(template_claim("set-of-4-or-any")), leak=True)
+    assert [req for req, _ in got] == ["gpus/any"] * 4
+    # a NUMA node with 4 free GPUs: then a set of 4 is free, and the first tier takes it
+    node.allocated = node.allocated[:-1]
+    (got,) = _with_leak(node, c, leak=True)
+    assert [req for req, _ in got] == ["gpus/set"]
+
+
+def _with_leak(node, c, leak):
+    kept = list(node.allocated)
+    try:
+        return node.allocate(c, leak=leak)
+    finally:
+        node.allocated = kept
