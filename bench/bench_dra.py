@@ -21,7 +21,12 @@ machine, its health watcher on the fake NVML, the publisher writing through the 
 client to the stand-in API server): an XID is injected on the fake NVML and the clock stops
 when the stand-in stores every slice with that GPU and every GPU set holding it tainted; then
 the GPU is marked healthy again and the clock stops when no device is tainted. Goal (issues
-12, 17): <= 1 s.
+12, 17): <= 1 s. ``--republish-machine`` times it on another machine than ``--machine``.
+
+Also (``--publish``, off by default): per built-in machine and 16/32/64-GPU synthetic node,
+the slices and devices published in ``v1``, the time to build them (``render_slices``) and to
+publish them from nothing (a new publisher until the stand-in holds the whole pool), median
+of 3.
 """
 
 from __future__ import annotations
@@ -205,6 +210,49 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     return {"machine": machine, "rounds": rounds, "xid_to_taint": summary(gone), "recovery_to_untaint": summary(back)}
 
 
+def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
+    """Slices, devices, build and publish time per machine (see the module docstring)."""
+    import apiserver_stub
+    from apiserver_stub import ApiServerStub
+
+    from agent.discovery import load_topology
+    from agent.dra.publisher import SlicePublisher
+    from agent.dra.slices import render_slices
+    from agent.hw.sim.machines import BUILTIN_MACHINES
+    from agent.topology.synthetic import synthetic_islands_topology
+
+    if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
+        apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
+    logging.getLogger("agent").setLevel(logging.ERROR)
+    machines = [(m, load_topology(m)) for m in BUILTIN_MACHINES]
+    machines += [(f"synthetic-{8 * n}", synthetic_islands_topology(n, 8)) for n in (2, 4, 8)]
+    out = []
+    for name, topology in machines:
+        build, publish = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            objs = render_slices(topology, node_name="node-1")
+            build.append(time.perf_counter() - t0)
+            count = len(objs)
+            with ApiServerStub(served_versions=("v1",)) as api:
+                api.add_node("node-1")
+                pub = SlicePublisher(api.api_client, "node-1", topology)
+                t0 = time.perf_counter()
+                pub.start()
+                try:
+                    assert api.wait_for(lambda s, count=count: len(s) == count, 60.0), name
+                    publish.append(time.perf_counter() - t0)
+                finally:
+                    pub.stop()
+        devices = [d["name"] for o in objs for d in o["spec"].get("devices", [])]
+        out.append({"machine": name, "gpus": topology.gpu_count, "slices": len(objs),
+                    "singles": sum(not n.startswith("gpuset-") for n in devices),
+                    "sets": sum(n.startswith("gpuset-") for n in devices),
+                    "build_ms": round(statistics.median(build) * 1000, 1),
+                    "publish_ms": round(statistics.median(publish) * 1000, 1)})
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--machine", default="dgx-h100")
@@ -214,11 +262,18 @@ def main() -> int:
     p.add_argument("--state-base", metavar="DIR", default="/tmp", help="where the checkpoint directory is made")
     p.add_argument("--republish", metavar="N", type=int, default=50,
                    help="health changes timed to the republished slice (0: skip)")
+    p.add_argument("--republish-machine", metavar="MACHINE", default=None,
+                   help="the machine the republish rounds run on (default: --machine)")
+    p.add_argument("--publish", action="store_true",
+                   help="also time building and publishing the slices of every machine")
     args = p.parse_args()
-    result = bench(args.machine, args.claims, args.cdi_base, args.state_base)
-    print(f"{result['machine']} ({result['gpus']} GPUs), {args.claims} claims per size, one client, sequential;"
-          f" CDI dir under {args.cdi_base}, checkpoint under {args.state_base}")
-    print(f"{'claim':>6} {'call':>14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    result: dict[str, object] = {"machine": args.machine}
+    if args.claims:
+        result = bench(args.machine, args.claims, args.cdi_base, args.state_base)
+    if args.claims:
+        print(f"{result['machine']} ({result['gpus']} GPUs), {args.claims} claims per size, one client, sequential;"
+              f" CDI dir under {args.cdi_base}, checkpoint under {args.state_base}")
+        print(f"{'claim':>6} {'call':>14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for key, value in result.items():
         if not (key.endswith("gpu") or key.startswith("set")):
             continue
@@ -226,15 +281,23 @@ def main() -> int:
         for call, s in value.items():
             print(f"{key:>6} {call:>14} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f}")
     if args.republish:
-        republish = bench_republish(args.machine, args.republish)
+        republish = bench_republish(args.republish_machine or args.machine, args.republish)
         result["republish"] = republish
         print(f"\nhealth change -> republished taints of the GPU and its sets ({args.republish} rounds, daemon"
-              " on the simulated machine, stand-in API server)")
+              f" on the simulated {republish['machine']}, stand-in API server)")
         print(f"{'change':>20} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
         for key in ("xid_to_taint", "recovery_to_untaint"):
             s = republish[key]
             assert isinstance(s, dict)
             print(f"{key:>20} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f}")
+    if args.publish:
+        rows = bench_publish()
+        result["publish"] = rows
+        print("\nslices published in v1, build (render_slices) and publish (new publisher -> whole pool stored), median of 3")
+        print(f"{'machine':>14} {'GPUs':>5} {'slices':>6} {'singles':>7} {'sets':>5} {'build ms':>9} {'publish ms':>10}")
+        for r in rows:
+            print(f"{r['machine']:>14} {r['gpus']:>5} {r['slices']:>6} {r['singles']:>7} {r['sets']:>5}"
+                  f" {r['build_ms']:>9} {r['publish_ms']:>10}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)

@@ -757,6 +757,8 @@ def test_dra_device_classes_select_the_agents_gpus_and_mig_devices(rendered_dra:
         expression = " ".join(selector["cel"]["expression"].split())
         assert f'device.driver == "{DEFAULT_DRIVER}"' in expression
         assert f'device.attributes["{DEFAULT_DRIVER}"].type == "{kind}"' in expression
+        if kind == "gpuset":
+            assert f'device.attributes["{DEFAULT_DRIVER}"].healthy' in expression
         if name in sized:
             assert expression.endswith(f'device.attributes["{DEFAULT_DRIVER}"].gpuCount == {sized[name]}')
             assert classes[name]["spec"]["extendedResourceName"] == f"{DEFAULT_DRIVER}/set-of-{sized[name]}"

@@ -231,7 +231,8 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
     try:
         info = node.kubelet_registers()
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, node.dra_socket)
-        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
         assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 20.0)
         for obj in node.api.slices():
             assert obj["apiVersion"] == "resource.k8s.io/v1"
@@ -249,6 +250,8 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         assert os.listdir(node.dirs["features"]) != [], "labels are written in dra mode too"
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "DCGM_FI_DEV_GPU_TEMP" in metrics, "metrics are served in dra mode too"
+        assert 'gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} 1.0' in metrics
+        assert 'gpu_agent_dra_api_feature{feature="DRADeviceTaints"} 1.0' in metrics
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:

@@ -5,6 +5,7 @@ gives a set claim the device plugin's choice and keeps overlapping claims apart.
 from __future__ import annotations
 
 import copy
+import random
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,9 @@ def expression(device_class):
 
 
 def is_set(d, k=None):
-    return d.driver == D and d.attributes[D]["type"] == "gpuset" and k in (None, d.attributes[D]["gpuCount"])
+    """The shipped set classes: healthy GPU sets (of ``k`` GPUs)."""
+    return (d.driver == D and d.attributes[D]["type"] == "gpuset" and d.attributes[D]["healthy"]
+            and k in (None, d.attributes[D]["gpuCount"]))
 
 
 # the CEL of the shipped classes and of the tests' and templates' selectors, as predicates
@@ -389,3 +392,27 @@ def _with_leak(node, c, leak):
         return node.allocate(c, leak=leak)
     finally:
         node.allocated = kept
+
+
+@pytest.mark.parametrize("machine", ["dgx-h100", "dgx2"])
+def test_a_tainted_set_never_holds_counters_in_a_search_so_v0_36_2_schedules_what_the_fix_does(machine):
+    # kubernetes#140436: v0.36.2 keeps the counters of a device its taint rejected. The set
+    # classes select healthy sets only, so a tainted set is never reserved: with one GPU
+    # unhealthy, every [set -> singles] claim the fixed allocator schedules, v0.36.2 does too.
+    topology = load_topology(machine)
+    n, rng = topology.gpu_count, random.Random(2026)
+    node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={2: "XID 79"}))
+    unhealthy_sets = {d["name"] for d in node.devices.values() if "taints" in d and d["name"].startswith("gpuset-")}
+    assert unhealthy_sets and all(not node.devices[s]["attributes"][f"{D}/healthy"]["bool"] for s in unhealthy_sets)
+    tried = 0
+    for _ in range(60):
+        for k in (2, 4):
+            busy = rng.sample([i for i in range(n) if i != 2], rng.randint(0, n - 1 - k))
+            node.allocated = [(D, NODE, f"gpu-{b}") for b in busy]
+            fixed = _with_leak(node, claim("c", prioritized(k)), leak=False)
+            leaky = _with_leak(node, claim("c", prioritized(k)), leak=True)
+            assert fixed is not None  # k healthy GPUs are free
+            assert leaky == fixed
+            assert 2 not in node.gpus(fixed[0]) and not set(node.gpus(fixed[0])) & set(busy)
+            tried += 1
+    assert tried == 120

@@ -53,6 +53,11 @@ counter and a MIG device never competes with a set. Set device attributes:
 ``members``                 string    their indices, ``0-3`` / ``0,2,4,6`` (cpulist spelling;
                                       left out above 64 characters)
 ``rank``                    int       position among the sets of its size, 0 = best
+``healthy``                 bool      false while a member is unhealthy (the set is tainted
+                                      then too); the set classes select healthy sets only,
+                                      so the allocator never reserves a tainted set's
+                                      counters (kubernetes#140436 keeps a taint-rejected
+                                      device's counters for the rest of its search)
 ``nvlinkIsland``,           int       where every member shares one
 ``nvlinkClique``,
 ``numaNode``
@@ -250,6 +255,7 @@ def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
                 "gpuCount": {"int": s.size},
                 "members": _string(format_cpulist(s.members)),
                 "rank": {"int": s.rank},
+                "healthy": {"bool": not any(i in marks.reasons for i in s.members)},
                 "nvlinkIsland": _int(_shared(islands[i] for i in s.members)),
                 "nvlinkClique": _int(_shared(cliques[i] for i in s.members)),
                 "numaNode": _int(_shared(g.numa_node for g in gpus)),
