@@ -19,7 +19,7 @@ from typing import Mapping, cast
 
 from agent.config_file import TimeSlicingResource as TimeSlicingResource
 from agent.config_file import read_config_file
-from agent.config_values import expect_xids, parse_field
+from agent.config_values import expect_xids, got, parse_field
 from agent.errors import ConfigError, shorten
 from agent.formats import parse_host_port
 
@@ -42,10 +42,18 @@ class Config:
     cdi_annotation_prefix: str = "cdi.k8s.io/"
     shared_devices_allocation_policy: str = "distributed"  # distributed | packed
     allocation_policy: str = "best-effort"
-    # --- sharing
+    # --- sharing: time-slicing or MPS, never both (the file's sharing.timeSlicing / sharing.mps)
     time_slicing: tuple[TimeSlicingResource, ...] = ()
+    mps: tuple[TimeSlicingResource, ...] = ()
     rename_by_default: bool = False
-    fail_requests_greater_than_one: bool = False
+    fail_requests_greater_than_one: bool = False  # true by default under sharing.mps (the anchor's)
+    #: MPS: each shared resource's control daemon keeps its pipe and log directories under
+    #: <mps_root>/<resource>/ and pods mount <mps_root>/shm as /dev/shm (flags.mpsRoot, env
+    #: MPS_ROOT, the anchor's default): the agent must see this host directory at this path
+    mps_root: str = "/run/nvidia/mps"
+    #: the MPS control program, a name on the PATH or a path (flags.mpsControlBinary, env
+    #: MPS_CONTROL_BINARY): the agent runs one control daemon per MPS-shared resource
+    mps_control_binary: str = "nvidia-cuda-mps-control"
     # --- health
     health_checks_enabled: bool = True
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
@@ -56,8 +64,16 @@ class Config:
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     features_dir: str = "/etc/kubernetes/node-feature-discovery/features.d"
     metrics_address: str = ":9400"
+    probe_address: str = ""  # /health, /ready for the kubelet; "" = see probe_address_of
+    web_config_file: str = ""  # exporter-toolkit web config (TLS, basic auth); "" = plain HTTP
     node_name: str = ""
     sysfs_root: str = "/sys"
+    #: where the host's /proc is: the cgroup of each GPU process (NVML's host PIDs) names
+    #: its container (the host PID namespace, or the host's /proc mounted elsewhere)
+    proc_root: str = "/proc"
+    #: the container runtime's CRI socket (read-only ListContainers: container -> pod);
+    #: containerd's default; CRI-O's is /var/run/crio/crio.sock
+    cri_socket: str = "/run/containerd/containerd.sock"
     #: plugin socket file name in kubelet_dir; {resource} is the resource name after the
     #: domain (NVIDIA's plugin uses the same default: change it to run both on one node)
     socket_name: str = "nvidia-{resource}.sock"
@@ -67,6 +83,15 @@ class Config:
     label_interval_s: float = 60.0
     #: leave out GFD's ``nvidia.com/gfd.timestamp`` label (GFD's --no-timestamp)
     no_timestamp: bool = False
+    #: where labels go: ``file`` (NFD's feature file in features_dir) or ``nodefeature`` (one
+    #: nfd.k8s-sigs.io/v1alpha1 NodeFeature object through the API server) (env LABELS_SINK)
+    labels_sink: str = "file"
+    #: the agent's own pod, from the downward API (env POD_NAMESPACE, POD_NAME, POD_UID): the
+    #: NodeFeature lives in pod_namespace ("" = the service account's namespace file) and is
+    #: owned by the pod (pod_name and pod_uid; either empty = no owner reference)
+    pod_namespace: str = ""
+    pod_name: str = ""
+    pod_uid: str = ""
     # --- timers
     sample_interval_s: float = 10.0  # metrics sampler period
     pod_resources_refresh_s: float = 10.0  # pod-resources List cache period
@@ -80,7 +105,9 @@ class Config:
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
     plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
     cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
-    kubeconfig: str = ""  # API server access for ResourceClaims/Slices; "" = in-cluster config
+    #: API server access for every API-server user (ResourceClaims/Slices, the NodeFeature
+    #: label sink): a kubeconfig file; "" = the pod's in-cluster configuration (env KUBECONFIG)
+    kubeconfig: str = ""
     #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
     #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
     delete_slices_on_shutdown: bool = False
@@ -90,6 +117,26 @@ class Config:
     taint_effect: str = "NoSchedule"
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
+
+    @property
+    def sharing_strategy(self) -> str:
+        """GFD's ``gpu.sharing-strategy``: ``mps`` or ``time-slicing`` when a resource is
+        shared into more than one replica, else ``none``."""
+        if any(r.replicas > 1 for r in self.mps):
+            return "mps"
+        if any(r.replicas > 1 for r in self.time_slicing):
+            return "time-slicing"
+        return "none"
+
+    @property
+    def shared_resources(self) -> tuple[TimeSlicingResource, ...]:
+        """The entries of whichever sharing section is in use (they are exclusive)."""
+        return self.mps or self.time_slicing
+
+    @property
+    def sharing_section(self) -> str:
+        """The config file's key of :attr:`shared_resources`, for messages."""
+        return "sharing.mps" if self.mps else "sharing.timeSlicing"
 
 
 # ----------------------------------------------------------------------------- loading
@@ -106,6 +153,8 @@ ENV_FIELDS: Mapping[str, str] = {
     "NODE_NAME": "node_name",
     "KUBELET_DIR": "kubelet_dir",
     "METRICS_ADDRESS": "metrics_address",
+    "PROBE_ADDRESS": "probe_address",
+    "WEB_CONFIG_FILE": "web_config_file",
     "LOG_FORMAT": "log_format",
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
@@ -115,6 +164,10 @@ ENV_FIELDS: Mapping[str, str] = {
     "FEATURE_FILE": "feature_file",
     "LABEL_INTERVAL_S": "label_interval_s",
     "GFD_NO_TIMESTAMP": "no_timestamp",
+    "LABELS_SINK": "labels_sink",
+    "POD_NAMESPACE": "pod_namespace",
+    "POD_NAME": "pod_name",
+    "POD_UID": "pod_uid",
     "AGENT_MODE": "mode",
     "DRA_DRIVER_NAME": "driver_name",
     "PLUGINS_REGISTRY_DIR": "plugins_registry_dir",
@@ -123,11 +176,16 @@ ENV_FIELDS: Mapping[str, str] = {
     "KUBECONFIG": "kubeconfig",
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
     "DRA_TAINT_EFFECT": "taint_effect",
+    "MPS_ROOT": "mps_root",
+    "MPS_CONTROL_BINARY": "mps_control_binary",
+    "PROC_ROOT": "proc_root",
+    "CRI_SOCKET": "cri_socket",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
-PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root", "config_file")
+PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -155,11 +213,28 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
 
 def _check_consistency(config: Config) -> None:
     where = config.config_file or "configuration"
-    if config.metrics_address:
-        try:
-            parse_host_port(config.metrics_address, "metrics_address")
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+    try:
+        metrics = parse_host_port(config.metrics_address, "metrics_address") if config.metrics_address else None
+        probe_address = probe_address_of(config)
+        probes = parse_host_port(probe_address, "probe_address") if probe_address else None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if (probes is not None and metrics is not None and probes[1] == metrics[1] != 0
+            and (probes[0] == metrics[0] or "" in (probes[0], metrics[0]))):
+        raise ConfigError(
+            f"{where}: probe_address {got(config.probe_address)}: expected another port than"
+            f" metrics_address {got(config.metrics_address)} (the probes have their own listener)"
+        )
+    if config.mps and config.time_slicing:
+        raise ConfigError(
+            f"{where}: sharing: timeSlicing and mps are exclusive on a node (a GPU is shared one way);"
+            " keep one of them"
+        )
+    if config.mps and config.mig_strategy == "mixed":
+        raise ConfigError(
+            f"{where}: sharing.mps: MPS cannot share MIG devices and NVIDIA's plugin refuses it with"
+            " migStrategy mixed; use migStrategy none or single"
+        )
     if config.mig_strategy == "single" or config.mig_strategy == "none":
         for ts in config.time_slicing:
             if ts.name.startswith("nvidia.com/mig-"):
@@ -212,7 +287,22 @@ def load_config(
             extra_critical_xids=tuple(sorted(set(config.extra_critical_xids) | set(enable_xids))),
         )
     _check_consistency(config)
-    return replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
+    config = replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
+    if "/" in config.mps_control_binary:  # a path, not a name looked up on the PATH
+        config = replace(config, mps_control_binary=os.path.abspath(config.mps_control_binary))
+    return config
+
+
+def probe_address_of(config: Config) -> str:
+    """Where ``/health`` and ``/ready`` listen (their own listener, apart from ``/metrics``):
+    ``config.probe_address``, or when it is empty the metrics address's host with the next
+    port (``:9401`` by default; port 0, a free one, stays 0)."""
+    if config.probe_address:
+        return config.probe_address
+    host, sep, port = config.metrics_address.rpartition(":")
+    if not sep or not port.isdigit():
+        return config.metrics_address  # parse_host_port names the bad metrics address
+    return f"{host}:{int(port) + 1 if int(port) else 0}"
 
 
 def is_critical_xid(config: Config, xid: int) -> bool:
@@ -220,12 +310,40 @@ def is_critical_xid(config: Config, xid: int) -> bool:
     return xid in config.extra_critical_xids or xid not in config.ignored_xids
 
 
+#: Settings read once, at start: which servers serve the GPUs (the mode; in DRA mode the
+#: driver, its directories, the API server and the node's pool), where metrics and probes
+#: are served (the web config file's path; its content is re-read when it changes), what
+#: the sampler polls and where it finds the pods, where the labels go (the sink, its file,
+#: the pod owning its NodeFeature), the sysfs root. A reload (SIGHUP) keeps their running
+#: values (:func:`keep_start_settings`): what the agent says it runs is what it runs.
+#: Everything else follows a reload.
+START_ONLY_FIELDS = (
+    "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
+    "delete_slices_on_shutdown", "taint_effect", "metrics_address", "probe_address", "web_config_file",
+    "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
+    "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
+    "pod_name", "pod_uid", "sysfs_root",
+)
+
+
+def keep_start_settings(reloaded: Config, running: Config) -> tuple[Config, str]:
+    """``reloaded`` with the running value of every setting in :data:`START_ONLY_FIELDS`,
+    and "" or what the reload asked for and did not get, for the log (``mode 'dra' (running
+    'device-plugin'), ...``, values shortened: they come from the file)."""
+    changed = [f for f in START_ONLY_FIELDS if getattr(reloaded, f) != getattr(running, f)]
+    said = ", ".join(
+        f"{f} {shorten(repr(getattr(reloaded, f)), 120)} (running {shorten(repr(getattr(running, f)), 120)})"
+        for f in changed
+    )
+    return replace(reloaded, **{f: getattr(running, f) for f in changed}), said
+
+
 def describe_config(config: Config) -> dict[str, object]:
     """The effective configuration as plain data, for the start-up log line."""
     out: dict[str, object] = {}
     for f in fields(Config):
         value = getattr(config, f.name)
-        if f.name == "time_slicing":
+        if f.name in ("time_slicing", "mps"):
             value = [
                 {"name": t.name, "replicas": t.replicas, "rename": t.rename,
                  "devices": list(t.devices) if t.devices is not None else "all"}

@@ -2,9 +2,9 @@
 the :class:`agent.config.Config` fields it sets.
 
 We accept every key the anchor's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
-``sharing.timeSlicing``, ``resources``) so that its files load unchanged, plus our sections
-``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor parses for other
-components (GFD, MPS, GDS) are accepted and not acted on. Every error names the file, the key
+``sharing.timeSlicing``, ``sharing.mps``, ``resources``) so that its files load unchanged,
+plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor parses
+for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
 """
 
@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from agent.config_values import (
     ALLOCATION_POLICIES,
     DEVICE_ID_STRATEGIES,
+    LABEL_SINKS,
     MIG_STRATEGIES,
     MODES,
     expect_bool,
@@ -35,7 +36,8 @@ from agent.records import REPLICA_POLICIES
 
 @dataclass(frozen=True)
 class TimeSlicingResource:
-    """One entry of ``sharing.timeSlicing.resources``."""
+    """One entry of ``sharing.timeSlicing.resources`` or ``sharing.mps.resources`` (the
+    anchor's ``ReplicatedResource``: both sections share its fields)."""
 
     name: str = GPU_RESOURCE  # the resource being shared
     replicas: int = 1  # how many replicas each GPU is advertised as (>= 2 to share)
@@ -46,7 +48,7 @@ class TimeSlicingResource:
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
 # MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
 _IGNORED_FLAG_KEYS = (
-    "gfd", "mpsRoot", "gdsEnabled", "mofedEnabled", "useNodeFeatureAPI",
+    "gfd", "gdsEnabled", "mofedEnabled",
     "deviceDiscoveryStrategy", "imexChannelIDs", "imexRequired",
 )
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
@@ -68,8 +70,9 @@ def _check_keys(section: Mapping[str, Any], allowed: tuple[str, ...], where: str
     for key in section:
         if key not in allowed:
             prefix = f"{where}." if where else ""
+            # no key is longer than 40 characters: the list of the allowed ones gets the room
             raise ValueError(
-                f"{prefix}{shorten(key)}: unknown key (expected one of {', '.join(allowed)})"
+                f"{prefix}{shorten(key, 40)}: unknown key (expected one of {', '.join(allowed)})"
             )
 
 
@@ -79,49 +82,89 @@ def _is_device_index(text: str) -> bool:
     return len(parts) in (1, 2) and all(p.isdigit() for p in parts)
 
 
-def _parse_time_slicing(section: Mapping[str, Any], out: dict[str, object]) -> None:
-    where = "sharing.timeSlicing"
+def _parse_replicated(section: Mapping[str, Any], where: str, mps: bool) -> dict[str, object]:
+    """One of ``sharing.timeSlicing`` and ``sharing.mps`` (NVIDIA's ``ReplicatedResources``)
+    into Config fields: its resources under ``time_slicing`` or ``mps``, and the two
+    switches. MPS follows the anchor's stricter rules: at least one resource, replicas >= 2,
+    full GPUs only (its plugin refuses MIG devices), ``failRequestsGreaterThanOne`` true
+    unless the file says otherwise."""
     _check_keys(section, ("renameByDefault", "failRequestsGreaterThanOne", "resources"), where)
+    out: dict[str, object] = {}
     if "renameByDefault" in section:
         out["rename_by_default"] = expect_bool(section["renameByDefault"], f"{where}.renameByDefault")
     if "failRequestsGreaterThanOne" in section:
         out["fail_requests_greater_than_one"] = expect_bool(
             section["failRequestsGreaterThanOne"], f"{where}.failRequestsGreaterThanOne"
         )
+    elif mps:
+        out["fail_requests_greater_than_one"] = True
     resources = section.get("resources") or []
     if not isinstance(resources, list):
         raise ValueError(f"{where}.resources: expected a list, got {type(resources).__name__}")
-    parsed: list[TimeSlicingResource] = []
-    for i, entry in enumerate(resources):
-        at = f"{where}.resources[{i}]"
-        entry = _expect_mapping(entry, at)
-        _check_keys(entry, ("name", "replicas", "rename", "devices"), at)
-        name = expect_str(entry.get("name"), f"{at}.name")
-        if name != GPU_RESOURCE and not name.startswith(MIG_RESOURCE_PREFIX):
-            raise ValueError(f"{at}.name: expected nvidia.com/gpu or nvidia.com/mig-<profile>, got {got(name)}")
-        replicas = entry.get("replicas")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= _GO_INT_MAX:
-            raise ValueError(f"{at}.replicas: expected an integer >= 1 and < 2**63, got {got(replicas)}")
-        rename = entry.get("rename")
-        if rename is not None:
-            rename = expect_str(rename, f"{at}.rename")
-            if "/" in rename or not rename:
-                raise ValueError(f"{at}.rename: expected a resource name without a domain, got {got(rename)}")
-        devices_raw = entry.get("devices", "all")
-        devices: tuple[str, ...] | None
-        if devices_raw is None or devices_raw == "all":
-            devices = None
-        elif isinstance(devices_raw, list) and devices_raw:
-            devices = tuple(str(d).strip() for d in devices_raw)
-            for d in devices:
-                if not (_is_device_index(d) or d.startswith("GPU-") or d.startswith("MIG-")):
-                    raise ValueError(
-                        f"{at}.devices: expected GPU indices, MIG indices (GPU:MIG), GPU or MIG UUIDs, got {got(d)}"
-                    )
-        else:
-            raise ValueError(f"{at}.devices: expected \"all\" or a non-empty list, got {got(devices_raw)}")
-        parsed.append(TimeSlicingResource(name=name, replicas=replicas, rename=rename, devices=devices))
-    out["time_slicing"] = tuple(parsed)
+    if mps and not resources:
+        raise ValueError(f"{where}.resources: expected at least one resource to share through MPS")
+    out["mps" if mps else "time_slicing"] = tuple(
+        _parse_replicated_entry(_expect_mapping(entry, f"{where}.resources[{i}]"), f"{where}.resources[{i}]", mps)
+        for i, entry in enumerate(resources)
+    )
+    return out
+
+
+def _parse_replicated_entry(entry: Mapping[str, Any], at: str, mps: bool) -> TimeSlicingResource:
+    _check_keys(entry, ("name", "replicas", "rename", "devices"), at)
+    name = expect_str(entry.get("name"), f"{at}.name")
+    if mps and name.startswith(MIG_RESOURCE_PREFIX):
+        raise ValueError(f"{at}.name: MPS cannot share MIG devices; expected {GPU_RESOURCE}, got {got(name)}")
+    if name != GPU_RESOURCE and (mps or not name.startswith(MIG_RESOURCE_PREFIX)):
+        expected = GPU_RESOURCE if mps else f"{GPU_RESOURCE} or {MIG_RESOURCE_PREFIX}<profile>"
+        raise ValueError(f"{at}.name: expected {expected}, got {got(name)}")
+    replicas = entry.get("replicas")
+    least = 2 if mps else 1
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not least <= replicas <= _GO_INT_MAX:
+        raise ValueError(f"{at}.replicas: expected an integer >= {least} and < 2**63, got {got(replicas)}")
+    rename = entry.get("rename")
+    if rename is not None:
+        rename = expect_str(rename, f"{at}.rename")
+        if "/" in rename or not rename:
+            raise ValueError(f"{at}.rename: expected a resource name without a domain, got {got(rename)}")
+    devices_raw = entry.get("devices", "all")
+    devices: tuple[str, ...] | None
+    if devices_raw is None or devices_raw == "all":
+        devices = None
+    elif isinstance(devices_raw, list) and devices_raw:
+        devices = tuple(str(d).strip() for d in devices_raw)
+        for d in devices:
+            if not (_is_device_index(d) or d.startswith("GPU-") or d.startswith("MIG-")):
+                raise ValueError(
+                    f"{at}.devices: expected GPU indices, MIG indices (GPU:MIG), GPU or MIG UUIDs, got {got(d)}"
+                )
+            if mps and (":" in d or d.startswith("MIG-")):
+                raise ValueError(
+                    f"{at}.devices: MPS cannot share MIG devices; expected GPU indices or UUIDs, got {got(d)}"
+                )
+    else:
+        raise ValueError(f"{at}.devices: expected \"all\" or a non-empty list, got {got(devices_raw)}")
+    return TimeSlicingResource(name=name, replicas=replicas, rename=rename, devices=devices)
+
+
+def _parse_sharing(sharing: Mapping[str, Any], out: dict[str, object]) -> None:
+    """``sharing``: time-slicing or MPS, never both on one node."""
+    _check_keys(sharing, ("timeSlicing", "mps"), "sharing")
+    time_slicing = mps = None
+    if "timeSlicing" in sharing:
+        time_slicing = _parse_replicated(
+            _expect_mapping(sharing["timeSlicing"], "sharing.timeSlicing"), "sharing.timeSlicing", mps=False
+        )
+    if sharing.get("mps") is not None:
+        mps = _parse_replicated(_expect_mapping(sharing["mps"], "sharing.mps"), "sharing.mps", mps=True)
+    if time_slicing is not None and mps is not None:
+        if time_slicing["time_slicing"]:
+            raise ValueError(
+                "sharing: timeSlicing and mps are exclusive on a node (a GPU is shared one way);"
+                " keep one of them"
+            )
+        time_slicing = None  # an empty timeSlicing beside mps: its switches do not apply
+    out.update(mps or time_slicing or {})
 
 
 def _parse_file_document(doc: object) -> dict[str, object]:
@@ -132,12 +175,7 @@ def _parse_file_document(doc: object) -> dict[str, object]:
         raise ValueError(f"version: expected \"v1\", got {got(doc.get('version'))}")
     out: dict[str, object] = {}
     _parse_flags(_expect_mapping(doc.get("flags"), "flags"), out)
-    sharing = _expect_mapping(doc.get("sharing"), "sharing")
-    _check_keys(sharing, ("timeSlicing", "mps"), "sharing")
-    if sharing.get("mps"):
-        raise ValueError("sharing.mps: MPS sharing is not supported by gpu-topology-agent (use timeSlicing)")
-    if "timeSlicing" in sharing:
-        _parse_time_slicing(_expect_mapping(sharing["timeSlicing"], "sharing.timeSlicing"), out)
+    _parse_sharing(_expect_mapping(doc.get("sharing"), "sharing"), out)
     _parse_health(_expect_mapping(doc.get("health"), "health"), out)
     _parse_dra_file_keys(doc, out)
     _parse_metrics(_expect_mapping(doc.get("metrics"), "metrics"), out)
@@ -149,7 +187,8 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
-         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds")
+         "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds",
+         "labelsSink", "useNodeFeatureAPI", "kubeconfig", "mpsRoot", "mpsControlBinary")
         + _IGNORED_FLAG_KEYS,
         "flags",
     )
@@ -190,11 +229,31 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         out["feature_file"] = expect_file_name(flags["featureFile"], "flags.featureFile")
     if "labelIntervalSeconds" in flags:
         out["label_interval_s"] = expect_number(flags["labelIntervalSeconds"], "flags.labelIntervalSeconds", 0.1)
+    _parse_labels_sink(flags, out)
+    if flags.get("kubeconfig") is not None:  # "kubeconfig:" left empty = in-cluster
+        out["kubeconfig"] = expect_str(flags["kubeconfig"], "flags.kubeconfig")
+    for key, name in (("mpsRoot", "mps_root"), ("mpsControlBinary", "mps_control_binary")):
+        if key in flags:
+            out[name] = parse_field(name, flags[key], f"flags.{key}")
     gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")
     if "noTimestamp" in gfd:
         out["no_timestamp"] = expect_bool(gfd["noTimestamp"], "flags.gfd.noTimestamp")
     if "cdiAnnotationPrefix" in plugin:
         out["cdi_annotation_prefix"] = expect_str(plugin["cdiAnnotationPrefix"], "flags.plugin.cdiAnnotationPrefix")
+
+
+def _parse_labels_sink(flags: Mapping[str, Any], out: dict[str, object]) -> None:
+    """``flags.labelsSink``, or NVIDIA's ``flags.useNodeFeatureAPI`` (true: nodefeature)."""
+    sink = None
+    if "labelsSink" in flags:
+        sink = expect_choice(flags["labelsSink"], LABEL_SINKS, "flags.labelsSink")
+    if flags.get("useNodeFeatureAPI") is not None:
+        nvidia = "nodefeature" if expect_bool(flags["useNodeFeatureAPI"], "flags.useNodeFeatureAPI") else "file"
+        if sink is not None and sink != nvidia:
+            raise ValueError(f"flags.useNodeFeatureAPI: says {nvidia} but flags.labelsSink says {sink}: keep one")
+        sink = nvidia
+    if sink is not None:
+        out["labels_sink"] = sink
 
 
 def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
@@ -212,9 +271,13 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_metrics(metrics: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(
         metrics,
-        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent"),
+        ("sampleIntervalSeconds", "podResourcesRefreshSeconds", "idleThresholdPercent",
+         "probeAddress", "webConfigFile"),
         "metrics",
     )
+    for key, name in (("probeAddress", "probe_address"), ("webConfigFile", "web_config_file")):
+        if key in metrics:  # left empty: the default
+            out[name] = "" if metrics[key] is None else expect_str(metrics[key], f"metrics.{key}")
     if "sampleIntervalSeconds" in metrics:
         out["sample_interval_s"] = expect_number(
             metrics["sampleIntervalSeconds"], "metrics.sampleIntervalSeconds", 0.1
@@ -253,6 +316,9 @@ def _parse_dra_file_keys(doc: Mapping[str, Any], out: dict[str, object]) -> None
             value = dra[key]
             if name == "kubeconfig" and value is None:  # "kubeconfig:" left empty = in-cluster
                 value = ""
+            if name == "kubeconfig" and out.get(name, value) != value:
+                raise ValueError("dra.kubeconfig: differs from flags.kubeconfig (one client for"
+                                 " every API-server user): keep one")
             out[name] = parse_field(name, value, f"dra.{key}")
 
 

@@ -24,6 +24,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
 #: Device-taint effects for unhealthy GPUs in DRA mode (agent.dra.taints).
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
+LABEL_SINKS = ("file", "nodefeature")
 
 
 def got(value: object) -> str:
@@ -133,6 +134,22 @@ def expect_driver_name(value: object, where: str) -> str:
     return name
 
 
+def expect_path(value: object, where: str) -> str:
+    """A non-empty path (made absolute by the loader)."""
+    path = expect_str(value, where).strip()
+    if not path or "\0" in path:
+        raise ValueError(f"{where}: expected a path, got {got(value)}")
+    return path
+
+
+def expect_program(value: object, where: str) -> str:
+    """A program: a name looked up on the ``PATH`` or a path to it."""
+    program = expect_str(value, where).strip()
+    if not program or "\0" in program or program.endswith("/"):
+        raise ValueError(f"{where}: expected a program name on the PATH or a path to it, got {got(value)}")
+    return program
+
+
 def _log_level(value: object, where: str) -> str:
     return expect_choice(str(value).upper(), tuple(x.lower() for x in LOG_LEVELS), where).upper()
 
@@ -164,6 +181,11 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "driver_name": expect_driver_name,
     "delete_slices_on_shutdown": expect_bool,
     "taint_effect": _taint_effect,
+    "mps_root": expect_path,
+    "mps_control_binary": expect_program,
+    # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
+    "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
+    "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),
 }
 
 

@@ -10,6 +10,13 @@ UUIDs or indices (``deviceIDStrategy``). The agent adds the ``GPU_TOPOLOGY_*`` v
 the GPU indices, their NUMA nodes and CPUs, whether they share one NVLink island, and the
 set's score.
 
+MPS replicas (:class:`MpsShare`) get what NVIDIA's plugin hands them, so CUDA in the pod
+finds the resource's control daemon: ``CUDA_MPS_PIPE_DIRECTORY`` and the pipe directory
+mounted there from ``<mpsRoot>/<resource>/pipe``, and ``<mpsRoot>/shm`` as ``/dev/shm``; plus
+the client limits matching the daemon's defaults (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``,
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), scaled by the replicas the container holds. The
+paths and the per-replica shares are defined here once, for the daemon's supervisor too.
+
 Nothing here calls NVML: the answer comes from the frozen :class:`Topology`; device nodes
 of the host are looked for only to pass the control nodes that exist and a MIG device's
 capability nodes the driver publishes.
@@ -34,6 +41,47 @@ CDI_ANNOTATION_PLUGIN = "nvidia-device-plugin"
 TOPOLOGY_ENV_PREFIX = "GPU_TOPOLOGY_"
 #: Control device nodes passed with ``passDeviceSpecs`` where they exist on the host.
 CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+
+#: Where NVIDIA's plugin puts a resource's MPS pipe directory in the container (its
+#: ``ContainerRoot``), and the shared memory the MPS server and its clients use.
+MPS_CONTAINER_ROOT = "/mps"
+MPS_SHM_PATH = "/dev/shm"
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_MEMORY_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+
+def mps_resource_dir(root: str, resource: str, kind: str) -> str:
+    """``<root>/<resource>/<kind>``: a resource's MPS ``pipe`` or ``log`` directory (the
+    resource name keeps its domain: ``/run/nvidia/mps/nvidia.com/gpu/pipe``)."""
+    return os.path.join(root, resource, kind)
+
+
+def mps_shm_dir(root: str) -> str:
+    """The shared-memory directory every MPS resource's pods mount as ``/dev/shm``."""
+    return os.path.join(root, "shm")
+
+
+def mps_thread_percentage(replicas: int) -> int:
+    """A replica's share of the GPU's threads: ``100 / replicas`` (whole percent), as
+    NVIDIA's MPS daemon sets the default active-thread percentage."""
+    return max(1, 100 // replicas)
+
+
+def mps_memory_limit_mib(gpu: Gpu, replicas: int) -> int | None:
+    """A replica's pinned device memory: the GPU's memory / replicas (MiB, rounded down, as
+    NVIDIA's MPS daemon sets it); None when the memory is not known."""
+    return gpu.memory_mib // replicas if gpu.memory_mib else None
+
+
+@dataclass(frozen=True)
+class MpsShare:
+    """What a container holds of an MPS-shared resource."""
+
+    resource: str  # the resource's name: its control daemon's directory under mpsRoot
+    replicas: Mapping[int, int]  # GPU index -> replicas that GPU is advertised as
+    held: Mapping[int, int]  # GPU index -> how many of them the container holds
 
 
 @dataclass(frozen=True)
@@ -70,11 +118,12 @@ def container_edits(
     config: Config,
     *,
     path_exists: Callable[[str], bool] = os.path.exists,
+    mps: MpsShare | None = None,
 ) -> ContainerEdits:
     """What a container gets for ``devices`` (distinct, at least one), as ``config``'s
     ``deviceListStrategy``, ``deviceIDStrategy``, ``passDeviceSpecs``, ``nvidiaDriverRoot``
     and CDI annotation prefix say. ``path_exists`` tells which control nodes exist on the
-    host."""
+    host; ``mps`` adds what an MPS client needs."""
     ids = [_visible_id(d, config) for d in devices]
     envs: dict[str, str] = {}
     mounts: list[tuple[str, str, bool]] = []
@@ -100,10 +149,45 @@ def container_edits(
         if config.pass_device_specs:
             nodes, nodes_by_device = _device_specs(devices, config.nvidia_driver_root, path_exists)
     envs.update(_topology_envs(topology, devices))
+    if mps is not None:
+        envs.update(_mps_envs(topology, devices, mps))
+        mounts.extend(_mps_mounts(mps, config.mps_root))
     return ContainerEdits(
         envs=envs, mounts=tuple(mounts), devices=tuple(nodes), annotations=annotations,
         cdi_devices=tuple(cdi_devices), nodes_by_device=nodes_by_device,
     )
+
+
+def _mps_envs(topology: Topology, devices: Sequence[ContainerDevice], mps: MpsShare) -> dict[str, str]:
+    """The pipe directory, and the limits of the replicas held: per GPU, ``held`` times a
+    replica's threads and memory; one thread percentage for the container (CUDA takes one),
+    the smallest; memory by the device's CUDA ordinal in the container (its place in
+    ``devices``)."""
+    envs = {MPS_PIPE_ENV: mps_resource_dir(MPS_CONTAINER_ROOT, mps.resource, "pipe")}
+    shares = [
+        min(100, held * mps_thread_percentage(mps.replicas[index]))
+        for index, held in mps.held.items() if held and index in mps.replicas
+    ]
+    if shares:
+        envs[MPS_THREAD_PERCENTAGE_ENV] = str(min(shares))
+    limits = []
+    for ordinal, device in enumerate(devices):
+        index = device.gpu.index
+        held, replicas = mps.held.get(index, 0), mps.replicas.get(index, 0)
+        per_replica = mps_memory_limit_mib(topology.gpus[index], replicas) if held and replicas else None
+        if per_replica is not None:
+            limits.append(f"{ordinal}={held * per_replica}M")
+    if limits:
+        envs[MPS_MEMORY_LIMIT_ENV] = ",".join(limits)
+    return envs
+
+
+def _mps_mounts(mps: MpsShare, mps_root: str) -> list[tuple[str, str, bool]]:
+    return [
+        (mps_resource_dir(MPS_CONTAINER_ROOT, mps.resource, "pipe"),
+         mps_resource_dir(mps_root, mps.resource, "pipe"), False),
+        (MPS_SHM_PATH, mps_shm_dir(mps_root), False),
+    ]
 
 
 def _visible_id(device: ContainerDevice, config: Config) -> str:

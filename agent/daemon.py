@@ -22,6 +22,7 @@ backstop; a second SIGTERM/SIGINT exits at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,15 +34,16 @@ from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from agent.config import Config, describe_config
+from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publisher import LabelPublisher
-from agent.labels.sinks import FeatureFileSink
+from agent.labels.sinks import label_sink
 from agent.logs import setup_logging
+from agent.metrics.http import WaitingEndpoint
 from agent.metrics.self_metrics import AgentMetrics
-from agent.metrics.service import MetricsService, WaitingEndpoint
+from agent.metrics.service import MetricsService
 from agent.modes import Servers, ServersFactory, servers_for
 from agent.topology.model import Topology
 from agent.topology.reread import merge_reread
@@ -96,7 +98,7 @@ class Daemon:
         labels: LabelPublisher | None = None,
         metrics: MetricsFactory | None = None,
         watcher: WatcherFactory = _default_watcher,
-        waiting_endpoint: Callable[[str], WaitingEndpoint] | None = None,
+        waiting_endpoint: Callable[[Config], WaitingEndpoint] | None = None,
         config_loader: Callable[[], Config] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -133,17 +135,20 @@ class Daemon:
         config_loader: Callable[[], Config] | None = None,
     ) -> Daemon:
         """The real agent: NVML (or the simulated machine ``simulate``, ``--simulate``),
-        the servers of ``config.mode``, the metrics service and the NFD feature file. Raises
-        AgentError when the simulated machine cannot be opened (exit 2)."""
+        the servers of ``config.mode``, the metrics service and the label sink
+        ``--labels-sink`` names. Raises AgentError when the simulated machine cannot be opened
+        or the label sink cannot be set up (exit 2)."""
         from agent.discovery import open_backend, read_topology
 
+        sink = label_sink(config)  # before the backend: a bad sink setting opens nothing
         backend, sim = open_backend(simulate, config.sysfs_root)
         hostname = config.node_name or socket.gethostname()
         # the agent's own metrics first: everything built below reports to them from its start
         agent_metrics = AgentMetrics(CollectorRegistry(auto_describe=True), backend)
-        sink = FeatureFileSink(config.features_dir, config.feature_file)
 
         def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
+            if sim is not None:  # the simulated machine's /proc holds its GPU processes
+                cfg = dataclasses.replace(cfg, proc_root=sim.proc_root)
             return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready, agent_metrics=agent_metrics)
 
         return cls(
@@ -211,7 +216,7 @@ class Daemon:
     def _start_waiting_endpoint(self) -> WaitingEndpoint | None:
         if self._waiting_endpoint_factory is None:
             return None
-        endpoint = self._waiting_endpoint_factory(self.config.metrics_address)
+        endpoint = self._waiting_endpoint_factory(self.config)
         try:
             endpoint.start()
         except OSError as exc:  # the real service reports this at its start; keep waiting
@@ -276,22 +281,23 @@ class Daemon:
     def reread(self, reload_config: bool = False) -> bool:
         """Read the topology again and hand it to the servers and the labels.
 
-        SIGHUP (``reload_config``): with the configuration read again, served again in any
-        case (the servers re-register). A kubelet restart: with the running configuration,
-        served only when the topology changed (a GPU replaced or MIG reconfigured while the
-        node was in maintenance). A failure is logged and the running configuration and
-        topology are kept. True when served.
+        SIGHUP (``reload_config``): with the configuration read again (the start-only settings
+        keep their running values: one warning), served again in any case (re-registered). A
+        kubelet restart: with the running configuration, served only when the topology
+        changed (a GPU replaced or MIG reconfigured during maintenance). A failure is logged
+        and the running configuration and topology are kept. True when served.
         """
         current, servers = self.topology, self.servers
         if current is None or servers is None:
             return False
         try:
-            config = self.config_loader() if reload_config and self.config_loader is not None else self.config
+            loaded = self.config_loader() if reload_config and self.config_loader is not None else self.config
+            config, ignored = keep_start_settings(loaded, self.config)
+            if ignored:
+                log.warning("not applied, these apply at start only (restart the agent to change them): %s", ignored)
             topology = self._read_again(current)
             if not reload_config and topology is current:
                 return False
-            if config.mode != self.config.mode:
-                log.warning("the mode applies at start: restart the agent to change it")
             if topology is not current:
                 log.warning("topology changed since it was last read: serving the new one")
             servers.set_topology(topology, config)

@@ -50,9 +50,13 @@ def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
         # imported here: a device-plugin node never loads the DRA stubs and clients
         from agent.dra.servers import DraServers
 
-        def dra(topology: Topology, config: Config, health: HealthState,
-                on_kubelet_restart: Callable[[], None]) -> DraServers:
-            return DraServers.from_config(topology, config, health, on_kubelet_restart, events=agent_metrics)
+        def dra(
+            topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]
+        ) -> DraServers:
+            return DraServers.from_config(
+                topology, config, health, on_kubelet_restart,
+                count_claim_read_error=agent_metrics.claim_read_errors.inc, events=agent_metrics,
+            )
 
         return dra
 

@@ -94,6 +94,15 @@ class Gpu:
     fabric_clique_id: int | None = None
     lost: bool = False  # NVML answered GPU_IS_LOST while reading it
     pcie_root: str | None = None  # the PCIe root complex it hangs from, "pci0000:17" (sysfs)
+    #: NVML's compute mode as nvidia-smi names it: "Default", "Exclusive_Thread",
+    #: "Prohibited" or "Exclusive_Process" (None: not known)
+    compute_mode: str | None = None
+
+
+#: NVML's ``NVML_COMPUTEMODE_*`` values as nvidia-smi names them (``nvidia-smi -c``).
+COMPUTE_MODES: Mapping[int, str] = {
+    0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process",
+}
 
 
 @dataclass(frozen=True)

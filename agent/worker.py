@@ -32,10 +32,6 @@ class Worker:
             self._thread.join(timeout_s)
             self._thread = None
 
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def _run(self) -> None:
         raise NotImplementedError
 

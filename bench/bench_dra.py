@@ -168,7 +168,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 
     def servers(t, c, h, on_kubelet_restart):  # DraServers.from_config, over the stand-in
         plugin = DraPlugin(c, t, h, KubernetesClaimReader(api.api_client()), on_kubelet_restart=on_kubelet_restart)
-        return DraServers(plugin, SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h), c)
+        return DraServers(plugin, SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h))
 
     daemon = Daemon(
         config, backend, servers=servers, read_topology=lambda: read_topology(backend, sim),

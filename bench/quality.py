@@ -7,8 +7,10 @@ out) arrives and leaves; a pod that does not fit in the free GPUs is turned away
 pod fits depends only on how many GPUs are free, so every policy sees the same trace.
 Policies:
 
-* ``ours``: ``AllocationEngine.best_set`` (criteria 1-5, issue 3);
-* ``partition-only``: the anchor's choice (``AllocationEngine.partition_only_set``): the
+* ``ours``: the device plugin's answer (criteria 1-5, issue 3): the request checked and
+  mapped at its edge, then ``AllocationEngine.gpus``;
+* ``partition-only``: the anchor's choice (``agent.demo.comparisons.AnchorChoice``, what
+  the demo shows): the
   first best partition of the free GPUs into groups of the request size that
   go-gpuallocator's enumeration finds, then that partition's best group (exact where the size
   divides the free count; otherwise the set with the best criterion 1, then set score, then
@@ -33,8 +35,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))  # the device plugin's requests from GPU indices
 
+from allocation_support import best_set  # noqa: E402
 
+from agent.demo.comparisons import AnchorChoice, naive_choice  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
@@ -77,19 +82,29 @@ def trace(n_gpus: int, events: int, seed: int) -> list[tuple[str, int]]:
     return out
 
 
-class PartitionOnly:
-    """The anchor's choice: first best partition, then its best group."""
+class Ours:
+    """The device plugin's answer for the free GPUs."""
 
     def __init__(self, topo: Topology) -> None:
         self.engine = AllocationEngine(topo)
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
-        return self.engine.partition_only_set(free, k)
+        return best_set(self.engine, free, must, k)
+
+
+class PartitionOnly:
+    """The anchor's choice: first best partition, then its best group."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.anchor = AnchorChoice(topo)
+
+    def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
+        return self.anchor.choose(free, k)
 
 
 class Naive:
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
-        return AllocationEngine.naive_set(free, k)
+        return naive_choice(free, k)
 
 
 def replay(topo: Topology, policy, events: list[tuple[str, int]]) -> dict[str, float | None]:
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         events = trace(topo.gpu_count, args.events, args.seed)
         rows = {
-            "ours": replay(topo, AllocationEngine(topo), events),
+            "ours": replay(topo, Ours(topo), events),
             "partition-only": replay(topo, PartitionOnly(topo), events),
             "naive": replay(topo, Naive(), events),
         }

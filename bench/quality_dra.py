@@ -12,7 +12,7 @@ ResourceClaim allocated by the model over the agent's ``resource.k8s.io/v1`` sli
 the devices of the pods still running as the allocated state (their single GPUs: a set's
 counters are its members', so this is the same state for the counters). Paths:
 
-* ``device-plugin``: the agent's ``AllocationEngine.best_set`` (``quality.py``'s "ours");
+* ``device-plugin``: the agent's request path (``quality.Ours``) (``quality.py``'s "ours");
 * ``DRA sets``: the slices the agent publishes (counters, single GPUs, GPU sets); a pod of k
   >= 2 GPUs is a prioritized list ``[one gpuset device with gpuCount == k -> k single GPUs]``
   (``fallback`` counts the claims that got singles), a pod of one GPU one single GPU;
@@ -61,13 +61,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))  # the allocator model, beside the other stand-ins
 
 import quality  # noqa: E402
+from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel  # noqa: E402
 
 from agent.dra.gpusets import gpu_sets, island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, render_slices  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from agent.topology.synthetic import synthetic_islands_topology  # noqa: E402
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"
@@ -183,7 +183,7 @@ class DraPolicy:
         return gpus
 
     def _against_device_plugin(self, free: list[int], k: int, gpus: list[int]) -> None:
-        dp = self.engine.best_set(free, [], k)
+        dp = best_set(self.engine, free, [], k)
         best = self.engine.best_score_for_size(k) or 1
         loss = (self.topo.set_score(dp) - self.topo.set_score(gpus)) / best
         self.below += loss > 0
@@ -231,7 +231,7 @@ def published(topo: Topology) -> dict[str, Any]:
 
 
 def measure(topo: Topology, events: list[tuple[str, int]]) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {"device-plugin": dict(quality.replay(topo, AllocationEngine(topo), events))}
+    rows: dict[str, dict[str, Any]] = {"device-plugin": dict(quality.replay(topo, quality.Ours(topo), events))}
     full = render_slices(topo, node_name=NODE)
     plain = render_slices(topo, node_name=NODE, with_sets=False)
     for path, slices in (("DRA sets", full), ("DRA sets+island", full), ("DRA singles", plain),

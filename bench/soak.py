@@ -45,9 +45,12 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))  # the stand-in kubelet that can restart
+
+from kubelet_stub import KubeletStub  # noqa: E402
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb  # noqa: E402
-from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub  # noqa: E402
+from agent.demo.kubelet import PluginClient, PodResourcesStub  # noqa: E402
 
 
 def percentile(values: list[float], pct: float) -> float | None:
@@ -117,6 +120,7 @@ class Soak:
         self.restart_lock = threading.Lock()  # restarts vs. the clients' socket lookup
         self.stderr_lines: list[str] = []
         self.port: int | None = None
+        self.probe_port: int | None = None  # /health and /ready: the kubelet's probes' port
         self.port_found = threading.Event()
 
     # ------------------------------------------------------------------ the agent
@@ -136,9 +140,9 @@ class Soak:
         assert proc.stderr is not None
         for line in proc.stderr:
             self.stderr_lines.append(line.rstrip("\n"))
-            m = re.search(r"metrics on [^ ]*:(\d+) ", line)
+            m = re.search(r"metrics on [^ ]*:(\d+) .*probes on [^ ]*:(\d+) ", line)
             if m and self.port is None:
-                self.port = int(m.group(1))
+                self.port, self.probe_port = int(m.group(1)), int(m.group(2))
                 self.port_found.set()
 
     def socket_path(self) -> str:
@@ -176,11 +180,11 @@ class Soak:
                 self.stop.wait(max(0.0, interval - (time.monotonic() - began)))
 
     def prober(self) -> None:
-        assert self.port is not None
+        assert self.probe_port is not None
         while not self.stop.wait(0.2):
             for path in ("/health", "/ready"):
                 try:
-                    status, seconds = scrape(self.port, path)
+                    status, seconds = scrape(self.probe_port, path)
                 except OSError as exc:
                     self.rec.error(path, type(exc).__name__)
                     continue

@@ -4,12 +4,28 @@ hand-built topologies."""
 
 from __future__ import annotations
 
+import os
+
+from agent.demo import kubelet as demo_kubelet
 from agent.demo.kubelet import (  # noqa: F401  (re-exported for the tests)
-    KubeletStub,
     PluginClient,
     PodResourcesStub,
     Registration,
 )
+
+
+class KubeletStub(demo_kubelet.KubeletStub):
+    """The demo's stand-in kubelet, plus what a kubelet restart looks like to a plugin."""
+
+    def restart(self) -> None:
+        """Streams end, the directory is cleared and a new ``kubelet.sock`` appears (a new
+        inode, plugin sockets gone), as when the kubelet restarts: its device manager
+        removes every socket in the directory at start (``removeContents``) and listens
+        again."""
+        self.stop()
+        for name in os.listdir(self.kubelet_dir):
+            os.unlink(os.path.join(self.kubelet_dir, name))
+        self.start()
 
 # ------------------------------------------------------------------ test machines
 # Small hand-built topologies (Topology.build), for tests that do not need a simulated NVML.

@@ -17,7 +17,9 @@ import json
 from pathlib import Path
 
 import pytest
+from allocation_support import best_set
 
+from agent.demo.comparisons import AnchorChoice, naive_choice
 from agent.errors import AllocationError
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Link, PcieLevel, Topology
@@ -83,9 +85,9 @@ def test_best_effort_policy_case_matches_upstream(impl, topology_name, case):
     if case["expected"] == []:
         # upstream returns an empty allocation for an impossible request; we refuse it
         with pytest.raises(AllocationError):
-            allocator.best_set(case["available"], case["must_include"], case["size"])
+            best_set(allocator, case["available"], case["must_include"], case["size"])
     else:
-        got = allocator.best_set(case["available"], case["must_include"], case["size"])
+        got = best_set(allocator, case["available"], case["must_include"], case["size"])
         assert got == sorted(case["expected"])
 
 
@@ -128,7 +130,7 @@ def _run_sequence(allocator: AllocationEngine, n: int, sizes: list[int]) -> list
     remaining = list(range(n))
     out = []
     for size in sizes:
-        got = allocator.best_set(remaining, [], size)
+        got = best_set(allocator, remaining, [], size)
         out.append(got)
         remaining = [x for x in remaining if x not in got]
     return out
@@ -143,7 +145,7 @@ def test_best_effort_allocator_sequence_matches_upstream_or_a_stated_equal_ancho
     assert [s["expected"] for s in seq["steps"][len(feasible) :]] == [[]]
     ours = _run_sequence(allocator, topo.gpu_count, [s["size"] for s in feasible])
     with pytest.raises(AllocationError):
-        allocator.best_set([], [], seq["steps"][-1]["size"])
+        best_set(allocator, [], [], seq["steps"][-1]["size"])
     theirs = [sorted(s["expected"]) for s in feasible]
     if seq["test"] not in DIFFERENCES:
         assert ours == theirs
@@ -170,7 +172,7 @@ def test_padded_defect_probe_returns_five_real_gpus_including_the_nvlinked_tripl
         for b in range(a + 1, 8)
     ]
     allocator = AllocationEngine(Topology.build([Gpu(i, f"GPU-{i}", "t") for i in range(8)], links))
-    got = allocator.best_set(probe["available"], probe["must_include"], probe["size"])
+    got = best_set(allocator, probe["available"], probe["must_include"], probe["size"])
     assert len(got) == 5 and len(set(got)) == 5 and {5, 6, 7} <= set(got)
     assert all(isinstance(g, int) and 0 <= g < 8 for g in got)
 
@@ -183,8 +185,8 @@ def test_full_node_pairs_and_quads_fall_on_the_static_dgx_policy_sets(impl, poli
     valid = CASES["static_policies"][policy]["valid_sets"]
     allocator = AllocationEngine(topo)
     for size in (4, 8):
-        assert allocator.best_set(list(range(8)), [], size) in valid[str(size)]
-    pair = allocator.best_set(list(range(8)), [], 2)
+        assert best_set(allocator, list(range(8)), [], size) in valid[str(size)]
+    pair = best_set(allocator, list(range(8)), [], 2)
     assert _anchor_criterion(topo, list(range(8)), pair) == max(
         _anchor_criterion(topo, list(range(8)), list(p)) for p in valid["2"]
     )
@@ -195,12 +197,12 @@ def test_partition_only_comparison_policy_reproduces_upstream_sequences(impl, se
     # the demo and the quality benchmark show "what the anchor would choose": it must be
     # the anchor's own answer, step by step
     topo = _topology(seq["topology"])
-    allocator = AllocationEngine(topo)
+    anchor = AnchorChoice(topo)
     remaining = list(range(topo.gpu_count))
     for step in seq["steps"]:
         if not step["expected"]:
             break
-        got = allocator.partition_only_set(remaining, step["size"])
+        got = anchor.choose(remaining, step["size"])
         assert got == sorted(step["expected"])
         remaining = [x for x in remaining if x not in got]
 
@@ -213,11 +215,11 @@ PLAIN_CASES = [p for p in BEST_EFFORT_CASES if not p.values[1]["must_include"] a
 def test_partition_only_comparison_policy_matches_upstream_cases_without_must_include(
     impl, topology_name, case
 ):
-    allocator = AllocationEngine(_topology(topology_name))
-    assert allocator.partition_only_set(case["available"], case["size"]) == sorted(case["expected"])
+    anchor = AnchorChoice(_topology(topology_name))
+    assert anchor.choose(case["available"], case["size"]) == sorted(case["expected"])
 
 
 def test_naive_comparison_policy_takes_the_lowest_indices():
-    assert AllocationEngine.naive_set([7, 2, 5, 0], 2) == [0, 2]
+    assert naive_choice([7, 2, 5, 0], 2) == [0, 2]
     with pytest.raises(AllocationError):
-        AllocationEngine.naive_set([1], 2)
+        naive_choice([1], 2)

@@ -137,7 +137,7 @@ def test_health_section_sets_xids_and_recovery_period(tmp_path):
         ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [fast]\n", "devices", "GPU indices"),
         ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      rename: a/b\n", "rename", "without a domain"),
         ("version: v1\nhealth:\n  recoverySeconds: soon\n", "health.recoverySeconds", "a number"),
-        ("version: v1\nsharing:\n  mps:\n    resources: []\n    x: 1\n", "sharing.mps", "not supported"),
+        ("version: v1\nsharing:\n  mps:\n    resources: []\n", "sharing.mps.resources", "at least one resource"),
         ("version: v1\nflags: [1]\n", "flags", "mapping"),
     ],
 )
@@ -233,6 +233,45 @@ def test_metrics_address_error_names_the_config_file(tmp_path):
         load_config(path, {}, {"metrics_address": ":x"})
 
 
+# ---------------------------------------------------------------------- the label sink, the API server
+def test_labels_sink_and_kubeconfig_are_a_flag_an_environment_variable_and_a_file_key(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\nflags:\n  labelsSink: nodefeature\n  kubeconfig: /k/file\n")
+    assert load_config(path, {}, {}).labels_sink == "nodefeature"
+    assert load_config(path, {}, {}).kubeconfig == "/k/file"
+    env = {"LABELS_SINK": "file", "KUBECONFIG": "/k/env"}
+    assert (load_config(path, env, {}).labels_sink, load_config(path, env, {}).kubeconfig) == ("file", "/k/env")
+    flags = {"labels_sink": "nodefeature", "kubeconfig": "/k/flag"}
+    assert (load_config(path, env, flags).labels_sink, load_config(path, env, flags).kubeconfig) == (
+        "nodefeature", "/k/flag")
+    assert Config().labels_sink == "file" and Config().kubeconfig == ""
+
+
+def test_nvidias_use_node_feature_api_chooses_the_nodefeature_sink(tmp_path):
+    on = write(tmp_path, "on.yaml", "version: v1\nflags:\n  useNodeFeatureAPI: true\n")
+    off = write(tmp_path, "off.yaml", "version: v1\nflags:\n  useNodeFeatureAPI: false\n")
+    assert load_config(on, {}, {}).labels_sink == "nodefeature"
+    assert load_config(off, {}, {}).labels_sink == "file"
+    both = write(tmp_path, "both.yaml", "version: v1\nflags:\n  useNodeFeatureAPI: true\n  labelsSink: file\n")
+    with pytest.raises(ConfigError, match="flags.useNodeFeatureAPI: says nodefeature but flags.labelsSink says file"):
+        load_config(both, {}, {})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("version: v1\nflags:\n  labelsSink: configmap\n", "flags.labelsSink: expected one of file, nodefeature"),
+    ("version: v1\nflags:\n  kubeconfig: /a\ndra:\n  kubeconfig: /b\n", "dra.kubeconfig: differs from flags.kubeconfig"),
+])
+def test_bad_label_sink_settings_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "c.yaml", text), {}, {})
+
+
+def test_the_pods_identity_comes_from_the_downward_api_variables():
+    config = load_config(None, {"POD_NAMESPACE": "gpu", "POD_NAME": "gta-1", "POD_UID": "u-1"}, {})
+    assert (config.pod_namespace, config.pod_name, config.pod_uid) == ("gpu", "gta-1", "u-1")
+    with pytest.raises(ConfigError, match="environment LABELS_SINK: expected one of file, nodefeature"):
+        load_config(None, {"LABELS_SINK": "api"}, {})
+
+
 MEGABYTE = "x" * 1_000_000
 
 
@@ -270,3 +309,13 @@ def test_a_megabyte_environment_or_flag_value_is_shortened_in_its_error():
             load_config(None, env, flags)
         message = str(info.value)
         assert where in message and "chars)" in message and len(message) < 500, message[:300]
+def test_proc_root_and_cri_socket_come_from_flags_or_env_and_take_the_kubelets_spelling():
+    from agent.cli import build_parser
+
+    assert Config().proc_root == "/proc" and Config().cri_socket == "/run/containerd/containerd.sock"
+    env = {"PROC_ROOT": "/host/proc", "CRI_SOCKET": "unix:///var/run/crio/crio.sock"}
+    c = load_config(None, env, {})
+    assert (c.proc_root, c.cri_socket) == ("/host/proc", "/var/run/crio/crio.sock")
+    args = build_parser().parse_args(["run", "--proc-root", "/hp", "--cri-socket", "/run/k3s/c.sock"])
+    c = load_config(None, env, {"proc_root": args.proc_root, "cri_socket": args.cri_socket})
+    assert (c.proc_root, c.cri_socket) == ("/hp", "/run/k3s/c.sock")

@@ -212,9 +212,11 @@ def test_reload_with_a_bad_config_keeps_the_running_one(running, caplog):
 def test_shutdown_removes_sockets_and_shuts_nvml_down(running, dirs):
     daemon, kubelet, backend = running(Config())
     assert kubelet.wait_for(lambda: kubelet.registrations)
+    watchers = [t for t in threading.enumerate() if t.name == "health-watcher"]
+    assert watchers
     daemon.shutdown()
     assert os.listdir(dirs["k"]) == ["kubelet.sock"] and backend.shut_down
-    assert daemon.watcher is not None and not daemon.watcher.alive
+    assert not any(t.is_alive() for t in watchers)
 
 
 # ---------------------------------------------------------------------- a real process
@@ -524,6 +526,8 @@ def test_ready_endpoint_follows_registration_with_the_kubelet(simulated):
 
 class RecordingSink:
     """A label sink that keeps what it was given."""
+
+    where = "the test's recording sink"
 
     def __init__(self) -> None:
         self.written: list[dict[str, str]] = []

@@ -1,16 +1,13 @@
-"""The deployment in ``daemonset/`` renders and agrees with the agent it deploys.
+"""The plain deployment in ``daemonset/`` renders and agrees with the agent it deploys.
 
-``daemonset/`` is the base in ``daemonset/base/`` as it is (the device plugin);
-``daemonset/dra/`` is the DRA overlay of that base. Every check is run against two
-renderings: ``kubectl kustomize`` (skipped where no kubectl is installed; it works offline)
-and a small YAML-only renderer in this file that understands exactly the kustomization
-features we use (so the suite still checks the manifests without kubectl). Facts about the agent (default paths, the metrics port, the
-config loader, the CLI, the probe endpoints) come from the agent's own code, not from
-copies of them here.
-
-``prometheusrule.yaml`` and ``grafana-dashboard.json`` belong to the metrics work; while
-either is absent the kustomization is rendered from a temporary copy without its reference
-and the checks on that object skip, saying so.
+``daemonset/base/`` (the device plugin; ``kubectl apply -k daemonset/``) and
+``daemonset/dra/`` (the DRA driver) are rendered from the Helm chart by
+``daemonset/render.py``; tests/test_helm.py checks they are the chart's current rendering
+and tests the chart's values. Here every check runs against two readings of the plain
+files: ``kubectl kustomize`` (skipped where no kubectl is installed; it works offline) and
+the files the kustomizations list, read as YAML (so the suite still checks the manifests
+without kubectl). Facts about the agent (default paths, the metrics port, the config loader,
+the CLI, the probe endpoints) come from the agent's own code, not from copies of them here.
 """
 
 from __future__ import annotations
@@ -30,18 +27,17 @@ import pytest
 import yaml
 
 import agent
-from agent.config import Config, load_config
-from agent.errors import ConfigError
+from agent.config import Config, load_config, probe_address_of
 from agent.topology.model import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY_DIR = ROOT / "daemonset"
 BASE_DIR = DEPLOY_DIR / "base"
 DRA_DIR = DEPLOY_DIR / "dra"
-KUBECTL = shutil.which("kubectl")
-
-#: Files the kustomization references that another engineer delivers.
-OPTIONAL_FILES = ("prometheusrule.yaml", "grafana-dashboard.json")
+CHART_FILES = DEPLOY_DIR / "helm" / "gpu-topology-agent" / "files"
+#: kubectl on PATH, else the one .ci/run puts beside Helm in .tools/bin
+KUBECTL = shutil.which("kubectl") or next(
+    (str(p) for p in [ROOT / ".tools" / "bin" / "kubectl"] if p.exists()), None)
 
 CLUSTER_SCOPED_KINDS = {
     "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
@@ -54,7 +50,6 @@ RBAC_KINDS = {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
 @dataclasses.dataclass
 class Rendered:
     objects: list[dict[str, Any]]
-    missing: tuple[str, ...]  # optional files not present, rendered without them
     how: str
 
     def all_of(self, kind: str) -> list[dict[str, Any]]:
@@ -79,163 +74,57 @@ class Rendered:
         assert len(containers) == 1
         return containers[0]
 
-    def skip_if_missing(self, filename: str) -> None:
-        if filename in self.missing:
-            pytest.skip(
-                f"daemonset/base/{filename} is not in the repository yet (delivered by the metrics "
-                "work); the kustomization was rendered without it"
-            )
-
 
 # ----------------------------------------------------------------------------- rendering
 
 
-def _prepare(tmp: Path) -> tuple[Path, tuple[str, ...]]:
-    """A copy of daemonset/ whose base kustomization drops references to absent optional
-    files."""
-    work = tmp / "daemonset"
-    shutil.copytree(DEPLOY_DIR, work)
-    missing = tuple(f for f in OPTIONAL_FILES if not (BASE_DIR / f).exists())
-    if missing:
-        kustomization = yaml.safe_load((work / "base" / "kustomization.yaml").read_text())
-        kustomization["resources"] = [r for r in kustomization["resources"] if r not in missing]
-        kustomization["configMapGenerator"] = [
-            g for g in kustomization.get("configMapGenerator", [])
-            if not any(_generator_file(f)[1] in missing for f in g.get("files", []))
-        ]
-        (work / "base" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    return work, missing
-
-
-def _generator_file(entry: str) -> tuple[str, str]:
-    """``key=path`` or ``path`` -> (key, path), as kustomize reads configMapGenerator files."""
-    key, sep, path = entry.partition("=")
-    return (key, path) if sep else (posixpath.basename(entry), entry)
-
-
-def _render_with_kubectl(work: Path) -> list[dict[str, Any]]:
+def _render_with_kubectl(directory: Path) -> list[dict[str, Any]]:
     assert KUBECTL is not None
     result = subprocess.run(
-        [KUBECTL, "kustomize", str(work)], capture_output=True, text=True, timeout=120
+        [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, f"kubectl kustomize failed: {result.stderr.strip()}"
     assert not result.stderr.strip(), f"kubectl kustomize warned: {result.stderr.strip()}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-_SUPPORTED_KUSTOMIZATION_KEYS = {
-    "apiVersion", "kind", "namespace", "labels", "resources", "configMapGenerator", "images",
-    "patches",
-}
-
-
-def _named_list(items: Any) -> bool:
-    return isinstance(items, list) and all(isinstance(i, dict) and "name" in i for i in items)
-
-
-def _merge(base: Any, patch: Any) -> Any:
-    """A strategic merge as far as our patches need it: maps merge, lists of named maps
-    (containers, volumes, volumeMounts) merge by name (new items first, as kustomize puts
-    them), anything else is replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for key, value in patch.items():
-            out[key] = _merge(base[key], value) if key in base else value
-        return out
-    if _named_list(base) and _named_list(patch):
-        merged = list(base)
-        added = []
-        for item in patch:
-            at = [n for n, old in enumerate(merged) if old["name"] == item["name"]]
-            if at:
-                merged[at[0]] = _merge(merged[at[0]], item)
-            else:
-                added.append(item)
-        return added + merged
-    return patch
-
-
-def _render_with_yaml(work: Path) -> list[dict[str, Any]]:
-    """Apply the kustomization features we use, without name hashes."""
-    kustomization = yaml.safe_load((work / "kustomization.yaml").read_text())
-    unsupported = set(kustomization) - _SUPPORTED_KUSTOMIZATION_KEYS
-    assert not unsupported, f"teach the YAML renderer in this test about {sorted(unsupported)}"
+def _render_with_yaml(directory: Path) -> list[dict[str, Any]]:
+    """The objects of the files a kustomization lists (it uses nothing but ``resources``)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(kustomization) - {"apiVersion", "kind", "resources"}
+    assert not unsupported, f"teach the YAML reader in this test about {sorted(unsupported)}"
     objects: list[dict[str, Any]] = []
-    for resource in kustomization.get("resources", []):
-        if (work / resource).is_dir():
-            objects += _render_with_yaml(work / resource)
+    for resource in kustomization["resources"]:
+        if (directory / resource).is_dir():
+            objects += _render_with_yaml(directory / resource)
         else:
-            objects += [d for d in yaml.safe_load_all((work / resource).read_text()) if d]
-    for entry in kustomization.get("patches", []):
-        (patch,) = [d for d in yaml.safe_load_all((work / entry["path"]).read_text()) if d]
-        (at,) = [n for n, o in enumerate(objects)
-                 if (o["kind"], o["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])]
-        objects[at] = _merge(objects[at], patch)
-    for generator in kustomization.get("configMapGenerator", []):
-        options = generator.get("options", {})
-        data = {}
-        for entry in generator.get("files", []):
-            key, path = _generator_file(entry)
-            data[key] = (work / path).read_text()
-        if generator.get("behavior") == "replace":
-            (old,) = [o for o in objects
-                      if o["kind"] == "ConfigMap" and o["metadata"]["name"] == generator["name"]]
-            old["data"] = data
-            continue
-        objects.append({
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": generator["name"], "labels": dict(options.get("labels", {}))},
-            "data": data,
-        })
-    namespace = kustomization.get("namespace")
-    common_labels: dict[str, str] = {}
-    for entry in kustomization.get("labels", []):
-        common_labels.update(entry.get("pairs", {}))
-    for obj in objects:
-        meta = obj.setdefault("metadata", {})
-        meta.setdefault("labels", {}).update(common_labels)
-        if namespace and obj["kind"] not in CLUSTER_SCOPED_KINDS:
-            meta["namespace"] = namespace
-        if obj["kind"] == "Namespace" and namespace:
-            meta["name"] = namespace
-    for image in kustomization.get("images", []):
-        for obj in objects:
-            pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-            for container in pod.get("containers", []) + pod.get("initContainers", []):
-                name = container["image"].split("@")[0].rsplit(":", 1)[0]
-                if name == image["name"]:
-                    new_name = image.get("newName", name)
-                    container["image"] = f"{new_name}:{image['newTag']}" if "newTag" in image else new_name
+            objects += [d for d in yaml.safe_load_all((directory / resource).read_text()) if d]
     return objects
 
 
-def _rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-              overlay: str) -> Rendered:
+def _rendered(request: pytest.FixtureRequest, directory: Path) -> Rendered:
     if request.param == "kubectl" and KUBECTL is None:
-        pytest.skip("kubectl is not installed; the YAML renderer covers the manifests")
-    work, missing = _prepare(tmp_path_factory.mktemp(f"render-{request.param}"))
+        pytest.skip("kubectl is not installed; the YAML reader covers the manifests")
     render = _render_with_kubectl if request.param == "kubectl" else _render_with_yaml
-    return Rendered(render(work / overlay), missing, request.param)
+    return Rendered(render(directory), request.param)
 
 
 @pytest.fixture(scope="module", params=["kubectl", "yaml"])
-def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+def rendered(request: pytest.FixtureRequest) -> Rendered:
     """``daemonset/``: the device-plugin deployment."""
-    return _rendered(request, tmp_path_factory, ".")
+    return _rendered(request, DEPLOY_DIR)
 
 
 @pytest.fixture(scope="module", params=["kubectl", "yaml"])
-def rendered_dra(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Rendered:
-    """``daemonset/dra``: the DRA overlay."""
-    return _rendered(request, tmp_path_factory, "dra")
+def rendered_dra(request: pytest.FixtureRequest) -> Rendered:
+    """``daemonset/dra``: the DRA deployment."""
+    return _rendered(request, DRA_DIR)
 
 
 @pytest.fixture(scope="module", params=["kubectl", "yaml"])
-def rendered_both(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Rendered, Rendered]:
-    """``daemonset/`` and ``daemonset/dra``, by the same renderer."""
-    return (_rendered(request, tmp_path_factory, "."), _rendered(request, tmp_path_factory, "dra"))
+def rendered_both(request: pytest.FixtureRequest) -> tuple[Rendered, Rendered]:
+    """``daemonset/`` and ``daemonset/dra``, read the same way."""
+    return (_rendered(request, DEPLOY_DIR), _rendered(request, DRA_DIR))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -263,9 +152,31 @@ def _config_map_for_volume(rendered: Rendered, mount_path: str) -> dict[str, Any
     return next(o for o in rendered.all_of("ConfigMap") if o["metadata"]["name"] == name)
 
 
+def _run_args(rendered: Rendered) -> Any:
+    """The container's args as the agent's own command line parses them."""
+    from agent.cli import build_parser
+
+    return build_parser().parse_args(rendered.container["args"])
+
+
 def _config_path(rendered: Rendered) -> str:
-    args = rendered.container["args"]
-    return args[args.index("--config") + 1]
+    path = _run_args(rendered).config
+    assert path, "the DaemonSet names no --config file"
+    return str(path)
+
+
+def _loaded_config(rendered: Rendered, tmp_path: Path) -> Config:
+    """The configuration the agent starts with: the mounted config file and the flags and
+    environment the DaemonSet gives it (the downward-API NODE_NAME aside)."""
+    from agent.commands.run import FLAG_FIELDS
+
+    args = _run_args(rendered)
+    path = _config_path(rendered)
+    text = _config_map_for_volume(rendered, posixpath.dirname(path))["data"][posixpath.basename(path)]
+    (tmp_path / "config.yaml").write_text(text)
+    env = {e["name"]: e["value"] for e in rendered.container["env"] if "value" in e}
+    return load_config(str(tmp_path / "config.yaml"), env,
+                       {name: getattr(args, name) for name in FLAG_FIELDS})
 
 
 def _agent_metrics_port() -> int:
@@ -294,7 +205,6 @@ def test_every_object_fits_kubectl_apply_last_applied_annotation(rendered: Rende
 
 
 def test_prometheus_rule_is_part_of_the_deployment(rendered: Rendered) -> None:
-    rendered.skip_if_missing("prometheusrule.yaml")
     rule = rendered.one("PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     groups = rule["spec"]["groups"]
@@ -302,14 +212,13 @@ def test_prometheus_rule_is_part_of_the_deployment(rendered: Rendered) -> None:
 
 
 def test_grafana_dashboard_is_a_config_map_the_grafana_sidecar_picks_up(rendered: Rendered) -> None:
-    rendered.skip_if_missing("grafana-dashboard.json")
     dashboards = [
         o for o in rendered.all_of("ConfigMap")
         if "grafana-dashboard.json" in o.get("data", {})
     ]
     assert len(dashboards) == 1
     assert dashboards[0]["metadata"]["labels"].get("grafana_dashboard") == "1"
-    shipped = json.loads((BASE_DIR / "grafana-dashboard.json").read_text())
+    shipped = json.loads((CHART_FILES / "grafana-dashboard.json").read_text())
     assert json.loads(dashboards[0]["data"]["grafana-dashboard.json"]) == shipped
 
 
@@ -326,48 +235,23 @@ def test_namespace_admits_hostpath_pods_under_pod_security_admission(rendered: R
     assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
 
 
-@pytest.mark.parametrize("overlay", [".", "dra"])
-def test_yaml_renderer_sees_the_same_objects_as_kubectl(tmp_path: Path, overlay: str) -> None:
+@pytest.mark.parametrize("directory", [BASE_DIR, DRA_DIR], ids=["base", "dra"])
+def test_yaml_reader_sees_the_same_objects_as_kubectl(directory: Path) -> None:
     if KUBECTL is None:
-        pytest.skip("kubectl is not installed: nothing to compare the YAML renderer with")
-    work, _ = _prepare(tmp_path)
-    by_kubectl = _render_with_kubectl(work / overlay)
-    by_yaml = _render_with_yaml(work / overlay)
-    generators = [
-        g["name"] for d in (work / "base", work / overlay)
-        for g in yaml.safe_load((d / "kustomization.yaml").read_text()).get("configMapGenerator", [])
-    ]
-    hashed = {
-        o["metadata"]["name"]: name
-        for name in generators
-        for o in by_kubectl
-        if o["kind"] == "ConfigMap"
-        and re.fullmatch(re.escape(name) + r"(-[a-z0-9]{10})?", o["metadata"]["name"])
-    }
-    # kubectl's only difference: generated ConfigMap names carry a content hash.
-    unhashed = yaml.safe_load(
-        _replace_all(yaml.safe_dump(by_kubectl), {h: n for h, n in hashed.items() if h != n})
-    )
+        pytest.skip("kubectl is not installed: nothing to compare the YAML reader with")
 
     def key(o: dict[str, Any]) -> tuple[str, str]:
         return (o["kind"], o["metadata"]["name"])
 
-    assert sorted(unhashed, key=key) == sorted(by_yaml, key=key)
+    by_kubectl = _render_with_kubectl(directory)
+    assert sorted(by_kubectl, key=key) == sorted(_render_with_yaml(directory), key=key)
 
 
-def test_top_level_kustomization_is_the_base_as_it_is(tmp_path: Path) -> None:
-    # `kubectl kustomize daemonset/` renders what it rendered before the base moved to base/
-    work, _ = _prepare(tmp_path)
-    assert yaml.safe_load((work / "kustomization.yaml").read_text())["resources"] == ["base"]
-    assert _render_with_yaml(work) == _render_with_yaml(work / "base")
+def test_top_level_kustomization_is_the_base_as_it_is() -> None:
+    assert yaml.safe_load((DEPLOY_DIR / "kustomization.yaml").read_text())["resources"] == ["base"]
+    assert _render_with_yaml(DEPLOY_DIR) == _render_with_yaml(BASE_DIR)
     if KUBECTL is not None:
-        assert _render_with_kubectl(work) == _render_with_kubectl(work / "base")
-
-
-def _replace_all(text: str, replacements: dict[str, str]) -> str:
-    for old, new in replacements.items():
-        text = text.replace(old, new)
-    return text
+        assert _render_with_kubectl(DEPLOY_DIR) == _render_with_kubectl(BASE_DIR)
 
 
 # ----------------------------------------------------------------------------- placement
@@ -423,6 +307,7 @@ def test_every_hostpath_the_agent_needs_is_mounted_where_its_defaults_look(rende
         posixpath.dirname(defaults.pod_resources_socket): "read-only",  # connect only
         defaults.features_dir: "writable",  # the NFD feature file is written here
         defaults.sysfs_root: "read-only",
+        posixpath.dirname(defaults.cri_socket): "read-only",  # connect only: ListContainers
     }
     mounts = _mounts_by_path(rendered)
     for path, access in needed.items():
@@ -444,8 +329,16 @@ def test_container_is_unprivileged_with_every_capability_dropped(rendered: Rende
     assert not security["capabilities"].get("add")
     assert security["readOnlyRootFilesystem"] is True
     pod = rendered.pod
-    assert not (pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"))
+    assert not (pod.get("hostNetwork") or pod.get("hostIPC"))
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+
+
+def test_pod_shares_the_host_pid_namespace_where_the_default_proc_root_is_the_hosts(
+        rendered: Rendered) -> None:
+    # NVML reports GPU processes by host PID; their cgroups name their pods (per-pod metrics)
+    assert rendered.pod.get("hostPID") is True
+    assert Config().proc_root == "/proc"
+    assert "/proc" not in _mounts_by_path(rendered)
 
 
 def test_only_tmp_and_the_agents_output_directories_are_writable(rendered: Rendered) -> None:
@@ -481,13 +374,15 @@ def test_metrics_port_is_named_metrics_and_is_the_agents_default_port(rendered: 
     assert port["containerPort"] == _agent_metrics_port()
 
 
-def test_probes_hit_health_and_ready_on_the_metrics_port(rendered: Rendered) -> None:
+def test_probes_hit_health_and_ready_on_the_agents_probe_port_not_the_metrics_port(rendered: Rendered) -> None:
     liveness = rendered.container["livenessProbe"]["httpGet"]
     readiness = rendered.container["readinessProbe"]["httpGet"]
-    assert (liveness["path"], liveness["port"]) == ("/health", "metrics")
+    assert (liveness["path"], liveness["port"]) == ("/health", "probes")
     if "startupProbe" in rendered.container:
         assert rendered.container["startupProbe"]["httpGet"] == liveness
-    assert (readiness["path"], readiness["port"]) == ("/ready", "metrics")
+    assert (readiness["path"], readiness["port"]) == ("/ready", "probes")
+    (port,) = [p for p in rendered.container["ports"] if p["name"] == "probes"]
+    assert port["containerPort"] == int(probe_address_of(Config()).rpartition(":")[2]) != _agent_metrics_port()
 
 
 def test_headless_service_and_service_monitor_select_the_agent_metrics(rendered: Rendered) -> None:
@@ -537,12 +432,9 @@ def test_container_args_name_the_mounted_config_map_file(rendered: Rendered) -> 
 
 
 def test_container_args_parse_with_the_agent_cli(rendered: Rendered) -> None:
-    from agent.cli import build_parser
-
-    parser = build_parser()
-    args = parser.parse_args(rendered.container["args"])
+    args = _run_args(rendered)
     assert args.command == "run"
-    assert args.config == _config_path(rendered)
+    assert args.mode is None  # device-plugin, the agent's default
 
 
 def test_image_tag_is_the_package_version(rendered: Rendered) -> None:
@@ -553,16 +445,13 @@ def test_image_tag_is_the_package_version(rendered: Rendered) -> None:
 def test_config_map_file_loads_with_the_agent_config_loader(
     rendered: Rendered, tmp_path: Path
 ) -> None:
-    path = _config_path(rendered)
-    text = _config_map_for_volume(rendered, posixpath.dirname(path))["data"][posixpath.basename(path)]
-    (tmp_path / "config.yaml").write_text(text)
-    loaded = load_config(str(tmp_path / "config.yaml"), {}, {})
+    loaded = _loaded_config(rendered, tmp_path)
     # The shipped file spells out the built-in defaults (it says so); keep them in step.
     assert dataclasses.replace(loaded, config_file=None) == Config()
 
 
 def test_commented_time_slicing_example_loads_when_uncommented(tmp_path: Path) -> None:
-    lines = (BASE_DIR / "config.yaml").read_text().splitlines()
+    lines = (CHART_FILES / "config.yaml").read_text().splitlines()
     start = lines.index("# sharing:")
     example = []
     for line in lines[start:]:
@@ -582,7 +471,7 @@ def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> 
     from agent.metrics import service as service_module
     from agent.metrics.self_metrics import AgentMetrics
 
-    container = Rendered(_render_with_yaml(_prepare(tmp_path)[0]), (), "yaml").container
+    container = Rendered(_render_with_yaml(DEPLOY_DIR), "yaml").container
     backend = machines.open_simulated("dgx-h100").backend()
     backend.init()
     try:
@@ -597,7 +486,7 @@ def test_probe_paths_are_served_by_the_agent_metrics_service(tmp_path: Path) -> 
         try:
             liveness = container["livenessProbe"]["httpGet"]["path"]
             readiness = container["readinessProbe"]["httpGet"]["path"]
-            base = f"http://127.0.0.1:{service.port}"
+            base = f"http://127.0.0.1:{service.probe_port}"
             assert _http_status(base + liveness) == 200
             assert _http_status(base + readiness) == 503
             ready["value"] = True
@@ -618,37 +507,21 @@ def _http_status(url: str) -> int:
         return int(exc.code)
 
 
-def _used_files(directory: Path) -> set[str]:
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    return (
-        set(kustomization["resources"])
-        | {p["path"] for p in kustomization.get("patches", [])}
-        | {_generator_file(f)[1]
-           for g in kustomization.get("configMapGenerator", []) for f in g.get("files", [])}
-    )
+def test_every_file_in_the_plain_directories_is_applied() -> None:
+    # base/ and dra/ hold the rendered manifests (render.py) and nothing else; dra/examples/
+    # is not applied (claim templates for workloads).
+    for directory in (BASE_DIR, DRA_DIR):
+        listed = set(yaml.safe_load((directory / "kustomization.yaml").read_text())["resources"])
+        present = {p.name for p in directory.iterdir() if p.is_file()} - {"kustomization.yaml"}
+        assert present == listed, f"{directory.relative_to(ROOT)}: {sorted(present ^ listed)}"
+    assert {p.name for p in DEPLOY_DIR.iterdir() if p.is_file()} == {
+        "kustomization.yaml", "render.py", "plain-values.yaml"}
 
 
-def test_deploy_directory_files_are_all_used_by_the_kustomization() -> None:
-    used = _used_files(BASE_DIR)
-    # Plain Prometheus rule files for promtool (wrapped by prometheusrule.yaml), not objects.
-    promtool_inputs = {"prometheusrule-rules.yaml", "rules-test.yaml"}
-    present = {p.name for p in BASE_DIR.iterdir() if p.is_file()} - {"kustomization.yaml"}
-    assert present - promtool_inputs <= used, "a file in daemonset/base/ is not deployed"
-    assert used - set(OPTIONAL_FILES) <= present
-    assert {p.name for p in DEPLOY_DIR.iterdir() if p.is_file()} == {"kustomization.yaml"}
+# ----------------------------------------------------------------------------- DRA
 
 
-def test_dra_directory_files_are_all_used_by_the_overlay() -> None:
-    used = _used_files(DRA_DIR)
-    present = {p.name for p in DRA_DIR.iterdir() if p.is_file()} - {"kustomization.yaml"}
-    assert "../base" in used
-    assert present == used - {"../base"}, "a file in daemonset/dra/ is not deployed (or missing)"
-
-
-# ----------------------------------------------------------------------------- DRA overlay
-
-
-def test_dra_overlay_renders_the_base_plus_the_driver_objects(
+def test_dra_deployment_renders_the_base_plus_the_driver_objects(
     rendered_both: tuple[Rendered, Rendered]
 ) -> None:
     rendered, rendered_dra = rendered_both
@@ -657,8 +530,7 @@ def test_dra_overlay_renders_the_base_plus_the_driver_objects(
         return (o["kind"], o["metadata"]["name"])
 
     added = {key(o) for o in rendered_dra.objects} - {key(o) for o in rendered.objects}
-    # (kubectl also lists the config ConfigMap: same name, another content hash)
-    assert {k for k, _ in added} - {"ConfigMap"} == {
+    assert {k for k, _ in added} == {
         "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding", "DeviceClass",
     }
@@ -671,7 +543,7 @@ def test_dra_overlay_renders_the_base_plus_the_driver_objects(
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpu-topology-agent"
 
 
-def test_dra_overlay_mounts_the_kubelet_plugin_directories_and_the_cdi_directory(
+def test_dra_deployment_mounts_the_kubelet_plugin_directories_and_the_cdi_directory(
     rendered_both: tuple[Rendered, Rendered]
 ) -> None:
     rendered, rendered_dra = rendered_both
@@ -690,7 +562,7 @@ def test_dra_overlay_mounts_the_kubelet_plugin_directories_and_the_cdi_directory
     assert set(_mounts_by_path(rendered)) | set(expected) == set(mounts)
 
 
-def test_dra_overlay_mounts_the_service_account_token(rendered_dra: Rendered) -> None:
+def test_dra_deployment_mounts_the_service_account_token(rendered_dra: Rendered) -> None:
     account = rendered_dra.one("ServiceAccount")
     assert account.get("automountServiceAccountToken") is True
     assert rendered_dra.pod["serviceAccountName"] == account["metadata"]["name"]
@@ -748,9 +620,9 @@ def test_dra_device_classes_select_the_agents_gpus_and_mig_devices(rendered_dra:
 
     assert DEFAULT_DRIVER == Config().driver_name
     classes = {c["metadata"]["name"]: c for c in rendered_dra.all_of("DeviceClass")}
-    sized = {f"set-of-{k}.gpuset.gpu-agent.io": k for k in (2, 4, 8)}
-    assert set(classes) == {DEFAULT_DRIVER, f"mig.{DEFAULT_DRIVER}", "gpuset.gpu-agent.io", *sized}
-    kinds = {DEFAULT_DRIVER: "gpu", f"mig.{DEFAULT_DRIVER}": "mig", "gpuset.gpu-agent.io": "gpuset",
+    sized = {f"set-of-{k}.{DEFAULT_DRIVER}": k for k in (2, 4, 8)}
+    assert set(classes) == {DEFAULT_DRIVER, f"mig.{DEFAULT_DRIVER}", f"gpuset.{DEFAULT_DRIVER}", *sized}
+    kinds = {DEFAULT_DRIVER: "gpu", f"mig.{DEFAULT_DRIVER}": "mig", f"gpuset.{DEFAULT_DRIVER}": "gpuset",
              **{name: "gpuset" for name in sized}}
     for name, kind in kinds.items():
         (selector,) = classes[name]["spec"]["selectors"]
@@ -766,20 +638,10 @@ def test_dra_device_classes_select_the_agents_gpus_and_mig_devices(rendered_dra:
             assert "extendedResourceName" not in classes[name]["spec"]
 
 
-def test_dra_config_map_says_mode_dra_and_loads_with_the_agent_config_loader(
+def test_dra_daemonset_runs_the_agent_in_dra_mode_with_the_shipped_config(
     rendered_dra: Rendered, tmp_path: Path
 ) -> None:
-    path = _config_path(rendered_dra)
-    config_map = _config_map_for_volume(rendered_dra, posixpath.dirname(path))
-    text = config_map["data"][posixpath.basename(path)]
-    assert yaml.safe_load(text)["mode"] == "dra"
-    (tmp_path / "config.yaml").write_text(text)
-    try:
-        loaded = load_config(str(tmp_path / "config.yaml"), {}, {})
-    except ConfigError as exc:
-        if "mode: unknown key" in str(exc):
-            pytest.skip("the config file does not accept `mode` yet (the DRA plugin work adds it)")
-        raise
+    loaded = _loaded_config(rendered_dra, tmp_path)
     assert loaded.mode == "dra"
-    # every other value is the built-in default, as in the base's file
+    # every other value is the built-in default, as in the device-plugin deployment
     assert dataclasses.replace(loaded, config_file=None, mode=Config().mode) == Config()

@@ -27,7 +27,7 @@ def demo(machine: str, fmt: str) -> tuple[str, str]:
 def test_demo_tells_the_whole_story_within_100_columns():
     out, err = demo("dgx-h100", "table")
     for section in ("Topology of dgx-h100", "Node labels", "The kubelet's view",
-                    "A busy node", "/metrics excerpt", "Done"):
+                    "A busy node", "/metrics excerpt", SHARED[3:], "Done"):
         assert section in out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "registered nvidia.com/gpu (API v1beta1" in out
@@ -208,3 +208,57 @@ def test_on_standard_input_the_suggested_command_reads_standard_input_too(monkey
     assert "(with the same input on standard input)" in out
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(matrix)))
     assert cli.main(argv) == 0
+
+
+# ---------------------------------------------------------------- one GPU, two pods
+SHARED = "== One GPU, two pods: time-slicing and per-pod use"
+SERIES_RE = re.compile(r'^(\w+)\{gpu="(\d+)",pod="(\w+)",container="(\w+)"\} ([\d.]+)$')
+
+
+def test_the_demo_shows_two_pods_on_one_time_sliced_gpu_with_their_own_figures(capsys):
+    assert cli.main(["demo", "--simulate", "pcie-4gpu"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    section = out.split(SHARED, 1)[1].split("== Done", 1)[0]
+    got = re.findall(r"demo/(\w+) +container (\w+) +got (GPU-[0-9a-f-]+)::(\d)", section)
+    assert [(pod, container) for pod, container, _, _ in got] == \
+        [("trainer", "main"), ("notebook", "jupyter")]
+    assert len({uuid for _, _, uuid, _ in got}) == 1, "both pods hold a replica of one GPU"
+    assert {replica for *_, replica in got} == {"0", "1"}
+    value: dict[tuple[str, str], float] = {}
+    gpus = set()
+    for line in section.splitlines():
+        m = SERIES_RE.match(line)
+        if m:
+            name, gpu, pod, _, v = m.groups()
+            value[(name, pod)] = float(v)
+            gpus.add(gpu)
+    assert gpus == {"0"}
+    for own, dcgm in (("gpu_agent_pod_sm_utilization_percent", "DCGM_FI_DEV_GPU_UTIL"),
+                      ("gpu_agent_pod_framebuffer_used_mib", "DCGM_FI_DEV_FB_USED")):
+        assert value[(own, "trainer")] != value[(own, "notebook")], f"{own}: each pod its own"
+        assert value[(dcgm, "trainer")] == value[(dcgm, "notebook")], f"{dcgm}: the GPU's"
+        assert value[(own, "trainer")] + value[(own, "notebook")] == value[(dcgm, "trainer")]
+    flat = " ".join(section.split())
+    assert "give every pod holding a shared GPU the whole GPU's figure" in flat
+
+
+def test_the_demo_json_tells_the_same_shared_gpu_facts(capsys):
+    assert cli.main(["demo", "--simulate", "dgx-a100", "--format", "json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    shared = facts["shared_gpu"]
+    assert shared["replicas"] == 2 and shared["resource"] == "nvidia.com/gpu"
+    assert shared["model"] == facts["topology"]["gpus"][0]["name"], "the machine's GPU model"
+    trainer, notebook = shared["pods"]
+    assert (trainer["pod"], notebook["pod"]) == ("trainer", "notebook")
+    assert trainer["uuid"] == notebook["uuid"] and trainer["gpu"] == notebook["gpu"] == "0"
+    assert trainer["device"] != notebook["device"]
+    assert {p["device"] for p in shared["pods"]} == {trainer["uuid"] + "::0", trainer["uuid"] + "::1"}
+    for own, dcgm in (("sm_util_pct", "dcgm_gpu_util_pct"), ("fb_used_mib", "dcgm_fb_used_mib")):
+        assert trainer[own] != notebook[own]
+        assert trainer[dcgm] == notebook[dcgm] == trainer[own] + notebook[own]
+    assert {(m["name"], m["labels"]["pod"]) for m in shared["metrics"]} == {
+        (name, pod) for name in ("gpu_agent_pod_sm_utilization_percent", "DCGM_FI_DEV_GPU_UTIL",
+                                 "gpu_agent_pod_framebuffer_used_mib", "DCGM_FI_DEV_FB_USED")
+        for pod in ("trainer", "notebook")
+    }

@@ -13,6 +13,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from allocation_support import best_set
 from kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
 from prometheus_client import CollectorRegistry
 from waiting import eventually
@@ -263,7 +264,7 @@ def test_preferred_allocation_is_the_engines_best_set(node, make_topology):
     uuids = [g.uuid for g in topo.gpus]
     for available, must, size in [(range(topo.gpu_count), [], 2), (range(1, topo.gpu_count), [3], 2), ([0, 2, 3], [], 2)]:
         got = client.preferred([uuids[i] for i in available], [uuids[i] for i in must], size)
-        want = [uuids[i] for i in engine.best_set(list(available), list(must), size)]
+        want = [uuids[i] for i in best_set(engine, list(available), list(must), size)]
         assert got == want and len(got) == size and all(uuids[m] in got for m in must)
 
 
@@ -396,29 +397,94 @@ def test_every_bad_input_is_invalid_argument_and_the_server_keeps_serving(node):
     u = [g.uuid for g in topo.gpus]
     node.start(topo)
     c = node.client()
-    assert "unknown device ID 'GPU-ffffffff-0000'" in invalid(lambda: c.allocate(["GPU-ffffffff-0000"]))
-    assert "malformed device ID 'not a device'" in invalid(lambda: c.allocate(["not a device"]))
-    assert "empty device list" in invalid(lambda: c.allocate([]))
+    resource = "for resource nvidia.com/gpu"
+    assert invalid(lambda: c.allocate(["GPU-ffffffff-0000"])) == (
+        f"devices: unknown device ID 'GPU-ffffffff-0000' {resource}"
+    )
+    assert invalid(lambda: c.allocate(["not a device"])) == (
+        "devices: malformed device ID 'not a device': expected a GPU or MIG UUID, optionally"
+        " with ::<replica>"
+    )
+    assert invalid(lambda: c.allocate([])) == "devices: empty device list"
     assert "no container requests" in invalid(lambda: c.allocate())
-    assert "given twice" in invalid(lambda: c.allocate([u[0], u[0]]))
+    assert invalid(lambda: c.allocate([u[0], u[0]])) == f"devices: device ID '{u[0]}' given twice"
     assert "replica" not in invalid(lambda: c.allocate([f"{u[0]}::1"]))
-    assert "must be >= 1" in invalid(lambda: c.preferred(u, [], 0))
-    assert "exceeds the 2 available" in invalid(lambda: c.preferred(u[:2], [], 3))
-    assert "not in the available list" in invalid(lambda: c.preferred(u[:2], [u[3]], 2))
-    assert "exceed allocation size 1" in invalid(lambda: c.preferred(u, u[:2], 1))
-    assert "unknown device ID" in invalid(lambda: c.preferred(u + ["GPU-0000-dead"], [], 1))
+    assert invalid(lambda: c.preferred(u, [], 0)) == "size must be at least 1, got 0"
+    assert invalid(lambda: c.preferred(u[:2], [], 3)) == "size 3 is more than the 2 available devices"
+    assert invalid(lambda: c.preferred(u[:2], [u[3]], 2)) == (
+        f"must-include: device ID '{u[3]}' is not in the available list"
+    )
+    assert invalid(lambda: c.preferred(u, u[:2], 1)) == "2 must-include devices do not fit in size 1"
+    assert invalid(lambda: c.preferred(u + ["GPU-0000-dead"], [], 1)) == (
+        f"available: unknown device ID 'GPU-0000-dead' {resource}"
+    )
     assert envs_of(c.allocate([u[0]]))["NVIDIA_VISIBLE_DEVICES"] == u[0]
 
 
-def test_fail_requests_greater_than_one_refuses_multi_replica_requests(node):
+def test_each_kind_of_mistake_has_one_message_in_both_calls_and_the_cli(node, capsys):
+    from agent import cli
+    from agent.discovery import load_topology
+
+    topo = load_topology("dgx-h100")
+    u = [g.uuid for g in topo.gpus]
+    node.start(topo)
+    c = node.client()
+
+    def cli_error(*argv: str) -> str:
+        assert cli.main(["allocate", "--simulate", "dgx-h100", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        return err.strip().removeprefix("gpu-topology-agent allocate: error: ")
+
+    # (available, must-include, size) over gRPC and as the command's flags; the message
+    cases = [
+        ((u[:2] + ["not a device"], [], 1), ("0,1,not a device", "", "1"),
+         "available: malformed device ID 'not a device': expected a GPU or MIG UUID,"
+         " optionally with ::<replica>"),
+        ((u[:2] + ["GPU-0000-dead"], [], 1), ("0,1,GPU-0000-dead", "", "1"),
+         "available: unknown device ID 'GPU-0000-dead' for resource nvidia.com/gpu"),
+        (([u[0], u[1], u[0]], [], 1), ("0,1,0", "", "1"), f"available: device ID '{u[0]}' given twice"),
+        ((u, [u[2], "GPU-0000-dead"], 2), ("", "2,GPU-0000-dead", "2"),
+         "must-include: unknown device ID 'GPU-0000-dead' for resource nvidia.com/gpu"),
+        ((u, [u[2], u[2]], 2), ("", "2,2", "2"), f"must-include: device ID '{u[2]}' given twice"),
+        ((u[:2], [u[3]], 2), ("0,1", "3", "2"),
+         f"must-include: device ID '{u[3]}' is not in the available list"),
+        ((u, [], 0), ("", "", "0"), "size must be at least 1, got 0"),
+        ((u[:2], [], 3), ("0,1", "", "3"), "size 3 is more than the 2 available devices"),
+        ((u, u[:2], 1), ("", "0,1", "1"), "2 must-include devices do not fit in size 1"),
+    ]
+    for (available, must, size), (flag_available, flag_must, flag_size), message in cases:
+        assert invalid(lambda a=available, m=must, k=size: c.preferred(a, m, k)) == message
+        argv = ["--size", flag_size, "--must-include", flag_must]
+        assert cli_error(*argv, *(["--available", flag_available] if flag_available else [])) == message
+        if message.startswith("available: "):  # the same list given to Allocate
+            devices = message.replace("available: ", "devices: ")
+            assert invalid(lambda a=available: c.allocate(a)) == devices
+
+
+def test_fail_requests_greater_than_one_refuses_multi_replica_requests(node, capsys, tmp_path):
+    from agent import cli
+
     topo = pcie4_topology()
     config = Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=2),), fail_requests_greater_than_one=True)
     node.start(topo, config)
     ids = [d.id for d in node.manager.resources[0].devices]
     c = node.client()
-    assert "maximum request size for shared resources is 1" in invalid(lambda: c.allocate(ids[:2]))
-    assert "maximum request size" in invalid(lambda: c.preferred(ids, [], 2))
+    message = (
+        "request for 2 devices is too large: the maximum request size for shared resources is 1"
+        " (failRequestsGreaterThanOne)"
+    )
+    assert invalid(lambda: c.allocate(ids[:2])) == message
+    assert invalid(lambda: c.preferred(ids, [], 2)) == message
     assert envs_of(c.allocate(ids[:1]))["NVIDIA_VISIBLE_DEVICES"] == topo.gpus[0].uuid
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        "version: v1\nsharing:\n  timeSlicing:\n    failRequestsGreaterThanOne: true\n"
+        "    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+    )
+    argv = ["allocate", "--simulate", "dgx-h100", "--config", str(config_file), "--size", "2"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
 
 
 # ---------------------------------------------------------------------- load

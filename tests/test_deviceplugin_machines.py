@@ -9,6 +9,7 @@ import shutil
 import tempfile
 
 import pytest
+from allocation_support import best_set
 from kubelet_stub import KubeletStub, PluginClient
 from prometheus_client import CollectorRegistry
 from waiting import eventually
@@ -66,7 +67,7 @@ def test_preferred_allocation_matches_the_engine_on_builtin_machines(serve, name
     requests += [(list(range(1, n)), [n - 1], 2), ([i for i in range(n) if i % 3], [1], 3)]
     for available, must, size in requests:
         got = client.preferred([uuids[i] for i in available], [uuids[i] for i in must], size)
-        assert got == [uuids[i] for i in engine.best_set(available, must, size)], (available, must, size)
+        assert got == [uuids[i] for i in best_set(engine, available, must, size)], (available, must, size)
     # the kubelet sees every GPU, with a NUMA node when the machine reports one for all
     devices = kubelet.latest("nvidia.com/gpu").devices
     assert [d.ID for d in devices] == uuids

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import importlib
 import json
+import posixpath
 import re
 import shlex
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import SUBCOMMANDS
-from agent.config import Config
+from agent.config import Config, probe_address_of
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = "/opt/venv"
@@ -255,15 +256,15 @@ def test_builder_installs_a_compiler_and_builds_the_wheel_into_the_venv(stages: 
     runs = " ".join(i.arguments for i in stages[0].of("RUN"))
     assert "build-essential" in runs
     assert re.search(r"\bpip wheel\b.* \.(\s|$)", runs), "the builder must `pip wheel .`"
-    assert f"python -m venv {VENV}" in runs
-    assert f"{VENV}/bin/pip install" in runs
+    assert re.search(rf"python -m venv (--[\w-]+ )*{VENV}(\s|$)", runs)
+    assert f"pip --python {VENV}/bin/python install" in runs
 
 
 def test_modules_the_builder_smoke_imports_are_built_by_the_package(stages: list[Stage]) -> None:
     # The builder fails the image build if the wheel lacks the compiled engine or the gRPC
     # stubs; the names it imports must be the ones the build produces.
     runs = " ".join(i.arguments for i in stages[0].of("RUN"))
-    match = re.search(r'python -c "import ([\w., ]+)"', runs)
+    match = re.search(r'python(?: -\w+)* -c "import ([\w., ]+)"', runs)
     assert match, "the builder should smoke-import the built package"
     modules = [m.strip() for m in match.group(1).split(",")]
     assert "agent._topo" in modules
@@ -282,7 +283,8 @@ def test_runtime_installs_nothing_and_bakes_in_no_nvidia_library(stages: list[St
     runtime = stages[1]
     assert "nvidia" not in runtime.base and "cuda" not in runtime.base
     for ins in runtime.of("RUN"):
-        assert not re.search(r"apt-get|apt |pip |nvidia|cuda", ins.arguments), ins.arguments
+        assert not re.search(r"apt-get|apt |pip3? (install|wheel|download)|-m pip|nvidia|cuda",
+                             ins.arguments), ins.arguments
 
 
 def test_runtime_sets_the_nvidia_toolkit_variables_and_the_venv_path(stages: list[Stage]) -> None:
@@ -313,9 +315,120 @@ def test_runtime_user_is_not_root(stages: list[Stage]) -> None:
     assert not gid or (gid.isdigit() and int(gid) != 0)
 
 
-def test_exposed_port_is_the_agents_default_metrics_port(stages: list[Stage]) -> None:
+def _shell_words(ins: Instruction) -> list[list[str]]:
+    """A RUN's commands (split at ``&&``, ``;`` and ``||``) as word lists."""
+    commands: list[list[str]] = [[]]
+    for word in shlex.split(ins.arguments):
+        if word in ("&&", ";", "||"):
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [c for c in commands if c]
+
+
+def _option(words: list[str], *names: str) -> str | None:
+    for i, word in enumerate(words):
+        for name in names:
+            if word == name and i + 1 < len(words):
+                return words[i + 1]
+            if word.startswith(name + "="):
+                return word.split("=", 1)[1]
+    return None
+
+
+def test_runtime_user_and_its_group_exist(stages: list[Stage]) -> None:
+    # USER uid:gid with a gid no group has leaves files the agent creates owned by a
+    # nameless group, and `id` fails; useradd --user-group picks its own gid.
+    uid, _, gid = stages[1].of("USER")[-1].arguments.partition(":")
+    commands = [c for ins in stages[1].of("RUN") for c in _shell_words(ins)]
+    groups = [_option(c, "--gid", "-g") for c in commands if c[0] == "groupadd"]
+    users = [c for c in commands if c[0] == "useradd" and _option(c, "--uid", "-u") == uid]
+    assert users, f"no useradd creates uid {uid}"
+    assert _option(users[0], "--gid", "-g") == (gid or uid)
+    assert (gid or uid) in groups, f"no groupadd creates gid {gid or uid}"
+
+
+def test_runtime_image_keeps_no_pip_setuptools_or_wheel(stages: list[Stage]) -> None:
+    builder, runtime = stages
+    # the venv copied into the runtime image gets no pip of its own ...
+    venvs = [c for ins in builder.of("RUN") for c in _shell_words(ins) if c[:3] == ["python", "-m", "venv"]]
+    assert venvs and "--without-pip" in venvs[0]
+    # ... and the base image's pip, setuptools and wheel are removed from the runtime stage
+    removed = " ".join(" ".join(c) for ins in runtime.of("RUN") for c in _shell_words(ins) if c[0] == "rm")
+    for package in ("pip", "setuptools", "wheel", "pkg_resources", "_distutils_hack"):
+        assert f"/site-packages/{package}" in removed, f"{package} stays in the runtime image"
+    assert "/usr/local/bin/pip" in removed
+
+
+def test_dependencies_are_installed_in_a_layer_before_the_source_is_copied(stages: list[Stage]) -> None:
+    # A change to agent/ must not re-download and rebuild every dependency.
+    builder = stages[0]
+    order = [i for i in builder.instructions if i.keyword in ("COPY", "RUN")]
+    source_at = next(n for n, i in enumerate(order)
+                     if i.keyword == "COPY" and copy_parts(i)[1] != ["pyproject.toml"])
+    before = order[:source_at]
+    assert [copy_parts(i)[1] for i in before if i.keyword == "COPY"] == [["pyproject.toml"]]
+    assert any("pip wheel" in i.arguments and "-r " in i.arguments for i in before if i.keyword == "RUN")
+    assert any(f"--python {VENV}/bin/python install" in i.arguments for i in before if i.keyword == "RUN")
+    after = " ".join(i.arguments for i in order[source_at:] if i.keyword == "RUN")
+    assert "--no-index" in after and "--no-deps" in after  # the source step downloads nothing
+
+
+def test_the_builder_imports_the_installed_package_not_the_source_tree(stages: list[Stage]) -> None:
+    # `python -c` puts the working directory first on sys.path: in /src the copied agent/
+    # (no compiled agent._topo, no generated stubs) shadows the package in the venv and the
+    # check fails with ModuleNotFoundError: No module named 'agent._topo'.
+    builder = stages[0]
+    workdir = "/"
+    copied: dict[str, set[str]] = {}
+    for ins in builder.instructions:
+        if ins.keyword == "WORKDIR":
+            workdir = posixpath.join(workdir, ins.arguments.strip())
+        elif ins.keyword == "COPY":
+            _, sources, dest = copy_parts(ins)
+            target = posixpath.normpath(posixpath.join(workdir, dest))
+            names = {posixpath.basename(dest.rstrip("/"))} if dest.rstrip("/") not in ("", ".") else {
+                s.rstrip("/").split("/")[-1] for s in sources}
+            parent = posixpath.dirname(target) if dest.rstrip("/") not in ("", ".") else target
+            copied.setdefault(parent, set()).update(names)
+        elif ins.keyword == "RUN" and "import agent." in ins.arguments:
+            cwd = workdir
+            for words in _shell_words(ins):
+                if words[0] == "cd":
+                    cwd = posixpath.normpath(posixpath.join(cwd, words[1]))
+                elif words[0].endswith("python") and "-c" in words:
+                    flags = words[1:words.index("-c")]
+                    isolated = any(f in ("-I", "-P") or (f.startswith("-") and not f.startswith("--")
+                                   and ("I" in f or "P" in f)) for f in flags)
+                    assert isolated or "agent" not in copied.get(cwd, set()), (
+                        f"line {ins.line}: the import check runs in {cwd}, where the copied "
+                        "source tree shadows the installed package")
+                    return
+    pytest.fail("the builder has no import check of the built package")
+
+
+def test_oci_labels_carry_the_version_and_the_source(stages: list[Stage], pyproject: dict) -> None:
+    runtime = stages[1]
+    args = {}
+    for ins in runtime.of("ARG"):
+        name, _, default = ins.arguments.partition("=")
+        args[name.strip()] = default.strip().strip('"')
+    labels: dict[str, str] = {}
+    for ins in runtime.of("LABEL"):
+        labels.update(env_pairs(ins))
+
+    def resolved(value: str) -> str:
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), value)
+
+    assert resolved(labels["org.opencontainers.image.version"]) == pyproject["project"]["version"]
+    assert labels["org.opencontainers.image.source"] == "${SOURCE}" and "SOURCE" in args
+    assert labels["org.opencontainers.image.licenses"] == pyproject["project"]["license"]
+
+
+def test_exposed_ports_are_the_agents_default_metrics_and_probe_ports(stages: list[Stage]) -> None:
     exposed = {int(w.split("/")[0]) for i in stages[1].of("EXPOSE") for w in i.arguments.split()}
-    assert exposed == {int(Config().metrics_address.rpartition(":")[2])}
+    default = Config()
+    assert exposed == {int(a.rpartition(":")[2]) for a in (default.metrics_address, probe_address_of(default))}
 
 
 # ----------------------------------------------------------------------------- build context

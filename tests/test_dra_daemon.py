@@ -178,7 +178,7 @@ def simulated_daemon(node):
             publisher = SlicePublisher(node.api.api_client, cfg.node_name, topology, cfg.driver_name, health=health,
                                        delete_on_stop=cfg.delete_slices_on_shutdown,
                                        backoff_initial_s=0.05, backoff_max_s=backoff_max_s)
-            return DraServers(plugin, publisher, cfg)
+            return DraServers(plugin, publisher)
 
         def metrics(topology, cfg, ready):
             return MetricsService(backend, topology, cfg, hostname=NODE, ready=ready, agent_metrics=agent_metrics)

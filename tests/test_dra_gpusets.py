@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from allocation_support import best_set, explain, synthetic_islands_topology
 from dra_allocator_model import AllocatorModel, gather_pools
 from dra_api_validation import default_claim, validate_claim, validate_slice
 
@@ -19,16 +20,15 @@ from agent.dra.gpusets import gpu_sets, set_sizes
 from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, render_slices
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
-from agent.topology.synthetic import synthetic_islands_topology
 
 D = "gpu.gpu-agent.io"
 NODE = "node-1"
 CLASSES_FILE = Path(__file__).resolve().parents[1] / "daemonset" / "dra" / "deviceclass.yaml"
-SET_CLASSES_FILE = CLASSES_FILE.parent / "deviceclass-sets.yaml"
 TEMPLATES_FILE = CLASSES_FILE.parent / "examples" / "gpuset-claim-templates.yaml"
-GPU_CLASS = next(c for c in yaml.safe_load_all(CLASSES_FILE.read_text()) if c["metadata"]["name"] == D)
-SET_CLASSES = {c["metadata"]["name"]: c for c in yaml.safe_load_all(SET_CLASSES_FILE.read_text())}
-SET_CLASS = SET_CLASSES["gpuset.gpu-agent.io"]
+CLASSES = {c["metadata"]["name"]: c for c in yaml.safe_load_all(CLASSES_FILE.read_text())}
+GPU_CLASS = CLASSES[D]
+SET_CLASSES = {n: c for n, c in CLASSES.items() if n == f"gpuset.{D}" or n.startswith("set-of-")}
+SET_CLASS = SET_CLASSES[f"gpuset.{D}"]
 
 
 def count_expr(k):
@@ -49,7 +49,7 @@ def is_set(d, k=None):
 # the CEL of the shipped classes and of the tests' and templates' selectors, as predicates
 CEL = {expression(GPU_CLASS): lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
        expression(SET_CLASS): is_set,
-       **{expression(SET_CLASSES[f"set-of-{k}.gpuset.gpu-agent.io"]): (lambda d, k=k: is_set(d, k)) for k in (2, 4, 8)},
+       **{expression(SET_CLASSES[f"set-of-{k}.{D}"]): (lambda d, k=k: is_set(d, k)) for k in (2, 4, 8)},
        **{count_expr(k): (lambda d, k=k: d.attributes[D]["gpuCount"] == k) for k in range(2, 65)}}
 
 MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
@@ -57,7 +57,7 @@ MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
 
 
 def set_request(k, name="gpus"):
-    return {"name": name, "exactly": {"deviceClassName": "gpuset.gpu-agent.io", "count": 1,
+    return {"name": name, "exactly": {"deviceClassName": f"gpuset.{D}", "count": 1,
                                       "selectors": [{"cel": {"expression": count_expr(k)}}]}}
 
 
@@ -67,7 +67,7 @@ def singles_request(k, name="gpus"):
 
 def prioritized(k, name="gpus"):
     return {"name": name, "firstAvailable": [
-        {"name": "set", "deviceClassName": "gpuset.gpu-agent.io", "selectors": [{"cel": {"expression": count_expr(k)}}]},
+        {"name": "set", "deviceClassName": f"gpuset.{D}", "selectors": [{"cel": {"expression": count_expr(k)}}]},
         {"name": "singles", "deviceClassName": D, "count": k}]}
 
 
@@ -146,7 +146,7 @@ def test_a_set_claim_gets_the_device_plugins_choice_on_an_empty_node(machine):
     for k in set_sizes(topology):
         node = Node(topology)
         (result,) = node.allocate(claim("c", set_request(k)))
-        assert node.gpus(result) == engine.best_set(list(range(topology.gpu_count)), [], k), (machine, k)
+        assert node.gpus(result) == best_set(engine, list(range(topology.gpu_count)), [], k), (machine, k)
 
 
 @pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
@@ -292,7 +292,7 @@ def test_ranks_are_best_first_by_the_device_plugins_criteria():
     for k, sets in gpu_sets(topology).items():
         keys = []
         for s in sets:
-            c = engine.explain(list(range(8)), list(s.members), k, runners_up=0).chosen
+            c = explain(engine, list(range(8)), list(s.members), k, runners_up=0).chosen
             keys.append((-c.anchor_score, -c.score, c.numa_nodes, c.cut))
         assert keys[1:] == sorted(keys[1:]) and keys[0] == min(keys)  # rank 0: the device plugin's choice
     assert [s.members for s in gpu_sets(topology)[2][:4]] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -346,7 +346,7 @@ def test_the_shipped_set_templates_are_valid_claims_and_get_the_best_free_set_of
     templates = [t["metadata"]["name"] for t in yaml.safe_load_all(TEMPLATES_FILE.read_text())]
     assert templates == ["best-set-of-4", "set-of-4-or-one-numa-node-or-any", "set-of-4-or-any"]
     topology = load_topology("dgx-h100")
-    best = AllocationEngine(topology).best_set(list(range(8)), [], 4)
+    best = best_set(AllocationEngine(topology), list(range(8)), [], 4)
     for name in templates:
         c = default_claim(template_claim(name))
         assert validate_claim(c) == [], name
@@ -363,7 +363,7 @@ def test_a_pod_asking_for_the_extended_resource_set_of_4_gets_one_set_device_of_
     node = Node(topology)
     (got,) = node.allocate(claim("pod-extended-resources", {
         "name": "container-0-request-0", "exactly": {"deviceClassName": cls["metadata"]["name"], "count": 1}}))
-    assert node.gpus(got) == AllocationEngine(topology).best_set(list(range(8)), [], 4)
+    assert node.gpus(got) == best_set(AllocationEngine(topology), list(range(8)), [], 4)
 
 
 def test_the_prioritized_template_falls_back_tier_by_tier_and_v0_36_2_leaks_the_middle_tier():

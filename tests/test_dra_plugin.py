@@ -551,7 +551,7 @@ def test_a_new_topology_serves_new_claims_and_keeps_prepared_ones(node):
     plugin = node.start(hgx8_topology())
     old = node.put_claim("old", ["gpu-7"])
     first = node.prepare(old)
-    plugin.set_topology(hgx8_topology(mig=True))  # GPU 7 is now split into MIG devices
+    plugin.set_topology(hgx8_topology(mig=True), plugin.config)  # GPU 7 is now split into MIG devices
     assert node.prepare(old) == first
     new = node.put_claim("new", ["gpu-7"])
     assert "device 'gpu-7' of pool 'node-1' (request 'gpus'): unknown" in node.prepare(new).claims[new["metadata"]["uid"]].error
@@ -592,11 +592,3 @@ def test_the_taint_effect_comes_from_the_file_the_environment_and_flags_with_cle
     with pytest.raises(ConfigError, match=r"config.yaml: dra.taintEffect: expected one of NoSchedule, NoExecute"):
         load_config(str(path), {}, {})
 
-
-def test_the_shipped_dra_config_map_loads_in_dra_mode():
-    from pathlib import Path
-
-    from agent.config import load_config
-
-    path = Path(__file__).resolve().parent.parent / "daemonset" / "dra" / "config.yaml"
-    assert load_config(str(path), {}, {}).mode == "dra"

@@ -84,6 +84,35 @@ def test_extension_and_twin_choose_the_brute_force_optimum(problem):
         assert _members(ranked[0][0]) == expected, impl.__name__
 
 
+@st.composite
+def twin_problems(draw, max_gpus=10):
+    """Nodes with interchangeable GPUs (the extension searches the best set once per group of
+    them): every GPU has a type, pair scores and NUMA nodes depend on the types only."""
+    n = draw(st.integers(2, max_gpus))
+    types = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    value = {(a, b): draw(st.sampled_from(PAIR_VALUES)) for a in range(4) for b in range(a, 4)}
+    s = [[0 if a == b else value[tuple(sorted((types[a], types[b])))] for b in range(n)]
+         for a in range(n)]
+    numa_of_type = draw(st.lists(st.integers(0, 1), min_size=4, max_size=4))
+    numa = [numa_of_type[t] for t in types]
+    available = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    k = draw(st.integers(1, len(available)))
+    required = sorted(draw(st.sets(st.sampled_from(available), max_size=min(k, 3))))
+    return s, numa, available, required, k
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(twin_problems())
+def test_the_best_set_among_interchangeable_gpus_is_the_brute_force_optimum(problem):
+    s, numa, available, required, k = problem
+    expected = brute_force_best(s, numa, available, required, k)
+    a, r = _mask(available), _mask(required)
+    for impl in (_topo, _pure):
+        solver = impl.AllocationSolver(s, numa)
+        assert _members(solver.best_mask(a, r, k)) == expected, impl.__name__
+        assert solver.rank(a, r, k, 1) == _pure.AllocationSolver(s, numa).rank(a, r, k, 1)
+
+
 @settings(max_examples=80, deadline=None)
 @given(problems(max_gpus=12), st.integers(1, 8))
 def test_extension_and_twin_rank_runners_up_identically(problem, top):
@@ -196,7 +225,7 @@ def outcome(fn, *args):
 def test_both_implementations_export_one_exact_search_limit():
     from agent.topology import engine
 
-    for name in ("EXACT_MAX_GPUS", "MAX_GPUS", "SCORE_MAX", "COUNT_MAX", "LOAD_MAX"):
+    for name in ("EXACT_MAX_GPUS", "MAX_GPUS", "SCORE_MAX", "COUNT_MAX"):
         assert getattr(_topo, name) == getattr(_pure, name), name
     assert engine.EXACT_MAX_GPUS == _topo.EXACT_MAX_GPUS == 16
 
@@ -322,37 +351,45 @@ def test_islands_cliques_and_mask_indices_refuse_bad_input_alike(adjacency, extr
 
 
 @st.composite
-def replica_arrays(draw):
+def replica_requests(draw):
+    """A resource of 0-4 replicas per GPU (``start``), a request's free and required ranks
+    (ascending, disjoint) and a size that fits; now and then one bad argument."""
     s, numa = draw(nodes())
     n = len(s)
-    counts = st.lists(st.integers(0, 4), min_size=n, max_size=n)
-    free, taken = draw(counts), draw(counts)
-    load = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
-    args = [free, taken, load, draw(st.integers(0, sum(free)))]
-    if draw(st.integers(0, 3)) == 0:  # now and then one bad argument
-        which = draw(st.integers(0, 3))
-        if which == 3:
-            args[3] = draw(_bad(st.integers(sum(free) + 1, sum(free) + 2)))
+    per_gpu = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    start = [sum(per_gpu[:g]) for g in range(n + 1)]
+    ranks = list(range(start[n]))
+    state = draw(st.lists(st.sampled_from("fro"), min_size=len(ranks), max_size=len(ranks)))
+    free = [r for r, x in zip(ranks, state) if x == "f"]
+    required = [r for r, x in zip(ranks, state) if x == "r"]
+    args = [start, free, required, draw(st.integers(len(required), len(required) + len(free)))]
+    if draw(st.integers(0, 3)) == 0:
+        which = draw(st.integers(0, 4))
+        if which == 4 and required:  # a rank both free and required
+            args[1] = sorted({*free, required[0]})
+        elif which == 3:
+            args[3] = draw(_bad(st.integers(len(free) + len(required) + 1, len(free) + 99)))
+        elif which == 4 or draw(st.booleans()) or not args[which]:
+            which %= 3
+            args[which] = [*args[which], draw(st.sampled_from([0, start[n], -1]))]
         else:
             bad = list(args[which])
-            if draw(st.booleans()):
-                bad.append(0)
-            else:
-                bad[draw(st.integers(0, n - 1))] = draw(_bad(st.just(2**63)))
+            bad[draw(st.integers(0, len(bad) - 1))] = draw(_bad(st.just(2**63)))
             args[which] = bad
     return s, numa, args, draw(st.booleans())
 
 
-@settings(max_examples=150, deadline=None)
-@given(replica_arrays())
-def test_replica_counts_agree_or_fail_alike(problem):
+@settings(max_examples=200, deadline=None)
+@given(replica_requests())
+def test_replica_ranks_agree_or_fail_alike(problem):
     s, numa, args, packed = problem
-    got = [outcome(impl.AllocationSolver(s, numa).replica_counts, *args, packed) for impl in IMPLS]
+    got = [outcome(impl.AllocationSolver(s, numa).replica_ranks, *args, packed) for impl in IMPLS]
     assert got[0] == got[1]
     if got[0][0] == "ok":
-        free, _, _, need = args
-        counts = got[0][1]
-        assert sum(counts) == need and all(0 <= c <= f for c, f in zip(counts, free))
+        _, free, required, size = args
+        answer = got[0][1]
+        assert len(answer) == size and answer == sorted(answer)
+        assert set(required) <= set(answer) <= set(free) | set(required)
 
 
 def test_a_stale_extension_is_not_used(monkeypatch, caplog):

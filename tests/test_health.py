@@ -177,11 +177,13 @@ def test_fenced_gpus_recover_once_the_watcher_works_again():
 
 def test_watcher_thread_applies_events_and_stops_promptly():
     source, state, clock, w = watcher()
+    before = set(threading.enumerate())
     w.start()
+    (thread,) = [t for t in set(threading.enumerate()) - before if t.name == "health-watcher"]
     source.push(Event(0, "xid", 48))
     assert _wait(lambda: not state.is_healthy(0))
     w.stop(timeout_s=2.0)
-    assert not w.alive
+    assert not thread.is_alive()
 
 
 def _wait(predicate, timeout_s=5.0):

@@ -507,14 +507,16 @@ def test_any_mix_of_missing_failing_and_lost_still_gives_a_valid_scrape(unsuppor
 
 
 def test_every_metric_our_dashboard_uses_is_exported(box2):
-    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" / "base" /
-                            "grafana-dashboard.json").read_text())
+    dashboard = json.loads((Path(__file__).parent.parent / "daemonset" / "helm" / "gpu-topology-agent" /
+                            "files" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = set()
     for expr in exprs:
         used |= set(re.findall(r"\b((?:DCGM_FI|gpu_topology|gpu_agent)_[A-Za-z0-9_]+)", expr))
+    box2.lib.set_value(0, "processes", [(4242, 1024)])  # the per-pod series need a process
     service = MetricsService(box2.backend, box2.topology,
-                             Config(metrics_address="127.0.0.1:0"), hostname="h",
+                             Config(metrics_address="127.0.0.1:0",
+                                    proc_root=box2.machine.proc_root), hostname="h",
                              ready=lambda: True, agent_metrics=agent_metrics(box2))
     service.sampler.sample_once()
     service.sampler.sample_once()

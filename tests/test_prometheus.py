@@ -27,6 +27,8 @@ from agent.metrics.service import MetricsService
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "daemonset" / "base"
+#: the chart's own files: the dashboard, the plain rule file and its promtool unit tests
+CHART_FILES = ROOT / "daemonset" / "helm" / "gpu-topology-agent" / "files"
 DASHBOARD_PROMQL = Path(__file__).parent / "fixtures" / "dcgm" / "dcgm-dashboard-metrics.txt"
 
 PROMETHEUS = shutil.which("prometheus")
@@ -53,14 +55,17 @@ def dashboard_expressions() -> list[str]:
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, target: str) -> None:
+    """Prometheus scraping ``target`` every second as job ``gpu-topology-agent``, or running
+    the scrape ``jobs`` given (Prometheus's ``scrape_configs`` entries)."""
+
+    def __init__(self, workdir: Path, target: str, jobs: list[dict] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "gpu-topology-agent", "honor_labels": True,
-                                "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": jobs or [{"job_name": "gpu-topology-agent", "honor_labels": True,
+                                        "static_configs": [{"targets": [target]}]}],
         }))
         self.log = open(workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
@@ -177,7 +182,7 @@ def test_attributed_series_and_placement_ratio_reach_prometheus(scraped):
 @needs_prometheus
 def test_every_expression_of_our_dashboard_is_valid_promql(scraped):
     prom, _ = scraped
-    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    dashboard = json.loads((CHART_FILES / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs
     for expr in exprs:
@@ -189,22 +194,22 @@ def test_every_expression_of_our_dashboard_is_valid_promql(scraped):
 # ------------------------------------------------------------------ alert rules
 @needs_promtool
 def test_alert_rules_pass_promtool_check():
-    done = subprocess.run([PROMTOOL, "check", "rules", str(DEPLOY / "prometheusrule-rules.yaml")],
+    done = subprocess.run([PROMTOOL, "check", "rules", str(CHART_FILES / "prometheusrule-rules.yaml")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @needs_promtool
 def test_each_alert_fires_on_crafted_series_in_promtool_unit_tests():
-    done = subprocess.run([PROMTOOL, "test", "rules", str(DEPLOY / "rules-test.yaml")],
+    done = subprocess.run([PROMTOOL, "test", "rules", str(CHART_FILES / "rules-test.yaml")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_alert_has_a_promtool_unit_test():
-    rules = yaml.safe_load((DEPLOY / "prometheusrule-rules.yaml").read_text())
+    rules = yaml.safe_load((CHART_FILES / "prometheusrule-rules.yaml").read_text())
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    tests = yaml.safe_load((DEPLOY / "rules-test.yaml").read_text())
+    tests = yaml.safe_load((CHART_FILES / "rules-test.yaml").read_text())
     fired = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"]
              if t["exp_alerts"]}
     assert alerts == fired == {"GpuAllocatedIdle", "GpuTemperatureHigh", "GpuDoubleBitEccError",
@@ -212,7 +217,7 @@ def test_every_alert_has_a_promtool_unit_test():
 
 
 def test_prometheus_rule_object_wraps_exactly_the_plain_rule_file():
-    plain = yaml.safe_load((DEPLOY / "prometheusrule-rules.yaml").read_text())
+    plain = yaml.safe_load((CHART_FILES / "prometheusrule-rules.yaml").read_text())
     wrapped = yaml.safe_load((DEPLOY / "prometheusrule.yaml").read_text())
     assert wrapped["kind"] == "PrometheusRule"
     assert wrapped["spec"]["groups"] == plain["groups"]

@@ -3,7 +3,7 @@
 - Every command in a README code block is classified: run here (``gpu-topology-agent ...``
   through ``python -m agent``, ``python bench/...`` with its quickest flags, a ``pytest``
   run of one test file, ``kubectl kustomize daemonset/`` or ``daemonset/dra`` where kubectl
-  exists), or listed
+  exists, ``helm template`` or ``helm lint`` where helm exists), or listed
   in :data:`NOT_RUNNABLE` with the reason. A command that is neither fails the test, and so
   does a listed command the README no longer shows.
 - Commands in ``sh`` blocks must exit 0. In ``console`` blocks (``$ command`` then its
@@ -49,8 +49,8 @@ COMMAND_LANGS = {"sh", "console"}
 #: Commands the README shows that cannot run here, with the reason. Exact text.
 NOT_RUNNABLE: dict[str, str] = {
     "docker build -t gpu-topology-agent:0.1.0 .": (
-        "needs a Docker engine; these machines have none (tests/test_dockerfile.py checks "
-        "the Dockerfile's stages and the files it copies instead)"
+        "minutes with a Docker engine: the image tier (tests/test_image.py, marker image, run by "
+        ".ci/run) builds this Dockerfile unchanged"
     ),
     "docker tag gpu-topology-agent:0.1.0 registry.example.com/gpu-topology-agent:0.1.0": (
         "needs a Docker engine and the image built above"
@@ -58,9 +58,13 @@ NOT_RUNNABLE: dict[str, str] = {
     "docker push registry.example.com/gpu-topology-agent:0.1.0": (
         "needs a Docker engine, a registry and the network"
     ),
-    "(cd daemonset/base && kustomize edit set image "
-    "gpu-topology-agent=registry.example.com/gpu-topology-agent:0.1.0)": (
-        "rewrites daemonset/base/kustomization.yaml in place (and needs the standalone kustomize)"
+    "kubectl create namespace gpu-topology-agent": "changes a live cluster",
+    "kubectl label namespace gpu-topology-agent pod-security.kubernetes.io/enforce=privileged": (
+        "changes a live cluster"
+    ),
+    "helm install gpu-topology-agent daemonset/helm/gpu-topology-agent --namespace gpu-topology-agent "
+    "--set image.repository=registry.example.com/gpu-topology-agent": (
+        "changes a live cluster (tests/test_helm.py renders the chart with the same values)"
     ),
     "kubectl apply -k daemonset/": "changes a live cluster",
     "kubectl -n gpu-topology-agent rollout status daemonset/gpu-topology-agent": (
@@ -72,6 +76,9 @@ NOT_RUNNABLE: dict[str, str] = {
         "needs dmharness and draalloc, built from Kubernetes source and never shipped "
         "(the tests skip without them, tests/k8s_binaries.py)"
     ),
+    ".venv/bin/python -m pytest -q -m image tests/test_image.py": (
+        "the image tier: minutes of docker build (.ci/run runs it)"
+    ),
 }
 
 
@@ -82,6 +89,7 @@ BENCH_QUICK: dict[str, list[str]] = {
     "bench/quality_dra.py": ["--events", "30"],
     "bench/bench_deviceplugin.py": ["--machines", "dgx-h100", "--calls", "20", "--no-process"],
     "bench/bench_metrics.py": ["--scrapes", "10", "--duration-s", "1"],
+    "bench/bench_pod_metrics.py": ["--rounds", "3", "--requests", "10", "--agent-seconds", "1"],
     "bench/soak.py": ["--seconds", "2", "--scrapers", "4", "--slow-clients", "2", "--streams", "2",
                       "--grpc-clients", "1", "--restart-every", "1"],
 }
@@ -273,6 +281,8 @@ def classify(text: str) -> tuple[str, object]:
         return "run", ([sys.executable, *argv[1:]], env)
     if argv in (["kubectl", "kustomize", "daemonset/"], ["kubectl", "kustomize", "daemonset/dra"]):
         return "kubectl", argv
+    if argv[0] == "helm" and argv[1:2] in (["template"], ["lint"]):
+        return "helm", argv  # offline: renders the chart, changes nothing
     return "unknown", None
 
 
@@ -352,6 +362,16 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
         result = _run([kubectl, "kustomize", detail[2]], {})  # type: ignore[index]
         assert result.returncode == 0, result.stderr
         assert "kind: DaemonSet" in result.stdout
+        return
+    if kind == "helm":
+        helm = shutil.which("helm") or str(ROOT / ".tools" / "bin" / "helm")
+        if not os.access(helm, os.X_OK):
+            pytest.skip("helm is not installed here (.ci/run puts it in .tools/bin)")
+        homes = {n: str(tmp_path / n.lower()) for n in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}
+        result = _run([helm, *detail[1:]], homes)  # type: ignore[index]
+        assert result.returncode == 0, result.stderr
+        if detail[1] == "template":  # type: ignore[index]
+            assert "kind: DaemonSet" in result.stdout
         return
     if kind == "bench":
         script, env = detail  # type: ignore[misc]

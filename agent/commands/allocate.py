@@ -31,7 +31,7 @@ from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.errors import UsageError
 from agent.formats import GPU_RESOURCE
 from agent.records import REPLICA_POLICIES
-from agent.topology.allocator import CRITERIA, AllocationEngine, Explanation
+from agent.topology.allocator import CRITERIA, Explanation
 from agent.topology.model import Topology
 
 
@@ -65,8 +65,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--replicas", type=int, metavar="N", default=None,
-        help="time-slice every GPU into N replicas (sharing.timeSlicing for nvidia.com/gpu;"
-             " overrides the config's time-slicing) (default: no time-slicing)",
+        help="share every GPU as N replicas (sharing.timeSlicing, or sharing.mps with --sharing mps,"
+             " for nvidia.com/gpu; overrides the config's sharing) (default: no sharing)",
+    )
+    p.add_argument(
+        "--sharing", choices=("time-slicing", "mps"), default=None,
+        help="how --replicas shares the GPUs (default: time-slicing)",
     )
     p.add_argument(
         "--shared-devices-allocation-policy", choices=REPLICA_POLICIES,
@@ -87,31 +91,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def parse_gpu_list(text: str, topology: Topology, flag: str) -> list[int]:
-    """``"0,3,GPU-ab..."`` -> GPU indices; raises UsageError naming the bad item."""
-    out: list[int] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            if text.strip():
-                raise UsageError(f"{flag}: empty item in {text!r}")
-            continue
-        if item.isdigit() or (item[0] in "+-" and item[1:].isdigit()):
-            index = int(item)
-            if index < 0 or index >= topology.gpu_count:
-                raise UsageError(
-                    f"{flag}: {item} is not a GPU of this machine: expected GPU indices "
-                    f"0-{topology.gpu_count - 1} or GPU UUIDs"
-                )
-            out.append(index)
-            continue
-        gpu = topology.gpu_by_uuid(item)
-        if gpu is None:
+def _gpu_index(item: str, topology: Topology, flag: str) -> int | None:
+    """The GPU an item names by index or UUID, None when it names none of them; UsageError for
+    an index outside the machine."""
+    if item.isdigit() or (item[0] in "+-" and item[1:].isdigit()):
+        index = int(item)
+        if not 0 <= index < topology.gpu_count:
             raise UsageError(
-                f"{flag}: {item!r} is neither a GPU index nor a GPU UUID of this machine"
+                f"{flag}: {item} is not a GPU of this machine: expected GPU indices "
+                f"0-{topology.gpu_count - 1} or GPU UUIDs"
             )
-        out.append(gpu.index)
-    return out
+        return index
+    gpu = topology.gpu_by_uuid(item)
+    return None if gpu is None else gpu.index
 
 
 def explanation_to_json(e: Explanation) -> dict[str, Any]:
@@ -134,15 +126,26 @@ def explanation_to_json(e: Explanation) -> dict[str, Any]:
 
 def effective_config(args: argparse.Namespace) -> Config:
     """The configuration the running agent would have with ``--config`` and these flags."""
-    if args.replicas is not None and args.replicas < 1:
-        raise UsageError(f"--replicas: expected a whole number of at least 1, got {args.replicas}")
+    if args.sharing is not None and args.replicas is None:
+        raise UsageError("--sharing: says how --replicas shares the GPUs; give --replicas N too")
+    least = 2 if args.sharing == "mps" else 1
+    if args.replicas is not None and args.replicas < least:
+        raise UsageError(
+            f"--replicas: expected a whole number of at least {least}{' with --sharing mps' if least > 1 else ''},"
+            f" got {args.replicas}"
+        )
     flags = {
         "mig_strategy": args.mig_strategy,
         "shared_devices_allocation_policy": args.shared_devices_allocation_policy,
     }
     config = load_config(args.config, dict(default_environ()), flags)
     if args.replicas is not None:
-        config = replace(config, time_slicing=(TimeSlicingResource(replicas=args.replicas),))
+        shared = (TimeSlicingResource(replicas=args.replicas),)
+        if args.sharing == "mps":
+            # what a file's sharing.mps gives: no time-slicing, one replica per request
+            config = replace(config, mps=shared, time_slicing=(), fail_requests_greater_than_one=True)
+        else:
+            config = replace(config, time_slicing=shared, mps=())
     return config
 
 
@@ -166,10 +169,10 @@ def _pick_resource(resources: tuple[PluginResource, ...], name: str | None) -> P
 
 def parse_device_list(text: str, topology: Topology, resource: PluginResource, flag: str,
                       whole_gpus: bool) -> list[str]:
-    """``"0,GPU-ab..,MIG-..,GPU-cd..::1"`` -> device IDs of ``resource``. A GPU index or UUID
-    stands for every device of the resource on that GPU when ``whole_gpus`` (--available),
-    else only where that GPU has exactly one device (--must-include); other items must be
-    device IDs of the resource."""
+    """``"0,GPU-ab..,MIG-..,GPU-cd..::1"`` -> device IDs. A GPU index or UUID stands for every
+    device of the resource on that GPU when ``whole_gpus`` (--available), else only where
+    that GPU has exactly one device (--must-include); any other item is taken as a device ID,
+    which the request's one check (the device plugin's) accepts or names."""
     ids: list[str] = []
     for raw in text.split(","):
         item = raw.strip()
@@ -177,52 +180,47 @@ def parse_device_list(text: str, topology: Topology, resource: PluginResource, f
             if text.strip():
                 raise UsageError(f"{flag}: empty item in {text!r}")
             continue
-        if item in resource.by_id:
+        index = None if item in resource.by_id else _gpu_index(item, topology, flag)
+        if index is None:
             ids.append(item)
             continue
-        if item.isdigit() or (item[0] in "+-" and item[1:].isdigit()) or topology.gpu_by_uuid(item) is not None:
-            index = parse_gpu_list(item, topology, flag)[0]
-            on_gpu = [d.id for d in resource.devices if d.gpu_index == index]
-            if not on_gpu:
-                raise UsageError(f"{flag}: GPU {item} has no {resource.name} device")
-            if not whole_gpus and len(on_gpu) > 1:
-                raise UsageError(
-                    f"{flag}: GPU {item} has {len(on_gpu)} {resource.name} devices; name the device"
-                    f" IDs (e.g. {on_gpu[0]})"
-                )
-            ids.extend(on_gpu)
-            continue
-        raise UsageError(
-            f"{flag}: {item!r} is neither a GPU index or UUID nor a {resource.name} device ID of this machine"
-        )
-    return list(dict.fromkeys(ids))
+        on_gpu = [d.id for d in resource.devices if d.gpu_index == index]
+        if not on_gpu:
+            raise UsageError(
+                f"{flag}: GPU {item} has no {resource.name} device with this configuration"
+                f" (MIG-enabled GPUs are served as MIG devices)"
+            )
+        if not whole_gpus and len(on_gpu) > 1:
+            raise UsageError(
+                f"{flag}: GPU {item} has {len(on_gpu)} {resource.name} devices; name the device"
+                f" IDs (e.g. {on_gpu[0]})"
+            )
+        ids.extend(on_gpu)
+    return ids
 
 
 def run(args: argparse.Namespace) -> int:
+    """The running device plugin's own answer: its request handler checks the request (the
+    same messages as over gRPC) and asks its engine."""
     topology = load_topology(args.simulate)
     if topology.gpu_count == 0:
         raise UsageError("this machine has no GPUs")
     config = effective_config(args)
     resource = _pick_resource(build_resources(topology, config), args.resource)
-    if resource.kind != "gpu":
-        return _run_devices(args, topology, config, resource)
+    if args.explain and resource.kind != "gpu":
+        raise UsageError(f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind} devices")
     if args.available is None:
-        available = [d.gpu_index for d in resource.devices if not topology.gpus[d.gpu_index].lost]
+        available = [d.id for d in resource.devices if not topology.gpus[d.gpu_index].lost]
     else:
-        available = parse_gpu_list(args.available, topology, "--available")
-    must_include = parse_gpu_list(args.must_include, topology, "--must-include")
-    served = {d.gpu_index for d in resource.devices}
-    for flag, chosen in (("--available", available), ("--must-include", must_include)):
-        outside = [i for i in chosen if i not in served]
-        if outside:
-            raise UsageError(
-                f"{flag}: GPU {outside[0]} is not a {resource.name} device with this configuration"
-                f" (MIG-enabled GPUs are served as MIG devices; {resource.name}: GPUs {sorted(served)})"
-            )
-    allocator = AllocationEngine(topology)
-    indices = allocator.best_set(available, must_include, args.size)
-    explanation = allocator.explain(available, must_include, args.size) if args.explain else None
-    devices = [topology.gpus[i].uuid for i in indices]
+        available = parse_device_list(args.available, topology, resource, "--available", whole_gpus=True)
+    must_include = parse_device_list(args.must_include, topology, resource, "--must-include", whole_gpus=False)
+    handler = RequestHandler(resource, topology, config)
+    request = handler.request(available, must_include, args.size)
+    devices = handler.answer(request)
+    indices = [resource.by_id[d].gpu_index for d in devices]
+    if resource.kind != "gpu":
+        return _print_devices(args, topology, handler, devices, indices, len(available), must_include)
+    explanation = handler.engine.explain(handler.table, request) if args.explain else None
     score = topology.set_score(indices)
     if args.format == "json":
         doc: dict[str, Any] = {"devices": devices, "indices": indices, "score": score}
@@ -231,10 +229,12 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    best = allocator.best_score_for_size(args.size)
+    requested = [resource.by_id[d].gpu_index for d in available]
+    must = [resource.by_id[d].gpu_index for d in must_include]
+    best = handler.engine.best_score_for_size(args.size)
     lines = [
         f"machine   {topology.machine or topology.source or '-'}",
-        f"request   size {args.size}, available {available}, must-include {must_include}",
+        f"request   size {args.size}, available {requested}, must-include {must}",
         f"indices   {indices}",
         f"devices   {', '.join(devices)}",
         f"score     {score} (best possible for {args.size} GPUs on this machine: {best})",
@@ -242,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
     if explanation is not None:
         lines.append("")
         lines.extend(explanation.lines())
+    _write(args, lines)
+    return 0
+
+
+def _write(args: argparse.Namespace, lines: list[str]) -> None:
     if not args.wide:
         lines = [
             part
@@ -250,38 +255,33 @@ def run(args: argparse.Namespace) -> int:
                                        break_on_hyphens=False) or [""])
         ]
     sys.stdout.write("\n".join(lines) + "\n")
-    return 0
 
 
-def _run_devices(args: argparse.Namespace, topology: Topology, config: Config,
-                 resource: PluginResource) -> int:
-    """MIG devices and time-sliced replicas: the running plugin's own request handler."""
-    if args.explain:
-        raise UsageError(f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind} devices")
-    if args.available is None:
-        available = [d.id for d in resource.devices if not topology.gpus[d.gpu_index].lost]
-    else:
-        available = parse_device_list(args.available, topology, resource, "--available", whole_gpus=True)
-    must_include = parse_device_list(args.must_include, topology, resource, "--must-include", whole_gpus=False)
-    devices = RequestHandler(resource, topology, config).preferred(available, must_include, args.size)
-    indices = [resource.by_id[d].gpu_index for d in devices]
+def _print_devices(args: argparse.Namespace, topology: Topology, handler: RequestHandler,
+                   devices: list[str], indices: list[int], n_available: int,
+                   must_include: list[str]) -> int:
+    """MIG devices and replicas (time-sliced, or MPS with what the container gets)."""
+    resource = handler.resource
     score = topology.set_score(sorted(set(indices)))
+    sharing = ("mps" if resource.mps else "time-slicing") if resource.shared else "none"
+    # an MPS replica's client settings, as Allocate hands them to the container
+    mps = {k: v for k, v in handler.allocate(devices).envs.items() if k.startswith("CUDA_MPS_")} if resource.mps else {}
     if args.format == "json":
-        json.dump({"devices": devices, "indices": indices, "score": score, "resource": resource.name},
-                  sys.stdout, indent=2)
+        doc: dict[str, Any] = {"devices": devices, "indices": indices, "score": score, "resource": resource.name,
+                               "sharing": sharing}
+        if mps:
+            doc["mps"] = mps
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    lines = [
+    how = {"mps": ", shared through MPS", "time-slicing": ", time-sliced"}.get(sharing, "")
+    _write(args, [
         f"machine   {topology.machine or topology.source or '-'}",
-        f"resource  {resource.name} ({len(resource.devices)} {resource.kind} devices)",
-        f"request   size {args.size}, {len(available)} available, must-include {must_include}",
+        f"resource  {resource.name} ({len(resource.devices)} {resource.kind} devices{how})",
+        f"request   size {args.size}, {n_available} available, must-include {must_include}",
         f"on GPUs   {indices}",
         f"devices   {', '.join(devices)}",
         f"score     {score} (of the GPUs they are on)",
-    ]
-    if not args.wide:
-        lines = [part for line in lines
-                 for part in (textwrap.wrap(line, MAX_COLUMNS, subsequent_indent=" " * 10,
-                                            break_on_hyphens=False) or [""])]
-    sys.stdout.write("\n".join(lines) + "\n")
+        *([f"mps       {' '.join(f'{k}={v}' for k, v in mps.items())}"] if mps else []),
+    ])
     return 0

@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(default: $CONFIG_FILE, else none)")
     add_simulate_flag(p)
     _add_location_flags(p)
+    _add_api_server_flags(p)
     _add_serving_flags(p)
     _add_dra_flags(p)
     p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
@@ -48,14 +49,37 @@ def _add_location_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features-dir", metavar="DIR", dest="features_dir", default=None,
                    help=f"NFD features.d directory for the labels file (default: {_DEFAULTS.features_dir})")
     p.add_argument("--metrics-address", metavar="HOST:PORT", dest="metrics_address", default=None,
-                   help="where /metrics, /health and /ready listen; port 0 picks one"
-                        f" (default: {_DEFAULTS.metrics_address})")
+                   help="where /metrics listens (and /health, /ready behind its TLS and auth);"
+                        f" port 0 picks one (default: {_DEFAULTS.metrics_address})")
+    p.add_argument("--probe-address", metavar="HOST:PORT", dest="probe_address", default=None,
+                   help="where /health and /ready listen for the kubelet's probes, plain HTTP"
+                        " (default: the metrics host, next port: :9401; env PROBE_ADDRESS)")
+    p.add_argument("--web-config-file", metavar="PATH", dest="web_config_file", default=None,
+                   help="exporter-toolkit web configuration for the metrics address: TLS and"
+                        " basic auth (default: none, plain HTTP; env WEB_CONFIG_FILE)")
     p.add_argument("--node-name", metavar="NAME", dest="node_name", default=None,
                    help="node name for the Hostname metric label (default: $NODE_NAME, else the host name)")
     p.add_argument("--log-format", choices=("text", "json"), dest="log_format", default=None,
                    help="log line format (default: text)")
     p.add_argument("--log-level", metavar="LEVEL", dest="log_level", default=None,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO)")
+
+
+def _add_api_server_flags(p: argparse.ArgumentParser) -> None:
+    """How the agent reaches the API server (DRA, the NodeFeature sink) and who it is there."""
+    p.add_argument("--kubeconfig", metavar="FILE", dest="kubeconfig", default=None,
+                   help="API server access for every API-server user (default: the in-cluster"
+                        " configuration; env KUBECONFIG, file flags.kubeconfig)")
+    p.add_argument("--labels-sink", choices=("file", "nodefeature"), dest="labels_sink", default=None,
+                   help="where labels go: NFD's feature file or an NFD NodeFeature object"
+                        " (default: file; env LABELS_SINK, file flags.labelsSink)")
+    p.add_argument("--pod-namespace", metavar="NAMESPACE", dest="pod_namespace", default=None,
+                   help="the agent's namespace, where its NodeFeature lives (default: $POD_NAMESPACE,"
+                        " else the service account's namespace)")
+    p.add_argument("--pod-name", metavar="NAME", dest="pod_name", default=None,
+                   help="the agent's pod, owner of its NodeFeature (default: $POD_NAME)")
+    p.add_argument("--pod-uid", metavar="UID", dest="pod_uid", default=None,
+                   help="the agent's pod UID, owner of its NodeFeature (default: $POD_UID)")
 
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -72,6 +96,12 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
+    p.add_argument("--proc-root", metavar="DIR", dest="proc_root", default=None,
+                   help="the host's /proc, for the cgroups of GPU processes"
+                        f" (default: {_DEFAULTS.proc_root}; env PROC_ROOT)")
+    p.add_argument("--cri-socket", metavar="PATH", dest="cri_socket", default=None,
+                   help="the container runtime's CRI socket, for the pods of GPU processes"
+                        f" (default: {_DEFAULTS.cri_socket}; env CRI_SOCKET)")
     p.add_argument("--socket-name", metavar="NAME", dest="socket_name", default=None,
                    help="plugin socket file name in the kubelet directory; {resource} is the resource"
                         f" name after the domain (default: {_DEFAULTS.socket_name}; env SOCKET_NAME)")
@@ -81,6 +111,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-interval-s", metavar="SECONDS", type=float, dest="label_interval_s", default=None,
                    help="re-assert the label file this often, restoring a deleted one"
                         f" (default: {_DEFAULTS.label_interval_s:g}; env LABEL_INTERVAL_S)")
+    p.add_argument("--mps-root", metavar="DIR", dest="mps_root", default=None,
+                   help="host directory of the MPS control daemons' pipe and log directories"
+                        f" (sharing.mps) and the pods' shm (default: {_DEFAULTS.mps_root}; env MPS_ROOT,"
+                        " file flags.mpsRoot)")
+    p.add_argument("--mps-control-binary", metavar="PATH", dest="mps_control_binary", default=None,
+                   help=f"the MPS control program (default: {_DEFAULTS.mps_control_binary} on the PATH;"
+                        " env MPS_CONTROL_BINARY, file flags.mpsControlBinary)")
 
 
 def _add_dra_flags(p: argparse.ArgumentParser) -> None:
@@ -96,8 +133,6 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                      help=f"where the DRA socket and checkpoint go, under <driver> (default: {_DEFAULTS.plugins_dir})")
     dra.add_argument("--cdi-dir", metavar="DIR", dest="cdi_dir", default=None,
                      help=f"where CDI specs of prepared claims are written (default: {_DEFAULTS.cdi_dir})")
-    dra.add_argument("--kubeconfig", metavar="FILE", dest="kubeconfig", default=None,
-                     help="API server access (default: the in-cluster configuration; env KUBECONFIG)")
     dra.add_argument("--delete-slices-on-shutdown", action="store_true", dest="delete_slices_on_shutdown",
                      default=None, help="delete the node's ResourceSlices on a clean stop"
                                         " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
@@ -108,13 +143,14 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = (
-    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "node_name",
+    "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
+    "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
-    "label_interval_s",
+    "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown", "taint_effect",
-    "no_timestamp",
+    "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
 )
 
 
@@ -138,7 +174,7 @@ def _probe_write(path: str, what: str) -> None:
 
 def check_directories(config: Config, args: argparse.Namespace) -> None:
     """Fail at start, with one line naming the flag and the path, when the kubelet directory
-    or the features directory can never work: not a directory (exit 2) or not writable
+    or (with the file label sink) the features directory can never work: not a directory (exit 2) or not writable
     (exit 1). A kubelet directory that does not exist yet is fine: the kubelet creates it.
     The features directory is created when missing, as the label sink would."""
     kubelet_what = "--kubelet-dir" if args.kubelet_dir else "kubelet directory"
@@ -150,6 +186,8 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
         )
     if existing == config.kubelet_dir:
         _probe_write(config.kubelet_dir, kubelet_what)
+    if config.labels_sink != "file":  # labels go through the API server: no directory needed
+        return
     features_what = "--features-dir" if args.features_dir else "features directory"
     existing = _nearest_existing(config.features_dir)
     if not os.path.isdir(existing):
@@ -169,6 +207,7 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon
     from agent.logs import setup_logging
+    from agent.metrics.webconfig import load_web_config
 
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
     env = dict(default_environ())
@@ -178,5 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = loader()
     check_directories(config, args)
+    if config.web_config_file:  # a bad one is exit 2 here, before anything is served
+        load_web_config(config.web_config_file)
     setup_logging(config)
     return Daemon.from_config(config, simulate=args.simulate, config_loader=loader).run()

@@ -9,8 +9,8 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from agent.demo.comparisons import AnchorChoice, naive_choice
 from agent.formats import format_cpulist
-from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class BusyNode:
         self.client = client
         self.say = say
         self.progress = progress
-        self.engine = AllocationEngine(topology)
+        self.anchor = AnchorChoice(topology)
         self.index_of = {g.uuid: g.index for g in topology.gpus}
         self.id_of = {g.index: g.uuid for g in topology.gpus}
         self.free = [d.ID for d in devices if d.health == "Healthy"]
@@ -122,8 +122,8 @@ class BusyNode:
         response = self.client.allocate(chosen_ids)
         ours = sorted(self.index_of[d] for d in chosen_ids)
         free_idx = [self.index_of[d] for d in self.free]
-        anchor = self.engine.partition_only_set(free_idx, step.size)
-        naive = self.engine.naive_set(free_idx, step.size)
+        anchor = self.anchor.choose(free_idx, step.size)
+        naive = naive_choice(free_idx, step.size)
         score = self.topology.set_score
         row = {
             "event": "arrive",

@@ -4,8 +4,6 @@
   Like the kubelet's device manager, its Register handler checks the version and resource
   name, dials the plugin's socket and calls GetDevicePluginOptions *before* answering, then
   opens ListAndWatch in the background and keeps the latest device list per resource.
-  :meth:`KubeletStub.restart` clears the directory and listens again, as a restarted kubelet
-  does (new ``kubelet.sock`` inode, plugin sockets gone).
 * :class:`PluginClient` is a client of one plugin socket.
 * :class:`PodResourcesStub` serves ``/v1.PodResourcesLister/*`` with a canned answer.
 """
@@ -16,7 +14,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import grpc
@@ -62,7 +60,6 @@ class PluginClient:
 class Registration:
     request: pb.RegisterRequest
     options: pb.DevicePluginOptions  # what GetDevicePluginOptions answered during Register
-    at_s: float = field(default_factory=time.monotonic)
 
 
 class _RegistrationServicer(pb_grpc.RegistrationServicer):
@@ -131,14 +128,6 @@ class KubeletStub:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-
-    def restart(self) -> None:
-        """What a kubelet restart looks like to a plugin: streams end, the directory is
-        cleared, a new kubelet.sock appears."""
-        self.stop()
-        for name in os.listdir(self.kubelet_dir):
-            os.unlink(os.path.join(self.kubelet_dir, name))
-        self.start()
 
     # -------------------------------------------------------------- streams
     def _start_watch(self, resource: str, client: PluginClient) -> None:

@@ -5,6 +5,8 @@ sockets, labels file, metrics server, health watcher), in a temporary directory,
 in-process stand-in kubelet (:mod:`agent.demo.kubelet`). The stand-in registers the plugin,
 watches its device list, asks it for preferred allocations over gRPC and allocates, then
 reports the running pods through a pod-resources server so the metrics carry pod labels.
+Last, the agent runs again with one GPU time-sliced between two pods
+(:mod:`agent.demo.shared_gpu`), to show each pod's own use of it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
+from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
 from agent.render import render_table, topology_to_json
@@ -137,7 +140,19 @@ class Story:
             if kubelet is not None:
                 kubelet.stop()
             shutil.rmtree(workdir, ignore_errors=True)
+        self.show_shared_gpu(table)
         return self.facts
+
+    def show_shared_gpu(self, table: bool) -> None:
+        """Two pods time-slicing one GPU of the machine's model (:mod:`agent.demo.shared_gpu`),
+        the agent run again in a directory of its own."""
+        workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
+        try:
+            gpus = self.facts["topology"]["gpus"]
+            model = gpus[0]["name"] if gpus else None
+            self.facts["shared_gpu"] = show_shared_gpu(self, demo_config(workdir), workdir, model, table)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ sections
     def show_node(self, topology: Topology, features_dir: str, table: bool) -> None:

@@ -1,42 +1,26 @@
-"""Request handling behind the gRPC servicer: validation, preferred allocation through the
-allocation engine, and the Allocate response (what the container gets comes from
-:func:`agent.containers.container_edits`, as in DRA's CDI specs).
+"""Request handling behind the gRPC servicer: the one validation of a request's device IDs,
+preferred allocation through the allocation engine, and the Allocate response (what the
+container gets comes from :func:`agent.containers.container_edits`, as in DRA's CDI specs).
 
 Nothing here calls NVML: answers come from the frozen :class:`Topology` and the resource's
-device table. Invalid requests raise :class:`AllocationError`, which the servicer turns into
+device table. A request is checked once, at this edge, by the resource's
+:class:`~agent.topology.deviceids.DeviceTable` (one message per kind of mistake, the same
+for GetPreferredAllocation, Allocate and the ``allocate`` command), and goes down as ranks.
+Invalid requests raise :class:`AllocationError`, which the servicer turns into
 ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerDevice, ContainerEdits, container_edits
+from agent.containers import ContainerDevice, ContainerEdits, MpsShare, container_edits
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
-from agent.errors import AllocationError, shorten
+from agent.errors import AllocationError
 from agent.topology.allocator import AllocationEngine
-from agent.topology.deviceids import DeviceTable
+from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.model import Topology
-
-# GPU/MIG UUIDs (including the old "MIG-GPU-<uuid>/<gi>/<ci>" form), optional replica suffix.
-_DEVICE_ID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+(::[0-9]+)?$")
-
-
-def _lookup(resource: PluginResource, ids: Sequence[str], what: str) -> list[PluginDevice]:
-    out: list[PluginDevice] = []
-    seen: set[str] = set()
-    for device_id in ids:
-        if device_id in seen:
-            raise AllocationError(f"{what}: device ID {shorten(device_id)!r} given twice")
-        seen.add(device_id)
-        device = resource.by_id.get(device_id)
-        if device is None:
-            shape = "unknown" if _DEVICE_ID_RE.match(device_id) else "malformed"
-            raise AllocationError(f"{what}: {shape} device ID {shorten(device_id)!r} for resource {resource.name}")
-        out.append(device)
-    return out
 
 
 class RequestHandler:
@@ -54,11 +38,15 @@ class RequestHandler:
         self.config = config
         self._engine: AllocationEngine | None = None
         self._table: DeviceTable | None = None
-        # Advertised devices per GPU: per-GPU sharing gives GPUs different replica counts,
-        # and the engine needs them to tell a GPU's load from its free replicas.
-        self._replicas_per_gpu: dict[int, int] = {}
-        for d in resource.devices:
-            self._replicas_per_gpu[d.gpu_index] = self._replicas_per_gpu.get(d.gpu_index, 0) + 1
+        # read once: both scan the resource's devices
+        self._kind = resource.kind
+        self._one_at_most = config.fail_requests_greater_than_one and resource.shared
+        self._packed = config.shared_devices_allocation_policy == "packed"
+        # an MPS resource's replicas per GPU: what one replica's share is divided by
+        self._mps_replicas: dict[int, int] = {}
+        for d in resource.devices if resource.mps else ():
+            if d.replica is not None:
+                self._mps_replicas[d.gpu_index] = self._mps_replicas.get(d.gpu_index, 0) + 1
 
     @property
     def engine(self) -> AllocationEngine:
@@ -73,54 +61,59 @@ class RequestHandler:
         """The resource's device IDs ranked for the engine (built on first use, like the
         engine: the resource's devices never change while it is served)."""
         if self._table is None:
-            self._table = self.engine.device_table([(d.id, d.gpu_index) for d in self.resource.devices])
+            devices = [(d.id, d.gpu_index) for d in self.resource.devices]
+            self._table = DeviceTable(devices, self.topology.gpu_count, self.resource.name)
         return self._table
 
     # ------------------------------------------------------------------ preferred
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """The device IDs to prefer; raises AllocationError on any invalid input."""
-        what = f"preferred allocation for {self.resource.name}"
-        avail = _lookup(self.resource, available, f"{what}: available")
-        must = _lookup(self.resource, must_include, f"{what}: must-include")
-        if size < 1:
-            raise AllocationError(f"{what}: allocation size must be >= 1, got {size}")
-        if size > len(avail):
-            raise AllocationError(f"{what}: allocation size {size} exceeds the {len(avail)} available devices")
-        avail_ids = {d.id for d in avail}
-        outside = [d.id for d in must if d.id not in avail_ids]
-        if outside:
-            raise AllocationError(f"{what}: must-include devices {shorten(outside, 400)} are not in the available list")
-        if len(must) > size:
-            raise AllocationError(f"{what}: {len(must)} must-include devices exceed allocation size {size}")
-        self._check_shared_size(size, what)
-        kind = self.resource.kind
-        engine = self.engine
-        if kind == "gpu":
-            indices = engine.best_set([d.gpu_index for d in avail], [d.gpu_index for d in must], size)
-            by_index = {d.gpu_index: d.id for d in avail}
-            return [by_index[i] for i in indices]
-        if kind == "mig":
-            return list(engine.mig([(d.id, d.gpu_index) for d in avail], [d.id for d in must], size))
-        return engine.replicas_in(
-            self.table, [d.id for d in avail], [d.id for d in must], size,
-            self.config.shared_devices_allocation_policy, replicas_per_gpu=self._replicas_per_gpu,
-        )
+        return self.answer(self.request(available, must_include, size))
 
-    def _check_shared_size(self, size: int, what: str) -> None:
-        if self.config.fail_requests_greater_than_one and self.resource.shared and size > 1:
-            raise AllocationError(
-                f"{what}: request for {size} devices is too large: the maximum request size"
-                f" for shared resources is 1 (failRequestsGreaterThanOne)"
-            )
+    def request(self, available: Sequence[str], must_include: Sequence[str], size: int) -> DeviceRequest:
+        """The one check of a preferred-allocation request, mapped to the table's ranks."""
+        request = self.table.request(available, must_include, size)
+        if self._one_at_most and size > 1:
+            self._too_large(size)
+        return request
+
+    def answer(self, request: DeviceRequest) -> list[str]:
+        """The device IDs the engine chooses for a checked request."""
+        table = self.table
+        kind = self._kind
+        if kind == "gpu":
+            ranks = self.engine.gpus(table, request)
+        elif kind == "mig":
+            ranks = self.engine.mig(table, request)
+        else:
+            ranks = self.engine.replicas(table, request, self._packed)
+        return list(map(table.ids.__getitem__, ranks))
+
+    @staticmethod
+    def _too_large(size: int) -> NoReturn:
+        raise AllocationError(
+            f"request for {size} devices is too large: the maximum request size for shared"
+            f" resources is 1 (failRequestsGreaterThanOne)"
+        )
 
     # ------------------------------------------------------------------ allocate
     def allocate(self, device_ids: Sequence[str]) -> ContainerEdits:
         """The container response for ``device_ids``; raises AllocationError when invalid."""
-        what = f"allocate {self.resource.name}"
-        if not device_ids:
-            raise AllocationError(f"{what}: empty device list")
-        requested = _lookup(self.resource, device_ids, what)
-        self._check_shared_size(len(requested), what)
+        table = self.table
+        ranks = table.lookup(device_ids, "devices")
+        if self._one_at_most and len(ranks) > 1:
+            self._too_large(len(ranks))
+        requested = [self.resource.by_id[table.ids[r]] for r in ranks]
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
-        return container_edits(self.topology, devices, self.config)
+        return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested))
+
+    def _mps_share(self, requested: Sequence[PluginDevice]) -> MpsShare | None:
+        """What the container holds of an MPS resource's replicas (None: no MPS replica)."""
+        held: dict[int, int] = {}
+        for d in requested:
+            if d.replica is not None:
+                held[d.gpu_index] = held.get(d.gpu_index, 0) + 1
+        if not self._mps_replicas or not held:
+            return None
+        return MpsShare(self.resource.name, {i: self._mps_replicas[i] for i in held}, held)

@@ -22,6 +22,14 @@ class DevicePluginEvents(Protocol):
         """The kubelet's socket was re-created (a restarted kubelet)."""
         ...
 
+    def registration_failure(self, resource: str) -> None:
+        """A registration of ``resource`` with the kubelet failed (it is retried)."""
+        ...
+
+    def stream_refused(self, resource: str) -> None:
+        """A ListAndWatch stream of ``resource`` was refused: the streams' cap was reached."""
+        ...
+
     def observe_preferred_allocation(self, seconds: float) -> None:
         """One GetPreferredAllocation call took ``seconds`` to answer."""
         ...

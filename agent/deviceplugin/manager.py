@@ -3,8 +3,10 @@
 The kubelet clears its device-plugin directory when it starts, so a restarted kubelet knows
 nothing of us: a watch thread notices ``kubelet.sock`` being re-created (its inode changes)
 or our own socket vanishing, serves again and re-registers (well within 2 s: it polls every
-``poll_s``). A kubelet that appears after the agent started is handled the same way.
-Registration that fails is retried with capped exponential backoff.
+``poll_s``). A kubelet that appears after the agent started is handled the same way;
+anything but a socket at ``kubelet.sock`` is no kubelet, said once for what it is.
+Registration that fails is retried with capped exponential backoff: logged when it starts
+failing, each failure counted (``events.registration_failure``).
 
 The manager is the device-plugin mode's servers as the daemon runs them (start, ready,
 set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the same shape).
@@ -15,12 +17,16 @@ kubelet-watch thread registers and re-serves; the metrics HTTP server calls
 :meth:`~DevicePluginManager.ready` and, at each scrape, :meth:`~DevicePluginManager.advertised`.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
+
+MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
+the servers; the watch thread registers such a resource once its daemon first answers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +37,10 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
-from agent.errors import AgentError
+from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.kubelet.unix_server import SocketInUseError
@@ -45,12 +52,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
+    mps: MpsControlDaemon | None = None  # an MPS resource's control daemon
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # watch thread only
     backoff_s: float = 0.0  # watch thread only
     serve_failing: bool = False  # watch thread only: serving again failed, being retried
     next_serve_s: float = 0.0  # watch thread only
     serve_backoff_s: float = 0.0  # watch thread only
+    register_failing: bool = False  # watch thread only: registration failed, being retried
 
 
 @dataclass
@@ -85,6 +94,7 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
+        mps_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
@@ -101,12 +111,14 @@ class DevicePluginManager:
         self.events = events
         self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
+        self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
         self._thread: threading.Thread | None = None
         # watch thread only
         self._kubelet_inode: tuple[int, int, int] | None = None
+        self._kubelet_oddity: str | None = None  # what stands at kubelet.sock if not a socket
         self._seen_kubelet = False
         self._taken: set[str] = set()  # our socket paths another live server holds now
         self._dir_missing = False  # the kubelet directory is gone (said once)
@@ -140,6 +152,7 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
+        self._mps.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -164,23 +177,35 @@ class DevicePluginManager:
         """Every resource is registered with the running kubelet. Never waits on I/O (the
         readiness probe calls it)."""
         with self._lock:
-            return bool(self._slots) and all(s.registered for s in self._slots)
+            slots = list(self._slots)
+        return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
         """(resource, device ID, healthy) for every device offered to the kubelet now (the
         ``gpu_agent_device_healthy`` series, read at each scrape). Never waits on I/O."""
         with self._lock:
-            resources = self.resources
+            resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
-        return [(r.name, d.id, d.gpu_index not in unhealthy) for r in resources for d in r.devices]
+        mps_down = {s.server.resource.name for s in slots if s.mps is not None and not s.mps.answering}
+        return [
+            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in mps_down))
+            for r in resources for d in r.devices
+        ]
 
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
-            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events
+            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
+            mps=self._mps.get(resource.name),
         )
         server.start()
         return server
+
+    def _mps_changed(self) -> None:
+        """A control daemon started or stopped answering: re-send the device lists and let the
+        watch thread register a resource whose daemon now answers."""
+        self.health.wake()
+        self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
         """Stop the servers, serve (topology, config). Runs on the thread that owns the
@@ -191,11 +216,12 @@ class DevicePluginManager:
             self.topology, self.config, self.resources = topology, config, resources
         for slot in old:
             slot.server.stop(0.5)
+        self._mps.sync(resources, topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
-            slot = _Slot(self._new_server(resource, topology, config))
+            slot = _Slot(self._new_server(resource, topology, config), self._mps.get(resource.name))
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
@@ -205,15 +231,20 @@ class DevicePluginManager:
                 self.kubelet_socket,
             )
 
-    def _kubelet_inode_now(self) -> tuple[int, int, int] | None:
+    def _kubelet_inode_now(self) -> tuple[tuple[int, int, int] | None, str | None]:
+        """The kubelet socket's identity (None: no socket there) and, when something else
+        stands at its path, what it is."""
         # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
         # to the next file, so a re-created kubelet.sock can get the same one. The change
         # time (ns) tells the new file apart.
         try:
             st = os.stat(self.kubelet_socket)
         except OSError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_ctime_ns)
+            return None, None
+        if not stat.S_ISSOCK(st.st_mode):  # no kubelet listens on a file: nothing to register with
+            kinds = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
+            return None, kinds.get(stat.S_IFMT(st.st_mode), "not a socket")
+        return (st.st_dev, st.st_ino, st.st_ctime_ns), None
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -252,10 +283,17 @@ class DevicePluginManager:
 
     def _watch_once(self) -> None:
         now = time.monotonic()
-        inode = self._kubelet_inode_now()
+        inode, oddity = self._kubelet_inode_now()
         with self._lock:
             slots = list(self._slots)
         restarted = False
+        if oddity != self._kubelet_oddity:
+            self._kubelet_oddity = oddity
+            if oddity is not None:
+                log.warning(
+                    "%s is %s, not the kubelet's socket: registering once the kubelet creates its socket there",
+                    self.kubelet_socket, oddity,
+                )
         if inode != self._kubelet_inode:
             if inode is not None:
                 if self._seen_kubelet:
@@ -264,7 +302,7 @@ class DevicePluginManager:
                 else:
                     log.info("kubelet socket %s found", self.kubelet_socket)
                 self._seen_kubelet = True
-            else:
+            elif oddity is None:  # else said above
                 log.warning("kubelet socket %s is gone; waiting for the kubelet", self.kubelet_socket)
             self._kubelet_inode = inode
             with self._lock:
@@ -291,6 +329,8 @@ class DevicePluginManager:
                 slot = fresh
             if inode is None or slot.registered or now < slot.next_try_s:
                 continue
+            if slot.mps is not None and not slot.mps.answering:
+                continue  # MPS replicas are advertised once their daemon answers
             self._register(slot, now)
 
     def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
@@ -343,7 +383,7 @@ class DevicePluginManager:
         if slot.serve_failing:
             log.warning("serving %s again on %s", slot.server.resource.name, path)
         self._taken.discard(path)
-        fresh = _Slot(server, next_try_s=now)
+        fresh = _Slot(server, slot.mps, next_try_s=now)
         with self._lock:
             self._slots = [fresh if s is slot else s for s in self._slots]
         return fresh
@@ -359,12 +399,19 @@ class DevicePluginManager:
             slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))
             slot.next_try_s = now + slot.backoff_s
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            log.warning(
-                "kubelet refused registration of %s: %s (retry in %.1f s)",
-                resource.name, details, slot.backoff_s,
+            self.events.registration_failure(resource.name)
+            # one line when registering starts failing; the retries are counted, not logged
+            log.log(
+                logging.DEBUG if slot.register_failing else logging.WARNING,
+                "registering %s with the kubelet failed: %s (retrying with backoff up to %g s; failures"
+                " are counted in gpu_agent_registration_failures_total)",
+                resource.name, shorten(details, 300), self.max_backoff_s,
             )
+            slot.register_failing = True
             return
+        slot.register_failing = False
         with self._lock:
             slot.registered = True
         log.info("registered %s with the kubelet (endpoint %s)", resource.name, resource.socket_name)
         self.events.registration(resource.name)
+

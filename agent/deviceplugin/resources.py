@@ -1,9 +1,12 @@
 """Which resources the node advertises and which device IDs each holds.
 
-A pure function of (Topology, Config): MIG strategy ``none`` / ``single`` / ``mixed`` and
-time-slicing (``sharing.timeSlicing``) as NVIDIA's device plugin defines them, except that
-per-GPU sharing (``devices``) and ``rename`` really take effect. Device IDs are the anchor's:
-the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the n-th time-sliced replica.
+A pure function of (Topology, Config): MIG strategy ``none`` / ``single`` / ``mixed``,
+time-slicing (``sharing.timeSlicing``) and MPS (``sharing.mps``) as NVIDIA's device plugin
+defines them, except that per-GPU sharing (``devices``) and ``rename`` really take effect.
+Device IDs are the anchor's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
+n-th replica (time-sliced or MPS). MPS is refused, naming the GPU, where it cannot run: a MIG
+device, a GPU NVML reports in compute mode Prohibited, a compute capability below 3.5, or
+more replicas than the GPU's MPS server takes clients.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class PluginResource:
     by_id: Mapping[str, PluginDevice] = field(default_factory=dict, compare=False, repr=False)
     #: ``config.socket_name``: ``{resource}`` stands for the name after the domain
     socket_template: str = field(default=DEFAULT_SOCKET_NAME, compare=False)
+    #: its replicas are shared through MPS (served while its MPS control daemon answers)
+    mps: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_id", {d.id: d for d in self.devices})
@@ -77,11 +82,6 @@ class PluginResource:
         """The socket file's base name in the kubelet's directory: by default as the anchor
         names it (``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``)."""
         return self.socket_template.replace("{resource}", self.name.split("/", 1)[-1])
-
-    def numa_consistent(self) -> bool:
-        """True when every device has a NUMA node. (A device without one is advertised
-        without TopologyInfo, as NVIDIA's plugin does; the others keep theirs.)"""
-        return all(d.numa_node is not None for d in self.devices)
 
 
 def _gpu_device(gpu: Gpu) -> PluginDevice:
@@ -163,16 +163,17 @@ def _plan(topology: Topology, config: Config) -> dict[str, list[_Planned]]:
     base = _base_resources(topology, config.mig_strategy)
     plan: dict[str, list[_Planned]] = {}
     claimed: set[str] = set()
-    for i, entry in enumerate(config.time_slicing):
+    section = config.sharing_section
+    for i, entry in enumerate(config.shared_resources):
         if entry.name not in base:
-            log.warning("sharing.timeSlicing.resources[%d]: no %s on this node", i, entry.name)
+            log.warning("%s.resources[%d]: no %s on this node", section, i, entry.name)
             continue
         matched = [d for d in base[entry.name] if d.id not in claimed and _selects(entry, d, topology)]
         if entry.devices is not None:
             unmatched = [s for s in entry.devices if not any(_selects_one(s, d, topology) for d in base[entry.name])]
             if unmatched:
                 raise ConfigError(
-                    f"{config.config_file or 'configuration'}: sharing.timeSlicing.resources[{i}].devices:"
+                    f"{config.config_file or 'configuration'}: {section}.resources[{i}].devices:"
                     f" {shorten(', '.join(map(repr, unmatched)))} is no {entry.name} device of this node"
                     f" (expected GPU indices 0-{topology.gpu_count - 1}, GPU:MIG indices, or GPU/MIG UUIDs"
                     " of this node)"
@@ -197,6 +198,8 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
     would be too large (:func:`_check_sizes`, from arithmetic, before any replica is built).
     """
     plan = _plan(topology, config)
+    if config.mps:
+        _check_mps(plan, topology, config)
     _check_sizes(plan, config)
 
     def order(d: PluginDevice) -> tuple[int, int, int]:
@@ -204,7 +207,8 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
 
     out = tuple(
         PluginResource(
-            name=name, devices=tuple(sorted(_materialise(planned), key=order)), socket_template=config.socket_name
+            name=name, devices=tuple(sorted(_materialise(planned), key=order)), socket_template=config.socket_name,
+            mps=bool(config.mps) and any(replicas for _, replicas, _ in planned),
         )
         for name, planned in sorted(plan.items())
         if planned
@@ -242,26 +246,66 @@ def _check_sizes(plan: dict[str, list[_Planned]], config: Config) -> None:
         total_bytes, total_devices = total_bytes + size, total_devices + count
         if size > MAX_MESSAGE_BYTES:
             raise ConfigError(
-                f"{where}: {_replica_fields(planned)}: {name} would advertise {count} devices, a"
+                f"{where}: {_replica_fields(planned, config)}: {name} would advertise {count} devices, a"
                 f" ListAndWatch message of {size} bytes: more than the {MAX_MESSAGE_BYTES} bytes (4 MiB)"
                 " gRPC lets the kubelet receive; lower the replicas"
             )
     if total_bytes > MAX_ADVERTISED_BYTES:
         everything = [p for planned in plan.values() for p in planned]
         raise ConfigError(
-            f"{where}: {_replica_fields(everything)}: the node would advertise {total_devices} devices in"
+            f"{where}: {_replica_fields(everything, config)}: the node would advertise {total_devices} devices in"
             f" {len(plan)} resources, {total_bytes} bytes of device lists: more than the"
             f" {MAX_ADVERTISED_BYTES} bytes (4 MiB) the agent serves within its memory limit;"
             " lower the replicas"
         )
 
 
-def _replica_fields(planned: list[_Planned]) -> str:
+def _replica_fields(planned: list[_Planned], config: Config) -> str:
     """The ``replicas`` fields that made ``planned``: ``sharing.timeSlicing.resources[0,2].replicas``."""
     entries = sorted({i for _, replicas, i in planned if replicas and i is not None})
     if not entries:
-        return "sharing.timeSlicing"
-    return f"sharing.timeSlicing.resources[{shorten(','.join(map(str, entries)), 40)}].replicas"
+        return config.sharing_section
+    return f"{config.sharing_section}.resources[{shorten(','.join(map(str, entries)), 40)}].replicas"
+
+
+#: MPS needs compute capability 3.5; its server takes 16 clients per GPU below 7.0 (Volta),
+#: 48 from there on (nvidia-cuda-mps-control(1)).
+MPS_MIN_COMPUTE_CAPABILITY = (3, 5)
+MPS_MAX_CLIENTS = ((7, 0), 48, 16)
+
+
+def _check_mps(plan: dict[str, list[_Planned]], topology: Topology, config: Config) -> None:
+    """Raise ConfigError, naming the GPU and the field, where MPS cannot serve a replica."""
+    where = config.config_file or "configuration"
+    for device, replicas, i in (p for planned in plan.values() for p in planned):
+        if not replicas or i is None:
+            continue
+        gpu = topology.gpus[device.gpu_index]
+        at = f"{where}: sharing.mps.resources[{i}]"
+        if device.mig is not None:
+            raise ConfigError(
+                f"{at}: MPS cannot share MIG devices: GPU {gpu.index} is in MIG mode and"
+                f" migStrategy {config.mig_strategy} serves its MIG devices as {GPU_RESOURCE}"
+            )
+        if gpu.compute_mode == "Prohibited":
+            raise ConfigError(
+                f"{at}: GPU {gpu.index} cannot run MPS: NVML reports its compute mode Prohibited"
+                " (no CUDA context can be made on it); set it to Default or Exclusive_Process"
+                " (nvidia-smi -c) or leave it out of the devices"
+            )
+        cc = gpu.compute_capability
+        if cc is not None and cc < MPS_MIN_COMPUTE_CAPABILITY:
+            raise ConfigError(
+                f"{at}: GPU {gpu.index} cannot run MPS: compute capability {cc[0]}.{cc[1]},"
+                " MPS needs 3.5 or newer"
+            )
+        newer, many, few = MPS_MAX_CLIENTS
+        limit = many if cc is None or cc >= newer else few
+        if replicas > limit:
+            raise ConfigError(
+                f"{at}.replicas: {replicas} is more MPS clients than GPU {gpu.index}'s MPS server"
+                f" accepts ({limit} per GPU{'' if cc is None else f' at compute capability {cc[0]}.{cc[1]}'})"
+            )
 
 
 def _check_sockets(out: tuple[PluginResource, ...], config: Config) -> None:
@@ -323,10 +367,3 @@ def _planned_bytes(device: PluginDevice, replicas: int) -> int:
         total += (high - low) * _device_bytes(stem + digits, device.numa_node)
         low, digits = high, digits + 1
     return total
-
-
-def device_list_bytes(resource: PluginResource) -> int:
-    """The serialized size of ``resource``'s ListAndWatchResponse with every device
-    Unhealthy (the longer health word), computed from the wire format without building
-    the message (a test checks it against protobuf's own ``ByteSize``)."""
-    return sum(_device_bytes(len(d.id.encode()), d.numa_node) for d in resource.devices)

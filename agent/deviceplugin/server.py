@@ -20,6 +20,7 @@ from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.mps import MpsControlDaemon
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
@@ -38,13 +39,17 @@ MAX_STREAMS = 4
 PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
-def device_list(resource: PluginResource, unhealthy: dict[int, str] | set[int]) -> pb.ListAndWatchResponse:
+def device_list(
+    resource: PluginResource, unhealthy: dict[int, str] | set[int], mps_answering: bool = True
+) -> pb.ListAndWatchResponse:
     """The full ListAndWatch message: every device, in the resource's order, with its health
     and its TopologyInfo. A device whose NUMA node is unknown has no TopologyInfo (as in
-    NVIDIA's plugin); the others keep theirs, so the topology manager still aligns them."""
+    NVIDIA's plugin); the others keep theirs, so the topology manager still aligns them.
+    MPS replicas are Unhealthy while their control daemon does not answer."""
     out = pb.ListAndWatchResponse()
     for d in resource.devices:
-        dev = out.devices.add(ID=d.id, health=UNHEALTHY if d.gpu_index in unhealthy else HEALTHY)
+        down = d.gpu_index in unhealthy or (d.replica is not None and not mps_answering)
+        dev = out.devices.add(ID=d.id, health=UNHEALTHY if down else HEALTHY)
         if d.numa_node is not None:
             dev.topology.nodes.add(ID=d.numa_node)
     return out
@@ -60,16 +65,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         events: DevicePluginEvents,
         *,
         max_streams: int = MAX_STREAMS,
+        mps: MpsControlDaemon | None = None,
     ) -> None:
         self.handler = handler
         self.resource = handler.resource
         self.health = health
         self.events = events
+        self.mps = mps  # the MPS resource's control daemon: its replicas follow it
         self._stopped = threading.Event()
         # Each open ListAndWatch holds a worker thread for its lifetime; past this many the
         # stream is refused, so the rest of the pool always serves the unary calls.
         self.max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
+        # True from a refused stream until one is accepted again: the refusals in between
+        # are one state, logged once
+        self._refusing = False
+        self._refusing_lock = threading.Lock()
 
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
@@ -81,23 +92,33 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
-            log.warning(
-                "%s: refused a ListAndWatch stream: %d are open already (the kubelet needs one)",
-                self.resource.name, self.max_streams,
-            )
+            self.events.stream_refused(self.resource.name)
+            with self._refusing_lock:
+                first, self._refusing = not self._refusing, True
+            if first:  # one line per change of state: a client retrying in a loop is counted
+                log.warning(
+                    "%s: refusing ListAndWatch streams: %d are open already (the kubelet needs one);"
+                    " refusals are counted in gpu_agent_list_and_watch_refused_total",
+                    self.resource.name, self.max_streams,
+                )
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.resource.name}: at most {self.max_streams} ListAndWatch streams at a time",
             )
+        with self._refusing_lock:
+            self._refusing = False
         try:
             context.add_callback(self.health.wake)
-            sent = -1
+            sent: tuple[int, int] | None = None
+            mps = self.mps
             while not self._stopped.is_set() and context.is_active():
-                generation = self.health.generation
-                if generation != sent:
-                    sent = generation
-                    yield device_list(self.resource, self.health.snapshot())
-                self.health.wait_for_change(sent, 1.0)
+                # the MPS daemon wakes this wait (health.wake) when it stops or starts answering
+                state = (self.health.generation, mps.generation if mps is not None else 0)
+                if state != sent:
+                    sent = state
+                    answering = mps is None or mps.answering
+                    yield device_list(self.resource, self.health.snapshot(), answering)
+                self.health.wait_for_change(state[0], 1.0)
         finally:
             self._streams.release()
 
@@ -109,7 +130,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         try:
             for creq in request.container_requests:
                 ids = self.handler.preferred(
-                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
+                    creq.available_deviceIDs, creq.must_include_deviceIDs, creq.allocation_size
                 )
                 out.container_responses.add(deviceIDs=ids)
         except AgentError as exc:
@@ -168,12 +189,13 @@ class PluginServer:
         events: DevicePluginEvents,
         max_workers: int = 16,
         max_streams: int = MAX_STREAMS,
+        mps: MpsControlDaemon | None = None,
     ) -> None:
         if not 0 < max_streams < max_workers:
             raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams)
+        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams, mps=mps)
         self.max_workers = max_workers
         self._unix = UnixGrpcServer(
             self.path,

@@ -34,7 +34,7 @@ plus the sets made of whole units above that (two whole islands of one NUMA node
 halves). A set that straddles units without being a union of whole ones is left out: a claim
 that finds no published set free falls back to single GPUs (a prioritized list, see the
 example claims), which on such a fragmented node choose about as well. The device plugin's
-own choice on the empty node (:meth:`AllocationEngine.best_set`) is always published.
+own choice on the empty node (:meth:`AllocationEngine.gpus` for the whole node) is always published.
 What the pruning costs is measured by ``bench/quality_dra.py`` on 16, 32 and 64-GPU
 synthetic nodes.
 
@@ -63,7 +63,8 @@ from dataclasses import dataclass
 from math import comb
 from typing import Any, Callable, Collection, Iterator, Sequence
 
-from agent.topology.allocator import AllocationEngine
+from agent.topology.allocator import AllocationEngine, Candidate
+from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.model import Topology
 
 __all__ = ["ENUMERATION_LIMIT", "SET_SIZES", "GpuSet", "clique_ids", "device_order", "gpu_sets",
@@ -214,10 +215,31 @@ def candidate_sets(topology: Topology, k: int, units: Sequence[Unit] | None = No
     return out
 
 
-def _order_key(engine: AllocationEngine, everyone: list[int], position: dict[int, int],
+class _EmptyNode:
+    """The device plugin's policy asked about the empty node, in GPU indices: the request
+    goes down the same path as a GetPreferredAllocation for the whole-GPU resource."""
+
+    def __init__(self, topology: Topology, engine: AllocationEngine) -> None:
+        self.engine = engine
+        self.table = DeviceTable([(g.uuid, g.index) for g in topology.gpus], topology.gpu_count, "gpus")
+        self.everyone = list(self.table.ids)
+
+    def _request(self, must: Sequence[int], size: int) -> DeviceRequest:
+        return self.table.request(self.everyone, [self.table.ids[i] for i in must], size)
+
+    def best_set(self, size: int) -> tuple[int, ...]:
+        """The policy's choice of ``size`` GPUs on the empty node."""
+        return tuple(sorted(self.table.gpu[r] for r in self.engine.gpus(self.table, self._request((), size))))
+
+    def chosen(self, members: Unit) -> Candidate:
+        """``members`` as the policy ranks them (its criteria, as for its own choice)."""
+        return self.engine.explain(self.table, self._request(members, len(members)), runners_up=0).chosen
+
+
+def _order_key(policy: _EmptyNode, position: dict[int, int],
                from_front: bool) -> Callable[[Unit], tuple[Any, ...]]:
     def key(members: Unit) -> tuple[Any, ...]:
-        c = engine.explain(everyone, list(members), len(members), runners_up=0).chosen
+        c = policy.chosen(members)
         places = sorted(position[i] for i in members)
         tie = places if from_front else sorted((-p for p in places))
         return (-c.anchor_score, -c.score, c.numa_nodes, c.cut, tie, members)
@@ -230,15 +252,14 @@ def gpu_sets(topology: Topology, engine: AllocationEngine | None = None) -> dict
     (``engine``: the topology's policy, built when not given)."""
     if topology.gpu_count < 2:
         return {}
-    engine = engine or AllocationEngine(topology)
-    everyone = list(range(topology.gpu_count))
+    policy = _EmptyNode(topology, engine or AllocationEngine(topology))
     position = {g: i for i, g in enumerate(device_order(topology))}
     units = structural_units(topology)
     out: dict[int, list[GpuSet]] = {}
     for k in set_sizes(topology):
-        best = tuple(engine.best_set(everyone, [], k))
+        best = policy.best_set(k)
         rest = candidate_sets(topology, k, units) - {best}
-        key = _order_key(engine, everyone, position, from_front=k <= 2)
+        key = _order_key(policy, position, from_front=k <= 2)
         ordered = [best, *sorted(rest, key=key)]
         out[k] = [GpuSet(members, rank) for rank, members in enumerate(ordered)]
     return out

@@ -64,7 +64,8 @@ class _DraServicer:
             entry = out.claims[claim.uid]
             if result.error:
                 entry.error = result.error
-                log.warning("NodePrepareResources: %s", result.error)
+                if not result.logged:
+                    log.warning("NodePrepareResources: %s", result.error)
                 continue
             for d in result.devices:
                 entry.devices.add(
@@ -217,10 +218,11 @@ class DraPlugin:
             registered = self._registered
         return registered and self._dra_server.socket_present() and self._reg_server.socket_present()
 
-    def set_topology(self, topology: Topology) -> None:
-        """Prepare new claims from ``topology`` (the daemon read it again); sockets, the
-        registration and the prepared claims stay as they are."""
-        self.preparer.set_topology(topology)
+    def set_topology(self, topology: Topology, config: Config) -> None:
+        """Prepare new claims from ``topology`` (the daemon read it again) and ``config``
+        (its DRA settings unchanged); sockets, the registration and the prepared claims stay
+        as they are."""
+        self.preparer.set_topology(topology, config)
 
     # ------------------------------------------------------------------ internals
     def _registration_status(self, registered: bool, error: str) -> None:

@@ -66,6 +66,9 @@ class ClaimRef:
 class PrepareResult:
     devices: tuple[PreparedDevice, ...] = ()
     error: str = ""
+    #: the error's cause is in the log already: the claim reader says once when reading
+    #: claims starts failing, not once per claim
+    logged: bool = False
 
 
 class ClaimPreparer:
@@ -82,7 +85,6 @@ class ClaimPreparer:
         node_name: str,
         path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
-        self.config = config
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
         self.node_name = node_name
@@ -94,11 +96,12 @@ class ClaimPreparer:
         self.cdi = CdiSpecWriter(topology, config, path_exists=path_exists)
         self._lock = threading.Lock()
 
-    def set_topology(self, topology: Topology) -> None:
-        """Serve ``topology`` from now on (read again after a kubelet restart or SIGHUP).
-        Claims already prepared keep their checkpointed answer."""
+    def set_topology(self, topology: Topology, config: Config) -> None:
+        """Serve ``topology`` with ``config`` from now on (read again after a kubelet restart
+        or SIGHUP; its driver name and CDI directory are the running ones). Claims already
+        prepared keep their checkpointed answer."""
         devices = device_refs(topology)
-        cdi = CdiSpecWriter(topology, self.config, path_exists=self._path_exists)
+        cdi = CdiSpecWriter(topology, config, path_exists=self._path_exists)
         with self._lock:
             self.devices, self.cdi = devices, cdi
 
@@ -122,7 +125,7 @@ class ClaimPreparer:
         except ClaimNotFound:
             return PrepareResult(error=f"{ref}: not found in the API server")
         except ClaimReadError as exc:
-            return PrepareResult(error=f"{ref}: cannot be read: {exc}")
+            return PrepareResult(error=f"{ref}: cannot be read: {exc}", logged=True)
         try:
             chosen = self._devices_of(ref, obj)
         except ValueError as exc:

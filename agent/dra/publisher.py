@@ -108,8 +108,8 @@ class SlicePublisher:
     """Publish the node's ResourceSlices and keep them current.
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
-    thread, again after a failure to build one; production: :func:`agent.kube.api_client`
-    with ``retries=False``, as the publisher's own loop retries). ``health`` (an
+    thread, again after a failure to build one; production: :func:`agent.kube.api_client`,
+    which leaves retrying to the publisher's own loop). ``health`` (an
     :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs and
     every set holding one get a taint with ``taint_effect`` saying why, removed on recovery.
     Without it, call :meth:`update`. ``prepared`` (the plugin's checkpoint, optional) tells
@@ -213,7 +213,7 @@ class SlicePublisher:
             self._dirty = True
             self._cond.notify_all()
 
-    def desired(self) -> list[dict[str, Any]]:
+    def _desired(self) -> list[dict[str, Any]]:
         """The slices as they would be published now, for generation :attr:`generation`."""
         with self._cond:
             topology, unhealthy = self._topology, dict(self._unhealthy)
@@ -377,7 +377,7 @@ class SlicePublisher:
         fields on a write (the round stopped there, :attr:`kept` says which)."""
         seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
                                for o in existing.values()] + [self.generation])
-        want = self.desired()
+        want = self._desired()
         same = len(want) == len(existing) and all(
             w["metadata"]["name"] in existing and same_content(w, existing[w["metadata"]["name"]]) for w in want)
         if same:

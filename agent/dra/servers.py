@@ -10,7 +10,6 @@ see ``bench/quality_dra.py``.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from agent.config import Config
@@ -21,8 +20,6 @@ from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
 
-log = logging.getLogger(__name__)
-
 #: Seconds the publisher may take to stop (one last delete of the slices when configured).
 PUBLISHER_STOP_S = 3.0
 
@@ -30,10 +27,9 @@ PUBLISHER_STOP_S = 3.0
 class DraServers:
     """``plugin`` and ``publisher`` (not yet started), served from ``config``."""
 
-    def __init__(self, plugin: DraPlugin, publisher: SlicePublisher, config: Config) -> None:
+    def __init__(self, plugin: DraPlugin, publisher: SlicePublisher) -> None:
         self.plugin = plugin
         self.publisher = publisher
-        self._settings = _dra_settings(config)
 
     @classmethod
     def from_config(
@@ -43,23 +39,25 @@ class DraServers:
         health: HealthState,
         on_kubelet_restart: Callable[[], None],
         *,
+        count_claim_read_error: Callable[[], None],
         events: PublisherEvents | None = None,
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
-        configuration); ConfigError when neither can be loaded. The publisher reports to
-        ``events`` (the agent's self-metrics) and keeps the devices of prepared claims while
-        the API server keeps no taints."""
+        configuration); ConfigError when neither can be loaded. ``count_claim_read_error``
+        is called for each claim that could not be read, and the publisher reports to
+        ``events`` which DRA features the API server keeps (the agent's self-metrics); the
+        publisher keeps the devices of prepared claims while the API server keeps no taints."""
         plugin = DraPlugin(
-            config, topology, health, KubernetesClaimReader(api_client(config)),
+            config, topology, health, KubernetesClaimReader(api_client(config), count_error=count_claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(
-            lambda: api_client(config, retries=False), config.node_name, topology, config.driver_name,
+            lambda: api_client(config), config.node_name, topology, config.driver_name,
             health=health, prepared=plugin.checkpoint, events=events, taint_effect=config.taint_effect,
             delete_on_stop=config.delete_slices_on_shutdown,
         )
-        return cls(plugin, publisher, config)
+        return cls(plugin, publisher)
 
     def start(self) -> None:
         """Serve the kubelet plugin (AgentError when a socket cannot be bound), then start
@@ -72,11 +70,11 @@ class DraServers:
         return self.plugin.ready() and self.publisher.ready()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
-        """Prepare new claims from ``topology`` and publish it; the sockets, the registration
-        and the prepared claims stay. The DRA settings apply at start only."""
-        if _dra_settings(config) != self._settings:
-            log.warning("DRA settings apply at start: restart the agent to change them")
-        self.plugin.set_topology(topology)
+        """Prepare new claims from (topology, config) and publish the topology; the sockets,
+        the registration and the prepared claims stay. The DRA settings apply at start only:
+        the daemon hands over a ``config`` that keeps them
+        (:func:`agent.config.keep_start_settings`)."""
+        self.plugin.set_topology(topology, config)
         self.publisher.update(topology=topology)
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -87,7 +85,3 @@ class DraServers:
         finally:
             self.publisher.stop(PUBLISHER_STOP_S)
 
-
-def _dra_settings(config: Config) -> tuple[object, ...]:
-    return (config.driver_name, config.plugins_registry_dir, config.plugins_dir, config.cdi_dir,
-            config.kubeconfig, config.node_name, config.delete_slices_on_shutdown, config.taint_effect)

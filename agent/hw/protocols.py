@@ -1,5 +1,6 @@
 """The narrow typed protocols through which the agent's layers reach the hardware backend,
-and the records they answer in (:class:`HealthEvent`, :class:`GpuSample`).
+and the records they answer in (:class:`HealthEvent`, :class:`GpuSample`,
+:class:`ProcessSample`).
 
 :class:`agent.hw.nvml.backend.NvmlBackend` (on the real ``pynvml`` or on the simulator's
 fake) implements every protocol here and subclasses each, so mypy checks every signature
@@ -29,8 +30,8 @@ from typing import Protocol
 from agent.records import NodeFacts
 
 __all__ = [
-    "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "SampleSource",
-    "Telemetry",
+    "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "ProcessSample",
+    "SampleSource", "Telemetry",
 ]
 
 
@@ -41,6 +42,20 @@ class HealthEvent:
     gpu_index: int
     kind: str  # "xid" | "ecc_dbe" | "lost"
     xid: int | None = None  # the XID number of an "xid" event
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process on one GPU in one round. ``pid`` is the host PID NVML reports;
+    ``used_memory_bytes`` the framebuffer it holds (None: NVML does not say);
+    ``sm_util_pct``/``mem_util_pct`` its share of SM and memory-bandwidth time since the
+    previous round (0 when NVML has no sample of it: idle; None: the GPU's driver gives no
+    per-process utilisation)."""
+
+    pid: int
+    used_memory_bytes: int | None = None
+    sm_util_pct: int | None = None
+    mem_util_pct: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,11 @@ class GpuSample:
     dram_active_pct: float | None = None
     pcie_tx_bytes_per_s: float | None = None
     pcie_rx_bytes_per_s: float | None = None
+    #: the compute processes on the GPU (None: NVML could not list them this round)
+    processes: tuple[ProcessSample, ...] | None = None
+    #: whether the processes' utilisation is NVML's per-process figure this round (False:
+    #: the driver gives none for this GPU, or it failed; their sm/mem fields are None)
+    process_utilization: bool = False
 
 
 class Lifecycle(Protocol):

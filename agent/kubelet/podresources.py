@@ -37,7 +37,7 @@ class PodResourcesClient:
         try:
             return self._stub.List(podresources_v1_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise PodResourcesError(_rpc_message(exc)) from exc
+            raise PodResourcesError(rpc_message(exc)) from exc
 
     def close(self) -> None:
         if self._channel is not None:
@@ -46,7 +46,8 @@ class PodResourcesClient:
         self._stub = None
 
 
-def _rpc_message(exc: grpc.RpcError) -> str:
+def rpc_message(exc: grpc.RpcError) -> str:
+    """A failed call as one line: ``CODE: details``."""
     code = getattr(exc, "code", None)
     details = getattr(exc, "details", None)
     try:

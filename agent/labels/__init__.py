@@ -11,17 +11,21 @@ GFD-compatible labels (``nvidia.com/``):
 key                                    value
 =====================================  ===============================================
 gpu.product                            model name, sanitised (``NVIDIA-H100-80GB-HBM3``);
-                                       ``-SHARED`` when time-sliced and not renamed;
+                                       ``-SHARED`` when shared (time-slicing or MPS) and
+                                       not renamed;
                                        ``<model>-MIG-<profile>`` under ``mig-strategy=single``
 gpu.count / gpu.memory (MiB)           of that model
 gpu.family, gpu.compute.major/minor    from the compute capability
 gpu.machine                            DMI product name, spaces as ``-`` (``unknown``)
-gpu.replicas, gpu.sharing-strategy     ``1``/``none`` or time-slicing replicas
+gpu.replicas, gpu.sharing-strategy     ``1``/``none``, or the replicas and
+                                       ``time-slicing`` / ``mps``
 gpu.mode                               ``compute``, ``graphics`` or ``unknown`` (see
                                        :func:`_gpu_mode`)
 cuda.driver-version.*, cuda.driver.*   from the driver version ``535.104.05``
 cuda.runtime-version.*, cuda.runtime.* from the CUDA driver API version ``12.2``
-mig.capable, mig.strategy, mps.capable
+mig.capable, mig.strategy, mps.capable ``mps.capable``: ``true`` under ``sharing.mps`` when
+                                       every GPU can run MPS (no MIG mode, compute mode
+                                       not Prohibited, compute capability 3.5 or newer)
 mig-<profile>.*                        per MIG profile under ``mig-strategy=mixed``
 gpu.clique                             ``<cluster-uuid>.<clique-id>`` (NVLink fabric)
 gfd.timestamp                          when the labels were computed, seconds since the
@@ -170,13 +174,22 @@ def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
     ]
     out = {} if None in answers else {GFD_PREFIX + "mig.capable": str(any(answers)).lower()}
     out |= {
-        # MPS sharing is not offered by this agent's configuration, so never capable here.
-        GFD_PREFIX + "mps.capable": "false",
+        GFD_PREFIX + "mps.capable": str(config.sharing_strategy == "mps" and _mps_capable(topology)).lower(),
         GFD_PREFIX + "gpu.mode": _gpu_mode(topology),
     }
     if config.mig_strategy != "none":
         out[GFD_PREFIX + "mig.strategy"] = config.mig_strategy
     return out
+
+
+def _mps_capable(topology: Topology) -> bool:
+    """GFD's rule (no GPU in MIG mode) and NVML's word on the others: a GPU in compute mode
+    Prohibited or below compute capability 3.5 cannot run an MPS server."""
+    return not any(
+        g.mig_enabled or g.compute_mode == "Prohibited"
+        or (g.compute_capability is not None and g.compute_capability < (3, 5))
+        for g in topology.gpus
+    )
 
 
 def _known_model(name: str) -> bool:
@@ -199,10 +212,10 @@ def _gpu_mode(topology: Topology) -> str:
     return modes.pop() if len(modes) == 1 else "compute"
 
 
-def _time_slicing_replicas(config: Config, resource: str) -> tuple[int, bool]:
-    """(replicas, renamed) for ``resource`` from ``sharing.timeSlicing``; (1, False) if not
-    shared."""
-    for r in config.time_slicing:
+def _sharing(config: Config, resource: str) -> tuple[int, bool]:
+    """(replicas, renamed) for ``resource`` from ``sharing.timeSlicing`` or ``sharing.mps``;
+    (1, False) if not shared."""
+    for r in config.shared_resources:
         if r.name == resource and r.replicas > 1:
             return r.replicas, bool(r.rename) or config.rename_by_default
     return 1, False
@@ -225,14 +238,14 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
     out: dict[str, str] = {}
     key = GPU_RESOURCE + "."
     name, same_model = _majority_model(topology.gpus)
-    replicas, renamed = _time_slicing_replicas(config, GPU_RESOURCE)
+    replicas, renamed = _sharing(config, GPU_RESOURCE)
     shared = replicas > 1
     product = _product([name], shared, renamed) if _known_model(name) else ""
     if product:  # a pasted topology matrix names no model ("unknown")
         out[key + "product"] = product
     out[key + "count"] = str(len(same_model))
     out[key + "replicas"] = str(replicas)
-    out[key + "sharing-strategy"] = "time-slicing" if shared else "none"
+    out[key + "sharing-strategy"] = config.sharing_strategy if shared else "none"
     memories = [g.memory_mib for g in same_model if g.memory_mib]
     if memories:
         out[key + "memory"] = str(min(memories))
@@ -284,7 +297,7 @@ def _mig_single_labels(topology: Topology, config: Config, model: str) -> dict[s
 
 def _mig_resource_labels(resource: str, config: Config, parent_model: str, profile: str,
                          devices: list[MigDevice]) -> dict[str, str]:
-    replicas, renamed = _time_slicing_replicas(config, resource)
+    replicas, renamed = _sharing(config, resource)
     key = resource + "."
     out = {
         key + "product": _product([parent_model, "MIG", profile], replicas > 1, renamed),

@@ -58,17 +58,17 @@ class LabelPublisher:
             self._count_error()
             log.error(
                 "cannot write labels to %s: %s (not ready; retrying in %g s)",
-                config.features_dir, exc.strerror or exc, config.label_interval_s,
+                self.sink.where, exc.strerror or exc, config.label_interval_s,
             )
             return
         if changed:
             # GFD's timestamp moves with every write: say so only when a label changed
             facts = {k: v for k, v in labels.items() if k != TIMESTAMP_LABEL}
             if facts != self._logged:
-                log.info("labels written to %s", config.features_dir)
+                log.info("labels written to %s", self.sink.where)
                 self._logged = facts
         if self._failing:
-            log.warning("labels written to %s again", config.features_dir)
+            log.warning("labels written to %s again", self.sink.where)
         self._failing = False
 
     def maintain(self) -> None:

@@ -2,7 +2,7 @@
 
 :class:`GpuCollector` turns the sampler's :class:`Snapshot`, the pod-resources
 :class:`Attribution` and the static :class:`Topology` into dcgm-exporter-compatible families
-plus our topology metrics. A GPU that is gone simply stops being yielded. The families that
+plus our topology and per-pod metrics. A GPU that is gone simply stops being yielded. The families that
 depend only on the snapshot and the attribution (nearly all of them) are built and rendered
 once per snapshot/attribution pair, as :class:`RenderedMetric`: every scrape in between
 reuses their text; only the clock-dependent families are built on each ``collect()``.
@@ -23,7 +23,8 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from agent.metrics.fields import DCGM_METRICS
+from agent.metrics.fields import DCGM_METRICS, POD_METRICS
+from agent.metrics.pod_processes import NO_POD, PodUse
 from agent.metrics.podresources import EMPTY_ATTRIBUTION, Attribution, ContainerRef
 from agent.metrics.sampler import EMPTY_SNAPSHOT, Snapshot
 from agent.topology.allocator import AllocationEngine
@@ -118,6 +119,8 @@ class GpuCollector(Collector):
         # names only: lets the registry detect clashes without a (cheap anyway) collect
         for m in DCGM_METRICS:
             yield Metric(m.name, m.help, m.kind)
+        for p in POD_METRICS:
+            yield Metric(p.name, p.help, "gauge")
         yield Metric("gpu_topology_info", "", "gauge")
         yield Metric("gpu_topology_placement_quality_ratio", "", "gauge")
         yield Metric("gpu_topology_allocated_idle_seconds", "", "gauge")
@@ -128,6 +131,7 @@ class GpuCollector(Collector):
         cached = self._cache
         if cached is None or cached[0] is not snap or cached[1] is not attr:
             families = [f.freeze() for f in self._dcgm_families(snap, attr)]
+            families.extend(f.freeze() for f in self._pod_families(snap, attr))
             families.append(self._info)
             cached = self._cache = (snap, attr, families)
         yield from cached[2]
@@ -150,6 +154,30 @@ class GpuCollector(Collector):
                     continue
                 for labels in series_labels[index]:
                     family.add_sample(m.name, labels, value)
+            if family.samples:
+                yield family
+
+    def _pod_families(self, snap: Snapshot, attr: Attribution) -> Iterator[RenderedMetric]:
+        """The per-pod series: each container with processes on a GPU, and each container
+        holding it (pod-resources) without any, at 0."""
+        rows: list[tuple[dict[str, str], PodUse]] = []
+        for index, uses in snap.pods.items():
+            base = self._labels.get(index)
+            if base is None:
+                continue
+            rows.extend((base, use) for use in uses)
+            util = 0.0 if index in snap.pod_utilization else None
+            present = {use.ref for use in uses}
+            rows.extend(
+                (base, PodUse(ref, 0, util, util, 0.0))
+                for ref in attr.by_gpu.get(index, ()) if ref not in present
+            )
+        for m in POD_METRICS:
+            family = RenderedMetric(m.name, m.help, "gauge")
+            for base, use in rows:
+                value = m.value(use)
+                if value is not None:
+                    family.add_sample(m.name, {**base, **_pod_labels(use.ref)}, value)
             if family.samples:
                 yield family
 
@@ -211,8 +239,7 @@ class GpuCollector(Collector):
             for index in gpus:
                 if index not in snap.gpus or index not in self._labels:
                     continue  # no telemetry for this GPU: we cannot say it is idle
-                busy_at = snap.last_busy_at.get(index, now)
-                since = max(busy_at, attr.first_seen.get((ref, index), busy_at))
+                since = _busy_since(snap, attr, ref, index, now)
                 base = self._labels[index]
                 idle.add_sample(
                     "gpu_topology_allocated_idle_seconds",
@@ -221,6 +248,23 @@ class GpuCollector(Collector):
                 )
         yield quality
         yield idle
+
+
+def _busy_since(snap: Snapshot, attr: Attribution, ref: ContainerRef, index: int,
+                now: float) -> float:
+    """When container ``ref``'s use of GPU ``index`` was last above the idle threshold (or
+    when it got the GPU, if later). On a shared GPU (held by several containers) with
+    per-process utilisation, it is the container's own figure: a busy neighbour does not
+    hide an idle notebook. Processes of no pod count as anyone's (they may be a holder's
+    whose cgroup could not be read). Elsewhere it is the GPU's utilisation."""
+    first_seen = attr.first_seen.get((ref, index))
+    if len(attr.by_gpu.get(index, ())) > 1 and index in snap.pod_utilization:
+        seen = first_seen if first_seen is not None else now
+        busy_at = max(snap.pod_busy_at.get((ref, index), seen),
+                      snap.pod_busy_at.get((NO_POD, index), seen))
+    else:
+        busy_at = snap.last_busy_at.get(index, now)
+    return max(busy_at, first_seen if first_seen is not None else busy_at)
 
 
 # -------------------------------------------------------------------- exposition

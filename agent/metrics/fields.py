@@ -65,6 +65,20 @@ gpu_agent_sampler_duration_seconds             gauge    duration of the last NVM
 gpu_agent_samples_total                        counter  sampling rounds completed
 gpu_agent_pod_resources_errors_total           counter  failed pod-resources List calls
 =============================================  =======  ====================================================
+
+Per pod (container) and GPU, from the GPU's processes (:class:`~agent.hw.protocols.ProcessSample`,
+mapped to containers by :mod:`agent.metrics.pod_processes`; :data:`POD_METRICS`; labels as the DCGM
+series, with ``pod``/``namespace``/``container`` always present, empty for processes of no
+pod; a container that holds the GPU by pod-resources but has no process on it shows 0):
+
+=================================================  =======  ================================================
+gpu_agent_pod_sm_utilization_percent               gauge    sum of its processes' sm_util_pct
+gpu_agent_pod_memory_bandwidth_utilization_percent gauge    sum of its processes' mem_util_pct
+gpu_agent_pod_framebuffer_used_mib                 gauge    sum of its processes' used_memory_bytes // 2**20
+gpu_agent_pod_processes                            gauge    its processes on the GPU
+=================================================  =======  ================================================
+
+The two utilisations are absent for a GPU whose driver gives no per-process utilisation.
 """
 
 from __future__ import annotations
@@ -73,6 +87,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.hw.protocols import GpuSample
+from agent.metrics.pod_processes import PodUse
 
 _MIB = 1 << 20
 
@@ -193,3 +208,30 @@ def dcgm_values(sample: GpuSample) -> dict[str, float]:
         if value is not None:
             out[name] = value
     return out
+
+
+@dataclass(frozen=True)
+class PodMetricDef:
+    """One per-pod GPU gauge: its name, help text and value from a :class:`PodUse` (None:
+    not known for this GPU)."""
+
+    name: str
+    help: str
+    value: Callable[[PodUse], float | None]
+
+
+#: The per-pod series (module docstring), in exposition order.
+POD_METRICS: tuple[PodMetricDef, ...] = (
+    PodMetricDef("gpu_agent_pod_sm_utilization_percent",
+                 "Per container and GPU: SM utilization of its processes since the last "
+                 "sample (in %).", lambda u: u.sm_util_pct),
+    PodMetricDef("gpu_agent_pod_memory_bandwidth_utilization_percent",
+                 "Per container and GPU: memory bandwidth utilization of its processes since "
+                 "the last sample (in %).", lambda u: u.mem_util_pct),
+    PodMetricDef("gpu_agent_pod_framebuffer_used_mib",
+                 "Per container and GPU: framebuffer memory used by its processes (in MiB).",
+                 lambda u: u.fb_used_mib),
+    PodMetricDef("gpu_agent_pod_processes",
+                 "Per container and GPU: its processes using the GPU.",
+                 lambda u: float(u.processes)),
+)

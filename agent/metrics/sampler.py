@@ -2,9 +2,10 @@
 
 ``Sampler.sample_once()`` reads every GPU through a :class:`~agent.hw.protocols.SampleSource`
 (the NVML backend's ``sample_source()``), maps each :class:`~agent.hw.protocols.GpuSample` to
-dcgm-exporter's metrics (:func:`~agent.metrics.fields.dcgm_values`) and replaces
-``Sampler.snapshot`` with a new :class:`Snapshot` (a single reference assignment, so readers
-never see half a round and never take a lock). Scrapes only read ``snapshot``.
+dcgm-exporter's metrics (:func:`~agent.metrics.fields.dcgm_values`), maps the GPUs'
+processes to pods (:class:`~agent.metrics.pod_processes.PodProcesses`, when given) and
+replaces ``Sampler.snapshot`` with a new :class:`Snapshot` (a single reference assignment, so
+readers never see half a round and never take a lock). Scrapes only read ``snapshot``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from agent.hw.protocols import SampleSource
+from agent.hw.protocols import ProcessSample, SampleSource
 from agent.metrics.fields import XID_METRIC, dcgm_values
+from agent.metrics.pod_processes import PodProcesses, PodUse
+from agent.metrics.podresources import ContainerRef
 from agent.topology.model import Topology
 from agent.worker import Worker
 
@@ -29,21 +32,32 @@ class Snapshot:
     """One sampling round. ``gpus[index]`` maps metric name -> value; a GPU or field that
     could not be read is simply absent. ``last_busy_at[index]`` is the wall-clock time
     (``time.time()``) the GPU's utilisation was last seen above the idle threshold (the
-    sampler's start when never)."""
+    sampler's start when never). ``pods[index]`` is the use of each container with processes
+    on the GPU (absent: its processes could not be read, or no pod mapping is configured);
+    ``pod_busy_at[(container, index)]`` when that container's SM utilisation on the GPU was
+    last above the idle threshold (never: absent; ``NO_POD`` for processes of no pod);
+    ``pod_utilization`` the GPUs whose per-process utilisation NVML gave this round."""
 
     taken_at: float = 0.0
     duration_s: float = 0.0
     gpus: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     last_busy_at: Mapping[int, float] = field(default_factory=dict)
     rounds: int = 0
+    pods: Mapping[int, tuple[PodUse, ...]] = field(default_factory=dict)
+    pod_busy_at: Mapping[tuple[ContainerRef, int], float] = field(default_factory=dict)
+    pod_utilization: frozenset[int] = frozenset()
 
 
 EMPTY_SNAPSHOT = Snapshot()
 
+#: Most (container, GPU) last-busy times kept; beyond it the oldest go (long-gone pods).
+MAX_POD_BUSY_ENTRIES = 4096
+
 
 class Sampler(Worker):
     """Polls ``source`` every ``interval_s`` on its own thread (``start``/``stop``), or on
-    demand with ``sample_once`` (tests, benchmarks). ``stop`` closes the source."""
+    demand with ``sample_once`` (tests, benchmarks). ``stop`` closes the source (and
+    ``pods``)."""
 
     thread_name = "metrics-sampler"
 
@@ -56,10 +70,12 @@ class Sampler(Worker):
         idle_threshold_pct: float = 5.0,
         clock: Callable[[], float] = time.time,
         on_round: Callable[[Snapshot], None] | None = None,
+        pods: PodProcesses | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"sample interval must be > 0 s, got {interval_s}")
         self.source = source
+        self.pods = pods
         self.topology = topology
         self.interval_s = interval_s
         self.idle_threshold_pct = idle_threshold_pct
@@ -70,6 +86,7 @@ class Sampler(Worker):
         started = clock()
         # owned by the round in flight (only it reads or writes them; rounds are serialised)
         self._last_busy_at = {g.index: started for g in topology.gpus}
+        self._pod_busy_at: dict[tuple[ContainerRef, int], float] = {}
         # Locks: two leaves, never nested, never held across an NVML read, a callback or
         # ``source.close()``. ``_xid_lock`` guards ``_xids`` (the health watcher writes, a
         # round copies). ``_round`` guards only the flags below: one round at a time runs
@@ -109,23 +126,55 @@ class Sampler(Worker):
         with self._xid_lock:
             xids = dict(self._xids)
         gpus: dict[int, Mapping[str, float]] = {}
+        processes: dict[int, tuple[ProcessSample, ...]] = {}
+        utilization: set[int] = set()
         for index in self._indices:
             sample = self.source.sample(index)
             if sample is None:
                 continue  # lost (the health watcher probes it) or nothing answered
+            if sample.processes is not None:
+                processes[index] = sample.processes
+                if sample.process_utilization:
+                    utilization.add(index)
             values = dcgm_values(sample)
             values[XID_METRIC] = float(xids.get(index, 0))
             util = values.get("DCGM_FI_DEV_GPU_UTIL")
             if util is not None and util > self.idle_threshold_pct:
                 self._last_busy_at[index] = now
             gpus[index] = MappingProxyType(values)
+        pods = self._per_pod(processes, now)
         return Snapshot(
             taken_at=now,
             duration_s=time.perf_counter() - t0,
             gpus=MappingProxyType(gpus),
             last_busy_at=MappingProxyType(dict(self._last_busy_at)),
             rounds=self.snapshot.rounds + 1,
+            pods=MappingProxyType(pods),
+            pod_busy_at=MappingProxyType(dict(self._pod_busy_at)),
+            pod_utilization=frozenset(utilization & pods.keys()),
         )
+
+    def _per_pod(
+        self, processes: Mapping[int, tuple[ProcessSample, ...]], now: float
+    ) -> dict[int, tuple[PodUse, ...]]:
+        """Each GPU's use per container, and the containers' last-busy times updated. A
+        failure of the mapping (a bug, an unexpected answer) costs the per-pod view of this
+        round only, never the GPU metrics."""
+        if self.pods is None or not processes:
+            return {}
+        try:
+            pods = self.pods.per_pod(processes)
+        except Exception:
+            log.exception("mapping GPU processes to pods failed")
+            return {}
+        for index, uses in pods.items():
+            for use in uses:
+                if use.sm_util_pct is not None and use.sm_util_pct > self.idle_threshold_pct:
+                    self._pod_busy_at[(use.ref, index)] = now
+        if len(self._pod_busy_at) > MAX_POD_BUSY_ENTRIES:
+            newest = sorted(self._pod_busy_at.items(), key=lambda kv: kv[1])
+            self._pod_busy_at = dict(newest[-MAX_POD_BUSY_ENTRIES:])
+        return pods
 
     def _end_round(self) -> None:
         """Hand the round back. When ``stop`` asked for the source to close while this
@@ -140,6 +189,8 @@ class Sampler(Worker):
                 self._close_after_round = False
             try:
                 self.source.close()
+                if self.pods is not None:
+                    self.pods.close()
             except Exception:  # stopping goes on; the process is on its way out
                 log.exception("closing the metrics sample source failed")
 

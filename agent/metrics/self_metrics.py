@@ -1,10 +1,13 @@
 """The agent's own health metrics (``gpu_agent_*``), registered on the service's registry.
 
 Built first (before the topology is read) and handed to each component's constructor: the
-device plugin reports preferred-allocation latency, registrations and kubelet restarts (its
-``DevicePluginEvents``, which :class:`AgentMetrics` implements), the label publisher its
-failed writes, the metrics service its sampling rounds and pod-resources errors, the DRA
-slice publisher which features the API server keeps (its ``PublisherEvents``).
+device plugin reports preferred-allocation latency, registrations and failed ones, refused
+ListAndWatch streams and kubelet restarts (its ``DevicePluginEvents``, which
+:class:`AgentMetrics` implements), the label publisher its failed writes, the DRA claim
+reader the claims it could not read, the DRA slice publisher which features the API server
+keeps (its ``PublisherEvents``), the metrics service its sampling rounds and pod-resources
+errors. Where a condition repeats (a client retrying in a loop, an API server down), the log
+says it once and these count the repeats.
 
 State that lives elsewhere is read at scrape time, never mirrored: NVML errors from
 ``backend.error_counts`` (a dict read, no NVML call) and the health of every device the
@@ -49,6 +52,16 @@ class AgentMetrics:
             "gpu_agent_registrations", "Registrations with the kubelet, by resource.",
             ["resource"], registry=registry,
         )
+        self._registration_failures = Counter(
+            "gpu_agent_registration_failures",
+            "Failed registrations with the kubelet, by resource (each is retried with backoff).",
+            ["resource"], registry=registry,
+        )
+        self._streams_refused = Counter(
+            "gpu_agent_list_and_watch_refused",
+            "ListAndWatch streams refused because the per-resource cap was reached, by resource.",
+            ["resource"], registry=registry,
+        )
         self._kubelet_restarts = Counter(
             "gpu_agent_kubelet_restarts", "Kubelet restarts seen (its socket re-created).",
             registry=registry,
@@ -68,6 +81,11 @@ class AgentMetrics:
             "gpu_agent_label_write_errors",
             "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
         )
+        self.claim_read_errors = Counter(
+            "gpu_agent_claim_read_errors",
+            "ResourceClaims that could not be read from the API server (their NodePrepareResources"
+            " fails; the kubelet retries).", registry=registry,
+        )
         self._dra_api_features = Gauge(
             "gpu_agent_dra_api_feature",
             "1 while the API server keeps the ResourceSlice fields of a DRA feature (by feature gate:"
@@ -86,6 +104,12 @@ class AgentMetrics:
 
     def kubelet_restart(self) -> None:
         self._kubelet_restarts.inc()
+
+    def registration_failure(self, resource: str) -> None:
+        self._registration_failures.labels(resource=resource).inc()
+
+    def stream_refused(self, resource: str) -> None:
+        self._streams_refused.labels(resource=resource).inc()
 
     def dra_api_feature(self, feature: str, kept: bool) -> None:
         self._dra_api_features.labels(feature=feature).set(1.0 if kept else 0.0)

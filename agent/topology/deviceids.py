@@ -1,122 +1,147 @@
-"""Device IDs of shared GPUs (time-sliced replicas ``<uuid>::<n>``, MIG devices): their one
-natural order, and a resource's table of every ID it can offer.
+"""Device IDs at the edge of the allocation engine: their one natural order, a resource's table
+of every ID it offers, and the one validation of a request.
 
-A :class:`DeviceTable` is built once per device-plugin resource (its IDs never change while
-the resource is served). It gives every ID a *rank*: its position in the order (GPU index,
-natural order), so a request's IDs become small ints with one dict lookup each, and sorting,
-grouping by GPU and picking a GPU's lowest IDs are int operations at C level
-(:meth:`agent.topology.allocator.AllocationEngine.replicas_in`).
+The kubelet names devices by ID: GPU UUIDs, MIG device UUIDs, time-sliced replicas
+``<uuid>::<n>``. A :class:`DeviceTable` is built once per resource (its IDs never change while
+it is served) and gives every ID a *rank*, its position in the order (GPU index, natural
+order). :meth:`DeviceTable.request` checks a preferred-allocation request once and maps it to
+ranks (a :class:`DeviceRequest`); :meth:`DeviceTable.lookup` does the same for an Allocate
+list. Below this edge the engine works on ranks and never checks them again (the compiled
+kernel keeps its own argument guards, which a valid request never trips).
+
+Each kind of mistake has one message, whichever call makes it (GetPreferredAllocation,
+Allocate, the ``allocate`` command); ``LIST`` names the list (``available``,
+``must-include``, ``devices``) and untrusted values are shortened:
+
+- ``LIST: malformed device ID 'x': expected a GPU or MIG UUID, optionally with ::<replica>``
+- ``LIST: unknown device ID 'GPU-..' for resource nvidia.com/gpu``
+- ``LIST: device ID 'GPU-..' given twice``
+- ``LIST: empty device list``
+- ``must-include: device ID 'GPU-..' is not in the available list``
+- ``size must be at least 1, got 0``
+- ``size 9 is more than the 8 available devices``
+- ``3 must-include devices do not fit in size 2``
 """
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
-from typing import Sequence
+from typing import NamedTuple, NoReturn, Sequence
 
-from agent.errors import AllocationError
+from agent.errors import AllocationError, shorten
 
-_NATURAL_KEYS: dict[str, tuple[str, int, str]] = {}
-_HEADS: dict[str, str] = {}  # one string object per head: tuple keys then compare by identity
+#: GPU and MIG UUIDs (including the old ``MIG-GPU-<uuid>/<gi>/<ci>`` form), optionally with a
+#: replica suffix: what tells a malformed ID from an unknown one.
+DEVICE_ID_PATTERN = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+(::[0-9]+)?$")
 
 
 def natural_key(device_id: str) -> tuple[str, int, str]:
     """The one natural order of device IDs: ``<uuid>::2`` before ``<uuid>::10`` (replica
-    numbers as numbers), every other ID by its text. Cached: the same IDs come back on every
-    kubelet request."""
-    key = _NATURAL_KEYS.get(device_id)
-    if key is None:
-        head, sep, tail = device_id.rpartition("::")
-        if len(_NATURAL_KEYS) > 100_000:  # bound the caches on a node whose IDs churn
-            _NATURAL_KEYS.clear()
-            _HEADS.clear()
-        if sep and tail.isdigit():
-            key = (_HEADS.setdefault(head, head), int(tail), "")
-        else:
-            key = (device_id, -1, device_id)
-        _NATURAL_KEYS[device_id] = key
-    return key
+    numbers as numbers), every other ID by its text."""
+    head, sep, tail = device_id.rpartition("::")
+    if sep and tail.isdigit():
+        return (head, int(tail), "")
+    return (device_id, -1, device_id)
 
 
-def natural_sorted(ids: Sequence[str]) -> list[str]:
-    """``ids`` in :func:`natural_key` order (the cached keys looked up at C level)."""
-    try:
-        return sorted(ids, key=_NATURAL_KEYS.__getitem__)
-    except KeyError:
-        return sorted(ids, key=natural_key)
+class DeviceRequest(NamedTuple):
+    """A valid request in the ranks of one :class:`DeviceTable`: what the engine takes."""
 
-
-def natural_lowest(ids: Sequence[str], count: int) -> list[str]:
-    """The first ``count`` of ``natural_sorted(ids)``."""
-    if count == 1 and ids:
-        try:
-            return [min(ids, key=_NATURAL_KEYS.__getitem__)]
-        except KeyError:
-            return [min(ids, key=natural_key)]
-    return natural_sorted(ids)[:count]
+    available: list[int]  #: distinct ranks, ascending (the must-include ones among them)
+    required: list[int]  #: the must-include ranks, distinct, ascending
+    size: int  #: max(1, len(required)) <= size <= len(available)
 
 
 class DeviceTable:
-    """Every device ID one resource can offer, with its GPU index, ranked by (GPU index,
-    natural order, then the ID's text where two IDs have the same natural key, such as
-    ``x::1`` and ``x::01``).
+    """Every device ID one resource offers, with its GPU index, ranked by (GPU index, natural
+    order, then the ID's text where two IDs have the same natural key, such as ``x::1`` and
+    ``x::01``).
 
-    ``ids[r]`` is the ID of rank r, ``gpu[r]`` its GPU, ``rank[id]`` its rank, and the ranks of
-    GPU g are ``start[g]`` up to ``start[g + 1]``."""
+    ``ids[r]`` is the ID of rank r, ``gpu[r]`` its GPU and ``gpu_bit[r]`` that GPU's bit,
+    ``rank[id]`` the rank of an ID, and the ranks of GPU g are ``start[g]`` up to
+    ``start[g + 1]`` (so on a resource of whole GPUs, GPU g's device has rank ``start[g]``)."""
 
-    def __init__(self, devices: Sequence[tuple[str, int]], gpu_count: int) -> None:
-        """``devices`` pairs each device ID with its GPU index (0 to ``gpu_count - 1``);
-        AllocationError on a duplicate ID or an index outside the node."""
-        seen: set[str] = set()
-        for device_id, gpu in devices:
-            if type(device_id) is not str or not device_id:
-                raise AllocationError(f"device table: {device_id!r} is not a device ID")
-            if type(gpu) is not int or not 0 <= gpu < gpu_count:
-                raise AllocationError(
-                    f"device table: {device_id}: {gpu!r} is not a GPU index of this node "
-                    f"(0-{gpu_count - 1})"
-                )
-            if device_id in seen:
-                raise AllocationError(f"device table: duplicate device ID {device_id}")
-            seen.add(device_id)
+    def __init__(self, devices: Sequence[tuple[str, int]], gpu_count: int, resource: str) -> None:
+        """``devices`` pairs each device ID (distinct) with its GPU index (0 to
+        ``gpu_count - 1``); ``resource`` is the resource's name, for messages."""
         order = sorted(devices, key=lambda p: (p[1], natural_key(p[0]), p[0]))
+        self.resource = resource
         self.ids: list[str] = [d for d, _ in order]
         self.gpu: list[int] = [g for _, g in order]
+        self.gpu_bit: list[int] = [1 << g for g in self.gpu]
         self.rank: dict[str, int] = {d: r for r, d in enumerate(self.ids)}
         self.start: list[int] = [bisect_left(self.gpu, g) for g in range(gpu_count + 1)]
+        if len(self.rank) != len(self.ids):
+            raise ValueError(f"{resource}: the device table lists an ID twice")
 
-    def pairs(self, ids: Sequence[str], what: str) -> list[tuple[str, int]]:
-        """``ids`` as (device ID, GPU index) pairs, else AllocationError naming the first ID
-        that is not in the table (``what`` names the list)."""
-        out: list[tuple[str, int]] = []
+    def request(
+        self, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> DeviceRequest:
+        """The request in ranks, else AllocationError naming its first mistake (the module
+        docstring lists them). This runs on every kubelet request: one dict lookup per ID,
+        then checks on the ranks at C level; only a request with a mistake takes the pass
+        that names it."""
+        rank = self.rank
+        try:
+            ranks = sorted(map(rank.__getitem__, available))
+            required = sorted(map(rank.__getitem__, must_include)) if must_include else []
+        except (KeyError, TypeError):  # an ID not in the table (or not a str)
+            self._explain(available, must_include, size)
+        distinct = set(ranks)
+        if (
+            1 <= size <= len(ranks)
+            and len(required) <= size
+            and len(distinct) == len(ranks)
+            and (not required or (len(set(required)) == len(required) and distinct.issuperset(required)))
+        ):
+            return DeviceRequest(ranks, required, size)
+        self._explain(available, must_include, size)
+
+    def lookup(self, ids: Sequence[str], what: str) -> list[int]:
+        """The ranks of ``ids`` (a list of devices for one container), in order, else
+        AllocationError naming the first unknown, malformed or repeated ID; ``what`` names
+        the list."""
+        if not ids:
+            raise AllocationError(f"{what}: empty device list")
+        out: list[int] = []
+        seen: set[int] = set()
         for device_id in ids:
-            r = self.rank.get(device_id) if isinstance(device_id, str) else None
+            r = self.rank.get(device_id) if type(device_id) is str else None
             if r is None:
-                raise AllocationError(f"{what}: {device_id!r} is not a device of this resource")
-            out.append((device_id, self.gpu[r]))
+                raise AllocationError(self._not_a_device(device_id, what))
+            if r in seen:
+                raise AllocationError(f"{what}: device ID {_quote(device_id)} given twice")
+            seen.add(r)
+            out.append(r)
         return out
 
+    def _not_a_device(self, device_id: object, what: str) -> str:
+        if type(device_id) is not str or not DEVICE_ID_PATTERN.match(device_id):
+            return (
+                f"{what}: malformed device ID {_quote(device_id)}: expected a GPU or MIG UUID,"
+                f" optionally with ::<replica>"
+            )
+        return f"{what}: unknown device ID {_quote(device_id)} for resource {self.resource}"
 
-def fill_mig(free: dict[int, list[str]], used: list[int], need: int, parents: list[int]) -> list[str]:
-    """``need`` MIG devices from ``parents``: parents already in the request (``used``)
-    first, best fit among them; then the parent with the fewest free instances that can
-    take the rest, else the one with the most."""
-    counts = {p: len(free.get(p, [])) for p in parents}
-    out: list[str] = []
-    remaining = need
-    order = sorted((p for p in used if p in counts), key=lambda p: (counts[p], p))
-    pool = [p for p in parents if p not in used]
-    for p in order:
-        n_take = min(remaining, counts[p])
-        out.extend(free.get(p, [])[:n_take])
-        remaining -= n_take
-    while remaining > 0:
-        fitting = [p for p in pool if counts[p] >= remaining]
-        if fitting:
-            p = min(fitting, key=lambda q: (counts[q], q))
-        else:
-            p = min(pool, key=lambda q: (-counts[q], q))
-        pool.remove(p)
-        n_take = min(remaining, counts[p])
-        out.extend(free.get(p, [])[:n_take])
-        remaining -= n_take
-    return out
+    def _explain(self, available: Sequence[str], must_include: Sequence[str], size: int) -> NoReturn:
+        """Raise AllocationError for the first mistake of a request (IDs of available, of
+        must-include, must-include outside available, then the size)."""
+        avail = self.lookup(available, "available") if available else []
+        required = self.lookup(must_include, "must-include") if must_include else []
+        outside = sorted(set(required).difference(avail), key=required.index)
+        if outside:
+            device_id = _quote(self.ids[outside[0]])
+            raise AllocationError(f"must-include: device ID {device_id} is not in the available list")
+        if size < 1:
+            raise AllocationError(f"size must be at least 1, got {size}")
+        if size > len(avail):
+            raise AllocationError(f"size {size} is more than the {len(avail)} available devices")
+        if len(required) > size:
+            raise AllocationError(f"{len(required)} must-include devices do not fit in size {size}")
+        raise AssertionError("a valid request was refused")  # pragma: no cover
+
+
+def _quote(value: object) -> str:
+    """An untrusted ID for a message: quoted, and shortened when long."""
+    return repr(shorten(value)) if isinstance(value, str) else shorten(repr(value))

@@ -15,9 +15,9 @@ log = logging.getLogger(__name__)
 
 #: What both implementations provide; an extension built from an older ``ext/_topo.pyx``
 #: lacks some of it and is not used.
-API = ("EXACT_MAX_GPUS", "MAX_GPUS", "LOAD_MAX", "nvlink_islands", "maximal_cliques",
-       "AllocationSolver", "mask_indices")
-SOLVER_API = ("set_score", "partition_value", "best_score", "rank", "best_mask", "replica_counts")
+API = ("EXACT_MAX_GPUS", "MAX_GPUS", "nvlink_islands", "maximal_cliques", "AllocationSolver",
+       "mask_indices")
+SOLVER_API = ("set_score", "partition_value", "best_score", "rank", "best_mask", "replica_ranks")
 
 
 def _select() -> tuple[ModuleType, str]:
@@ -80,8 +80,8 @@ def allocation_solver(scores: list[list[int]], numa: list[int]) -> Any:  # impl.
 
     ``scores`` is the pair-score matrix, ``numa[i]`` a small id (0..63) of GPU i's NUMA node.
     The solver memoises partition tables across calls; keep one per topology. See
-    ``agent.topology._pure.AllocationSolver`` for the contract of ``rank``, ``best_mask``,
-    ``best_score``, ``partition_value``, ``set_score`` and ``replica_counts`` (masks are int
+    ``agent.topology._pure.solver.AllocationSolver`` for the contract of ``rank``, ``best_mask``,
+    ``best_score``, ``partition_value``, ``set_score`` and ``replica_ranks`` (masks are int
     bitmasks over GPU indices; bad arguments raise TypeError/ValueError, the same on both).
     """
     return impl.AllocationSolver(scores, numa)

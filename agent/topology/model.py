@@ -137,13 +137,6 @@ class Topology(NodeFacts):
         idx = list(indices)
         return sum(self.scores[x][y] for i, x in enumerate(idx) for y in idx[i + 1 :])
 
-    def nvlink_matrix(self) -> list[list[int]]:
-        n = len(self.gpus)
-        m = [[0] * n for _ in range(n)]
-        for link in self.links:
-            m[link.a][link.b] = m[link.b][link.a] = link.nvlinks
-        return m
-
     def gpu_by_uuid(self, uuid: str) -> Gpu | None:
         for g in self.gpus:
             if g.uuid == uuid:

@@ -219,15 +219,18 @@ class NvmlCalls:
         *args: Any,
         gpu: int | None = None,
         absent: tuple[int, ...] = (),
+        empty: tuple[int, ...] = (),
     ) -> Any:
         """Call ``lib.<function_name>(*args)``, translating NVML errors (module docstring).
 
         ``gpu`` names the GPU the call is about; when None it is inferred from a device
         handle among ``args`` (handles from :meth:`handle`). ``absent``: further NVML error
         codes that mean "no such thing" here (None, not counted), as NotSupported does.
+        ``empty``: NVML error codes that mean "nothing to report" here (an empty tuple, not
+        counted), as NotFound from ``nvmlDeviceGetProcessUtilization`` does.
         Returns the function's result, or None where the fact is absent.
         """
-        return self._invoke(function_name, args, gpu, absent)
+        return self._invoke(function_name, args, gpu, absent, empty)
 
     def has(self, name: str) -> bool:
         """Whether the NVML library in use has ``name`` (a function, constant or struct)."""
@@ -240,7 +243,12 @@ class NvmlCalls:
             return frozenset(self._missing_logged)
 
     def _invoke(
-        self, function_name: str, args: Sequence[Any], gpu: int | None, absent: tuple[int, ...]
+        self,
+        function_name: str,
+        args: Sequence[Any],
+        gpu: int | None,
+        absent: tuple[int, ...],
+        empty: tuple[int, ...] = (),
     ) -> Any:
         lib = self._lib
         if lib is None:
@@ -262,6 +270,8 @@ class NvmlCalls:
             code = exc.value
             if code == self.const("NVML_ERROR_NOT_SUPPORTED") or code in absent:
                 return None
+            if code in empty:
+                return ()
             self.count_error(function_name)
             if code == self.const("NVML_ERROR_GPU_IS_LOST"):
                 if gpu is not None:

@@ -2,8 +2,8 @@
 NVML (every call through the wrapper, :meth:`agent.hw.nvml.calls.NvmlCalls.call`, never
 ``pynvml`` itself) and sysfs.
 
-From NVML: count, UUID, name, memory, PCI bus id, minor number, compute capability, MIG mode
-and MIG devices, every NVLink's state and remote end, the common-ancestor PCIe level of each
+From NVML: count, UUID, name, memory, PCI bus id, minor number, compute capability, compute
+mode, MIG mode and MIG devices, every NVLink's state and remote end, the common-ancestor PCIe level of each
 GPU pair, P2P NVLink status, GPU fabric info, driver and CUDA driver versions. From sysfs
 (when a :class:`SysfsReader` is given): NUMA node and local cpulist of each GPU, NUMA
 distances and cpulists, RDMA NICs and their PCIe level to each GPU, the DMI product name.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.formats import BusIdError, format_cpulist, parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.nvml.calls import NvmlCalls
-from agent.records import Gpu, Link, MigDevice, Nic, NodeFacts, PcieLevel
+from agent.records import COMPUTE_MODES, Gpu, Link, MigDevice, Nic, NodeFacts, PcieLevel
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.sysfs import NumaNode, SysfsReader
@@ -137,6 +137,7 @@ class _Identity:
     cc: Any
     brand: Any
     bus_id: str
+    compute_mode: Any
 
 
 class _FactsReader:
@@ -185,6 +186,9 @@ class _FactsReader:
             fabric_cluster_uuid=cluster,
             fabric_clique_id=clique,
             lost=lost,
+            compute_mode=(
+                COMPUTE_MODES.get(int(ident.compute_mode)) if ident.compute_mode is not None else None
+            ),
         )
         return gpu, (None if lost else h)
 
@@ -212,6 +216,7 @@ class _FactsReader:
             cc=ask("nvmlDeviceGetCudaComputeCapability"),
             brand=ask("nvmlDeviceGetBrand"),
             bus_id=_nvml_bus_id(pci.busId) if pci is not None else "",
+            compute_mode=ask("nvmlDeviceGetComputeMode"),
         )
 
     def _mig_mode(self, index: int, h: Any) -> tuple[bool | None, bool]:

@@ -29,6 +29,8 @@ graphics/tensor/dram_active_pct    GPM: NVML_GPM_METRIC_GRAPHICS_UTIL / _ANY_TEN
                                    _DRAM_BW_UTIL (between this round's and the last one's)
 pcie_tx/rx_bytes_per_s             GPM: NVML_GPM_METRIC_PCIE_TX/RX_PER_SEC * 2**20 (MiB/s);
                                    without GPM nvmlDeviceGetPcieThroughput(h, TX/RX) * 1024
+processes                          the GPU's processes and what each uses
+                                   (:mod:`agent.hw.nvml.processes`)
 =================================  =====================================================
 
 GPM (``nvmlGpmQueryDeviceSupport``, ``nvmlGpmSampleAlloc/Get/Free``, ``nvmlGpmMetricsGet``)
@@ -49,7 +51,8 @@ from typing import Any
 
 from agent.errors import AgentError
 from agent.hw.nvml.calls import NvmlCalls
-from agent.hw.protocols import GpuSample, SampleSource
+from agent.hw.nvml.processes import GpuProcessReader
+from agent.hw.protocols import GpuSample, ProcessSample, SampleSource
 
 __all__ = ["NvmlSampler"]
 
@@ -74,6 +77,7 @@ class _GpuState:
     gpm_prev: Any = None
     memory_v2: bool = True
     values: dict[str, float | int] = field(default_factory=dict)
+    processes: tuple[tuple[ProcessSample, ...], bool] | None = None
 
 
 _Step = Callable[[int, Any, "_GpuState"], None]
@@ -87,6 +91,7 @@ class NvmlSampler(SampleSource):
         self.backend = backend
         self._state: dict[int, _GpuState] = {}
         self._warned: set[tuple[int, str]] = set()
+        self._processes = GpuProcessReader(backend)
 
     # ---------------------------------------------------------------- helpers
     def _call(self, index: int, function: str, *args: Any) -> Any:
@@ -115,10 +120,11 @@ class NvmlSampler(SampleSource):
         if h is None:
             return None
         state = self._state.setdefault(index, _GpuState())
-        state.values = {}
+        state.values, state.processes = {}, None
         steps: tuple[_Step, ...] = (
             self._clocks, self._temperature, self._power, self._utilization,
             self._memory, self._fields, self._remapped_rows, self._ecc, self._gpm_or_pcie,
+            self._process_step,
         )
         for step in steps:
             if index in self.backend.lost_gpus:
@@ -132,9 +138,12 @@ class NvmlSampler(SampleSource):
                     self._warned.add((index, name))
                     log.warning("GPU %d: %s: unexpected NVML answer: %s", index, name, exc)
         values, state.values = state.values, {}
+        processes, state.processes = state.processes, None
         if not values:
             return None
-        return GpuSample(index=index, **values)  # type: ignore[arg-type]
+        procs, util = processes if processes is not None else (None, False)
+        return GpuSample(index=index, processes=procs, process_utilization=util,
+                         **values)  # type: ignore[arg-type]
 
     def _clocks(self, index: int, h: Any, state: _GpuState) -> None:
         for const, name in (("NVML_CLOCK_SM", "sm_clock_mhz"), ("NVML_CLOCK_MEM", "mem_clock_mhz")):
@@ -205,6 +214,9 @@ class NvmlSampler(SampleSource):
             state.values["nvlink_bandwidth_total"] = c0
         elif raw_tx is not None and raw_rx is not None:
             state.values["nvlink_bandwidth_total"] = raw_tx + raw_rx
+
+    def _process_step(self, index: int, h: Any, state: _GpuState) -> None:
+        state.processes = self._processes.read(index, h)
 
     def _remapped_rows(self, index: int, h: Any, state: _GpuState) -> None:
         rows = self._call(index, "nvmlDeviceGetRemappedRows", h)

@@ -278,4 +278,5 @@ def _gpu_spec(facts: NodeFacts, i: int, ports: int, bus_id: str, place: _Placeme
         fabric_cluster_uuid=g.fabric_cluster_uuid,
         fabric_clique_id=g.fabric_clique_id,
         gpu_numa_id=g.memory_numa_node,
+        compute_mode=g.compute_mode or "Default",
     )

@@ -27,6 +27,7 @@ import weakref
 from agent.errors import InputFormatError
 from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.nvml import FakeNvml
+from agent.hw.sim.processes import write_proc_tree
 from agent.hw.sim.spec import load_machine_spec
 from agent.hw.sim.spec_model import MachineSpec
 from agent.hw.sim.sysfs_tree import PciDeviceSpec, SysfsTreeSpec, write_tree
@@ -135,9 +136,11 @@ def sysfs_tree_spec(spec: MachineSpec) -> SysfsTreeSpec:
 
 
 class SimulatedMachine:
-    """A fake NVML (:attr:`lib`) and a fake sysfs tree under :attr:`sysfs_root` for one
-    machine spec. The tree lives in a temp dir removed by :meth:`close` (or at garbage
-    collection / exit). Usable as a context manager."""
+    """A fake NVML (:attr:`lib`), a fake sysfs tree under :attr:`sysfs_root` and a fake
+    ``/proc`` (the cgroup files of the spec's GPU processes) under :attr:`proc_root` for one
+    machine spec. The trees live in temp dirs removed by :meth:`close` (or at garbage
+    collection / exit); a ``sysfs_root`` given by the caller is left alone. Usable as a
+    context manager."""
 
     def __init__(self, spec: MachineSpec, sysfs_root: str | None = None) -> None:
         self.spec = spec
@@ -151,6 +154,9 @@ class SimulatedMachine:
         self._finalizer = (
             weakref.finalize(self, shutil.rmtree, self.sysfs_root, True) if owned else None
         )
+        self.proc_root = tempfile.mkdtemp(prefix=f"gta-proc-{os.getpid()}-{_safe(spec.name)}-")
+        self._proc_finalizer = weakref.finalize(self, shutil.rmtree, self.proc_root, True)
+        write_proc_tree(self.proc_root, (p for g in spec.gpus for p in g.processes))
         try:
             write_tree(self.sysfs_root, sysfs_tree_spec(spec))
         except ValueError as exc:
@@ -166,7 +172,8 @@ class SimulatedMachine:
         return NvmlBackend(lib=self.lib, sysfs=SysfsReader(self.sysfs_root), missing_function_level=quiet)
 
     def close(self) -> None:
-        """Remove the fake sysfs tree (if this object created it)."""
+        """Remove the fake /proc tree, and the fake sysfs tree if this object created it."""
+        self._proc_finalizer()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -182,13 +189,13 @@ class SimulatedMachine:
 
 
 def remove_stale_trees(tmp_dir: str | None = None) -> list[str]:
-    """Remove ``gta-sysfs-<pid>-*`` trees in the temp dir whose process is gone (a
-    simulated agent killed with SIGKILL); trees of live processes and other users' are left
-    alone. Returns the removed paths."""
+    """Remove ``gta-sysfs-<pid>-*`` and ``gta-proc-<pid>-*`` trees in the temp dir whose
+    process is gone (a simulated agent killed with SIGKILL); trees of live processes and
+    other users' are left alone. Returns the removed paths."""
     tmp_dir = tmp_dir or tempfile.gettempdir()
     removed = []
     for entry in os.scandir(tmp_dir):
-        m = re.match(r"gta-sysfs-(\d+)-", entry.name)
+        m = re.match(r"gta-(?:sysfs|proc)-(\d+)-", entry.name)
         try:
             if m is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
                 continue

@@ -164,6 +164,11 @@ class FakeNvml(TelemetryApi):
         return g.model.compute_capability
 
     @api
+    def nvmlDeviceGetComputeMode(self, handle: _Handle) -> int:
+        g, _ = self._dev(handle, mig_ok=False)
+        return int(_C[f"NVML_COMPUTEMODE_{g.compute_mode.upper()}"])
+
+    @api
     def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
         g, mig = self._dev(handle)
         mib = 1 << 20

@@ -23,6 +23,7 @@ from agent.hw.sim.nvml_types import (
     c_nvmlEventData_t,
     nvmlPciInfo_t,
 )
+from agent.hw.sim.processes import ProcessSpec
 from agent.hw.sim.spec_model import GpuSpec, MachineSpec, MigDeviceSpec
 
 _C = CONSTANTS
@@ -113,7 +114,6 @@ def api(fn: Callable[..., Any]) -> Callable[..., Any]:
         self._check(name, args)
         return fn(self, *args, **kwargs)
 
-    wrapper._nvml_api = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -185,10 +185,16 @@ class FakeNvmlCore:
     def _default_telemetry(self, g: GpuSpec) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.spec.name}:{g.index}".encode())
         util = 20 + seed % 71  # 20..90
+        mem_util = util // 2
+        used_mib = min((g.model.memory_mib or 0) // 2, 1024 + (seed >> 16) % 20000)
+        if g.processes:  # the GPU's figures are its processes' (time-sliced: they add up)
+            util = min(100, sum(p.sm_util for p in g.processes))
+            mem_util = min(100, sum(p.mem_util for p in g.processes))
+            used_mib = sum(p.used_memory_mib for p in g.processes)
         temp = 32 + (seed >> 8) % 30
         return {
             "gpu_util_pct": util,
-            "mem_util_pct": util // 2,
+            "mem_util_pct": mem_util,
             "enc_util_pct": 0,
             "dec_util_pct": (seed >> 4) % 5,
             "gpu_temp_c": temp,
@@ -197,7 +203,7 @@ class FakeNvmlCore:
             "sm_clock_mhz": g.model.max_sm_clock_mhz - (seed >> 12) % 200,
             "mem_clock_mhz": g.model.mem_clock_mhz,
             "video_clock_mhz": 1275,
-            "memory_used_mib": min((g.model.memory_mib or 0) // 2, 1024 + (seed >> 16) % 20000),
+            "memory_used_mib": used_mib,
             "pcie_tx_kbps": 1000 + (seed >> 3) % 50000,
             "pcie_rx_kbps": 2000 + (seed >> 5) % 80000,
             "pcie_replay": 0,
@@ -216,7 +222,7 @@ class FakeNvmlCore:
             "fp64_active_pct": 0,
             "fp32_active_pct": util // 5,
             "fp16_active_pct": util // 6,
-            "processes": [],
+            "processes": list(g.processes),
         }
 
     # ------------------------------------------------------------------ fault injection
@@ -276,11 +282,15 @@ class FakeNvmlCore:
 
     def set_value(self, index: int, field: str, value: Any) -> None:
         """Set telemetry knob ``field`` (one of :data:`TELEMETRY_FIELDS`) of GPU ``index``.
-        ``processes`` is a list of ``(pid, used_mib)``."""
+        ``processes`` is a list of :class:`~agent.hw.sim.processes.ProcessSpec` or of
+        ``(pid, used_mib)`` (a process without utilisation or cgroup)."""
         if field not in TELEMETRY_FIELDS:
             raise ValueError(
                 f"unknown telemetry field {field!r}; expected one of {', '.join(TELEMETRY_FIELDS)}"
             )
+        if field == "processes":
+            value = [p if isinstance(p, ProcessSpec) else ProcessSpec(int(p[0]), int(p[1]))
+                     for p in value]
         with self._lock:
             self._telemetry[self._gpu(index).index][field] = value
 
@@ -307,11 +317,6 @@ class FakeNvmlCore:
                 s.cond.notify_all()
 
     # ------------------------------------------------------------------ helpers
-    @classmethod
-    def api_functions(cls) -> list[str]:
-        """The names of the pynvml functions this fake implements."""
-        return sorted(n for n in dir(cls) if getattr(getattr(cls, n), "_nvml_api", False))
-
     @staticmethod
     def _stated(value: _T | None) -> _T:
         """A fact the spec states; NotSupported where it states none (as NVML answers)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +15,10 @@ from agent.hw.sim.nvml_types import (
     c_nvmlFieldValue_t,
     c_nvmlGpmSupport_t,
     c_nvmlProcessInfo_t,
+    c_nvmlProcessUtilizationSample_t,
     c_nvmlUtilization_t,
 )
+from agent.hw.sim.processes import ProcessSpec
 from agent.hw.sim.spec_model import GpuSpec
 
 _C = CONSTANTS
@@ -128,17 +131,18 @@ class TelemetryApi(FakeNvmlCore):
     def _processes(self, handle: _Handle) -> list[Any]:
         g, mig = self._dev(handle)
         with self._lock:
-            procs = list(self._telemetry[g.index]["processes"])
+            procs: list[ProcessSpec] = list(self._telemetry[g.index]["processes"])
         gi = _NO_ID if mig is None else 1 + mig
         ci = _NO_ID if mig is None else 0
+        # pynvml returns nvmlFriendlyObject copies of c_nvmlProcessInfo_t: same attributes
         return [
             c_nvmlProcessInfo_t(
-                pid=int(pid),
-                usedGpuMemory=int(used_mib) << 20,
+                pid=p.pid,
+                usedGpuMemory=p.used_memory_mib << 20,
                 gpuInstanceId=gi,
                 computeInstanceId=ci,
             )
-            for pid, used_mib in procs
+            for p in procs
         ]
 
     @api
@@ -148,6 +152,32 @@ class TelemetryApi(FakeNvmlCore):
     @api
     def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: _Handle) -> list[Any]:
         return self._processes(handle)
+
+    @api
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
+        self._dev(handle)
+        return []  # no MPS control daemon is simulated: no MPS clients
+
+    @api
+    def nvmlDeviceGetProcessUtilization(self, handle: _Handle, timeStamp: int) -> list[Any]:
+        """As NVML: one sample per process with some utilisation since ``timeStamp`` (CPU
+        time in microseconds; 0: all the driver keeps), stamped now; NotFound when there is
+        none; NotSupported on a GPU in MIG mode or older than Maxwell."""
+        g, mig = self._dev(handle)
+        if mig is not None or g.mig_enabled or (g.model.compute_capability or (5, 0)) < (5, 0):
+            raise _err("NVML_ERROR_NOT_SUPPORTED")
+        now_us = int(time.time() * 1_000_000)
+        with self._lock:
+            procs: list[ProcessSpec] = list(self._telemetry[g.index]["processes"])
+        busy = [p for p in procs if p.sm_util or p.mem_util]
+        if not busy or int(timeStamp) >= now_us:
+            raise _err("NVML_ERROR_NOT_FOUND")
+        return [
+            c_nvmlProcessUtilizationSample_t(
+                pid=p.pid, timeStamp=now_us, smUtil=p.sm_util, memUtil=p.mem_util
+            )
+            for p in busy
+        ]
 
     @api
     def nvmlDeviceGetFieldValues(

@@ -78,6 +78,11 @@ CONSTANTS: dict[str, int] = {
     "NVML_FEATURE_ENABLED": 1,
     "NVML_DEVICE_MIG_DISABLE": 0,
     "NVML_DEVICE_MIG_ENABLE": 1,
+    # nvmlDeviceGetComputeMode
+    "NVML_COMPUTEMODE_DEFAULT": 0,
+    "NVML_COMPUTEMODE_EXCLUSIVE_THREAD": 1,
+    "NVML_COMPUTEMODE_PROHIBITED": 2,
+    "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS": 3,
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE": 0,
     "NVML_GPU_INSTANCE_PROFILE_2_SLICE": 1,
     "NVML_GPU_INSTANCE_PROFILE_3_SLICE": 2,
@@ -390,6 +395,20 @@ class c_nvmlFieldValue_t(ctypes.Structure):
     ]
 
 
+class c_nvmlProcessUtilizationSample_t(ctypes.Structure):
+    """One sample of ``nvmlDeviceGetProcessUtilization`` (pynvml returns a slice of an
+    array of these)."""
+
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("timeStamp", ctypes.c_ulonglong),
+        ("smUtil", ctypes.c_uint),
+        ("memUtil", ctypes.c_uint),
+        ("encUtil", ctypes.c_uint),
+        ("decUtil", ctypes.c_uint),
+    ]
+
+
 #: Struct classes the fake exposes under pynvml's names (checked against pynvml by a test).
 STRUCTS: dict[str, type] = {
     cls.__name__: cls
@@ -409,6 +428,7 @@ STRUCTS: dict[str, type] = {
         c_nvmlValue_t,
         c_nvmlFieldValue_t,
         c_metricInfo_t,
+        c_nvmlProcessUtilizationSample_t,
     )
 }
 

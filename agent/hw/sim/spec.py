@@ -71,7 +71,7 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
         or "12.4"), numa_nodes: {id: {cpus, distances}}, gpu_defaults: {...},
         gpus: [{bus_id, model, numa_node, cpus, host_bridge, switches, uuid, minor_number,
                 memory_mib, compute_capability, nvlinks, mig, mig_capable, fabric,
-                gpu_numa_id, board}],
+                gpu_numa_id, board, processes, compute_mode}],
         nvlink: {pairs: [[a, b, links]], nvswitch: {links_per_gpu, bus_ids, gpus}},
         nics: [{name, bus_id, numa_node, cpus, host_bridge, switches}],
         pcie_levels: {"0-1": PIX}, faults: {lost_gpus, unsupported, init_error}

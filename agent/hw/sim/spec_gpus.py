@@ -1,5 +1,6 @@
 """The GPU entries of a machine spec (``gpus``, over ``gpu_defaults``): the catalogued model
-and its overrides, MIG devices, fabric membership, NUMA node and CPUs, read into
+and its overrides, MIG devices, fabric membership, NUMA node and CPUs, the processes
+(:mod:`agent.hw.sim.processes`), read into
 :class:`~agent.hw.sim.spec_model.GpuSpec` for :func:`agent.hw.sim.spec.machine_spec_from_dict`.
 """
 
@@ -13,9 +14,10 @@ from typing import Any
 
 from agent.hw.sim.catalogue import GPU_MODELS, GpuModel, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS as _C
+from agent.hw.sim.processes import check_process_cgroups, read_processes
 from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
 from agent.hw.sim.spec_reader import SpecReader
-from agent.records import synthetic_gpu_uuid
+from agent.records import COMPUTE_MODES, synthetic_gpu_uuid
 
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb$")
 
@@ -55,6 +57,8 @@ _GPU_KEYS = frozenset(
         "fabric",
         "gpu_numa_id",
         "board",
+        "compute_mode",
+        "processes",
     }
 )
 
@@ -66,7 +70,7 @@ def read_gpus(
     numa: Mapping[int, tuple[str, tuple[int, ...]]],
 ) -> tuple[GpuSpec, ...]:
     """The ``gpus`` entries (each over ``gpu_defaults``), in index order; a bus id given
-    twice is an error."""
+    twice, or one PID with two cgroups, is an error."""
     defaults = r.mapping(data.get("gpu_defaults"), "gpu_defaults", _GPU_KEYS)
     raw_gpus = r.seq(data.get("gpus"), "gpus")
     if not raw_gpus:
@@ -80,6 +84,7 @@ def read_gpus(
         if g.bus_id in seen:
             raise r.fail(f"gpus[{g.index}].bus_id", f"{g.bus_id} given twice")
         seen.add(g.bus_id)
+    check_process_cgroups(((g.index, g.processes) for g in gpus), r.source)
     return gpus
 
 
@@ -177,4 +182,16 @@ def _read_gpu(
         fabric_clique_id=clique,
         gpu_numa_id=r.opt_int(entry.get("gpu_numa_id"), f"{where}.gpu_numa_id", minimum=0),
         board=str(entry["board"]) if entry.get("board") is not None else None,
+        compute_mode=_read_compute_mode(r, entry.get("compute_mode", "Default"), f"{where}.compute_mode"),
+        processes=read_processes(entry.get("processes"), r.source, f"{where}.processes"),
     )
+
+
+def _read_compute_mode(r: SpecReader, value: object, where: str) -> str:
+    """nvidia-smi's name of a compute mode (``Default``, ``Exclusive_Process``,
+    ``Prohibited``, ``Exclusive_Thread``), any case."""
+    text = r.str_(value, where)
+    for name in COMPUTE_MODES.values():
+        if text.strip().lower() == name.lower():
+            return name
+    raise r.fail(where, f"expected one of {', '.join(COMPUTE_MODES.values())}, got {text!r}")

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.hw.sim.catalogue import GpuModel
+from agent.hw.sim.processes import ProcessSpec
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class GpuSpec:
     fabric_clique_id: int | None = None
     gpu_numa_id: int | None = None  # nvmlDeviceGetNumaNodeId (GPU memory node on Grace)
     board: str | None = None  # GPUs on one multi-GPU board are NVML_TOPOLOGY_INTERNAL
+    compute_mode: str = "Default"  # nvmlDeviceGetComputeMode, as nvidia-smi names it
+    processes: tuple[ProcessSpec, ...] = ()  # what runs on it (agent.hw.sim.processes)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,290 @@
+"""MPS control daemons: one per MPS-shared resource, started and supervised by the agent.
+
+What the control program is told follows NVIDIA's MPS control daemon (the device plugin's
+``mps-control-daemon``), so a node runs the same MPS setup under either:
+
+* start: ``<program> -d`` with ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` set
+  to ``<mpsRoot>/<resource>/pipe`` and ``.../log``, and (beyond NVIDIA's, which leaves it
+  unset) ``CUDA_VISIBLE_DEVICES`` = the shared GPUs' UUIDs in index order, so the daemon's
+  servers see only them. Nothing else of the agent's environment is passed, as NVIDIA's.
+* then, each as one more ``<program>`` run with the command on its standard input:
+  ``set_default_device_pinned_mem_limit <device> <MiB>M`` per GPU (the GPU's memory /
+  replicas; ``<device>`` the GPU's CUDA ordinal in ``CUDA_VISIBLE_DEVICES``) and
+  ``set_default_active_thread_percentage <100 / replicas>``.
+* answering: ``get_default_active_thread_percentage`` succeeds (NVIDIA's health check);
+  asked at start and every ``probe_s`` after.
+* stop: ``quit``.
+
+Unlike NVIDIA's daemon it does not switch the GPUs' compute mode with ``nvidia-smi`` (the
+agent never changes GPU state; MPS runs in the Default mode too; Exclusive_Process is the
+operator's choice), and a daemon that stops answering is restarted here, with capped
+exponential backoff, instead of by a pod restart. A daemon already answering on the pipe
+directory at start (left by an agent that crashed) is told to quit first, so the one
+serving always has this configuration's GPUs and limits.
+
+The replicas are served only while their daemon answers (:attr:`MpsControlDaemon.answering`):
+the device-plugin manager registers the resource once it first answers and reports its
+devices Unhealthy while it does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from agent.config import Config
+from agent.containers import (
+    mps_memory_limit_mib,
+    mps_resource_dir,
+    mps_shm_dir,
+    mps_thread_percentage,
+)
+from agent.deviceplugin.resources import PluginResource
+from agent.errors import AgentError
+from agent.topology.model import Topology
+from agent.worker import Worker
+
+log = logging.getLogger(__name__)
+
+#: How often a running daemon is asked whether it answers (s).
+PROBE_INTERVAL_S = 5.0
+#: How long one control-program run may take (s).
+COMMAND_TIMEOUT_S = 5.0
+#: Restarts wait 0.5 s, 1 s, 2 s, ... up to this (s); a daemon that answered this long
+#: starts the sequence over.
+MAX_BACKOFF_S = 60.0
+FIRST_BACKOFF_S = 0.5
+
+
+@dataclass(frozen=True)
+class MpsDaemonSpec:
+    """What one resource's control daemon serves: its GPUs and their default limits."""
+
+    resource: str  # "nvidia.com/gpu": its directories are <mpsRoot>/<resource>/
+    uuids: tuple[str, ...]  # CUDA_VISIBLE_DEVICES, GPU index order (ordinal = position)
+    memory_limits_mib: tuple[int | None, ...]  # per ordinal; None: memory not known
+    thread_percentage: int
+
+    @classmethod
+    def for_resource(cls, resource: PluginResource, topology: Topology) -> MpsDaemonSpec:
+        """The daemon for ``resource``'s replicas. One thread percentage serves the whole
+        daemon (the control program takes one): the share of the GPU with the most replicas."""
+        replicas: dict[int, int] = {}
+        for d in resource.devices:
+            if d.replica is not None:
+                replicas[d.gpu_index] = replicas.get(d.gpu_index, 0) + 1
+        indices = sorted(replicas)
+        gpus = [topology.gpus[i] for i in indices]
+        return cls(
+            resource=resource.name,
+            uuids=tuple(g.uuid for g in gpus),
+            memory_limits_mib=tuple(mps_memory_limit_mib(g, replicas[g.index]) for g in gpus),
+            thread_percentage=mps_thread_percentage(max(replicas.values(), default=1)),
+        )
+
+    def commands(self) -> list[str]:
+        """The settings, in the order NVIDIA's daemon sends them."""
+        out = [
+            f"set_default_device_pinned_mem_limit {ordinal} {limit}M"
+            for ordinal, limit in enumerate(self.memory_limits_mib) if limit
+        ]
+        out.append(f"set_default_active_thread_percentage {self.thread_percentage}")
+        return out
+
+
+class MpsControlDaemon(Worker):
+    """Starts, watches and restarts the control daemon of one resource (a thread of its
+    own); ``on_change()`` is called (no lock held) whenever :attr:`answering` flips."""
+
+    def __init__(
+        self,
+        spec: MpsDaemonSpec,
+        mps_root: str,
+        program: str,
+        on_change: Callable[[], None],
+        *,
+        probe_s: float = PROBE_INTERVAL_S,
+        command_timeout_s: float = COMMAND_TIMEOUT_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.mps_root = mps_root
+        self.thread_name = f"mps-{spec.resource}"
+        self.pipe_dir = mps_resource_dir(mps_root, spec.resource, "pipe")
+        self.log_dir = mps_resource_dir(mps_root, spec.resource, "log")
+        self.shm_dir = mps_shm_dir(mps_root)
+        self.program = program
+        self.probe_s = probe_s
+        self.command_timeout_s = command_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self._on_change = on_change
+        # Lock order: a leaf, held only to read or flip the state below.
+        self._lock = threading.Lock()
+        self._answering = False
+        self.generation = 0  # increases whenever answering flips
+        self._started = False  # thread only: we started a daemon that may still run
+
+    @property
+    def answering(self) -> bool:
+        with self._lock:
+            return self._answering
+
+    def _set_answering(self, value: bool) -> None:
+        with self._lock:
+            if self._answering == value:
+                return
+            self._answering = value
+            self.generation += 1
+        self._on_change()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        backoff_s, last_error, up_since = 0.0, "", 0.0
+        while not self._stop.is_set():
+            if not self.answering:
+                try:
+                    self._start_daemon()
+                except AgentError as exc:
+                    backoff_s = min(self.max_backoff_s, max(FIRST_BACKOFF_S, backoff_s * 2))
+                    if str(exc) != last_error:
+                        log.error("MPS control daemon for %s: %s (retrying with backoff)", self.spec.resource, exc)
+                    last_error = str(exc)
+                    self._stop.wait(backoff_s)
+                    continue
+                log.info(
+                    "MPS control daemon for %s answers (GPUs %s, %d%% of the threads and %s per replica)",
+                    self.spec.resource, ",".join(self.spec.uuids), self.spec.thread_percentage,
+                    ", ".join(f"{m}M" for m in self.spec.memory_limits_mib if m) or "no memory limit",
+                )
+                last_error, up_since = "", time.monotonic()
+                self._set_answering(True)
+            if self._stop.wait(self.probe_s):
+                break
+            if time.monotonic() - up_since >= self.max_backoff_s:
+                backoff_s = 0.0  # up long enough: the next restart is immediate again
+            try:
+                self._control("get_default_active_thread_percentage")
+            except AgentError as exc:
+                log.error(
+                    "MPS control daemon for %s stopped answering (%s): its replicas are unhealthy;"
+                    " restarting it", self.spec.resource, exc,
+                )
+                self._set_answering(False)
+                if backoff_s and self._stop.wait(backoff_s):
+                    break
+                backoff_s = min(self.max_backoff_s, max(FIRST_BACKOFF_S, backoff_s * 2))
+        self._quit()
+        self._set_answering(False)
+
+    def _start_daemon(self) -> None:
+        """Start the daemon and give it its settings; AgentError when any step fails. One
+        that answers already is kept if we started it (a probe it missed, not a death), and
+        told to quit otherwise (left by an agent that stopped without quitting it)."""
+        for path in (self.pipe_dir, self.log_dir, self.shm_dir):
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise AgentError(f"cannot create {path}: {exc.strerror or exc}") from None
+        try:
+            self._control("get_default_active_thread_percentage")
+        except AgentError:
+            pass
+        else:
+            if self._started:
+                return
+            log.warning("an MPS control daemon already serves %s: telling it to quit", self.pipe_dir)
+            self._control("quit")
+        self._run_program(["-d"], None)
+        self._started = True
+        for command in [*self.spec.commands(), "get_default_active_thread_percentage"]:
+            if self._stop.is_set():
+                raise AgentError("stopping")
+            self._control(command)
+
+    def _control(self, command: str) -> str:
+        """Send one command to the running daemon; its answer (AgentError if it fails)."""
+        return self._run_program([], command)
+
+    def _run_program(self, args: list[str], command: str | None) -> str:
+        program = self.program if "/" in self.program else shutil.which(self.program)
+        if program is None:
+            raise AgentError(f"MPS control program {self.program} not found on the PATH (--mps-control-binary)")
+        env = {
+            "CUDA_VISIBLE_DEVICES": ",".join(self.spec.uuids),
+            "CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir,
+            "CUDA_MPS_LOG_DIRECTORY": self.log_dir,
+        }
+        what = " ".join([os.path.basename(program), *args]) + (f" <<< {command}" if command else "")
+        # output goes to a file, not a pipe: with -d the daemon may keep the parent's
+        # descriptors open, and reading a pipe would wait for the daemon to end
+        with tempfile.TemporaryFile() as output:
+            try:
+                done = subprocess.run(
+                    [program, *args], input=(command + "\n").encode() if command else None,
+                    stdin=None if command else subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                    env=env, timeout=self.command_timeout_s, check=False,
+                )
+            except subprocess.TimeoutExpired:
+                raise AgentError(f"{what}: no answer in {self.command_timeout_s:g} s") from None
+            except OSError as exc:
+                raise AgentError(f"{what}: cannot run {program}: {exc.strerror or exc}") from None
+            output.seek(0)
+            text = output.read(4096).decode(errors="replace").strip()
+        if done.returncode != 0:
+            detail = f": {text.splitlines()[-1]}" if text else ""
+            raise AgentError(f"{what}: exit status {done.returncode}{detail}")
+        return text
+
+    def _quit(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        try:
+            self._control("quit")
+            log.info("MPS control daemon for %s told to quit", self.spec.resource)
+        except AgentError as exc:
+            log.warning("MPS control daemon for %s: quit failed: %s", self.spec.resource, exc)
+
+
+class MpsDaemons:
+    """The control daemons of a node's MPS resources, by resource name. Used by the one
+    thread that owns the device-plugin servers."""
+
+    def __init__(self, on_change: Callable[[], None], probe_s: float = PROBE_INTERVAL_S) -> None:
+        self._on_change = on_change
+        self.probe_s = probe_s
+        self._daemons: dict[str, MpsControlDaemon] = {}
+
+    def get(self, resource: str) -> MpsControlDaemon | None:
+        return self._daemons.get(resource)
+
+    def sync(self, resources: tuple[PluginResource, ...], topology: Topology, config: Config) -> None:
+        """One daemon per MPS resource: a running one whose GPUs, limits, root and program
+        stay is kept (its pods keep their MPS server), the others quit, new ones start."""
+        wanted = {
+            r.name: (MpsDaemonSpec.for_resource(r, topology), config.mps_root, config.mps_control_binary)
+            for r in resources if r.mps
+        }
+        for name, daemon in list(self._daemons.items()):
+            if wanted.get(name) != (daemon.spec, daemon.mps_root, daemon.program):
+                del self._daemons[name]
+                daemon.stop(2 * COMMAND_TIMEOUT_S)
+        for name, (spec, root, program) in wanted.items():
+            if name not in self._daemons:
+                daemon = MpsControlDaemon(spec, root, program, self._on_change, probe_s=self.probe_s)
+                self._daemons[name] = daemon
+                daemon.start()
+
+    def stop(self) -> None:
+        """Every daemon quits."""
+        daemons, self._daemons = list(self._daemons.values()), {}
+        for daemon in daemons:
+            daemon.stop(2 * COMMAND_TIMEOUT_S)
