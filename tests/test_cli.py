@@ -215,7 +215,7 @@ def test_allocate_gives_what_the_plugins_get_preferred_allocation_gives(
 def test_allocate_on_a_served_resource_rejects_gpus_the_resource_lacks(capsys):
     rc, _, err = main(capsys, "allocate", "--simulate", "a100-mig", "--mig-strategy", "mixed",
                       "--size", "1", "--available", "0")
-    assert rc == 2 and "GPU 0 is not a nvidia.com/gpu device" in err
+    assert rc == 2 and "GPU 0 has no nvidia.com/gpu device" in err
 
 
 def test_allocate_names_the_resources_when_the_name_is_unknown(capsys):

@@ -212,6 +212,7 @@ def test_on_standard_input_the_suggested_command_reads_standard_input_too(monkey
 
 # ---------------------------------------------------------------- one GPU, two pods
 SHARED = "== One GPU, two pods: time-slicing and per-pod use"
+MPS = "== One GPU, two pods: MPS"
 SERIES_RE = re.compile(r'^(\w+)\{gpu="(\d+)",pod="(\w+)",container="(\w+)"\} ([\d.]+)$')
 
 
@@ -219,7 +220,7 @@ def test_the_demo_shows_two_pods_on_one_time_sliced_gpu_with_their_own_figures(c
     assert cli.main(["demo", "--simulate", "pcie-4gpu"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
-    section = out.split(SHARED, 1)[1].split("== Done", 1)[0]
+    section = out.split(SHARED, 1)[1].split(MPS, 1)[0]
     got = re.findall(r"demo/(\w+) +container (\w+) +got (GPU-[0-9a-f-]+)::(\d)", section)
     assert [(pod, container) for pod, container, _, _ in got] == \
         [("trainer", "main"), ("notebook", "jupyter")]
@@ -262,3 +263,59 @@ def test_the_demo_json_tells_the_same_shared_gpu_facts(capsys):
                                  "gpu_agent_pod_framebuffer_used_mib", "DCGM_FI_DEV_FB_USED")
         for pod in ("trainer", "notebook")
     }
+
+
+# ---------------------------------------------------------------- one GPU, two pods, MPS
+
+
+def test_the_demo_shows_an_mps_shared_gpu_advertised_once_its_daemon_answers(capsys):
+    assert cli.main(["demo", "--simulate", "pcie-4gpu"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert out.index(SHARED) < out.index(MPS) < out.index("== Done"), "beside time-slicing"
+    section = out.split(MPS, 1)[1].split("== Done", 1)[0]
+    told = section.split("when the agent registered:", 1)[1].split("ListAndWatch", 1)[0]
+    assert re.search(r"^  set_default_device_pinned_mem_limit 0 \d+M$", told, re.M)
+    assert "  set_default_active_thread_percentage 50 -> 50.0" in told
+    assert "  get_default_active_thread_percentage -> 50.0" in told, "it answered first"
+    assert "ListAndWatch: 2 nvidia.com/gpu devices, 2 healthy" in section
+    got = re.findall(r"demo/(\w+) +container \w+ +got (GPU-[0-9a-f-]+)::(\d)", section)
+    assert [pod for pod, _, _ in got] == ["trainer", "notebook"]
+    assert len({uuid for _, uuid, _ in got}) == 1 and {r for *_, r in got} == {"0", "1"}
+    limit = re.search(r"set_default_device_pinned_mem_limit 0 (\d+M)", told).group(1)
+    for line in ("  CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe",
+                 "  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                 f"  CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={limit}",
+                 "  mount /mps/nvidia.com/gpu/pipe from <mpsRoot>/nvidia.com/gpu/pipe",
+                 "  mount /dev/shm from <mpsRoot>/shm"):
+        assert line in section.splitlines(), line
+
+
+def test_the_demo_json_tells_what_an_mps_replica_gets(capsys):
+    assert cli.main(["demo", "--simulate", "dgx-a100", "--format", "json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    mps = facts["mps"]
+    gpu = facts["topology"]["gpus"][0]
+    assert mps["model"] == gpu["name"] and mps["replicas"] == 2
+    assert mps["resource"] == "nvidia.com/gpu" and mps["devices"] == mps["healthy"] == 2
+    half = f"{gpu['memory_mib'] // 2}M"
+    assert mps["daemon_told"] == [
+        {"command": f"set_default_device_pinned_mem_limit 0 {half}", "answer": ""},
+        {"command": "set_default_active_thread_percentage 50", "answer": "50.0"},
+        {"command": "get_default_active_thread_percentage", "answer": "50.0"},
+    ]
+    trainer, notebook = mps["pods"]
+    assert (trainer["pod"], notebook["pod"]) == ("trainer", "notebook")
+    assert trainer["device"] != notebook["device"]
+    assert trainer["device"].split("::")[0] == notebook["device"].split("::")[0]
+    root = mps["mps_root"]
+    for pod in mps["pods"]:
+        envs = pod["envs"]
+        assert envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu/pipe"
+        assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={half}"
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == pod["device"].split("::")[0]
+        assert {(m["container_path"], m["host_path"]) for m in pod["mounts"]} == {
+            ("/mps/nvidia.com/gpu/pipe", f"{root}/nvidia.com/gpu/pipe"),
+            ("/dev/shm", f"{root}/shm"),
+        }

@@ -6,7 +6,8 @@ in-process stand-in kubelet (:mod:`agent.demo.kubelet`). The stand-in registers 
 watches its device list, asks it for preferred allocations over gRPC and allocates, then
 reports the running pods through a pod-resources server so the metrics carry pod labels.
 Last, the agent runs again with one GPU time-sliced between two pods
-(:mod:`agent.demo.shared_gpu`), to show each pod's own use of it.
+(:mod:`agent.demo.shared_gpu`), to show each pod's own use of it, and once more with one GPU
+shared through MPS (:mod:`agent.demo.mps_gpu`), to show what an MPS replica's pod gets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
+from agent.demo.mps_gpu import show_mps
 from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
@@ -144,15 +146,17 @@ class Story:
         return self.facts
 
     def show_shared_gpu(self, table: bool) -> None:
-        """Two pods time-slicing one GPU of the machine's model (:mod:`agent.demo.shared_gpu`),
-        the agent run again in a directory of its own."""
-        workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
-        try:
-            gpus = self.facts["topology"]["gpus"]
-            model = gpus[0]["name"] if gpus else None
-            self.facts["shared_gpu"] = show_shared_gpu(self, demo_config(workdir), workdir, model, table)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        """Two pods sharing one GPU of the machine's model, time-slicing
+        (:mod:`agent.demo.shared_gpu`) then MPS (:mod:`agent.demo.mps_gpu`), the agent run
+        again for each in a directory of its own."""
+        gpus = self.facts["topology"]["gpus"]
+        model = gpus[0]["name"] if gpus else None
+        for key, section in (("shared_gpu", show_shared_gpu), ("mps", show_mps)):
+            workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
+            try:
+                self.facts[key] = section(self, demo_config(workdir), workdir, model, table)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ sections
     def show_node(self, topology: Topology, features_dir: str, table: bool) -> None:

@@ -20,6 +20,10 @@ I/O); ``set_topology`` hands it the new (topology, config) and waits for the out
 
 MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
 the servers; the watch thread registers such a resource once its daemon first answers.
+
+Size: above 400 lines because it is one lifecycle: the servers per resource, their
+registration, the kubelet-socket watch and the MPS daemons' sync all share the one watch
+thread and its state; splitting them would spread that state over modules.
 """
 
 from __future__ import annotations
