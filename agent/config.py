@@ -125,6 +125,10 @@ class Config:
     # --- IMEX channels (NVIDIA's top-level ``imex:`` section)
     imex_channel_ids: tuple[int, ...] = ()  # [] or [0] (env IMEX_CHANNEL_IDS)
     imex_required: bool = False  # a configured channel missing on the node is an error (env IMEX_REQUIRED)
+    #: the effect of the device taint on an unhealthy GPU and every GPU set holding it:
+    #: NoSchedule (no new claims; running pods keep it) or NoExecute (pods using it are
+    #: evicted unless they tolerate it) (env DRA_TAINT_EFFECT)
+    taint_effect: str = "NoSchedule"
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -185,6 +189,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "CDI_DIR": "cdi_dir",
     "KUBECONFIG": "kubeconfig",
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
+    "DRA_TAINT_EFFECT": "taint_effect",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
@@ -334,7 +339,7 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 #: Everything else follows a reload.
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
-    "delete_slices_on_shutdown", "metrics_address", "probe_address", "web_config_file",
+    "delete_slices_on_shutdown", "taint_effect", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
     "pod_name", "pod_uid", "sysfs_root",

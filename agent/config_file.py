@@ -321,6 +321,7 @@ DRA_FILE_KEYS: Mapping[str, str] = {
     "cdiDir": "cdi_dir",
     "kubeconfig": "kubeconfig",
     "deleteSlicesOnShutdown": "delete_slices_on_shutdown",
+    "taintEffect": "taint_effect",
 }
 
 

@@ -22,6 +22,8 @@ DEVICE_ID_STRATEGIES = ("uuid", "index")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
+#: Device-taint effects for unhealthy GPUs in DRA mode (agent.dra.taints).
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 LABEL_SINKS = ("file", "nodefeature")
 
 
@@ -44,6 +46,14 @@ def expect_choice(value: object, choices: tuple[str, ...], where: str) -> str:
     if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
     raise ValueError(f"{where}: expected one of {', '.join(choices)}, got {got(value)}")
+
+
+def _taint_effect(value: object, where: str) -> str:
+    """One of :data:`TAINT_EFFECTS`, in any letter case, spelled as Kubernetes does."""
+    for effect in TAINT_EFFECTS:
+        if isinstance(value, str) and value.strip().lower() == effect.lower():
+            return effect
+    raise ValueError(f"{where}: expected one of {', '.join(TAINT_EFFECTS)}, got {got(value)}")
 
 
 def expect_number(value: object, where: str, minimum: float = 0.0) -> float:
@@ -210,6 +220,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "mode": lambda v, w: expect_choice(v, MODES, w),
     "driver_name": expect_driver_name,
     "delete_slices_on_shutdown": expect_bool,
+    "taint_effect": _taint_effect,
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too

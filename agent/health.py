@@ -13,6 +13,7 @@ because advertising GPUs nobody watches hides faults from the scheduler.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Callable, Iterable, Mapping
@@ -24,6 +25,25 @@ from agent.worker import Worker
 log = logging.getLogger(__name__)
 
 FENCED_REASON_PREFIX = "fenced: "
+ECC_REASON = "double-bit ECC error"
+LOST_REASON = "GPU lost"
+_XID_REASON = re.compile(r"^XID (\d+)$")
+
+
+def reason_kind(reason: str) -> tuple[str, str]:
+    """What an unhealthy reason written here says, as (kind, detail): ``("xid", "79")``,
+    ``("ecc", "double-bit")``, ``("lost", "true")`` (lost now or at discovery),
+    ``("fenced", "health-watcher-failed")``; any other reason ``("unhealthy", "true")``."""
+    m = _XID_REASON.match(reason)
+    if m:
+        return "xid", m.group(1)
+    if reason == ECC_REASON:
+        return "ecc", "double-bit"
+    if reason.startswith(LOST_REASON):
+        return "lost", "true"
+    if reason.startswith(FENCED_REASON_PREFIX):
+        return "fenced", "health-watcher-failed"
+    return "unhealthy", "true"
 
 
 class HealthState:
@@ -120,7 +140,7 @@ class HealthState:
 def lost_at_discovery(backend: EventSource) -> dict[int, str]:
     """GPUs the backend already found lost (``backend.lost_gpus``, e.g. while the topology
     was read), as the ``unhealthy`` seed of :class:`HealthState`."""
-    return {int(i): "GPU lost at discovery" for i in sorted(backend.lost_gpus)}
+    return {int(i): f"{LOST_REASON} at discovery" for i in sorted(backend.lost_gpus)}
 
 
 class HealthWatcher(Worker):
@@ -199,7 +219,7 @@ class HealthWatcher(Worker):
         for index in sorted(lost - self._seen_lost):
             if 0 <= index < self.state.gpu_count:
                 self._last_bad_s[index] = now
-                if self.state.mark_unhealthy(index, "GPU lost"):
+                if self.state.mark_unhealthy(index, LOST_REASON):
                     log.error("GPU %d marked unhealthy: GPU lost (NVML answered GPU_IS_LOST)", index)
         self._seen_lost = lost
 
@@ -217,7 +237,7 @@ class HealthWatcher(Worker):
             if kind == "xid" and xid is not None and not is_critical_xid(self.config, xid):
                 log.info("GPU %d: XID %d is not critical (ignored)", index, xid)
                 continue
-            reason = f"XID {xid}" if kind == "xid" else ("double-bit ECC error" if kind == "ecc_dbe" else "GPU lost")
+            reason = f"XID {xid}" if kind == "xid" else (ECC_REASON if kind == "ecc_dbe" else LOST_REASON)
             self._last_bad_s[index] = now
             if self.state.mark_unhealthy(index, reason):
                 log.error("GPU %d marked unhealthy: %s", index, reason)

@@ -55,7 +55,7 @@ def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
         ) -> DraServers:
             return DraServers.from_config(
                 topology, config, health, on_kubelet_restart,
-                count_claim_read_error=agent_metrics.claim_read_errors.inc,
+                count_claim_read_error=agent_metrics.claim_read_errors.inc, events=agent_metrics,
             )
 
         return dra

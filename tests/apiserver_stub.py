@@ -44,7 +44,9 @@ each following the named upstream code:
   ``pkg/registry/resource/resourceslice/strategy.go`` ``dropDisabledFields``): a created or
   updated slice loses the fields of each disabled gate in :data:`SLICE_FEATURE_FIELDS`, unless
   the stored slice already uses them; the write succeeds and the answer and later reads show
-  the object without them;
+  the object without them; a device taint written without ``timeAdded`` gets the current time
+  (the field is "added automatically during create or update if not set", ``k8s.io/api/resource/v1``
+  ``DeviceTaint``);
 - **watch** (``?watch=true`` on slices, nodes and nodefeatures; ``apiserver/pkg/storage/cacher``
   and ``endpoints/handlers/watch.go``): a chunked stream of ``{"type", "object"}`` lines;
   without a ``resourceVersion`` the current objects come first as ``ADDED``; it ends at
@@ -636,6 +638,9 @@ class ApiServerStub:
             field_path, _, detail = str(exc).partition(": ")
             raise invalid("ResourceSlice", GROUP, name, [(field_path, detail)]) from None
         drop_disabled_slice_fields(self.disabled_features, obj, old)
+        for device in (obj.get("spec") or {}).get("devices") or []:
+            for taint in (device.get("basic") or device).get("taints") or []:
+                taint.setdefault("timeAdded", _now())
 
     # ---------------------------------------------------------- nodefeatures (NFD's CRD)
     def nodefeatures(self, namespace: str | None = None) -> list[dict[str, Any]]:

@@ -620,12 +620,22 @@ def test_dra_device_classes_select_the_agents_gpus_and_mig_devices(rendered_dra:
 
     assert DEFAULT_DRIVER == Config().driver_name
     classes = {c["metadata"]["name"]: c for c in rendered_dra.all_of("DeviceClass")}
-    assert set(classes) == {DEFAULT_DRIVER, f"mig.{DEFAULT_DRIVER}"}
-    for name, kind in ((DEFAULT_DRIVER, "gpu"), (f"mig.{DEFAULT_DRIVER}", "mig")):
+    sized = {f"set-of-{k}.{DEFAULT_DRIVER}": k for k in (2, 4, 8)}
+    assert set(classes) == {DEFAULT_DRIVER, f"mig.{DEFAULT_DRIVER}", f"gpuset.{DEFAULT_DRIVER}", *sized}
+    kinds = {DEFAULT_DRIVER: "gpu", f"mig.{DEFAULT_DRIVER}": "mig", f"gpuset.{DEFAULT_DRIVER}": "gpuset",
+             **{name: "gpuset" for name in sized}}
+    for name, kind in kinds.items():
         (selector,) = classes[name]["spec"]["selectors"]
         expression = " ".join(selector["cel"]["expression"].split())
         assert f'device.driver == "{DEFAULT_DRIVER}"' in expression
         assert f'device.attributes["{DEFAULT_DRIVER}"].type == "{kind}"' in expression
+        if kind == "gpuset":
+            assert f'device.attributes["{DEFAULT_DRIVER}"].healthy' in expression
+        if name in sized:
+            assert expression.endswith(f'device.attributes["{DEFAULT_DRIVER}"].gpuCount == {sized[name]}')
+            assert classes[name]["spec"]["extendedResourceName"] == f"{DEFAULT_DRIVER}/set-of-{sized[name]}"
+        else:
+            assert "extendedResourceName" not in classes[name]["spec"]
 
 
 def test_dra_daemonset_runs_the_agent_in_dra_mode_with_the_shipped_config(

@@ -231,7 +231,8 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
     try:
         info = node.kubelet_registers()
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, node.dra_socket)
-        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
         assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 20.0)
         for obj in node.api.slices():
             assert obj["apiVersion"] == "resource.k8s.io/v1"
@@ -249,6 +250,8 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         assert os.listdir(node.dirs["features"]) != [], "labels are written in dra mode too"
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "DCGM_FI_DEV_GPU_TEMP" in metrics, "metrics are served in dra mode too"
+        assert 'gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} 1.0' in metrics
+        assert 'gpu_agent_dra_api_feature{feature="DRADeviceTaints"} 1.0' in metrics
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
@@ -317,17 +320,25 @@ def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_ba
     assert len(reasons) == 2 and "403" in reasons[1], reasons
 
 
-def test_an_xid_republishes_the_slice_without_the_gpu_within_a_second(node, simulated_daemon):
+def tainted_devices(slices) -> dict[str, list[tuple[str, str, str]]]:
+    """Device name -> its taints (key, value, effect), for the devices that have any."""
+    return {d["name"]: [(t["key"], t["value"], t["effect"]) for t in d["taints"]]
+            for s in slices for d in s["spec"].get("devices", []) if d.get("taints")}
+
+
+def test_an_xid_taints_the_gpu_and_every_set_holding_it_within_a_second(node, simulated_daemon):
     daemon = simulated_daemon(node.config(metrics_address="127.0.0.1:0", health_recovery_s=60))
     node.kubelet_registers()
     assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 5)
     before, updates = node.generation(), node.api.count("PUT", "resourceslices")
-    t0 = time.monotonic()
     daemon.backend.lib.inject_xid(3, 79)
-    assert node.api.wait_for(lambda s: "gpu-3" not in single_gpus(s), 1.0)
-    assert time.monotonic() - t0 <= 1.0
-    assert len(node.devices()) == 7 and node.generation() > before
-    assert node.api.count("PUT", "resourceslices") == updates + DGX_H100_SLICES - 1, "one publication: each device slice written once"
+    # every set holding GPU 3: 7 pairs, 35 quads, the 8
+    assert node.api.wait_for(lambda s: len(tainted_devices(s)) == 1 + 7 + 35 + 1, 1.0)
+    taints = tainted_devices(node.api.slices())
+    assert taints["gpu-3"] == [("gpu.gpu-agent.io/xid", "79", "NoSchedule")]
+    assert len(set(map(tuple, taints.values()))) == 1
+    assert len(node.devices()) == 8 and node.generation() > before
+    assert node.api.count("PUT", "resourceslices") == updates + DGX_H100_SLICES, "one publication: each slice written once"
     # an unhealthy GPU is not prepared either
     resp = node.prepare(node.put_claim("late", ["gpu-3"]))
     assert "unhealthy" in next(iter(resp.claims.values())).error

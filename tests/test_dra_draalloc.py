@@ -77,7 +77,7 @@ def test_what_the_allocator_tests_hand_draalloc_still_exists():
     """Runs without draalloc, so that these tests cannot rot while they skip: the claim
     templates and classes they name, every machine's v1beta1 slices with devices named
     ``gpu-<index>`` (as :func:`indices` reads them), and the NIC the RDMA test pairs with."""
-    assert {c["metadata"]["name"] for c in classes()} == {"gpu.gpu-agent.io", "mig.gpu.gpu-agent.io"}
+    assert {"gpu.gpu-agent.io", "mig.gpu.gpu-agent.io"} <= {c["metadata"]["name"] for c in classes()}
     for name in ("any-gpus", "gpus-one-nvlink-island", "gpus-one-numa-node", "gpu-with-rdma-nic"):
         assert template_claim(name)["spec"]["devices"]["requests"], name
     for machine in BUILTIN_MACHINES:

@@ -5,6 +5,7 @@ gives a set claim the device plugin's choice and keeps overlapping claims apart.
 from __future__ import annotations
 
 import copy
+import random
 from pathlib import Path
 
 import pytest
@@ -23,19 +24,32 @@ from agent.topology.allocator import AllocationEngine
 D = "gpu.gpu-agent.io"
 NODE = "node-1"
 CLASSES_FILE = Path(__file__).resolve().parents[1] / "daemonset" / "dra" / "deviceclass.yaml"
-GPU_CLASS = next(c for c in yaml.safe_load_all(CLASSES_FILE.read_text()) if c["metadata"]["name"] == D)
-SET_EXPR = f'device.driver == "{D}" && device.attributes["{D}"].type == "gpuset"'
-SET_CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": f"gpuset.{D}"},
-             "spec": {"selectors": [{"cel": {"expression": SET_EXPR}}]}}
+TEMPLATES_FILE = CLASSES_FILE.parent / "examples" / "gpuset-claim-templates.yaml"
+CLASSES = {c["metadata"]["name"]: c for c in yaml.safe_load_all(CLASSES_FILE.read_text())}
+GPU_CLASS = CLASSES[D]
+SET_CLASSES = {n: c for n, c in CLASSES.items() if n == f"gpuset.{D}" or n.startswith("set-of-")}
+SET_CLASS = SET_CLASSES[f"gpuset.{D}"]
 
 
 def count_expr(k):
     return f'device.attributes["{D}"].gpuCount == {k}'
 
 
-CEL = {GPU_CLASS["spec"]["selectors"][0]["cel"]["expression"]:
-       lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
-       SET_EXPR: lambda d: d.driver == D and d.attributes[D]["type"] == "gpuset",
+def expression(device_class):
+    (selector,) = device_class["spec"]["selectors"]
+    return selector["cel"]["expression"]
+
+
+def is_set(d, k=None):
+    """The shipped set classes: healthy GPU sets (of ``k`` GPUs)."""
+    return (d.driver == D and d.attributes[D]["type"] == "gpuset" and d.attributes[D]["healthy"]
+            and k in (None, d.attributes[D]["gpuCount"]))
+
+
+# the CEL of the shipped classes and of the tests' and templates' selectors, as predicates
+CEL = {expression(GPU_CLASS): lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
+       expression(SET_CLASS): is_set,
+       **{expression(SET_CLASSES[f"set-of-{k}.{D}"]): (lambda d, k=k: is_set(d, k)) for k in (2, 4, 8)},
        **{count_expr(k): (lambda d, k=k: d.attributes[D]["gpuCount"] == k) for k in range(2, 65)}}
 
 MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
@@ -74,8 +88,9 @@ class Node:
         self.devices = {d["name"]: d for s in self.slices for d in s["spec"].get("devices", [])}
         self.allocated: list[tuple[str, str, str]] = []
 
-    def allocate(self, *claims):
-        model = AllocatorModel(self.slices, [GPU_CLASS, SET_CLASS], CEL, self.allocated)
+    def allocate(self, *claims, leak=True):
+        model = AllocatorModel(self.slices, [GPU_CLASS, *SET_CLASSES.values()], CEL, self.allocated,
+                               leak_rejected_counters=leak)
         got = model.allocate(list(claims), NODE)
         if got is not None:
             self.allocated += [dev for result in got for _, dev in result]
@@ -245,7 +260,8 @@ def test_the_slices_command_renders_exactly_what_is_published_in_v1(capsys):
     out = capsys.readouterr()
     docs = list(yaml.safe_load_all(out.out))
     assert docs == render_slices(load_topology("dgx2"), node_name=NODE, api_version="v1")
-    assert "sharedCounters" in docs[0]["spec"] and out.err == ""
+    assert "sharedCounters" in docs[0]["spec"]
+    assert "DRAPartitionableDevices" in out.err and "single GPUs only" in out.err
 
 
 @pytest.mark.parametrize("machine,sizes,counts", [
@@ -284,10 +300,119 @@ def test_ranks_are_best_first_by_the_device_plugins_criteria():
 
 def test_set_names_stay_with_their_gpus_while_a_member_is_unhealthy():
     topology = load_topology("dgx-h100")
-    names = {d["name"]: d["consumesCounters"] for s in render_slices(topology, node_name=NODE)
-             for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
-    sick = {d["name"]: d["consumesCounters"] for s in render_slices(topology, node_name=NODE, unhealthy={2})
-            for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
-    assert sick and set(sick) < set(names)
-    assert all(names[n] == sick[n] and "gpu-2" not in sick[n][0]["counters"] for n in sick)
-    assert len(names) - len(sick) == 7 + 35 + 1  # every set holding GPU 2 left out
+
+    def sets(**kw):
+        return {d["name"]: d for s in render_slices(topology, node_name=NODE, **kw)
+                for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
+
+    names, sick = sets(), sets(unhealthy={2: "XID 79"})
+    assert set(sick) == set(names)
+    holding = {n for n, d in names.items() if "gpu-2" in d["consumesCounters"][0]["counters"]}
+    assert len(holding) == 7 + 35 + 1
+    for n, d in sick.items():
+        assert d["consumesCounters"] == names[n]["consumesCounters"]
+        assert d.get("taints") == ([{"key": f"{D}/xid", "value": "79", "effect": "NoSchedule"}] if n in holding else None)
+    gone = sets(unhealthy={2: "XID 79"}, taint_effect=None, keep={"gpuset-4-3"})
+    assert set(names) - set(gone) == holding - {"gpuset-4-3"}
+    assert not any("taints" in d for d in gone.values())
+
+
+@pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
+def test_sets_tainted_for_an_unhealthy_gpu_are_never_allocated_and_a_claim_gets_the_next_set(machine):
+    topology = load_topology(machine)
+    bad = topology.gpu_count // 2
+    node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={bad: "XID 79"}))
+    for k in set_sizes(topology):
+        healthy = [s for s in gpu_sets(topology)[k] if bad not in s.members]
+        got = _with(node, claim("c", set_request(k)))
+        if not healthy:
+            assert got is None
+            continue
+        # the best set without the unhealthy GPU, as on a node without that GPU
+        assert [d for _, d in got[0]] == [(D, NODE, healthy[0].name)], (machine, k)
+        assert bad not in node.gpus(got[0])
+    assert _with(node, claim("c", singles_request(topology.gpu_count))) is None
+    assert bad not in node.gpus(_with(node, claim("c", singles_request(topology.gpu_count - 1)))[0])
+
+
+def template_claim(name):
+    """The shipped example ResourceClaimTemplate ``name``'s claim, as the API server stores it."""
+    (template,) = [t for t in yaml.safe_load_all(TEMPLATES_FILE.read_text()) if t["metadata"]["name"] == name]
+    return claim(name, *template["spec"]["spec"]["devices"]["requests"]) | {
+        "spec": {"devices": dict(template["spec"]["spec"]["devices"])}}
+
+
+def test_the_shipped_set_templates_are_valid_claims_and_get_the_best_free_set_of_4():
+    templates = [t["metadata"]["name"] for t in yaml.safe_load_all(TEMPLATES_FILE.read_text())]
+    assert templates == ["best-set-of-4", "set-of-4-or-one-numa-node-or-any", "set-of-4-or-any"]
+    topology = load_topology("dgx-h100")
+    best = best_set(AllocationEngine(topology), list(range(8)), [], 4)
+    for name in templates:
+        c = default_claim(template_claim(name))
+        assert validate_claim(c) == [], name
+        node = Node(topology)
+        (got,) = node.allocate(c)
+        assert node.gpus(got) == best and [req for req, _ in got] in (["gpus"], ["gpus/set"]), name
+
+
+def test_a_pod_asking_for_the_extended_resource_set_of_4_gets_one_set_device_of_4():
+    # the scheduler turns `gpu.gpu-agent.io/set-of-4: 1` into a claim for one device of the
+    # class naming that extended resource (KEP-5004)
+    (cls,) = [c for c in SET_CLASSES.values() if c["spec"].get("extendedResourceName") == f"{D}/set-of-4"]
+    topology = load_topology("dgx-h100")
+    node = Node(topology)
+    (got,) = node.allocate(claim("pod-extended-resources", {
+        "name": "container-0-request-0", "exactly": {"deviceClassName": cls["metadata"]["name"], "count": 1}}))
+    assert node.gpus(got) == best_set(AllocationEngine(topology), list(range(8)), [], 4)
+
+
+def test_the_prioritized_template_falls_back_tier_by_tier_and_v0_36_2_leaks_the_middle_tier():
+    topology = load_topology("dgx2")  # 16 GPUs, NUMA nodes of 8; sets of 4 inside a NUMA node
+    numa = {g.index: g.numa_node for g in topology.gpus}
+    nodes = sorted(set(numa.values()))
+    # 5 busy GPUs on each NUMA node: 3 free on each, no set of 4 and no NUMA node with 4 free
+    busy = [g for n in nodes for g in [i for i in range(16) if numa[i] == n][:5]]
+    node = Node(topology)
+    node.allocated = [(D, NODE, f"gpu-{g}") for g in busy]
+    c = default_claim(template_claim("set-of-4-or-one-numa-node-or-any"))
+    (got,) = _with_leak(node, c, leak=False)  # kubernetes#140431 (the fix)
+    assert [req for req, _ in got] == ["gpus/any"] * 4 and not set(node.gpus(got)) & set(busy)
+    assert _with_leak(node, c, leak=True) is None  # v0.36.2: kubernetes#140436
+    (got,) = _with_leak(node, default_claim(template_claim("set-of-4-or-any")), leak=True)
+    assert [req for req, _ in got] == ["gpus/any"] * 4
+    # a NUMA node with 4 free GPUs: then a set of 4 is free, and the first tier takes it
+    node.allocated = node.allocated[:-1]
+    (got,) = _with_leak(node, c, leak=True)
+    assert [req for req, _ in got] == ["gpus/set"]
+
+
+def _with_leak(node, c, leak):
+    kept = list(node.allocated)
+    try:
+        return node.allocate(c, leak=leak)
+    finally:
+        node.allocated = kept
+
+
+@pytest.mark.parametrize("machine", ["dgx-h100", "dgx2"])
+def test_a_tainted_set_never_holds_counters_in_a_search_so_v0_36_2_schedules_what_the_fix_does(machine):
+    # kubernetes#140436: v0.36.2 keeps the counters of a device its taint rejected. The set
+    # classes select healthy sets only, so a tainted set is never reserved: with one GPU
+    # unhealthy, every [set -> singles] claim the fixed allocator schedules, v0.36.2 does too.
+    topology = load_topology(machine)
+    n, rng = topology.gpu_count, random.Random(2026)
+    node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={2: "XID 79"}))
+    unhealthy_sets = {d["name"] for d in node.devices.values() if "taints" in d and d["name"].startswith("gpuset-")}
+    assert unhealthy_sets and all(not node.devices[s]["attributes"][f"{D}/healthy"]["bool"] for s in unhealthy_sets)
+    tried = 0
+    for _ in range(60):
+        for k in (2, 4):
+            busy = rng.sample([i for i in range(n) if i != 2], rng.randint(0, n - 1 - k))
+            node.allocated = [(D, NODE, f"gpu-{b}") for b in busy]
+            fixed = _with_leak(node, claim("c", prioritized(k)), leak=False)
+            leaky = _with_leak(node, claim("c", prioritized(k)), leak=True)
+            assert fixed is not None  # k healthy GPUs are free
+            assert leaky == fixed
+            assert 2 not in node.gpus(fixed[0]) and not set(node.gpus(fixed[0])) & set(busy)
+            tried += 1
+    assert tried == 120

@@ -145,7 +145,8 @@ def test_get_info_names_the_driver_its_endpoint_and_both_dra_services(node):
     assert info.type == "DRAPlugin"
     assert info.name == DRIVER
     assert info.endpoint == os.path.join(node.root, "plugins", DRIVER, "dra.sock")
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == [
+        "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
 
 
 def test_a_refused_registration_is_logged_with_the_kubelets_reason_and_serving_goes_on(node, caplog):
@@ -568,7 +569,7 @@ def test_the_config_file_sets_the_dra_settings_and_names_a_bad_key(tmp_path):
     assert (c.mode, c.driver_name, c.cdi_dir, c.kubeconfig) == ("dra", "gpu.example.com", "/run/cdi", "")
     path.write_text("version: v1\ndra:\n  driver: gpu.example.com\n")
     with pytest.raises(ConfigError, match=r"config.yaml: dra.driver: unknown key \(expected one of driverName, "
-                                          r"pluginsRegistryDir, pluginsDir, cdiDir, kubeconfig, deleteSlicesOnShutdown\)"):
+                                          r"pluginsRegistryDir, pluginsDir, cdiDir, kubeconfig, deleteSlicesOnShutdown, taintEffect\)"):
         load_config(str(path), {}, {})
     path.write_text("version: v1\nmode: DRA-please\n")
     with pytest.raises(ConfigError, match=r"config.yaml: mode: expected one of device-plugin, dra, got 'DRA-please'"):
@@ -587,3 +588,21 @@ def test_a_claims_cdi_spec_carries_the_imex_channel_node_and_variable(node, tmp_
     assert "NVIDIA_IMEX_CHANNELS=0" in edits["env"]
     assert {"path": "/dev/nvidia-caps-imex-channels/channel0", "permissions": "rw",
             "hostPath": f"{root}/dev/nvidia-caps-imex-channels/channel0"} in edits["deviceNodes"]
+
+
+def test_the_taint_effect_comes_from_the_file_the_environment_and_flags_with_clear_errors(tmp_path):
+    from agent.config import load_config
+    from agent.errors import ConfigError
+
+    assert Config().taint_effect == "NoSchedule"
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\ndra:\n  taintEffect: NoExecute\n")
+    assert load_config(str(path), {}, {}).taint_effect == "NoExecute"
+    assert load_config(str(path), {"DRA_TAINT_EFFECT": "NoSchedule"}, {}).taint_effect == "NoSchedule"
+    assert load_config(None, {"DRA_TAINT_EFFECT": "NoSchedule"}, {"taint_effect": "NoExecute"}).taint_effect == "NoExecute"
+    with pytest.raises(ConfigError, match=r"environment DRA_TAINT_EFFECT: expected one of NoSchedule, NoExecute, got 'Evict'"):
+        load_config(None, {"DRA_TAINT_EFFECT": "Evict"}, {})
+    path.write_text("version: v1\ndra:\n  taintEffect: PreferNoSchedule\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: dra.taintEffect: expected one of NoSchedule, NoExecute"):
+        load_config(str(path), {}, {})
+

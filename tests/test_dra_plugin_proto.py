@@ -1,7 +1,8 @@
 """Our DRA and plugin-registration protos against the kubelet's, descriptor by descriptor.
 
 The expected tables are transcribed from kubernetes/kubernetes
-staging/src/k8s.io/kubelet/pkg/apis/{pluginregistration/v1,dra/v1,dra/v1beta1}/api.proto
+staging/src/k8s.io/kubelet/pkg/apis/{pluginregistration/v1,dra/v1,dra/v1beta1,dra-health/v1alpha1,
+dra-health/v1beta1}/api.proto
 (the commits are named at the top of each proto/*.proto). Package, service and method names
 make up the gRPC method paths; field names, numbers, types and labels make up the wire.
 """
@@ -11,7 +12,13 @@ from __future__ import annotations
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 
-from agent._proto import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_v1_pb2
+from agent._proto import (
+    dra_health_v1alpha1_pb2,
+    dra_health_v1beta1_pb2,
+    dra_v1_pb2,
+    dra_v1beta1_pb2,
+    pluginregistration_v1_pb2,
+)
 
 STR, BOOL, MSG = F.TYPE_STRING, F.TYPE_BOOL, F.TYPE_MESSAGE
 ONE, MANY = "optional", "repeated"
@@ -111,3 +118,47 @@ def test_a_message_encoded_by_one_version_decodes_in_the_other():
     msg.claims["u"].devices.add(request_names=["r"], pool_name="p", device_name="gpu-0", cdi_device_ids=["a/b=c"])
     back = dra_v1beta1_pb2.NodePrepareResourcesResponse.FromString(msg.SerializeToString())
     assert back.claims["u"].devices[0].cdi_device_ids == ["a/b=c"]
+
+
+# staging/src/k8s.io/kubelet/pkg/apis/dra-health/{v1alpha1,v1beta1}/api.proto
+I64, ENUM = F.TYPE_INT64, F.TYPE_ENUM
+HEALTH_MESSAGES = {
+    "NodeWatchResourcesRequest": [],
+    "DeviceIdentifier": [("pool_name", 1, STR, ONE, None), ("device_name", 2, STR, ONE, None)],
+    "DeviceHealth": [("device", 1, MSG, ONE, "DeviceIdentifier"), ("health", 2, ENUM, ONE, None),
+                     ("last_updated_time", 3, I64, ONE, None)],
+    "NodeWatchResourcesResponse": [("devices", 1, MSG, MANY, "DeviceHealth")],
+}
+HEALTH_BETA_FIELDS = [("health_check_timeout_seconds", 4, I64, ONE, None), ("message", 5, STR, ONE, None)]
+
+
+@pytest.mark.parametrize("module, package", [
+    (dra_health_v1alpha1_pb2, "v1alpha1"),
+    (dra_health_v1beta1_pb2, "v1beta1"),
+])
+def test_dra_health_protos_match_the_kubelets(module, package):
+    desc = module.DESCRIPTOR
+    assert desc.package == package
+    assert set(desc.message_types_by_name) == set(HEALTH_MESSAGES)
+    for name, expected in HEALTH_MESSAGES.items():
+        if name == "DeviceHealth" and package == "v1beta1":
+            expected = expected + HEALTH_BETA_FIELDS
+        assert fields_of(desc.message_types_by_name[name], package) == expected, name
+    (enum,) = desc.enum_types_by_name.values()
+    assert (enum.name, [(v.name, v.number) for v in enum.values]) == (
+        "HealthStatus", [("UNKNOWN", 0), ("HEALTHY", 1), ("UNHEALTHY", 2)])
+    assert desc.message_types_by_name["DeviceHealth"].fields_by_name["health"].enum_type.full_name \
+        == f"{package}.HealthStatus"
+    (svc,) = desc.services_by_name.values()
+    (method,) = svc.methods
+    assert method.full_name == f"{package}.DRAResourceHealth.NodeWatchResources"
+    assert (method.input_type.name, method.output_type.name) == ("NodeWatchResourcesRequest", "NodeWatchResourcesResponse")
+    assert method.server_streaming and not method.client_streaming
+
+
+def test_a_v1beta1_health_list_reads_as_v1alpha1_without_the_new_fields():
+    msg = dra_health_v1beta1_pb2.NodeWatchResourcesResponse()
+    d = msg.devices.add(health=dra_health_v1beta1_pb2.UNHEALTHY, last_updated_time=7, message="XID 79")
+    d.device.pool_name, d.device.device_name = "node-1", "gpu-3"
+    back = dra_health_v1alpha1_pb2.NodeWatchResourcesResponse.FromString(msg.SerializeToString())
+    assert (back.devices[0].device.device_name, back.devices[0].health) == ("gpu-3", dra_health_v1alpha1_pb2.UNHEALTHY)

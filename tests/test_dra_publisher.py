@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime, timezone
 
 import pytest
 from apiserver_stub import ApiServerStub
 from kubelet_stub import hgx8_topology
+from prometheus_client import CollectorRegistry
 from waiting import eventually
 
+from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from agent.dra.publisher import SlicePublisher, pick_version
 from agent.dra.slices import render_slices
 from agent.health import HealthState
+from agent.metrics.self_metrics import AgentMetrics
 
 DRIVER = "gpu.gpu-agent.io"
 
@@ -20,6 +24,19 @@ DRIVER = "gpu.gpu-agent.io"
 def device_names(slices):
     """Every device name of the pool's slices (counter slice, single GPUs, GPU sets)."""
     return [d["name"] for obj in slices for d in obj["spec"].get("devices", [])]
+
+
+def taints(slices, name):
+    """The taints of device ``name`` (None when it is not published)."""
+    for obj in slices:
+        for d in obj["spec"].get("devices", []):
+            if d["name"] == name:
+                return (d.get("basic") or d).get("taints", [])
+    return None
+
+
+def tainted(slices, name):
+    return bool(taints(slices, name))
 
 
 @pytest.fixture
@@ -59,14 +76,14 @@ def test_publisher_discovers_the_served_version_once_and_publishes_in_it(served,
         pub.start()
         try:
             assert eventually(pub.ready, 30)
-            pub.update(unhealthy={3})
-            assert server.wait_for(lambda s: s and "gpu-3" not in device_names(s))
+            pub.update(unhealthy={3: "XID 79"})
+            assert server.wait_for(lambda s: s and tainted(s, "gpu-3"))
         finally:
             pub.stop()
         objs = server.slices()
-        # v1: a counter slice, then the single GPUs and the GPU sets (107 devices: two slices at
-        # first, one after GPU 3 and its sets left); older versions: the single GPUs only
-        assert len(objs) == (2 if expected == "v1" else 1)
+        # v1: a counter slice, then the single GPUs and the GPU sets (107 devices, 64 a slice);
+        # older versions: the single GPUs only
+        assert len(objs) == (3 if expected == "v1" else 1)
         for obj in objs:
             assert obj["apiVersion"] == f"resource.k8s.io/{expected}"
             assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -81,7 +98,7 @@ def test_publisher_discovers_the_served_version_once_and_publishes_in_it(served,
             assert "attributes" in obj["spec"]["devices"][0]
 
 
-def test_unhealthy_gpu_leaves_the_slice_within_a_second_and_comes_back_with_a_higher_generation(server):
+def test_an_unhealthy_gpu_and_its_sets_are_tainted_with_the_reason_and_untainted_on_recovery(server):
     server.add_node("node-1")
     health = HealthState(8)
     pub = make(server, health=health)
@@ -89,17 +106,55 @@ def test_unhealthy_gpu_leaves_the_slice_within_a_second_and_comes_back_with_a_hi
     try:
         assert eventually(pub.ready, 30)
         first = server.slices()[0]["spec"]["pool"]["generation"]
-        t0 = time.monotonic()
+        sets_of_5 = [d["name"] for o in server.slices() for d in o["spec"].get("devices", [])
+                     if "gpu-5" in (d.get("consumesCounters") or [{}])[0].get("counters", {}) and d["name"] != "gpu-5"]
         health.mark_unhealthy(5, "XID 79")
-        assert server.wait_for(lambda s: "gpu-5" not in device_names(s), timeout_s=1.0)
-        assert time.monotonic() - t0 < 1.0
-        second = server.slices()[0]["spec"]["pool"]["generation"]
+        assert server.wait_for(lambda s: all(tainted(s, n) for n in ["gpu-5", *sets_of_5]))
+        slices = server.slices()
+        want = [{"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule"}]
+        assert [{k: v for k, v in t.items() if k != "timeAdded"} for t in taints(slices, "gpu-5")] == want
+        assert len(sets_of_5) == 7 + 35 + 1 and all(tainted(slices, n) for n in sets_of_5)
+        assert sum(tainted(slices, n) for n in device_names(slices)) == 1 + len(sets_of_5)
+        second = slices[0]["spec"]["pool"]["generation"]
         health.mark_healthy(5)
-        assert server.wait_for(lambda s: "gpu-5" in device_names(s), timeout_s=1.0)
+        assert server.wait_for(lambda s: not any(tainted(s, n) for n in device_names(s)))
         third = server.slices()[0]["spec"]["pool"]["generation"]
     finally:
         pub.stop()
     assert first < second < third
+
+
+def test_the_taint_effect_is_the_configured_one_and_a_kept_taint_keeps_the_time_it_was_added(server):
+    server.add_node("node-1")
+    pub = make(server, taint_effect="NoExecute")
+    pub.update(unhealthy={2: "double-bit ECC error"})
+    pub.start()
+    try:
+        assert eventually(pub.ready, 30)
+        (taint,) = taints(server.slices(), "gpu-2")
+        assert (taint["key"], taint["value"], taint["effect"]) == (f"{DRIVER}/ecc", "double-bit", "NoExecute")
+        assert taint["timeAdded"]  # set by the server
+        name = next(o["metadata"]["name"] for o in server.slices() if taints([o], "gpu-2"))
+
+        def backdate(obj):
+            for d in obj["spec"]["devices"]:
+                for t in d.get("taints", []):
+                    t["timeAdded"] = "2020-01-01T00:00:00Z"
+        server.modify_slice(name, backdate)
+        pub.update(unhealthy={2: "double-bit ECC error", 6: "GPU lost"})
+        assert server.wait_for(lambda s: tainted(s, "gpu-6"))
+        kept = taints(server.slices(), "gpu-2")[0]["timeAdded"]  # the client writes RFC 3339 its own way
+        assert datetime.fromisoformat(kept.replace("Z", "+00:00")) == datetime(2020, 1, 1, tzinfo=timezone.utc)
+        assert taints(server.slices(), "gpu-6")[0]["key"] == f"{DRIVER}/lost"
+    finally:
+        pub.stop()
+    writes = server.count("POST") + server.count("PUT")
+    pub = make(server, taint_effect="NoExecute")
+    pub.update(unhealthy={2: "double-bit ECC error", 6: "GPU lost"})
+    pub.start()  # a restart with the same health: the server's taint times are no change
+    assert eventually(pub.ready, 30)
+    pub.stop()
+    assert server.count("POST") + server.count("PUT") == writes
 
 
 def test_stale_resource_version_conflict_is_reread_and_retried(server):
@@ -114,7 +169,7 @@ def test_stale_resource_version_conflict_is_reread_and_retried(server):
         server.fail(409, method="PUT", times=1)
         server.modify_slice(name, lambda o: o["metadata"].setdefault("labels", {}).update(x="y"))
         pub.update(unhealthy={0})
-        assert server.wait_for(lambda s: "gpu-0" not in device_names(s))
+        assert server.wait_for(lambda s: tainted(s, "gpu-0"))
     finally:
         pub.stop()
     assert server.count("PUT") >= 2
@@ -142,7 +197,7 @@ def test_a_real_stale_resource_version_from_the_server_is_retried(server):
     pub.update(unhealthy={1})
     pub.start()
     try:
-        assert server.wait_for(lambda s: "gpu-1" not in device_names(s))
+        assert server.wait_for(lambda s: tainted(s, "gpu-1"))
     finally:
         pub.stop()
     puts = [r for r in server.requests if r.method == "PUT" and r.path.endswith(f"/{name}")]
@@ -158,7 +213,7 @@ def test_a_slice_deleted_by_someone_else_is_created_again_on_the_next_change(ser
         name = server.slices()[0]["metadata"]["name"]
         server.delete_slice(name)
         pub.update(unhealthy={2})
-        assert server.wait_for(lambda s: len(s) == expected_slices(unhealthy={2}) and "gpu-2" not in device_names(s))
+        assert server.wait_for(lambda s: len(s) == expected_slices(unhealthy={2}) and tainted(s, "gpu-2"))
     finally:
         pub.stop()
 
@@ -269,3 +324,80 @@ def test_other_drivers_and_nodes_slices_are_left_alone_and_our_strays_removed(se
         pub.stop()
     names = [o["metadata"]["name"] for o in server.slices()]
     assert "other-driver" in names and "other-node" in names and "stray" not in names
+
+
+# ---------------------------------------------------------------------- read-back fallback
+def feature(registry, name):
+    return registry.get_sample_value("gpu_agent_dra_api_feature", {"feature": name})
+
+
+def test_without_partitionable_devices_only_single_gpus_are_published_said_once_and_in_the_metric(caplog):
+    registry = CollectorRegistry()
+    with ApiServerStub(disabled_features={"DRAPartitionableDevices"}) as server:
+        server.add_node("node-1")
+        stored = []  # every device name the server ever stored
+        create, update = server._create_slice, server._update_slice
+
+        def recording(write):
+            def call(*args):
+                code, obj = write(*args)
+                stored.extend(d["name"] for d in obj["spec"].get("devices", []))
+                return code, obj
+            return call
+        server._create_slice, server._update_slice = recording(create), recording(update)
+        health = HealthState(8)
+        pub = make(server, health=health, events=AgentMetrics(registry))
+        with caplog.at_level(logging.WARNING, logger="agent.dra.publisher"):
+            pub.start()
+            try:
+                assert eventually(pub.ready, 30)
+                health.mark_unhealthy(4, "XID 79")
+                assert server.wait_for(lambda s: tainted(s, "gpu-4"))
+                health.mark_healthy(4)
+                assert server.wait_for(lambda s: not tainted(s, "gpu-4"))
+            finally:
+                pub.stop()
+        slices = server.slices()
+    assert sorted(device_names(slices)) == [f"gpu-{i}" for i in range(8)]
+    assert not any("sharedCounters" in o["spec"] or any("consumesCounters" in d for d in o["spec"]["devices"])
+                   for o in slices)
+    # the counter slice is written first: no GPU set was ever stored without its counters
+    assert not any(n.startswith("gpuset-") for n in stored)
+    said = [r.getMessage() for r in caplog.records if "stored without" in r.getMessage()]
+    assert len(said) == 1 and "DRAPartitionableDevices" in said[0] and "single GPUs only" in said[0]
+    assert feature(registry, "DRAPartitionableDevices") == 0.0
+    assert feature(registry, "DRADeviceTaints") == 1.0
+
+
+def test_without_device_taints_unhealthy_devices_leave_but_those_of_prepared_claims_stay_until_unprepared(
+        tmp_path, caplog):
+    registry = CollectorRegistry()
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    held = PreparedClaim("uid-1", "default", "train", (PreparedDevice("gpus", "node-1", "gpuset-2-0", ("x",)),),
+                         str(tmp_path / "spec.json"))
+    with ApiServerStub(disabled_features={"DRADeviceTaints"}) as server:
+        server.add_node("node-1")
+        health = HealthState(8)
+        pub = make(server, health=health, prepared=checkpoint, events=AgentMetrics(registry))
+        with caplog.at_level(logging.WARNING, logger="agent.dra.publisher"):
+            pub.start()
+            try:
+                assert eventually(pub.ready, 30)
+                pair = [d for o in server.slices() for d in o["spec"].get("devices", []) if d["name"] == "gpuset-2-0"]
+                (bad, other) = sorted(int(c.split("-")[1]) for c in pair[0]["consumesCounters"][0]["counters"])
+                checkpoint.add(held)
+                health.mark_unhealthy(bad, "XID 79")
+                assert server.wait_for(lambda s: f"gpu-{bad}" not in device_names(s))
+                names = device_names(server.slices())
+                assert "gpuset-2-0" in names and f"gpu-{other}" in names  # the prepared set stays
+                assert not any(tainted(server.slices(), n) for n in names)
+                checkpoint.remove("uid-1")  # unprepared: now it leaves too
+                assert server.wait_for(lambda s: "gpuset-2-0" not in device_names(s))
+                health.mark_healthy(bad)
+                assert server.wait_for(lambda s: f"gpu-{bad}" in device_names(s) and "gpuset-2-0" in device_names(s))
+            finally:
+                pub.stop()
+    said = [r.getMessage() for r in caplog.records if "stored without" in r.getMessage()]
+    assert len(said) == 1 and "DRADeviceTaints" in said[0] and "left out" in said[0]
+    assert feature(registry, "DRADeviceTaints") == 0.0
+    assert feature(registry, "DRAPartitionableDevices") == 1.0

@@ -154,10 +154,24 @@ def test_mig_devices_replace_their_parent():
     assert devs["gpu-0"]["attributes"][D + "type"] == {"string": "gpu"}
 
 
-def test_unhealthy_gpus_and_their_mig_devices_are_left_out():
-    names = [d["name"] for d in devices(hgx8_topology(mig=True), unhealthy={1, 7})]
-    assert "gpu-1" not in names and not any(n.startswith("gpu-7-") for n in names)
+def test_unhealthy_gpus_and_their_mig_devices_are_tainted_with_the_reason():
+    devs = by_name(devices(hgx8_topology(mig=True), unhealthy={1: "XID 79", 7: "double-bit ECC error"}))
+    assert devs["gpu-1"]["taints"] == [{"key": D + "xid", "value": "79", "effect": "NoSchedule"}]
+    migs = [d for n, d in devs.items() if n.startswith("gpu-7-")]
+    assert migs and all(d["taints"] == [{"key": D + "ecc", "value": "double-bit", "effect": "NoSchedule"}]
+                        for d in migs)
+    assert "taints" not in devs["gpu-0"] and "taints" not in devs["gpu-6-mig-0"]
+    lost = by_name(devices(hgx8_topology(mig=True), unhealthy={2: "GPU lost at discovery"},
+                           taint_effect="NoExecute", api_version="v1beta1"))
+    assert lost["gpu-2"]["basic"]["taints"] == [{"key": D + "lost", "value": "true", "effect": "NoExecute"}]
+
+
+def test_without_taints_unhealthy_devices_are_left_out_but_those_kept_for_prepared_claims():
+    names = [d["name"] for d in devices(hgx8_topology(mig=True), unhealthy={1: "XID 79", 7: "XID 48"},
+                                        taint_effect=None, keep={"gpu-7-mig-1"})]
+    assert "gpu-1" not in names and [n for n in names if n.startswith("gpu-7-")] == ["gpu-7-mig-1"]
     assert "gpu-0" in names and "gpu-6-mig-0" in names
+    assert not any("taints" in d for d in devices(hgx8_topology(), unhealthy={1}, taint_effect=None))
 
 
 @pytest.mark.parametrize("machine", BUILTIN_MACHINES)

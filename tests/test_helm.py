@@ -288,6 +288,7 @@ def test_a_stale_plain_manifest_is_reported(tmp_path: Path) -> None:
     ("mode=device_plugin", "mode"),
     ("metrics.port=http", "metrics.port"),
     ("migStrategy=auto", "migStrategy"),
+    ("dra.taintEffect=PreferNoSchedule", "dra.taintEffect"),
 ])
 def test_schema_refuses_a_misspelt_or_wrong_value(setting: str, complaint: str) -> None:
     result = template_text({}, extra=("--set", setting))
@@ -419,13 +420,30 @@ def test_device_classes_use_the_newest_dra_api_the_cluster_serves(
 ) -> None:
     objects = render({"mode": "dra", "dra": {"driverName": "gpu.example.com"}}, api_versions=api_versions)
     classes = {o["metadata"]["name"]: o for o in objects if o["kind"] == "DeviceClass"}
-    assert set(classes) == {"gpu.example.com", "mig.gpu.example.com"}
+    # GPU sets are partitionable devices, published in resource.k8s.io/v1 only
+    sets = {"gpuset.gpu.example.com", "set-of-2.gpu.example.com", "set-of-4.gpu.example.com",
+            "set-of-8.gpu.example.com"} if expected == "resource.k8s.io/v1" else set()
+    assert set(classes) == {"gpu.example.com", "mig.gpu.example.com"} | sets
     for name, kind in (("gpu.example.com", "gpu"), ("mig.gpu.example.com", "mig")):
         assert classes[name]["apiVersion"] == expected
         (selector,) = classes[name]["spec"]["selectors"]
         expression = " ".join(selector["cel"]["expression"].split())
         assert expression == (f'device.driver == "gpu.example.com" && '
                               f'device.attributes["gpu.example.com"].type == "{kind}"')
+    for name in sets:
+        (selector,) = classes[name]["spec"]["selectors"]
+        expression = " ".join(selector["cel"]["expression"].split())
+        assert expression.startswith('device.driver == "gpu.example.com" && device.attributes["gpu.example.com"].type'
+                                     ' == "gpuset" && device.attributes["gpu.example.com"].healthy')
+        if name.startswith("set-of-"):
+            size = name.split(".")[0].removeprefix("set-of-")
+            assert expression.endswith(f'.gpuCount == {size}')
+            assert classes[name]["spec"]["extendedResourceName"] == f"gpu.example.com/set-of-{size}"
+
+
+def test_the_taint_effect_value_reaches_the_agent_and_a_bad_one_is_refused() -> None:
+    assert "--taint-effect=NoExecute" in container(render({"mode": "dra", "dra": {"taintEffect": "NoExecute"}}))["args"]
+    assert not [a for a in container(render({"mode": "dra"}))["args"] if a.startswith("--taint-effect")]
 
 
 def test_monitoring_objects_only_where_the_cluster_serves_their_crds() -> None:

@@ -14,6 +14,8 @@ _.Get  # gRPC: PodResourcesLister servicer method (agent/demo/kubelet.py)
 _.PreStartContainer  # gRPC: DevicePlugin servicer method the kubelet calls (agent/deviceplugin/server.py)
 _.NodePrepareResources  # gRPC: DRA servicer method the kubelet calls (agent/dra/plugin.py)
 _.NodeUnprepareResources  # gRPC: DRA servicer method the kubelet calls (agent/dra/plugin.py)
+_.NodeWatchResources  # gRPC: DRAResourceHealth servicer method the kubelet calls (agent/dra/health_stream.py)
+_.pool_name  # protobuf: DeviceIdentifier field set by attribute (agent/dra/health_stream.py)
 _.GetInfo  # gRPC: plugin-registration servicer method the kubelet's watcher calls
 _.NotifyRegistrationStatus  # gRPC: plugin-registration servicer method the kubelet calls
 _.describe  # prometheus_client: Collector.describe() (registry auto-describe)

@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
+from agent.config_values import TAINT_EFFECTS
 from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
 from agent.nodeconfig import NamedConfigs
@@ -139,6 +140,10 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
     dra.add_argument("--delete-slices-on-shutdown", action="store_true", dest="delete_slices_on_shutdown",
                      default=None, help="delete the node's ResourceSlices on a clean stop"
                                         " (default: keep them; env DELETE_SLICES_ON_SHUTDOWN)")
+    dra.add_argument("--taint-effect", choices=TAINT_EFFECTS, dest="taint_effect", default=None,
+                     help="the device-taint effect on an unhealthy GPU and every GPU set holding it:"
+                          " NoSchedule keeps running pods, NoExecute evicts them"
+                          f" (default: {_DEFAULTS.taint_effect}; env DRA_TAINT_EFFECT)")
 
 
 def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
@@ -169,7 +174,7 @@ FLAG_FIELDS = (
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
-    "delete_slices_on_shutdown",
+    "delete_slices_on_shutdown", "taint_effect",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
     "imex_required",

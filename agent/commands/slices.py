@@ -4,7 +4,10 @@ Exactly the objects the DRA publisher sends (``agent.dra.slices.render_slices``)
 generation 1; the publisher adds the Node owner reference once it has read the Node's UID from
 the API server. With ``--api-version v1`` (the default) that is the counter slice, the single
 GPUs and the GPU-set devices; ``v1beta2`` and ``v1beta1`` have no partitionable devices, so
-they render the single GPUs only, and the command says so on stderr. Pipe into
+they render the single GPUs only, and the command says so on stderr. In ``v1`` it notes on
+stderr that a cluster whose API server drops the counter fields (``DRAPartitionableDevices``
+off) gets the single GPUs only from the agent, which logs it and reports it as
+``gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} 0``. Pipe into
 ``kubectl apply --dry-run=server -f -`` to check them against a cluster.
 """
 
@@ -67,4 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if args.api_version not in SETS_API_VERSIONS:
         print(f"note: resource.k8s.io/{args.api_version} has no partitionable devices: single GPUs "
               f"only, no GPU sets (they need {' or '.join(SETS_API_VERSIONS)})", file=sys.stderr)
+    elif any("sharedCounters" in s["spec"] for s in slices):
+        print("note: the GPU sets and their counters need an API server that keeps partitionable devices"
+              " (feature gate DRAPartitionableDevices); where it drops them on write, the agent publishes"
+              " the single GPUs only, says so once in its log and sets"
+              ' gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} to 0', file=sys.stderr)
     return 0

@@ -5,7 +5,8 @@ fully-qualified device names we return from NodePrepareResources (``<vendor>/<cl
 Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
 
 - one CDI device per allocated device, named ``<claim uid>-<device name>``, holding its
-  device nodes (``/dev/nvidiaN``, a MIG device's ``/dev/nvidia-caps/nvidia-capN``);
+  device nodes (``/dev/nvidiaN``, a MIG device's ``/dev/nvidia-caps/nvidia-capN``; a GPU
+  set's device holds the nodes of every member GPU);
 - spec-wide container edits, applied whenever any device of the claim is injected: the
   control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ... where they exist),
   ``NVIDIA_VISIBLE_DEVICES`` and the agent's ``GPU_TOPOLOGY_*`` variables for the claim's
@@ -27,7 +28,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerDevice, container_edits
+from agent.containers import container_edits
 from agent.dra.devices import DeviceRef
 from agent.topology.model import Topology
 
@@ -85,16 +86,15 @@ class CdiSpecWriter:
         self._path_exists = path_exists
 
     def build(self, claim_uid: str, devices: Sequence[DeviceRef]) -> dict[str, Any]:
-        """The CDI spec for a claim's devices (at least one)."""
+        """The CDI spec for a claim's devices (at least one; no GPU in two of them)."""
         for d in devices:
             name = cdi_device_name(claim_uid, d.name)
             if not _CDI_NAME.match(name):
                 raise ValueError(f"CDI device name {name!r} is not valid")
         edits = container_edits(
-            self.topology, [ContainerDevice(d.gpu, d.mig) for d in devices], self._config,
-            path_exists=self._path_exists,
+            self.topology, [p for d in devices for p in d.parts], self._config, path_exists=self._path_exists,
         )
-        per_device = {d.uuid: set(edits.nodes_by_device[d.uuid]) for d in devices}
+        per_device = {d.name: {path for p in d.parts for path in edits.nodes_by_device[p.uuid]} for d in devices}
         own = {path for paths in per_device.values() for path in paths}
         common = [spec for spec in edits.devices if spec[0] not in own]
         return {
@@ -103,7 +103,7 @@ class CdiSpecWriter:
             "devices": [
                 {
                     "name": cdi_device_name(claim_uid, d.name),
-                    "containerEdits": {"deviceNodes": [_node(s) for s in edits.devices if s[0] in per_device[d.uuid]]},
+                    "containerEdits": {"deviceNodes": [_node(s) for s in edits.devices if s[0] in per_device[d.name]]},
                 }
                 for d in devices
             ],

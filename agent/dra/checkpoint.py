@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from agent.dra.cdi import write_json_atomic
 from agent.errors import shorten
@@ -78,13 +78,16 @@ def _safe_uid(uid: str) -> bool:
 
 class Checkpoint:
     """The prepared claims by UID, mirrored to one file each under ``directory``.
-    Thread-safe. ``fsync`` makes each write durable against a power loss before it counts."""
+    Thread-safe. ``fsync`` makes each write durable against a power loss before it counts.
+    Listeners (:meth:`add_listener`) run after each claim recorded or forgotten."""
 
     def __init__(self, directory: str, *, fsync: bool = True) -> None:
         self.directory = directory
         self.fsync = fsync
+        # Lock order: a leaf; listeners run after it is released.
         self._lock = threading.Lock()
         self._claims: dict[str, PreparedClaim] = self._load()
+        self._listeners: list[Callable[[], None]] = []
 
     def path_of(self, uid: str) -> str:
         return os.path.join(self.directory, uid + SUFFIX)
@@ -148,6 +151,7 @@ class Checkpoint:
                 fsync=self.fsync,
             )
             self._claims[claim.uid] = claim
+        self._notify()
 
     def remove(self, uid: str) -> PreparedClaim | None:
         """Forget ``uid``; returns what was recorded (None when nothing was)."""
@@ -159,7 +163,28 @@ class Checkpoint:
                 except FileNotFoundError:
                     pass
                 del self._claims[uid]
-            return claim
+        if claim is not None:
+            self._notify()
+        return claim
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (outside the lock) after every claim recorded or forgotten."""
+        with self._lock:
+            self._listeners.append(callback)
+
+    def _notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback()
+            except Exception:  # a listener must not fail a prepare
+                log.exception("checkpoint listener failed")
+
+    def devices(self) -> set[tuple[str, str]]:
+        """(pool, device name) of every device of every prepared claim."""
+        with self._lock:
+            return {(d.pool, d.device) for c in self._claims.values() for d in c.devices}
 
     def __iter__(self) -> Iterator[PreparedClaim]:
         with self._lock:

@@ -52,8 +52,8 @@ busy ones; ``bench/quality_dra.py`` measures what that costs, and what the pruni
 **Names and ranks** come from the whole topology (MIG-enabled and unhealthy GPUs included):
 a set's ``rank`` is its position in its size's order, 0 the best, and its device name
 ``gpuset-<k>-<rank>`` stays the same while GPUs fail and recover, so a claim allocated
-before keeps naming the same GPUs. Sets with a MIG-enabled, lost or unhealthy member are
-not published (:func:`publishable`).
+before keeps naming the same GPUs. Sets with a MIG-enabled member are not published
+(:func:`publishable`); sets with an unhealthy member are, tainted.
 """
 
 from __future__ import annotations
@@ -265,9 +265,7 @@ def gpu_sets(topology: Topology, engine: AllocationEngine | None = None) -> dict
     return out
 
 
-def publishable(topology: Topology, gpu_set: GpuSet, unhealthy: Collection[int] = ()) -> bool:
-    """Whether every member is a whole GPU (MIG off), not lost and not in ``unhealthy``."""
-    return all(
-        i not in unhealthy and not topology.gpus[i].lost and not topology.gpus[i].mig_enabled
-        for i in gpu_set.members
-    )
+def publishable(topology: Topology, gpu_set: GpuSet) -> bool:
+    """Whether every member is a whole GPU (MIG off). Sets with an unhealthy or lost member
+    are published too, tainted (:mod:`agent.dra.taints`)."""
+    return not any(topology.gpus[i].mig_enabled for i in gpu_set.members)

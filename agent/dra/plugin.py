@@ -8,7 +8,8 @@
   serving (the kubelet tries again when it restarts or the socket is re-created).
 - ``<plugins_dir>/<driver>/dra.sock`` serves ``DRAPlugin`` in both API versions,
   ``k8s.io.kubelet.pkg.apis.dra.v1`` and ``...v1beta1``, through thin servicers over one
-  :class:`ClaimPreparer`.
+  :class:`ClaimPreparer`, and the device-health stream ``DRAResourceHealth`` in ``v1alpha1``
+  and ``v1beta1`` (:mod:`agent.dra.health_stream`); the registration lists all four.
 - A watch thread re-creates either socket when it vanishes (a kubelet restart can clear its
   directories; the watcher then registers us again from the new socket). Only that thread
   starts and stops the servers once started; the lock guards the registration flag and is
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import grpc
 
@@ -31,6 +32,7 @@ from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1bet
 from agent.config import Config
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
+from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
 from agent.errors import AgentError, shorten
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
@@ -95,11 +97,17 @@ class DraV1beta1Servicer(_DraServicer, dra_v1beta1_pb2_grpc.DRAPluginServicer):
     pb = dra_v1beta1_pb2
 
 
+class PluginHealth(HealthView, HealthWatch, Protocol):
+    """What the plugin reads of :class:`agent.health.HealthState`: whether a GPU is healthy
+    (prepare), and its changes (the health stream)."""
+
+
 # ---------------------------------------------------------------------- the plugin
 class DraPlugin:
     """The DRA kubelet plugin of one node: serves, registers, keeps its sockets.
 
-    ``health`` is the :class:`agent.health.HealthState` (only ``is_healthy`` is read),
+    ``health`` is the :class:`agent.health.HealthState` (read, and waited on by the health
+    streams),
     ``claim_reader`` a :class:`agent.dra.claims.ClaimReader` (production:
     ``KubernetesClaimReader(agent.kube.api_client(config))``). The pool served is ``node_name``
     (default ``config.node_name``), as the slice publisher names it. The checkpoint lives
@@ -116,7 +124,7 @@ class DraPlugin:
         self,
         config: Config,
         topology: Topology,
-        health: HealthView,
+        health: PluginHealth,
         claim_reader: ClaimReader,
         *,
         on_kubelet_restart: Callable[[], None] | None = None,
@@ -145,8 +153,10 @@ class DraPlugin:
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
         self._v1beta1 = DraV1beta1Servicer(self.preparer)
+        self.health_streams = HealthStreams(health, lambda: self.preparer.devices, self.node_name)
         self._registration = WatcherRegistrationServicer(
-            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS, self._registration_status
+            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS + HEALTH_SERVICES,
+            self._registration_status,
         )
         self._dra_server = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
         self._reg_server = UnixGrpcServer(
@@ -165,6 +175,7 @@ class DraPlugin:
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1beta1, server)
+        self.health_streams.add_to(server)
 
     def _add_registration(self, server: grpc.Server) -> None:
         add_watcher_registration(self._registration, server)
@@ -198,6 +209,7 @@ class DraPlugin:
         with self._lock:
             self._registered = False
         self._reg_server.stop(grace_s)
+        self.health_streams.close()
         self._dra_server.stop(grace_s)
 
     def ready(self) -> bool:

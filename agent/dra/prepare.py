@@ -2,8 +2,10 @@
 implementation for every DRA API version, on plain records.
 
 For each claim: read the ResourceClaim (namespace, name; the UID must match), take the
-allocation results of this driver, check that every device is ours (this node's pool,
-a device name we publish, a healthy GPU), write one CDI spec for the claim and checkpoint
+allocation results of this driver (one or several requests: GPU sets, single GPUs, MIG
+devices), check that every device is ours (this node's pool, a device name we publish, every
+GPU behind it healthy, no GPU twice), write one CDI spec for the claim (a set's device holds
+every member's device nodes; the environment covers every GPU of the claim) and checkpoint
 the answer. Problems are reported per claim (the rest of the call is still served), each
 naming the claim and the device. Idempotent: a claim already prepared answers from the
 checkpoint without reading the API server again, also after an agent restart.
@@ -228,10 +230,14 @@ class ClaimPreparer:
                 known = shorten(", ".join(self.devices), 200) or "no devices"
                 problems.append(f"{what}: unknown, this node has {known}")
                 continue
-            if not self.health.is_healthy(device.gpu.index):
-                problems.append(f"{what}: GPU {device.gpu.index} ({device.gpu.uuid}) is unhealthy")
+            sick = [g for g in device.gpus if not self.health.is_healthy(g.index)]
+            if sick:
+                member = "" if len(device.gpus) == 1 else "a GPU set whose member "
+                problems.append(f"{what}: {member}" + ", ".join(f"GPU {g.index} ({g.uuid})" for g in sick)
+                                + (" is" if len(sick) == 1 else " are") + " unhealthy")
                 continue
             chosen.append((request, device))
+        problems += _shared_gpus(chosen)
         if problems:
             raise ValueError(f"{ref}: cannot prepare " + shorten("; ".join(problems), MESSAGE_LIMIT))
         return chosen
@@ -260,6 +266,22 @@ class ClaimPreparer:
         if done is not None:
             log.info("unprepared %s", ref)
         return ""
+
+
+def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
+    """A problem for each device holding a GPU (or MIG device) an earlier device of the claim
+    holds (no allocator gives one out twice: the counters forbid it)."""
+    seen: dict[tuple[int, int | None], str] = {}
+    problems = []
+    for _, device in chosen:
+        keys = [(p.gpu.index, p.mig.index if p.mig is not None else None) for p in device.parts]
+        taken = [k for k in keys if k in seen]
+        if taken:
+            problems.append(f"device {device.name!r} holds GPU {taken[0][0]}, which device {seen[taken[0]]!r}"
+                            " of the same claim holds too")
+        for k in keys:
+            seen.setdefault(k, device.name)
+    return problems
 
 
 def _uid_problem(uid: str) -> str:

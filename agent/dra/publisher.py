@@ -1,5 +1,5 @@
 """The ResourceSlice publisher: keeps the node's pool in the API server equal to the topology
-minus the unhealthy GPUs, with the official ``kubernetes`` client.
+and its health (unhealthy GPUs tainted), with the official ``kubernetes`` client.
 
 One thread owns all API calls. At start it asks discovery once which ``resource.k8s.io``
 versions are served (``v1`` preferred, else ``v1beta2``, else ``v1beta1``) and reads the
@@ -10,9 +10,25 @@ retried), delete this driver's other slices of the node. Each change of content 
 pool generation above every generation seen, so the scheduler never mixes two versions of the
 pool. A health change wakes the thread at once (republished well within a second).
 
+**Read-back.** Every write is answered with the object as stored; where the server dropped
+fields of a feature (a gate off drops them without an error, :mod:`agent.dra.readback`), the
+publisher stops writing at once, logs why (once per feature), reports it to ``events``
+(``gpu_agent_dra_api_feature``) and publishes again without the feature: the single GPUs
+only when the counters were dropped (GPU sets without their counters would let a set and
+its members be allocated twice), and devices of unhealthy GPUs left out instead of tainted
+when the taints were dropped, but those a prepared claim of this node uses (``prepared``),
+which stay until the claim is unprepared. The counter slice is written first and a pool is
+complete only once all its slices carry the new generation, so the scheduler never allocates
+from set devices whose counters were dropped (unless a stored counter slice kept its counters
+and only a newly created device slice lost them: then for one round trip).
+
 The API server being unreachable, or refusing, never stops the agent: the thread retries with
 a capped exponential backoff, logs each failure once per change of reason, and :meth:`ready`
 stays False until the slices have been published once.
+
+Size: above 400 lines because it is one thread and the only code that talks to the API server
+about ResourceSlices: its loop, the sync decision and the handful of calls it makes with their
+failure reasons belong together; the read-back comparison is :mod:`agent.dra.readback`.
 """
 
 from __future__ import annotations
@@ -21,14 +37,52 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping, Protocol
 
-from agent.dra.slices import API_VERSIONS, DEFAULT_DRIVER, render_slices
+from agent.dra.readback import (
+    DEVICE_TAINTS,
+    PARTITIONABLE_DEVICES,
+    dropped_features,
+    keep_taint_times,
+    same_content,
+)
+from agent.dra.slices import API_VERSIONS, DEFAULT_DRIVER, SETS_API_VERSIONS, render_slices
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SlicePublisher", "pick_version"]
+__all__ = ["PreparedDevices", "PublisherEvents", "SlicePublisher", "pick_version"]
+
+#: Why publishing goes on without a feature, logged once when the server drops it.
+_WITHOUT = {
+    PARTITIONABLE_DEVICES: "the counters (sharedCounters, consumesCounters): the API server does not keep"
+                           " partitionable devices (feature gate DRAPartitionableDevices off?); publishing the"
+                           " single GPUs only, no GPU sets (restart the agent once the gate is on)",
+    DEVICE_TAINTS: "the device taints: the API server does not keep them (feature gate DRADeviceTaints off?);"
+                   " devices of unhealthy GPUs are left out instead, but those a prepared claim of this node"
+                   " uses, which stay untainted until it is unprepared",
+}
+
+
+class PublisherEvents(Protocol):
+    """What the publisher reports: the self-metrics implement it
+    (:class:`agent.metrics.self_metrics.AgentMetrics`). Cheap, no I/O."""
+
+    def dra_api_feature(self, feature: str, kept: bool) -> None:
+        """Whether the API server keeps ``feature``'s fields (a feature-gate name)."""
+        ...
+
+
+class PreparedDevices(Protocol):
+    """The devices prepared claims of this node use (:class:`agent.dra.checkpoint.Checkpoint`)."""
+
+    def devices(self) -> Collection[tuple[str, str]]:
+        """(pool, device name) of every device of every prepared claim."""
+        ...
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """``callback()`` after every prepared or forgotten claim."""
+        ...
 
 _REQUEST_TIMEOUT_S = 10.0
 _CONFLICT_RETRIES = 5
@@ -56,10 +110,12 @@ class SlicePublisher:
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
     thread, again after a failure to build one; production: :func:`agent.kube.api_client`,
     which leaves retrying to the publisher's own loop). ``health`` (an
-    :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs leave the
-    slices and come back on recovery. Without it, call :meth:`update`. ``delete_on_stop``:
-    delete the slices on :meth:`stop` (default keep: a restarting agent must not make running
-    pods' devices vanish).
+    :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs and
+    every set holding one get a taint with ``taint_effect`` saying why, removed on recovery.
+    Without it, call :meth:`update`. ``prepared`` (the plugin's checkpoint, optional) tells
+    which devices stay while the server keeps no taints. ``events`` hears which features the
+    API server keeps. ``delete_on_stop``: delete the slices on :meth:`stop` (default keep: a
+    restarting agent must not make running pods' devices vanish).
     """
 
     def __init__(
@@ -70,6 +126,9 @@ class SlicePublisher:
         driver_name: str = DEFAULT_DRIVER,
         *,
         health: Any = None,
+        prepared: PreparedDevices | None = None,
+        events: PublisherEvents | None = None,
+        taint_effect: str = "NoSchedule",
         delete_on_stop: bool = False,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -82,9 +141,14 @@ class SlicePublisher:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.resync_s = resync_s
+        self.taint_effect = taint_effect
         self._topology = topology
-        self._unhealthy: frozenset[int] = frozenset()
+        self._unhealthy: dict[int, str] = {}
         self._health = health
+        self._prepared = prepared
+        self._events = events
+        #: the features the API server keeps, as far as seen (a dropped one stays dropped)
+        self.kept = {PARTITIONABLE_DEVICES: True, DEVICE_TAINTS: True}
         self._cond = threading.Condition()
         self._dirty = True
         self._stopping = False
@@ -98,8 +162,10 @@ class SlicePublisher:
         self._node_read = False
         self.generation = 0  # the pool generation last published
         if health is not None:
-            self._unhealthy = frozenset(health.snapshot())
+            self._unhealthy = dict(health.snapshot())
             health.add_listener(self._on_health_change)
+        if prepared is not None:
+            prepared.add_listener(self._on_prepared_change)
 
     # ------------------------------------------------------------------ public API
     def start(self) -> None:
@@ -134,28 +200,39 @@ class SlicePublisher:
         what was published is still there for the scheduler)."""
         return self._ready.is_set()
 
-    def update(self, topology: Topology | None = None, unhealthy: Collection[int] | None = None) -> None:
-        """Publish a new topology and/or set of unhealthy GPU indices (returns at once)."""
+    def update(self, topology: Topology | None = None,
+               unhealthy: Collection[int] | Mapping[int, str] | None = None) -> None:
+        """Publish a new topology and/or the unhealthy GPUs (indices, or index -> reason)
+        (returns at once)."""
         with self._cond:
             if topology is not None:
                 self._topology = topology
             if unhealthy is not None:
-                self._unhealthy = frozenset(unhealthy)
+                self._unhealthy = (dict(unhealthy) if isinstance(unhealthy, Mapping)
+                                   else {i: "unhealthy" for i in unhealthy})
             self._dirty = True
             self._cond.notify_all()
 
     def _desired(self) -> list[dict[str, Any]]:
         """The slices as they would be published now, for generation :attr:`generation`."""
         with self._cond:
-            topology, unhealthy = self._topology, self._unhealthy
+            topology, unhealthy = self._topology, dict(self._unhealthy)
+        taints = self.kept[DEVICE_TAINTS]
+        keep = () if taints or self._prepared is None else {
+            device for pool, device in self._prepared.devices() if pool == self.node_name}
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=self.api_version or "v1",
                              generation=max(self.generation, 1), node_uid=self.node_uid,
-                             unhealthy=unhealthy)
+                             unhealthy=unhealthy, with_sets=self.kept[PARTITIONABLE_DEVICES],
+                             taint_effect=self.taint_effect if taints else None, keep=keep)
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:
         self.update(unhealthy=self._health.snapshot())
+
+    def _on_prepared_change(self) -> None:
+        if not self.kept[DEVICE_TAINTS]:  # only then do prepared claims change what is published
+            self.update()
 
     def _run(self) -> None:
         backoff = self.backoff_initial_s
@@ -252,6 +329,12 @@ class SlicePublisher:
                                          f"publishes ({', '.join(API_VERSIONS)}); served: {served or 'none'}")
         self.api_version = version
         log.info("publishing ResourceSlices as resource.k8s.io/%s (served: %s)", version, ", ".join(served))
+        if version not in SETS_API_VERSIONS:
+            log.warning("resource.k8s.io/%s has no partitionable devices: publishing the single GPUs only,"
+                        " no GPU sets (they need resource.k8s.io/%s)", version, " or ".join(SETS_API_VERSIONS))
+        if self._events is not None:
+            self._events.dra_api_feature(PARTITIONABLE_DEVICES, version in SETS_API_VERSIONS)
+            self._events.dra_api_feature(DEVICE_TAINTS, self.kept[DEVICE_TAINTS])
 
     def _read_node(self) -> None:
         from kubernetes import client
@@ -284,27 +367,50 @@ class SlicePublisher:
         if not self._node_read:
             self._read_node()
         api = self._resource_api()
-        existing = self._ours(api)
+        # a dropped feature ends a round early and the pool is published again without it:
+        # at most once per feature
+        while not self._publish(api, self._ours(api)):
+            pass
+
+    def _publish(self, api: Any, existing: dict[str, dict[str, Any]]) -> bool:
+        """Make the pool what :meth:`desired` says; False when the server dropped a feature's
+        fields on a write (the round stopped there, :attr:`kept` says which)."""
         seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
                                for o in existing.values()] + [self.generation])
         want = self._desired()
         same = len(want) == len(existing) and all(
-            w["metadata"]["name"] in existing and _same(w, existing[w["metadata"]["name"]]) for w in want)
+            w["metadata"]["name"] in existing and same_content(w, existing[w["metadata"]["name"]]) for w in want)
         if same:
             self.generation = seen_generation
-            return
+            return True
         generation = seen_generation + 1
         for w in want:
             w["spec"]["pool"]["generation"] = generation
         for w in want:
-            self._put(api, w, existing.get(w["metadata"]["name"]))
+            current = existing.get(w["metadata"]["name"])
+            keep_taint_times(w, current)
+            stored = self._put(api, w, current)
+            self.generation = generation
+            if self._dropped(w, stored):
+                return False
         for name in sorted(set(existing) - {w["metadata"]["name"] for w in want}):
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
-        self.generation = generation
         log.info("published %d ResourceSlice(s) of node %s, pool generation %d",
                  len(want), self.node_name, generation)
+        return True
 
-    def _put(self, api: Any, body: dict[str, Any], current: dict[str, Any] | None) -> None:
+    def _dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> bool:
+        """Whether the server dropped a feature still in use from ``sent`` (said once)."""
+        dropped = {f for f in dropped_features(sent, stored) if self.kept[f]}
+        for feature in sorted(dropped):
+            self.kept[feature] = False
+            log.warning("ResourceSlice %s was stored without %s", sent["metadata"]["name"], _WITHOUT[feature])
+            if self._events is not None:
+                self._events.dra_api_feature(feature, False)
+        return bool(dropped)
+
+    def _put(self, api: Any, body: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+        """Create or update ``body``; the object as the server stored it."""
         name = body["metadata"]["name"]
         for _ in range(_CONFLICT_RETRIES):
             if current is None:
@@ -315,7 +421,7 @@ class SlicePublisher:
                         raise
                     created = None  # AlreadyExists: someone made it meanwhile; update it
                 if created is not None:
-                    return
+                    return dict(created)
             else:
                 update = json.loads(json.dumps(body))
                 update["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
@@ -329,7 +435,7 @@ class SlicePublisher:
                     if done is None:  # deleted meanwhile: create it
                         current = None
                         continue
-                    return
+                    return dict(done)
             current = self._call(f"read ResourceSlice {name}", api.read_resource_slice, name)
         raise _Failure("409 Conflict", f"ResourceSlice {name}: still conflicting after {_CONFLICT_RETRIES} tries")
 
@@ -338,16 +444,6 @@ class SlicePublisher:
         for name in sorted(self._ours(api)):
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         log.info("deleted the ResourceSlices of node %s", self.node_name)
-
-
-def _same(want: dict[str, Any], have: dict[str, Any]) -> bool:
-    """Same content, whatever the pool generation and server-set metadata."""
-    a = json.loads(json.dumps(want["spec"]))
-    b = json.loads(json.dumps(have.get("spec") or {}))
-    a.get("pool", {}).pop("generation", None)
-    b.get("pool", {}).pop("generation", None)
-    owners = (have.get("metadata") or {}).get("ownerReferences") or []
-    return a == b and owners == (want["metadata"].get("ownerReferences") or [])
 
 
 def _status_reason(exc: Any) -> str:

@@ -15,7 +15,7 @@ from typing import Callable
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import SlicePublisher
+from agent.dra.publisher import PublisherEvents, SlicePublisher
 from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
@@ -40,18 +40,22 @@ class DraServers:
         on_kubelet_restart: Callable[[], None],
         *,
         count_claim_read_error: Callable[[], None],
+        events: PublisherEvents | None = None,
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
         configuration); ConfigError when neither can be loaded. ``count_claim_read_error``
-        is called for each claim that could not be read (the agent's self-metrics)."""
+        is called for each claim that could not be read, and the publisher reports to
+        ``events`` which DRA features the API server keeps (the agent's self-metrics); the
+        publisher keeps the devices of prepared claims while the API server keeps no taints."""
         plugin = DraPlugin(
             config, topology, health, KubernetesClaimReader(api_client(config), count_error=count_claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(
             lambda: api_client(config), config.node_name, topology, config.driver_name,
-            health=health, delete_on_stop=config.delete_slices_on_shutdown,
+            health=health, prepared=plugin.checkpoint, events=events, taint_effect=config.taint_effect,
+            delete_on_stop=config.delete_slices_on_shutdown,
         )
         return cls(plugin, publisher)
 

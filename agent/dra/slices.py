@@ -53,6 +53,11 @@ counter and a MIG device never competes with a set. Set device attributes:
 ``members``                 string    their indices, ``0-3`` / ``0,2,4,6`` (cpulist spelling;
                                       left out above 64 characters)
 ``rank``                    int       position among the sets of its size, 0 = best
+``healthy``                 bool      false while a member is unhealthy (the set is tainted
+                                      then too); the set classes select healthy sets only,
+                                      so the allocator never reserves a tainted set's
+                                      counters (kubernetes#140436 keeps a taint-rejected
+                                      device's counters for the rest of its search)
 ``nvlinkIsland``,           int       where every member shares one
 ``nvlinkClique``,
 ``numaNode``
@@ -61,12 +66,18 @@ counter and a MIG device never competes with a set. Set device attributes:
 plus ``resource.kubernetes.io/numaNode`` and ``resource.kubernetes.io/pcieRoot`` where every
 member shares one, and capacity ``memory`` (the members' total, when every member's is known).
 
+**Health.** A device holding an unhealthy or lost GPU stays, with a device taint saying
+why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints`).
+
 **Slices.** Devices in publication order: the single GPUs (MIG devices in their parent's
 place) in :func:`agent.dra.gpusets.device_order`, then the sets by size, best first; at most
-128 devices a slice, 64 when they consume counters (the API's limit for slices using
-partitionable devices). Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
+128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
+slices using partitionable devices or taints). Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
 so they sort in publication order (the allocator walks slices by name); the counter slice is
 number 0. ``v1beta1`` and ``v1beta2`` render single GPUs only (no counters, no sets).
+
+Size: above 400 lines because this docstring is the attribute reference users read (about a
+hundred lines of tables); the code is one rendering pass, attributes to devices to slices.
 """
 
 from __future__ import annotations
@@ -80,14 +91,16 @@ import yaml
 
 from agent.dra.devices import device_name
 from agent.dra.gpusets import clique_ids, device_order, gpu_sets, island_ids, publishable
+from agent.dra.taints import HealthMarks
 from agent.formats import BusIdError, format_cpulist, nvml_to_sysfs_bus_id
+from agent.health import LOST_REASON
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
     "API_VERSIONS", "DEFAULT_DRIVER", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
     "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "clique_ids",
     "device_order", "dump_yaml", "island_ids", "render_devices", "render_set_devices",
-    "render_slices", "semver",
+    "health_marks", "render_slices", "semver",
 ]
 
 API_VERSIONS = ("v1", "v1beta2", "v1beta1")
@@ -124,12 +137,14 @@ def architecture(cc: tuple[int, int] | None) -> str | None:
 class Device:
     """One device of the slice, version-neutral: ``attributes`` maps a qualified name to one
     typed value (``{"int": 3}``, ``{"string": ...}``, ``{"version": ...}``); ``consumes``:
-    the GPU indices whose counters the device consumes (empty: none)."""
+    the GPU indices whose counters the device consumes (empty: none); ``taints``: its device
+    taints (:mod:`agent.dra.taints`)."""
 
     name: str
     attributes: Mapping[str, Mapping[str, Any]]
     capacity: Mapping[str, str]  # name -> quantity
     consumes: tuple[int, ...] = ()
+    taints: tuple[Mapping[str, Any], ...] = ()
 
 
 # ----------------------------------------------------------------------- values
@@ -178,43 +193,61 @@ def _int(value: int | None) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------- devices
+def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, str] = (),
+                 taint_effect: str | None = "NoSchedule", keep: Collection[str] = ()) -> HealthMarks:
+    """How the unhealthy GPUs show (:class:`agent.dra.taints.HealthMarks`): ``unhealthy`` maps
+    a GPU index to its reason (indices alone: reason unknown), lost GPUs of the topology are
+    unhealthy too; ``taint_effect`` None leaves their devices out, but those named in ``keep``."""
+    reasons = dict(unhealthy) if isinstance(unhealthy, Mapping) else {i: "unhealthy" for i in unhealthy}
+    for g in topology.gpus:
+        if g.lost:
+            reasons.setdefault(g.index, LOST_REASON)
+    return HealthMarks(reasons, taint_effect, frozenset(keep))
+
+
 def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
-                   unhealthy: Collection[int] = (), in_use: Collection[int] = (),
+                   marks: HealthMarks | None = None, in_use: Collection[int] = (),
                    counters: bool = False) -> list[Device]:
     """The node's single devices (full GPUs, MIG devices) in slice order (``in_use``: see
-    :func:`device_order`); GPUs in ``unhealthy`` (indices) and lost GPUs are left out (with
-    all their MIG devices). ``counters``: every full GPU consumes its own counter."""
+    :func:`device_order`); a device of an unhealthy GPU is tainted, or left out, as ``marks``
+    says (default: the lost GPUs tainted ``NoSchedule``). ``counters``: every full GPU
+    consumes its own counter."""
+    marks = marks if marks is not None else health_marks(topology)
     islands = island_ids(topology)
     cliques = clique_ids(topology)
-    bad = set(unhealthy)
     out: list[Device] = []
     for index in device_order(topology, in_use):
         gpu = topology.gpus[index]
-        if index in bad or gpu.lost:
-            continue
         common = _gpu_attributes(topology, gpu, islands[index], cliques[index])
         if gpu.mig_enabled:
             for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
-                out.append(_device(driver, device_name(gpu, mig), _mig_attributes(gpu, mig) | common,
-                                   mig.memory_mib))
+                name = device_name(gpu, mig)
+                shown, taints = marks.device(driver, name, (index,))
+                if shown:
+                    out.append(_device(driver, name, _mig_attributes(gpu, mig) | common, mig.memory_mib,
+                                       taints=taints))
         else:
+            shown, taints = marks.device(driver, device_name(gpu), (index,))
             own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": _string(gpu.uuid)}
-            out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib,
-                               (index,) if counters else ()))
+            if shown:
+                out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib,
+                                   (index,) if counters else (), taints))
     return out
 
 
 def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
-                       unhealthy: Collection[int] = ()) -> list[Device]:
+                       marks: HealthMarks | None = None) -> list[Device]:
     """The GPU-set devices (:func:`agent.dra.gpusets.gpu_sets`) by size, best first; sets
-    with a MIG-enabled, lost or ``unhealthy`` member are left out."""
+    with a MIG-enabled member are left out, sets with an unhealthy member tainted (or left
+    out) as ``marks`` says."""
+    marks = marks if marks is not None else health_marks(topology)
     islands = island_ids(topology)
     cliques = clique_ids(topology)
-    bad = set(unhealthy)
     out: list[Device] = []
     for sets in gpu_sets(topology).values():
         for s in sets:
-            if not publishable(topology, s, bad):
+            shown, taints = marks.device(driver, s.name, s.members)
+            if not shown or not publishable(topology, s):
                 continue
             gpus = [topology.gpus[i] for i in s.members]
             attributes = {
@@ -222,6 +255,7 @@ def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
                 "gpuCount": {"int": s.size},
                 "members": _string(format_cpulist(s.members)),
                 "rank": {"int": s.rank},
+                "healthy": {"bool": not any(i in marks.reasons for i in s.members)},
                 "nvlinkIsland": _int(_shared(islands[i] for i in s.members)),
                 "nvlinkClique": _int(_shared(cliques[i] for i in s.members)),
                 "numaNode": _int(_shared(g.numa_node for g in gpus)),
@@ -230,7 +264,7 @@ def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
             }
             memory = [g.memory_mib for g in gpus]
             total = sum(m for m in memory if m) if all(memory) else None
-            out.append(_device(driver, s.name, attributes, total, s.members))
+            out.append(_device(driver, s.name, attributes, total, s.members, taints))
     return out
 
 
@@ -270,7 +304,7 @@ def _mig_attributes(gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
 
 
 def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: int | None,
-            consumes: tuple[int, ...] = ()) -> Device:
+            consumes: tuple[int, ...] = (), taints: Iterable[Mapping[str, Any]] = ()) -> Device:
     qualified = {
         (key if "/" in key else f"{driver}/{key}"): value
         for key, value in attributes.items()
@@ -279,7 +313,7 @@ def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: i
     capacity = {"memory": _quantity_mib(memory_mib)} if memory_mib else {}
     if len(qualified) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
         raise ValueError(f"device {name}: more than {MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities")
-    return Device(name, dict(sorted(qualified.items())), capacity, consumes)
+    return Device(name, dict(sorted(qualified.items())), capacity, consumes, tuple(taints))
 
 
 # ----------------------------------------------------------------------- slices
@@ -308,20 +342,27 @@ def render_slices(
     api_version: str = "v1",
     generation: int = 1,
     node_uid: str | None = None,
-    unhealthy: Collection[int] = (),
+    unhealthy: Collection[int] | Mapping[int, str] = (),
     in_use: Collection[int] = (),
     with_sets: bool = True,
+    taint_effect: str | None = "NoSchedule",
+    keep: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
     after the node, owned by the Node when its UID is known. With ``with_sets`` (the default)
     and an ``api_version`` of :data:`SETS_API_VERSIONS`, and at least one set to publish: a
-    counter slice, then the single GPUs and the sets consuming counters, 64 devices a slice;
-    otherwise the single GPUs only, 128 a slice (module docstring)."""
+    counter slice, then the single GPUs and the sets consuming counters; otherwise the single
+    GPUs only. 64 devices a slice where any device consumes counters or has a taint, else 128
+    (module docstring). Devices of ``unhealthy`` GPUs (index -> reason) are tainted with
+    ``taint_effect``, or, where it is None, left out but those named in ``keep``
+    (:mod:`agent.dra.taints`)."""
     if api_version not in API_VERSIONS:
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
-    sets = render_set_devices(topology, driver, unhealthy) if with_sets and api_version in SETS_API_VERSIONS else []
-    devices = render_devices(topology, driver, unhealthy, in_use, counters=bool(sets)) + sets
-    per_slice = MAX_DEVICES_WITH_COUNTERS if sets else MAX_DEVICES_PER_SLICE
+    marks = health_marks(topology, unhealthy, taint_effect, keep)
+    sets = render_set_devices(topology, driver, marks) if with_sets and api_version in SETS_API_VERSIONS else []
+    devices = render_devices(topology, driver, marks, in_use, counters=bool(sets)) + sets
+    advanced = bool(sets) or any(d.taints for d in devices)
+    per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
     specs += [{"devices": [_render_device(d, api_version) for d in devices[i : i + per_slice]]}
               for i in range(0, len(devices), per_slice)]
@@ -365,6 +406,8 @@ def _render_device(device: Device, api_version: str) -> dict[str, Any]:
         for i in device.consumes:
             uses.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
         body["consumesCounters"] = [{"counterSet": name, "counters": c} for name, c in uses.items()]
+    if device.taints:
+        body["taints"] = [dict(t) for t in device.taints]
     if api_version == "v1beta1":
         return {"name": device.name, "basic": body}
     return {"name": device.name, **body}

@@ -4,9 +4,10 @@ Built first (before the topology is read) and handed to each component's constru
 device plugin reports preferred-allocation latency, registrations and failed ones, refused
 ListAndWatch streams and kubelet restarts (its ``DevicePluginEvents``, which
 :class:`AgentMetrics` implements), the label publisher its failed writes, the DRA claim
-reader the claims it could not read, the metrics service its sampling rounds and
-pod-resources errors. Where a condition repeats (a client retrying in a loop, an API server
-down), the log says it once and these count the repeats.
+reader the claims it could not read, the DRA slice publisher which features the API server
+keeps (its ``PublisherEvents``), the metrics service its sampling rounds and pod-resources
+errors. Where a condition repeats (a client retrying in a loop, an API server down), the log
+says it once and these count the repeats.
 
 State that lives elsewhere is read at scrape time, never mirrored: NVML errors from
 ``backend.error_counts`` (a dict read, no NVML call) and the health of every device the
@@ -97,6 +98,13 @@ class AgentMetrics:
             " no config has that name, invalid when it does not load); the last good one stays.",
             ["label", "reason"], registry=registry,
         )
+        self._dra_api_features = Gauge(
+            "gpu_agent_dra_api_feature",
+            "1 while the API server keeps the ResourceSlice fields of a DRA feature (by feature gate:"
+            " DRAPartitionableDevices for GPU sets and counters, DRADeviceTaints for health taints),"
+            " 0 once it dropped them on write and the agent publishes without.",
+            ["feature"], registry=registry,
+        )
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
@@ -125,6 +133,9 @@ class AgentMetrics:
 
     def stream_refused(self, resource: str) -> None:
         self._streams_refused.labels(resource=resource).inc()
+
+    def dra_api_feature(self, feature: str, kept: bool) -> None:
+        self._dra_api_features.labels(feature=feature).set(1.0 if kept else 0.0)
 
     def watch_devices(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         """Export ``gpu_agent_device_healthy`` from ``devices()``, read at every scrape:

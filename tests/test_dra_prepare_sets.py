@@ -1,0 +1,118 @@
+"""NodePrepareResources / NodeUnprepareResources of claims that name GPU-set devices, over the
+real unix socket (the plugin of test_dra_plugin.py, claims from the stand-in API server): one
+CDI spec with every member's device nodes and the whole set's environment, several requests
+in one claim, an unhealthy member, a restart between prepare and unprepare."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_dra_plugin import DRIVER, NODE, Node, claim_object, env_of, spec_of
+
+from agent.dra.cdi import spec_path
+from agent.dra.gpusets import gpu_sets
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.close()
+
+
+def members(node, k, rank=0):
+    return gpu_sets(node.topology)[k][rank].members
+
+
+def two_request_claim(name, results):
+    """A claim allocated ``results``: (request, device) pairs, several requests."""
+    c = claim_object(name, [])
+    c["spec"]["devices"]["requests"] = [
+        {"name": r, "exactly": {"deviceClassName": "x", "count": 1}} for r in dict.fromkeys(r for r, _ in results)]
+    c["status"]["allocation"]["devices"]["results"] = [
+        {"request": r, "driver": DRIVER, "pool": NODE, "device": d} for r, d in results]
+    return c
+
+
+def test_a_set_claim_prepares_every_member_gpu_in_one_cdi_spec(node):
+    node.start()
+    quad = members(node, 4)
+    c = node.put_claim("train", ["gpuset-4-0"])
+    uid = c["metadata"]["uid"]
+    got = node.prepare(c).claims[uid]
+    assert got.error == ""
+    assert [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in got.devices] == [
+        (["gpus"], NODE, "gpuset-4-0", [f"{DRIVER}/gpu={uid}-gpuset-4-0"])]
+    spec = spec_of(node, uid)
+    assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
+        (f"{uid}-gpuset-4-0", [f"/dev/nvidia{i}" for i in quad])]
+    env = env_of(spec)
+    topo = node.topology
+    assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(topo.gpus[i].uuid for i in quad)
+    assert env["GPU_TOPOLOGY_GPU_INDICES"] == ",".join(map(str, quad))
+    assert env["GPU_TOPOLOGY_NUMA_NODES"] == "0"
+    assert env["GPU_TOPOLOGY_NVLINK_CONNECTED"] == "true"
+    assert env["GPU_TOPOLOGY_SCORE"] == str(topo.set_score(list(quad)))
+    assert len(node.plugin.checkpoint) == 1
+
+
+def test_a_claim_with_a_set_and_single_gpus_in_several_requests_gets_them_all(node):
+    node.start()
+    pair = members(node, 2)
+    single = next(i for i in range(8) if i not in pair)
+    c = node.api.put_claim(two_request_claim("mixed", [("pair", "gpuset-2-0"), ("one", f"gpu-{single}")]))
+    uid = c["metadata"]["uid"]
+    got = node.prepare(c).claims[uid]
+    assert got.error == ""
+    assert [(list(d.request_names), d.device_name) for d in got.devices] == [
+        (["pair"], "gpuset-2-0"), (["one"], f"gpu-{single}")]
+    spec = spec_of(node, uid)
+    assert [[n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]] == [
+        [f"/dev/nvidia{i}" for i in pair], [f"/dev/nvidia{single}"]]
+    assert env_of(spec)["GPU_TOPOLOGY_GPU_INDICES"] == ",".join(map(str, sorted([*pair, single])))
+
+
+def test_a_set_with_an_unhealthy_member_is_refused_naming_it_and_the_other_claims_are_served(node):
+    node.start()
+    quad = members(node, 4)
+    node.health.mark_unhealthy(quad[2], "XID 79")
+    sick = node.put_claim("sick", ["gpuset-4-0"])
+    fine = node.put_claim("fine", ["gpuset-4-1"])
+    resp = node.prepare(sick, fine)
+    err = resp.claims[sick["metadata"]["uid"]].error
+    gpu = node.topology.gpus[quad[2]]
+    assert err.startswith(f"ResourceClaim default/sick (uid {sick['metadata']['uid']}): cannot prepare device"
+                          " 'gpuset-4-0' of pool 'node-1' (request 'gpus'):")
+    assert f"a GPU set whose member GPU {quad[2]} ({gpu.uuid}) is unhealthy" in err
+    assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, sick["metadata"]["uid"]))
+    assert resp.claims[fine["metadata"]["uid"]].error == ""
+    node.health.mark_healthy(quad[2])
+    assert node.prepare(sick).claims[sick["metadata"]["uid"]].error == ""
+
+
+def test_a_claim_naming_one_gpu_twice_is_refused(node):
+    node.start()
+    pair = members(node, 2)
+    c = node.api.put_claim(two_request_claim("twice", [("pair", "gpuset-2-0"), ("one", f"gpu-{pair[1]}")]))
+    err = node.prepare(c).claims[c["metadata"]["uid"]].error
+    assert f"device 'gpu-{pair[1]}' holds GPU {pair[1]}, which device 'gpuset-2-0' of the same claim holds too" in err
+    assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, c["metadata"]["uid"]))
+
+
+def test_a_set_claim_is_answered_from_the_checkpoint_after_a_restart_and_unprepared_after_another(node):
+    node.start()
+    c = node.put_claim("c", ["gpuset-8-0"])
+    uid = c["metadata"]["uid"]
+    first = node.prepare(c)
+    assert first.claims[uid].error == ""
+    node.restart()
+    node.api.go_down()  # answered without the API server
+    os.unlink(spec_path(node.config.cdi_dir, DRIVER, uid))  # and the spec written again
+    assert node.prepare(c) == first
+    assert [len(d["containerEdits"]["deviceNodes"]) for d in spec_of(node, uid)["devices"]] == [8]
+    plugin = node.restart()
+    assert len(plugin.checkpoint) == 1
+    assert node.unprepare(c).claims[uid].error == ""
+    assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, uid))
+    assert len(plugin.checkpoint) == 0 and len(node.restart().checkpoint) == 0
