@@ -2,7 +2,7 @@
 run.
 
 Its own tier (pytest marker ``image``, left out of the default run by ``addopts``):
-``.venv/bin/python -m pytest -q -m image tests/test_image.py``, which ``.ci/run`` runs. It
+``.venv/bin/python -m pytest -q -n 0 -m image tests/test_image.py``, which ``.ci/run`` runs. It
 needs a Docker engine (Debian's ``docker.io``; the tier starts ``dockerd`` itself where it
 is installed and not running, and stops it after) and, where the Dockerfile's base image
 is not present, ``debootstrap`` to build a stand-in for it (tests/image_standin.py: no

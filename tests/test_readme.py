@@ -76,7 +76,7 @@ NOT_RUNNABLE: dict[str, str] = {
         "needs dmharness and draalloc, built from Kubernetes source and never shipped "
         "(the tests skip without them, tests/k8s_binaries.py)"
     ),
-    ".venv/bin/python -m pytest -q -m image tests/test_image.py": (
+    ".venv/bin/python -m pytest -q -n 0 -m image tests/test_image.py": (
         "the image tier: minutes of docker build (.ci/run runs it)"
     ),
 }

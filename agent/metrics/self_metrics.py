@@ -86,7 +86,13 @@ class AgentMetrics:
             "ResourceClaims that could not be read from the API server (their NodePrepareResources"
             " fails; the kubelet retries).", registry=registry,
         )
-        # per-node configs (issue 18): one series each, replaced on change
+        self._state_gauges(registry)
+        if backend is not None:
+            registry.register(NvmlErrorCollector(lambda: backend.error_counts))
+
+    def _state_gauges(self, registry: CollectorRegistry) -> None:
+        """The gauges of states the agent reports on change (the per-node config, the DRA API
+        features the API server keeps): one series each, replaced on change."""
         self._active_config = Gauge(
             "gpu_agent_active_config",
             "1 for the per-node config the agent applies (chosen by the node label).",
@@ -105,8 +111,6 @@ class AgentMetrics:
             " 0 once it dropped them on write and the agent publishes without.",
             ["feature"], registry=registry,
         )
-        if backend is not None:
-            registry.register(NvmlErrorCollector(lambda: backend.error_counts))
 
     def observe_preferred_allocation(self, seconds: float) -> None:
         self._preferred.observe(seconds)
