@@ -24,6 +24,7 @@ import agent
 from agent.config import Config
 from agent.config_file import TimeSlicingResource
 from agent.demo import mps_control
+from agent.demo.node import demo_node
 from agent.demo.shared_gpu import DEFAULT_MODEL, PODS, Teller
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
@@ -90,21 +91,11 @@ def show_mps(
 
 def _serve(config: Config, spec_path: str) -> dict[str, Any]:
     """Run the agent with the stand-ins until each pod has its Allocate answer."""
-    from agent.daemon import Daemon
-    from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub
-
-    kubelet = pod_resources = daemon = client = None
-    try:
-        kubelet = KubeletStub(config.kubelet_dir).start()
-        pod_resources = PodResourcesStub(config.pod_resources_socket).start()  # no pods to list
-        daemon = Daemon.from_config(config, simulate=spec_path)
-        if not daemon.start():
-            raise AgentError("the agent stopped while starting")
-        told = _registered(kubelet, os.path.join(config.mps_root, GPU_RESOURCE, "log"))
-        latest = kubelet.latest(GPU_RESOURCE)
+    with demo_node(config, spec_path) as node:  # the pod-resources stand-in lists no pods here
+        told = _registered(node.kubelet, os.path.join(config.mps_root, GPU_RESOURCE, "log"))
+        latest = node.kubelet.latest(GPU_RESOURCE)
         assert latest is not None  # _registered saw it
-        endpoint = kubelet.registered(GPU_RESOURCE)[0].request.endpoint
-        client = PluginClient(os.path.join(config.kubelet_dir, endpoint))
+        client = node.client(node.kubelet.registered(GPU_RESOURCE)[0].request.endpoint)
         free = [d.ID for d in latest.devices]
         pods = []
         for p in PODS:
@@ -119,15 +110,6 @@ def _serve(config: Config, spec_path: str) -> dict[str, Any]:
             "healthy": sum(d.health == "Healthy" for d in latest.devices),
             "pods": pods,
         }
-    finally:
-        if client is not None:
-            client.close()
-        if daemon is not None:
-            daemon.shutdown()
-        if pod_resources is not None:
-            pod_resources.stop()
-        if kubelet is not None:
-            kubelet.stop()
 
 
 def _registered(kubelet: KubeletStub, log_dir: str) -> list[dict[str, str]]:

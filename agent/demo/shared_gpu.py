@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import Config
 from agent.config_file import TimeSlicingResource
 from agent.demo.containerd import ContainerdStub, PodContainer
+from agent.demo.node import demo_node
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
 from agent.hw.sim.catalogue import GPU_MODELS
@@ -133,33 +134,16 @@ def show_shared_gpu(
 def _serve_two_pods(config: Config, spec_path: str) -> tuple[dict[str, str], str]:
     """Run the agent on the machine of ``spec_path`` with the stand-ins; returns each pod's
     replica and the ``/metrics`` text once both pods' own figures are in it."""
-    from agent.daemon import Daemon
-    from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub
-
     containerd = ContainerdStub(config.cri_socket, [
         PodContainer(p.container_id, p.pod, p.namespace, p.container, p.pod_uid) for p in PODS
     ]).start()
-    kubelet = pod_resources = daemon = client = None
     try:
-        kubelet = KubeletStub(config.kubelet_dir).start()
-        pod_resources = PodResourcesStub(config.pod_resources_socket).start()
-        daemon = Daemon.from_config(config, simulate=spec_path)
-        if not daemon.start():
-            raise AgentError("the agent stopped while starting")
-        endpoint = _registered(kubelet)
-        client = PluginClient(os.path.join(config.kubelet_dir, endpoint))
-        held = _allocate(client, kubelet)
-        _report(pod_resources, held)
-        return held, _scrape(daemon)
+        with demo_node(config, spec_path) as node:
+            client = node.client(_registered(node.kubelet))
+            held = _allocate(client, node.kubelet)
+            _report(node.pod_resources, held)
+            return held, _scrape(node.daemon)
     finally:
-        if client is not None:
-            client.close()
-        if daemon is not None:
-            daemon.shutdown()
-        if pod_resources is not None:
-            pod_resources.stop()
-        if kubelet is not None:
-            kubelet.stop()
         containerd.stop()
 
 

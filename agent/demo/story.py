@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
 from agent.demo.mps_gpu import show_mps
+from agent.demo.node import demo_node
 from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
@@ -109,38 +110,19 @@ class Story:
 
     # ------------------------------------------------------------------ the run
     def run(self, table: bool) -> dict[str, Any]:
-        from agent.daemon import Daemon
-        from agent.demo.kubelet import KubeletStub, PluginClient, PodResourcesStub
-
         workdir = tempfile.mkdtemp(prefix="gta-demo-")
         config = demo_config(workdir)
-        kubelet = pod_resources = daemon = client = None
         try:
-            self.progress(f"starting the stand-in kubelet in {workdir}")
-            kubelet = KubeletStub(config.kubelet_dir).start()
-            pod_resources = PodResourcesStub(config.pod_resources_socket).start()
-            self.progress(f"starting the agent on the simulated machine {self.machine!r}")
-            daemon = Daemon.from_config(config, simulate=self.machine)
-            if not daemon.start():
-                raise AgentError("the agent stopped while starting")
-            topology = daemon.topology
-            assert topology is not None  # start() read it
-            self.show_node(topology, config.features_dir, table)
-            endpoint, devices = self.show_registration(kubelet, table)
-            client = PluginClient(os.path.join(config.kubelet_dir, endpoint))
-            running = self.replay(topology, devices, client, table)
-            self.report_pods(pod_resources, running)
-            self.progress("waiting for the metrics to attribute GPUs to pods")
-            self.show_metrics(daemon, running, table)
+            with demo_node(config, self.machine, self.progress) as node:
+                topology = node.daemon.topology
+                assert topology is not None  # start() read it
+                self.show_node(topology, config.features_dir, table)
+                endpoint, devices = self.show_registration(node.kubelet, table)
+                running = self.replay(topology, devices, node.client(endpoint), table)
+                self.report_pods(node.pod_resources, running)
+                self.progress("waiting for the metrics to attribute GPUs to pods")
+                self.show_metrics(node.daemon, running, table)
         finally:
-            if client is not None:
-                client.close()
-            if daemon is not None:
-                daemon.shutdown()
-            if pod_resources is not None:
-                pod_resources.stop()
-            if kubelet is not None:
-                kubelet.stop()
             shutil.rmtree(workdir, ignore_errors=True)
         self.show_shared_gpu(table)
         return self.facts
