@@ -191,6 +191,28 @@ def test_a_vanished_dra_socket_is_served_again(node):
     assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
 
 
+def test_a_plugin_directory_replaced_by_a_file_is_said_once_and_served_again_once_it_can_be_made(node, caplog):
+    plugin = node.start(poll_s=0.02)
+    plugin_dir = os.path.dirname(plugin.endpoint)
+    with caplog.at_level(logging.INFO, logger="agent"):
+        shutil.rmtree(plugin_dir)
+        with open(plugin_dir, "w", encoding="utf-8") as fh:  # nothing can be served under it now
+            fh.write("not a directory\n")
+        time.sleep(2.0)  # about 100 watch rounds at poll_s
+        while_blocked = [r for r in caplog.records if r.levelno >= logging.INFO]
+        os.unlink(plugin_dir)  # the directory can be made again
+        assert eventually(lambda: os.path.exists(plugin.endpoint), 10.0), "the DRA socket is served again"
+        c = node.put_claim("c", ["gpu-0"])
+        assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert while_blocked, "the blocked socket is said"
+    assert len(while_blocked) <= 2, f"said once, not per round: {len(while_blocked)} lines in 2 s"
+    assert not [r for r in lines if r.exc_info], "no traceback for a directory we cannot use"
+    assert any(plugin_dir in r.getMessage() for r in while_blocked), "the line names the directory"
+    assert any("again" in r.getMessage() for r in lines[len(while_blocked):]), "the recovery is said"
+    assert len(lines) <= len(while_blocked) + 2, [r.getMessage() for r in lines]
+
+
 def test_stop_removes_both_sockets_and_keeps_the_checkpoint(node):
     plugin = node.start()
     c = node.put_claim("c", ["gpu-1"])
