@@ -71,15 +71,22 @@ class UnixGrpcServer:
         self._identity: tuple[int, int] | None = None
 
     def start(self) -> None:
-        """Remove a stale socket file, then serve. SocketInUseError when a live server holds
-        the socket (it is never removed), AgentError if it cannot bind."""
+        """Remove a stale socket file, then serve (again, after :meth:`stop`). SocketInUseError
+        when a live server holds the socket (it is never removed), AgentError if its
+        directory cannot be made, something else stands at its path, or it cannot bind."""
         if socket_in_use(self.path):
             raise SocketInUseError(f"{self.path}: {self._in_use}")
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:  # a regular file in its place, a read-only mount
+            raise AgentError(f"cannot make the directory {directory}: {exc.strerror}") from exc
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # a directory in its place: not ours to delete
+            raise AgentError(f"cannot replace {self.path}: {exc.strerror}") from exc
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name))
         self._add(server)
         try:
