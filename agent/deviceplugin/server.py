@@ -82,6 +82,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self._refusing = False
         self._refusing_lock = threading.Lock()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
         self._stopped.set()
@@ -195,7 +199,8 @@ class PluginServer:
             raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams, mps=mps)
+        self._new_servicer = lambda: DevicePluginServicer(handler, health, events, max_streams=max_streams, mps=mps)
+        self.servicer = self._new_servicer()
         self.max_workers = max_workers
         self._unix = UnixGrpcServer(
             self.path,
@@ -209,8 +214,11 @@ class PluginServer:
         )
 
     def start(self) -> None:
-        """Remove a stale socket file, then serve. Raises SocketInUseError when a live
-        server holds the socket (it is never removed), AgentError if it cannot bind."""
+        """Remove a stale socket file, then serve (again after :meth:`stop`, with a new
+        servicer: the old one's streams have ended). Raises SocketInUseError when a live
+        server holds the socket (it is never removed), AgentError if it cannot serve there."""
+        if self.servicer.stopped:
+            self.servicer = self._new_servicer()
         self._unix.start()
 
     def socket_present(self) -> bool:
