@@ -160,7 +160,8 @@ def test_a_refused_registration_is_logged_with_the_kubelets_reason_and_serving_g
                                                                error="driver name conflicts"), timeout=5)
     refusals = [r for r in caplog.records if "kubelet refused" in r.getMessage()]
     assert [r.getMessage().split(" (")[0] for r in refusals] == [
-        "kubelet refused DRA driver gpu.gpu-agent.io: driver name conflicts"], "once per reason"
+        "registering DRA driver gpu.gpu-agent.io failed: the kubelet refused it: driver name conflicts"
+    ], "once per reason"
     assert not plugin.ready()
     assert reg.GetInfo(reg_pb.InfoRequest(), timeout=5).name == DRIVER
     reg.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)

@@ -25,6 +25,7 @@ from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
 from agent.kubelet.unix_server import UnixGrpcServer
+from agent.retry import Outage
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,12 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         # stream is refused, so the rest of the pool always serves the unary calls.
         self.max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
-        # True from a refused stream until one is accepted again: the refusals in between
-        # are one state, logged once
-        self._refusing = False
+        # From a refused stream until one is accepted again: the refusals in between are one
+        # outage, said once (the lock: gRPC workers refuse and accept concurrently)
+        self._refusing = Outage(
+            log, f"{self.resource.name}: opening a ListAndWatch stream", recovered_level=None,
+            retrying="refusals are counted in gpu_agent_list_and_watch_refused_total",
+        )
         self._refusing_lock = threading.Lock()
 
     @property
@@ -97,20 +101,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
             self.events.stream_refused(self.resource.name)
-            with self._refusing_lock:
-                first, self._refusing = not self._refusing, True
-            if first:  # one line per change of state: a client retrying in a loop is counted
-                log.warning(
-                    "%s: refusing ListAndWatch streams: %d are open already (the kubelet needs one);"
-                    " refusals are counted in gpu_agent_list_and_watch_refused_total",
-                    self.resource.name, self.max_streams,
+            with self._refusing_lock:  # a client retrying in a loop is counted, not logged
+                self._refusing.failed(
+                    f"refusing ListAndWatch streams: {self.max_streams} are open already (the kubelet needs one)"
                 )
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.resource.name}: at most {self.max_streams} ListAndWatch streams at a time",
             )
         with self._refusing_lock:
-            self._refusing = False
+            self._refusing.recovered()
         try:
             context.add_callback(self.health.wake)
             sent: tuple[int, int] | None = None

@@ -40,6 +40,7 @@ from agent.errors import AgentError, shorten
 from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
 from agent.kubelet.unix_server import UnixGrpcServer
+from agent.retry import Outage
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -171,12 +172,18 @@ class DraPlugin:
             on_vanished=self._vanished, on_served=self._served,
         )
         self._keeper.keep([self._dra_server, self._reg_server], ["the DRA service", "the DRA registration"])
-        # Lock order: a leaf guarding ``_registered`` and ``_last_refusal`` (written by the
-        # gRPC worker of NotifyRegistrationStatus and by the keeper's thread); held only to
-        # read or assign them, never across I/O.
+        # Lock order: ``_lock`` is a leaf guarding ``_registered`` (written by the gRPC worker
+        # of NotifyRegistrationStatus and by the keeper's thread), held only to read or
+        # assign it, never across I/O. ``_refusal_lock`` serialises the refusals' log lines
+        # (NotifyRegistrationStatus only); nothing else waits on it.
         self._lock = threading.Lock()
         self._registered = False
-        self._last_refusal: str | None = None
+        self._refusal_lock = threading.Lock()
+        self._refused = Outage(
+            log, f"registering DRA driver {self.driver_name}", level=logging.ERROR, recovered_level=None,
+            per_reason=True,
+            retrying="still serving; the kubelet retries when it restarts or the registration socket is re-created",
+        )
 
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
@@ -229,16 +236,12 @@ class DraPlugin:
     def _registration_status(self, registered: bool, error: str) -> None:
         with self._lock:
             self._registered = registered
-            repeated = not registered and error == self._last_refusal
-            self._last_refusal = None if registered else error
-        if registered:
-            log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
-        elif not repeated:
-            log.error(
-                "kubelet refused DRA driver %s: %s (still serving; the kubelet retries when it"
-                " restarts or the registration socket is re-created)", self.driver_name,
-                shorten(error, 400) if error else "no reason given",
-            )
+        with self._refusal_lock:  # said once per reason
+            if not registered:
+                self._refused.failed(f"the kubelet refused it: {shorten(error, 400) if error else 'no reason given'}")
+                return
+            self._refused.recovered()
+        log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
 
     def _vanished(self, server: Served) -> None:
         if server is self._reg_server:
