@@ -47,6 +47,7 @@ from agent.dra.readback import (
     same_content,
 )
 from agent.dra.slices import API_VERSIONS, DEFAULT_DRIVER, SETS_API_VERSIONS, render_slices
+from agent.retry import Backoff
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class SlicePublisher:
             self.update()
 
     def _run(self) -> None:
-        backoff = self.backoff_initial_s
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         next_resync = time.monotonic() + self.resync_s
         while True:
             with self._cond:
@@ -250,21 +251,19 @@ class SlicePublisher:
                 self._log_failure(exc)
                 with self._cond:
                     self._dirty = True
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.next())
                 continue
             except Exception as exc:  # a bug must not kill the thread: log, back off, retry
                 log.exception("ResourceSlice publisher failed unexpectedly")
                 self._last_reason = f"unexpected {type(exc).__name__}"
                 with self._cond:
                     self._dirty = True
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.next())
                 continue
             if self._last_reason is not None:
                 log.info("ResourceSlices of node %s published again (after: %s)", self.node_name, self._last_reason)
                 self._last_reason = None
-            backoff = self.backoff_initial_s
+            backoff.reset()
             next_resync = time.monotonic() + self.resync_s
             self._ready.set()
 
