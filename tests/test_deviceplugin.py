@@ -9,7 +9,6 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
+from agent.kubelet.unix_server import UnixGrpcServer
 from agent.metrics.self_metrics import AgentMetrics
 
 
@@ -147,9 +147,9 @@ class _SlowRegistration(pb_grpc.RegistrationServicer):
 
 def test_readiness_answers_at_once_while_a_slow_register_is_in_flight(node):
     slow = _SlowRegistration(delay_s=1.5)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_RegistrationServicer_to_server(slow, server)
-    server.add_insecure_port(f"unix:{os.path.join(node.kubelet_dir, 'kubelet.sock')}")
+    server = UnixGrpcServer(os.path.join(node.kubelet_dir, "kubelet.sock"),
+                            lambda s: pb_grpc.add_RegistrationServicer_to_server(slow, s), name="slow-kubelet",
+                            max_workers=2)
     server.start()
     try:
         node.start(hgx8_topology(), kubelet=False, register_timeout_s=3.0)
