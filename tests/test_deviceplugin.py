@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -129,6 +130,30 @@ def test_stale_socket_file_is_replaced(node):
     open(os.path.join(node.kubelet_dir, "nvidia-gpu.sock"), "w").close()
     node.start(hgx8_topology())
     assert eventually(node.manager.ready, 2.0)
+    assert node.client().options().get_preferred_allocation_available
+
+
+def test_a_socket_another_live_plugin_took_is_left_alone_said_once_and_served_once_free(node, caplog):
+    node.start(hgx8_topology())
+    assert eventually(node.manager.ready, 2.0)
+    ours = os.path.join(node.kubelet_dir, "nvidia-gpu.sock")
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # NVIDIA's plugin on the same directory
+    other.bind(ours + ".new")
+    other.listen()
+    theirs = os.stat(ours + ".new").st_ino
+    try:
+        with caplog.at_level(logging.INFO, logger="agent"):
+            os.rename(ours + ".new", ours)  # it takes the name over ours
+            time.sleep(1.0)  # 20 watch rounds
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+            assert os.stat(ours).st_ino == theirs, "another live server's socket is never removed"
+            assert not node.manager.ready()
+            other.close()
+            os.unlink(ours)  # it is gone
+            assert eventually(node.manager.ready, 5.0), "served and registered again"
+    finally:
+        other.close()
+    assert len(said) <= 2 and any("another device plugin is serving on this socket" in m for m in said), said
     assert node.client().options().get_preferred_allocation_available
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import replace
@@ -213,6 +214,29 @@ def test_a_plugin_directory_replaced_by_a_file_is_said_once_and_served_again_onc
     assert not [r for r in lines if r.exc_info], "no traceback for a directory we cannot use"
     assert any(plugin_dir in r.getMessage() for r in while_blocked), "the line names the directory"
     assert len(lines) <= len(while_blocked) + 2, [r.getMessage() for r in lines]
+
+
+def test_a_dra_socket_another_live_server_took_is_left_alone_said_once_and_served_once_free(node, caplog):
+    plugin = node.start(poll_s=0.02)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a second driver on the same directory
+    other.bind(plugin.endpoint + ".new")
+    other.listen()
+    theirs = os.stat(plugin.endpoint + ".new").st_ino
+    try:
+        with caplog.at_level(logging.INFO, logger="agent"):
+            os.rename(plugin.endpoint + ".new", plugin.endpoint)  # it takes the name over ours
+            time.sleep(1.0)  # about 50 watch rounds
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+            assert os.stat(plugin.endpoint).st_ino == theirs, "another live server's socket is never removed"
+            other.close()
+            os.unlink(plugin.endpoint)  # it is gone
+            assert eventually(lambda: os.path.exists(plugin.endpoint), 10.0)
+    finally:
+        other.close()
+    assert said, "the taken socket is said"
+    assert len(said) <= 2 and any("another server is serving on this socket" in m for m in said), said
+    c = node.put_claim("c", ["gpu-0"])
+    assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
 
 
 def test_stop_removes_both_sockets_and_keeps_the_checkpoint(node):

@@ -4,7 +4,9 @@ plugins and the DRA plugin (registration and service sockets) all serve this way
 Never takes a socket a live server holds (a second agent, or NVIDIA's plugin, on the same
 directory): :class:`SocketInUseError`, and the file is left alone. On stop only our own
 socket file is removed (identified by inode and change time: tmpfs and ext4 hand a freed
-inode number to the next file).
+inode number to the next file); gRPC's listener unlinks its path when it stops, whoever's
+file stands there by then, so a file that replaced ours is held by a hard link across the
+stop and put back.
 """
 
 from __future__ import annotations
@@ -101,6 +103,20 @@ class UnixGrpcServer:
         self._server = server
         self._identity = _identity(self.path)
 
+    def _hold_foreign_socket(self) -> str | None:
+        """A second name (a hard link) for what stands at our path when it is not our socket
+        (another server took the name): gRPC's listener unlinks its path when it stops,
+        whatever stands there then, and the link lets us put that file back."""
+        if self._identity is None or self.socket_present() or _identity(self.path) is None:
+            return None
+        keep = f"{self.path}.keep-{os.getpid()}"
+        try:
+            os.link(self.path, keep)
+        except OSError as exc:  # gone meanwhile, or a filesystem without hard links
+            log.debug("cannot hold %s while stopping: %s", self.path, exc)
+            return None
+        return keep
+
     def socket_present(self) -> bool:
         """True while our socket file is still in place (the kubelet removes it on restart)."""
         return self._identity is not None and _identity(self.path) == self._identity
@@ -108,10 +124,26 @@ class UnixGrpcServer:
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving and remove our socket file (never another process's)."""
         if self._server is not None:
-            self._server.stop(grace_s).wait(grace_s + 1.0)
-            self._server = None
+            keep = self._hold_foreign_socket()
+            try:
+                self._server.stop(grace_s).wait(grace_s + 1.0)
+            finally:
+                self._server = None
+                if keep is not None:
+                    _put_back(keep, self.path)
         if self.socket_present():
             try:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def _put_back(keep: str, path: str) -> None:
+    """Give ``path`` back the file held at ``keep`` if the stop removed it; drop the link."""
+    try:
+        if os.path.lexists(path):
+            os.unlink(keep)
+        else:
+            os.rename(keep, path)
+    except OSError as exc:
+        log.debug("cannot put %s back: %s", path, exc)
