@@ -8,11 +8,12 @@ condition until something changes (or shutdown), then sends the whole list again
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
@@ -199,7 +200,9 @@ class PluginServer:
             raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self._new_servicer = lambda: DevicePluginServicer(handler, health, events, max_streams=max_streams, mps=mps)
+        self._new_servicer: Callable[[], DevicePluginServicer] = functools.partial(
+            DevicePluginServicer, handler, health, events, max_streams=max_streams, mps=mps
+        )
         self.servicer = self._new_servicer()
         self.max_workers = max_workers
         self._unix = UnixGrpcServer(
