@@ -143,6 +143,7 @@ def test_a_socket_another_live_plugin_took_is_left_alone_said_once_and_served_on
     theirs = os.stat(ours + ".new").st_ino
     try:
         with caplog.at_level(logging.INFO, logger="agent"):
+            caplog.clear()
             os.rename(ours + ".new", ours)  # it takes the name over ours
             time.sleep(1.0)  # 20 watch rounds
             said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]

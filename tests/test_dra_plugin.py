@@ -197,14 +197,16 @@ def test_a_plugin_directory_replaced_by_a_file_is_said_once_and_served_again_onc
     plugin = node.start(poll_s=0.02)
     plugin_dir = os.path.dirname(plugin.endpoint)
     with caplog.at_level(logging.INFO, logger="agent"):
+        caplog.clear()
         shutil.rmtree(plugin_dir)
         with open(plugin_dir, "w", encoding="utf-8") as fh:  # nothing can be served under it now
             fh.write("not a directory\n")
         time.sleep(2.0)  # about 100 watch rounds at poll_s
-        while_blocked = [r for r in caplog.records if r.levelno >= logging.INFO]
+        blocked = len(caplog.records)
+        while_blocked = [r for r in caplog.records[:blocked] if r.levelno >= logging.INFO]
         os.unlink(plugin_dir)  # the directory can be made again
         assert eventually(lambda: os.path.exists(plugin.endpoint), 10.0), "the DRA socket is served again"
-        assert eventually(lambda: any("again" in r.getMessage() for r in caplog.records[len(while_blocked):])), \
+        assert eventually(lambda: any("again" in r.getMessage() for r in caplog.records[blocked:])), \
             "the recovery is said"
         lines = [r for r in caplog.records if r.levelno >= logging.INFO]
     c = node.put_claim("c", ["gpu-0"])
@@ -224,6 +226,7 @@ def test_a_dra_socket_another_live_server_took_is_left_alone_said_once_and_serve
     theirs = os.stat(plugin.endpoint + ".new").st_ino
     try:
         with caplog.at_level(logging.INFO, logger="agent"):
+            caplog.clear()
             os.rename(plugin.endpoint + ".new", plugin.endpoint)  # it takes the name over ours
             time.sleep(1.0)  # about 50 watch rounds
             said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
