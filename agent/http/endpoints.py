@@ -7,10 +7,10 @@
   503 and closed at once), each request whole within ``REQUEST_DEADLINE_S`` of the
   connection or of the previous response (TLS handshake included; a total, not per read),
   behind the web configuration's TLS and basic auth (``--web-config-file``,
-  :mod:`agent.metrics.webconfig`) when one is given;
+  :mod:`agent.http.webconfig`) when one is given;
 - the probe address (``config.probe_address``, by default the next port): ``/health`` and
   ``/ready`` for the kubelet, plain HTTP, on a listener no ``/metrics`` client shares and no
-  client can hold (:mod:`agent.metrics.probes`).
+  client can hold (:mod:`agent.http.probes`).
 
 ``render`` None means the agent is not sampling yet (waiting for NVML): ``/metrics`` answers
 503 (:class:`WaitingEndpoint`).
@@ -31,8 +31,8 @@ from typing import Any, Callable
 from agent.config import Config, probe_address_of
 from agent.errors import shorten
 from agent.formats import parse_host_port
-from agent.metrics.probes import ProbeServer
-from agent.metrics.webconfig import WebConfig, WebConfigWatch, load_web_config
+from agent.http.probes import ProbeServer
+from agent.http.webconfig import WebConfig, WebConfigWatch, load_web_config
 
 log = logging.getLogger(__name__)
 
