@@ -25,6 +25,7 @@ protocol_version  # http.server: BaseHTTPRequestHandler class attribute (HTTP/1.
 daemon_threads  # socketserver.ThreadingMixIn class attribute
 allow_reuse_address  # socketserver.TCPServer class attribute
 request_queue_size  # socketserver.TCPServer class attribute: the listen backlog
+address_family  # socketserver.TCPServer class attribute: the IPv6 metrics listener's
 _.handle_error  # socketserver.BaseServer hook: client resets logged quietly
 _.setup  # socketserver.BaseRequestHandler hook: the metrics handler's TLS handshake and deadline
 _.readable  # io.RawIOBase: BufferedReader asks it of the deadline reader (agent/http/endpoints.py)
