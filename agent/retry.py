@@ -80,11 +80,6 @@ class Outage:
     def failing(self) -> bool:
         return self._reason is not None
 
-    @property
-    def reason(self) -> str | None:
-        """The last failure's reason; None while things work."""
-        return self._reason
-
     def failed(self, reason: str, *, exc_info: bool = False) -> bool:
         """One more failure; True when it was said (the outage's first, or a new reason)."""
         news = self._reason is None or (self.per_reason and reason != self._reason)

@@ -44,7 +44,7 @@ from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
-from agent.kubelet.plugin_socket import KubeletChange, Served, SocketKeeper
+from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.podresources import rpc_message
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.retry import Backoff, Outage
@@ -269,7 +269,7 @@ class DevicePluginManager:
         finally:
             request.done.set()
 
-    def _kubelet_changed(self, change: KubeletChange) -> None:
+    def _kubelet_changed(self, restarted: bool) -> None:
         """A new kubelet socket (or none): every resource registers again, at once."""
         with self._lock:
             slots = list(self._slots)
@@ -278,7 +278,7 @@ class DevicePluginManager:
         for slot in slots:
             slot.next_try_s = 0.0
             slot.register_backoff.reset()
-        if change.restarted:
+        if restarted:
             self.events.kubelet_restart()
             if self._on_kubelet_restart is not None:
                 self._on_kubelet_restart()

@@ -20,14 +20,15 @@ It follows what the kubelet does to plugin sockets:
   serving that socket.
 
 What it does each round (every ``poll_s``, on its one thread, or at once on :meth:`wake`):
-the owner's ``before_round``; the kubelet socket's identity (found, gone, re-created: a
-restart, or something that is not a socket there, each said once; ``on_kubelet`` hears of
-each change; only with a ``kubelet_dir``); then every kept socket that vanished is served again. It never fights
-another owner: a socket a live server holds is left alone (:class:`SocketInUseError`, said
-once until it is free). A failure to serve is said once, retried with capped exponential
-backoff, and its end said once; a round that fails unexpectedly is said once per distinct
-error (with its traceback) and retried with backoff. Then the owner's ``after_round``
-(the device plugin registers there).
+the owner's ``before_round``; with a ``kubelet_dir``, the kubelet socket's identity (found,
+gone, re-created: a restart, or something that is not a socket there, each said once, and
+``on_kubelet`` hears of each change); then every kept socket that vanished is served again.
+It never fights another owner: a socket a live server holds is left alone
+(:class:`SocketInUseError`, said once until it is free; gRPC's unlink on stop is guarded in
+:class:`~agent.kubelet.unix_server.UnixGrpcServer`). A failure to serve is said once,
+retried with capped exponential backoff, and its end said once; a round that fails
+unexpectedly is said once per distinct error (with its traceback) and retried with backoff.
+Then the owner's ``after_round`` (the device plugin registers there).
 
 Log lines go to the owner's logger (``log``): they are about the owner's sockets.
 """
@@ -48,7 +49,7 @@ from agent.kubelet.unix_server import SocketInUseError
 from agent.retry import Backoff, Outage
 from agent.worker import Worker
 
-__all__ = ["KubeletChange", "Served", "SocketKeeper"]
+__all__ = ["Served", "SocketKeeper"]
 
 
 class Served(Protocol):
@@ -63,15 +64,6 @@ class Served(Protocol):
     def stop(self, grace_s: float = 1.0) -> None: ...
 
     def socket_present(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class KubeletChange:
-    """The kubelet socket changed: ``present`` (a socket stands there now) and ``restarted``
-    (it was re-created after one had been seen: the kubelet restarted)."""
-
-    present: bool
-    restarted: bool
 
 
 @dataclass
@@ -99,7 +91,8 @@ class SocketKeeper(Worker):
     its ``kubelet.sock`` in (None: no kubelet socket is watched and the sockets' directories
     are made as needed, the DRA side; :meth:`follow_kubelet` changes it). The callbacks run on the
     keeper's thread, with no lock of the keeper held: ``before_round()``,
-    ``on_kubelet(change)``, ``on_vanished(server)`` before a vanished socket is served
+    ``on_kubelet(restarted)`` when the kubelet socket changed (appeared, went, or was
+    re-created after one had been seen: ``restarted``), ``on_vanished(server)`` before a vanished socket is served
     again, ``on_served(server)`` once it is, and ``after_round(kubelet_present)``.
     """
 
@@ -113,7 +106,7 @@ class SocketKeeper(Worker):
         max_backoff_s: float = 5.0,
         kubelet_dir: str | None = None,
         before_round: Callable[[], None] | None = None,
-        on_kubelet: Callable[[KubeletChange], None] | None = None,
+        on_kubelet: Callable[[bool], None] | None = None,
         on_vanished: Callable[[Served], None] | None = None,
         on_served: Callable[[Served], None] | None = None,
         after_round: Callable[[bool], None] | None = None,
@@ -241,7 +234,7 @@ class SocketKeeper(Worker):
         watch.seen = watch.seen or identity is not None
         watch.identity = identity
         if self._on_kubelet is not None:
-            self._on_kubelet(KubeletChange(identity is not None, restarted))
+            self._on_kubelet(restarted)
         return identity is not None
 
     def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
