@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     config = effective_config(args)
     resource = _pick_resource(build_resources(topology, config), args.resource)
     if args.explain and resource.kind is not ResourceKind.GPU:
-        raise UsageError(f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind.value} devices")
+        raise UsageError(
+            f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind.value} devices")
     if args.available is None:
         available = [d.id for d in resource.devices if not topology.gpus[d.gpu_index].lost]
     else:
@@ -265,7 +266,8 @@ def _print_devices(args: argparse.Namespace, topology: Topology, handler: Reques
     score = topology.set_score(sorted(set(indices)))
     sharing = resource.sharing.strategy if resource.sharing is not None else "none"
     # an MPS replica's client settings, as Allocate hands them to the container
-    mps = {k: v for k, v in handler.allocate(devices).envs.items() if k.startswith("CUDA_MPS_")} if sharing == "mps" else {}
+    envs = handler.allocate(devices).envs if sharing == "mps" else {}
+    mps = {k: v for k, v in envs.items() if k.startswith("CUDA_MPS_")}
     if args.format == "json":
         doc: dict[str, Any] = {"devices": devices, "indices": indices, "score": score, "resource": resource.name,
                                "sharing": sharing}

@@ -19,7 +19,12 @@ from typing import NoReturn, Sequence
 from agent.config import Config
 from agent.containers import ContainerAdditions, ContainerDevice, container_facts
 from agent.deviceplugin.device_lists import ContainerResponse, render
-from agent.deviceplugin.resources import PluginDevice, PluginResource, ResourceKind, physical_devices
+from agent.deviceplugin.resources import (
+    PluginDevice,
+    PluginResource,
+    ResourceKind,
+    physical_devices,
+)
 from agent.errors import AllocationError
 from agent.sharing.base import Share, replicas_per_gpu
 from agent.topology.allocator import AllocationEngine

@@ -25,7 +25,13 @@ import re
 from typing import Any, Sequence
 
 from agent.config import Config
-from agent.containers import IMEX_CHANNELS_ENV, VISIBLE_DEVICES_ENV, ContainerFacts, DeviceNode, container_facts
+from agent.containers import (
+    IMEX_CHANNELS_ENV,
+    VISIBLE_DEVICES_ENV,
+    ContainerFacts,
+    DeviceNode,
+    container_facts,
+)
 from agent.dra.devices import DeviceRef
 from agent.files import remove_file, write_json_atomic
 from agent.topology.model import Topology

@@ -59,6 +59,7 @@ from typing import Mapping
 
 from agent.config import Config
 from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
+from agent.sharing import strategy_label
 from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
@@ -186,7 +187,7 @@ def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
     ]
     out = {} if None in answers else {GFD_PREFIX + "mig.capable": str(any(answers)).lower()}
     out |= {
-        GFD_PREFIX + "mps.capable": str(config.sharing_strategy == "mps" and _mps_capable(topology)).lower(),
+        GFD_PREFIX + "mps.capable": str(strategy_label(config) == "mps" and _mps_capable(topology)).lower(),
         GFD_PREFIX + "gpu.mode": _gpu_mode(topology),
     }
     if config.mig_strategy != "none":
@@ -257,7 +258,7 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
         out[key + "product"] = product
     out[key + "count"] = str(len(same_model))
     out[key + "replicas"] = str(replicas)
-    out[key + "sharing-strategy"] = config.sharing_strategy if shared else "none"
+    out[key + "sharing-strategy"] = strategy_label(config) if shared else "none"
     memories = [g.memory_mib for g in same_model if g.memory_mib]
     if memories:
         out[key + "memory"] = str(min(memories))

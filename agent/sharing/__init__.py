@@ -14,3 +14,11 @@ def sharing_for(config: Config) -> Sharing:
     """The configured sharing: MPS under ``sharing.mps``, else time-slicing (which shares
     nothing while ``sharing.timeSlicing`` is empty)."""
     return MPS if config.mps else TIME_SLICING
+
+
+def strategy_label(config: Config) -> str:
+    """GFD's ``gpu.sharing-strategy``: the configured sharing's name (``time-slicing``,
+    ``mps``) when a resource is shared into more than one replica, else ``none``."""
+    if any(r.replicas > 1 for r in config.shared_resources):
+        return sharing_for(config).strategy
+    return "none"

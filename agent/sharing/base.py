@@ -1,7 +1,7 @@
-"""The sharing interface and its records: sharing a GPU between containers, as one concept with two instances: time-slicing
-(:mod:`agent.sharing.timeslicing`) and MPS (:mod:`agent.sharing.mps`), both configured as
-NVIDIA's device plugin configures them (``sharing.timeSlicing`` / ``sharing.mps``, the same
-``resources`` entries).
+"""The sharing interface and its records: sharing a GPU between containers, as one concept
+with two instances: time-slicing (:mod:`agent.sharing.timeslicing`) and MPS
+(:mod:`agent.sharing.mps`), both configured as NVIDIA's device plugin configures them
+(``sharing.timeSlicing`` / ``sharing.mps``, the same ``resources`` entries).
 
 A :class:`Sharing` says, for its instance:
 

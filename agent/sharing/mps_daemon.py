@@ -42,7 +42,12 @@ from typing import Callable, Mapping
 
 from agent.errors import AgentError
 from agent.sharing.base import PROBE_INTERVAL_S
-from agent.sharing.mps_paths import mps_memory_limit_mib, mps_resource_dir, mps_shm_dir, mps_thread_percentage
+from agent.sharing.mps_paths import (
+    mps_memory_limit_mib,
+    mps_resource_dir,
+    mps_shm_dir,
+    mps_thread_percentage,
+)
 from agent.topology.model import Topology
 from agent.worker import Worker
 
