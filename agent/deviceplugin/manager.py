@@ -18,8 +18,8 @@ kubelet-watch thread registers and re-serves; the metrics HTTP server calls
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
-A shared resource whose sharing needs a supervisor (MPS: a control daemon,
-:mod:`agent.sharing`) has one, synced with the servers; the watch thread registers such a
+A shared resource whose sharing needs a supervisor (:mod:`agent.sharing`: a daemon that
+keeps the replicas servable) has one, synced with the servers; the watch thread registers such a
 resource once its sharing is ready.
 
 Size: above 400 lines because it is one lifecycle: the servers per resource, their
@@ -43,7 +43,7 @@ from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
+from agent.deviceplugin.server import PLUGIN_OPTIONS, DeviceListChanges, PluginServer
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
@@ -122,6 +122,7 @@ class DevicePluginManager:
         self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
         self._supervisors = Supervisors(self._sharing_changed, supervisor_probe_s)  # the servers' owner only
+        self._changes = DeviceListChanges().follow(health)  # what the device-list streams wait on
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
@@ -206,7 +207,7 @@ class DevicePluginManager:
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
             RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
-            supervisor=self._supervisors.get(resource.name),
+            supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
         server.start()
         return server
@@ -214,7 +215,7 @@ class DevicePluginManager:
     def _sharing_changed(self) -> None:
         """A sharing supervisor became ready or stopped being ready: re-send the device lists
         and let the watch thread register a resource whose sharing is now ready."""
-        self.health.wake()
+        self._changes.changed()
         self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:

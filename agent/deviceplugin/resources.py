@@ -1,11 +1,11 @@
 """Which resources the node advertises and which device IDs each holds.
 
 A pure function of (Topology, Config): MIG strategy ``none`` / ``single`` / ``mixed``,
-time-slicing (``sharing.timeSlicing``) and MPS (``sharing.mps``) as NVIDIA's device plugin
+the sharing sections' replicas (:mod:`agent.sharing`) as NVIDIA's device plugin
 defines them, except that per-GPU sharing (``devices``) and ``rename`` really take effect.
 Device IDs are the anchor's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
-n-th replica, however shared (time-slicing or MPS: the resource's :mod:`agent.sharing`
-instance checks the node and says what a share adds).
+n-th replica, however shared (the resource's :mod:`agent.sharing` instance checks the node
+and says what a share adds).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ResourceKind(enum.Enum):
 
     GPU = "gpu"
     MIG = "mig"
-    REPLICA = "replica"  # replicas of shared GPUs (time-sliced or MPS)
+    REPLICA = "replica"  # replicas of shared GPUs, however shared
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from typing import Mapping
 from agent.config import Config
 from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
 from agent.sharing import strategy_label
+from agent.sharing.mps import MPS
 from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
@@ -187,22 +188,12 @@ def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
     ]
     out = {} if None in answers else {GFD_PREFIX + "mig.capable": str(any(answers)).lower()}
     out |= {
-        GFD_PREFIX + "mps.capable": str(strategy_label(config) == "mps" and _mps_capable(topology)).lower(),
+        GFD_PREFIX + "mps.capable": str(strategy_label(config) == MPS.strategy and MPS.capable(topology)).lower(),
         GFD_PREFIX + "gpu.mode": _gpu_mode(topology),
     }
     if config.mig_strategy != "none":
         out[GFD_PREFIX + "mig.strategy"] = config.mig_strategy
     return out
-
-
-def _mps_capable(topology: Topology) -> bool:
-    """GFD's rule (no GPU in MIG mode) and NVML's word on the others: a GPU in compute mode
-    Prohibited or below compute capability 3.5 cannot run an MPS server."""
-    return not any(
-        g.mig_enabled or g.compute_mode == "Prohibited"
-        or (g.compute_capability is not None and g.compute_capability < (3, 5))
-        for g in topology.gpus
-    )
 
 
 def _known_model(name: str) -> bool:

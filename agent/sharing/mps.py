@@ -78,6 +78,15 @@ class Mps:
                     f" accepts ({limit} per GPU{'' if cc is None else f' at compute capability {cc[0]}.{cc[1]}'})"
                 )
 
+    def capable(self, topology: Topology) -> bool:
+        """GFD's ``mps.capable`` rule (no GPU in MIG mode) and NVML's word on the others: no
+        GPU in compute mode Prohibited or below compute capability 3.5."""
+        return not any(
+            g.mig_enabled or g.compute_mode == "Prohibited"
+            or (g.compute_capability is not None and g.compute_capability < MPS_MIN_COMPUTE_CAPABILITY)
+            for g in topology.gpus
+        )
+
     def additions(self, share: Share, topology: Topology, devices: Sequence[ContainerDevice],
                   config: Config) -> ContainerAdditions | None:
         """The pipe directory, and the limits of the replicas held: per GPU, ``held`` times a
