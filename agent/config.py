@@ -132,16 +132,6 @@ class Config:
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
-    @property
-    def shared_resources(self) -> tuple[TimeSlicingResource, ...]:
-        """The entries of whichever sharing section is in use (they are exclusive)."""
-        return self.mps or self.time_slicing
-
-    @property
-    def sharing_section(self) -> str:
-        """The config file's key of :attr:`shared_resources`, for messages."""
-        return "sharing.mps" if self.mps else "sharing.timeSlicing"
-
 
 # ----------------------------------------------------------------------------- loading
 

@@ -8,7 +8,7 @@ import pytest
 
 from agent.config import Config, TimeSlicingResource, load_config
 from agent.errors import ConfigError
-from agent.sharing import strategy_label
+from agent.sharing import sharing_for, strategy_label
 
 MPS_FILE = """\
 version: v1
@@ -37,7 +37,7 @@ def test_mps_section_reads_every_field_of_the_anchors_replicated_resources(tmp_p
     assert c.time_slicing == ()
     assert c.rename_by_default is True
     assert c.mps_root == "/var/run/mps"
-    assert (strategy_label(c), c.sharing_section) == ("mps", "sharing.mps")
+    assert (strategy_label(c), sharing_for(c).section) == ("mps", "sharing.mps")
 
 
 def test_mps_refuses_requests_above_one_unless_the_file_says_otherwise(tmp_path):

@@ -167,7 +167,7 @@ def _shared_name(base: str, entry: TimeSlicingResource, rename_by_default: bool)
 
 
 #: A planned device: a base device and how many replicas of it are advertised (0: the
-#: device itself), with the ``sharing.timeSlicing.resources`` entry that asked (or None).
+#: device itself), with the sharing section's ``resources`` entry that asked (or None).
 _Planned = tuple[PluginDevice, int, "int | None"]
 
 
@@ -177,8 +177,9 @@ def _plan(topology: Topology, config: Config) -> dict[str, list[_Planned]]:
     base = _base_resources(topology, config.mig_strategy)
     plan: dict[str, list[_Planned]] = {}
     claimed: set[str] = set()
-    section = config.sharing_section
-    for i, entry in enumerate(config.shared_resources):
+    sharing = sharing_for(config)
+    section = sharing.section
+    for i, entry in enumerate(sharing.entries(config)):
         if entry.name not in base:
             log.warning("%s.resources[%d]: no %s on this node", section, i, entry.name)
             continue
@@ -281,9 +282,10 @@ def _check_sizes(plan: dict[str, list[_Planned]], config: Config) -> None:
 def _replica_fields(planned: list[_Planned], config: Config) -> str:
     """The ``replicas`` fields that made ``planned``: ``sharing.timeSlicing.resources[0,2].replicas``."""
     entries = sorted({i for _, replicas, i in planned if replicas and i is not None})
+    section = sharing_for(config).section
     if not entries:
-        return config.sharing_section
-    return f"{config.sharing_section}.resources[{shorten(','.join(map(str, entries)), 40)}].replicas"
+        return section
+    return f"{section}.resources[{shorten(','.join(map(str, entries)), 40)}].replicas"
 
 
 def _check_sockets(out: tuple[PluginResource, ...], config: Config) -> None:

@@ -59,7 +59,7 @@ from typing import Mapping
 
 from agent.config import Config
 from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
-from agent.sharing import strategy_label
+from agent.sharing import sharing_for, strategy_label
 from agent.sharing.mps import MPS
 from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
@@ -219,7 +219,7 @@ def _gpu_mode(topology: Topology) -> str:
 def _sharing(config: Config, resource: str) -> tuple[int, bool]:
     """(replicas, renamed) for ``resource`` from ``sharing.timeSlicing`` or ``sharing.mps``;
     (1, False) if not shared."""
-    for r in config.shared_resources:
+    for r in sharing_for(config).entries(config):
         if r.name == resource and r.replicas > 1:
             return r.replicas, bool(r.rename) or config.rename_by_default
     return 1, False

@@ -19,6 +19,5 @@ def sharing_for(config: Config) -> Sharing:
 def strategy_label(config: Config) -> str:
     """GFD's ``gpu.sharing-strategy``: the configured sharing's name (``time-slicing``,
     ``mps``) when a resource is shared into more than one replica, else ``none``."""
-    if any(r.replicas > 1 for r in config.shared_resources):
-        return sharing_for(config).strategy
-    return "none"
+    sharing = sharing_for(config)
+    return sharing.strategy if any(r.replicas > 1 for r in sharing.entries(config)) else "none"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
-from agent.config import Config
+from agent.config import Config, TimeSlicingResource
 from agent.containers import ContainerAdditions, ContainerDevice
 from agent.topology.model import Gpu, MigDevice, Topology
 
@@ -74,6 +74,10 @@ class Sharing(Protocol):
     strategy: str
     #: the config file's key, for messages
     section: str
+
+    def entries(self, config: Config) -> tuple[TimeSlicingResource, ...]:
+        """The configuration's ``resources`` entries of this sharing (its section's)."""
+        ...
 
     def check(self, planned: Iterable[PlannedShare], topology: Topology, config: Config) -> None:
         """Raise ConfigError, naming the GPU and the field, where the node cannot serve a

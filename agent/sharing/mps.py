@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from agent.config import Config
+from agent.config import Config, TimeSlicingResource
 from agent.containers import ContainerAdditions, ContainerDevice, Mount
 from agent.errors import ConfigError
 from agent.formats import GPU_RESOURCE
@@ -48,6 +48,9 @@ class Mps:
 
     strategy = "mps"
     section = "sharing.mps"
+
+    def entries(self, config: Config) -> tuple[TimeSlicingResource, ...]:
+        return config.mps
 
     def check(self, planned: Iterable[PlannedShare], topology: Topology, config: Config) -> None:
         where = config.config_file or "configuration"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from agent.config import Config
+from agent.config import Config, TimeSlicingResource
 from agent.containers import ContainerAdditions, ContainerDevice
 from agent.sharing.base import PlannedShare, Share, Supervisor
 from agent.topology.model import Topology
@@ -17,6 +17,9 @@ class TimeSlicing:
 
     strategy = "time-slicing"
     section = "sharing.timeSlicing"
+
+    def entries(self, config: Config) -> tuple[TimeSlicingResource, ...]:
+        return config.time_slicing
 
     def check(self, planned: Iterable[PlannedShare], topology: Topology, config: Config) -> None:
         return None
