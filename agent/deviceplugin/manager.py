@@ -14,7 +14,9 @@ set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the
 Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
 :meth:`~DevicePluginManager.set_topology` and :meth:`~DevicePluginManager.stop`; the
 kubelet-watch thread registers and re-serves; the metrics HTTP server calls
-:meth:`~DevicePluginManager.ready` and, at each scrape, :meth:`~DevicePluginManager.advertised`.
+:meth:`~DevicePluginManager.ready`. What the kubelet is offered (each device with its health) is
+reported to ``events.devices_offered`` whenever it changes, on the thread that changed it: the
+servers replaced, a GPU's health (a listener of the health state), a sharing supervisor's readiness.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
@@ -116,6 +118,9 @@ class DevicePluginManager:
         # Register call, starting or stopping a server), an event or a callback, and no
         # other lock (the health state's condition included) is taken while it is held.
         self._lock = threading.Lock()
+        # Held while the offered devices are computed and reported, so that two threads'
+        # reports cannot land out of order; taken before ``_lock`` and the health state's.
+        self._offers_lock = threading.Lock()
         self.topology = topology
         self.config = config
         self.events = events
@@ -136,6 +141,7 @@ class DevicePluginManager:
         self._round_error: str | None = None  # the last failed round's error (said once)
         self._round_backoff_s = 0.0
         self.resources: tuple[PluginResource, ...] = ()
+        health.add_listener(self._report_offers)
 
     @property
     def kubelet_socket(self) -> str:
@@ -192,8 +198,8 @@ class DevicePluginManager:
         return bool(slots) and all(s.registered and _sharing_ready(s) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
-        """(resource, device ID, healthy) for every device offered to the kubelet now (the
-        ``gpu_agent_device_healthy`` series, read at each scrape). Never waits on I/O."""
+        """(resource, device ID, healthy) for every device offered to the kubelet now. Never
+        waits on I/O."""
         with self._lock:
             resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
@@ -212,9 +218,15 @@ class DevicePluginManager:
         server.start()
         return server
 
+    def _report_offers(self) -> None:
+        """Report what the kubelet is offered now (``events.devices_offered``)."""
+        with self._offers_lock:
+            self.events.devices_offered(self.advertised())
+
     def _sharing_changed(self) -> None:
-        """A sharing supervisor became ready or stopped being ready: re-send the device lists
-        and let the watch thread register a resource whose sharing is now ready."""
+        """A sharing supervisor became ready or stopped being ready: report the offers, re-send
+        the device lists and let the watch thread register a resource whose sharing is now ready."""
+        self._report_offers()
         self._changes.changed()
         self._wake.set()
 
@@ -237,6 +249,7 @@ class DevicePluginManager:
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
+        self._report_offers()
         if resources and not os.path.exists(self.kubelet_socket):
             log.warning(
                 "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
