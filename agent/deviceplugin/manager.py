@@ -17,12 +17,13 @@ Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
 keeper's thread (``kubelet-watch``) re-serves and registers; the metrics HTTP server calls
 :meth:`~DevicePluginManager.ready`. What the kubelet is offered (each device with its health) is
 reported to ``events.devices_offered`` whenever it changes, on the thread that changed it: the
-servers replaced, a GPU's health (a listener of the health state), an MPS daemon's answering.
+servers replaced, a GPU's health (a listener of the health state), a sharing supervisor's readiness.
 Once started, the keeper's thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
-MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
-the servers; a resource is registered once its daemon first answers.
+A shared resource whose sharing needs a supervisor (:mod:`agent.sharing`: a daemon that
+keeps the replicas servable) has one, synced with the servers; such a resource is registered
+once its sharing is ready.
 """
 
 from __future__ import annotations
@@ -39,15 +40,15 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
-from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
+from agent.deviceplugin.server import PLUGIN_OPTIONS, DeviceListChanges, PluginServer
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.podresources import rpc_message
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.retry import Backoff, Outage
+from agent.sharing.base import PROBE_INTERVAL_S, Supervisor, Supervisors
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,14 @@ class _Slot:
     server: PluginServer
     register_backoff: Backoff  # the keeper's thread only
     register_outage: Outage  # the keeper's thread only
-    mps: MpsControlDaemon | None = None  # an MPS resource's control daemon
+    supervisor: Supervisor | None = None  # its sharing's supervisor, when it has one
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # the keeper's thread only
+
+
+def _sharing_ready(slot: _Slot) -> bool:
+    """The slot's resource can be served as shared: no supervisor, or a ready one."""
+    return slot.supervisor is None or slot.supervisor.ready
 
 
 @dataclass
@@ -95,7 +101,7 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
-        mps_probe_s: float = PROBE_INTERVAL_S,
+        supervisor_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
@@ -116,7 +122,8 @@ class DevicePluginManager:
         self.events = events
         self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
-        self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
+        self._supervisors = Supervisors(self._sharing_changed, supervisor_probe_s)  # the servers' owner only
+        self._changes = DeviceListChanges().follow(health)  # what the device-list streams wait on
         self._pending: _Reload | None = None
         self._stopping = threading.Event()
         self._keeper = SocketKeeper(
@@ -152,7 +159,7 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
-        self._mps.stop()
+        self._supervisors.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -178,7 +185,7 @@ class DevicePluginManager:
         readiness probe calls it)."""
         with self._lock:
             slots = list(self._slots)
-        return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
+        return bool(slots) and all(s.registered and _sharing_ready(s) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
         """(resource, device ID, healthy) for every device offered to the kubelet now. Never
@@ -186,9 +193,9 @@ class DevicePluginManager:
         with self._lock:
             resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
-        mps_down = {s.server.resource.name for s in slots if s.mps is not None and not s.mps.answering}
+        not_ready = {s.server.resource.name for s in slots if not _sharing_ready(s)}
         return [
-            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in mps_down))
+            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in not_ready))
             for r in resources for d in r.devices
         ]
 
@@ -196,7 +203,7 @@ class DevicePluginManager:
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
             RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
-            mps=self._mps.get(resource.name),
+            supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
         server.start()
         return server
@@ -206,11 +213,12 @@ class DevicePluginManager:
         with self._offers_lock:
             self.events.devices_offered(self.advertised())
 
-    def _mps_changed(self) -> None:
-        """A control daemon started or stopped answering: re-send the device lists and let the
-        keeper's thread register a resource whose daemon now answers."""
+    def _sharing_changed(self) -> None:
+        """A sharing supervisor became ready or stopped being ready: report the offers, re-send
+        the device lists and let the keeper's thread register a resource whose sharing is now
+        ready."""
         self._report_offers()
-        self.health.wake()
+        self._changes.changed()
         self._keeper.wake()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
@@ -238,7 +246,8 @@ class DevicePluginManager:
     ) -> None:
         for slot in old:
             slot.server.stop(0.5)
-        self._mps.sync(resources, topology, config)
+        self._supervisors.sync(
+            ((r.name, r.sharing, r.replicas) for r in resources if r.sharing is not None), topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
@@ -248,7 +257,7 @@ class DevicePluginManager:
                 Outage(log, f"registering {resource.name} with the kubelet", recovered_level=None, retrying=(
                     f"retrying with backoff up to {self.max_backoff_s:g} s; failures are counted in"
                     " gpu_agent_registration_failures_total")),
-                self._mps.get(resource.name),
+                self._supervisors.get(resource.name),
             )
             with self._lock:
                 self._slots.append(slot)
@@ -301,8 +310,8 @@ class DevicePluginManager:
             slot.register_backoff.reset()
 
     def _register_all(self, kubelet_present: bool) -> None:
-        """Register every served, unregistered resource whose retry is due (MPS replicas
-        once their daemon answers)."""
+        """Register every served, unregistered resource whose retry is due (shared replicas
+        once their sharing is ready)."""
         if not kubelet_present:
             return
         with self._lock:
@@ -312,8 +321,8 @@ class DevicePluginManager:
                 return
             if slot.registered or time.monotonic() < slot.next_try_s or not slot.server.socket_present():
                 continue
-            if slot.mps is not None and not slot.mps.answering:
-                continue  # MPS replicas are advertised once their daemon answers
+            if not _sharing_ready(slot):
+                continue  # shared replicas are advertised once their sharing is ready
             self._register(slot)
 
     def _register(self, slot: _Slot) -> None:
