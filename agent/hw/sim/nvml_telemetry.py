@@ -329,7 +329,15 @@ class TelemetryApi(FakeNvmlCore):
         if eventTypes & ~supported:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         with self._lock:
-            eventSet.registered[g.index] = eventSet.registered.get(g.index, 0) | eventTypes
+            before = eventSet.registered.get(g.index, 0)
+            eventSet.registered[g.index] = before | eventTypes
+        xid_type = _C["nvmlEventTypeXidCriticalError"]
+        if eventTypes & xid_type and not before & xid_type:
+            # the spec's recurring XIDs (faults.xids): the GPU raises them again, so a new
+            # watcher sees them; real NVML delivers only events raised after registration
+            for gpu, xid in self.spec.faults.xids:
+                if gpu == g.index:
+                    self._deliver(gpu, xid_type, xid)
 
     @api
     def nvmlEventSetWait(self, eventSet: _EventSet, timeoutms: int) -> Any:
