@@ -72,18 +72,22 @@ def _needed_api(context: DoctorContext) -> tuple[Any, Result | None]:
         return None, passed("not needed (device-plugin mode, file label sink, no per-node configs)")
 
 
-def _get(api: Any, path: str) -> Any:
-    """GET ``path`` as JSON; None on 404."""
+def _get(api: Any, what: str, *args: str) -> Any:
+    """``what`` (``version``, ``resource_group`` or ``resources`` of a group and version) as
+    JSON, through the client's typed calls; None on 404."""
+    from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
+    call = {"version": client.VersionApi(api).get_code,
+            "resource_group": client.ResourceApi(api).get_api_group,
+            "resources": client.CustomObjectsApi(api).get_api_resources}[what]
     try:
-        resp = api.call_api(path, "GET", _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,
-                            auth_settings=["BearerToken"])
+        resp = call(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
-    return json.loads(resp[0].data)
+    return json.loads(resp.data)
 
 
 def api_server(context: DoctorContext) -> Result:
@@ -97,7 +101,7 @@ def api_server(context: DoctorContext) -> Result:
                           "run in the DaemonSet's pod (its service account) or pass --kubeconfig")
         return passed("not needed (device-plugin mode, file label sink, no per-node configs) and not configured")
     try:
-        version = _get(api, "/version") or {}
+        version = _get(api, "version") or {}
     except Exception as exc:
         found = f"API server not reachable: {shorten(f'{type(exc).__name__}: {exc}', 200)}"
         action = "check the network path to the API server and the kubeconfig's server address"
@@ -144,7 +148,7 @@ def nodefeature_crd(context: DoctorContext) -> Result:
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]
-    listed = _get(api, f"/apis/{NFD_GROUP}/{NFD_VERSION}")
+    listed = _get(api, "resources", NFD_GROUP, NFD_VERSION)
     names = {r.get("name") for r in (listed or {}).get("resources", [])}
     if "nodefeatures" not in names:
         return failed(f"{NFD_GROUP}/{NFD_VERSION} nodefeatures is not served (NFD's CRD is not installed)",
@@ -159,7 +163,7 @@ def resource_api(context: DoctorContext) -> Result:
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]
-    group = _get(api, "/apis/resource.k8s.io") or {}
+    group = _get(api, "resource_group") or {}
     served = [v.get("version") for v in group.get("versions", [])]
     version = pick_version(served)
     if version is None:
@@ -181,7 +185,7 @@ def partitionable_devices(context: DoctorContext) -> Result:
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]
-    served = [v.get("version") for v in (_get(api, "/apis/resource.k8s.io") or {}).get("versions", [])]
+    served = [v.get("version") for v in (_get(api, "resource_group") or {}).get("versions", [])]
     version = pick_version(served)
     if version not in SETS_API_VERSIONS:
         return warned(f"not asked: resource.k8s.io/{version or 'none'} has no partitionable devices",

@@ -166,7 +166,8 @@ def other_plugins(context: DoctorContext) -> Result:
         elif is_agent(owner[1]):
             found.append(f"{name} served by the agent (pid {owner[0]})")
         else:
-            foreign.append(f"{name} ({ours[name]}) by pid {owner[0]}: {shorten(' '.join(owner[1]), 100)}")
+            argv = " ".join(" ".join(owner[1]).split())
+            foreign.append(f"{name} ({ours[name]}) by pid {owner[0]}: {shorten(argv, 160)}")
     if foreign:
         return failed(f"another server holds the agent's socket: {'; '.join(foreign)}",
                       "uninstall NVIDIA's device plugin (or the other server) from this node, or give the agent"

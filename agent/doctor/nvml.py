@@ -14,6 +14,7 @@ from agent.config import is_critical_xid
 from agent.doctor.context import DoctorContext, NodeRead, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.errors import ConfigError
+from agent.formats import sysfs_to_nvml_bus_id
 from agent.hw.nvml.status import read_gpu_status
 
 __all__ = ["CHECKS"]
@@ -35,7 +36,21 @@ def needs_node(check: Callable[[DoctorContext, NodeRead], Result]) -> Callable[[
 
 def _gpu_names(node: NodeRead, indices: list[int]) -> str:
     gpus = node.topology.gpus
-    return ", ".join(f"GPU {i} ({gpus[i].pci_bus_id})" for i in indices)
+    return ", ".join(f"GPU {i} ({gpus[i].pci_bus_id or _sysfs_bus_id(node, i)})" for i in indices)
+
+
+def _sysfs_bus_id(node: NodeRead, index: int) -> str:
+    """The bus id of a GPU NVML could not read (lost from the start): the NVIDIA GPUs sysfs
+    lists that no answering GPU has, in bus order as NVML enumerates them, when there are as
+    many of them as GPUs without a bus id."""
+    if node.backend.sysfs is None:
+        return "bus id unknown"
+    known = {g.pci_bus_id for g in node.topology.gpus if g.pci_bus_id}
+    listed = [b for b in node.backend.sysfs.nvidia_gpus() if sysfs_to_nvml_bus_id(b) not in known]
+    nameless = [g.index for g in node.topology.gpus if not g.pci_bus_id]
+    if len(listed) != len(nameless) or index not in nameless:
+        return "bus id unknown"
+    return f"{sysfs_to_nvml_bus_id(listed[nameless.index(index)])} per sysfs"
 
 
 def library(context: DoctorContext) -> Result:
