@@ -6,6 +6,7 @@ that agent would use. Exit 0 when nothing FAILs, 1 otherwise, 2 for bad usage.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from agent.commands._common import add_format_flag
 from agent.commands.run import FLAG_FIELDS, add_agent_flags
@@ -56,6 +57,9 @@ def doctor(args: argparse.Namespace) -> int:
             config = load(configs.path(configs.choose("")))
         except ConfigError as exc:
             config_error = str(exc)
+    # the report says what the agent's modules would log (a lost GPU, a missing function);
+    # their log lines show only when asked for (--log-level)
+    logging.getLogger().setLevel(config.log_level.upper() if args.log_level else logging.CRITICAL)
     context = DoctorContext(config, simulate=args.simulate, env=env, kubelet_config=args.kubelet_config,
                             config_error=config_error)
     outcomes, duration_s = diagnose(context, load)
