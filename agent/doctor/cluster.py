@@ -78,7 +78,7 @@ def _get(api: Any, what: str, *args: str) -> Any:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    call = {"version": client.VersionApi(api).get_code,
+    call: Any = {"version": client.VersionApi(api).get_code,
             "resource_group": client.ResourceApi(api).get_api_group,
             "resources": client.CustomObjectsApi(api).get_api_resources}[what]
     try:
