@@ -453,3 +453,55 @@ def test_the_verbs_doctor_asks_for_are_what_the_manifests_grant():
 
     assert granted("dra", "ClusterRole") == set(DRA_ACCESS) | set(NODE_ACCESS)
     assert granted("nodefeature", "Role") == set(NODEFEATURE_ACCESS)
+
+
+def test_an_nvlink_down_fails_naming_the_gpu(capsys, node, tmp_path):
+    with open(spec_file(tmp_path), encoding="utf-8") as f:
+        spec = yaml.safe_load(f)
+    spec["nvlink"]["pairs"] = [[0, 1, 12], [2, 3, 8]]  # GPUs 2 and 3: 4 of their 12 links inactive
+    path = tmp_path / "link-down.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rc, report = doctor(capsys, "--simulate", str(path), *node)
+    check = by_check(report)["nvml.nvlink"]
+    assert rc == 1 and check["status"] == "FAIL"
+    assert check["found"] == ("GPU 2 has 8 of the 12 NVLinks its peers have active,"
+                              " GPU 3 has 8 of the 12 NVLinks its peers have active")
+
+
+def test_per_node_configs_resolve_as_the_agent_starts_with_them(capsys, node, tmp_path):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "default").write_text("version: v1\nflags:\n  migStrategy: mixed\n")
+    (configs / "broken").write_text("version: v1\nflags:\n  migStrategy: sometimes\n")
+    rc, report = doctor(capsys, "--simulate", "a100-mig", *node, "--config-file-srcdir", str(configs),
+                        "--node-name", "node-1")
+    check = by_check(report)["config.file"]
+    failing = {c["check"] for c in report["checks"] if c["status"] == "FAIL"}
+    assert rc == 1 and failing == {"cluster.api_server"}  # the label is read through the API server
+    assert check["status"] == "PASS"
+    assert check["found"].startswith(f"per-node config 'default' from {configs} (label unknown: API server not"
+                                     " reachable, the default choice): migStrategy mixed")
+    assert by_check(report)["nvml.mig"]["status"] == "PASS"  # the other checks use that config
+    rc, report = doctor(capsys, "--simulate", "a100-mig", *node, "--config-file-srcdir", str(configs),
+                        "--node-name", "node-1", "--default-config", "broken")
+    check = by_check(report)["config.file"]
+    assert rc == 1 and check["status"] == "FAIL" and "broken" in check["found"] and "migStrategy" in check["found"]
+
+
+def test_the_node_label_picks_the_per_node_config_through_the_api_server(capsys, node, tmp_path):
+    from apiserver_stub import ApiServerStub
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "default").write_text("version: v1\nflags:\n  migStrategy: mixed\n")
+    (configs / "broken").write_text("version: v1\nflags:\n  migStrategy: sometimes\n")
+    api = ApiServerStub().start()
+    api.add_node("node-1", labels={"nvidia.com/device-plugin.config": "broken"})
+    try:
+        rc, report = doctor(capsys, "--simulate", "a100-mig", *node, "--config-file-srcdir", str(configs),
+                            "--node-name", "node-1", "--kubeconfig", kubeconfig(tmp_path, api, "any"))
+    finally:
+        api.stop()
+    check = by_check(report)["config.file"]
+    assert rc == 1 and check["status"] == "FAIL"
+    assert str(configs / "broken") in check["found"] and "migStrategy" in check["found"]
