@@ -449,8 +449,10 @@ class ApiServerStub:
                          if _selected(o, query)]
                 return 200, {"kind": "ResourceSliceList", "apiVersion": f"{GROUP}/{version}",
                              "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+            if method == "POST" and query.get("dryRun") == "All":
+                return self._create_slice(version, _json(body), dry_run=True)
             if method == "POST":
-                return self._create_slice(version, _json(body), dry_run=query.get("dryRun") == "All")
+                return self._create_slice(version, _json(body))
             raise ApiError(405, f"{method} not allowed on the collection")
         name = rest[0]
         if method == "GET":
