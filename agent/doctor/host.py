@@ -15,7 +15,8 @@ import os
 import shutil
 import stat
 
-from agent.containers import CDI_KIND, CONTROL_DEVICE_NODES
+from agent.containers import CONTROL_DEVICE_NODES
+from agent.deviceplugin.device_lists import CDI_KIND
 from agent.doctor.context import DoctorContext, NodeRead
 from agent.doctor.nvml import needs_node
 from agent.doctor.report import Check, Result, failed, passed, warned
