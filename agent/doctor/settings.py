@@ -20,6 +20,7 @@ from agent.containers import IMEX_CHANNELS_DIR
 from agent.doctor.context import DoctorContext, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.errors import ConfigError
+from agent.sharing import sharing_for, strategy_label
 
 __all__ = ["checks", "node_label"]
 
@@ -50,7 +51,7 @@ def config_file(context: DoctorContext, load: Callable[[str], Config]) -> Result
     if context.config_error is not None:
         return failed(context.config_error, "fix the file (the agent refuses to start with it)")
     summary = (f"migStrategy {config.mig_strategy}, device-list {','.join(config.device_list_strategy)},"
-               f" sharing {config.sharing_strategy}, mode {config.mode}")
+               f" sharing {strategy_label(config)}, mode {config.mode}")
     if not config.config_file_srcdir:
         where = config.config_file or "no config file (defaults, environment, flags)"
         return passed(f"{where}: {summary}")
@@ -74,7 +75,8 @@ def sharing(context: DoctorContext) -> Result:
     shared GPU is in an exclusive or prohibited compute mode (time-slicing), the MPS control
     program is there (MPS)."""
     config = context.config
-    if not config.shared_resources:
+    section = sharing_for(config).section
+    if not sharing_for(config).entries(config):
         return passed("no sharing configured")
     try:
         resources = context.resources()
@@ -82,7 +84,7 @@ def sharing(context: DoctorContext) -> Result:
     except Unavailable:
         return warned("not run: NVML did not load (see nvml.library)", "fix nvml.library first")
     except ConfigError as exc:
-        return failed(f"the agent refuses the sharing settings: {exc}", f"fix {config.sharing_section}")
+        return failed(f"the agent refuses the sharing settings: {exc}", f"fix {section}")
     shared = sorted({d.gpu_index for r in resources for d in r.devices if d.replica is not None})
     # MPS runs one server process per GPU (exclusive modes suit it); time-slicing needs many
     refused = ("Prohibited",) if config.mps else ("Prohibited", "Exclusive_Process", "Exclusive_Thread")
@@ -91,7 +93,7 @@ def sharing(context: DoctorContext) -> Result:
         return failed(", ".join(f"GPU {i} is shared but its compute mode is {m}" for i, m in bad_mode),
                       "set the compute mode to Default (nvidia-smi -c DEFAULT -i <index>): one process at a"
                       " time (or none) can use it otherwise")
-    found = f"{config.sharing_section}: {len(shared)} GPUs shared as " + ", ".join(
+    found = f"{section}: {len(shared)} GPUs shared as " + ", ".join(
         f"{r.name} x{len(r.devices)}" for r in resources if r.shared)
     if config.mps:
         binary = config.mps_control_binary
