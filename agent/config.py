@@ -23,6 +23,9 @@ from agent.config_values import expect_xids, got, parse_field
 from agent.errors import ConfigError, shorten
 from agent.formats import parse_host_port
 
+#: The DRA driver name by default (its device classes, CDI kind and slices are named after it).
+DEFAULT_DRIVER_NAME = "gpu.gpu-agent.io"
+
 #: XIDs that do not indicate a GPU fault (application errors), skipped by the health
 #: watcher unless configured otherwise; the same defaults as NVIDIA's device plugin.
 DEFAULT_IGNORED_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
@@ -101,7 +104,7 @@ class Config:
     log_level: str = "INFO"
     # --- DRA mode (issue 12): serve the GPUs as a DRA driver instead of device plugins
     mode: str = "device-plugin"  # device-plugin | dra (env AGENT_MODE)
-    driver_name: str = "gpu.gpu-agent.io"  # DRA driver name, a DNS subdomain (env DRA_DRIVER_NAME)
+    driver_name: str = DEFAULT_DRIVER_NAME  # DRA driver name, a DNS subdomain (env DRA_DRIVER_NAME)
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
     plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
     cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here

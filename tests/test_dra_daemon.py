@@ -31,7 +31,7 @@ from agent.config import Config
 from agent.daemon import Daemon
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import SlicePublisher
+from agent.dra.publisher import PublishSettings, SlicePublisher
 from agent.dra.servers import DraServers
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
@@ -175,9 +175,8 @@ def simulated_daemon(node):
         def servers(topology, cfg, health, on_kubelet_restart):
             plugin = DraPlugin(cfg, topology, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
                                on_kubelet_restart=on_kubelet_restart, poll_s=0.05)
-            publisher = SlicePublisher(node.api.api_client, cfg.node_name, topology, cfg.driver_name, health=health,
-                                       delete_on_stop=cfg.delete_slices_on_shutdown,
-                                       backoff_initial_s=0.05, backoff_max_s=backoff_max_s)
+            publisher = SlicePublisher(node.api.api_client, topology, replace(
+                PublishSettings.from_config(cfg), backoff_initial_s=0.05, backoff_max_s=backoff_max_s), health=health)
             return DraServers(plugin, publisher)
 
         def metrics(topology, cfg, ready):

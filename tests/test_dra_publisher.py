@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 from waiting import eventually
 
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from agent.dra.publisher import SlicePublisher, pick_version
+from agent.dra.publisher import PublishSettings, SlicePublisher
 from agent.dra.slices import render_slices
 from agent.health import HealthState
+from agent.kube import pick_version
 from agent.metrics.self_metrics import AgentMetrics
 
 DRIVER = "gpu.gpu-agent.io"
@@ -50,11 +51,11 @@ def expected_slices(unhealthy=frozenset()) -> int:
     return len(render_slices(hgx8_topology(), node_name="node-1", driver=DRIVER, unhealthy=unhealthy))
 
 
-def make(server, topology=None, **kw):
-    kw.setdefault("backoff_initial_s", 0.05)
-    kw.setdefault("backoff_max_s", 0.2)
-    pub = SlicePublisher(server.api_client, "node-1", topology or hgx8_topology(), DRIVER, **kw)
-    return pub
+def make(server, topology=None, *, health=None, prepared=None, events=None, **settings):
+    settings.setdefault("backoff_initial_s", 0.05)
+    settings.setdefault("backoff_max_s", 0.2)
+    return SlicePublisher(server.api_client, topology or hgx8_topology(), PublishSettings("node-1", DRIVER, **settings),
+                          health=health, prepared=prepared, events=events)
 
 
 def test_pick_version_prefers_v1_then_v1beta2_then_v1beta1():

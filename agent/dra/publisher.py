@@ -37,8 +37,10 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping, Protocol
 
+from agent.config import DEFAULT_DRIVER_NAME, Config
 from agent.dra.readback import (
     DEVICE_TAINTS,
     PARTITIONABLE_DEVICES,
@@ -46,12 +48,14 @@ from agent.dra.readback import (
     keep_taint_times,
     same_content,
 )
-from agent.dra.slices import API_VERSIONS, DEFAULT_DRIVER, SETS_API_VERSIONS, render_slices
+from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, render_slices
+from agent.errors import AgentError
+from agent.kube import RESOURCE_GROUP, ApiCallError, call, pick_version, resource_versions
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreparedDevices", "PublisherEvents", "SlicePublisher", "pick_version"]
+__all__ = ["HealthSource", "PreparedDevices", "PublishSettings", "PublisherEvents", "SlicePublisher"]
 
 #: Why publishing goes on without a feature, logged once when the server drops it.
 _WITHOUT = {
@@ -84,24 +88,50 @@ class PreparedDevices(Protocol):
         """``callback()`` after every prepared or forgotten claim."""
         ...
 
+
+class HealthSource(Protocol):
+    """What the publisher follows of :class:`agent.health.HealthState`."""
+
+    def snapshot(self) -> Mapping[int, str]:
+        """Unhealthy GPU index -> reason."""
+        ...
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """``callback()`` after every change."""
+        ...
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    """What the publisher publishes and how it retries: the node (and pool) name, the
+    driver, the taint effect on unhealthy GPUs, whether :meth:`SlicePublisher.stop` deletes
+    the slices (default keep: a restarting agent must not make running pods' devices
+    vanish), the capped exponential backoff after a failure and the period of a full resync."""
+
+    node_name: str
+    driver_name: str = DEFAULT_DRIVER_NAME
+    taint_effect: str = "NoSchedule"
+    delete_on_stop: bool = False
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    resync_s: float = 300.0
+
+    @classmethod
+    def from_config(cls, config: Config) -> PublishSettings:
+        return cls(config.node_name, config.driver_name, config.taint_effect, config.delete_slices_on_shutdown)
+
+
 _REQUEST_TIMEOUT_S = 10.0
 _CONFLICT_RETRIES = 5
 
 
-def pick_version(served: Collection[str]) -> str | None:
-    """The version to publish: the first of ``v1``, ``v1beta2``, ``v1beta1`` that is served."""
-    for version in API_VERSIONS:
-        if version in served:
-            return version
-    return None
+class _Failure(AgentError):
+    """A failed step that is no API call (no client, no DRA API served), with a stable
+    ``state`` for log-once, as :class:`agent.kube.ApiCallError` has."""
 
-
-class _Failure(Exception):
-    """One failed step, with a stable ``reason`` (for log-once) and a message."""
-
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, state: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.state = state
 
 
 class SlicePublisher:
@@ -109,39 +139,28 @@ class SlicePublisher:
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
     thread, again after a failure to build one; production: :func:`agent.kube.api_client`,
-    which leaves retrying to the publisher's own loop). ``health`` (an
-    :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs and
-    every set holding one get a taint with ``taint_effect`` saying why, removed on recovery.
-    Without it, call :meth:`update`. ``prepared`` (the plugin's checkpoint, optional) tells
-    which devices stay while the server keeps no taints. ``events`` hears which features the
-    API server keeps. ``delete_on_stop``: delete the slices on :meth:`stop` (default keep: a
-    restarting agent must not make running pods' devices vanish).
+    which leaves retrying to the publisher's own loop). ``settings`` says for which node
+    and driver, and how to retry. ``health`` (an :class:`agent.health.HealthState`,
+    optional) is subscribed to: its unhealthy GPUs and every set holding one get a taint with
+    the settings' effect saying why, removed on recovery. Without it, call :meth:`update`.
+    ``prepared`` (the plugin's checkpoint, optional) tells which devices stay while the
+    server keeps no taints. ``events`` hears which features the API server keeps.
     """
 
     def __init__(
         self,
         client_factory: Callable[[], Any],
-        node_name: str,
         topology: Topology,
-        driver_name: str = DEFAULT_DRIVER,
+        settings: PublishSettings,
         *,
-        health: Any = None,
+        health: HealthSource | None = None,
         prepared: PreparedDevices | None = None,
         events: PublisherEvents | None = None,
-        taint_effect: str = "NoSchedule",
-        delete_on_stop: bool = False,
-        backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        resync_s: float = 300.0,
     ) -> None:
         self.client_factory = client_factory
-        self.node_name = node_name
-        self.driver_name = driver_name
-        self.delete_on_stop = delete_on_stop
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self.resync_s = resync_s
-        self.taint_effect = taint_effect
+        self.settings = settings
+        self.node_name = settings.node_name
+        self.driver_name = settings.driver_name
         self._topology = topology
         self._unhealthy: dict[int, str] = {}
         self._health = health
@@ -183,10 +202,10 @@ class SlicePublisher:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        if self.delete_on_stop and self.api_version is not None:
+        if self.settings.delete_on_stop and self.api_version is not None:
             try:
                 self._delete_all()
-            except _Failure as exc:
+            except (ApiCallError, _Failure) as exc:
                 log.warning("could not delete the ResourceSlices of node %s on shutdown: %s", self.node_name, exc)
         if self._client is not None:
             try:
@@ -224,19 +243,20 @@ class SlicePublisher:
                              api_version=self.api_version or "v1",
                              generation=max(self.generation, 1), node_uid=self.node_uid,
                              unhealthy=unhealthy, with_sets=self.kept[PARTITIONABLE_DEVICES],
-                             taint_effect=self.taint_effect if taints else None, keep=keep)
+                             taint_effect=self.settings.taint_effect if taints else None, keep=keep)
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:
-        self.update(unhealthy=self._health.snapshot())
+        if self._health is not None:
+            self.update(unhealthy=self._health.snapshot())
 
     def _on_prepared_change(self) -> None:
         if not self.kept[DEVICE_TAINTS]:  # only then do prepared claims change what is published
             self.update()
 
     def _run(self) -> None:
-        backoff = self.backoff_initial_s
-        next_resync = time.monotonic() + self.resync_s
+        backoff = self.settings.backoff_initial_s
+        next_resync = time.monotonic() + self.settings.resync_s
         while True:
             with self._cond:
                 while not self._stopping and not self._dirty and time.monotonic() < next_resync:
@@ -246,12 +266,12 @@ class SlicePublisher:
                 self._dirty = False
             try:
                 self._sync()
-            except _Failure as exc:
+            except (ApiCallError, _Failure) as exc:
                 self._log_failure(exc)
                 with self._cond:
                     self._dirty = True
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                backoff = min(backoff * 2, self.settings.backoff_max_s)
                 continue
             except Exception as exc:  # a bug must not kill the thread: log, back off, retry
                 log.exception("ResourceSlice publisher failed unexpectedly")
@@ -259,40 +279,25 @@ class SlicePublisher:
                 with self._cond:
                     self._dirty = True
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                backoff = min(backoff * 2, self.settings.backoff_max_s)
                 continue
             if self._last_reason is not None:
                 log.info("ResourceSlices of node %s published again (after: %s)", self.node_name, self._last_reason)
                 self._last_reason = None
-            backoff = self.backoff_initial_s
-            next_resync = time.monotonic() + self.resync_s
+            backoff = self.settings.backoff_initial_s
+            next_resync = time.monotonic() + self.settings.resync_s
             self._ready.set()
 
-    def _log_failure(self, exc: _Failure) -> None:
-        if exc.reason != self._last_reason:
+    def _log_failure(self, exc: ApiCallError | _Failure) -> None:
+        if exc.state != self._last_reason:
             log.warning("cannot publish the ResourceSlices of node %s (will retry): %s", self.node_name, exc)
-            self._last_reason = exc.reason
+            self._last_reason = exc.state
 
     # ------------------------------------------------------------------ API calls
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one client call; JSON body of the answer, or _Failure with a stable reason.
-        A 404 answers None (callers decide what a missing object means)."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            resp = fn(*args, _preload_content=False, _request_timeout=_REQUEST_TIMEOUT_S, **kwargs)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            reason = _status_reason(exc)
-            raise _Failure(f"{exc.status} {reason}",
-                           f"{what}: HTTP {exc.status} {reason}: {_status_message(exc)}") from None
-        except Exception as exc:  # urllib3 connection errors, timeouts, TLS
-            self._drop_client()
-            raise _Failure(f"unreachable {type(exc).__name__}",
-                           f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from None
-        data = resp.data
-        return json.loads(data) if data else {}
+        """One client call (:func:`agent.kube.call`): JSON data, None for a 404 (callers decide
+        what a missing object means); the client is dropped when the server was not reached."""
+        return call(what, fn, *args, timeout_s=_REQUEST_TIMEOUT_S, on_unreachable=self._drop_client, **kwargs)
 
     def _drop_client(self) -> None:
         if self._client is not None:
@@ -319,13 +324,10 @@ class SlicePublisher:
         return cls(self._api_client())
 
     def _discover(self) -> None:
-        from kubernetes import client
-
-        group = self._call("discovery of resource.k8s.io", client.ResourceApi(self._api_client()).get_api_group)
-        served = [v.get("version") for v in (group or {}).get("versions", [])]
+        served = resource_versions(self._api_client(), _REQUEST_TIMEOUT_S)
         version = pick_version(served)
         if version is None:
-            raise _Failure("not served", "the API server serves no resource.k8s.io version this agent "
+            raise _Failure("not served", f"the API server serves no {RESOURCE_GROUP} version this agent "
                                          f"publishes ({', '.join(API_VERSIONS)}); served: {served or 'none'}")
         self.api_version = version
         log.info("publishing ResourceSlices as resource.k8s.io/%s (served: %s)", version, ", ".join(served))
@@ -342,8 +344,8 @@ class SlicePublisher:
         try:
             node = self._call(f"read Node {self.node_name}", client.CoreV1Api(self._api_client()).read_node,
                               self.node_name)
-        except _Failure as exc:
-            if exc.reason.startswith("unreachable"):
+        except ApiCallError as exc:
+            if exc.status is None:
                 raise
             log.warning("cannot read Node %s (%s): slices are published without an owner reference",
                         self.node_name, exc)
@@ -416,8 +418,8 @@ class SlicePublisher:
             if current is None:
                 try:
                     created = self._call(f"create ResourceSlice {name}", api.create_resource_slice, body)
-                except _Failure as exc:
-                    if not exc.reason.startswith("409"):
+                except ApiCallError as exc:
+                    if exc.status != 409:
                         raise
                     created = None  # AlreadyExists: someone made it meanwhile; update it
                 if created is not None:
@@ -427,8 +429,8 @@ class SlicePublisher:
                 update["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
                 try:
                     done = self._call(f"update ResourceSlice {name}", api.replace_resource_slice, name, update)
-                except _Failure as exc:
-                    if not exc.reason.startswith("409"):
+                except ApiCallError as exc:
+                    if exc.status != 409:
                         raise
                     # stale resourceVersion: re-read below and try again
                 else:
@@ -445,16 +447,3 @@ class SlicePublisher:
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         log.info("deleted the ResourceSlices of node %s", self.node_name)
 
-
-def _status_reason(exc: Any) -> str:
-    try:
-        return str(json.loads(exc.body).get("reason") or exc.reason)
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)
-
-
-def _status_message(exc: Any) -> str:
-    try:
-        return str(json.loads(exc.body).get("message") or exc.reason)
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)

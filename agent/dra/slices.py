@@ -89,25 +89,25 @@ from typing import Any, Collection, Iterable, Mapping
 
 import yaml
 
+from agent.config import DEFAULT_DRIVER_NAME
 from agent.dra.devices import device_name
 from agent.dra.gpusets import clique_ids, device_order, gpu_sets, island_ids, publishable
 from agent.dra.taints import HealthMarks
 from agent.formats import BusIdError, format_cpulist, nvml_to_sysfs_bus_id
 from agent.health import LOST_REASON
+from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
-    "API_VERSIONS", "DEFAULT_DRIVER", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
+    "API_VERSIONS", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
     "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "clique_ids",
     "device_order", "dump_yaml", "island_ids", "render_devices", "render_set_devices",
     "health_marks", "render_slices", "semver",
 ]
 
-API_VERSIONS = ("v1", "v1beta2", "v1beta1")
+API_VERSIONS = RESOURCE_VERSIONS
 #: Versions the GPU sets (counters, partitionable devices) are rendered in.
 SETS_API_VERSIONS = ("v1",)
-DEFAULT_DRIVER = "gpu.gpu-agent.io"
-GROUP = "resource.k8s.io"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 # API limits (k8s.io/api/resource/v1/types.go, v0.36)
@@ -205,7 +205,7 @@ def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, s
     return HealthMarks(reasons, taint_effect, frozenset(keep))
 
 
-def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
+def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
                    marks: HealthMarks | None = None, in_use: Collection[int] = (),
                    counters: bool = False) -> list[Device]:
     """The node's single devices (full GPUs, MIG devices) in slice order (``in_use``: see
@@ -235,7 +235,7 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
     return out
 
 
-def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
+def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
                        marks: HealthMarks | None = None) -> list[Device]:
     """The GPU-set devices (:func:`agent.dra.gpusets.gpu_sets`) by size, best first; sets
     with a MIG-enabled member are left out, sets with an unhealthy member tainted (or left
@@ -338,7 +338,7 @@ def render_slices(
     topology: Topology,
     *,
     node_name: str,
-    driver: str = DEFAULT_DRIVER,
+    driver: str = DEFAULT_DRIVER_NAME,
     api_version: str = "v1",
     generation: int = 1,
     node_uid: str | None = None,
@@ -376,7 +376,7 @@ def render_slices(
             metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node_name,
                                             "uid": node_uid, "controller": True}]
         out.append({
-            "apiVersion": f"{GROUP}/{api_version}",
+            "apiVersion": f"{RESOURCE_GROUP}/{api_version}",
             "kind": "ResourceSlice",
             "metadata": metadata,
             "spec": {"driver": driver, "nodeName": node_name,
