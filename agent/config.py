@@ -132,6 +132,10 @@ class Config:
     #: NoSchedule (no new claims; running pods keep it) or NoExecute (pods using it are
     #: evicted unless they tolerate it) (env DRA_TAINT_EFFECT)
     taint_effect: str = "NoSchedule"
+    #: publish GPU sets (counters, set devices): auto (by the API server's version: on from
+    #: Kubernetes 1.37, whose scheduler gathers a node's counters for that node only; off
+    #: before, where every counter slice costs every node's Filter), on, off (env DRA_GPU_SETS)
+    gpu_sets: str = "auto"
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -193,6 +197,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "KUBECONFIG": "kubeconfig",
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
     "DRA_TAINT_EFFECT": "taint_effect",
+    "DRA_GPU_SETS": "gpu_sets",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
@@ -342,7 +347,7 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 #: Everything else follows a reload.
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
-    "delete_slices_on_shutdown", "taint_effect", "metrics_address", "probe_address", "web_config_file",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
     "pod_name", "pod_uid", "sysfs_root",
