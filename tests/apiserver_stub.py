@@ -287,6 +287,22 @@ class ApiServerStub:
         with self._lock:
             self._claims.pop((namespace, name), None)
 
+    def slice_history(self) -> list[list[dict[str, Any]]]:
+        """Every state the stored ResourceSlices went through, one after each write, in order:
+        what a scheduler's informer, fed one watch event at a time, may have seen."""
+        with self._lock:
+            events = [(kind, copy.deepcopy(obj)) for _, resource, kind, obj in self._events
+                      if resource == "resourceslices"]
+        state: dict[str, dict[str, Any]] = {}
+        out = []
+        for kind, obj in events:
+            if kind == "DELETED":
+                state.pop(obj["metadata"]["name"], None)
+            else:
+                state[obj["metadata"]["name"]] = obj
+            out.append([state[k] for k in sorted(state)])
+        return out
+
     def slices(self) -> list[dict[str, Any]]:
         """Copies of the stored ResourceSlices, sorted by name."""
         with self._lock:

@@ -469,3 +469,33 @@ def test_a_tainted_set_never_holds_counters_in_a_search_so_v0_36_2_schedules_wha
             assert 2 not in node.gpus(fixed[0]) and not set(node.gpus(fixed[0])) & set(busy)
             tried += 1
     assert tried == 120
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--in-use", "8"], "--in-use: '8' is none of this machine's GPUs (indices 0-7"),
+    (["--in-use", "0,,1"], "--in-use: empty item in '0,,1'"),
+    (["--in-use", "GPU-nope"], "--in-use: 'GPU-nope' is none of this machine's GPUs"),
+    (["--in-use", "gpuset-4-0"], "--in-use: 'gpuset-4-0' is none of this machine's GPUs"),
+    (["--in-use", "1,gpuset-2-m3"], "--in-use: GPU 1 is held twice (gpu-1, gpuset-2-m3)"),
+    (["--server-version", "1.x"], "--server-version '1.x': expected a Kubernetes version such as 1.36 or 1.37"),
+    (["--server-version", ""], "--server-version '': expected a Kubernetes version"),
+])
+def test_slices_refuses_a_bad_in_use_list_or_server_version_with_exit_2_and_one_line(flags, says, capsys):
+    assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, *flags]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and says in out.err
+
+
+def test_slices_in_use_takes_indices_uuids_and_device_names_alike(capsys):
+    topology = load_topology("dgx-h100")
+    outputs = []
+    for held in ("2,3", f"{topology.gpus[2].uuid},gpu-3", "gpuset-2-mc"):
+        assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--in-use", held]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert [d["name"] for s in yaml.safe_load_all(outputs[0]) for d in s["spec"].get("devices", [])][0] == "gpu-0"
+    assert "gpuset-2-mc" in outputs[2] and "gpuset-2-mc\n" not in outputs[0]  # a held set stays published
+    assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--server-version", "1.36"]) == 0
+    out = capsys.readouterr()
+    assert "gpuset" not in out.out and "sharedCounters" not in out.out
+    assert "GPU sets not published: dra.gpuSets is auto and the API server is Kubernetes 1.36" in out.err

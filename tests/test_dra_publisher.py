@@ -404,3 +404,31 @@ def test_without_device_taints_unhealthy_devices_leave_but_those_of_prepared_cla
     assert len(said) == 1 and "DRADeviceTaints" in said[0] and "left out" in said[0]
     assert feature(registry, "DRADeviceTaints") == 0.0
     assert feature(registry, "DRAPartitionableDevices") == 1.0
+
+
+@pytest.mark.parametrize("version,setting,sets", [
+    ("1.36", "auto", False), ("1.37", "auto", True), ("1.38", "auto", True),
+    ("1.36", "on", True), ("1.37", "off", False),
+])
+def test_gpu_sets_follow_the_api_servers_version_said_in_one_line_and_the_metric(version, setting, sets, caplog):
+    registry = CollectorRegistry()
+    with ApiServerStub(server_version=version) as server:
+        server.add_node("node-1")
+        pub = make(server, gpu_sets=setting, events=AgentMetrics(registry))
+        with caplog.at_level(logging.INFO, logger="agent.dra.publisher"):
+            pub.start()
+            try:
+                assert eventually(pub.ready, 30)
+            finally:
+                pub.stop()
+        names = device_names(server.slices())
+        assert any(n.startswith("gpuset-") for n in names) == sets
+        assert any("sharedCounters" in o["spec"] for o in server.slices()) == sets
+        assert server.count("GET", "/version") == (1 if setting == "auto" else 0)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU sets ")]
+    assert len(said) == 1 and said[0].startswith("GPU sets published" if sets else "GPU sets not published")
+    assert f"dra.gpuSets is {setting}" in said[0]
+    if setting == "auto":
+        assert f"Kubernetes {version}" in said[0] and ("before 1.37" in said[0]) == (not sets)
+    mode = "on" if sets else "off"
+    assert registry.get_sample_value("gpu_agent_dra_gpu_sets_mode", {"mode": mode, "setting": setting}) == 1.0
