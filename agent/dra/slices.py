@@ -380,8 +380,11 @@ def render_slices(
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
-    specs += [{"devices": [_render_device(d, api_version) for d in devices[i : i + per_slice]]}
-              for i in range(0, len(devices), per_slice)]
+    # more than one slice of devices: the sets start a slice of their own, so that a
+    # re-publication moves no device between slices (the publisher rewrites in place then)
+    groups = [devices] if len(devices) <= per_slice else [devices[: len(devices) - len(sets)], sets]
+    specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
+              for group in groups for i in range(0, len(group), per_slice)]
     if not devices:
         specs.append({"devices": []})  # an empty pool is published too: "no devices here now"
     width = max(3, len(str(len(specs) - 1)))
