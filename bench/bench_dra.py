@@ -153,7 +153,8 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.discovery import open_backend, read_topology
     from agent.dra.claims import KubernetesClaimReader
     from agent.dra.plugin import DraPlugin
-    from agent.dra.publisher import PublishSettings, SlicePublisher
+    from agent.dra.publish_settings import PublishSettings
+    from agent.dra.publisher import SlicePublisher
     from agent.dra.servers import DraServers
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
@@ -216,7 +217,8 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from apiserver_stub import ApiServerStub
 
     from agent.discovery import load_topology
-    from agent.dra.publisher import PublishSettings, SlicePublisher
+    from agent.dra.publish_settings import PublishSettings
+    from agent.dra.publisher import SlicePublisher
     from agent.dra.slices import render_slices
     from agent.hw.sim.machines import BUILTIN_MACHINES
     from agent.topology.synthetic import synthetic_islands_topology

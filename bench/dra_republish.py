@@ -48,7 +48,8 @@ from dra_allocator_model import gather_pools  # noqa: E402
 from agent.discovery import load_topology  # noqa: E402
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice  # noqa: E402
 from agent.dra.gpusets import SetPolicy  # noqa: E402
-from agent.dra.publisher import PublishSettings, SlicePublisher  # noqa: E402
+from agent.dra.publish_settings import PublishSettings  # noqa: E402
+from agent.dra.publisher import SlicePublisher  # noqa: E402
 from agent.dra.slices import Occupancy, render_slices  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 

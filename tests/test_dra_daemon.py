@@ -31,7 +31,8 @@ from agent.config import Config
 from agent.daemon import Daemon
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import PublishSettings, SlicePublisher
+from agent.dra.publish_settings import PublishSettings
+from agent.dra.publisher import SlicePublisher
 from agent.dra.servers import DraServers
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink

@@ -53,12 +53,16 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping, Protocol
+from typing import Any, Callable, Collection, Mapping
 
-from agent.config import DEFAULT_DRIVER_NAME, Config
 from agent.dra.devices import DeviceRefs, gpus_of
 from agent.dra.gpusets import SetPolicy, gpu_sets_decision, parse_set_name
+from agent.dra.publish_settings import (
+    HealthSource,
+    PreparedDevices,
+    PublisherEvents,
+    PublishSettings,
+)
 from agent.dra.readback import (
     DEVICE_TAINTS,
     PARTITIONABLE_DEVICES,
@@ -80,7 +84,7 @@ from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HealthSource", "PreparedDevices", "PublishSettings", "PublisherEvents", "SlicePublisher"]
+__all__ = ["SlicePublisher"]
 
 #: Why publishing goes on without a feature, logged once when the server drops it.
 _WITHOUT = {
@@ -91,66 +95,6 @@ _WITHOUT = {
                    " devices of unhealthy GPUs are left out instead, but those a prepared claim of this node"
                    " uses, which stay untainted until it is unprepared",
 }
-
-
-class PublisherEvents(Protocol):
-    """What the publisher reports: the self-metrics implement it
-    (:class:`agent.metrics.self_metrics.AgentMetrics`). Cheap, no I/O."""
-
-    def dra_api_feature(self, feature: str, kept: bool) -> None:
-        """Whether the API server keeps ``feature``'s fields (a feature-gate name)."""
-        ...
-
-    def dra_gpu_sets(self, on: bool, setting: str) -> None:
-        """Whether GPU sets are published, decided from ``setting`` (dra.gpuSets)."""
-        ...
-
-
-class PreparedDevices(Protocol):
-    """The devices prepared claims of this node use (:class:`agent.dra.checkpoint.Checkpoint`)."""
-
-    def devices(self) -> Collection[tuple[str, str]]:
-        """(pool, device name) of every device of every prepared claim."""
-        ...
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """``callback()`` after every prepared or forgotten claim."""
-        ...
-
-
-class HealthSource(Protocol):
-    """What the publisher follows of :class:`agent.health.HealthState`."""
-
-    def snapshot(self) -> Mapping[int, str]:
-        """Unhealthy GPU index -> reason."""
-        ...
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """``callback()`` after every change."""
-        ...
-
-
-@dataclass(frozen=True)
-class PublishSettings:
-    """What the publisher publishes and how it retries: the node (and pool) name, the
-    driver, the taint effect on unhealthy GPUs, whether :meth:`SlicePublisher.stop` deletes
-    the slices (default keep: a restarting agent must not make running pods' devices
-    vanish), ``dra.gpuSets`` (:func:`agent.dra.gpusets.gpu_sets_decision`), the capped
-    exponential backoff after a failure and the period of a full resync."""
-
-    node_name: str
-    driver_name: str = DEFAULT_DRIVER_NAME
-    taint_effect: str = "NoSchedule"
-    delete_on_stop: bool = False
-    gpu_sets: str = "auto"
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    resync_s: float = 300.0
-
-    @classmethod
-    def from_config(cls, config: Config) -> PublishSettings:
-        return cls(config.node_name, config.driver_name, config.taint_effect, config.delete_slices_on_shutdown,
-                   config.gpu_sets)
 
 
 _REQUEST_TIMEOUT_S = 10.0

@@ -45,34 +45,28 @@ slice of their own (``sharedCounters``, no devices); every full GPU consumes its
 and every set device its members' counters, so allocating a set blocks its members and every
 overlapping set, and allocating a single blocks every set that contains it. MIG-enabled GPUs
 are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
-counter and a MIG device never competes with a set. Set device attributes:
+counter and a MIG device never competes with a set. Which sets, in what order, and when a
+published set may go: :mod:`agent.dra.gpusets`. Set device attributes (only what the device
+classes select on; the name says the members, ``gpuset-4-mf`` is GPUs 0-3):
 
 ==========================  ========  =====================================================
 ``type``                    string    ``gpuset``
 ``gpuCount``                int       number of GPUs in the set
-``members``                 string    their indices, ``0-3`` / ``0,2,4,6`` (cpulist spelling;
-                                      left out above 64 characters)
-``rank``                    int       position among the sets of its size, 0 = best
 ``healthy``                 bool      false while a member is unhealthy (the set is tainted
                                       then too); the set classes select healthy sets only,
                                       so the allocator never reserves a tainted set's
                                       counters (kubernetes#140436 keeps a taint-rejected
                                       device's counters for the rest of its search)
-``nvlinkIsland``,           int       where every member shares one
-``nvlinkClique``,
-``numaNode``
 ==========================  ========  =====================================================
-
-plus ``resource.kubernetes.io/numaNode`` and ``resource.kubernetes.io/pcieRoot`` where every
-member shares one, and capacity ``memory`` (the members' total, when every member's is known).
 
 **Health.** A device holding an unhealthy or lost GPU stays, with a device taint saying
 why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints`).
 
-**Slices.** Devices in publication order: the single GPUs (MIG devices in their parent's
-place) in :func:`agent.dra.gpusets.device_order`, then the sets by size, best first; at most
-128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
-slices using partitionable devices or taints). Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
+**Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
+given): the single GPUs (MIG devices in their parent's place), then the sets by size; at
+most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
+slices using partitionable devices or taints); above one slice, the sets start a slice of
+their own, so a re-publication moves no device between slices. Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
 so they sort in publication order (the allocator walks slices by name); the counter slice is
 number 0. ``v1beta1`` and ``v1beta2`` render single GPUs only (no counters, no sets).
 
