@@ -102,7 +102,7 @@ def unusable(server: ApiServerStub, stamps: list[float]) -> tuple[int, float]:
 def run(name: str, topology: Topology, claims: int) -> dict[str, Any]:
     policy = SetPolicy(topology)
     empty = render_slices(topology, node_name=NODE, policy=policy)
-    held = Occupancy.of_gpus(range(0, topology.gpu_count, 3))
+    held = Occupancy({f"gpu-{i}": (i,) for i in range(0, topology.gpu_count, 3)})
     render = []
     for _ in range(20):
         t0 = time.perf_counter()

@@ -66,9 +66,10 @@ why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints
 given): the single GPUs (MIG devices in their parent's place), then the sets by size; at
 most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
 slices using partitionable devices or taints); above one slice, the sets start a slice of
-their own, so a re-publication moves no device between slices. Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
-so they sort in publication order (the allocator walks slices by name); the counter slice is
-number 0. ``v1beta1`` and ``v1beta2`` render single GPUs only (no counters, no sets).
+their own, so a re-publication moves no device between slices. Slice names are
+``<node>-<driver>-<nnn>`` with a zero-padded number, so they sort in publication order (the
+allocator walks slices by name); the counter slice is number 0. ``v1beta1`` and ``v1beta2``
+render single GPUs only (no counters, no sets).
 
 Size: above 400 lines because this docstring is the attribute reference users read (about a
 hundred lines of tables); the code is one rendering pass, attributes to devices to slices.
@@ -258,20 +259,9 @@ class Occupancy:
     held: Mapping[str, Collection[int]] = field(default_factory=dict)
     published: Collection[str] = ()
 
-    @classmethod
-    def of_gpus(cls, gpus: Iterable[int]) -> Occupancy:
-        """GPUs held one by one (``slices --in-use``), nothing published before."""
-        return cls({f"gpu-{i}": (i,) for i in gpus})
-
     @property
     def held_gpus(self) -> set[int]:
         return {g for gpus in self.held.values() for g in gpus}
-
-
-def _shared(values: Iterable[Any]) -> Any:
-    """The one value every member has; None when they differ or one is unknown."""
-    seen = set(values)
-    return seen.pop() if len(seen) == 1 else None
 
 
 def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
@@ -363,13 +353,10 @@ def render_slices(
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     marks = health_marks(topology, unhealthy, taint_effect, keep)
     policy = policy or SetPolicy(topology)
-    held = occupancy.held_gpus
-    free = policy.free_gpus(held, marks.reasons)
+    free = policy.free_gpus(occupancy.held_gpus, marks.reasons)
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
-        kept = sets_to_keep(occupancy.published, occupancy.held)
-        held_sets = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
-        sets = render_set_devices(topology, policy.sets(free, [*kept, *held_sets]), driver, marks)
+        sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
     devices = render_devices(topology, driver, marks, policy.single_order(free), counters=bool(sets)) + sets
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
@@ -397,6 +384,14 @@ def render_slices(
                      **body},
         })
     return out
+
+
+def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int]) -> list[GpuSet]:
+    """The policy's sets on ``free``, then those a claim may hold: the published ones the rule
+    keeps and the ones prepared claims hold."""
+    kept = sets_to_keep(occupancy.published, occupancy.held)
+    held = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
+    return policy.sets(free, [*kept, *held])
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
