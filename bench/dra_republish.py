@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the stand-in API server and the allocator model
 
+import apiserver_stub  # noqa: E402
 from allocation_support import synthetic_islands_topology  # noqa: E402
 from apiserver_stub import ApiServerStub  # noqa: E402
 from dra_allocator_model import gather_pools  # noqa: E402
@@ -100,6 +101,9 @@ def unusable(server: ApiServerStub, stamps: list[float]) -> tuple[int, float]:
 
 
 def run(name: str, topology: Topology, claims: int) -> dict[str, Any]:
+    # as bench_dra.py: the stand-in sends headers and body apart; without TCP_NODELAY each
+    # answer waits for a delayed ACK (~40 ms), which no real API server costs
+    apiserver_stub._Handler.disable_nagle_algorithm = True
     policy = SetPolicy(topology)
     empty = render_slices(topology, node_name=NODE, policy=policy)
     held = Occupancy({f"gpu-{i}": (i,) for i in range(0, topology.gpu_count, 3)})
