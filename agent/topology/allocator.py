@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from agent.errors import AllocationError
 from agent.records import MAX_GPUS
@@ -124,7 +125,7 @@ class AllocationEngine:
         ]
         scores = [list(row) for row in topology.scores] if self._n else []
         self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
-        self._mask_indices = engine.impl.mask_indices
+        self._mask_indices: Callable[[int], list[int]] = engine.impl.mask_indices
         # the extension's solver serialises its own calls; the twin's needs our lock
         self._solver_locks = bool(getattr(self._solver, "thread_safe", False))
         self.implementation = engine.IMPLEMENTATION
@@ -143,17 +144,21 @@ class AllocationEngine:
     def gpus(self, table: DeviceTable, request: DeviceRequest) -> list[int]:
         """The ranks to allocate, ascending, from a table of whole GPUs (one device per GPU):
         the set of ``request.size`` GPUs the policy chooses."""
-        bit = table.gpu_bit
-        available = sum(map(bit.__getitem__, request.available))
-        required = sum(map(bit.__getitem__, request.required)) if request.required else 0
+        available, required = self._masks(table, request)
+        return list(map(table.start.__getitem__, self.gpu_set(available, required, request.size)))
+
+    def gpu_set(self, available: int, required: int, size: int) -> list[int]:
+        """The GPU indices to allocate, ascending, from checked GPU bitmasks
+        (:meth:`agent.topology.deviceids.DeviceTable.gpu_masks`): the set of ``size`` GPUs
+        the policy chooses."""
         solver = self._solver
         assert solver is not None  # a node without GPUs has no devices to request
         if self._solver_locks:
-            best = solver.best_mask(available, required, request.size)
+            best = solver.best_mask(available, required, size)
         else:
             with self._lock:
-                best = solver.best_mask(available, required, request.size)
-        return list(map(table.start.__getitem__, self._mask_indices(best)))
+                best = solver.best_mask(available, required, size)
+        return self._mask_indices(best)
 
     def explain(
         self, table: DeviceTable, request: DeviceRequest, runners_up: int = 5
