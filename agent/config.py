@@ -5,7 +5,7 @@ format ``version: v1``, YAML or JSON: :mod:`agent.config_file`) < environment va
 command-line flags. It is built once at start (and again on SIGHUP) and passed down; the
 subcommands hand the loader the environment (:func:`default_environ`) and no other module
 reads a setting from it (the engine switch ``AGENT_PUREPYTHON`` is read by
-:mod:`agent.topology.engine`).
+:mod:`agent.topology.kernel`).
 
 The loader (``load_config``) lives here too; field documentation says unit, default and why.
 Each value is checked by :mod:`agent.config_values`, whichever source gives it.

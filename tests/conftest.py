@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.topology import engine
+from agent.topology import kernel
 
 
 @pytest.fixture(params=["cython", "python"])
@@ -13,7 +13,7 @@ def impl(request):
     its suite with its pure-Python switch). A module runs every test on both with
     ``pytestmark = pytest.mark.usefixtures("impl")``: the allocator, model and topology
     suites do."""
-    before = engine.IMPLEMENTATION
-    engine.use(request.param)
+    before = kernel.IMPLEMENTATION
+    kernel.use(request.param)
     yield request.param
-    engine.use(before)
+    kernel.use(before)

@@ -40,7 +40,7 @@ from typing import Callable
 
 from agent.errors import AllocationError
 from agent.records import MAX_GPUS
-from agent.topology import engine
+from agent.topology import kernel
 from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.mig import place_mig
 from agent.topology.model import Topology
@@ -84,7 +84,7 @@ class Explanation:
         out = [
             f"chosen {list(c.indices)}: anchor criterion {c.anchor_score}, set score {c.score}, "
             f"NUMA nodes {c.numa_nodes}, cut {c.cut}",
-            f"search: {'exact' if self.exact else f'bounded (not exact, more than {engine.EXACT_MAX_GPUS} available)'}"
+            f"search: {'exact' if self.exact else f'bounded (not exact, more than {kernel.EXACT_MAX_GPUS} available)'}"
             f", engine {self.implementation}",
         ]
         if not self.runners_up:
@@ -124,11 +124,11 @@ class AllocationEngine:
             for g in topology.gpus
         ]
         scores = [list(row) for row in topology.scores] if self._n else []
-        self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
-        self._mask_indices: Callable[[int], list[int]] = engine.impl.mask_indices
+        self._solver = kernel.allocation_solver(scores, self._numa) if self._n else None
+        self._mask_indices: Callable[[int], list[int]] = kernel.impl.mask_indices
         # the extension's solver serialises its own calls; the twin's needs our lock
         self._solver_locks = bool(getattr(self._solver, "thread_safe", False))
-        self.implementation = engine.IMPLEMENTATION
+        self.implementation = kernel.IMPLEMENTATION
         self._lock = threading.Lock()
         self._best_by_size: dict[int, int] = {}
 
@@ -174,7 +174,7 @@ class AllocationEngine:
         return Explanation(
             chosen=winner,
             runners_up=tuple((c, _separating_criterion(winner, c)) for c in cands[1:]),
-            exact=available.bit_count() <= engine.EXACT_MAX_GPUS,
+            exact=available.bit_count() <= kernel.EXACT_MAX_GPUS,
             implementation=self.implementation,
         )
 
