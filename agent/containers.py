@@ -158,7 +158,7 @@ def container_edits(
             annotations[key] = ",".join(names)
         if "cdi-cri" in strategies:
             cdi_devices.extend(names)
-    if len(cdi) < len(strategies):  # at least one non-CDI strategy: the anchor's env/mounts
+    if len(cdi) < len(strategies):  # at least one non-CDI strategy: NVIDIA's device plugin's env/mounts
         if "envvar" in strategies:
             envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
             if channels:

@@ -293,7 +293,7 @@ def test_ranks_are_best_first_by_the_device_plugins_criteria():
         keys = []
         for s in sets:
             c = explain(engine, list(range(8)), list(s.members), k, runners_up=0).chosen
-            keys.append((-c.anchor_score, -c.score, c.numa_nodes, c.cut))
+            keys.append((-c.gpuallocator_score, -c.score, c.numa_nodes, c.cut))
         assert keys[1:] == sorted(keys[1:]) and keys[0] == min(keys)  # rank 0: the device plugin's choice
     assert [s.members for s in gpu_sets(topology)[2][:4]] == [(0, 1), (2, 3), (4, 5), (6, 7)]
 

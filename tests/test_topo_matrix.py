@@ -117,7 +117,7 @@ def test_dgx1_hybrid_cube_mesh_is_one_island_of_two_quads_and_four_cross_pairs()
     assert topo.nvlink_cliques == ((0, 1, 2, 3), (0, 4), (1, 5), (2, 6), (3, 7), (4, 5, 6, 7))
 
 
-def test_dgx1_nvlinks_and_pcie_match_the_anchors_own_dgx1_volta_test_node():
+def test_dgx1_nvlinks_and_pcie_match_go_gpuallocators_own_dgx1_volta_test_node():
     # go-gpuallocator's NewDGX1VoltaNode, as data (tests/fixtures/gpuallocator_cases.json,
     # owned by the allocator tests): an independent account of the same machine.
     cases = json.loads((FIXTURES.parent / "gpuallocator_cases.json").read_text())

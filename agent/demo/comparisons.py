@@ -12,15 +12,15 @@ from agent.topology import kernel
 from agent.topology.model import Topology
 
 
-class AnchorChoice:
-    """What the anchor (NVIDIA's go-gpuallocator, best-effort policy) would choose.
+class GpuallocatorChoice:
+    """What NVIDIA's go-gpuallocator (its best-effort policy) would choose.
 
-    The anchor keeps the first best partition of the available GPUs into groups of the
+    go-gpuallocator keeps the first best partition of the available GPUs into groups of the
     request size that its enumeration finds (groups hold the lowest remaining GPU, partners
     in index order), then the best-scoring group of that partition. Where the size divides
     the available count this is reproduced exactly, without enumerating: walk the groups in
-    the anchor's order and keep the first one that still completes a best partition.
-    Otherwise (the anchor pads the last group) the set with the best criterion 1, then
+    go-gpuallocator's order and keep the first one that still completes a best partition.
+    Otherwise (go-gpuallocator pads the last group) the set with the best criterion 1, then
     criterion 2, then the lowest indices stands in for it. Exact for at most
     ``kernel.EXACT_MAX_GPUS`` available GPUs."""
 
@@ -30,10 +30,10 @@ class AnchorChoice:
         self._solver = kernel.allocation_solver(scores, [0] * topology.gpu_count)
 
     def choose(self, available: Sequence[int], size: int) -> list[int]:
-        """The anchor's ``size`` GPUs out of ``available`` (distinct GPU indices), sorted."""
+        """go-gpuallocator's ``size`` GPUs out of ``available`` (distinct GPU indices), sorted."""
         if not 1 <= size <= len(available) <= kernel.EXACT_MAX_GPUS:
             raise AllocationError(
-                f"the anchor's choice is computed for 1 <= size <= available <= "
+                f"go-gpuallocator's choice is computed for 1 <= size <= available <= "
                 f"{kernel.EXACT_MAX_GPUS}, got size {size} of {len(available)}"
             )
         solver = self._solver

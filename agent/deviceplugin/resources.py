@@ -3,7 +3,7 @@
 A pure function of (Topology, Config): MIG strategy ``none`` / ``single`` / ``mixed``,
 time-slicing (``sharing.timeSlicing``) and MPS (``sharing.mps``) as NVIDIA's device plugin
 defines them, except that per-GPU sharing (``devices``) and ``rename`` really take effect.
-Device IDs are the anchor's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
+Device IDs are NVIDIA's device plugin's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
 n-th replica (time-sliced or MPS). MPS is refused, naming the GPU, where it cannot run: a MIG
 device, a GPU NVML reports in compute mode Prohibited, a compute capability below 3.5, or
 more replicas than the GPU's MPS server takes clients.
@@ -23,7 +23,7 @@ from agent.topology.model import Gpu, MigDevice, Topology
 log = logging.getLogger(__name__)
 
 REPLICA_SEPARATOR = "::"
-#: The anchor's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
+#: NVIDIA's device plugin's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
 DEFAULT_SOCKET_NAME = "nvidia-{resource}.sock"
 #: The largest message the kubelet's gRPC client accepts (grpc-go's default receive limit):
 #: a ListAndWatch device list above it never reaches the kubelet.
@@ -79,7 +79,7 @@ class PluginResource:
 
     @property
     def socket_name(self) -> str:
-        """The socket file's base name in the kubelet's directory: by default as the anchor
+        """The socket file's base name in the kubelet's directory: by default as NVIDIA's device plugin
         names it (``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``)."""
         return self.socket_template.replace("{resource}", self.name.split("/", 1)[-1])
 
@@ -194,7 +194,7 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
     """The resources to serve, sorted by name, each with its devices in a stable order.
 
     Raises :class:`ConfigError` when the MIG layout does not fit ``mig_strategy`` (the
-    anchor's checks), time-slicing names a device that does not exist, or the device lists
+    NVIDIA's device plugin's checks), time-slicing names a device that does not exist, or the device lists
     would be too large (:func:`_check_sizes`, from arithmetic, before any replica is built).
     """
     plan = _plan(topology, config)

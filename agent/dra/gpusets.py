@@ -41,7 +41,7 @@ synthetic nodes.
 **Order.** Within a size, the device plugin's own choice on the empty node first (rank 0:
 a set claim on an empty node gets what GetPreferredAllocation gives), then best first by the
 device plugin's objective on the empty node (``AllocationEngine.explain`` with the set as
-must-include): the anchor criterion (set score plus the best split of the other GPUs into
+must-include): go-gpuallocator's criterion (set score plus the best split of the other GPUs into
 groups of k), the set score, fewer NUMA nodes, the smaller cut to the other GPUs. Among
 equals: pairs fill from the front of the single GPUs' order (:func:`device_order`, which
 single GPUs also fill from the front), larger sets from its back; then the lower indices.
@@ -242,7 +242,7 @@ def _order_key(policy: _EmptyNode, position: dict[int, int],
         c = policy.chosen(members)
         places = sorted(position[i] for i in members)
         tie = places if from_front else sorted((-p for p in places))
-        return (-c.anchor_score, -c.score, c.numa_nodes, c.cut, tie, members)
+        return (-c.gpuallocator_score, -c.score, c.numa_nodes, c.cut, tie, members)
 
     return key
 

@@ -3,7 +3,7 @@
 The policy (``best-effort``, issue 3) chooses k GPUs G with R ⊆ G ⊆ A (A available,
 R must-include) maximising, in this order:
 
-1. the anchor's criterion, computed exactly: ``score(G) + P_k(A \\ G)``, where ``P_k(S)`` is
+1. go-gpuallocator's criterion, computed exactly: ``score(G) + P_k(A \\ G)``, where ``P_k(S)`` is
    the best total set score of splitting S into ``|S| // k`` groups of k GPUs plus, when
    ``r = |S| mod k`` is not 0, exactly one group of the remaining r GPUs. (go-gpuallocator
    pads A with empty slots to a multiple of k; a padded group holds either no padding or
@@ -15,7 +15,7 @@ R must-include) maximising, in this order:
    partners are gone, leave intact pairs and cliques for later);
 5. the lexicographically smallest sorted index list.
 
-Pair and set scores are the anchor's (``agent.topology.model.pair_score``). The result is
+Pair and set scores are go-gpuallocator's (``agent.topology.model.pair_score``). The result is
 always k distinct real GPUs. Exact when at most 16 GPUs are available; above that (up to 64)
 a bounded greedy search (one candidate grown from each available GPU, the rest partitioned
 greedily) answers in O(n^3) pair look-ups: well under 100 ms compiled, but not exact.
@@ -47,7 +47,7 @@ from agent.topology.model import Topology
 
 #: What separated a runner-up from the winner, by the index of the first differing criterion.
 CRITERIA: tuple[str, ...] = (
-    "anchor criterion (set score + best split of the rest into groups of the same size)",
+    "go-gpuallocator criterion (set score + best split of the rest into groups of the same size)",
     "set score",
     "NUMA nodes spanned",
     "cut to the GPUs left free",
@@ -59,13 +59,13 @@ class Candidate:
     """One candidate set and its values under criteria 1-4 (5 is ``indices`` itself)."""
 
     indices: tuple[int, ...]
-    anchor_score: int  # criterion 1: score + best partition of the rest
+    gpuallocator_score: int  # criterion 1: score + best partition of the rest
     score: int  # criterion 2
     numa_nodes: int  # criterion 3
     cut: int  # criterion 4
 
     def key(self) -> tuple[int, int, int, int]:
-        return (self.anchor_score, self.score, -self.numa_nodes, -self.cut)
+        return (self.gpuallocator_score, self.score, -self.numa_nodes, -self.cut)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Explanation:
         """A human-readable account, one line per item."""
         c = self.chosen
         out = [
-            f"chosen {list(c.indices)}: anchor criterion {c.anchor_score}, set score {c.score}, "
+            f"chosen {list(c.indices)}: go-gpuallocator criterion {c.gpuallocator_score}, set score {c.score}, "
             f"NUMA nodes {c.numa_nodes}, cut {c.cut}",
             f"search: {'exact' if self.exact else f'bounded (not exact, more than {kernel.EXACT_MAX_GPUS} available)'}"
             f", engine {self.implementation}",
@@ -91,7 +91,7 @@ class Explanation:
             out.append("no other candidate: the request fixes the set")
         for r, criterion in self.runners_up:
             out.append(
-                f"runner-up {list(r.indices)}: anchor criterion {r.anchor_score}, set score "
+                f"runner-up {list(r.indices)}: go-gpuallocator criterion {r.gpuallocator_score}, set score "
                 f"{r.score}, NUMA nodes {r.numa_nodes}, cut {r.cut}; lost on {CRITERIA[criterion]}"
             )
         return out
