@@ -65,6 +65,16 @@ from agent.topology.model import Topology  # noqa: E402
 # --------------------------------------------------------------------------- machines
 
 
+def use_kernel(name: str) -> None:
+    """Switch the kernel the engine builds on: ``"cython"`` (``agent._topo``) or ``"python"``
+    (the twin), as tests/conftest.py's ``impl`` fixture does."""
+    from agent import _topo  # type: ignore[attr-defined]
+    from agent.topology import _pure
+
+    module = _topo if name == "cython" else _pure
+    kernel.impl, kernel.IMPLEMENTATION, kernel.EXACT_MAX_GPUS = module, name, module.EXACT_MAX_GPUS
+
+
 def machine(name: str) -> Topology:
     """A built-in simulated machine, read through the NVML backend on the fake."""
     return load_topology(name)
@@ -136,7 +146,7 @@ def bench_gpu_machine(
     kernel's call alone (``AllocationSolver.best_mask`` on GPU bitmasks: the twin/extension
     ratio). ``cold``: the first call on a fresh handler (or solver) whose engine and device
     table exist already, as the device plugin's do after its first request."""
-    kernel.use(impl)
+    use_kernel(impl)
     n = topo.gpu_count
     handler, ids = handler_for(topo)
     solver = kernel_solver(topo) if kernel_only else None
@@ -147,8 +157,7 @@ def bench_gpu_machine(
             t0 = time.thread_time_ns()
             cold_solver.best_mask((1 << n) - 1, 0, k)
         else:
-            cold, _ = handler_for(topo)
-            cold.engine, getattr(cold, "table", None)  # built, not timed
+            cold, _ = handler_for(topo)  # its engine and device table built, not timed
             t0 = time.thread_time_ns()
             cold.preferred(ids, [], k)
         cold_us = (time.thread_time_ns() - t0) / 1000.0
@@ -167,7 +176,7 @@ def bench_gpu_machine(
 def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
     """``dgx-h100`` with 16 time-sliced replicas per GPU, each policy: ~60% of the replicas
     free (seeded), k of them asked for."""
-    kernel.use(impl)
+    use_kernel(impl)
     topo = machine("dgx-h100")
     results = {}
     for policy in ("distributed", "packed"):
@@ -188,7 +197,7 @@ def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
 
 
 def bench_large(impl: str, calls: int, ks: list[int]) -> dict[int, dict[str, float]]:
-    kernel.use(impl)
+    use_kernel(impl)
     handler, ids = handler_for(synthetic_islands_topology())
     results = {}
     for k in ks:
