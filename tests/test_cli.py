@@ -23,7 +23,8 @@ from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import build_resources
 from agent.discovery import load_topology
 from agent.hw.sim.machines import BUILTIN_MACHINES
-from agent.labels import TIMESTAMP_LABEL, compute_labels
+from agent.labels import compute_labels
+from agent.labels.gfd import TIMESTAMP_LABEL
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 
