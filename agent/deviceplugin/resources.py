@@ -38,7 +38,8 @@ MAX_ADVERTISED_BYTES = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class PluginDevice:
-    """One device ID advertised to the kubelet."""
+    """One device ID advertised to the kubelet. Models the device plugin API's
+    ``v1beta1.Device`` (ListAndWatch: ID, health, TopologyInfo) plus what stands behind the ID."""
 
     id: str  # what the kubelet sees: GPU UUID, MIG UUID, or "<uuid>::<n>"
     gpu_index: int  # the physical GPU it lives on (a MIG device's parent)

@@ -80,7 +80,8 @@ Unit = tuple[int, ...]
 
 @dataclass(frozen=True)
 class GpuSet:
-    """One published set: its GPU indices (sorted) and its rank among the sets of its size."""
+    """One published set: its GPU indices (sorted) and its rank among the sets of its size.
+    Models no upstream API: our GPU set, published as one ResourceSlice device."""
 
     members: tuple[int, ...]
     rank: int
