@@ -20,7 +20,6 @@ from agent.errors import AgentError
 
 #: The subcommands' modules: each one's name is the subcommand's.
 COMMAND_MODULES = (run, discover, allocate, labels, demo, slices)
-SUBCOMMANDS = tuple(m.__name__.rpartition(".")[2] for m in COMMAND_MODULES)
 
 
 class _Parser(argparse.ArgumentParser):
