@@ -14,12 +14,12 @@ import sys
 from typing import NoReturn
 
 from agent import __version__
-from agent.commands import allocate, demo, discover, labels, run, slices
+from agent.commands import allocate, demo, discover, doctor, labels, run, slices
 from agent.commands._common import friendly_paths
 from agent.errors import AgentError
 
 #: The subcommands' modules: each one's name is the subcommand's.
-COMMAND_MODULES = (run, discover, allocate, labels, demo, slices)
+COMMAND_MODULES = (run, discover, allocate, labels, demo, slices, doctor)
 
 
 class _Parser(argparse.ArgumentParser):
