@@ -284,16 +284,19 @@ class ClusterGather:
     alone, so a Filter of node N costs N's own gathering plus, in 1.36, every other node M's
     pool as seen from elsewhere (its counter slice relevant, the rest found by
     ``checkSlicesInPool``, which walks all the cluster's slices for it). Nodes are set (and
-    replaced, when they re-publish) with :meth:`set_node`."""
+    replaced, when they re-publish) with :meth:`set_node`; ``copies`` makes one node stand
+    for that many nodes publishing the same slices under their own names (the counts do not
+    depend on names)."""
 
     def __init__(self, version: str) -> None:
         self.version = version
         self.own: dict[str, Work] = {}
-        self.foreign: dict[str, Work] = {}
-        self.slices: dict[str, int] = {}
+        self.foreign: dict[str, Work] = {}  # one copy's
+        self.slices: dict[str, int] = {}  # one copy's
+        self.copies: dict[str, int] = {}
         self._foreign_total, self._slices_total = Work(), 0
 
-    def set_node(self, node: str, slices: Sequence[Mapping[str, Any]]) -> None:
+    def set_node(self, node: str, slices: Sequence[Mapping[str, Any]], copies: int = 1) -> None:
         if any(s["spec"].get("nodeName") != node for s in slices):
             raise NotModelled("ClusterGather: every slice of a node must name that node")
         own, foreign = Work(), Work()
@@ -302,14 +305,14 @@ class ClusterGather:
             gather_pools(slices, "", version=self.version, work=foreign)
             foreign.slices_scanned = 0  # charged per Filter over the whole cluster (filter_work)
         if node in self.own:
-            self._foreign_total = self._foreign_total + self.foreign[node].times(-1)
-            self._slices_total -= self.slices[node]
-        self.own[node], self.foreign[node], self.slices[node] = own, foreign, len(slices)
-        self._foreign_total = self._foreign_total + foreign
-        self._slices_total += len(slices)
+            self._foreign_total = self._foreign_total + self.foreign[node].times(-self.copies[node])
+            self._slices_total -= self.slices[node] * self.copies[node]
+        self.own[node], self.foreign[node], self.slices[node], self.copies[node] = own, foreign, len(slices), copies
+        self._foreign_total = self._foreign_total + foreign.times(copies)
+        self._slices_total += len(slices) * copies
 
     def filter_work(self, node: str) -> Work:
-        """The gathering counts of one Filter of ``node`` (``Allocate`` -> ``GatherPools``)."""
+        """The gathering counts of one Filter of ``node`` (of one of its copies)."""
         others = self._foreign_total + self.foreign[node].times(-1)
         return self.own[node] + others + Work(slices_scanned=others.pools * self._slices_total)
 

@@ -252,6 +252,11 @@ def test_cluster_gather_adds_up_to_gathering_the_whole_cluster():
             shortcut.set_node(node, objs)
         for node in nodes:
             assert shortcut.filter_work(node) == gathered(cluster, node, version)[1], (version, node)
+        # n2 and n3 publish alike: one node standing for two gives n2's Filter the same counts
+        twins = ClusterGather(version)
+        for node in ("n0", "n1", "n2"):
+            twins.set_node(node, nodes[node], copies=2 if node == "n2" else 1)
+        assert twins.filter_work("n2") == gathered(cluster, "n2", version)[1], version
 
 
 def test_an_allocated_device_of_another_nodes_pool_still_counts_for_its_counters():
