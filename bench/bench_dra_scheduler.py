@@ -19,8 +19,8 @@ with the device plugin's choice (``best_set``) until a random occupancy between 
 its held GPUs are the allocated devices (single GPUs: a set's counters are its members', so
 the counters and the walk are the same as for the claims' set devices). What a node publishes
 in a state is the *publisher*'s answer for those held GPUs (``publish(topology, node, in_use,
-server_version)``; the default, :func:`agent_publisher`, is the agent's
-``agent.dra.slices.render_slices``, given ``server_version`` where it takes one).
+server_version)``, ``bench/dra_publishers.py``; the default is the agent's
+``agent.dra.slices.render_slices`` for those GPUs and that server version).
 
 A pod: 40 % 1 GPU, 30 % 2, 20 % 4, 10 % 8 (sizes above the node's GPUs are left out), one
 ResourceClaim. Claim shapes: ``list`` = a multi-GPU pod asks ``[one set (gpuset class +
@@ -51,8 +51,6 @@ are apart).
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import random
 import sys
 import time
@@ -63,17 +61,17 @@ from typing import Any, Callable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
+from dra_publishers import Publisher, agent_publisher, load_publisher, singles_publisher  # noqa: E402
 
-from agent.dra.slices import render_slices  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
 DRIVER = "gpu.gpu-agent.io"
 MIX = ((1, 0.4), (2, 0.3), (4, 0.2), (8, 0.1))
-Publisher = Callable[[Topology, str, frozenset[int], str], list[dict[str, Any]]]
 
 GPU_EXPR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
 SET_EXPR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpuset"'
@@ -123,30 +121,6 @@ def pod_claim(k: int, shape: str) -> dict[str, Any]:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": f"pod-{k}", "namespace": "default"},
             "spec": {"devices": {"requests": [request], "constraints": []}}}
-
-
-# ----------------------------------------------------------------------- publishers
-def agent_publisher() -> Publisher:
-    """The agent's rendering for held GPUs: ``render_slices(..., in_use=..., server_version=...)``
-    (``server_version`` passed where the function takes it)."""
-    takes_version = "server_version" in inspect.signature(render_slices).parameters
-
-    def publish(topo: Topology, node: str, in_use: frozenset[int], server_version: str) -> list[dict[str, Any]]:
-        extra = {"server_version": server_version} if takes_version else {}
-        return render_slices(topo, node_name=node, in_use=sorted(in_use), **extra)
-
-    return publish
-
-
-def singles_publisher(topo: Topology, node: str, in_use: frozenset[int], server_version: str) -> list[dict[str, Any]]:
-    return render_slices(topo, node_name=node, in_use=sorted(in_use), with_sets=False)
-
-
-def load_publisher(spec: str) -> Publisher:
-    """``MODULE:FUNCTION``: a factory returning a publisher, or the publisher itself."""
-    module, _, name = spec.partition(":")
-    obj = getattr(importlib.import_module(module), name)
-    return obj() if not inspect.signature(obj).parameters else obj  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------- the cluster
