@@ -14,7 +14,7 @@ import yaml
 from k8s_binaries import k8s_binary, missing_reason
 
 from agent.discovery import load_topology
-from agent.dra.slices import dump_yaml, render_slices
+from agent.dra.slices import SETS_API_VERSIONS, dump_yaml, render_slices
 from agent.hw.sim.machines import BUILTIN_MACHINES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +49,20 @@ def template_claim(name, claim_name=None):
     raise KeyError(name)
 
 
-def classes():
-    return [to_v1beta1(c) for c in yaml.safe_load_all(CLASSES.read_text())]
+def selects_gpu_sets(device_class):
+    return any('.type == "gpuset"' in sel["cel"]["expression"] for sel in device_class["spec"].get("selectors", ()))
+
+
+def classes(api_version="v1beta1"):
+    """The device classes the chart renders for a cluster whose newest ``resource.k8s.io`` is
+    ``api_version`` (``daemonset/dra/deviceclass.yaml`` is its rendering for v1): the GPU and
+    MIG classes in every version; the GPU-set classes (``gpuset.*``, ``set-of-k.*`` with
+    ``extendedResourceName``, a v1.34+ field) only in the versions the agent publishes sets in
+    (:data:`~agent.dra.slices.SETS_API_VERSIONS`, the chart's ``if eq $api
+    "resource.k8s.io/v1"``): draalloc (v1.32, v1beta1) decodes strictly and refuses them."""
+    v1 = list(yaml.safe_load_all(CLASSES.read_text()))
+    kept = [c for c in v1 if api_version in SETS_API_VERSIONS or not selects_gpu_sets(c)]
+    return kept if api_version == "v1" else [to_v1beta1(c) for c in kept]
 
 
 def allocate(tmp_path, slices, claims, allocated=(), extra_classes=()):
@@ -126,6 +138,8 @@ def test_what_the_allocator_tests_hand_draalloc_still_exists():
     templates and classes they name, every machine's v1beta1 slices with devices named
     ``gpu-<index>`` (as :func:`indices` reads them), and the NIC the RDMA test pairs with."""
     assert {"gpu.gpu-agent.io", "mig.gpu.gpu-agent.io"} <= {c["metadata"]["name"] for c in classes()}
+    sets = {c["metadata"]["name"] for c in classes("v1") if selects_gpu_sets(c)}
+    assert {f"set-of-{k}.{D}" for k in (2, 4, 8)} <= sets  # what v1beta1 leaves out
     for name in CLAIMS:
         assert template_claim(name)["spec"]["devices"]["requests"], name
     for machine in BUILTIN_MACHINES:
