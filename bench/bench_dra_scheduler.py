@@ -18,9 +18,9 @@ of S occupancy states (node i in state i mod S). A state is drawn by placing pod
 with the device plugin's choice (``best_set``) until a random occupancy between 0 and 90 %;
 its held GPUs are the allocated devices (single GPUs: a set's counters are its members', so
 the counters and the walk are the same as for the claims' set devices). What a node publishes
-in a state is the *publisher*'s answer for those held GPUs (``publish(topology, node, in_use,
-server_version)``, ``bench/dra_publishers.py``; the default is the agent's
-``agent.dra.slices.render_slices`` for those GPUs and that server version).
+in a state is the *publisher*'s answer for those GPUs held one by one, nothing published
+before (``bench/dra_publishers.py``; the default is the agent's ``render_slices`` for that
+occupancy and server version, as ``slices --in-use LIST --server-version V`` prints it).
 
 A pod: 40 % 1 GPU, 30 % 2, 20 % 4, 10 % 8 (sizes above the node's GPUs are left out), one
 ResourceClaim. Claim shapes: ``list`` = a multi-GPU pod asks ``[one set (gpuset class +
@@ -65,7 +65,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
-from dra_publishers import Publisher, agent_publisher, load_publisher, singles_publisher  # noqa: E402
+from dra_publishers import (  # noqa: E402
+    Publisher,
+    agent_publisher,
+    load_publisher,
+    single_gpus,
+    singles_publisher,
+)
 
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
@@ -191,7 +197,8 @@ def search_costs(states: Sequence[frozenset[int]], published: Sequence[list[dict
 
 def run_path(topo: Topology, nodes: int, states: Sequence[frozenset[int]], path: PathSpec, shape: str,
              pods: Sequence[int]) -> Result:
-    published = [path.publisher(topo, f"state-{s}", held, path.server_version) for s, held in enumerate(states)]
+    published = [path.publisher(topo, f"state-{s}", single_gpus(held), (), path.server_version)
+                 for s, held in enumerate(states)]
     search = search_costs(states, published, path, shape, sorted(set(pods)))
     cluster = ClusterGather(path.gather)
     node_state = [i % len(states) for i in range(nodes)]

@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the allocator model, beside the other
 import quality  # noqa: E402
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel  # noqa: E402
-from dra_publishers import Publisher, agent_publisher, load_publisher  # noqa: E402
+from dra_publishers import Publisher, agent_publisher, load_publisher, set_names  # noqa: E402
 
 from agent.dra.gpusets import gpu_sets, island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, render_slices  # noqa: E402
@@ -169,15 +169,18 @@ def members(slices: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
 
 class DraPolicy:
     """A ``quality.replay()`` policy whose choice is the allocator model's over one pool.
-    With a ``publisher`` the pool is re-rendered for the GPUs in use as the agent sees them
-    ``lag`` claims late (it re-renders at each prepare; the scheduler allocates ``lag``
-    claims before the last re-render lands); the allocated state is always current."""
+    With a ``publisher`` the agent re-renders before every claim from the devices the running
+    claims hold (all prepared by then) and what it published last, and the scheduler sees
+    the rendering of ``lag`` claims before (``lag`` claims allocated before the re-render
+    lands); the scheduler's allocated state is always current: the running claims' devices
+    (sets or singles, as allocated). A claim has left when its GPUs are free again."""
 
     def __init__(self, topo: Topology, slices: list[dict[str, Any]], path: str,
                  publisher: Publisher | None = None, lag: int = 0) -> None:
         self.topo, self.path, self.publisher, self.lag = topo, path, publisher, lag
-        self.history: list[frozenset[int]] = []
-        self.models: dict[frozenset[int], AllocatorModel] = {}
+        self.renderings: list[list[dict[str, Any]]] = [slices]
+        self.seen = slices
+        self.running: list[tuple[tuple[str, ...], tuple[int, ...]]] = []  # devices, GPUs per claim
         self.model = AllocatorModel(slices, CLASSES, CEL, leak_rejected_counters=path != "DRA sets+island")
         self.leaky = AllocatorModel(slices, CLASSES, CEL)  # v0.36.2: counters of rejected devices stay reserved
         self.leak_unschedulable = 0
@@ -189,21 +192,23 @@ class DraPolicy:
         self.pruned_loss: list[float] = []
 
     def _republish(self, free: list[int]) -> None:
-        """The slices the scheduler sees now: rendered for the GPUs in use ``lag`` claims ago."""
-        self.history.append(frozenset(range(self.topo.gpu_count)) - frozenset(free))
+        """Re-render for the running claims; the scheduler's model over the rendering of
+        ``lag`` claims ago, with the running claims' devices allocated."""
+        self.running = [c for c in self.running if not set(c[1]) & set(free)]
         if self.publisher is None:
+            self.model.allocated = {(DRIVER, NODE, f"gpu-{i}") for i in range(self.topo.gpu_count) if i not in free}
             return
-        seen = self.history[max(0, len(self.history) - 1 - self.lag)]
-        model = self.models.get(seen)
-        if model is None:
-            slices = self.publisher(self.topo, NODE, seen, "1.37")
-            model = self.models[seen] = AllocatorModel(slices, CLASSES, CEL)
-            self.members.update(members(slices))
-        self.model = model
+        held = {name: self.members[name] for devices, _ in self.running for name in devices}
+        rendered = self.publisher(self.topo, NODE, held, set_names(self.renderings[-1]), "1.37")
+        self.renderings.append(rendered)
+        self.members.update(members(rendered))
+        seen = self.renderings[max(0, len(self.renderings) - 1 - self.lag)]
+        if seen is not self.seen:
+            self.model, self.seen = AllocatorModel(seen, CLASSES, CEL), seen
+        self.model.allocated = {(DRIVER, NODE, name) for devices, _ in self.running for name in devices}
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
         self._republish(free)
-        self.model.allocated = {(DRIVER, NODE, f"gpu-{i}") for i in range(self.topo.gpu_count) if i not in free}
         self.n += 1
         constraints: list[dict[str, Any]] = []
         if (self.path == "DRA sets" or self.path in RERENDER) and k > 1:
@@ -222,6 +227,7 @@ class DraPolicy:
             raise RuntimeError(f"{self.path}: {k} of {len(free)} free GPUs unschedulable")
         (result,) = got
         gpus = sorted(g for _, (_, _, name) in result for g in self.members[name])
+        self.running.append((tuple(name for _, (_, _, name) in result), tuple(gpus)))
         if k > 1 and self.path in PRIORITIZED and (self.path != "DRA island" or constraints):
             self.claims += 1
             self.fallbacks += result[0][0] != "gpus/set" and (self.path != "DRA island" or result[0][0] != "gpus/island")
