@@ -19,7 +19,7 @@ with the device plugin's choice (``best_set``) until a random occupancy between 
 its held GPUs are the allocated devices (single GPUs: a set's counters are its members', so
 the counters and the walk are the same as for the claims' set devices). What a node publishes
 in a state is the *publisher*'s answer for those GPUs held one by one, nothing published
-before (``bench/dra_publishers.py``; the default is the agent's ``render_slices`` for that
+before (``tests/dra_publishers.py``; the default is the agent's ``render_slices`` for that
 occupancy and server version, as ``slices --in-use LIST --server-version V`` prints it).
 
 A pod: 40 % 1 GPU, 30 % 2, 20 % 4, 10 % 8 (sizes above the node's GPUs are left out), one
@@ -61,7 +61,6 @@ from typing import Any, Callable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402

@@ -17,7 +17,7 @@ counters are its members', so this is the same state for the counters). Paths:
   >= 2 GPUs is a prioritized list ``[one gpuset device with gpuCount == k -> k single GPUs]``
   (``fallback`` counts the claims that got singles), a pod of one GPU one single GPU;
 * ``DRA re-render lag L`` (L = 0, 1, 4): the claims of ``DRA sets``, but the slices are
-  the publisher's (``bench/dra_publishers.py``; default: the agent's ``render_slices`` for
+  the publisher's (``tests/dra_publishers.py``; default: the agent's ``render_slices`` for
   the GPUs in use) re-rendered after every prepare and unprepare, as the agent does; the
   scheduler sees the rendering for the GPUs in use L claims earlier (L claims allocated
   before the agent's re-render lands), while its allocated state is current (the GPUs of the
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machines", default="", help="comma-separated machine names (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--publisher", default="", help="MODULE:FUNCTION for the re-rendering paths "
-                        "(bench/dra_publishers.py; default: the agent's render_slices for the GPUs in use)")
+                        "(tests/dra_publishers.py; default: the agent's render_slices for the GPUs in use)")
     args = parser.parse_args(argv)
     publisher = load_publisher(args.publisher) if args.publisher else agent_publisher()
     machines = dra_machines([m for m in args.machines.split(",") if m])

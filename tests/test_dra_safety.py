@@ -17,7 +17,8 @@ Checked after every event: the GPUs of the claims whose pods may run (allocated 
 not unprepared) are disjoint, and a device a claim holds still means the GPUs it meant when
 it was allocated wherever it is published.
 
-What publishes (``Agent``): the agent's own rendering (:func:`agent_publisher`), and a toy
+What publishes (``Agent``): the agent's own rendering and rule (:func:`the_agents_rendering`),
+and a toy
 of issue 25's design that does withdraw sets (the few best sets per size whose GPUs are all
 free), under a rule: ``keep_what_a_claim_may_hold`` (the stub of the rule issue 25 asks for:
 a set stays published while a prepared claim holds it or while all its GPUs are free, since
@@ -35,6 +36,7 @@ from typing import Any, Callable
 
 import pytest
 from dra_allocator_model import AllocatorModel
+from dra_publishers import agent_publisher, set_names
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
@@ -92,18 +94,22 @@ def members(slices: list[dict[str, Any]]) -> dict[str, frozenset[int]]:
 
 
 # ----------------------------------------------------------------------- what publishes
-Render = Callable[[frozenset[int]], list[dict[str, Any]]]
+Render = Callable[[dict[str, frozenset[int]], list[str]], list[dict[str, Any]]]
 Rule = Callable[[list[dict[str, Any]], list[dict[str, Any]], frozenset[str], frozenset[int]], list[dict[str, Any]]]
+PUBLISH = agent_publisher()
 
 
-def agent_publisher(in_use: frozenset[int]) -> list[dict[str, Any]]:
-    """The agent's rendering for the GPUs its prepared claims hold."""
-    return render_slices(TOPO, node_name=NODE, in_use=sorted(in_use))
+def the_agents_rendering(held: dict[str, frozenset[int]], published: list[str]) -> list[dict[str, Any]]:
+    """What the agent publishes (``tests/dra_publishers.py``: ``render_slices`` with the
+    devices its prepared claims hold and the sets it published before; its own rule decides
+    what stays), against a 1.37 API server (where it publishes sets)."""
+    return PUBLISH(TOPO, NODE, held, published, "1.37")
 
 
-def few_best_free_sets(in_use: frozenset[int], few: int = 2) -> list[dict[str, Any]]:
-    """A toy of issue 25's design: every single GPU, and per size the first ``few`` sets (in
-    the agent's order) whose GPUs are all free; every other set withdrawn."""
+def few_best_free_sets(held: dict[str, frozenset[int]], published: list[str], few: int = 2) -> list[dict[str, Any]]:
+    in_use = frozenset(g for gpus in held.values() for g in gpus)
+    """A toy of issue 25's design that withdraws sets: every single GPU, and per size the first
+    ``few`` sets (in the static order) whose GPUs are all free; every other set withdrawn."""
     keep = {s.name for sets in gpu_sets(TOPO).values() for s in [s for s in sets if not set(s.members) & in_use][:few]}
     return _only(FULL, lambda d: d["name"] in keep or not d["name"].startswith("gpuset-"))
 
@@ -161,10 +167,11 @@ class World:
     _model: AllocatorModel | None = None
 
     def __post_init__(self) -> None:
-        self.published = self.agent.render(frozenset())
+        self.published = self.agent.render({}, [])
 
     def publish(self) -> None:
-        rendered = self.agent.render(self.in_use)
+        held = {d: gpus for c in self.claims.values() if c.state == "prepared" for d, gpus in c.meaning.items()}
+        rendered = self.agent.render(held, set_names(self.published))
         new = self.agent.rule(self.published, rendered, self.held, self.in_use) if self.agent.rule else rendered
         self.generation += 1
         for s in new:
@@ -235,7 +242,7 @@ def first_violation(agent: Agent, ops: list[tuple[str, int]]) -> str | None:
 
 
 AGENTS = {
-    "agent's rendering": Agent(agent_publisher),
+    "the agent's rendering and rule": Agent(the_agents_rendering),
     "few best free sets, kept while a claim may hold them": Agent(few_best_free_sets, keep_what_a_claim_may_hold),
 }
 

@@ -1,6 +1,6 @@
 """What a node publishes for the claims its agent knows of: the callable the DRA benches
-replay (``bench_dra_scheduler.py``, ``quality_dra.py``) and ``tests/test_dra_safety.py``
-checks.
+replay (``bench/bench_dra_scheduler.py``, ``bench/quality_dra.py``, which import this module
+as they import ``allocation_support``) and ``test_dra_safety.py`` checks.
 
 A publisher is ``publish(topology, node_name, held, published, server_version) ->
 ResourceSlice objects (v1)``: ``held`` maps each device a prepared claim of the node holds
@@ -15,16 +15,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
-from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from agent.dra import slices as _slices  # noqa: E402
-from agent.topology.model import Topology  # noqa: E402
+from agent.dra import slices as _slices
+from agent.topology.model import Topology
 
 Held = Mapping[str, Collection[int]]
 Publisher = Callable[[Topology, str, Held, Collection[str], str], list[dict[str, Any]]]
