@@ -356,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         pub.append((name, str(topo.gpu_count), str(p["slices"]), str(p["singles"]), str(p["sets"]),
                     f"{p['render_ms']:.1f}", f"{p['yaml_kib']:.0f}"))
     print_table(pub, args.markdown)
+    print()
+    goal = [("machine", *(f"{p.removeprefix('DRA ')}: NVLink / 1 NUMA / score" for p in ("DRA sets", *RERENDER)))]
+    for name, rows in results.items():
+        goal.append((name, *(("" if gaps(rows, p)[0] else "OUT ") + gaps(rows, p)[1].replace("NVLink ", "")
+                             .replace("1 NUMA ", "").replace("score ", "").replace(", ", " / ")
+                             for p in ("DRA sets", *RERENDER))))
+    print_table(goal, args.markdown)
     print(f"\n== goals (seed {args.seed}, {args.events} events, {seconds:.0f} s) ==")
     print("\n".join(verdict(name, rows) for name, rows in results.items()))
     return 0
