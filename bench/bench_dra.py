@@ -153,7 +153,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.discovery import open_backend, read_topology
     from agent.dra.claims import KubernetesClaimReader
     from agent.dra.plugin import DraPlugin
-    from agent.dra.publisher import SlicePublisher
+    from agent.dra.publisher import PublishSettings, SlicePublisher
     from agent.dra.servers import DraServers
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
@@ -168,7 +168,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 
     def servers(t, c, h, on_kubelet_restart):  # DraServers.from_config, over the stand-in
         plugin = DraPlugin(c, t, h, KubernetesClaimReader(api.api_client()), on_kubelet_restart=on_kubelet_restart)
-        return DraServers(plugin, SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h))
+        return DraServers(plugin, SlicePublisher(api.api_client, t, PublishSettings.from_config(c), health=h))
 
     daemon = Daemon(
         config, backend, servers=servers, read_topology=lambda: read_topology(backend, sim),
@@ -216,7 +216,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from apiserver_stub import ApiServerStub
 
     from agent.discovery import load_topology
-    from agent.dra.publisher import SlicePublisher
+    from agent.dra.publisher import PublishSettings, SlicePublisher
     from agent.dra.slices import render_slices
     from agent.hw.sim.machines import BUILTIN_MACHINES
     from agent.topology.synthetic import synthetic_islands_topology
@@ -236,7 +236,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
             count = len(objs)
             with ApiServerStub(served_versions=("v1",)) as api:
                 api.add_node("node-1")
-                pub = SlicePublisher(api.api_client, "node-1", topology)
+                pub = SlicePublisher(api.api_client, topology, PublishSettings("node-1"))
                 t0 = time.perf_counter()
                 pub.start()
                 try:

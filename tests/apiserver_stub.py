@@ -18,6 +18,10 @@ nothing more:
   are DNS labels and unique) so that a bad slice fails here as it would there;
 - ``resourceclaims`` (namespaced): get and list, objects put in by the test (:meth:`put_claim`);
 - ``/api/v1/nodes/<name>``: get, objects put in by the test (:meth:`add_node`);
+- ``/version``: ``server_version`` (``"1.37"`` by default) as the API server answers it
+  (``k8s.io/apimachinery/pkg/version.Info``: ``major``, ``minor``, ``gitVersion``, ...;
+  ``apiserver/pkg/endpoints/discovery/version.go``), unauthenticated as upstream's
+  ``system:public-info-viewer`` allows;
 - failures on demand: :meth:`fail` answers matching requests with a ``Status`` error (403,
   500, ...), :meth:`go_down` / :meth:`come_up` close and reopen the listening socket on the same
   port (connection refused in between).
@@ -137,8 +141,10 @@ class ApiServerStub:
     """Start with :meth:`start` (or as a context manager); point the client at :attr:`url`."""
 
     def __init__(self, served_versions: Iterable[str] = ALL_VERSIONS, *, access: Access | None = None,
-                 disabled_features: Iterable[str] = (), nfd_installed: bool = True) -> None:
+                 disabled_features: Iterable[str] = (), nfd_installed: bool = True,
+                 server_version: str = "1.37") -> None:
         self.served_versions = tuple(served_versions)
+        self.server_version = server_version
         self.access = access  # None: every request is allowed (no authentication, no RBAC)
         self.disabled_features = frozenset(disabled_features)
         self.nfd_installed = nfd_installed  # NFD's NodeFeature CRD is installed
@@ -281,6 +287,22 @@ class ApiServerStub:
         with self._lock:
             self._claims.pop((namespace, name), None)
 
+    def slice_history(self) -> list[list[dict[str, Any]]]:
+        """Every state the stored ResourceSlices went through, one after each write, in order:
+        what a scheduler's informer, fed one watch event at a time, may have seen."""
+        with self._lock:
+            events = [(kind, copy.deepcopy(obj)) for _, resource, kind, obj in self._events
+                      if resource == "resourceslices"]
+        state: dict[str, dict[str, Any]] = {}
+        out = []
+        for kind, obj in events:
+            if kind == "DELETED":
+                state.pop(obj["metadata"]["name"], None)
+            else:
+                state[obj["metadata"]["name"]] = obj
+            out.append([state[k] for k in sorted(state)])
+        return out
+
     def slices(self) -> list[dict[str, Any]]:
         """Copies of the stored ResourceSlices, sorted by name."""
         with self._lock:
@@ -366,7 +388,10 @@ class ApiServerStub:
         seg = [s for s in path.split("/") if s]
         if method == "GET":
             if seg == ["version"]:
-                return 200, {"major": "1", "minor": "34", "gitVersion": "v1.34.0-stub"}
+                major, _, minor = self.server_version.partition(".")
+                return 200, {"major": major, "minor": minor, "gitVersion": f"v{self.server_version}.0",
+                             "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2026-08-01T00:00:00Z",
+                             "goVersion": "go1.25.0", "compiler": "gc", "platform": "linux/amd64"}
             if seg == ["api"]:
                 return 200, {"kind": "APIVersions", "versions": ["v1"],
                              "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}

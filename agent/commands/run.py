@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
-from agent.config_values import TAINT_EFFECTS
+from agent.config_values import GPU_SETS_MODES, TAINT_EFFECTS
 from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
 from agent.nodeconfig import NamedConfigs
@@ -144,6 +144,10 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                      help="the device-taint effect on an unhealthy GPU and every GPU set holding it:"
                           " NoSchedule keeps running pods, NoExecute evicts them"
                           f" (default: {_DEFAULTS.taint_effect}; env DRA_TAINT_EFFECT)")
+    dra.add_argument("--gpu-sets", choices=GPU_SETS_MODES, dest="gpu_sets", default=None,
+                     help="publish GPU sets: auto (on where the API server is Kubernetes 1.37 or newer,"
+                          " whose scheduler reads a node's counters for that node only), on, off"
+                          f" (default: {_DEFAULTS.gpu_sets}; env DRA_GPU_SETS)")
 
 
 def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
@@ -174,7 +178,7 @@ FLAG_FIELDS = (
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
-    "delete_slices_on_shutdown", "taint_effect",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
     "imex_required",

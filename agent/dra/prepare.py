@@ -23,7 +23,7 @@ from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path, valid_claim_uid
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
-from agent.dra.devices import DeviceRef, device_refs
+from agent.dra.devices import DeviceRef, DeviceRefs
 from agent.errors import shorten
 from agent.topology.model import Topology
 
@@ -92,7 +92,7 @@ class ClaimPreparer:
         self.claims = claim_reader
         self.checkpoint = checkpoint
         self._path_exists = path_exists
-        self.devices: Mapping[str, DeviceRef] = device_refs(topology)
+        self.devices: Mapping[str, DeviceRef] = DeviceRefs(topology)
         self.cdi = CdiSpecWriter(topology, config, path_exists=path_exists)
         self._lock = threading.Lock()
 
@@ -100,7 +100,7 @@ class ClaimPreparer:
         """Serve ``topology`` with ``config`` from now on (read again after a kubelet restart
         or SIGHUP; its driver name and CDI directory are the running ones). Claims already
         prepared keep their checkpointed answer."""
-        devices = device_refs(topology)
+        devices = DeviceRefs(topology)
         cdi = CdiSpecWriter(topology, config, path_exists=self._path_exists)
         with self._lock:
             self.devices, self.cdi = devices, cdi

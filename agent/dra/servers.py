@@ -15,7 +15,7 @@ from typing import Callable
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import PublisherEvents, SlicePublisher
+from agent.dra.publisher import PublisherEvents, PublishSettings, SlicePublisher
 from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
@@ -52,11 +52,8 @@ class DraServers:
             config, topology, health, KubernetesClaimReader(api_client(config), count_error=count_claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
-        publisher = SlicePublisher(
-            lambda: api_client(config), config.node_name, topology, config.driver_name,
-            health=health, prepared=plugin.checkpoint, events=events, taint_effect=config.taint_effect,
-            delete_on_stop=config.delete_slices_on_shutdown,
-        )
+        publisher = SlicePublisher(lambda: api_client(config), topology, PublishSettings.from_config(config),
+                                   health=health, prepared=plugin.checkpoint, events=events)
         return cls(plugin, publisher)
 
     def start(self) -> None:
