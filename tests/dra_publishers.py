@@ -38,7 +38,9 @@ def agent_publisher() -> Publisher:
     ``Occupancy`` of held devices and published sets, or the GPUs in use) and of the server
     version (the sets decision of ``dra.gpuSets: auto``, where the agent has one)."""
     params = inspect.signature(_slices.render_slices).parameters
-    decide = getattr(importlib.import_module("agent.dra.gpusets"), "gpu_sets_decision", None)
+    gpusets = importlib.import_module("agent.dra.gpusets")
+    decide = getattr(gpusets, "gpu_sets_decision", None)
+    policies: dict[int, tuple[Topology, Any]] = {}  # the agent builds its SetPolicy once per topology
 
     def publish(topo: Topology, node: str, held: Held, published: Collection[str],
                 server_version: str) -> list[dict[str, Any]]:
@@ -48,6 +50,10 @@ def agent_publisher() -> Publisher:
                 {name: tuple(gpus) for name, gpus in held.items()}, tuple(published))
         elif "in_use" in params:
             extra["in_use"] = gpus_of(held)
+        if "policy" in params and hasattr(gpusets, "SetPolicy"):
+            if id(topo) not in policies:
+                policies[id(topo)] = (topo, gpusets.SetPolicy(topo))
+            extra["policy"] = policies[id(topo)][1]
         if "server_version" in params:
             extra["server_version"] = server_version
         elif decide is not None:

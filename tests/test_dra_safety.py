@@ -31,6 +31,7 @@ and ``withdraw_at_once`` (deliberately unsafe: publish the rendering as it is), 
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,7 +42,6 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from agent.discovery import load_topology
-from agent.dra.gpusets import gpu_sets
 from agent.dra.slices import render_slices
 
 DRIVER = "gpu.gpu-agent.io"
@@ -61,7 +61,32 @@ CEL = {GPU_EXPR: lambda d: d.driver == DRIVER and _type(d) == "gpu",
        SET_EXPR: lambda d: d.driver == DRIVER and _type(d) == "gpuset",
        **{f"count{k}": (lambda d, k=k: d.attributes[DRIVER].get("gpuCount") == k) for k in (2, 4, 8)}}
 TOPO = load_topology("dgx-h100")
-FULL = render_slices(TOPO, node_name=NODE)
+
+
+def toy_slices() -> list[dict[str, Any]]:
+    """The agent's counter slice and single GPUs, with the toy's candidate sets (every pair,
+    four quads, the eight) in place of the agent's sets, each consuming its members' counters
+    as the singles consume them, named by its members as the agent names sets."""
+    out = copy.deepcopy(render_slices(TOPO, node_name=NODE))
+    devices = [d for s in out for d in s["spec"].get("devices", ())]
+    counter = {d["attributes"][f"{DRIVER}/index"]["int"]: d["consumesCounters"][0] for d in devices
+               if d["attributes"][f"{DRIVER}/type"]["string"] == "gpu"}
+    candidates = [*itertools.combinations(range(8), 2), (0, 1, 2, 3), (4, 5, 6, 7), (0, 1, 4, 5), (2, 3, 6, 7),
+                  tuple(range(8))]
+    sets = [{"name": "gpuset-%d-m%x" % (len(m), sum(1 << i for i in m)),
+             "attributes": {f"{DRIVER}/type": {"string": "gpuset"}, f"{DRIVER}/gpuCount": {"int": len(m)}},
+             "consumesCounters": [{"counterSet": counter[m[0]]["counterSet"],
+                                   "counters": {c: v for i in m for c, v in counter[i]["counters"].items()}}]}
+            for m in candidates]
+    body = [s for s in out if "devices" in s["spec"]]
+    for s in body:
+        s["spec"]["devices"] = [d for d in s["spec"]["devices"] if d["attributes"][f"{DRIVER}/type"]["string"] == "gpu"]
+    body[-1]["spec"]["devices"] += sets
+    assert len(body[-1]["spec"]["devices"]) <= 64
+    return out
+
+
+FULL = toy_slices()
 
 
 def pod_claim(name: str, k: int) -> dict[str, Any]:
@@ -109,8 +134,12 @@ def the_agents_rendering(held: dict[str, frozenset[int]], published: list[str]) 
 def few_best_free_sets(held: dict[str, frozenset[int]], published: list[str], few: int = 2) -> list[dict[str, Any]]:
     in_use = frozenset(g for gpus in held.values() for g in gpus)
     """A toy of issue 25's design that withdraws sets: every single GPU, and per size the first
-    ``few`` sets (in the static order) whose GPUs are all free; every other set withdrawn."""
-    keep = {s.name for sets in gpu_sets(TOPO).values() for s in [s for s in sets if not set(s.members) & in_use][:few]}
+    ``few`` candidate sets (:func:`toy_slices`) whose GPUs are all free; every other set withdrawn."""
+    free: dict[int, list[str]] = {}
+    for name, gpus in members(FULL).items():
+        if name.startswith("gpuset-") and not gpus & in_use:
+            free.setdefault(len(gpus), []).append(name)
+    keep = {name for names in free.values() for name in names[:few]}
     return _only(FULL, lambda d: d["name"] in keep or not d["name"].startswith("gpuset-"))
 
 
