@@ -74,7 +74,7 @@ from allocation_support import best_set, synthetic_islands_topology  # noqa: E40
 from dra_allocator_model import AllocatorModel  # noqa: E402
 from dra_publishers import Publisher, agent_publisher, load_publisher, set_names  # noqa: E402
 
-from agent.dra.gpusets import gpu_sets, island_ids  # noqa: E402
+from agent.dra.gpusets import island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, render_slices  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
@@ -185,7 +185,6 @@ class DraPolicy:
         self.leaky = AllocatorModel(slices, CLASSES, CEL)  # v0.36.2: counters of rejected devices stay reserved
         self.leak_unschedulable = 0
         self.members = members(slices)
-        self.sets = {k: {s.members for s in v} for k, v in gpu_sets(topo).items()}
         self.largest_island = max(collections_count(island_ids(topo).values()))
         self.engine = AllocationEngine(topo)
         self.n = self.claims = self.fallbacks = self.pruned = self.below = 0
@@ -240,7 +239,8 @@ class DraPolicy:
         best = self.engine.best_score_for_size(k) or 1
         loss = (self.topo.set_score(dp) - self.topo.set_score(gpus)) / best
         self.below += loss > 0
-        if tuple(dp) not in self.sets.get(k, ()):
+        names = {d["name"] for s in self.seen for d in s["spec"].get("devices", ()) if d["name"].startswith("gpuset-")}
+        if tuple(dp) not in {tuple(self.members[n]) for n in names}:  # the sets the scheduler saw
             self.pruned += 1
             self.pruned_loss.append(max(loss, 0.0))
 
