@@ -18,11 +18,12 @@ counters are its members', so this is the same state for the counters). Paths:
   (``fallback`` counts the claims that got singles), a pod of one GPU one single GPU;
 * ``DRA re-render lag L`` (L = 0, 1, 4): the claims of ``DRA sets``, but the slices are
   the publisher's (``tests/dra_publishers.py``; default: the agent's ``render_slices`` for
-  the GPUs in use) re-rendered after every prepare and unprepare, as the agent does; the
-  scheduler sees the rendering for the GPUs in use L claims earlier (L claims allocated
-  before the agent's re-render lands), while its allocated state is current (the GPUs of the
-  running pods' claims, as their single devices: safe whatever the rendering; the safety of
-  the real representation is ``tests/test_dra_safety.py``'s);
+  the devices the agent's prepared claims hold) re-rendered after every prepare and
+  unprepare, as the agent does, but the agent has not yet prepared the last L claims
+  allocated (the kubelet prepares after the pod is bound): they are allocated in the
+  scheduler's state (their real devices, sets or singles) and unknown to the rendering. A
+  double allocation would stop the run (``replay`` checks every choice against the free GPUs);
+  ``tests/test_dra_safety.py`` explores the orders this replay does not;
 * ``DRA sets+island``: the same slices, the list ``[set -> k singles with matchAttribute
   nvlinkIsland -> k singles]`` where the size fits the largest NVLink island (``fallback``:
   claims that got singles, on one island or not). Allocated as upstream's fix
@@ -169,18 +170,18 @@ def members(slices: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
 
 class DraPolicy:
     """A ``quality.replay()`` policy whose choice is the allocator model's over one pool.
-    With a ``publisher`` the agent re-renders before every claim from the devices the running
-    claims hold (all prepared by then) and what it published last, and the scheduler sees
-    the rendering of ``lag`` claims before (``lag`` claims allocated before the re-render
-    lands); the scheduler's allocated state is always current: the running claims' devices
-    (sets or singles, as allocated). A claim has left when its GPUs are free again."""
+    With a ``publisher`` the agent re-renders before every claim from what it knows (the
+    devices of the running claims it has prepared: all but the last ``lag`` allocated, whose
+    pods are not bound and prepared yet) and what it published last, and the scheduler sees
+    that rendering; its allocated state is always current (every running claim's devices, sets
+    or singles, as allocated). A claim has left when its GPUs are free again."""
 
     def __init__(self, topo: Topology, slices: list[dict[str, Any]], path: str,
                  publisher: Publisher | None = None, lag: int = 0) -> None:
         self.topo, self.path, self.publisher, self.lag = topo, path, publisher, lag
         self.renderings: list[list[dict[str, Any]]] = [slices]
         self.seen = slices
-        self.running: list[tuple[tuple[str, ...], tuple[int, ...]]] = []  # devices, GPUs per claim
+        self.running: list[tuple[tuple[str, ...], tuple[int, ...], int]] = []  # devices, GPUs, number per claim
         self.model = AllocatorModel(slices, CLASSES, CEL, leak_rejected_counters=path != "DRA sets+island")
         self.leaky = AllocatorModel(slices, CLASSES, CEL)  # v0.36.2: counters of rejected devices stay reserved
         self.leak_unschedulable = 0
@@ -191,20 +192,20 @@ class DraPolicy:
         self.pruned_loss: list[float] = []
 
     def _republish(self, free: list[int]) -> None:
-        """Re-render for the running claims; the scheduler's model over the rendering of
-        ``lag`` claims ago, with the running claims' devices allocated."""
+        """Re-render for the claims the agent knows (all running claims but the last ``lag``
+        allocated) and what it published last; the scheduler's model over that rendering,
+        with every running claim's devices allocated."""
         self.running = [c for c in self.running if not set(c[1]) & set(free)]
         if self.publisher is None:
             self.model.allocated = {(DRIVER, NODE, f"gpu-{i}") for i in range(self.topo.gpu_count) if i not in free}
             return
-        held = {name: self.members[name] for devices, _ in self.running for name in devices}
+        known = [c for c in self.running if c[2] <= self.n - self.lag]  # self.n: claims allocated so far
+        held = {name: self.members[name] for devices, _, _ in known for name in devices}
         rendered = self.publisher(self.topo, NODE, held, set_names(self.renderings[-1]), "1.37")
         self.renderings.append(rendered)
         self.members.update(members(rendered))
-        seen = self.renderings[max(0, len(self.renderings) - 1 - self.lag)]
-        if seen is not self.seen:
-            self.model, self.seen = AllocatorModel(seen, CLASSES, CEL), seen
-        self.model.allocated = {(DRIVER, NODE, name) for devices, _ in self.running for name in devices}
+        self.model, self.seen = AllocatorModel(rendered, CLASSES, CEL), rendered
+        self.model.allocated = {(DRIVER, NODE, name) for devices, _, _ in self.running for name in devices}
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
         self._republish(free)
@@ -226,7 +227,7 @@ class DraPolicy:
             raise RuntimeError(f"{self.path}: {k} of {len(free)} free GPUs unschedulable")
         (result,) = got
         gpus = sorted(g for _, (_, _, name) in result for g in self.members[name])
-        self.running.append((tuple(name for _, (_, _, name) in result), tuple(gpus)))
+        self.running.append((tuple(name for _, (_, _, name) in result), tuple(gpus), self.n))
         if k > 1 and self.path in PRIORITIZED and (self.path != "DRA island" or constraints):
             self.claims += 1
             self.fallbacks += result[0][0] != "gpus/set" and (self.path != "DRA island" or result[0][0] != "gpus/island")
