@@ -25,7 +25,8 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from waiting import eventually
 
-from agent.dra.publisher import PublishSettings, SlicePublisher
+from agent.dra.publish_settings import PublishSettings
+from agent.dra.publisher import SlicePublisher
 
 NS = "gpu-topology-agent"
 NFD = ("nfd.k8s-sigs.io", "v1alpha1")

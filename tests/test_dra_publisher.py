@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from waiting import eventually
 
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from agent.dra.publisher import PublishSettings, SlicePublisher
+from agent.dra.publish_settings import PublishSettings
+from agent.dra.publisher import SlicePublisher
 from agent.dra.slices import render_slices
 from agent.health import HealthState
 from agent.kube import pick_version

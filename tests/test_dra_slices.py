@@ -120,8 +120,8 @@ def test_the_first_single_gpu_is_the_device_plugins_choice_on_the_free_gpus(mach
     from agent.dra.slices import Occupancy
 
     topo = load_topology(machine)
-    names = [d["name"] for d in devices(topo, node_name="n1", occupancy=Occupancy.of_gpus(held))
-             if d["name"].startswith("gpu-")]
+    occupancy = Occupancy({f"gpu-{i}": (i,) for i in held})
+    names = [d["name"] for d in devices(topo, node_name="n1", occupancy=occupancy) if d["name"].startswith("gpu-")]
     free = [i for i in range(topo.gpu_count) if i not in held]
     assert names[0] == f"gpu-{SetPolicy(topo).choose(free, 1)[0]}"
     assert {f"gpu-{i}" for i in held} == set(names[-len(held):])  # held GPUs last

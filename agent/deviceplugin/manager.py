@@ -14,15 +14,18 @@ set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the
 Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
 :meth:`~DevicePluginManager.set_topology` and :meth:`~DevicePluginManager.stop`; the
 kubelet-watch thread registers and re-serves; the metrics HTTP server calls
-:meth:`~DevicePluginManager.ready` and, at each scrape, :meth:`~DevicePluginManager.advertised`.
+:meth:`~DevicePluginManager.ready`. What the kubelet is offered (each device with its health) is
+reported to ``events.devices_offered`` whenever it changes, on the thread that changed it: the
+servers replaced, a GPU's health (a listener of the health state), a sharing supervisor's readiness.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
-MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
-the servers; the watch thread registers such a resource once its daemon first answers.
+A shared resource whose sharing needs a supervisor (:mod:`agent.sharing`: a daemon that
+keeps the replicas servable) has one, synced with the servers; the watch thread registers such a
+resource once its sharing is ready.
 
 Size: above 400 lines because it is one lifecycle: the servers per resource, their
-registration, the kubelet-socket watch and the MPS daemons' sync all share the one watch
+registration, the kubelet-socket watch and the sharing supervisors' sync all share the one watch
 thread and its state; splitting them would spread that state over modules.
 """
 
@@ -41,13 +44,13 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
-from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
+from agent.deviceplugin.server import PLUGIN_OPTIONS, DeviceListChanges, PluginServer
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.kubelet.unix_server import SocketInUseError
+from agent.sharing.base import PROBE_INTERVAL_S, Supervisor, Supervisors
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -56,7 +59,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
-    mps: MpsControlDaemon | None = None  # an MPS resource's control daemon
+    supervisor: Supervisor | None = None  # its sharing's supervisor, when it has one
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # watch thread only
     backoff_s: float = 0.0  # watch thread only
@@ -64,6 +67,11 @@ class _Slot:
     next_serve_s: float = 0.0  # watch thread only
     serve_backoff_s: float = 0.0  # watch thread only
     register_failing: bool = False  # watch thread only: registration failed, being retried
+
+
+def _sharing_ready(slot: _Slot) -> bool:
+    """The slot's resource can be served as shared: no supervisor, or a ready one."""
+    return slot.supervisor is None or slot.supervisor.ready
 
 
 @dataclass
@@ -98,7 +106,7 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
-        mps_probe_s: float = PROBE_INTERVAL_S,
+        supervisor_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
@@ -110,12 +118,16 @@ class DevicePluginManager:
         # Register call, starting or stopping a server), an event or a callback, and no
         # other lock (the health state's condition included) is taken while it is held.
         self._lock = threading.Lock()
+        # Held while the offered devices are computed and reported, so that two threads'
+        # reports cannot land out of order; taken before ``_lock`` and the health state's.
+        self._offers_lock = threading.Lock()
         self.topology = topology
         self.config = config
         self.events = events
         self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
-        self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
+        self._supervisors = Supervisors(self._sharing_changed, supervisor_probe_s)  # the servers' owner only
+        self._changes = DeviceListChanges().follow(health)  # what the device-list streams wait on
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
@@ -129,6 +141,7 @@ class DevicePluginManager:
         self._round_error: str | None = None  # the last failed round's error (said once)
         self._round_backoff_s = 0.0
         self.resources: tuple[PluginResource, ...] = ()
+        health.add_listener(self._report_offers)
 
     @property
     def kubelet_socket(self) -> str:
@@ -156,7 +169,7 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
-        self._mps.stop()
+        self._supervisors.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -182,17 +195,17 @@ class DevicePluginManager:
         readiness probe calls it)."""
         with self._lock:
             slots = list(self._slots)
-        return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
+        return bool(slots) and all(s.registered and _sharing_ready(s) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
-        """(resource, device ID, healthy) for every device offered to the kubelet now (the
-        ``gpu_agent_device_healthy`` series, read at each scrape). Never waits on I/O."""
+        """(resource, device ID, healthy) for every device offered to the kubelet now. Never
+        waits on I/O."""
         with self._lock:
             resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
-        mps_down = {s.server.resource.name for s in slots if s.mps is not None and not s.mps.answering}
+        not_ready = {s.server.resource.name for s in slots if not _sharing_ready(s)}
         return [
-            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in mps_down))
+            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in not_ready))
             for r in resources for d in r.devices
         ]
 
@@ -200,15 +213,21 @@ class DevicePluginManager:
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
             RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
-            mps=self._mps.get(resource.name),
+            supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
         server.start()
         return server
 
-    def _mps_changed(self) -> None:
-        """A control daemon started or stopped answering: re-send the device lists and let the
-        watch thread register a resource whose daemon now answers."""
-        self.health.wake()
+    def _report_offers(self) -> None:
+        """Report what the kubelet is offered now (``events.devices_offered``)."""
+        with self._offers_lock:
+            self.events.devices_offered(self.advertised())
+
+    def _sharing_changed(self) -> None:
+        """A sharing supervisor became ready or stopped being ready: report the offers, re-send
+        the device lists and let the watch thread register a resource whose sharing is now ready."""
+        self._report_offers()
+        self._changes.changed()
         self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
@@ -220,15 +239,17 @@ class DevicePluginManager:
             self.topology, self.config, self.resources = topology, config, resources
         for slot in old:
             slot.server.stop(0.5)
-        self._mps.sync(resources, topology, config)
+        self._supervisors.sync(
+            ((r.name, r.sharing, r.replicas) for r in resources if r.sharing is not None), topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
-            slot = _Slot(self._new_server(resource, topology, config), self._mps.get(resource.name))
+            slot = _Slot(self._new_server(resource, topology, config), self._supervisors.get(resource.name))
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
+        self._report_offers()
         if resources and not os.path.exists(self.kubelet_socket):
             log.warning(
                 "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
@@ -333,8 +354,8 @@ class DevicePluginManager:
                 slot = fresh
             if inode is None or slot.registered or now < slot.next_try_s:
                 continue
-            if slot.mps is not None and not slot.mps.answering:
-                continue  # MPS replicas are advertised once their daemon answers
+            if not _sharing_ready(slot):
+                continue  # shared replicas are advertised once their sharing is ready
             self._register(slot, now)
 
     def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
@@ -387,7 +408,7 @@ class DevicePluginManager:
         if slot.serve_failing:
             log.warning("serving %s again on %s", slot.server.resource.name, path)
         self._taken.discard(path)
-        fresh = _Slot(server, slot.mps, next_try_s=now)
+        fresh = _Slot(server, slot.supervisor, next_try_s=now)
         with self._lock:
             self._slots = [fresh if s is slot else s for s in self._slots]
         return fresh

@@ -40,6 +40,10 @@ could not give E; if after, it counted E's (E was published and allocated), and 
 give D. Either way C2 cannot hold D. Kept sets come after the policy's sets of their size,
 so first fit still finds the policy's answer first. The single GPUs are always published.
 The agent recovers what it published from its own slices in the API server after a restart.
+Two cases fall outside the rule: an agent started with sets off (``dra.gpuSets``, or an API
+server that drops the counters) withdraws every set, and an upgrade from agents that named
+sets by rank (``gpuset-4-0``) withdraws those: change either on a node without pending set
+claims.
 
 **Which Kubernetes** (:func:`gpu_sets_decision`). Sets need counters, and the scheduler's
 ``GatherPools`` (``k8s.io/dynamic-resource-allocation``, ``structured/internal/incubating``)

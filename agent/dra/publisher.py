@@ -13,13 +13,18 @@ differs (a stale ``resourceVersion`` answered with 409 is re-read and retried), 
 driver's other slices of the node. A health change, a prepared or an unprepared claim wakes
 the thread at once (re-published well within a second).
 
-**Generations.** A change of one slice only (on a node of up to 64 devices with sets, the
-device slice after a prepare or unprepare: the counter slice never changes) rewrites that
-slice under the same pool generation: the scheduler's allocator skips a pool with fewer
-slices of its newest generation than ``resourceSliceCount``, and any view it can have of one
-rewritten slice is one whole publication, complete and valid. A change of several slices
-raises the generation above every generation seen in every slice, so the scheduler never
-mixes two versions of the pool; it sees the pool incomplete from the first write to the last.
+**Generations.** The scheduler's allocator skips a pool with fewer slices of its newest
+generation than ``resourceSliceCount`` (incomplete) or with a device name twice (invalid). A
+re-publication that moves no device from one slice to another (the counter slice never
+changes; up to 64 devices are one device slice; above, the single GPUs and the sets have
+slices of their own) rewrites the changed slices under the same pool generation: any view
+the scheduler can have holds each slice once, each device at most once, and every device a
+claim may hold (the single GPUs always, a set kept by the rule of :mod:`agent.dra.gpusets`
+in both publications), so the pool is never incomplete nor invalid. The API reference asks
+for a new generation on every change so that consumers never mix two versions of a pool;
+mixing is harmless when no device moves, and a new generation would make the pool
+incomplete from its first write to its last. Any other change raises the generation above
+every generation seen, in every slice.
 
 **Read-back.** Every write is answered with the object as stored; where the server dropped
 fields of a feature (a gate off drops them without an error, :mod:`agent.dra.readback`), the
@@ -48,12 +53,16 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping, Protocol
+from typing import Any, Callable, Collection, Mapping
 
-from agent.config import DEFAULT_DRIVER_NAME, Config
 from agent.dra.devices import DeviceRefs, gpus_of
 from agent.dra.gpusets import SetPolicy, gpu_sets_decision, parse_set_name
+from agent.dra.publish_settings import (
+    HealthSource,
+    PreparedDevices,
+    PublisherEvents,
+    PublishSettings,
+)
 from agent.dra.readback import (
     DEVICE_TAINTS,
     PARTITIONABLE_DEVICES,
@@ -75,7 +84,7 @@ from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HealthSource", "PreparedDevices", "PublishSettings", "PublisherEvents", "SlicePublisher"]
+__all__ = ["SlicePublisher"]
 
 #: Why publishing goes on without a feature, logged once when the server drops it.
 _WITHOUT = {
@@ -86,66 +95,6 @@ _WITHOUT = {
                    " devices of unhealthy GPUs are left out instead, but those a prepared claim of this node"
                    " uses, which stay untainted until it is unprepared",
 }
-
-
-class PublisherEvents(Protocol):
-    """What the publisher reports: the self-metrics implement it
-    (:class:`agent.metrics.self_metrics.AgentMetrics`). Cheap, no I/O."""
-
-    def dra_api_feature(self, feature: str, kept: bool) -> None:
-        """Whether the API server keeps ``feature``'s fields (a feature-gate name)."""
-        ...
-
-    def dra_gpu_sets(self, on: bool, setting: str) -> None:
-        """Whether GPU sets are published, decided from ``setting`` (dra.gpuSets)."""
-        ...
-
-
-class PreparedDevices(Protocol):
-    """The devices prepared claims of this node use (:class:`agent.dra.checkpoint.Checkpoint`)."""
-
-    def devices(self) -> Collection[tuple[str, str]]:
-        """(pool, device name) of every device of every prepared claim."""
-        ...
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """``callback()`` after every prepared or forgotten claim."""
-        ...
-
-
-class HealthSource(Protocol):
-    """What the publisher follows of :class:`agent.health.HealthState`."""
-
-    def snapshot(self) -> Mapping[int, str]:
-        """Unhealthy GPU index -> reason."""
-        ...
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """``callback()`` after every change."""
-        ...
-
-
-@dataclass(frozen=True)
-class PublishSettings:
-    """What the publisher publishes and how it retries: the node (and pool) name, the
-    driver, the taint effect on unhealthy GPUs, whether :meth:`SlicePublisher.stop` deletes
-    the slices (default keep: a restarting agent must not make running pods' devices
-    vanish), ``dra.gpuSets`` (:func:`agent.dra.gpusets.gpu_sets_decision`), the capped
-    exponential backoff after a failure and the period of a full resync."""
-
-    node_name: str
-    driver_name: str = DEFAULT_DRIVER_NAME
-    taint_effect: str = "NoSchedule"
-    delete_on_stop: bool = False
-    gpu_sets: str = "auto"
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    resync_s: float = 300.0
-
-    @classmethod
-    def from_config(cls, config: Config) -> PublishSettings:
-        return cls(config.node_name, config.driver_name, config.taint_effect, config.delete_slices_on_shutdown,
-                   config.gpu_sets)
 
 
 _REQUEST_TIMEOUT_S = 10.0
@@ -443,12 +392,14 @@ class SlicePublisher:
             self.generation = seen_generation
             return True
         generations = {((o.get("spec") or {}).get("pool") or {}).get("generation") for o in existing.values()}
-        in_place = (len(changed) == 1 and len(want) == len(existing) and generations == {seen_generation}
-                    and all(w["metadata"]["name"] in existing for w in want))
-        # One slice changes (the device slice of a node of up to 64 devices, after a prepare):
-        # rewrite it under the same generation, so the pool is never incomplete; every view
-        # the scheduler can have is then one whole publication. Otherwise a new generation
-        # in every slice, which the scheduler treats as incomplete until the last is written.
+        in_place = (generations == {seen_generation} and {w["metadata"]["name"] for w in want} == set(existing)
+                    and _stays_in_its_slice(existing, want))
+        # No device moves between slices (the device slice of a node of up to 64 devices after
+        # a prepare, or the single GPUs' and the sets' slices of a larger one): rewrite the
+        # changed slices under the same generation, so the pool is never incomplete; any view
+        # the scheduler can have mixes whole slices of two publications, each device once.
+        # Otherwise a new generation in every slice, which the scheduler treats as incomplete
+        # until the last is written.
         generation = seen_generation if in_place else seen_generation + 1
         for w in want:
             w["spec"]["pool"]["generation"] = generation
@@ -511,3 +462,10 @@ class SlicePublisher:
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         log.info("deleted the ResourceSlices of node %s", self.node_name)
 
+
+def _stays_in_its_slice(existing: Mapping[str, Mapping[str, Any]], want: list[dict[str, Any]]) -> bool:
+    """Whether every device name of ``want`` that ``existing`` has is in the same slice there."""
+    where = {d.get("name"): name for name, o in existing.items()
+             for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
+    return all(where.get(d["name"], w["metadata"]["name"]) == w["metadata"]["name"]
+               for w in want for d in w["spec"].get("devices") or ())

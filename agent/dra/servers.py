@@ -3,25 +3,36 @@ publisher behind the same four calls as the device-plugin mode's manager (start,
 set_topology, stop), so the daemon runs "the servers" without knowing which.
 
 No device-plugin socket is served in this mode: a GPU is never handed out by both. The
-publisher follows health through its own subscription. The device order is the static one:
-an occupancy-following order (re-published after each prepare/unprepare) was measured worse,
-see ``bench/quality_dra.py``.
+publisher follows health through its own subscription and the prepared claims through the
+plugin's checkpoint: the order and the GPU sets follow the occupancy
+(:mod:`agent.dra.gpusets`), re-published after each prepare and unprepare.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import PublisherEvents, PublishSettings, SlicePublisher
+from agent.dra.publish_settings import PublisherEvents, PublishSettings
+from agent.dra.publisher import SlicePublisher
 from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
 
 #: Seconds the publisher may take to stop (one last delete of the slices when configured).
 PUBLISHER_STOP_S = 3.0
+
+
+class DraEvents(PublisherEvents, Protocol):
+    """What DRA mode reports (the agent's self-metrics,
+    :class:`agent.metrics.self_metrics.AgentMetrics`): the publisher's events and the claims
+    that could not be read. Cheap, no I/O."""
+
+    def claim_read_error(self) -> None:
+        """A ResourceClaim could not be read from the API server (its prepare fails)."""
+        ...
 
 
 class DraServers:
@@ -39,17 +50,16 @@ class DraServers:
         health: HealthState,
         on_kubelet_restart: Callable[[], None],
         *,
-        count_claim_read_error: Callable[[], None],
-        events: PublisherEvents | None = None,
+        events: DraEvents,
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
-        configuration); ConfigError when neither can be loaded. ``count_claim_read_error``
-        is called for each claim that could not be read, and the publisher reports to
-        ``events`` which DRA features the API server keeps (the agent's self-metrics); the
-        publisher keeps the devices of prepared claims while the API server keeps no taints."""
+        configuration); ConfigError when neither can be loaded. Each claim that could not be
+        read, and which DRA features the API server keeps, are reported to ``events`` (the
+        agent's self-metrics); the publisher keeps the devices of prepared claims while the
+        API server keeps no taints."""
         plugin = DraPlugin(
-            config, topology, health, KubernetesClaimReader(api_client(config), count_error=count_claim_read_error),
+            config, topology, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(lambda: api_client(config), topology, PublishSettings.from_config(config),

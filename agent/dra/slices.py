@@ -45,36 +45,31 @@ slice of their own (``sharedCounters``, no devices); every full GPU consumes its
 and every set device its members' counters, so allocating a set blocks its members and every
 overlapping set, and allocating a single blocks every set that contains it. MIG-enabled GPUs
 are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
-counter and a MIG device never competes with a set. Set device attributes:
+counter and a MIG device never competes with a set. Which sets, in what order, and when a
+published set may go: :mod:`agent.dra.gpusets`. Set device attributes (only what the device
+classes select on; the name says the members, ``gpuset-4-mf`` is GPUs 0-3):
 
 ==========================  ========  =====================================================
 ``type``                    string    ``gpuset``
 ``gpuCount``                int       number of GPUs in the set
-``members``                 string    their indices, ``0-3`` / ``0,2,4,6`` (cpulist spelling;
-                                      left out above 64 characters)
-``rank``                    int       position among the sets of its size, 0 = best
 ``healthy``                 bool      false while a member is unhealthy (the set is tainted
                                       then too); the set classes select healthy sets only,
                                       so the allocator never reserves a tainted set's
                                       counters (kubernetes#140436 keeps a taint-rejected
                                       device's counters for the rest of its search)
-``nvlinkIsland``,           int       where every member shares one
-``nvlinkClique``,
-``numaNode``
 ==========================  ========  =====================================================
-
-plus ``resource.kubernetes.io/numaNode`` and ``resource.kubernetes.io/pcieRoot`` where every
-member shares one, and capacity ``memory`` (the members' total, when every member's is known).
 
 **Health.** A device holding an unhealthy or lost GPU stays, with a device taint saying
 why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints`).
 
-**Slices.** Devices in publication order: the single GPUs (MIG devices in their parent's
-place) in :func:`agent.dra.gpusets.device_order`, then the sets by size, best first; at most
-128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
-slices using partitionable devices or taints). Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
-so they sort in publication order (the allocator walks slices by name); the counter slice is
-number 0. ``v1beta1`` and ``v1beta2`` render single GPUs only (no counters, no sets).
+**Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
+given): the single GPUs (MIG devices in their parent's place), then the sets by size; at
+most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
+slices using partitionable devices or taints); above one slice, the sets start a slice of
+their own, so a re-publication moves no device between slices. Slice names are
+``<node>-<driver>-<nnn>`` with a zero-padded number, so they sort in publication order (the
+allocator walks slices by name); the counter slice is number 0. ``v1beta1`` and ``v1beta2``
+render single GPUs only (no counters, no sets).
 
 Size: above 400 lines because this docstring is the attribute reference users read (about a
 hundred lines of tables); the code is one rendering pass, attributes to devices to slices.
@@ -264,20 +259,9 @@ class Occupancy:
     held: Mapping[str, Collection[int]] = field(default_factory=dict)
     published: Collection[str] = ()
 
-    @classmethod
-    def of_gpus(cls, gpus: Iterable[int]) -> Occupancy:
-        """GPUs held one by one (``slices --in-use``), nothing published before."""
-        return cls({f"gpu-{i}": (i,) for i in gpus})
-
     @property
     def held_gpus(self) -> set[int]:
         return {g for gpus in self.held.values() for g in gpus}
-
-
-def _shared(values: Iterable[Any]) -> Any:
-    """The one value every member has; None when they differ or one is unknown."""
-    seen = set(values)
-    return seen.pop() if len(seen) == 1 else None
 
 
 def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
@@ -369,19 +353,19 @@ def render_slices(
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     marks = health_marks(topology, unhealthy, taint_effect, keep)
     policy = policy or SetPolicy(topology)
-    held = occupancy.held_gpus
-    free = policy.free_gpus(held, marks.reasons)
+    free = policy.free_gpus(occupancy.held_gpus, marks.reasons)
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
-        kept = sets_to_keep(occupancy.published, occupancy.held)
-        held_sets = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
-        sets = render_set_devices(topology, policy.sets(free, [*kept, *held_sets]), driver, marks)
+        sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
     devices = render_devices(topology, driver, marks, policy.single_order(free), counters=bool(sets)) + sets
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
-    specs += [{"devices": [_render_device(d, api_version) for d in devices[i : i + per_slice]]}
-              for i in range(0, len(devices), per_slice)]
+    # more than one slice of devices: the sets start a slice of their own, so that a
+    # re-publication moves no device between slices (the publisher rewrites in place then)
+    groups = [devices] if len(devices) <= per_slice else [devices[: len(devices) - len(sets)], sets]
+    specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
+              for group in groups for i in range(0, len(group), per_slice)]
     if not devices:
         specs.append({"devices": []})  # an empty pool is published too: "no devices here now"
     width = max(3, len(str(len(specs) - 1)))
@@ -400,6 +384,14 @@ def render_slices(
                      **body},
         })
     return out
+
+
+def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int]) -> list[GpuSet]:
+    """The policy's sets on ``free``, then those a claim may hold: the published ones the rule
+    keeps and the ones prepared claims hold."""
+    kept = sets_to_keep(occupancy.published, occupancy.held)
+    held = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
+    return policy.sets(free, [*kept, *held])
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
