@@ -40,7 +40,9 @@ through ``AllocatorModel.allocate`` and charged to every Filter of a node in tha
 the other nodes' pools add no device to the search (their devices do not target the node).
 
 Paths (columns): ``agent`` = the publisher with server version 1.37 under 1.37's gathering;
-``agent@1.36`` = the publisher with server version 1.36 under 1.36's; ``singles`` = single GPUs
+``agent@1.36`` = the publisher with server version 1.36 under 1.36's; ``sets forced@1.36`` = what
+it publishes for 1.37 (sets, counters) under 1.36's gathering (``dra.gpuSets: on`` on a 1.36
+cluster); ``singles`` = single GPUs
 only (``with_sets=False``) under 1.37's (1.36 gathers the same for them). Each count's ratio is
 the path's per-pod count over the single GPUs' per-pod count; ``items`` adds devices converted,
 consumptions validated, CEL evaluations and counter checks, unweighted (single GPUs validate
@@ -237,6 +239,7 @@ def measure(nodes: int, gpus: int, n_pods: int, n_states: int, seed: int, publis
         "agent set-of-k": (PathSpec("agent", publisher, "1.37", "1.37"), "set-of-k"),
         "agent@1.36": (PathSpec("agent@1.36", publisher, "1.36", "1.36"), "list"),
         "agent@1.36 set-of-k": (PathSpec("agent@1.36", publisher, "1.36", "1.36"), "set-of-k"),
+        "sets forced@1.36": (PathSpec("sets forced@1.36", publisher, "1.37", "1.36"), "list"),
         "singles": (PathSpec("singles", singles_publisher, "1.37", "1.37"), "singles"),
     }
     return {name: run_path(topo, nodes, states, spec, shape, pods) for name, (spec, shape) in paths.items()}
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     x = items(r.work) / items(base.work)
                     verdicts.append(f"{nodes} x {gpus} GPUs, 1.37: agent {x:.2f}x single GPUs per pod "
                                     f"({'within' if x <= 2 else 'ABOVE'} 2x)")
-        for name in ("agent@1.36", "agent"):
+        for name in ("agent@1.36", "sets forced@1.36", "agent"):
             f = per_filter[name]
             verdicts.append(f"{gpus} GPUs, {name}: work per Filter {f[0]:,.0f} -> {f[-1]:,.0f} items from "
                             f"{args.nodes.split(',')[0]} to {args.nodes.split(',')[-1]} nodes "
