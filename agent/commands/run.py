@@ -28,6 +28,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Run the node agent until SIGTERM/SIGINT. SIGHUP reloads the configuration "
         "and re-registers with the kubelet. Precedence: flags > environment > config file > defaults.",
     )
+    add_agent_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_agent_flags(p: argparse.ArgumentParser) -> None:
+    """``--config``, ``--simulate`` and every setting flag of ``run`` (:data:`FLAG_FIELDS`):
+    ``doctor`` takes the same, to check what that agent would use."""
     p.add_argument("--config", metavar="FILE", default=None,
                    help="NVIDIA device plugin config file (version: v1), YAML or JSON "
                         "(default: $CONFIG_FILE, else none)")
@@ -40,7 +47,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
                    help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
                         " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
-    p.set_defaults(func=run)
 
 
 def _add_location_flags(p: argparse.ArgumentParser) -> None:
