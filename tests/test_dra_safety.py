@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import copy
 import itertools
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pytest
+import yaml
 from dra_allocator_model import AllocatorModel
-from dra_publishers import agent_publisher, set_names
+from dra_publishers import agent_publisher, set_names, single_gpus
 from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 
@@ -339,3 +342,16 @@ def test_the_check_catches_a_rule_that_withdraws_a_held_set() -> None:
     # the shortest such story: a set allocated and prepared, a re-publish that withdraws it,
     # then a single of one of its GPUs allocated again
     assert [op for op, _ in ops] == ["schedule", "prepare", "publish", "schedule"], ops
+
+
+@pytest.mark.parametrize(("in_use", "server"), [("0,3", "1.37"), ("1,2,5", "1.36"), ("", "1.37")])
+def test_the_publisher_the_benches_replay_is_what_slices_in_use_prints(in_use: str, server: str) -> None:
+    """``tests/dra_publishers.py``'s agent publisher (what ``bench_dra_scheduler.py`` and
+    ``quality_dra.py`` measure and this module checks) renders what users preview with
+    ``gpu-topology-agent slices --in-use LIST --server-version V``."""
+    argv = [sys.executable, "-m", "agent", "slices", "--simulate", "dgx-h100", "--node-name", NODE,
+            "--server-version", server, *(["--in-use", in_use] if in_use else [])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    held = single_gpus([int(i) for i in in_use.split(",") if i])
+    assert list(yaml.safe_load_all(proc.stdout)) == PUBLISH(TOPO, NODE, held, (), server)
