@@ -1,4 +1,4 @@
-"""A model of the scheduler's DRA allocator, for the tests and ``bench/quality_dra.py``.
+"""A model of the scheduler's DRA allocator, for the tests, ``bench/quality_dra.py`` and ``bench/bench_dra_scheduler.py``.
 
 The allocator kube-scheduler runs is Go code in ``k8s.io/dynamic-resource-allocation/structured``
 and cannot ship with this project. This is a small Python model of the variant Kubernetes 1.36
