@@ -5,7 +5,7 @@ format ``version: v1``, YAML or JSON: :mod:`agent.config_file`) < environment va
 command-line flags. It is built once at start (and again on SIGHUP) and passed down; the
 subcommands hand the loader the environment (:func:`default_environ`) and no other module
 reads a setting from it (the engine switch ``AGENT_PUREPYTHON`` is read by
-:mod:`agent.topology.engine`).
+:mod:`agent.topology.kernel`).
 
 The loader (``load_config``) lives here too; field documentation says unit, default and why.
 Each value is checked by :mod:`agent.config_values`, whichever source gives it.
@@ -49,10 +49,10 @@ class Config:
     time_slicing: tuple[TimeSlicingResource, ...] = ()
     mps: tuple[TimeSlicingResource, ...] = ()
     rename_by_default: bool = False
-    fail_requests_greater_than_one: bool = False  # true by default under sharing.mps (the anchor's)
+    fail_requests_greater_than_one: bool = False  # true by default under sharing.mps (as in NVIDIA's device plugin)
     #: MPS: each shared resource's control daemon keeps its pipe and log directories under
     #: <mps_root>/<resource>/ and pods mount <mps_root>/shm as /dev/shm (flags.mpsRoot, env
-    #: MPS_ROOT, the anchor's default): the agent must see this host directory at this path
+    #: MPS_ROOT, NVIDIA's device plugin's default): the agent must see this host directory at this path
     mps_root: str = "/run/nvidia/mps"
     #: the MPS control program, a name on the PATH or a path (flags.mpsControlBinary, env
     #: MPS_CONTROL_BINARY): the agent runs one control daemon per MPS-shared resource
@@ -142,7 +142,7 @@ class Config:
 
 # ----------------------------------------------------------------------------- loading
 
-#: Environment variables read by :func:`load_config` (the anchor's names) -> Config field.
+#: Environment variables read by :func:`load_config` (NVIDIA's device plugin's names) -> Config field.
 ENV_FIELDS: Mapping[str, str] = {
     "MIG_STRATEGY": "mig_strategy",
     "FAIL_ON_INIT_ERROR": "fail_on_init_error",
@@ -201,7 +201,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
     for var, name in ENV_FIELDS.items():
         if var in env and env[var] != "":
             out[name] = parse_field(name, env[var], f"environment {var}")
-    # The anchor's health switches: DP_DISABLE_HEALTHCHECKS=all|xids|<list of XIDs to skip>,
+    # NVIDIA's device plugin's health switches: DP_DISABLE_HEALTHCHECKS=all|xids|<list of XIDs to skip>,
     # DP_ENABLE_HEALTHCHECKS=all|<list of XIDs to treat as critical although ignored>.
     disable = env.get("DP_DISABLE_HEALTHCHECKS", "").strip().lower()
     if disable:

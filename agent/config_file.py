@@ -1,9 +1,9 @@
 """The config file: NVIDIA's device plugin format (``version: v1``, YAML or JSON), read into
 the :class:`agent.config.Config` fields it sets.
 
-We accept every key the anchor's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
+We accept every key NVIDIA's device plugin's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
 ``sharing.timeSlicing``, ``sharing.mps``, ``resources``, ``imex``) so that its files load
-unchanged, plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor
+unchanged, plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys NVIDIA's device plugin
 parses for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
 """
@@ -37,8 +37,8 @@ from agent.records import REPLICA_POLICIES
 
 @dataclass(frozen=True)
 class TimeSlicingResource:
-    """One entry of ``sharing.timeSlicing.resources`` or ``sharing.mps.resources`` (the
-    anchor's ``ReplicatedResource``: both sections share its fields)."""
+    """One entry of ``sharing.timeSlicing.resources`` or ``sharing.mps.resources`` (NVIDIA's device plugin's
+    ``ReplicatedResource``: both sections share its fields)."""
 
     name: str = GPU_RESOURCE  # the resource being shared
     replicas: int = 1  # how many replicas each GPU is advertised as (>= 2 to share)
@@ -47,7 +47,7 @@ class TimeSlicingResource:
 
 
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
-# MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
+# MPS/GDS knobs of other components): accepted so that NVIDIA's device plugin's files load unchanged.
 _IGNORED_FLAG_KEYS = (
     "gfd", "gdsEnabled", "mofedEnabled",
     "deviceDiscoveryStrategy",
@@ -55,7 +55,7 @@ _IGNORED_FLAG_KEYS = (
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
 
 
-#: The anchor reads ``replicas`` into a Go ``int``: nothing larger loads there.
+#: NVIDIA's device plugin reads ``replicas`` into a Go ``int``: nothing larger loads there.
 _GO_INT_MAX = 2**63 - 1
 
 
@@ -86,7 +86,7 @@ def _is_device_index(text: str) -> bool:
 def _parse_replicated(section: Mapping[str, Any], where: str, mps: bool) -> dict[str, object]:
     """One of ``sharing.timeSlicing`` and ``sharing.mps`` (NVIDIA's ``ReplicatedResources``)
     into Config fields: its resources under ``time_slicing`` or ``mps``, and the two
-    switches. MPS follows the anchor's stricter rules: at least one resource, replicas >= 2,
+    switches. MPS follows NVIDIA's device plugin's stricter rules: at least one resource, replicas >= 2,
     full GPUs only (its plugin refuses MIG devices), ``failRequestsGreaterThanOne`` true
     unless the file says otherwise."""
     _check_keys(section, ("renameByDefault", "failRequestsGreaterThanOne", "resources"), where)

@@ -52,7 +52,8 @@ IMEX_CHANNELS_DIR = "/dev/nvidia-caps-imex-channels"
 
 @dataclass(frozen=True)
 class ContainerDevice:
-    """One GPU, or one MIG device of it, handed to a container."""
+    """One GPU, or one MIG device of it, handed to a container. Models no Kubernetes API: the
+    physical device both siblings render (Allocate's response, DRA's CDI spec) from."""
 
     gpu: Gpu
     mig: MigDevice | None = None

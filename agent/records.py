@@ -53,7 +53,7 @@ NVLINK_SCORE = 100
 
 
 def pair_score(nvlinks: int, pcie: PcieLevel | None) -> int:
-    """The anchor-compatible score of one GPU pair: PCIe level + 100 per NVLink."""
+    """The go-gpuallocator-compatible score of one GPU pair: PCIe level + 100 per NVLink."""
     return (PCIE_SCORE[pcie] if pcie is not None else 0) + NVLINK_SCORE * nvlinks
 
 

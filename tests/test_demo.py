@@ -57,8 +57,8 @@ def test_demo_json_gives_the_same_facts_and_every_allocation_is_valid():
             assert not held & set(gpus), "a GPU is never given to two running pods"
             held |= set(gpus)
             owner[row["pod"]] = gpus
-            # ours is never worse than the anchor's choice on the same free GPUs
-            assert row["score"] >= row["anchor"]["score"]
+            # ours is never worse than go-gpuallocator's choice on the same free GPUs
+            assert row["score"] >= row["gpuallocator"]["score"]
             assert row["score"] >= row["naive"]["score"]
         elif row["event"] == "leave":
             held -= set(owner.pop(row["pod"]))
@@ -117,7 +117,7 @@ def test_the_suggested_next_command_works_on_the_machine_just_shown(machine, cap
 def test_the_demo_explains_each_term_the_first_time_it_uses_it():
     out, _ = demo("dgx-h100", "table")
     explained = {
-        "anchor": "anchor = NVIDIA's go-gpuallocator",
+        "gpuallocator": "gpuallocator = NVIDIA's go-gpuallocator",
         "naive": "naive = the lowest free indices",
         "score": "score = the sum over every two GPUs",
         "NVLink island": "NVLink island = GPUs that",

@@ -154,7 +154,7 @@ def test_mps_resource_registers_its_replicas_once_the_control_daemon_answers(nod
     assert node.wait_ready(2.0)
 
 
-def test_control_daemon_gets_the_shared_gpus_its_directories_and_the_anchors_default_limits(node):
+def test_control_daemon_gets_the_shared_gpus_its_directories_and_nvidias_default_limits(node):
     node.start(node.config(replicas=4))
     assert node.wait_ready(10.0)
     (start,) = node.starts()

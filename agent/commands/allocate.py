@@ -110,7 +110,7 @@ def explanation_to_json(e: Explanation) -> dict[str, Any]:
     def cand(c: Any) -> dict[str, Any]:
         return {
             "indices": list(c.indices),
-            "anchor_criterion": c.anchor_score,
+            "gpuallocator_criterion": c.gpuallocator_score,
             "score": c.score,
             "numa_nodes": c.numa_nodes,
             "cut": c.cut,

@@ -45,31 +45,22 @@ class RequestHandler:
         self.resource = resource
         self.topology = topology
         self.config = config
-        self._engine: AllocationEngine | None = None
-        self._table: DeviceTable | None = None
+        # built once, before the first request: the resource's devices never change while
+        # it is served, and the engine only reads the frozen topology (safe to share)
+        self.engine = AllocationEngine(topology)
+        self.table = DeviceTable(
+            [(d.id, d.gpu_index) for d in resource.devices], topology.gpu_count, resource.name
+        )
         self._one_at_most = config.fail_requests_greater_than_one and resource.shared
         self._packed = config.shared_devices_allocation_policy == "packed"
-
-    @property
-    def engine(self) -> AllocationEngine:
-        """The allocation engine, built on first use (one per handler; it only reads the
-        frozen topology, so sharing it between threads is safe)."""
-        if self._engine is None:
-            self._engine = AllocationEngine(self.topology)
-        return self._engine
-
-    @property
-    def table(self) -> DeviceTable:
-        """The resource's device IDs ranked for the engine (built on first use, like the
-        engine: the resource's devices never change while it is served)."""
-        if self._table is None:
-            devices = [(d.id, d.gpu_index) for d in self.resource.devices]
-            self._table = DeviceTable(devices, self.topology.gpu_count, self.resource.name)
-        return self._table
 
     # ------------------------------------------------------------------ preferred
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """The device IDs to prefer; raises AllocationError on any invalid input."""
+        if self.resource.kind is ResourceKind.GPU:  # whole GPUs: checked and answered as GPU bitmasks
+            table = self.table
+            gpus = self.engine.gpu_set(*table.gpu_masks(available, must_include, size), size)
+            return list(map(table.id_of_gpu.__getitem__, gpus))
         return self.answer(self.request(available, must_include, size))
 
     def request(self, available: Sequence[str], must_include: Sequence[str], size: int) -> DeviceRequest:

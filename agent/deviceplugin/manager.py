@@ -43,7 +43,7 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.reporting import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, DeviceListChanges, PluginServer
 from agent.errors import AgentError, shorten

@@ -83,7 +83,7 @@ class Topology(NodeFacts):
     ) -> Topology:
         """Validate inputs, fill missing pairs with an unknown link, derive islands,
         cliques, NUMA groups and pair scores. Collections are copied (the model is frozen)."""
-        from agent.topology import engine
+        from agent.topology import kernel
 
         gpus = tuple(sorted(gpus, key=lambda g: g.index))
         n = len(gpus)
@@ -109,8 +109,8 @@ class Topology(NodeFacts):
             machine=machine,
             source=source,
             notes=tuple(notes),
-            nvlink_islands=tuple(tuple(c) for c in engine.nvlink_islands(adjacency)),
-            nvlink_cliques=tuple(tuple(c) for c in engine.maximal_cliques(adjacency)),
+            nvlink_islands=tuple(tuple(c) for c in kernel.nvlink_islands(adjacency)),
+            nvlink_cliques=tuple(tuple(c) for c in kernel.maximal_cliques(adjacency)),
             # NUMA nodes in order, the unknown (None) group last
             numa_groups={k: tuple(v) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
             scores=tuple(tuple(r) for r in scores),
