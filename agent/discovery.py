@@ -42,6 +42,8 @@ def read_topology(backend: FactsReader, sim: SimulatedMachine | None) -> Topolog
     facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")
     if sim is not None and sim.spec.notes:
         facts = replace(facts, notes=(*sim.spec.notes, *facts.notes))
+    if sim is not None and sim.spec.nccl_topology is not None:
+        facts = replace(facts, nccl_topology=sim.spec.nccl_topology)
     return Topology.from_facts(facts)
 
 
