@@ -177,7 +177,8 @@ class XmlReader:
         if c != ">":
             raise self._fail(
                 f"expected '>' to end <{name}>, got {c!r} (NCCL wants each tag on one line, "
-                "attributes after single spaces)"
+                "attributes after single spaces)",
+                line,
             )
         return _Tag(name, attrs, kind, line)
 

@@ -195,7 +195,8 @@ def _pcie_tree(
             raise InputFormatError(f"{where}: too many devices under one host bridge")
         # the bus IDs the input gives where the host bridge's domain (its GPUs') holds them;
         # synthetic ones for the others, in that domain
-        domains = {given[m].split(":")[0] for m in members if m in given and m < len(facts.gpus)}
+        gpus = [m for m in members if m < len(facts.gpus)] or members
+        domains = {given[m].split(":")[0] for m in gpus if m in given}
         domain = domains.pop() if len(domains) == 1 else "0000"
         host_bridge = f"pci{domain}:{0x10 * h:02x}"
         for pos, m in enumerate(members):
