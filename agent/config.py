@@ -129,6 +129,23 @@ class Config:
     #: NoSchedule (no new claims; running pods keep it) or NoExecute (pods using it are
     #: evicted unless they tolerate it) (env DRA_TAINT_EFFECT)
     taint_effect: str = "NoSchedule"
+    # --- NCCL (issue 24)
+    #: the node's topology as an NCCL topology file, laid over what NVML and sysfs read
+    #: (VMs whose hypervisor flattens the PCIe tree); GPUs are matched by bus ID
+    #: (file topology.ncclTopologyFile, env NCCL_TOPOLOGY_FILE); "" = none
+    nccl_topology_file: str = ""
+    #: each container given GPUs gets its own NCCL topology file (``auto``) or none
+    #: (``off``) (file nccl.topologyFile, env NCCL_POD_FILES)
+    nccl_pod_files: str = "auto"
+    #: host directory of the containers' files, one per allocation; on disk, not tmpfs:
+    #: the kubelet keeps the mounts it was given across reboots (file nccl.hostDir, env NCCL_HOST_DIR)
+    nccl_host_dir: str = "/var/lib/gpu-topology-agent/nccl"
+    #: where the file appears in the container; NCCL_TOPO_FILE names it (file
+    #: nccl.mountPath, env NCCL_MOUNT_PATH)
+    nccl_mount_path: str = "/etc/nccl/topology.xml"
+    #: also set NCCL_IB_HCA to the nearest NICs (opt-in: it narrows NCCL's own choice)
+    #: (file nccl.setIbHca, env NCCL_SET_IB_HCA)
+    nccl_ib_hca: bool = False
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -200,12 +217,18 @@ ENV_FIELDS: Mapping[str, str] = {
     "FALLBACK_STRATEGIES": "fallback_strategies",
     "IMEX_CHANNEL_IDS": "imex_channel_ids",
     "IMEX_REQUIRED": "imex_required",
+    "NCCL_TOPOLOGY_FILE": "nccl_topology_file",
+    "NCCL_POD_FILES": "nccl_pod_files",
+    "NCCL_HOST_DIR": "nccl_host_dir",
+    "NCCL_MOUNT_PATH": "nccl_mount_path",
+    "NCCL_SET_IB_HCA": "nccl_ib_hca",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
-               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir")
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir",
+               "nccl_topology_file", "nccl_host_dir")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -342,7 +365,7 @@ START_ONLY_FIELDS = (
     "delete_slices_on_shutdown", "taint_effect", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",
 )
 
 

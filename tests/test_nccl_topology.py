@@ -166,3 +166,77 @@ def test_unknown_elements_are_ignored_as_nccl_ignores_them(tmp_path):
     topo = load_topology(str(path))
     assert len(topo.gpus) == 1
     assert any("<vendor-extension> on line 4 ignored" in n for n in topo.notes)
+
+
+# ----------------------------------------------------------------------------- on a node
+PCIE_4GPU_FILE = (
+    '<system version="1">\n'
+    ' <cpu numaid="1" affinity="0000ffff" arch="x86_64" vendor="GenuineIntel" familyid="6" modelid="85">\n'
+    '  <pci busid="ffff:ff:01.0" class="0x060400" link_speed="16.0 GT/s PCIe" link_width="16">\n'
+    '   <pci busid="0000:01:00.0" class="0x030200" link_speed="16.0 GT/s PCIe" link_width="16"/>\n'
+    '   <pci busid="0000:41:00.0" class="0x030200" link_speed="16.0 GT/s PCIe" link_width="16"/>\n'
+    '   <pci busid="0000:c1:00.0" class="0x020700" link_speed="16.0 GT/s PCIe" link_width="16"/>\n'
+    '  </pci>\n'
+    ' </cpu>\n'
+    ' <cpu numaid="0" affinity="ffff0000">\n'
+    '  <pci busid="0000:81:00.0" class="0x030200"/>\n'
+    '  <pci busid="0000:a1:00.0" class="0x030200"/>\n'
+    ' </cpu>\n'
+    '</system>\n'
+)
+
+
+def node_topology(machine: str, nccl_file: str):
+    from agent.discovery import open_backend, read_topology
+
+    backend, sim = open_backend(machine)
+    backend.init()
+    try:
+        return read_topology(backend, sim, nccl_file)
+    finally:
+        backend.shutdown()
+        sim.close()
+
+
+def test_a_file_lays_its_placement_over_nvmls_gpus_matched_by_bus_id(tmp_path):
+    path = tmp_path / "vm.xml"
+    path.write_text(PCIE_4GPU_FILE)
+    plain = load_topology("pcie-4gpu")
+    topo = node_topology("pcie-4gpu", str(path))
+    assert [g.uuid for g in topo.gpus] == [g.uuid for g in plain.gpus]  # NVML's GPUs
+    assert [g.numa_node for g in topo.gpus] == [1, 1, 0, 0]  # the file's placement
+    assert topo.link(0, 1).pcie.name == "PIX" and topo.link(0, 2).pcie.name == "SYS"
+    (nic,) = topo.nics  # the file's NIC, named as sysfs names it
+    assert nic.name == "mlx5_0" and [lv.name for lv in nic.levels] == ["PIX", "PIX", "SYS", "SYS"]
+    assert topo.nccl_topology is not None and any("NCCL topology file" in n for n in topo.notes)
+
+
+def test_run_refuses_a_file_of_other_gpus_naming_the_bus_ids(tmp_path):
+    from test_cli_errors import one_error_line, run_cli
+
+    path = tmp_path / "other.xml"
+    path.write_text(PCIE_4GPU_FILE.replace("0000:a1:00.0", "0000:b1:00.0"))
+    proc = run_cli("run", "--simulate", "pcie-4gpu", "--nccl-topology-file", str(path),
+                   "--kubelet-dir", str(tmp_path / "k"), "--features-dir", str(tmp_path / "f"),
+                   "--metrics-address", "127.0.0.1:0", "--log-level", "ERROR")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert str(path) in line and "missing from the file: 0000:a1:00.0" in line and "does not see: 0000:b1:00.0" in line
+
+
+def test_the_setting_is_a_config_field_an_env_variable_and_a_flag(tmp_path):
+    from agent.config import load_config
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\ntopology:\n  ncclTopologyFile: /etc/vm.xml\nnccl:\n  topologyFile: 'off'\n"
+                   "  mountPath: /opt/nccl.xml\n  setIbHca: true\n")
+    config = load_config(str(cfg), {}, {})
+    assert (config.nccl_topology_file, config.nccl_pod_files, config.nccl_mount_path, config.nccl_ib_hca) == (
+        "/etc/vm.xml", "off", "/opt/nccl.xml", True)
+    assert load_config(str(cfg), {"NCCL_TOPOLOGY_FILE": "/a.xml"}, {}).nccl_topology_file == "/a.xml"
+    assert load_config(str(cfg), {"NCCL_TOPOLOGY_FILE": "/a.xml"}, {"nccl_topology_file": "/b.xml"}).nccl_topology_file == "/b.xml"
+    cfg.write_text("version: v1\nnccl:\n  topologyFile: sometimes\n")
+    from agent.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"nccl.topologyFile.*auto.*off"):
+        load_config(str(cfg), {}, {})
