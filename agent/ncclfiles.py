@@ -1,0 +1,175 @@
+"""The containers' NCCL topology files on the host: one per allocation, written atomically,
+mounted read-only into the container, removed when its allocation is gone.
+
+Public API::
+
+    NcclFiles.from_config(config) -> NcclFiles | None
+    NcclFiles.write(key, topology, gpus) -> NcclFile
+    NcclFiles.remove(key) -> bool
+    NcclFiles.sweep(live_keys, min_age_s) -> list[str]
+    allocation_key(resource, device_ids) -> str        # a device plugin allocation
+    claim_key(claim_uid) -> str                         # a prepared DRA claim
+    live_allocation_keys(pod_resources, resources) -> set[str]
+
+A file is named by its allocation (``<host_dir>/<key>.xml``): the device plugin's Allocate
+does not say which container it is for, so the key is a digest of the resource and the
+device IDs it was given (the kubelet's pod-resources API lists the same IDs per container,
+which is how a file whose container is gone is found); a DRA claim's file is named by the
+claim's UID. Files live on the host (``nccl.hostDir``, on disk by default): they survive an
+agent restart, and the kubelet, which keeps a container's Allocate answer in its checkpoint
+and mounts it again when the container restarts, finds them after a reboot too.
+
+What a container needs of NCCL (issue 24), by kind of device:
+
+- whole GPUs: the file of those GPUs;
+- time-sliced or MPS replicas: the file of the physical GPUs behind them (NCCL sees the
+  physical GPUs by bus ID, whatever the sharing; and it allows one rank per GPU anyway);
+- MIG devices: no file. NCCL has no peer-to-peer path between MIG instances and every
+  instance of a GPU has the GPU's bus ID, so a file could only describe the whole GPU; the
+  nearest NICs are still told in ``GPU_TOPOLOGY_NICS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent.config import Config
+from agent.records import Nic
+from agent.topology.model import Topology
+from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
+
+log = logging.getLogger(__name__)
+
+#: NCCL's variable naming its topology file
+NCCL_TOPO_FILE_ENV = "NCCL_TOPO_FILE"
+NCCL_IB_HCA_ENV = "NCCL_IB_HCA"
+_SUFFIX = ".xml"
+
+
+@dataclass(frozen=True)
+class NcclFile:
+    """A written file: its host path and the NICs it names."""
+
+    host_path: str
+    nics: tuple[Nic, ...]
+
+
+def allocation_key(resource: str, device_ids: Iterable[str]) -> str:
+    """The key of a device plugin allocation: ``dp-`` and a digest of the resource and its
+    device IDs (in any order)."""
+    text = "\0".join([resource, *sorted(device_ids)])
+    return "dp-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
+def claim_key(claim_uid: str) -> str:
+    """The key of a prepared DRA claim (its UID is already checked as a CDI name)."""
+    return f"claim-{claim_uid}"
+
+
+def live_allocation_keys(pod_resources: Iterable[Any], resources: Iterable[str]) -> set[str]:
+    """The keys of every container's allocation of ``resources`` that the kubelet's
+    pod-resources ``List`` answer (its ``pod_resources``) still lists."""
+    wanted = set(resources)
+    keys: set[str] = set()
+    for pod in pod_resources:
+        for container in pod.containers:
+            for dev in container.devices:
+                if dev.resource_name in wanted and dev.device_ids:
+                    keys.add(allocation_key(dev.resource_name, dev.device_ids))
+    return keys
+
+
+class NcclFiles:
+    """The files in one host directory. Thread-safe: each key has its own file, and every
+    write is a rename of a complete temp file."""
+
+    def __init__(self, host_dir: str) -> None:
+        self.host_dir = host_dir
+
+    @classmethod
+    def from_config(cls, config: Config) -> NcclFiles | None:
+        """The files of ``config`` (``nccl.topologyFile: auto``), or None (``off``)."""
+        return cls(config.nccl_host_dir) if config.nccl_pod_files == "auto" else None
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.host_dir, key + _SUFFIX)
+
+    def write(self, key: str, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()) -> NcclFile:
+        """Write the file of GPUs ``gpus`` (indices) for ``key`` atomically (readers see the
+        old file or the new one); OSError when the directory cannot be written."""
+        nics = nearest_nics(topology, gpus)
+        nics += tuple(n for n in extra_nics if n not in nics)
+        text = nccl_topology_xml(topology, gpus, nics)
+        path = self.path(key)
+        os.makedirs(self.host_dir, exist_ok=True)
+        # no fsync: a file lost to a power cut is written again by the next Allocate or
+        # prepare; the rename alone keeps a container from ever reading half a file
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.host_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as fh:
+                fh.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return NcclFile(path, nics)
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key``'s file; False when there was none."""
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def keys(self) -> set[str]:
+        """The keys of the files in the directory."""
+        try:
+            names = os.listdir(self.host_dir)
+        except FileNotFoundError:
+            return set()
+        return {n[: -len(_SUFFIX)] for n in names if n.endswith(_SUFFIX) and not n.startswith(".")}
+
+    def sweep(self, live_keys: set[str], min_age_s: float, prefix: str = "dp-") -> list[str]:
+        """Remove the files of ``prefix`` whose key is not in ``live_keys`` and that are
+        older than ``min_age_s`` (an Allocate comes before the kubelet lists the container:
+        a fresh file is left alone). Returns the removed keys."""
+        now = time.time()
+        removed = []
+        for key in sorted(self.keys() - live_keys):
+            if not key.startswith(prefix):
+                continue
+            try:
+                if now - os.stat(self.path(key)).st_mtime < min_age_s:
+                    continue
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                continue
+            removed.append(key)
+        if removed:
+            log.info("removed %d NCCL topology file(s) of containers the kubelet no longer lists", len(removed))
+        return removed
+
+
+def nic_envs(nics: Sequence[Nic], ib_hca: bool) -> dict[str, str]:
+    """``GPU_TOPOLOGY_NICS`` (the nearest NICs' names) and, opted in, ``NCCL_IB_HCA`` naming
+    exactly them (``=`` makes NCCL match whole names: ``mlx5_1`` would also match
+    ``mlx5_10``). NICs known by bus ID only are not named to NCCL."""
+    if not nics:
+        return {}
+    envs = {"GPU_TOPOLOGY_NICS": ",".join(n.name for n in nics)}
+    named = [n.name for n in nics if not n.name.startswith("nic-")]
+    if ib_hca and named:
+        envs[NCCL_IB_HCA_ENV] = "=" + ",".join(named)
+    return envs
