@@ -112,3 +112,19 @@ def test_a_full_dump_loses_dev_and_rank_and_keeps_the_rest():
 def test_the_written_file_is_a_pure_function_of_its_inputs():
     topo = load_topology("dgx-a100")
     assert nccl_topology_xml(topo, [3, 1]) == nccl_topology_xml(load_topology("dgx-a100"), [3, 1])
+
+
+def test_allocate_explain_names_the_nics_and_the_file_it_would_mount(capsys):
+    import json
+
+    from agent import cli
+
+    assert cli.main(["allocate", "--simulate", "dgx-h100", "--size", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "nics      mlx5_0, mlx5_1" in out
+    assert "/var/lib/gpu-topology-agent/nccl/dp-" in out and "/etc/nccl/topology.xml (NCCL_TOPO_FILE)" in out
+    assert cli.main(["allocate", "--simulate", str(NCCL / "azure-ndv5-h100.xml"), "--size", "2",
+                     "--explain", "--format", "json"]) == 0
+    nccl = json.loads(capsys.readouterr().out)["nccl"]
+    assert nccl["nics"] == ["nic-0101-00-00.0", "nic-0102-00-00.0"]
+    assert set(nccl_standin.load(nccl["topology"]).gpus) == {"0001:00:00.0", "0002:00:00.0"}
