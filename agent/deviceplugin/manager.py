@@ -42,6 +42,7 @@ from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
+from agent.deviceplugin.ncclsweep import NcclSweeper
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
 from agent.errors import AgentError, shorten
@@ -129,6 +130,8 @@ class DevicePluginManager:
         self._round_error: str | None = None  # the last failed round's error (said once)
         self._round_backoff_s = 0.0
         self.resources: tuple[PluginResource, ...] = ()
+        # removes the NCCL topology files of containers the kubelet no longer lists
+        self._nccl_sweeper = NcclSweeper(lambda: (self.config, [r.name for r in self.resources]))
 
     @property
     def kubelet_socket(self) -> str:
@@ -143,6 +146,7 @@ class DevicePluginManager:
         with self._lock:
             self._thread = thread
         thread.start()
+        self._nccl_sweeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop watching, close streams, stop servers, remove our sockets."""
@@ -157,6 +161,7 @@ class DevicePluginManager:
         for slot in slots:
             slot.server.stop(grace_s)
         self._mps.stop()
+        self._nccl_sweeper.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
