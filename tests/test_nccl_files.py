@@ -128,3 +128,22 @@ def test_allocate_explain_names_the_nics_and_the_file_it_would_mount(capsys):
     nccl = json.loads(capsys.readouterr().out)["nccl"]
     assert nccl["nics"] == ["nic-0101-00-00.0", "nic-0102-00-00.0"]
     assert set(nccl_standin.load(nccl["topology"]).gpus) == {"0001:00:00.0", "0002:00:00.0"}
+
+
+def test_the_example_claim_pairs_a_gpu_with_a_nic_by_the_pcie_root_our_slices_publish(capsys):
+    import yaml
+    from dra_api_validation import default_claim, validate_claim
+
+    from agent import cli
+
+    path = Path(__file__).parent.parent / "daemonset" / "dra" / "examples" / "gpu-and-nic-claim.yaml"
+    (template,) = yaml.safe_load_all(path.read_text())
+    claim = {"metadata": {"name": "c"}, "spec": template["spec"]["spec"]}
+    assert validate_claim(default_claim(claim)) == []
+    (constraint,) = claim["spec"]["devices"]["constraints"]
+    assert constraint == {"requests": ["gpu", "nic"], "matchAttribute": "resource.kubernetes.io/pcieRoot"}
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--node-name", "n1"]) == 0
+    slices = [s for s in yaml.safe_load_all(capsys.readouterr().out) if s]
+    roots = [d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
+             for s in slices for d in s["spec"].get("devices", []) if "resource.kubernetes.io/pcieRoot" in d.get("attributes", {})]
+    assert len(roots) == 8 and all(r.startswith("pci") for r in roots)
