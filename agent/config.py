@@ -138,8 +138,11 @@ class Config:
     #: (``off``) (file nccl.topologyFile, env NCCL_POD_FILES)
     nccl_pod_files: str = "auto"
     #: host directory of the containers' files, one per allocation; on disk, not tmpfs:
-    #: the kubelet keeps the mounts it was given across reboots (file nccl.hostDir, env NCCL_HOST_DIR)
-    nccl_host_dir: str = "/var/lib/gpu-topology-agent/nccl"
+    #: the kubelet keeps the mounts it was given across reboots (file nccl.hostDir, env
+    #: NCCL_HOST_DIR); "" = beside the kubelet's directories: <kubelet_dir>/../gpu-topology-agent/nccl
+    #: (device plugin; not in device-plugins/, which the kubelet empties when it starts),
+    #: <plugins_dir>/<driver_name>/nccl (DRA)
+    nccl_host_dir: str = ""
     #: where the file appears in the container; NCCL_TOPO_FILE names it (file
     #: nccl.mountPath, env NCCL_MOUNT_PATH)
     nccl_mount_path: str = "/etc/nccl/topology.xml"

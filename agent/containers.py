@@ -42,6 +42,8 @@ from typing import Callable, Mapping, Sequence
 
 from agent.config import Config
 from agent.errors import ConfigError
+from agent.ncclfiles import NCCL_TOPO_FILE_ENV, NcclFile, nic_envs
+from agent.topology.nccl_file import nearest_nics
 from agent.topology.model import Gpu, MigDevice, Topology
 
 log = logging.getLogger(__name__)
@@ -136,11 +138,14 @@ def container_edits(
     *,
     path_exists: Callable[[str], bool] = os.path.exists,
     mps: MpsShare | None = None,
+    nccl_file: NcclFile | None = None,
 ) -> ContainerEdits:
     """What a container gets for ``devices`` (distinct, at least one), as ``config``'s
     ``deviceListStrategy``, ``deviceIDStrategy``, ``passDeviceSpecs``, ``nvidiaDriverRoot``
     and CDI annotation prefix say. ``path_exists`` tells which control nodes exist on the
-    host; ``mps`` adds what an MPS client needs."""
+    host; ``mps`` adds what an MPS client needs; ``nccl_file`` (written for these devices)
+    is mounted read-only at ``nccl.mountPath`` and named by ``NCCL_TOPO_FILE``. The nearest
+    NICs are named in ``GPU_TOPOLOGY_NICS`` (and ``NCCL_IB_HCA`` with ``nccl.setIbHca``)."""
     ids = [_visible_id(d, config) for d in devices]
     channels = [c for c in config.imex_channel_ids if config.imex_required or _imex_node_exists(c, config)]
     envs: dict[str, str] = {}
@@ -172,6 +177,11 @@ def container_edits(
             nodes.extend((_imex_path(c), _host_path(_imex_path(c), config.nvidia_driver_root), "rw")
                          for c in channels)
     envs.update(_topology_envs(topology, devices))
+    if nccl_file is not None:
+        mounts.append((config.nccl_mount_path, nccl_file.host_path, True))
+        envs[NCCL_TOPO_FILE_ENV] = config.nccl_mount_path
+    nics = nccl_file.nics if nccl_file is not None else nearest_nics(topology, sorted({d.gpu.index for d in devices}))
+    envs.update(nic_envs(nics, config.nccl_ib_hca))
     if mps is not None:
         envs.update(_mps_envs(topology, devices, mps))
         mounts.extend(_mps_mounts(mps, config.mps_root))

@@ -86,6 +86,15 @@ def live_allocation_keys(pod_resources: Iterable[Any], resources: Iterable[str])
     return keys
 
 
+def host_dir_of(config: Config) -> str:
+    """``nccl.hostDir``, or where it is by default (:class:`Config`'s ``nccl_host_dir``)."""
+    if config.nccl_host_dir:
+        return config.nccl_host_dir
+    if config.mode == "dra":
+        return os.path.join(config.plugins_dir, config.driver_name, "nccl")
+    return os.path.join(os.path.dirname(config.kubelet_dir.rstrip("/")), "gpu-topology-agent", "nccl")
+
+
 class NcclFiles:
     """The files in one host directory. Thread-safe: each key has its own file, and every
     write is a rename of a complete temp file."""
@@ -96,7 +105,7 @@ class NcclFiles:
     @classmethod
     def from_config(cls, config: Config) -> NcclFiles | None:
         """The files of ``config`` (``nccl.topologyFile: auto``), or None (``off``)."""
-        return cls(config.nccl_host_dir) if config.nccl_pod_files == "auto" else None
+        return cls(host_dir_of(config)) if config.nccl_pod_files == "auto" else None
 
     def path(self, key: str) -> str:
         return os.path.join(self.host_dir, key + _SUFFIX)

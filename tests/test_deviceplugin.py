@@ -299,7 +299,9 @@ def test_allocate_envvar_uuid_strategy_lists_gpu_uuids(node):
     assert envs_of(resp)["GPU_TOPOLOGY_NUMA_NODES"] == "1"
     assert envs_of(resp)["GPU_TOPOLOGY_CPULIST"] == "56-111,168-223"
     assert envs_of(resp)["GPU_TOPOLOGY_NVLINK_CONNECTED"] == "true"
-    assert not resp.container_responses[0].mounts and not resp.container_responses[0].devices
+    # the one mount is the container's NCCL topology file (tests/test_nccl_pods.py)
+    assert [m.container_path for m in resp.container_responses[0].mounts] == ["/etc/nccl/topology.xml"]
+    assert not resp.container_responses[0].devices
 
 
 def test_allocate_index_strategy_lists_indices_and_mig_pairs(node):
@@ -317,7 +319,7 @@ def test_allocate_volume_mounts_strategy_mounts_dev_null_per_device(node):
     resp = node.client().allocate([topo.gpus[0].uuid, topo.gpus[1].uuid])
     c = resp.container_responses[0]
     assert c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
-    assert [(m.container_path, m.host_path) for m in c.mounts] == [
+    assert [(m.container_path, m.host_path) for m in c.mounts if m.container_path != "/etc/nccl/topology.xml"] == [
         (f"/var/run/nvidia-container-devices/{topo.gpus[i].uuid}", "/dev/null") for i in (0, 1)
     ]
 

@@ -122,7 +122,7 @@ def test_allocate_explain_names_the_nics_and_the_file_it_would_mount(capsys):
     assert cli.main(["allocate", "--simulate", "dgx-h100", "--size", "2", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "nics      mlx5_0, mlx5_1" in out
-    assert "/var/lib/gpu-topology-agent/nccl/dp-" in out and "/etc/nccl/topology.xml (NCCL_TOPO_FILE)" in out
+    assert "/var/lib/kubelet/gpu-topology-agent/nccl/dp-" in out and "/etc/nccl/topology.xml (NCCL_TOPO_FILE)" in out
     assert cli.main(["allocate", "--simulate", str(NCCL / "azure-ndv5-h100.xml"), "--size", "2",
                      "--explain", "--format", "json"]) == 0
     nccl = json.loads(capsys.readouterr().out)["nccl"]

@@ -158,7 +158,8 @@ def _add_nccl_flags(p: argparse.ArgumentParser) -> None:
                    help="give each container with GPUs its own NCCL topology file (default: auto;"
                         " env NCCL_POD_FILES, file nccl.topologyFile)")
     g.add_argument("--nccl-host-dir", metavar="DIR", dest="nccl_host_dir", default=None,
-                   help=f"host directory of those files (default: {_DEFAULTS.nccl_host_dir}; env NCCL_HOST_DIR)")
+                   help="host directory of those files (default: <kubelet-dir>/../gpu-topology-agent/nccl,"
+                        " in DRA mode <plugins-dir>/<driver>/nccl; env NCCL_HOST_DIR)")
     g.add_argument("--nccl-mount-path", metavar="PATH", dest="nccl_mount_path", default=None,
                    help=f"the file's path in the container (default: {_DEFAULTS.nccl_mount_path};"
                         " env NCCL_MOUNT_PATH)")

@@ -12,15 +12,20 @@ Invalid requests raise :class:`AllocationError`, which the servicer turns into
 
 from __future__ import annotations
 
+import logging
 from typing import NoReturn, Sequence
 
 from agent.config import Config
 from agent.containers import ContainerDevice, ContainerEdits, MpsShare, container_edits
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
 from agent.errors import AllocationError
+from agent.ncclfiles import NcclFile, NcclFiles, allocation_key
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.model import Topology
+
+
+log = logging.getLogger(__name__)
 
 
 class RequestHandler:
@@ -32,8 +37,10 @@ class RequestHandler:
         resource: PluginResource,
         topology: Topology,
         config: Config,
+        nccl_files: NcclFiles | None = None,
     ) -> None:
         self.resource = resource
+        self.nccl_files = nccl_files  # where Allocate writes the containers' NCCL files
         self.topology = topology
         self.config = config
         self._engine: AllocationEngine | None = None
@@ -106,7 +113,22 @@ class RequestHandler:
         requested = [self.resource.by_id[table.ids[r]] for r in ranks]
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
-        return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested))
+        nccl = self._nccl_file(device_ids, devices)
+        return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested), nccl_file=nccl)
+
+    def _nccl_file(self, device_ids: Sequence[str], devices: Sequence[ContainerDevice]) -> NcclFile | None:
+        """The container's NCCL topology file, written (README "NCCL topology files"): for
+        whole GPUs and for the GPUs behind replicas, none for MIG devices; None (logged)
+        when it cannot be written: the container still gets its GPUs."""
+        if self.nccl_files is None or any(d.mig is not None for d in devices):
+            return None
+        key = allocation_key(self.resource.name, device_ids)
+        try:
+            return self.nccl_files.write(key, self.topology, sorted({d.gpu.index for d in devices}))
+        except OSError as exc:
+            log.error("cannot write the NCCL topology file %s: %s; the container gets none",
+                      self.nccl_files.path(key), exc.strerror or exc)
+            return None
 
     def _mps_share(self, requested: Sequence[PluginDevice]) -> MpsShare | None:
         """What the container holds of an MPS resource's replicas (None: no MPS replica)."""

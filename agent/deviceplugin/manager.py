@@ -49,6 +49,7 @@ from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.kubelet.unix_server import SocketInUseError
+from agent.ncclfiles import NcclFiles
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class DevicePluginManager:
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
-            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
+            RequestHandler(resource, topology, config, NcclFiles.from_config(config)), self.health, config.kubelet_dir, events=self.events,
             mps=self._mps.get(resource.name),
         )
         server.start()

@@ -12,7 +12,9 @@ Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
   ``NVIDIA_VISIBLE_DEVICES`` and the agent's ``GPU_TOPOLOGY_*`` variables for the claim's
   whole device set. They come from :func:`agent.containers.container_edits`, which the
   device plugin's Allocate answers with too, so both modes hand a container the same
-  environment for the same GPUs.
+  environment for the same GPUs; and the claim's NCCL topology file
+  (``<nccl.hostDir>/claim-<uid>.xml``, its GPUs and their nearest NICs) mounted read-only
+  with ``NCCL_TOPO_FILE`` naming it, removed with the spec.
 
 Files are written atomically (a temporary file in the same directory, then a rename), so the
 runtime never reads half a spec.
@@ -30,6 +32,7 @@ from typing import Any, Callable, Sequence
 from agent.config import Config
 from agent.containers import container_edits
 from agent.dra.devices import DeviceRef
+from agent.ncclfiles import NcclFile, NcclFiles, claim_key
 from agent.topology.model import Topology
 
 #: The CDI spec version written: 0.6.0 is read by containerd >= 1.7 and CRI-O >= 1.28 and
@@ -84,15 +87,18 @@ class CdiSpecWriter:
         # nodes on, NVIDIA_VISIBLE_DEVICES as an env variable (IDs as device_id_strategy says).
         self._config = replace(config, pass_device_specs=True, device_list_strategy=("envvar",))
         self._path_exists = path_exists
+        self.nccl_files = NcclFiles.from_config(config)
 
-    def build(self, claim_uid: str, devices: Sequence[DeviceRef]) -> dict[str, Any]:
-        """The CDI spec for a claim's devices (at least one; no GPU in two of them)."""
+    def build(self, claim_uid: str, devices: Sequence[DeviceRef], nccl_file: NcclFile | None = None) -> dict[str, Any]:
+        """The CDI spec for a claim's devices (at least one; no GPU in two of them), with
+        the claim's NCCL topology file mounted where there is one."""
         for d in devices:
             name = cdi_device_name(claim_uid, d.name)
             if not _CDI_NAME.match(name):
                 raise ValueError(f"CDI device name {name!r} is not valid")
         edits = container_edits(
             self.topology, [p for d in devices for p in d.parts], self._config, path_exists=self._path_exists,
+            nccl_file=nccl_file,
         )
         per_device = {d.name: {path for p in d.parts for path in edits.nodes_by_device[p.uuid]} for d in devices}
         own = {path for paths in per_device.values() for path in paths}
@@ -110,12 +116,19 @@ class CdiSpecWriter:
             "containerEdits": {
                 "env": [f"{k}={v}" for k, v in edits.envs.items()],
                 "deviceNodes": [_node(s) for s in common],
+                **({"mounts": [_mount(m) for m in edits.mounts]} if edits.mounts else {}),
             },
         }
 
     def write(self, claim_uid: str, devices: Sequence[DeviceRef]) -> str:
-        """Write the claim's spec atomically; returns its path."""
-        spec = self.build(claim_uid, devices)
+        """Write the claim's NCCL topology file and its spec, each atomically; returns the
+        spec's path. OSError when either cannot be written."""
+        parts = [p for d in devices for p in d.parts]
+        nccl = None
+        if self.nccl_files is not None and all(p.mig is None for p in parts):  # MIG: no file
+            gpus = sorted({p.gpu.index for p in parts})
+            nccl = self.nccl_files.write(claim_key(claim_uid), self.topology, gpus)
+        spec = self.build(claim_uid, devices, nccl)
         path = spec_path(self.cdi_dir, self.driver_name, claim_uid)
         # No fsync: the CDI directory is a tmpfs on nodes (/var/run/cdi), and after a power
         # loss the kubelet prepares its claims again anyway; the rename alone keeps the
@@ -124,12 +137,20 @@ class CdiSpecWriter:
         return path
 
     def remove(self, claim_uid: str) -> bool:
-        """Remove the claim's spec; False when there was none."""
+        """Remove the claim's spec and NCCL topology file; False when there was no spec."""
+        if self.nccl_files is not None:
+            self.nccl_files.remove(claim_key(claim_uid))
         try:
             os.unlink(spec_path(self.cdi_dir, self.driver_name, claim_uid))
         except FileNotFoundError:
             return False
         return True
+
+
+def _mount(mount: tuple[str, str, bool]) -> dict[str, Any]:
+    container, host, read_only = mount
+    return {"hostPath": host, "containerPath": container,
+            "options": ["ro" if read_only else "rw", "nosuid", "nodev", "bind"]}
 
 
 def _node(spec: tuple[str, str, str]) -> dict[str, str]:

@@ -25,6 +25,7 @@ from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef, device_refs
 from agent.errors import shorten
+from agent.ncclfiles import claim_key
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,11 @@ class ClaimPreparer:
                 pass
             except OSError as exc:
                 return f"{ref}: cannot remove its CDI spec {path}: {exc.strerror or exc}"
+            if self.cdi.nccl_files is not None:  # the claim's NCCL topology file goes with it
+                try:
+                    self.cdi.nccl_files.remove(claim_key(ref.uid))
+                except OSError as exc:
+                    return f"{ref}: cannot remove its NCCL topology file: {exc.strerror or exc}"
             try:
                 self.checkpoint.remove(ref.uid)
             except OSError as exc:
