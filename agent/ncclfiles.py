@@ -5,6 +5,7 @@ Public API::
 
     NcclFiles.from_config(config) -> NcclFiles | None
     NcclFiles.write(key, topology, gpus) -> NcclFile
+    NcclFiles.write_later(key, topology, gpus) -> NcclFile;  NcclFiles.wait(key) -> bool
     NcclFiles.remove(key) -> bool
     NcclFiles.sweep(live_keys, min_age_s) -> list[str]
     allocation_key(resource, device_ids) -> str        # a device plugin allocation
@@ -34,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 NCCL_TOPO_FILE_ENV = "NCCL_TOPO_FILE"
 NCCL_IB_HCA_ENV = "NCCL_IB_HCA"
 _SUFFIX = ".xml"
+_MAX_CACHED = 4096  # rendered texts kept (GPU sets); the cache is emptied when full
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,22 @@ def host_dir_of(config: Config) -> str:
 
 class NcclFiles:
     """The files in one host directory. Thread-safe: each key has its own file, and every
-    write is a rename of a complete temp file."""
+    write is a rename of a complete temp file.
+
+    :meth:`write_later` is the device plugin's: Allocate only names the file (its path is a
+    function of the key) and one writer thread writes it; the kubelet calls
+    PreStartContainer before it starts the container, and :meth:`wait` there holds the
+    container back until its file is in place. A file's text is kept per GPU set (a pure
+    function of the frozen topology), so the same set costs one rendering."""
 
     def __init__(self, host_dir: str) -> None:
         self.host_dir = host_dir
+        self._lock = threading.Condition(threading.Lock())
+        self._queue: list[tuple[str, str]] = []  # (key, text) to write
+        self._pending: set[str] = set()  # queued or being written
+        self._failed: dict[str, str] = {}  # key -> why its last deferred write failed
+        self._writer: threading.Thread | None = None
+        self._texts: dict[tuple[int, tuple[int, ...], tuple[str, ...]], tuple[Topology, str, tuple[Nic, ...]]] = {}
 
     @classmethod
     def from_config(cls, config: Config) -> NcclFiles | None:
@@ -110,21 +124,41 @@ class NcclFiles:
     def path(self, key: str) -> str:
         return os.path.join(self.host_dir, key + _SUFFIX)
 
-    def write(self, key: str, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()) -> NcclFile:
-        """Write the file of GPUs ``gpus`` (indices) for ``key`` atomically (readers see the
-        old file or the new one); OSError when the directory cannot be written."""
+    def render(self, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()) -> tuple[str, tuple[Nic, ...]]:
+        """The file's text and NICs for GPUs ``gpus`` (indices), rendered once per set."""
+        cache_key = (id(topology), tuple(sorted(gpus)), tuple(n.name for n in extra_nics))
+        hit = self._texts.get(cache_key)
+        if hit is not None and hit[0] is topology:
+            return hit[1], hit[2]
         nics = nearest_nics(topology, gpus)
         nics += tuple(n for n in extra_nics if n not in nics)
         text = nccl_topology_xml(topology, gpus, nics)
+        if len(self._texts) >= _MAX_CACHED:
+            self._texts.clear()
+        self._texts[cache_key] = (topology, text, nics)
+        return text, nics
+
+    def write(self, key: str, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()) -> NcclFile:
+        """Write the file of GPUs ``gpus`` (indices) for ``key`` now, atomically (readers see
+        the old file or the new one); OSError when the directory cannot be written."""
+        text, nics = self.render(topology, gpus, extra_nics)
+        self._write_text(key, text)
+        return NcclFile(self.path(key), nics)
+
+    def _write_text(self, key: str, text: str) -> None:
         path = self.path(key)
-        os.makedirs(self.host_dir, exist_ok=True)
-        # no fsync: a file lost to a power cut is written again by the next Allocate or
-        # prepare; the rename alone keeps a container from ever reading half a file
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.host_dir)
+        # a temp name of this key and thread: no other writer uses it at the same time
+        tmp = os.path.join(self.host_dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with os.fdopen(fd, "w", encoding="ascii") as fh:
-                fh.write(text)
-            os.chmod(tmp, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            os.makedirs(self.host_dir, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # no fsync: a file lost to a power cut is written again by the next Allocate,
+        # PreStartContainer or prepare; the rename alone keeps a reader off half a file
+        try:
+            os.write(fd, text.encode("ascii"))
+            os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -132,7 +166,44 @@ class NcclFiles:
             except OSError:
                 pass
             raise
-        return NcclFile(path, nics)
+
+    def write_later(self, key: str, topology: Topology, gpus: Sequence[int]) -> NcclFile:
+        """The file of ``gpus`` for ``key``, handed to the writer thread; :meth:`wait`
+        returns once it is written."""
+        text, nics = self.render(topology, gpus)
+        with self._lock:
+            self._queue.append((key, text))
+            self._pending.add(key)
+            self._failed.pop(key, None)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, name="nccl-files", daemon=True)
+                self._writer.start()
+            self._lock.notify_all()
+        return NcclFile(self.path(key), nics)
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: bool(self._queue))
+                key, text = self._queue.pop(0)
+            try:
+                self._write_text(key, text)
+            except OSError as exc:
+                log.error("cannot write the NCCL topology file %s: %s", self.path(key), exc.strerror or exc)
+                with self._lock:
+                    self._failed[key] = str(exc.strerror or exc)
+            with self._lock:
+                if not any(k == key for k, _ in self._queue):
+                    self._pending.discard(key)
+                self._lock.notify_all()
+
+    def wait(self, key: str, timeout_s: float = 10.0) -> bool:
+        """Wait until ``key``'s deferred write is done; True when its file is in place."""
+        with self._lock:
+            self._lock.wait_for(lambda: key not in self._pending, timeout_s)
+            if key in self._pending or key in self._failed:
+                return False
+        return os.path.exists(self.path(key))
 
     def remove(self, key: str) -> bool:
         """Remove ``key``'s file; False when there was none."""
@@ -150,13 +221,18 @@ class NcclFiles:
             return set()
         return {n[: -len(_SUFFIX)] for n in names if n.endswith(_SUFFIX) and not n.startswith(".")}
 
+    def pending(self) -> set[str]:
+        """The keys whose deferred write is not done yet (a sweep leaves them alone)."""
+        with self._lock:
+            return set(self._pending)
+
     def sweep(self, live_keys: set[str], min_age_s: float, prefix: str = "dp-") -> list[str]:
         """Remove the files of ``prefix`` whose key is not in ``live_keys`` and that are
         older than ``min_age_s`` (an Allocate comes before the kubelet lists the container:
         a fresh file is left alone). Returns the removed keys."""
         now = time.time()
         removed = []
-        for key in sorted(self.keys() - live_keys):
+        for key in sorted(self.keys() - live_keys - self.pending()):
             if not key.startswith(prefix):
                 continue
             try:

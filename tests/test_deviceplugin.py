@@ -104,7 +104,12 @@ def test_kubelet_gets_options_from_the_plugin_during_register(node):
     node.start(hgx8_topology())
     assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
     options = node.kubelet.registrations[0].options
-    assert options.get_preferred_allocation_available is True and options.pre_start_required is False
+    # PreStartContainer holds a container back until its NCCL topology file is written
+    assert options.get_preferred_allocation_available is True and options.pre_start_required is True
+    node.stop()
+    node.start(hgx8_topology(), Config(nccl_pod_files="off"))
+    assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
+    assert node.kubelet.registrations[0].options.pre_start_required is False
 
 
 def test_one_registration_per_resource(node):
@@ -378,10 +383,10 @@ def test_allocate_reduces_replicas_to_their_gpu_once(node):
     assert envs_of(resp)["NVIDIA_VISIBLE_DEVICES"] == f"{u[1]},{u[0]}"
 
 
-def test_pre_start_container_succeeds_and_does_nothing(node):
+def test_pre_start_container_succeeds_and_does_nothing_without_nccl_files(node):
     from agent._proto import deviceplugin_v1beta1_pb2 as pb
 
-    node.start(pcie4_topology())
+    node.start(pcie4_topology(), Config(nccl_pod_files="off"))
     resp = node.client().stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["x"]), timeout=5)
     assert resp == pb.PreStartContainerResponse()
 

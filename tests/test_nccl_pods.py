@@ -42,10 +42,24 @@ def nccl_mount(response, i: int = 0):
     return mount
 
 
+def pre_start(node, ids, resource: str = "nvidia.com/gpu") -> None:
+    """What the kubelet calls before it starts the container (the plugin asks for it)."""
+    from agent._proto import deviceplugin_v1beta1_pb2 as pb
+
+    node.client(resource).stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=list(ids)), timeout=10)
+
+
+def allocate(node, ids, resource: str = "nvidia.com/gpu"):
+    """Allocate, then PreStartContainer, as the kubelet does for one container."""
+    response = node.client(resource).allocate(ids)
+    pre_start(node, ids, resource)
+    return response
+
+
 def test_allocate_mounts_the_containers_own_file_read_only_and_names_it(node, tmp_path):
     topo = load_topology("dgx-h100")
     node.start(topo, config(tmp_path, nccl_ib_hca=True))
-    resp = node.client().allocate([topo.gpus[1].uuid, topo.gpus[0].uuid])
+    resp = allocate(node, [topo.gpus[1].uuid, topo.gpus[0].uuid])
     mount = nccl_mount(resp)
     assert mount.read_only and mount.host_path.startswith(str(tmp_path / "nccl" / "dp-"))
     envs = resp.container_responses[0].envs
@@ -55,9 +69,22 @@ def test_allocate_mounts_the_containers_own_file_read_only_and_names_it(node, tm
     assert set(system.gpus) == {nccl_bus_id(topo.gpus[i].pci_bus_id) for i in (0, 1)}
     assert set(system.nics) == {nccl_bus_id(topo.nics[i].pci_bus_id) for i in (0, 1)}
     # the same devices again: the same file (named by allocation), written again
-    again = node.client().allocate([topo.gpus[0].uuid, topo.gpus[1].uuid])
+    again = allocate(node, [topo.gpus[0].uuid, topo.gpus[1].uuid])
     assert nccl_mount(again).host_path == mount.host_path
     assert len(os.listdir(tmp_path / "nccl")) == 1
+
+
+def test_pre_start_puts_back_a_file_a_restarted_agent_never_wrote(node, tmp_path):
+    topo = load_topology("pcie-pairs")
+    node.start(topo, config(tmp_path))
+    ids = [topo.gpus[2].uuid, topo.gpus[3].uuid]
+    path = Path(nccl_mount(allocate(node, ids)).host_path)
+    text = path.read_text()
+    node.stop()
+    path.unlink()  # lost (a node reboot before the container started again)
+    node.start(topo, config(tmp_path))
+    pre_start(node, ids)
+    assert path.read_text() == text
 
 
 def test_off_gives_no_file_and_no_ib_hca_by_default(node, tmp_path):
@@ -76,7 +103,7 @@ def test_replicas_get_the_file_of_their_physical_gpu_and_mig_devices_none(node, 
     shared = config(tmp_path, time_slicing=(TimeSlicingResource("nvidia.com/gpu", 4),))
     node.start(topo, shared)
     ids = [f"{topo.gpus[3].uuid}::0", f"{topo.gpus[3].uuid}::1"]
-    system = nccl_standin.load(Path(nccl_mount(node.client().allocate(ids)).host_path).read_text())
+    system = nccl_standin.load(Path(nccl_mount(allocate(node, ids)).host_path).read_text())
     assert list(system.gpus) == [nccl_bus_id(topo.gpus[3].pci_bus_id)]
     node.stop()
     mig = hgx8_topology(mig=True)
@@ -102,8 +129,8 @@ def test_files_go_when_the_kubelet_no_longer_lists_the_container_and_survive_a_r
     try:
         cfg = config(tmp_path, pod_resources_socket=stub.socket_path, pod_resources_refresh_s=0.1)
         node.start(topo, cfg)
-        file_a = nccl_mount(node.client().allocate(a)).host_path
-        file_b = nccl_mount(node.client().allocate(b)).host_path
+        file_a = nccl_mount(allocate(node, a)).host_path
+        file_b = nccl_mount(allocate(node, b)).host_path
         old = time.time() - 3600  # past the age grace an Allocate gets before the kubelet lists it
         for f in (file_a, file_b):
             os.utime(f, (old, old))
@@ -116,7 +143,7 @@ def test_files_go_when_the_kubelet_no_longer_lists_the_container_and_survive_a_r
         assert eventually(lambda: not os.path.exists(file_b), timeout_s=10)
         time.sleep(0.3)
         assert os.path.exists(file_a)  # still listed: kept over the restart
-        fresh = nccl_mount(node.client().allocate([topo.gpus[7].uuid])).host_path
+        fresh = nccl_mount(allocate(node, [topo.gpus[7].uuid])).host_path
         time.sleep(0.3)
         assert os.path.exists(fresh)  # not listed yet, but too young to go
     finally:

@@ -12,20 +12,16 @@ Invalid requests raise :class:`AllocationError`, which the servicer turns into
 
 from __future__ import annotations
 
-import logging
 from typing import NoReturn, Sequence
 
 from agent.config import Config
 from agent.containers import ContainerDevice, ContainerEdits, MpsShare, container_edits
 from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
-from agent.errors import AllocationError
+from agent.errors import AgentError, AllocationError
 from agent.ncclfiles import NcclFile, NcclFiles, allocation_key
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.model import Topology
-
-
-log = logging.getLogger(__name__)
 
 
 class RequestHandler:
@@ -117,18 +113,34 @@ class RequestHandler:
         return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested), nccl_file=nccl)
 
     def _nccl_file(self, device_ids: Sequence[str], devices: Sequence[ContainerDevice]) -> NcclFile | None:
-        """The container's NCCL topology file, written (README "NCCL topology files"): for
-        whole GPUs and for the GPUs behind replicas, none for MIG devices; None (logged)
-        when it cannot be written: the container still gets its GPUs."""
+        """The container's NCCL topology file (README "NCCL topology files"): for whole
+        GPUs and for the GPUs behind replicas, none for MIG devices. Allocate only names it;
+        the writer thread writes it and :meth:`pre_start` makes sure it is in place before
+        the container starts."""
         if self.nccl_files is None or any(d.mig is not None for d in devices):
             return None
         key = allocation_key(self.resource.name, device_ids)
+        return self.nccl_files.write_later(key, self.topology, sorted({d.gpu.index for d in devices}))
+
+    def pre_start(self, device_ids: Sequence[str]) -> None:
+        """PreStartContainer: the kubelet starts the container with ``device_ids`` next;
+        its NCCL topology file is in place when this returns (written now if the deferred
+        write failed or a restarted agent never queued it). AgentError when it cannot be
+        written: the kubelet does not start a container whose mount has no source."""
+        files = self.nccl_files
+        if files is None or not device_ids:
+            return
+        key = allocation_key(self.resource.name, device_ids)
+        if files.wait(key):
+            return
+        ranks = self.table.lookup(device_ids, "devices")
+        requested = [self.resource.by_id[self.table.ids[r]] for r in ranks]
+        if any(d.mig is not None for d in requested):
+            return
         try:
-            return self.nccl_files.write(key, self.topology, sorted({d.gpu.index for d in devices}))
+            files.write(key, self.topology, sorted({d.gpu_index for d in requested}))
         except OSError as exc:
-            log.error("cannot write the NCCL topology file %s: %s; the container gets none",
-                      self.nccl_files.path(key), exc.strerror or exc)
-            return None
+            raise AgentError(f"cannot write the NCCL topology file {files.path(key)}: {exc.strerror or exc}") from None
 
     def _mps_share(self, requested: Sequence[PluginDevice]) -> MpsShare | None:
         """What the container holds of an MPS resource's replicas (None: no MPS replica)."""

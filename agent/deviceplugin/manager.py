@@ -44,7 +44,7 @@ from agent.deviceplugin.events import DevicePluginEvents
 from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.ncclsweep import NcclSweeper
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PLUGIN_OPTIONS, PluginServer
+from agent.deviceplugin.server import PluginServer, plugin_options
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
@@ -403,7 +403,7 @@ class DevicePluginManager:
         try:
             register_device_plugin(
                 self.kubelet_socket, resource_name=resource.name, endpoint=resource.socket_name,
-                options=PLUGIN_OPTIONS, timeout_s=self.register_timeout_s,
+                options=plugin_options(slot.server.servicer.handler), timeout_s=self.register_timeout_s,
             )
         except grpc.RpcError as exc:
             slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))

@@ -39,6 +39,15 @@ MAX_STREAMS = 4
 PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
+def plugin_options(handler: RequestHandler) -> pb.DevicePluginOptions:
+    """:data:`PLUGIN_OPTIONS`, asking for PreStartContainer where Allocate hands containers
+    NCCL topology files: the kubelet calls it before each container starts, and it returns
+    once the container's file is written."""
+    if handler.nccl_files is None:
+        return PLUGIN_OPTIONS
+    return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+
+
 def device_list(
     resource: PluginResource, unhealthy: dict[int, str] | set[int], mps_answering: bool = True
 ) -> pb.ListAndWatchResponse:
@@ -88,7 +97,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.health.wake()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
-        return PLUGIN_OPTIONS
+        return plugin_options(self.handler)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
@@ -161,6 +170,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        try:
+            self.handler.pre_start(list(request.devices_ids))
+        except AgentError as exc:
+            self._abort(context, exc)
         return pb.PreStartContainerResponse()
 
     def _abort(self, context: grpc.ServicerContext, exc: AgentError) -> None:
