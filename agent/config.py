@@ -129,26 +129,15 @@ class Config:
     #: NoSchedule (no new claims; running pods keep it) or NoExecute (pods using it are
     #: evicted unless they tolerate it) (env DRA_TAINT_EFFECT)
     taint_effect: str = "NoSchedule"
-    # --- NCCL (issue 24)
-    #: the node's topology as an NCCL topology file, laid over what NVML and sysfs read
-    #: (VMs whose hypervisor flattens the PCIe tree); GPUs are matched by bus ID
-    #: (file topology.ncclTopologyFile, env NCCL_TOPOLOGY_FILE); "" = none
+    # --- NCCL (issue 24; README "NCCL topology files")
+    #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""
-    #: each container given GPUs gets its own NCCL topology file (``auto``) or none
-    #: (``off``) (file nccl.topologyFile, env NCCL_POD_FILES)
-    nccl_pod_files: str = "auto"
-    #: host directory of the containers' files, one per allocation; on disk, not tmpfs:
-    #: the kubelet keeps the mounts it was given across reboots (file nccl.hostDir, env
-    #: NCCL_HOST_DIR); "" = beside the kubelet's directories: <kubelet_dir>/../gpu-topology-agent/nccl
-    #: (device plugin; not in device-plugins/, which the kubelet empties when it starts),
-    #: <plugins_dir>/<driver_name>/nccl (DRA)
+    nccl_pod_files: str = "auto"  # each container with GPUs gets its NCCL file (auto) or none (off)
+    #: host dir of those files; "" = <kubelet_dir>/../gpu-topology-agent/nccl (not in
+    #: device-plugins/, which the kubelet empties), in DRA mode <plugins_dir>/<driver>/nccl
     nccl_host_dir: str = ""
-    #: where the file appears in the container; NCCL_TOPO_FILE names it (file
-    #: nccl.mountPath, env NCCL_MOUNT_PATH)
-    nccl_mount_path: str = "/etc/nccl/topology.xml"
-    #: also set NCCL_IB_HCA to the nearest NICs (opt-in: it narrows NCCL's own choice)
-    #: (file nccl.setIbHca, env NCCL_SET_IB_HCA)
-    nccl_ib_hca: bool = False
+    nccl_mount_path: str = "/etc/nccl/topology.xml"  # the file in the container (NCCL_TOPO_FILE)
+    nccl_ib_hca: bool = False  # also NCCL_IB_HCA naming the nearest NICs (opt-in)
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 

@@ -172,9 +172,8 @@ def _parse_sharing(sharing: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(
-        doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra", "topology", "nccl"), ""
-    )
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra",
+                      "topology", "nccl"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {got(doc.get('version'))}")
     out: dict[str, object] = {}

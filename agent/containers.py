@@ -43,8 +43,8 @@ from typing import Callable, Mapping, Sequence
 from agent.config import Config
 from agent.errors import ConfigError
 from agent.ncclfiles import NCCL_TOPO_FILE_ENV, NcclFile, nic_envs
-from agent.topology.nccl_file import nearest_nics
 from agent.topology.model import Gpu, MigDevice, Topology
+from agent.topology.nccl_file import nearest_nics
 
 log = logging.getLogger(__name__)
 

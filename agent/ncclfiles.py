@@ -124,7 +124,9 @@ class NcclFiles:
     def path(self, key: str) -> str:
         return os.path.join(self.host_dir, key + _SUFFIX)
 
-    def render(self, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()) -> tuple[str, tuple[Nic, ...]]:
+    def render(
+        self, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()
+    ) -> tuple[str, tuple[Nic, ...]]:
         """The file's text and NICs for GPUs ``gpus`` (indices), rendered once per set."""
         cache_key = (id(topology), tuple(sorted(gpus)), tuple(n.name for n in extra_nics))
         hit = self._texts.get(cache_key)

@@ -84,8 +84,8 @@ def bench_write(calls: int, directories: dict[str, str]) -> dict[str, dict[str, 
         sets = [list(range(start, start + k)) for k in sizes for start in range(0, topo.gpu_count - k + 1, k)]
         state = {"i": 0}
 
-        def render() -> None:  # the text alone, never cached (a new GPU set every time)
-            gpus = sets[state["i"] % len(sets)]
+        def render(topo: Topology = topo, sets: list[list[int]] = sets, state: dict[str, int] = state) -> None:
+            gpus = sets[state["i"] % len(sets)]  # the text alone, never cached
             state["i"] += 1
             nccl_topology_xml(topo, gpus)
 
@@ -93,7 +93,8 @@ def bench_write(calls: int, directories: dict[str, str]) -> dict[str, dict[str, 
         for where, directory in directories.items():
             files = NcclFiles(directory)
 
-            def one() -> None:
+            def one(topo: Topology = topo, sets: list[list[int]] = sets, state: dict[str, int] = state,
+                    files: NcclFiles = files) -> None:
                 gpus = sets[state["i"] % len(sets)]
                 state["i"] += 1
                 files.write(allocation_key("nvidia.com/gpu", [str(g) for g in gpus]), topo, gpus)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nccl_standin
 import pytest
 
-import nccl_standin
 from agent.discovery import load_topology
 from agent.hw.nccl_topo import parse_nccl_topology
 from agent.hw.sim.machines import BUILTIN_MACHINES

@@ -11,12 +11,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import nccl_standin
 import pytest
 from kubelet_stub import hgx8_topology
 from test_deviceplugin import Node, kubelet_dir  # noqa: F401  (the fixture)
 from waiting import eventually
 
-import nccl_standin
 from agent._proto import podresources_v1_pb2 as pr
 from agent.config import Config, TimeSlicingResource
 from agent.demo.kubelet import PodResourcesStub

@@ -28,14 +28,14 @@ from agent.commands._common import (
 from agent.config import Config, TimeSlicingResource, default_environ, load_config
 from agent.config_values import MIG_STRATEGIES
 from agent.deviceplugin.allocation import RequestHandler
-from agent.ncclfiles import NcclFiles, allocation_key
-from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.errors import UsageError
 from agent.formats import GPU_RESOURCE
+from agent.ncclfiles import NcclFiles, allocation_key
 from agent.records import REPLICA_POLICIES
 from agent.topology.allocator import CRITERIA, Explanation
 from agent.topology.model import Topology
+from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

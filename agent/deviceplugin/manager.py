@@ -205,7 +205,8 @@ class DevicePluginManager:
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
-            RequestHandler(resource, topology, config, NcclFiles.from_config(config)), self.health, config.kubelet_dir, events=self.events,
+            RequestHandler(resource, topology, config, NcclFiles.from_config(config)),
+            self.health, config.kubelet_dir, events=self.events,
             mps=self._mps.get(resource.name),
         )
         server.start()

@@ -48,7 +48,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from agent.formats import BusIdError, format_cpulist, nvml_to_sysfs_bus_id, parse_bus_id, sysfs_to_nvml_bus_id
+from agent.formats import (
+    BusIdError,
+    format_cpulist,
+    nvml_to_sysfs_bus_id,
+    parse_bus_id,
+    sysfs_to_nvml_bus_id,
+)
 from agent.hw.nccl_xml import NcclTopologyError, c_int, parse_nccl_xml
 from agent.records import Gpu, Link, Nic, NodeFacts, PcieLevel, XmlElement, synthetic_gpu_uuid
 
@@ -107,7 +113,7 @@ class _Walk:
         if numa >= 0 and affinity:
             cpus = _mask_cpus(affinity)
             if cpus is None:
-                raise self.fail(f"<cpu affinity={affinity!r}>: expected NCCL's hex CPU mask, e.g. 00000000,00ffffff", cpu)
+                raise self.fail(f"<cpu affinity={affinity!r}>: expected NCCL's hex CPU mask, e.g. 00ff,ffffffff", cpu)
             self.cpulists[numa] = format_cpulist(cpus)
         return numa if numa >= 0 else None
 
@@ -189,7 +195,8 @@ def _nvlinks(walk: _Walk, gpus: list[_Device]) -> tuple[dict[tuple[int, int], in
                 except BusIdError:
                     raise walk.fail(f"<nvlink target={target!r}>: expected a PCI bus ID", link) from None
                 if j is None or j == i:
-                    notes.append(f"NVLink of GPU {g.bus_id} to {target} (line {link.line}) names no other GPU of the file: not a pair")
+                    notes.append(f"NVLink of GPU {g.bus_id} to {target} (line {link.line}) names no other GPU"
+                                 " of the file: not a pair")
                     continue
                 key = (min(i, j), max(i, j))
                 direct[key] = max(direct.get(key, 0), count)

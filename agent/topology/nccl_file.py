@@ -40,6 +40,7 @@ import re
 from collections.abc import Sequence
 
 from agent.records import Nic, PcieLevel, XmlElement
+from agent.topology.model import Topology
 
 __all__ = ["MAX_ELEMENTS", "nccl_bus_id", "nccl_topology_xml", "nearest_nics"]
 
@@ -60,12 +61,12 @@ def nccl_bus_id(bus_id: str) -> str:
     return f"{int(m[1], 16):04x}:{m[2].lower()}:{m[3].lower()}.{m[4]}"
 
 
-def nearest_nics(topology: object, gpus: Sequence[int]) -> tuple[Nic, ...]:
+def nearest_nics(topology: Topology, gpus: Sequence[int]) -> tuple[Nic, ...]:
     """The NICs nearest to ``gpus`` (indices), in the node's NIC order: for each GPU, those
     on its PCIe switch (the closest level, ``PIX`` before ``PXB``), else on its PCIe root
     complex (``pcie_root``, or ``PHB``), else on its NUMA node; none where none is known."""
-    nics: tuple[Nic, ...] = getattr(topology, "nics")
-    by_index = {g.index: g for g in getattr(topology, "gpus")}
+    nics: tuple[Nic, ...] = topology.nics
+    by_index = {g.index: g for g in topology.gpus}
     chosen: set[int] = set()
     for i in gpus:
         gpu = by_index[i]
@@ -156,9 +157,9 @@ def _mask(cpulist: str) -> str | None:
 class _Builder:
     """The elements of one file built from the facts (module docstring)."""
 
-    def __init__(self, topology: object, gpus: Sequence[int], nics: Sequence[Nic]) -> None:
+    def __init__(self, topology: Topology, gpus: Sequence[int], nics: Sequence[Nic]) -> None:
         self.topology = topology
-        self.gpus = [g for g in getattr(topology, "gpus") if g.index in set(gpus)]
+        self.gpus = [g for g in topology.gpus if g.index in set(gpus)]
         self.nics = [n for n in nics if n.pci_bus_id]
         self.switches = 0
         self.with_nvlinks = True
@@ -174,8 +175,7 @@ class _Builder:
         if b >= n:
             levels = self.nics[b - n].levels
             return levels[gpu] if gpu < len(levels) else None
-        link = getattr(self.topology, "link")(gpu, self.gpus[b].index)
-        return link.pcie  # type: ignore[no-any-return]
+        return self.topology.link(gpu, self.gpus[b].index).pcie
 
     def device(self, k: int) -> XmlElement:
         n = len(self.gpus)
@@ -194,7 +194,7 @@ class _Builder:
         for other in self.gpus:
             if other.index == index:
                 continue
-            link = getattr(self.topology, "link")(index, other.index)
+            link = self.topology.link(index, other.index)
             if link.nvlinks and link.nvswitch:
                 switched = max(switched, link.nvlinks)
             elif link.nvlinks:
@@ -202,7 +202,8 @@ class _Builder:
                          ("tclass", f"0x{other.pci_class:06x}" if other.pci_class is not None else "0x038000"))
                 out.append(XmlElement("nvlink", attrs))
         if switched:
-            out.append(XmlElement("nvlink", (("target", HIDDEN_PEER), ("count", str(switched)), ("tclass", NVSWITCH_CLASS))))
+            attrs = (("target", HIDDEN_PEER), ("count", str(switched)), ("tclass", NVSWITCH_CLASS))
+            out.append(XmlElement("nvlink", attrs))
         return tuple(out)
 
     def switch(self, children: list[XmlElement]) -> XmlElement:
@@ -231,7 +232,7 @@ class _Builder:
                 # under an upper switch, each group of PIX devices has its own switch
                 leaves.extend([self.switch(devices)] if len(inner_roots) > 1 else devices)
             children.append(self.switch(leaves))
-        cpulists = getattr(self.topology, "numa_cpulists")
+        cpulists = self.topology.numa_cpulists
         mask = _mask(cpulists[numa]) if numa is not None and numa in cpulists else None
         attrs = (("numaid", str(numa if numa is not None else -1)),) + ((("affinity", mask),) if mask else ())
         return XmlElement("cpu", attrs, tuple(children))
@@ -247,13 +248,13 @@ def _count(element: XmlElement) -> int:
     return 1 + sum(_count(c) for c in element.children)
 
 
-def nccl_topology_xml(topology: object, gpus: Sequence[int], nics: Sequence[Nic] | None = None) -> str:
+def nccl_topology_xml(topology: Topology, gpus: Sequence[int], nics: Sequence[Nic] | None = None) -> str:
     """The NCCL topology file of the GPUs ``gpus`` (indices) of ``topology``: those GPUs, the
     NICs ``nics`` (default: :func:`nearest_nics`), the path between them, their NVLinks and
     CPUs (module docstring). A pure function of its arguments."""
     chosen = nearest_nics(topology, gpus) if nics is None else tuple(nics)
-    tree: XmlElement | None = getattr(topology, "nccl_topology", None)
-    by_index = {g.index: g for g in getattr(topology, "gpus")}
+    tree: XmlElement | None = topology.nccl_topology
+    by_index = {g.index: g for g in topology.gpus}
     if tree is not None:
         gpu_ids = {nccl_bus_id(by_index[i].pci_bus_id) for i in gpus}
         nic_ids = {nccl_bus_id(n.pci_bus_id) for n in chosen if n.pci_bus_id}

@@ -78,12 +78,6 @@ def _file_kind(path: str) -> str:
     return "matrix" if _TOPO_HEADER.search(text) is not None else "spec"
 
 
-def is_topo_matrix(path: str) -> bool:
-    """Whether the file ``path`` holds pasted ``nvidia-smi topo -m`` output (a ``GPU0``
-    header) rather than a machine spec."""
-    return _file_kind(path) == "matrix"
-
-
 def load_spec(machine: str) -> MachineSpec:
     """The :class:`MachineSpec` of a built-in name, a spec file or a pasted topo matrix
     file. InputFormatError (exit 2) for an unknown name or an unreadable/invalid file."""
