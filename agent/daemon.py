@@ -14,8 +14,8 @@ the running kubelet; in DRA mode the plugin registered and the slices published)
 last label write worked.
 
 Signals only set flags; the main thread does the work. SIGHUP and a kubelet restart take one
-path (:meth:`Daemon.reread`): read the topology again and hand it to the servers and the
-labels (SIGHUP with the configuration read again). SIGTERM/SIGINT shut down in a fixed order
+path (:meth:`Daemon.reread`): read the topology again and hand it to the servers, the
+metrics and the labels (SIGHUP with the configuration read again). SIGTERM/SIGINT shut down in a fixed order
 (servers, watcher, metrics, labels, NVML) within ``SHUTDOWN_BUDGET_S``, with a hard
 backstop; a second SIGTERM/SIGINT exits at once.
 
@@ -45,11 +45,11 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
+from agent.http.endpoints import WaitingEndpoint
 from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import label_sink
 from agent.logs import setup_logging
-from agent.metrics.http import WaitingEndpoint
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
 from agent.modes import Servers, ServersFactory, servers_for
@@ -182,7 +182,7 @@ class Daemon:
             servers=servers_for(config.mode, agent_metrics),
             # the running config's file: a node's own config (config_file_srcdir) may name one
             read_topology=lambda: read_topology(backend, sim, daemon.config.nccl_topology_file),
-            labels=LabelPublisher(sink, count_error=agent_metrics.label_write_errors.inc),
+            labels=LabelPublisher(sink, count_error=agent_metrics.label_write_error),
             metrics=metrics,
             waiting_endpoint=WaitingEndpoint,
             config_loader=config_loader,
@@ -313,7 +313,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ SIGHUP, kubelet restart
     def reread(self, reload_config: bool = False, loader: Callable[[], Config] | None = None) -> bool:
-        """Read the topology again and hand it to the servers and the labels.
+        """Read the topology again and hand it to the servers, the metrics and the labels.
 
         SIGHUP (``reload_config``): with the configuration read again (the start-only settings
         keep their running values: one warning), served again in any case (re-registered). A
@@ -343,6 +343,8 @@ class Daemon:
             log.error("%s failed, keeping the running configuration and topology: %s", what, exc)
             return False
         self.config, self.topology = config, topology
+        if self.metrics is not None:
+            self.metrics.set_topology(topology, config)
         if reload_config:
             setup_logging(config)
             log.info("reloaded; effective configuration: %s", json.dumps(describe_config(config), sort_keys=True))

@@ -9,6 +9,11 @@ class AgentError(Exception):
     exit_code = 1
 
 
+class LabelWriteError(AgentError):
+    """A label sink could not publish the labels; the sink has logged why (once per change of
+    state). The publisher counts it and the agent is not ready until a write works."""
+
+
 class UsageError(AgentError):
     """The user gave bad input (a flag, a file, a device list): exit 2, one clear line."""
 

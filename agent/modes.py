@@ -44,8 +44,8 @@ ServersFactory = Callable[[Topology, Config, HealthState, Callable[[], None]], S
 
 
 def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
-    """The real servers of ``mode``, reporting to ``agent_metrics``: the device plugins
-    (whose offered devices' health ``/metrics`` reads at each scrape), or DRA."""
+    """The real servers of ``mode``, reporting to ``agent_metrics``: the device plugins (the
+    devices they offer the kubelet included), or DRA."""
     if mode == "dra":
         # imported here: a device-plugin node never loads the DRA stubs and clients
         from agent.dra.servers import DraServers
@@ -53,20 +53,15 @@ def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
         def dra(
             topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]
         ) -> DraServers:
-            return DraServers.from_config(
-                topology, config, health, on_kubelet_restart,
-                count_claim_read_error=agent_metrics.claim_read_errors.inc, events=agent_metrics,
-            )
+            return DraServers.from_config(topology, config, health, on_kubelet_restart, events=agent_metrics)
 
         return dra
 
     def device_plugins(
         topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]
     ) -> DevicePluginManager:
-        manager = DevicePluginManager(
+        return DevicePluginManager(
             topology, config, health, events=agent_metrics, on_kubelet_restart=on_kubelet_restart
         )
-        agent_metrics.watch_devices(manager.advertised)
-        return manager
 
     return device_plugins

@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cri_stub import CriStub, pod_container  # noqa: E402
 from metrics_support import listing, pod  # noqa: E402
 
+from agent.attribution.cgroups import CgroupReader  # noqa: E402
+from agent.attribution.pod_processes import ContainerDirectory, PodProcesses  # noqa: E402
 from agent.config import Config  # noqa: E402
 from agent.demo.kubelet import KubeletStub, PodResourcesStub  # noqa: E402
 from agent.discovery import read_topology  # noqa: E402
@@ -58,8 +60,6 @@ from agent.hw.nvml.telemetry import NvmlSampler  # noqa: E402
 from agent.hw.sim.machines import SimulatedMachine  # noqa: E402
 from agent.hw.sim.spec import load_machine_spec  # noqa: E402
 from agent.kubelet.cri import CriClient  # noqa: E402
-from agent.metrics.cgroups import CgroupReader  # noqa: E402
-from agent.metrics.pod_processes import ContainerDirectory, PodProcesses  # noqa: E402
 from agent.metrics.sampler import Sampler  # noqa: E402
 from agent.metrics.self_metrics import AgentMetrics  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402

@@ -23,13 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from agent._proto import podresources_v1_pb2 as pb
+from agent.attribution.holders import EMPTY_ATTRIBUTION, Attribution
 from agent.demo.kubelet import PodResourcesStub  # noqa: F401  (re-exported for the tests)
 from agent.discovery import read_topology
 from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.machines import SimulatedMachine, open_simulated
 from agent.hw.sim.spec import machine_spec_from_dict
 from agent.metrics.collector import GpuCollector, render_text
-from agent.metrics.podresources import EMPTY_ATTRIBUTION, Attribution
 from agent.metrics.sampler import Sampler
 from agent.topology.model import Topology
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from agent.metrics.cgroups import CgroupOwner, CgroupReader, parse_cgroup
+from agent.attribution.cgroups import CgroupOwner, CgroupReader, parse_cgroup
 
 CID = "4f1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8"
 UID = "5c1e3b2a-6f7d-4c8e-9a0b-1d2e3f4a5b6c"

@@ -79,7 +79,7 @@ def in_process_daemon(config, backend, **kwargs) -> Daemon:
     no metrics server (the agent's own metrics are built first, as ``from_config`` does)."""
     agent_metrics = AgentMetrics(CollectorRegistry())
     kwargs.setdefault("labels", LabelPublisher(FeatureFileSink(config.features_dir),
-                                               count_error=agent_metrics.label_write_errors.inc))
+                                               count_error=agent_metrics.label_write_error))
     return Daemon(config, backend, servers=servers_for(config.mode, agent_metrics),
                   read_topology=lambda: backend.topology, **kwargs)
 

@@ -404,13 +404,13 @@ def test_headless_service_and_service_monitor_select_the_agent_metrics(rendered:
 
 
 def test_service_monitor_keeps_the_workload_pod_labels_of_gpu_series(rendered: Rendered) -> None:
-    from agent.metrics import podresources
+    from agent.attribution import ContainerRef
 
     # GPU series are attributed to a workload container by labels named like ContainerRef's
     # fields; the Prometheus Operator would otherwise add target labels of the same names
     # (the agent's own pod), renaming ours to exported_* or, for unattributed GPUs, making
     # them look attributed to the agent.
-    attribution_labels = {f.name for f in dataclasses.fields(podresources.ContainerRef)}
+    attribution_labels = {f.name for f in dataclasses.fields(ContainerRef)}
     operator_target_labels = {"namespace", "pod", "container", "service", "endpoint", "job",
                               "instance"}
     colliding = attribution_labels & operator_target_labels

@@ -60,7 +60,6 @@ class Node:
         # the agent's own metrics, built first and passed in (as the daemon does)
         self.metrics = AgentMetrics(CollectorRegistry())
         self.manager = DevicePluginManager(topology, config, self.health, events=self.metrics, poll_s=0.05, **kwargs)
-        self.metrics.watch_devices(self.manager.advertised)
         self.manager.start()
         return self
 
@@ -577,7 +576,7 @@ def test_every_device_plugin_event_reaches_the_agent_metrics_it_was_built_with(n
     node.client().preferred([g.uuid for g in topo.gpus], [], 2)
     assert node.metric("gpu_agent_preferred_allocation_seconds_count") == 1
     node.health.mark_unhealthy(1, "XID 79")
-    assert node.metric("gpu_agent_device_healthy", healthy) == 0  # read at the scrape, no mirror
+    assert node.metric("gpu_agent_device_healthy", healthy) == 0  # reported as it changed, not later
     node.kubelet.restart()
     assert node.kubelet.wait_for(lambda: node.metric("gpu_agent_kubelet_restarts_total") == 1, 2.0)
 

@@ -75,7 +75,6 @@ class MpsNode:
         self.manager = DevicePluginManager(
             self.topology, config, self.health, events=self.metrics, poll_s=0.05, mps_probe_s=0.1
         )
-        self.metrics.watch_devices(self.manager.advertised)
         self.manager.start()
         return self
 

@@ -187,7 +187,7 @@ def simulated_daemon(node):
             return node.rereads.pop(0) if node.rereads else read_topology(backend, sim)
 
         labels = LabelPublisher(FeatureFileSink(config.features_dir, config.feature_file),
-                                count_error=agent_metrics.label_write_errors.inc)
+                                count_error=agent_metrics.label_write_error)
         daemon = Daemon(config, backend, servers=servers, read_topology=read, metrics=metrics, labels=labels,
                         config_loader=lambda: config, on_close=sim.close if sim is not None else None)
         made.append(daemon)

@@ -20,8 +20,8 @@ import pytest
 
 from agent.config import Config, load_config, probe_address_of
 from agent.errors import ConfigError
-from agent.metrics.http import MAX_CONNECTIONS, HttpEndpoints, WaitingEndpoint
-from agent.metrics.probes import MAX_PROBE_CONNECTIONS
+from agent.http.endpoints import MAX_CONNECTIONS, HttpEndpoints, WaitingEndpoint
+from agent.http.probes import MAX_PROBE_CONNECTIONS
 
 BODY = b"# TYPE up_test gauge\nup_test 1\n"
 

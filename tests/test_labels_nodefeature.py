@@ -12,14 +12,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from apiserver_auth import Access, service_account
 from apiserver_stub import ApiServerStub
+from kubelet_stub import KubeletStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "gpu-topology-agent"
@@ -224,6 +228,59 @@ def test_an_api_server_that_goes_away_is_logged_once_and_the_labels_come_back(cl
     errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
     assert len(errors) == 1 and "API server unreachable" in errors[0], stderr
     assert stderr.count("published again (after: unreachable") == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of ``GET path``; (0, "") while nothing answers yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def label_write_errors(port: int) -> float:
+    status, body = http_get(port, "/metrics")
+    values = [float(line.split()[-1]) for line in body.splitlines()
+              if line.startswith("gpu_agent_label_write_errors_total ")]
+    return values[0] if status == 200 and values else -1.0
+
+
+def test_api_server_failures_are_counted_and_keep_the_agent_unready_until_a_write_works(cluster):
+    kubelet = KubeletStub(cluster.kubelet_dir).start()  # the device plugins get registered
+    metrics_port, probe_port = free_port(), free_port()
+    cluster.api.fail(500, path_contains="/nodefeatures", message="injected: etcd is sad")
+    proc = agent(sink_flags(cluster, "--label-interval-s", "0.1", "--metrics-address", f"127.0.0.1:{metrics_port}",
+                            "--probe-address", f"127.0.0.1:{probe_port}"))
+    try:
+        deadline = time.monotonic() + 30
+        while label_write_errors(metrics_port) < 3:  # three failed re-assertions, each counted
+            assert time.monotonic() < deadline and proc.poll() is None, "label write errors not counted"
+            time.sleep(0.1)
+        assert kubelet.wait_for(lambda: len(kubelet.registered("nvidia.com/gpu")) >= 1, 10.0)
+        assert http_get(probe_port, "/ready")[0] == 503  # registered, but the labels are not published
+        cluster.api.clear_failures()
+        assert cluster.api.wait_for_nodefeatures(lambda objs: len(objs) == 1, 20), "never published"
+        deadline = time.monotonic() + 20
+        while http_get(probe_port, "/ready")[0] != 200:
+            assert time.monotonic() < deadline, "not ready once the labels were published"
+            time.sleep(0.1)
+        counted = label_write_errors(metrics_port)
+        time.sleep(0.5)  # five re-assertions that work
+        assert label_write_errors(metrics_port) == counted >= 3
+    finally:
+        stderr = stop(proc)
+        kubelet.stop()
+    errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+    assert len(errors) == 1 and "HTTP 500 InternalError: injected: etcd is sad" in errors[0], stderr
 
 
 def test_without_the_nodefeature_rbac_the_agent_logs_the_forbidden_request_once():

@@ -30,16 +30,12 @@ from metrics_support import (
 )
 from prometheus_client import CollectorRegistry
 
+from agent.attribution import ContainerRef
+from agent.attribution.holders import Attribution, DeviceIdResolver, PodResourcesCache
 from agent.config import Config
 from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.fields import DCGM_METRICS
-from agent.metrics.podresources import (
-    Attribution,
-    ContainerRef,
-    DeviceIdResolver,
-    PodResourcesCache,
-)
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
@@ -410,6 +406,24 @@ def test_service_serves_metrics_health_and_readiness(kubelet, box2):
         service.stop()
 
 
+def test_the_fields_table_lists_every_agent_and_topology_series_the_agent_registers(box2):
+    import types
+
+    from agent.metrics import fields
+
+    registry = CollectorRegistry()
+    AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={}))
+    collector = GpuCollector(box2.topology, hostname="h")
+    registry.register(collector)
+    families = [*registry.collect(), *collector.describe()]
+    registered = {f.name + "_total" if f.type == "counter" else f.name for f in families
+                  if f.name.startswith(("gpu_agent_", "gpu_topology_"))}
+    documented = set(re.findall(r"^((?:gpu_agent|gpu_topology)_\w+)", fields.__doc__ or "", re.M))
+    assert len(registered) >= 20  # the self-metrics, the per-pod and the topology series
+    assert registered - documented == set(), "missing from agent/metrics/fields.py's table"
+    assert documented - registered == set(), "in agent/metrics/fields.py's table, not registered"
+
+
 def test_agent_metrics_record_what_other_components_report(box2):
     box2.lib.fail("nvmlDeviceGetPowerUsage", box2.lib.NVML_ERROR_UNKNOWN, index=0)
     service = MetricsService(box2.backend, box2.topology, Config(metrics_address="127.0.0.1:0"),
@@ -421,8 +435,7 @@ def test_agent_metrics_record_what_other_components_report(box2):
     am.registration("nvidia.com/gpu")
     am.registration("nvidia.com/gpu")
     am.kubelet_restart()
-    offered = [("nvidia.com/gpu", "GPU-1", False)]
-    am.watch_devices(lambda: offered)
+    am.devices_offered([("nvidia.com/gpu", "GPU-1", False)])
     reg = service.registry
     assert reg.get_sample_value("gpu_agent_preferred_allocation_seconds_count") == 1
     assert reg.get_sample_value("gpu_agent_preferred_allocation_seconds_bucket",
@@ -432,7 +445,7 @@ def test_agent_metrics_record_what_other_components_report(box2):
     assert reg.get_sample_value("gpu_agent_kubelet_restarts_total") == 1
     assert reg.get_sample_value("gpu_agent_device_healthy",
                                 {"resource": "nvidia.com/gpu", "device": "GPU-1"}) == 0
-    offered[:] = [("nvidia.com/gpu", "GPU-2", True)]  # read at the scrape: no stale series
+    am.devices_offered([("nvidia.com/gpu", "GPU-2", True)])  # the whole table: no stale series
     assert reg.get_sample_value("gpu_agent_device_healthy",
                                 {"resource": "nvidia.com/gpu", "device": "GPU-1"}) is None
     assert reg.get_sample_value("gpu_agent_device_healthy",
@@ -521,7 +534,7 @@ def test_every_metric_our_dashboard_uses_is_exported(box2):
     service.sampler.sample_once()
     service.sampler.sample_once()
     service.agent_metrics.observe_preferred_allocation(0.001)
-    service.agent_metrics.watch_devices(lambda: [("nvidia.com/gpu", "GPU-x", True)])
+    service.agent_metrics.devices_offered([("nvidia.com/gpu", "GPU-x", True)])
     service.agent_metrics.registration("nvidia.com/gpu")
     body = service.render().decode()
     exported = {m.group(1) for m in re.finditer(r"^# TYPE (\S+) ", body, re.M)}

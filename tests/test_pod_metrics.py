@@ -25,16 +25,16 @@ from metrics_support import (
 )
 from prometheus_client import CollectorRegistry
 
+from agent.attribution.cgroups import CgroupReader
+from agent.attribution.holders import PodResourcesCache
+from agent.attribution.pod_processes import ContainerDirectory, PodProcesses
 from agent.config import Config
 from agent.hw.sim.machines import SimulatedMachine
 from agent.hw.sim.processes import ProcessSpec
 from agent.hw.sim.spec import machine_spec_from_dict
 from agent.kubelet.cri import CriClient
 from agent.kubelet.podresources import PodResourcesClient
-from agent.metrics.cgroups import CgroupReader
 from agent.metrics.collector import GpuCollector, render_text
-from agent.metrics.pod_processes import ContainerDirectory, PodProcesses
-from agent.metrics.podresources import PodResourcesCache
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService

@@ -638,7 +638,7 @@ def _exported_types() -> dict[str, str]:
 
     registry = CollectorRegistry()
     agent_metrics = AgentMetrics(registry, backend=types.SimpleNamespace(error_counts={"nvmlDeviceGetCount": 1}))
-    agent_metrics.watch_devices(lambda: [("nvidia.com/gpu", "GPU-0", True)])  # what the device plugin offers
+    agent_metrics.devices_offered([("nvidia.com/gpu", "GPU-0", True)])  # what the device plugin offers
     registry.register(GpuCollector(load_topology("dgx-h100"), hostname="node"))
     text = render_text(registry).decode()
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))

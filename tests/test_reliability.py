@@ -386,7 +386,7 @@ def test_connections_past_the_cap_get_503_at_once_and_hold_no_thread(agent):
     import socket
     import threading
 
-    from agent.metrics.http import MAX_CONNECTIONS
+    from agent.http.endpoints import MAX_CONNECTIONS
 
     daemon, _ = agent()
     port = daemon.metrics.port

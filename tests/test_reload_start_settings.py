@@ -7,6 +7,10 @@ the same servers (device-plugin sockets, or the DRA plugin's), never both. Every
 in the same file is applied. Real agent processes, seen through their logs and their
 kubelet-facing sockets. Both tests failed before the fix: the reloaded configuration said
 the mode asked for while the other one kept serving.
+
+A reload's ``deviceIDStrategy`` reaches the metrics too (issue 26): the pods' GPUs on
+``/metrics`` are attributed by the strategy in force, seen through a real process's
+``/metrics``. That test failed before the fix: the attribution kept the start's strategy.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
+import time
+import urllib.request
 
 from agent_run import AgentRun
-from kubelet_stub import KubeletStub
+from kubelet_stub import KubeletStub, PodResourcesStub
+from metrics_support import listing, pod
 from test_dra_daemon import DRIVER, Node
 from waiting import eventually
 
@@ -102,3 +110,51 @@ def test_a_reload_asking_for_device_plugins_keeps_serving_dra_and_applies_the_re
     finally:
         agent.kill()
         node.close()
+
+
+def _metrics_text(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return ""
+
+
+def test_a_reload_changing_the_device_id_strategy_attributes_the_pods_gpus_by_it():
+    # the kubelet lists the pod's GPU by index, as a device plugin with deviceIDStrategy:
+    # index advertised it: under uuid that ID is no GPU of ours, under index it is GPU 3
+    root = tempfile.mkdtemp(prefix="rld", dir="/tmp")
+    kubelet_dir, features = os.path.join(root, "k"), os.path.join(root, "f")
+    os.makedirs(kubelet_dir)
+    config = os.path.join(root, "config.yaml")
+    with open(config, "w", encoding="utf-8") as fh:
+        fh.write("version: v1\nmetrics:\n  podResourcesRefreshSeconds: 0.1\n")
+    socket_path = os.path.join(root, "podres.sock")
+    pods = listing(pod("ml", "train-0", {"main": [("nvidia.com/gpu", ["3"])]}))
+    stub = PodResourcesStub(socket_path, pods).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    agent = AgentRun(["--config", config, "--simulate", "dgx-h100", "--kubelet-dir", kubelet_dir,
+                      "--features-dir", features, "--pod-resources-socket", socket_path,
+                      "--metrics-address", f"127.0.0.1:{port}", "--probe-address", "127.0.0.1:0"],
+                     os.path.join(root, "agent.log"))
+    try:
+        assert eventually(lambda: "DCGM_FI_DEV_GPU_UTIL{" in _metrics_text(port), 20.0), _tail(agent)
+        time.sleep(0.5)  # several refreshes of the pod-resources answer
+        assert 'pod="train-0"' not in _metrics_text(port)
+        with open(config, "w", encoding="utf-8") as fh:
+            fh.write("version: v1\nmetrics:\n  podResourcesRefreshSeconds: 0.1\n"
+                     "flags:\n  plugin:\n    deviceIDStrategy: index\n")
+        agent.signal(signal.SIGHUP)
+        assert eventually(lambda: agent.effective(), 10.0), _tail(agent)
+        assert agent.effective()[0]["device_id_strategy"] == "index"
+        assert eventually(lambda: 'pod="train-0"' in _metrics_text(port), 10.0), _tail(agent)
+        held = [line for line in _metrics_text(port).splitlines()
+                if line.startswith("DCGM_FI_DEV_GPU_UTIL{") and 'pod="train-0"' in line]
+        assert len(held) == 1 and 'gpu="3"' in held[0] and 'namespace="ml"' in held[0], held
+        assert agent.stop() == 0, _tail(agent)
+    finally:
+        agent.kill()
+        stub.stop()
+        shutil.rmtree(root, ignore_errors=True)

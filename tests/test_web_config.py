@@ -30,8 +30,8 @@ from tls_support import OPENSSL, Pki, SecretVolume, basic, https_get, needs_open
 
 from agent.config import Config, load_config
 from agent.errors import ConfigError
-from agent.metrics.http import HttpEndpoints
-from agent.metrics.webconfig import load_web_config
+from agent.http.endpoints import HttpEndpoints
+from agent.http.webconfig import load_web_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = b"# TYPE up_test gauge\nup_test 1\n"

@@ -25,11 +25,12 @@ protocol_version  # http.server: BaseHTTPRequestHandler class attribute (HTTP/1.
 daemon_threads  # socketserver.ThreadingMixIn class attribute
 allow_reuse_address  # socketserver.TCPServer class attribute
 request_queue_size  # socketserver.TCPServer class attribute: the listen backlog
+address_family  # socketserver.TCPServer class attribute: the IPv6 metrics listener's
 _.handle_error  # socketserver.BaseServer hook: client resets logged quietly
 _.setup  # socketserver.BaseRequestHandler hook: the metrics handler's TLS handshake and deadline
-_.readable  # io.RawIOBase: BufferedReader asks it of the deadline reader (agent/metrics/http.py)
-_.readinto  # io.RawIOBase: BufferedReader reads through it (agent/metrics/http.py)
-_.writable  # io.RawIOBase: asked before writes (the metrics handler's writer, agent/metrics/http.py)
+_.readable  # io.RawIOBase: BufferedReader asks it of the deadline reader (agent/http/endpoints.py)
+_.readinto  # io.RawIOBase: BufferedReader reads through it (agent/http/endpoints.py)
+_.writable  # io.RawIOBase: asked before writes (the metrics handler's writer, agent/http/endpoints.py)
 _.rfile  # socketserver.StreamRequestHandler attribute: BaseHTTPRequestHandler reads the request from it
 _.converter  # logging.Formatter: the time converter (UTC for the JSON log format)
 _.retries  # kubernetes.client.Configuration: read by the client's urllib3 pool (agent/dra/publisher.py)

@@ -265,8 +265,8 @@ def _first_named_config(config: Config, env: Mapping[str, str], load_file: Calla
 
 def run(args: argparse.Namespace) -> int:
     from agent.daemon import Daemon
+    from agent.http.webconfig import load_web_config
     from agent.logs import setup_logging
-    from agent.metrics.webconfig import load_web_config
 
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
     env = dict(default_environ())

@@ -8,7 +8,7 @@ cheap and never block: no I/O.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 
 class DevicePluginEvents(Protocol):
@@ -32,4 +32,9 @@ class DevicePluginEvents(Protocol):
 
     def observe_preferred_allocation(self, seconds: float) -> None:
         """One GetPreferredAllocation call took ``seconds`` to answer."""
+        ...
+
+    def devices_offered(self, offers: Sequence[tuple[str, str, bool]]) -> None:
+        """The kubelet is offered exactly ``offers`` now: (resource, device ID, healthy) each,
+        the whole table, reported whenever it changes."""
         ...

@@ -14,7 +14,9 @@ set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the
 Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
 :meth:`~DevicePluginManager.set_topology` and :meth:`~DevicePluginManager.stop`; the
 kubelet-watch thread registers and re-serves; the metrics HTTP server calls
-:meth:`~DevicePluginManager.ready` and, at each scrape, :meth:`~DevicePluginManager.advertised`.
+:meth:`~DevicePluginManager.ready`. What the kubelet is offered (each device with its health) is
+reported to ``events.devices_offered`` whenever it changes, on the thread that changed it: the
+servers replaced, a GPU's health (a listener of the health state), an MPS daemon's answering.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
@@ -112,6 +114,9 @@ class DevicePluginManager:
         # Register call, starting or stopping a server), an event or a callback, and no
         # other lock (the health state's condition included) is taken while it is held.
         self._lock = threading.Lock()
+        # Held while the offered devices are computed and reported, so that two threads'
+        # reports cannot land out of order; taken before ``_lock`` and the health state's.
+        self._offers_lock = threading.Lock()
         self.topology = topology
         self.config = config
         self.events = events
@@ -133,6 +138,7 @@ class DevicePluginManager:
         self.resources: tuple[PluginResource, ...] = ()
         # removes the NCCL topology files of containers the kubelet no longer lists
         self._nccl_sweeper = NcclSweeper(lambda: (self.config, [r.name for r in self.resources]))
+        health.add_listener(self._report_offers)
 
     @property
     def kubelet_socket(self) -> str:
@@ -191,8 +197,8 @@ class DevicePluginManager:
         return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
-        """(resource, device ID, healthy) for every device offered to the kubelet now (the
-        ``gpu_agent_device_healthy`` series, read at each scrape). Never waits on I/O."""
+        """(resource, device ID, healthy) for every device offered to the kubelet now. Never
+        waits on I/O."""
         with self._lock:
             resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
@@ -212,9 +218,15 @@ class DevicePluginManager:
         server.start()
         return server
 
+    def _report_offers(self) -> None:
+        """Report what the kubelet is offered now (``events.devices_offered``)."""
+        with self._offers_lock:
+            self.events.devices_offered(self.advertised())
+
     def _mps_changed(self) -> None:
         """A control daemon started or stopped answering: re-send the device lists and let the
         watch thread register a resource whose daemon now answers."""
+        self._report_offers()
         self.health.wake()
         self._wake.set()
 
@@ -236,6 +248,7 @@ class DevicePluginManager:
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
+        self._report_offers()
         if resources and not os.path.exists(self.kubelet_socket):
             log.warning(
                 "no kubelet socket at %s yet: registering as soon as the kubelet creates it",

@@ -10,7 +10,7 @@ see ``bench/quality_dra.py``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
@@ -22,6 +22,16 @@ from agent.topology.model import Topology
 
 #: Seconds the publisher may take to stop (one last delete of the slices when configured).
 PUBLISHER_STOP_S = 3.0
+
+
+class DraEvents(PublisherEvents, Protocol):
+    """What DRA mode reports (the agent's self-metrics,
+    :class:`agent.metrics.self_metrics.AgentMetrics`): the publisher's events and the claims
+    that could not be read. Cheap, no I/O."""
+
+    def claim_read_error(self) -> None:
+        """A ResourceClaim could not be read from the API server (its prepare fails)."""
+        ...
 
 
 class DraServers:
@@ -39,17 +49,16 @@ class DraServers:
         health: HealthState,
         on_kubelet_restart: Callable[[], None],
         *,
-        count_claim_read_error: Callable[[], None],
-        events: PublisherEvents | None = None,
+        events: DraEvents,
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
-        configuration); ConfigError when neither can be loaded. ``count_claim_read_error``
-        is called for each claim that could not be read, and the publisher reports to
-        ``events`` which DRA features the API server keeps (the agent's self-metrics); the
-        publisher keeps the devices of prepared claims while the API server keeps no taints."""
+        configuration); ConfigError when neither can be loaded. Each claim that could not be
+        read, and which DRA features the API server keeps, are reported to ``events`` (the
+        agent's self-metrics); the publisher keeps the devices of prepared claims while the
+        API server keeps no taints."""
         plugin = DraPlugin(
-            config, topology, health, KubernetesClaimReader(api_client(config), count_error=count_claim_read_error),
+            config, topology, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
         publisher = SlicePublisher(

@@ -17,11 +17,15 @@ applies their ``spec.labels`` to the Node. So the object here is:
   ``resourceVersion`` read) never overwrites a change it has not seen;
 - deleted on a clean stop, unless another pod of the agent has taken it over since.
 
-API-server failures (403 where RBAC forbids, 5xx, no answer) neither raise nor stop the
-agent: each is logged once when it starts or changes (its status, reason and message) and
-once when a write works again; the next write tries again. Labels published before an outage
-stay on the node meanwhile, so the agent stays ready (a failing *file* sink makes it unready:
-that write is the only copy of the labels).
+API-server failures (403 where RBAC forbids, 5xx, no answer) never stop the agent: each is
+logged once when it starts or changes (its status, reason and message) and once when a write
+works again, and :meth:`NodeFeatureSink.write` raises :class:`agent.errors.LabelWriteError`,
+so the publisher counts every failed write (``gpu_agent_label_write_errors_total``) and the
+agent is not ready until a write works, as with the feature file: a DaemonSet's rollout
+waits for its new pods to be ready, so an agent that cannot publish its labels (RBAC
+missing, NFD not installed, the API server away) holds the rollout instead of spreading over
+the nodes; labels published before an outage stay on the node meanwhile. The next write
+(the daemon re-asserts every ``label_interval_s``) tries again.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import logging
 from typing import Any, Mapping
 
 from agent.config import Config
-from agent.errors import ConfigError
+from agent.errors import ConfigError, LabelWriteError
 from agent.kube import ApiCallError, CustomObjects, own_namespace
 
 log = logging.getLogger(__name__)
@@ -92,8 +96,8 @@ class NodeFeatureSink:
 
     # ------------------------------------------------------------------ LabelSink
     def write(self, labels: Mapping[str, str]) -> bool:
-        """Make the object hold ``labels``; True if it was created or changed. Never raises
-        for an API-server failure (logged once per change of state, see the module)."""
+        """Make the object hold ``labels``; True if it was created or changed. An API-server
+        failure raises LabelWriteError (logged here once per change of state, see the module)."""
         try:
             changed = self._reconcile(dict(labels))
         except ApiCallError as exc:
@@ -103,7 +107,7 @@ class NodeFeatureSink:
                 log.error("cannot publish the labels as %s: %s%s; retrying with every re-assertion",
                           self.where, exc, hint)
                 self._failure = exc.state
-            return False
+            raise LabelWriteError(f"cannot publish the labels as {self.where}: {exc}") from exc
         if self._failure is not None:
             log.info("%s published again (after: %s)", self.where, self._failure)
             self._failure = None

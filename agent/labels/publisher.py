@@ -2,9 +2,11 @@
 topology, re-asserted every ``config.label_interval_s`` (a file deleted or edited behind the
 agent's back, or a removed features directory, comes back), withdrawn on a clean stop.
 
-A failed write is logged every time, counted (``count_error``: the agent's
+A failed write, whichever the sink, is counted (``count_error``: the agent's
 ``gpu_agent_label_write_errors_total``) and makes :meth:`LabelPublisher.ready` False until a
-write succeeds. Called from the daemon's main thread only.
+write succeeds. A feature file that cannot be written is logged here every time; the
+NodeFeature sink says its API-server failures itself, once per change of state, and raises
+:class:`agent.errors.LabelWriteError`. Called from the daemon's main thread only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from typing import Callable
 
 from agent.config import Config
+from agent.errors import LabelWriteError
 from agent.labels import TIMESTAMP_LABEL, compute_labels
 from agent.labels.sinks import LabelSink
 from agent.topology.model import Topology
@@ -24,7 +27,8 @@ log = logging.getLogger(__name__)
 class LabelPublisher:
     """Publishes ``compute_labels(topology, config)`` to ``sink``.
 
-    ``count_error`` is called once per failed write. ``clock`` (monotonic seconds) times the
+    ``count_error`` is called once per failed write (an OSError or a LabelWriteError from
+    the sink). ``clock`` (monotonic seconds) times the
     re-assertion; ``wall_clock`` stamps GFD's timestamp label.
     """
 
@@ -41,7 +45,8 @@ class LabelPublisher:
         self._clock = clock
         self._wall_clock = wall_clock
         self._served: tuple[Topology, Config] | None = None
-        self._failing = False
+        # who said the last write failed ("publisher" or "sink"); None after one that worked
+        self._failing: str | None = None
         self._logged: dict[str, str] = {}  # the labels last reported in the log
         #: when the next re-assertion is due (``clock`` seconds); infinite before the first write
         self.due_s = float("inf")
@@ -53,9 +58,11 @@ class LabelPublisher:
         labels = compute_labels(topology, config, self._wall_clock())
         try:
             changed = self.sink.write(labels)
+        except LabelWriteError:  # the sink said why
+            self._failed(said_by_sink=True)
+            return
         except OSError as exc:
-            self._failing = True
-            self._count_error()
+            self._failed(said_by_sink=False)
             log.error(
                 "cannot write labels to %s: %s (not ready; retrying in %g s)",
                 self.sink.where, exc.strerror or exc, config.label_interval_s,
@@ -67,9 +74,13 @@ class LabelPublisher:
             if facts != self._logged:
                 log.info("labels written to %s", self.sink.where)
                 self._logged = facts
-        if self._failing:
+        if self._failing == "publisher":
             log.warning("labels written to %s again", self.sink.where)
-        self._failing = False
+        self._failing = None
+
+    def _failed(self, *, said_by_sink: bool) -> None:
+        self._failing = "sink" if said_by_sink else "publisher"
+        self._count_error()
 
     def maintain(self) -> None:
         """Re-assert the labels last published once ``label_interval_s`` has passed."""
@@ -78,7 +89,7 @@ class LabelPublisher:
 
     def ready(self) -> bool:
         """False while the last write failed."""
-        return not self._failing
+        return self._failing is None
 
     def withdraw(self) -> None:
         """A clean stop withdraws the labels (NFD drops them from the node); nothing if none

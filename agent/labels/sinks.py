@@ -35,7 +35,9 @@ class LabelSink(Protocol):
     where: str
 
     def write(self, labels: Mapping[str, str]) -> bool:
-        """Publish ``labels`` (the complete set); True if what was published changed."""
+        """Publish ``labels`` (the complete set); True if what was published changed.
+        A failure raises OSError (the publisher logs it) or
+        :class:`agent.errors.LabelWriteError` (the sink logged it)."""
         ...
 
     def remove(self) -> None:

@@ -23,9 +23,10 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from agent.attribution import ContainerRef
+from agent.attribution.holders import EMPTY_ATTRIBUTION, Attribution
+from agent.attribution.pod_processes import NO_POD, PodUse
 from agent.metrics.fields import DCGM_METRICS, POD_METRICS
-from agent.metrics.pod_processes import NO_POD, PodUse
-from agent.metrics.podresources import EMPTY_ATTRIBUTION, Attribution, ContainerRef
 from agent.metrics.sampler import EMPTY_SNAPSHOT, Snapshot
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Topology

@@ -47,7 +47,8 @@ The profiling ratios exist on Hopper and newer only, from the second sampling ro
 (series absent otherwise, as dcgm-exporter without DCP). ``DCGM_FI_DEV_VGPU_LICENSE_STATUS``
 (vGPU guests only) is not exported.
 
-Our own metrics (no dcgm-exporter equivalent):
+Our own metrics (no dcgm-exporter equivalent), every one of them (a test holds this table to
+the registry's ``gpu_agent_*`` and ``gpu_topology_*`` families):
 
 =============================================  =======  ====================================================
 gpu_topology_info                              gauge    1 per GPU; labels numa_node, nvlink_island, nvlink_clique,
@@ -58,16 +59,27 @@ gpu_topology_allocated_idle_seconds            gauge    per allocated GPU and co
                                                         utilisation last exceeded the idle threshold
 gpu_agent_preferred_allocation_seconds         hist.    GetPreferredAllocation latency
 gpu_agent_registrations_total{resource}        counter  registrations with the kubelet
+gpu_agent_registration_failures_total          counter  failed registrations with the kubelet (retried
+  {resource}                                            with backoff)
+gpu_agent_list_and_watch_refused_total         counter  ListAndWatch streams refused at the per-resource
+  {resource}                                            cap
 gpu_agent_kubelet_restarts_total               counter  kubelet restarts seen
 gpu_agent_device_healthy{resource,device}      gauge    1 healthy / 0 unhealthy, as advertised to the kubelet
 gpu_agent_nvml_errors_total{function}          counter  NvmlBackend.error_counts
 gpu_agent_sampler_duration_seconds             gauge    duration of the last NVML sampling round
 gpu_agent_samples_total                        counter  sampling rounds completed
 gpu_agent_pod_resources_errors_total           counter  failed pod-resources List calls
+gpu_agent_label_write_errors_total             counter  failed writes of the node's labels (feature file
+                                                        or NodeFeature object)
+gpu_agent_claim_read_errors_total              counter  ResourceClaims the API server could not give (DRA)
+gpu_agent_active_config{name}                  gauge    1 for the per-node config applied
+gpu_agent_config_refused{label,reason}         gauge    1 while the node label's config is not applied
+gpu_agent_dra_api_feature{feature}             gauge    1 while the API server keeps a DRA feature's fields,
+                                                        0 once it dropped them
 =============================================  =======  ====================================================
 
 Per pod (container) and GPU, from the GPU's processes (:class:`~agent.hw.protocols.ProcessSample`,
-mapped to containers by :mod:`agent.metrics.pod_processes`; :data:`POD_METRICS`; labels as the DCGM
+mapped to containers by :mod:`agent.attribution.pod_processes`; :data:`POD_METRICS`; labels as the DCGM
 series, with ``pod``/``namespace``/``container`` always present, empty for processes of no
 pod; a container that holds the GPU by pod-resources but has no process on it shows 0):
 
@@ -86,8 +98,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agent.attribution.pod_processes import PodUse
 from agent.hw.protocols import GpuSample
-from agent.metrics.pod_processes import PodUse
 
 _MIB = 1 << 20
 

@@ -3,7 +3,7 @@
 ``Sampler.sample_once()`` reads every GPU through a :class:`~agent.hw.protocols.SampleSource`
 (the NVML backend's ``sample_source()``), maps each :class:`~agent.hw.protocols.GpuSample` to
 dcgm-exporter's metrics (:func:`~agent.metrics.fields.dcgm_values`), maps the GPUs'
-processes to pods (:class:`~agent.metrics.pod_processes.PodProcesses`, when given) and
+processes to pods (:class:`~agent.attribution.pod_processes.PodProcesses`, when given) and
 replaces ``Sampler.snapshot`` with a new :class:`Snapshot` (a single reference assignment, so
 readers never see half a round and never take a lock). Scrapes only read ``snapshot``.
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from agent.attribution import ContainerRef
+from agent.attribution.pod_processes import PodProcesses, PodUse
 from agent.hw.protocols import ProcessSample, SampleSource
 from agent.metrics.fields import XID_METRIC, dcgm_values
-from agent.metrics.pod_processes import PodProcesses, PodUse
-from agent.metrics.podresources import ContainerRef
 from agent.topology.model import Topology
 from agent.worker import Worker
 

@@ -1,23 +1,26 @@
 """The agent's own health metrics (``gpu_agent_*``), registered on the service's registry.
 
-Built first (before the topology is read) and handed to each component's constructor: the
-device plugin reports preferred-allocation latency, registrations and failed ones, refused
-ListAndWatch streams and kubelet restarts (its ``DevicePluginEvents``, which
-:class:`AgentMetrics` implements), the label publisher its failed writes, the DRA claim
-reader the claims it could not read, the DRA slice publisher which features the API server
-keeps (its ``PublisherEvents``), the metrics service its sampling rounds and pod-resources
-errors. Where a condition repeats (a client retrying in a loop, an API server down), the log
-says it once and these count the repeats.
+Built first (before the topology is read) and handed to each component's constructor, which
+reports through methods of :class:`AgentMetrics` only (no component touches a
+client_python object): the device plugin reports preferred-allocation latency,
+registrations and failed ones, refused ListAndWatch streams, kubelet restarts and the
+devices it offers the kubelet (its ``DevicePluginEvents``), the label publisher its failed
+writes, DRA the claims it could not read and which features the API server keeps (its
+``DraEvents``), the per-node config selector the config applied or refused, the metrics
+service its sampling rounds and pod-resources errors. Where a condition repeats (a client
+retrying in a loop, an API server down), the log says it once and these count the repeats.
+Every series is listed in :mod:`agent.metrics.fields`'s table.
 
-State that lives elsewhere is read at scrape time, never mirrored: NVML errors from
-``backend.error_counts`` (a dict read, no NVML call) and the health of every device the
-kubelet is being offered (:class:`DeviceHealthCollector`), so a device that is no longer
-offered simply has no series.
+Sources handed over at construction are read at scrape time: NVML errors from
+``backend.error_counts`` (a dict read, no NVML call). The devices offered to the kubelet are
+reported by the device plugin whenever that table changes (servers replaced, a GPU's health,
+an MPS daemon's answering), and a scrape reads the last table (one reference, no lock), so a
+scrape never calls into the device plugin and a device no longer offered has no series.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -66,22 +69,23 @@ class AgentMetrics:
             "gpu_agent_kubelet_restarts", "Kubelet restarts seen (its socket re-created).",
             registry=registry,
         )
-        self.sampler_duration = Gauge(
+        self._sampler_duration = Gauge(
             "gpu_agent_sampler_duration_seconds",
             "Duration of the last NVML sampling round.", registry=registry,
         )
-        self.samples = Counter(
+        self._samples = Counter(
             "gpu_agent_samples", "NVML sampling rounds completed.", registry=registry,
         )
-        self.pod_resources_errors = Counter(
+        self._pod_resources_errors = Counter(
             "gpu_agent_pod_resources_errors",
             "Failed pod-resources List calls (the last answer is kept).", registry=registry,
         )
-        self.label_write_errors = Counter(
+        self._label_write_errors = Counter(
             "gpu_agent_label_write_errors",
-            "Failed writes of the label file (features directory missing or unwritable).", registry=registry,
+            "Failed writes of the node's labels (the feature file, or the NodeFeature object through the"
+            " API server).", registry=registry,
         )
-        self.claim_read_errors = Counter(
+        self._claim_read_errors = Counter(
             "gpu_agent_claim_read_errors",
             "ResourceClaims that could not be read from the API server (their NodePrepareResources"
             " fails; the kubelet retries).", registry=registry,
@@ -89,6 +93,10 @@ class AgentMetrics:
         self._state_gauges(registry)
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
+        # (resource, device ID, healthy): replaced whole by ``devices_offered``, read whole by
+        # a scrape; one reference, so neither side takes a lock
+        self._offered: tuple[tuple[str, str, bool], ...] = ()
+        registry.register(DeviceHealthCollector(lambda: self._offered))
 
     def _state_gauges(self, registry: CollectorRegistry) -> None:
         """The gauges of states the agent reports on change (the per-node config, the DRA API
@@ -141,10 +149,27 @@ class AgentMetrics:
     def dra_api_feature(self, feature: str, kept: bool) -> None:
         self._dra_api_features.labels(feature=feature).set(1.0 if kept else 0.0)
 
-    def watch_devices(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
-        """Export ``gpu_agent_device_healthy`` from ``devices()``, read at every scrape:
-        (resource, device ID, healthy) for each device the kubelet is being offered."""
-        self.registry.register(DeviceHealthCollector(devices))
+    def devices_offered(self, offers: Sequence[tuple[str, str, bool]]) -> None:
+        """The devices offered to the kubelet now, the whole table: (resource, device ID,
+        healthy) each; ``gpu_agent_device_healthy`` has exactly these series from now on."""
+        self._offered = tuple(offers)
+
+    def sampling_round(self, duration_s: float) -> None:
+        """One NVML sampling round completed in ``duration_s``."""
+        self._sampler_duration.set(duration_s)
+        self._samples.inc()
+
+    def pod_resources_error(self) -> None:
+        """A pod-resources ``List`` call failed (the last answer is kept)."""
+        self._pod_resources_errors.inc()
+
+    def label_write_error(self) -> None:
+        """A write of the node's labels failed (whichever sink)."""
+        self._label_write_errors.inc()
+
+    def claim_read_error(self) -> None:
+        """A ResourceClaim could not be read from the API server."""
+        self._claim_read_errors.inc()
 
 
 class NvmlErrorCollector(Collector):
@@ -167,7 +192,7 @@ class NvmlErrorCollector(Collector):
 
 class DeviceHealthCollector(Collector):
     """``gpu_agent_device_healthy{resource,device}`` from ``devices()`` at collect time:
-    (resource, device ID, healthy) for each device offered to the kubelet now."""
+    (resource, device ID, healthy) for each device offered to the kubelet, as last reported."""
 
     def __init__(self, devices: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         self._devices = devices

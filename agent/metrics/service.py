@@ -3,7 +3,8 @@
 ``MetricsService(backend, topology, config, hostname=..., ready=..., agent_metrics=...)``
 registers the GPU collector on the registry of the agent's self-metrics (built first and
 passed in, never the global registry) and reports its sampling rounds and pod-resources
-errors to them. It serves them through :class:`agent.metrics.http.HttpEndpoints`:
+errors to them. Pod attribution comes from :mod:`agent.attribution`. It serves the registry
+through :class:`agent.http.endpoints.HttpEndpoints`:
 ``/metrics`` on ``config.metrics_address`` (``HOST:PORT``, ``:PORT`` for all interfaces,
 ``[::1]:PORT``; port 0 picks a free one, see ``.port``), behind the web configuration's TLS
 and basic auth when one is given, and the probes on their own listener (``.probe_port``):
@@ -20,18 +21,18 @@ import logging
 import time
 from typing import Callable
 
-from agent.config import Config
-from agent.hw.protocols import Telemetry
-from agent.kubelet.cri import CriClient
-from agent.kubelet.podresources import PodResourcesClient
-from agent.metrics.cgroups import CgroupReader
-from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
-from agent.metrics.http import HttpEndpoints
-from agent.metrics.pod_processes import ContainerDirectory, PodProcesses
-from agent.metrics.podresources import (
+from agent.attribution.cgroups import CgroupReader
+from agent.attribution.holders import (
     Attribution,
     PodResourcesCache,
 )
+from agent.attribution.pod_processes import ContainerDirectory, PodProcesses
+from agent.config import Config
+from agent.http.endpoints import HttpEndpoints
+from agent.hw.protocols import Telemetry
+from agent.kubelet.cri import CriClient
+from agent.kubelet.podresources import PodResourcesClient
+from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.sampler import Sampler, Snapshot
 from agent.metrics.self_metrics import AgentMetrics
 from agent.topology.model import Topology
@@ -74,7 +75,7 @@ class MetricsService:
         self.collector = GpuCollector(
             topology, hostname=hostname,
             snapshot=lambda: self.sampler.snapshot,
-            attribution=self._attribution,
+            attribution=lambda: self.pod_resources.current,
             scorer=self.scorer, clock=clock,
         )
         self.registry.register(self.collector)
@@ -83,7 +84,7 @@ class MetricsService:
             refresh_s=config.pod_resources_refresh_s,
             index_ids=config.device_id_strategy == "index",
             clock=clock,
-            on_error=agent_metrics.pod_resources_errors.inc,
+            on_error=agent_metrics.pod_resources_error,
             on_refresh=self._warm_scores,
         )
         self._http: HttpEndpoints | None = None
@@ -95,12 +96,16 @@ class MetricsService:
         """The health watcher reports an XID; exported as ``DCGM_FI_DEV_XID_ERRORS``."""
         self.sampler.record_xid(gpu_index, xid)
 
-    def _attribution(self) -> Attribution:
-        return self.pod_resources.current
+    def set_topology(self, topology: Topology, config: Config) -> None:
+        """What a reload (or a topology read again) changes here: from the next pod-resources
+        refresh on, the device IDs the kubelet reports map to GPUs by ``config``'s
+        ``deviceIDStrategy`` and ``topology``'s device UUIDs (MIG devices included). The
+        sampler and the collector keep the GPUs read at start: a reload never changes their
+        count (the daemon keeps the old topology then)."""
+        self.pod_resources.map_ids(topology, index_ids=config.device_id_strategy == "index")
 
     def _on_round(self, snap: Snapshot) -> None:
-        self.agent_metrics.sampler_duration.set(snap.duration_s)
-        self.agent_metrics.samples.inc()
+        self.agent_metrics.sampling_round(snap.duration_s)
 
     def _warm_scores(self, attribution: Attribution) -> None:
         # best scores are computed here, on the refresh thread, so no scrape pays for them

@@ -3,7 +3,7 @@
 Each sampling round, :meth:`PodProcesses.per_pod` takes the processes of every GPU
 (:class:`~agent.hw.protocols.ProcessSample`) and
 
-1. reads each host PID's cgroup (:class:`~agent.metrics.cgroups.CgroupReader`) for its
+1. reads each host PID's cgroup (:class:`~agent.attribution.cgroups.CgroupReader`) for its
    container ID (or pod UID): once while NVML keeps listing the PID round after round (a
    PID missing from one round is read afresh if it returns: it may be another process; a
    PID that named no container is read again every round);
@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from agent.attribution import ContainerRef
+from agent.attribution.cgroups import CgroupOwner, CgroupReader
 from agent.hw.protocols import ProcessSample
 from agent.kubelet.cri import CriClient, CriContainer, CriError
-from agent.metrics.cgroups import CgroupOwner, CgroupReader
-from agent.metrics.podresources import ContainerRef
 
 __all__ = ["NO_POD", "ContainerDirectory", "PodProcesses", "PodUse"]
 

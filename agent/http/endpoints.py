@@ -7,10 +7,10 @@
   503 and closed at once), each request whole within ``REQUEST_DEADLINE_S`` of the
   connection or of the previous response (TLS handshake included; a total, not per read),
   behind the web configuration's TLS and basic auth (``--web-config-file``,
-  :mod:`agent.metrics.webconfig`) when one is given;
+  :mod:`agent.http.webconfig`) when one is given;
 - the probe address (``config.probe_address``, by default the next port): ``/health`` and
   ``/ready`` for the kubelet, plain HTTP, on a listener no ``/metrics`` client shares and no
-  client can hold (:mod:`agent.metrics.probes`).
+  client can hold (:mod:`agent.http.probes`).
 
 ``render`` None means the agent is not sampling yet (waiting for NVML): ``/metrics`` answers
 503 (:class:`WaitingEndpoint`).
@@ -31,8 +31,8 @@ from typing import Any, Callable
 from agent.config import Config, probe_address_of
 from agent.errors import shorten
 from agent.formats import parse_host_port
-from agent.metrics.probes import ProbeServer
-from agent.metrics.webconfig import WebConfig, WebConfigWatch, load_web_config
+from agent.http.probes import ProbeServer
+from agent.http.webconfig import WebConfig, WebConfigWatch, load_web_config
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +227,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _make_handler(
-    render: Callable[[], bytes] | None, ready: Callable[[], bool], web: WebConfigWatch | None
+    render: Callable[[], bytes] | None, ready: Callable[[], bool], web_watch: WebConfigWatch | None
 ) -> type[_Handler]:
     class Handler(_Handler):
         waiting = render is None
+        web = web_watch
 
         def body(self) -> bytes:
             return render() if render is not None else b""
@@ -238,17 +239,18 @@ def _make_handler(
         def is_ready(self) -> bool:
             return ready()
 
-    Handler.web = web
     return Handler
+
+
+class _MetricsServerV6(_MetricsServer):
+    address_family = socket.AF_INET6
 
 
 def _serve(address: str, handler: type[BaseHTTPRequestHandler]) -> tuple[_MetricsServer, threading.Thread]:
     """Bind ``address`` (ValueError for a bad one, OSError when taken) and serve it on a
     daemon thread."""
     host, port = parse_host_port(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server_cls = type("_BoundServer", (_MetricsServer,), {"address_family": family})
-    server = server_cls((host, port), handler)
+    server = (_MetricsServerV6 if ":" in host else _MetricsServer)((host, port), handler)
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="metrics-http", daemon=True
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
+from agent.attribution import ContainerRef
 from agent.kubelet.podresources import PodResourcesClient, PodResourcesError
 from agent.topology.model import Topology
 from agent.worker import Worker
@@ -29,15 +30,6 @@ log = logging.getLogger(__name__)
 
 #: Resources attributed to GPUs: ``nvidia.com/gpu``, renamed/shared variants, ``mig-*``.
 GPU_RESOURCE_PREFIX = "nvidia.com/"
-
-
-@dataclass(frozen=True, order=True)
-class ContainerRef:
-    """A container of a pod, the unit GPU series are attributed to."""
-
-    namespace: str
-    pod: str
-    container: str
 
 
 @dataclass(frozen=True)
@@ -135,6 +127,11 @@ class PodResourcesCache(Worker):
         self._refreshing = False
         self._logged_failure = False
         super().__init__()
+
+    def map_ids(self, topology: Topology, *, index_ids: bool) -> None:
+        """Map device IDs by ``topology`` (and GPU indices when ``index_ids``) from the next
+        refresh on."""
+        self.resolver = DeviceIdResolver(topology, index_ids)  # one reference: the refresh reads it once
 
     def refresh_once(self) -> bool:
         """Call ``List`` now and publish the result; False (and the old attribution kept)
