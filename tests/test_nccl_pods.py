@@ -172,3 +172,24 @@ def test_a_prepared_claims_cdi_spec_mounts_its_file_and_unprepare_removes_it(tmp
         assert not os.path.exists(mount["hostPath"])
     finally:
         dra.close()
+
+
+def test_a_claims_nic_from_a_network_driver_goes_into_its_file(tmp_path):
+    from test_dra_plugin import Node as DraNode
+    from test_dra_plugin import claim_object
+
+    dra = DraNode()
+    try:
+        topo = load_topology("dgx-h100")
+        dra.start(topo, replace(dra.config, nccl_host_dir=str(tmp_path / "nccl")))
+        claim = claim_object("gpu-and-nic", ["gpu-0"])
+        far = topo.nics[7]  # not near GPU 0: only the claim puts it there
+        claim["status"]["allocation"]["devices"]["results"].append(
+            {"request": "nic", "driver": "rdma.example.com", "pool": "node-1", "device": far.name})
+        claim = dra.api.put_claim(claim)
+        resp = dra.prepare(claim)
+        assert not any(r.error for r in resp.claims.values()), resp
+        text = (tmp_path / "nccl" / f"claim-{claim['metadata']['uid']}.xml").read_text()
+        assert set(nccl_standin.load(text).nics) == {nccl_bus_id(topo.nics[0].pci_bus_id), nccl_bus_id(far.pci_bus_id)}
+    finally:
+        dra.close()

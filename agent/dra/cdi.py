@@ -120,14 +120,17 @@ class CdiSpecWriter:
             },
         }
 
-    def write(self, claim_uid: str, devices: Sequence[DeviceRef]) -> str:
+    def write(self, claim_uid: str, devices: Sequence[DeviceRef], other_devices: Sequence[str] = ()) -> str:
         """Write the claim's NCCL topology file and its spec, each atomically; returns the
-        spec's path. OSError when either cannot be written."""
+        spec's path. OSError when either cannot be written. ``other_devices``: the names of
+        the claim's devices from other drivers; a NIC of the node among them (by its name,
+        or its bus ID spelt with dashes) goes into the NCCL file besides the nearest."""
         parts = [p for d in devices for p in d.parts]
         nccl = None
         if self.nccl_files is not None and all(p.mig is None for p in parts):  # MIG: no file
             gpus = sorted({p.gpu.index for p in parts})
-            nccl = self.nccl_files.write(claim_key(claim_uid), self.topology, gpus)
+            extra = [n for n in self.topology.nics if _names_nic(other_devices, n.name, n.pci_bus_id)]
+            nccl = self.nccl_files.write(claim_key(claim_uid), self.topology, gpus, extra)
         spec = self.build(claim_uid, devices, nccl)
         path = spec_path(self.cdi_dir, self.driver_name, claim_uid)
         # No fsync: the CDI directory is a tmpfs on nodes (/var/run/cdi), and after a power
@@ -145,6 +148,13 @@ class CdiSpecWriter:
         except FileNotFoundError:
             return False
         return True
+
+
+def _names_nic(names: Sequence[str], nic_name: str, bus_id: str | None) -> bool:
+    """Whether a device name of another driver names this NIC: its RDMA device name
+    (``mlx5_0``) or its bus ID with ':' and '.' as '-' (``pci-0000-19-00-0``)."""
+    dashed = re.sub(r"[:.]", "-", bus_id or "").lower()
+    return any(n == nic_name or (dashed and n.lower().endswith(dashed)) for n in names)
 
 
 def _mount(mount: tuple[str, str, bool]) -> dict[str, Any]:
