@@ -244,7 +244,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "imex_required": expect_bool,
     "nccl_topology_file": lambda v, w: expect_str(v, w).strip(),
     "nccl_pod_files": lambda v, w: expect_choice(v, NCCL_POD_FILES, w),
-    "nccl_host_dir": expect_path,
+    "nccl_host_dir": lambda v, w: "" if v is None or v == "" else expect_path(v, w),  # "": the default
     "nccl_mount_path": _container_path,
     "nccl_ib_hca": expect_bool,
 }
