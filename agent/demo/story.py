@@ -139,8 +139,7 @@ class Story:
         for key, section in (("shared_gpu", show_shared_gpu), ("mps", show_mps)):
             workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
             try:
-                # about sharing: the NCCL files are shown with the busy node
-                config = replace(demo_config(workdir), nccl_pod_files="off")
+                config = replace(demo_config(workdir), nccl_pod_files="off")  # NCCL: shown above
                 self.facts[key] = section(self, config, workdir, model, table)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
