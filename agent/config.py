@@ -141,26 +141,6 @@ class Config:
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
-    @property
-    def sharing_strategy(self) -> str:
-        """GFD's ``gpu.sharing-strategy``: ``mps`` or ``time-slicing`` when a resource is
-        shared into more than one replica, else ``none``."""
-        if any(r.replicas > 1 for r in self.mps):
-            return "mps"
-        if any(r.replicas > 1 for r in self.time_slicing):
-            return "time-slicing"
-        return "none"
-
-    @property
-    def shared_resources(self) -> tuple[TimeSlicingResource, ...]:
-        """The entries of whichever sharing section is in use (they are exclusive)."""
-        return self.mps or self.time_slicing
-
-    @property
-    def sharing_section(self) -> str:
-        """The config file's key of :attr:`shared_resources`, for messages."""
-        return "sharing.mps" if self.mps else "sharing.timeSlicing"
-
 
 # ----------------------------------------------------------------------------- loading
 

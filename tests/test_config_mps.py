@@ -8,6 +8,7 @@ import pytest
 
 from agent.config import Config, TimeSlicingResource, load_config
 from agent.errors import ConfigError
+from agent.sharing import sharing_for, strategy_label
 
 MPS_FILE = """\
 version: v1
@@ -36,7 +37,7 @@ def test_mps_section_reads_every_field_of_the_anchors_replicated_resources(tmp_p
     assert c.time_slicing == ()
     assert c.rename_by_default is True
     assert c.mps_root == "/var/run/mps"
-    assert (c.sharing_strategy, c.sharing_section) == ("mps", "sharing.mps")
+    assert (strategy_label(c), sharing_for(c).section) == ("mps", "sharing.mps")
 
 
 def test_mps_refuses_requests_above_one_unless_the_file_says_otherwise(tmp_path):
@@ -51,7 +52,7 @@ def test_mps_refuses_requests_above_one_unless_the_file_says_otherwise(tmp_path)
 
 def test_mps_defaults_are_the_anchors():
     c = Config()
-    assert (c.mps_root, c.mps_control_binary, c.sharing_strategy) == (
+    assert (c.mps_root, c.mps_control_binary, strategy_label(c)) == (
         "/run/nvidia/mps", "nvidia-cuda-mps-control", "none"
     )
 
@@ -121,7 +122,7 @@ def test_mps_with_mig_strategy_mixed_is_refused_as_the_anchor_refuses_it(tmp_pat
 def test_an_empty_time_slicing_section_beside_mps_is_no_conflict(tmp_path):
     path = write(tmp_path, "version: v1\nsharing:\n  timeSlicing: {}\n  mps:\n    resources:\n"
                            "    - {name: nvidia.com/gpu, replicas: 3}\n")
-    assert load_config(path, {}, {}).sharing_strategy == "mps"
+    assert strategy_label(load_config(path, {}, {})) == "mps"
 
 
 @pytest.mark.parametrize("value", [" ", "dir/"])

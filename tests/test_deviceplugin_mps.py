@@ -73,7 +73,7 @@ class MpsNode:
         # the agent's own metrics, built first and passed in (as the daemon does)
         self.metrics = AgentMetrics(CollectorRegistry())
         self.manager = DevicePluginManager(
-            self.topology, config, self.health, events=self.metrics, poll_s=0.05, mps_probe_s=0.1
+            self.topology, config, self.health, events=self.metrics, poll_s=0.05, supervisor_probe_s=0.1
         )
         self.manager.start()
         return self

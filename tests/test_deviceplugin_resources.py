@@ -7,7 +7,7 @@ import pytest
 from kubelet_stub import hgx8_topology, pcie4_topology
 
 from agent.config import Config, TimeSlicingResource
-from agent.deviceplugin.resources import build_resources, physical_devices
+from agent.deviceplugin.resources import ResourceKind, build_resources, physical_devices
 from agent.errors import ConfigError
 
 
@@ -21,7 +21,7 @@ def test_plain_node_advertises_every_gpu_uuid_under_nvidia_com_gpu():
     assert res.name == "nvidia.com/gpu" and res.socket_name == "nvidia-gpu.sock"
     assert [d.id for d in res.devices] == [g.uuid for g in topo.gpus]
     assert [d.numa_node for d in res.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert res.kind == "gpu" and not res.shared
+    assert res.kind is ResourceKind.GPU and not res.shared
 
 
 def test_time_slicing_advertises_replicas_with_anchor_ids():
@@ -30,7 +30,7 @@ def test_time_slicing_advertises_replicas_with_anchor_ids():
     (res,) = build_resources(topo, config)
     assert len(res.devices) == 12
     assert [d.id for d in res.devices[:3]] == [f"{topo.gpus[0].uuid}::{n}" for n in range(3)]
-    assert res.kind == "replica" and res.shared
+    assert res.kind is ResourceKind.REPLICA and res.shared
 
 
 def test_time_slicing_of_selected_gpus_leaves_the_others_whole():
@@ -70,7 +70,7 @@ def test_mig_strategy_mixed_advertises_one_resource_per_profile():
     assert names(resources) == ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]
     mig = resources[2]
     assert [d.id for d in mig.devices] == [m.uuid for m in topo.gpus[6].mig_devices]
-    assert mig.kind == "mig" and all(d.gpu_index == 6 and d.numa_node == 1 for d in mig.devices)
+    assert mig.kind is ResourceKind.MIG and all(d.gpu_index == 6 and d.numa_node == 1 for d in mig.devices)
 
 
 def test_mig_strategy_single_refuses_a_node_mixing_mig_and_whole_gpus():

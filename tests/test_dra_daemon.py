@@ -4,6 +4,7 @@ kubeconfig file, as on a node) and a stand-in kubelet that registers over the -r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -202,8 +203,8 @@ def simulated_daemon(node):
 
 
 # ---------------------------------------------------------------------- a real process
-def agent_process(args: list[str]) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def agent_process(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     for var in ("CONFIG_FILE", "KUBECONFIG", "AGENT_MODE", "NODE_NAME", "DELETE_SLICES_ON_SHUTDOWN"):
         env.pop(var, None)
     return subprocess.Popen([sys.executable, "-m", "agent", "run", *args], cwd=ROOT, env=env,
@@ -423,3 +424,53 @@ def test_delete_slices_on_shutdown_is_a_flag_a_variable_and_a_config_key(tmp_pat
     path.write_text("version: v1\ndra:\n  deleteSlicesOnShutdown: sometimes\n")
     with pytest.raises(ConfigError, match=r"dra.deleteSlicesOnShutdown: expected true or false, got 'sometimes'"):
         load_config(str(path), {}, {})
+
+
+def test_sighup_with_an_imex_channel_added_hands_it_to_claims_prepared_afterwards(node, tmp_path):
+    """A real agent in DRA mode, its config file given an IMEX channel and SIGHUP: claims
+    prepared afterwards get the channel (its variable and its node in their CDI spec), as
+    the device plugin's containers do after the same reload; earlier claims keep theirs."""
+    root = tmp_path / "driver"
+    (root / "dev" / "nvidia-caps-imex-channels").mkdir(parents=True)
+    os.symlink("/dev/null", root / "dev" / "nvidia-caps-imex-channels" / "channel0")  # a character device
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("version: v1\n")
+    proc = agent_process(["--simulate", "dgx-h100", "--metrics-address", "127.0.0.1:0", "--config", str(config_file),
+                          *node.args()], env={"NVIDIA_DRIVER_ROOT": str(root)})
+    try:
+        node.kubelet_registers()
+        before = node.put_claim("before-sighup", ["gpu-0"])
+        assert node.prepare(before).claims[before["metadata"]["uid"]].error == ""
+        config_file.write_text("version: v1\nimex:\n  channelIDs: [0]\n")
+        proc.send_signal(signal.SIGHUP)
+        after = node.put_claim("after-sighup", ["gpu-1"])
+
+        def prepared_with_channel() -> bool:
+            spec = _spec_of(node, after)
+            if spec is None:
+                assert node.prepare(after).claims[after["metadata"]["uid"]].error == ""
+                spec = _spec_of(node, after)
+            if "NVIDIA_IMEX_CHANNELS=0" in spec["containerEdits"]["env"]:
+                return True
+            node.unprepare(after)  # prepared before the reload was applied: again
+            return False
+
+        assert eventually(prepared_with_channel, 10.0)
+        new = _spec_of(node, after)
+        assert {"path": "/dev/nvidia-caps-imex-channels/channel0", "permissions": "rw",
+                "hostPath": f"{root}/dev/nvidia-caps-imex-channels/channel0"} in new["containerEdits"]["deviceNodes"]
+        assert "NVIDIA_IMEX_CHANNELS=0" not in _spec_of(node, before)["containerEdits"]["env"]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _spec_of(node: Node, claim: dict) -> dict | None:
+    for name in os.listdir(node.dirs["cdi"]):
+        if claim["metadata"]["uid"] in name:
+            with open(os.path.join(node.dirs["cdi"], name), encoding="utf-8") as fh:
+                return json.load(fh)
+    return None

@@ -53,7 +53,7 @@ class Node:
         self.topology = topology or hgx8_topology()
         reader = KubernetesClaimReader(self.api.api_client(), timeout_s=2.0)
         self.plugin = DraPlugin(config or self.config, self.topology, self.health, reader, poll_s=poll_s,
-                                path_exists=lambda p: False, on_kubelet_restart=on_kubelet_restart)
+                                on_kubelet_restart=on_kubelet_restart)
         self.plugin.start()
         return self.plugin
 
@@ -233,18 +233,16 @@ def test_prepare_writes_one_cdi_spec_for_the_claim_and_returns_its_cdi_device_id
     assert [f for f in os.listdir(node.config.cdi_dir) if not f.endswith(".json")] == []  # no temp files left
 
 
-def test_the_spec_carries_the_control_nodes_that_exist_on_the_host(node):
-    node.start()
-    node.plugin.stop()
-    reader = KubernetesClaimReader(node.api.api_client(), timeout_s=2.0)
-    plugin = DraPlugin(node.config, node.topology, node.health, reader,
-                       path_exists=lambda p: p in ("/dev/nvidiactl", "/dev/nvidia-uvm"))
-    node.plugin = plugin
-    plugin.start()
+def test_the_spec_carries_the_control_nodes_that_exist_on_the_host(node, tmp_path):
+    (tmp_path / "dev").mkdir()
+    for name in ("nvidiactl", "nvidia-uvm"):
+        (tmp_path / "dev" / name).write_text("")
+    node.start(config=replace(node.config, nvidia_driver_root=str(tmp_path)))
     c = node.put_claim("c", ["gpu-0"])
     node.prepare(c)
     spec = spec_of(node, c["metadata"]["uid"])
-    assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+    assert [(n["path"], n["hostPath"]) for n in spec["containerEdits"]["deviceNodes"]] == [
+        ("/dev/nvidiactl", f"{tmp_path}/dev/nvidiactl"), ("/dev/nvidia-uvm", f"{tmp_path}/dev/nvidia-uvm")]
     assert [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]] == ["/dev/nvidia0"]
 
 

@@ -28,7 +28,7 @@ from agent.commands._common import (
 from agent.config import Config, TimeSlicingResource, default_environ, load_config
 from agent.config_values import MIG_STRATEGIES
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.resources import PluginResource, build_resources
+from agent.deviceplugin.resources import PluginResource, ResourceKind, build_resources
 from agent.errors import UsageError
 from agent.formats import GPU_RESOURCE
 from agent.ncclfiles import NcclFiles, allocation_key
@@ -211,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("this machine has no GPUs")
     config = effective_config(args)
     resource = _pick_resource(build_resources(topology, config), args.resource)
-    if args.explain and resource.kind != "gpu":
-        raise UsageError(f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind} devices")
+    if args.explain and resource.kind is not ResourceKind.GPU:
+        raise UsageError(
+            f"--explain explains whole-GPU allocations; {resource.name} holds {resource.kind.value} devices")
     if args.available is None:
         available = [d.id for d in resource.devices if not topology.gpus[d.gpu_index].lost]
     else:
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     request = handler.request(available, must_include, args.size)
     devices = handler.answer(request)
     indices = [resource.by_id[d].gpu_index for d in devices]
-    if resource.kind != "gpu":
+    if resource.kind is not ResourceKind.GPU:
         return _print_devices(args, topology, handler, devices, indices, len(available), must_include)
     explanation = handler.engine.explain(handler.table, request) if args.explain else None
     score = topology.set_score(indices)
@@ -288,9 +289,10 @@ def _print_devices(args: argparse.Namespace, topology: Topology, handler: Reques
     """MIG devices and replicas (time-sliced, or MPS with what the container gets)."""
     resource = handler.resource
     score = topology.set_score(sorted(set(indices)))
-    sharing = ("mps" if resource.mps else "time-slicing") if resource.shared else "none"
+    sharing = resource.sharing.strategy if resource.sharing is not None else "none"
     # an MPS replica's client settings, as Allocate hands them to the container
-    mps = {k: v for k, v in handler.allocate(devices).envs.items() if k.startswith("CUDA_MPS_")} if resource.mps else {}
+    envs = handler.allocate(devices).envs if sharing == "mps" else {}
+    mps = {k: v for k, v in envs.items() if k.startswith("CUDA_MPS_")}
     if args.format == "json":
         doc: dict[str, Any] = {"devices": devices, "indices": indices, "score": score, "resource": resource.name,
                                "sharing": sharing}
@@ -302,7 +304,7 @@ def _print_devices(args: argparse.Namespace, topology: Topology, handler: Reques
     how = {"mps": ", shared through MPS", "time-slicing": ", time-sliced"}.get(sharing, "")
     _write(args, [
         f"machine   {topology.machine or topology.source or '-'}",
-        f"resource  {resource.name} ({len(resource.devices)} {resource.kind} devices{how})",
+        f"resource  {resource.name} ({len(resource.devices)} {resource.kind.value} devices{how})",
         f"request   size {args.size}, {n_available} available, must-include {must_include}",
         f"on GPUs   {indices}",
         f"devices   {', '.join(devices)}",

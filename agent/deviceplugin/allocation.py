@@ -1,6 +1,8 @@
 """Request handling behind the gRPC servicer: the one validation of a request's device IDs,
 preferred allocation through the allocation engine, and the Allocate response (what the
-container gets comes from :func:`agent.containers.container_edits`, as in DRA's CDI specs).
+container gets comes from :func:`agent.containers.container_facts`, as in DRA's CDI specs,
+plus what the resource's sharing adds for the replicas held; rendered by
+:mod:`agent.deviceplugin.device_lists`).
 
 Nothing here calls NVML: answers come from the frozen :class:`Topology` and the resource's
 device table. A request is checked once, at this edge, by the resource's
@@ -15,10 +17,17 @@ from __future__ import annotations
 from typing import NoReturn, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerDevice, ContainerEdits, MpsShare, container_edits
-from agent.deviceplugin.resources import PluginDevice, PluginResource, physical_devices
+from agent.containers import ContainerAdditions, ContainerDevice, container_facts, nccl_additions
+from agent.deviceplugin.device_lists import ContainerResponse, render
+from agent.deviceplugin.resources import (
+    PluginDevice,
+    PluginResource,
+    ResourceKind,
+    physical_devices,
+)
 from agent.errors import AgentError, AllocationError
 from agent.ncclfiles import NcclFile, NcclFiles, allocation_key
+from agent.sharing.base import Share, replicas_per_gpu
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.model import Topology
@@ -41,15 +50,8 @@ class RequestHandler:
         self.config = config
         self._engine: AllocationEngine | None = None
         self._table: DeviceTable | None = None
-        # read once: both scan the resource's devices
-        self._kind = resource.kind
         self._one_at_most = config.fail_requests_greater_than_one and resource.shared
         self._packed = config.shared_devices_allocation_policy == "packed"
-        # an MPS resource's replicas per GPU: what one replica's share is divided by
-        self._mps_replicas: dict[int, int] = {}
-        for d in resource.devices if resource.mps else ():
-            if d.replica is not None:
-                self._mps_replicas[d.gpu_index] = self._mps_replicas.get(d.gpu_index, 0) + 1
 
     @property
     def engine(self) -> AllocationEngine:
@@ -83,10 +85,10 @@ class RequestHandler:
     def answer(self, request: DeviceRequest) -> list[str]:
         """The device IDs the engine chooses for a checked request."""
         table = self.table
-        kind = self._kind
-        if kind == "gpu":
+        kind = self.resource.kind
+        if kind is ResourceKind.GPU:
             ranks = self.engine.gpus(table, request)
-        elif kind == "mig":
+        elif kind is ResourceKind.MIG:
             ranks = self.engine.mig(table, request)
         else:
             ranks = self.engine.replicas(table, request, self._packed)
@@ -100,7 +102,7 @@ class RequestHandler:
         )
 
     # ------------------------------------------------------------------ allocate
-    def allocate(self, device_ids: Sequence[str]) -> ContainerEdits:
+    def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
         """The container response for ``device_ids``; raises AllocationError when invalid."""
         table = self.table
         ranks = table.lookup(device_ids, "devices")
@@ -109,8 +111,11 @@ class RequestHandler:
         requested = [self.resource.by_id[table.ids[r]] for r in ranks]
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
-        nccl = self._nccl_file(device_ids, devices)
-        return container_edits(self.topology, devices, self.config, mps=self._mps_share(requested), nccl_file=nccl)
+        nccl = nccl_additions(self._nccl_file(device_ids, devices), self.config)
+        additions = [*self._share(requested, devices), *nccl]
+        facts = container_facts(self.topology, devices, self.config, nodes=self.config.pass_device_specs,
+                                additions=additions)
+        return render(facts, self.config)
 
     def _nccl_file(self, device_ids: Sequence[str], devices: Sequence[ContainerDevice]) -> NcclFile | None:
         """The container's NCCL topology file (README "NCCL topology files"): for whole
@@ -142,12 +147,11 @@ class RequestHandler:
         except OSError as exc:
             raise AgentError(f"cannot write the NCCL topology file {files.path(key)}: {exc.strerror or exc}") from None
 
-    def _mps_share(self, requested: Sequence[PluginDevice]) -> MpsShare | None:
-        """What the container holds of an MPS resource's replicas (None: no MPS replica)."""
-        held: dict[int, int] = {}
-        for d in requested:
-            if d.replica is not None:
-                held[d.gpu_index] = held.get(d.gpu_index, 0) + 1
-        if not self._mps_replicas or not held:
-            return None
-        return MpsShare(self.resource.name, {i: self._mps_replicas[i] for i in held}, held)
+    def _share(self, requested: Sequence[PluginDevice], devices: Sequence[ContainerDevice]) -> list[ContainerAdditions]:
+        """What the resource's sharing adds for the replicas the container holds."""
+        sharing, held = self.resource.sharing, replicas_per_gpu((d.gpu_index, d.replica) for d in requested)
+        if sharing is None or not held:
+            return []
+        share = Share(self.resource.name, {i: self.resource.replicas[i] for i in held}, held)
+        added = sharing.additions(share, self.topology, devices, self.config)
+        return [added] if added is not None else []

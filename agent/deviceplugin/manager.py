@@ -16,15 +16,16 @@ Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
 kubelet-watch thread registers and re-serves; the metrics HTTP server calls
 :meth:`~DevicePluginManager.ready`. What the kubelet is offered (each device with its health) is
 reported to ``events.devices_offered`` whenever it changes, on the thread that changed it: the
-servers replaced, a GPU's health (a listener of the health state), an MPS daemon's answering.
+servers replaced, a GPU's health (a listener of the health state), a sharing supervisor's readiness.
 Once started, the watch thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
-MPS-shared resources have a control daemon each (:mod:`agent.deviceplugin.mps`), synced with
-the servers; the watch thread registers such a resource once its daemon first answers.
+A shared resource whose sharing needs a supervisor (:mod:`agent.sharing`: a daemon that
+keeps the replicas servable) has one, synced with the servers; the watch thread registers such a
+resource once its sharing is ready.
 
 Size: above 400 lines because it is one lifecycle: the servers per resource, their
-registration, the kubelet-socket watch and the MPS daemons' sync all share the one watch
+registration, the kubelet-socket watch and the sharing supervisors' sync all share the one watch
 thread and its state; splitting them would spread that state over modules.
 """
 
@@ -43,15 +44,15 @@ import grpc
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
-from agent.deviceplugin.mps import PROBE_INTERVAL_S, MpsControlDaemon, MpsDaemons
 from agent.deviceplugin.ncclsweep import NcclSweeper
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PluginServer, plugin_options
+from agent.deviceplugin.server import DeviceListChanges, PluginServer, plugin_options
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.kubelet.unix_server import SocketInUseError
 from agent.ncclfiles import NcclFiles
+from agent.sharing.base import PROBE_INTERVAL_S, Supervisor, Supervisors
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
-    mps: MpsControlDaemon | None = None  # an MPS resource's control daemon
+    supervisor: Supervisor | None = None  # its sharing's supervisor, when it has one
     registered: bool = False  # written under the manager's lock (ready() reads it)
     next_try_s: float = 0.0  # watch thread only
     backoff_s: float = 0.0  # watch thread only
@@ -68,6 +69,11 @@ class _Slot:
     next_serve_s: float = 0.0  # watch thread only
     serve_backoff_s: float = 0.0  # watch thread only
     register_failing: bool = False  # watch thread only: registration failed, being retried
+
+
+def _sharing_ready(slot: _Slot) -> bool:
+    """The slot's resource can be served as shared: no supervisor, or a ready one."""
+    return slot.supervisor is None or slot.supervisor.ready
 
 
 @dataclass
@@ -102,7 +108,7 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
-        mps_probe_s: float = PROBE_INTERVAL_S,
+        supervisor_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
@@ -122,7 +128,8 @@ class DevicePluginManager:
         self.events = events
         self._on_kubelet_restart = on_kubelet_restart
         self._slots: list[_Slot] = []
-        self._mps = MpsDaemons(self._mps_changed, mps_probe_s)  # the servers' owner only
+        self._supervisors = Supervisors(self._sharing_changed, supervisor_probe_s)  # the servers' owner only
+        self._changes = DeviceListChanges().follow(health)  # what the device-list streams wait on
         self._pending: _Reload | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a reload is pending, or stop
@@ -167,7 +174,7 @@ class DevicePluginManager:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
-        self._mps.stop()
+        self._supervisors.stop()
         self._nccl_sweeper.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
@@ -194,7 +201,7 @@ class DevicePluginManager:
         readiness probe calls it)."""
         with self._lock:
             slots = list(self._slots)
-        return bool(slots) and all(s.registered and (s.mps is None or s.mps.answering) for s in slots)
+        return bool(slots) and all(s.registered and _sharing_ready(s) for s in slots)
 
     def advertised(self) -> list[tuple[str, str, bool]]:
         """(resource, device ID, healthy) for every device offered to the kubelet now. Never
@@ -202,9 +209,9 @@ class DevicePluginManager:
         with self._lock:
             resources, slots = self.resources, list(self._slots)
         unhealthy = self.health.snapshot()
-        mps_down = {s.server.resource.name for s in slots if s.mps is not None and not s.mps.answering}
+        not_ready = {s.server.resource.name for s in slots if not _sharing_ready(s)}
         return [
-            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in mps_down))
+            (r.name, d.id, d.gpu_index not in unhealthy and not (d.replica is not None and r.name in not_ready))
             for r in resources for d in r.devices
         ]
 
@@ -213,7 +220,7 @@ class DevicePluginManager:
         server = PluginServer(
             RequestHandler(resource, topology, config, NcclFiles.from_config(config)),
             self.health, config.kubelet_dir, events=self.events,
-            mps=self._mps.get(resource.name),
+            supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
         server.start()
         return server
@@ -223,11 +230,11 @@ class DevicePluginManager:
         with self._offers_lock:
             self.events.devices_offered(self.advertised())
 
-    def _mps_changed(self) -> None:
-        """A control daemon started or stopped answering: re-send the device lists and let the
-        watch thread register a resource whose daemon now answers."""
+    def _sharing_changed(self) -> None:
+        """A sharing supervisor became ready or stopped being ready: report the offers, re-send
+        the device lists and let the watch thread register a resource whose sharing is now ready."""
         self._report_offers()
-        self.health.wake()
+        self._changes.changed()
         self._wake.set()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
@@ -239,12 +246,13 @@ class DevicePluginManager:
             self.topology, self.config, self.resources = topology, config, resources
         for slot in old:
             slot.server.stop(0.5)
-        self._mps.sync(resources, topology, config)
+        self._supervisors.sync(
+            ((r.name, r.sharing, r.replicas) for r in resources if r.sharing is not None), topology, config)
         if not resources:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
-            slot = _Slot(self._new_server(resource, topology, config), self._mps.get(resource.name))
+            slot = _Slot(self._new_server(resource, topology, config), self._supervisors.get(resource.name))
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
@@ -353,8 +361,8 @@ class DevicePluginManager:
                 slot = fresh
             if inode is None or slot.registered or now < slot.next_try_s:
                 continue
-            if slot.mps is not None and not slot.mps.answering:
-                continue  # MPS replicas are advertised once their daemon answers
+            if not _sharing_ready(slot):
+                continue  # shared replicas are advertised once their sharing is ready
             self._register(slot, now)
 
     def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
@@ -407,7 +415,7 @@ class DevicePluginManager:
         if slot.serve_failing:
             log.warning("serving %s again on %s", slot.server.resource.name, path)
         self._taken.discard(path)
-        fresh = _Slot(server, slot.mps, next_try_s=now)
+        fresh = _Slot(server, slot.supervisor, next_try_s=now)
         with self._lock:
             self._slots = [fresh if s is slot else s for s in self._slots]
         return fresh

@@ -1,16 +1,16 @@
 """Which resources the node advertises and which device IDs each holds.
 
 A pure function of (Topology, Config): MIG strategy ``none`` / ``single`` / ``mixed``,
-time-slicing (``sharing.timeSlicing``) and MPS (``sharing.mps``) as NVIDIA's device plugin
+the sharing sections' replicas (:mod:`agent.sharing`) as NVIDIA's device plugin
 defines them, except that per-GPU sharing (``devices``) and ``rename`` really take effect.
 Device IDs are the anchor's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
-n-th replica (time-sliced or MPS). MPS is refused, naming the GPU, where it cannot run: a MIG
-device, a GPU NVML reports in compute mode Prohibited, a compute capability below 3.5, or
-more replicas than the GPU's MPS server takes clients.
+n-th replica, however shared (the resource's :mod:`agent.sharing` instance checks the node
+and says what a share adds).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -18,6 +18,8 @@ from typing import Iterable, Mapping
 from agent.config import Config, TimeSlicingResource
 from agent.errors import ConfigError, shorten
 from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
+from agent.sharing import sharing_for
+from agent.sharing.base import PlannedShare, Sharing, replicas_per_gpu
 from agent.topology.model import Gpu, MigDevice, Topology
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,14 @@ class PluginDevice:
     replica: int | None = None  # n of "<uuid>::<n>"; None when not time-sliced
 
 
+class ResourceKind(enum.Enum):
+    """What a resource's devices are; picks the allocation engine's call."""
+
+    GPU = "gpu"
+    MIG = "mig"
+    REPLICA = "replica"  # replicas of shared GPUs, however shared
+
+
 @dataclass(frozen=True)
 class PluginResource:
     """One extended resource and its devices, in the stable order they are advertised."""
@@ -57,25 +67,29 @@ class PluginResource:
     by_id: Mapping[str, PluginDevice] = field(default_factory=dict, compare=False, repr=False)
     #: ``config.socket_name``: ``{resource}`` stands for the name after the domain
     socket_template: str = field(default=DEFAULT_SOCKET_NAME, compare=False)
-    #: its replicas are shared through MPS (served while its MPS control daemon answers)
-    mps: bool = False
+    #: how its replicas are shared; None when it has none
+    sharing: Sharing | None = None
+    kind: ResourceKind = field(init=False, default=ResourceKind.GPU)
+    #: GPU index -> how many replicas of that GPU the resource holds (empty: no replicas)
+    replicas: Mapping[int, int] = field(init=False, default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_id", {d.id: d for d in self.devices})
-
-    @property
-    def kind(self) -> str:
-        """``"mig"``, ``"replica"`` (any time-sliced device) or ``"gpu"``: picks the
-        allocation engine call."""
-        if any(d.replica is not None for d in self.devices):
-            return "replica"
-        if any(d.mig is not None for d in self.devices):
-            return "mig"
-        return "gpu"
+        replicas = replicas_per_gpu((d.gpu_index, d.replica) for d in self.devices)
+        object.__setattr__(self, "replicas", replicas)
+        if replicas:
+            kind = ResourceKind.REPLICA
+        elif any(d.mig is not None for d in self.devices):
+            kind = ResourceKind.MIG
+        else:
+            kind = ResourceKind.GPU
+        object.__setattr__(self, "kind", kind)
+        if kind is not ResourceKind.REPLICA:
+            object.__setattr__(self, "sharing", None)
 
     @property
     def shared(self) -> bool:
-        return any(d.replica is not None for d in self.devices)
+        return self.kind is ResourceKind.REPLICA
 
     @property
     def socket_name(self) -> str:
@@ -153,7 +167,7 @@ def _shared_name(base: str, entry: TimeSlicingResource, rename_by_default: bool)
 
 
 #: A planned device: a base device and how many replicas of it are advertised (0: the
-#: device itself), with the ``sharing.timeSlicing.resources`` entry that asked (or None).
+#: device itself), with the sharing section's ``resources`` entry that asked (or None).
 _Planned = tuple[PluginDevice, int, "int | None"]
 
 
@@ -163,8 +177,9 @@ def _plan(topology: Topology, config: Config) -> dict[str, list[_Planned]]:
     base = _base_resources(topology, config.mig_strategy)
     plan: dict[str, list[_Planned]] = {}
     claimed: set[str] = set()
-    section = config.sharing_section
-    for i, entry in enumerate(config.shared_resources):
+    sharing = sharing_for(config)
+    section = sharing.section
+    for i, entry in enumerate(sharing.entries(config)):
         if entry.name not in base:
             log.warning("%s.resources[%d]: no %s on this node", section, i, entry.name)
             continue
@@ -198,8 +213,12 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
     would be too large (:func:`_check_sizes`, from arithmetic, before any replica is built).
     """
     plan = _plan(topology, config)
-    if config.mps:
-        _check_mps(plan, topology, config)
+    sharing = sharing_for(config)
+    sharing.check(
+        (PlannedShare(topology.gpus[d.gpu_index], d.mig, replicas, i)
+         for planned in plan.values() for d, replicas, i in planned if replicas and i is not None),
+        topology, config,
+    )
     _check_sizes(plan, config)
 
     def order(d: PluginDevice) -> tuple[int, int, int]:
@@ -208,7 +227,7 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
     out = tuple(
         PluginResource(
             name=name, devices=tuple(sorted(_materialise(planned), key=order)), socket_template=config.socket_name,
-            mps=bool(config.mps) and any(replicas for _, replicas, _ in planned),
+            sharing=sharing,
         )
         for name, planned in sorted(plan.items())
         if planned
@@ -263,49 +282,10 @@ def _check_sizes(plan: dict[str, list[_Planned]], config: Config) -> None:
 def _replica_fields(planned: list[_Planned], config: Config) -> str:
     """The ``replicas`` fields that made ``planned``: ``sharing.timeSlicing.resources[0,2].replicas``."""
     entries = sorted({i for _, replicas, i in planned if replicas and i is not None})
+    section = sharing_for(config).section
     if not entries:
-        return config.sharing_section
-    return f"{config.sharing_section}.resources[{shorten(','.join(map(str, entries)), 40)}].replicas"
-
-
-#: MPS needs compute capability 3.5; its server takes 16 clients per GPU below 7.0 (Volta),
-#: 48 from there on (nvidia-cuda-mps-control(1)).
-MPS_MIN_COMPUTE_CAPABILITY = (3, 5)
-MPS_MAX_CLIENTS = ((7, 0), 48, 16)
-
-
-def _check_mps(plan: dict[str, list[_Planned]], topology: Topology, config: Config) -> None:
-    """Raise ConfigError, naming the GPU and the field, where MPS cannot serve a replica."""
-    where = config.config_file or "configuration"
-    for device, replicas, i in (p for planned in plan.values() for p in planned):
-        if not replicas or i is None:
-            continue
-        gpu = topology.gpus[device.gpu_index]
-        at = f"{where}: sharing.mps.resources[{i}]"
-        if device.mig is not None:
-            raise ConfigError(
-                f"{at}: MPS cannot share MIG devices: GPU {gpu.index} is in MIG mode and"
-                f" migStrategy {config.mig_strategy} serves its MIG devices as {GPU_RESOURCE}"
-            )
-        if gpu.compute_mode == "Prohibited":
-            raise ConfigError(
-                f"{at}: GPU {gpu.index} cannot run MPS: NVML reports its compute mode Prohibited"
-                " (no CUDA context can be made on it); set it to Default or Exclusive_Process"
-                " (nvidia-smi -c) or leave it out of the devices"
-            )
-        cc = gpu.compute_capability
-        if cc is not None and cc < MPS_MIN_COMPUTE_CAPABILITY:
-            raise ConfigError(
-                f"{at}: GPU {gpu.index} cannot run MPS: compute capability {cc[0]}.{cc[1]},"
-                " MPS needs 3.5 or newer"
-            )
-        newer, many, few = MPS_MAX_CLIENTS
-        limit = many if cc is None or cc >= newer else few
-        if replicas > limit:
-            raise ConfigError(
-                f"{at}.replicas: {replicas} is more MPS clients than GPU {gpu.index}'s MPS server"
-                f" accepts ({limit} per GPU{'' if cc is None else f' at compute capability {cc[0]}.{cc[1]}'})"
-            )
+        return section
+    return f"{section}.resources[{shorten(','.join(map(str, entries)), 40)}].replicas"
 
 
 def _check_sockets(out: tuple[PluginResource, ...], config: Config) -> None:

@@ -2,8 +2,9 @@
 (:class:`agent.kubelet.unix_server.UnixGrpcServer`); the options it registers with.
 
 The servicer translates messages to :class:`RequestHandler` calls and back, nothing more.
-``ListAndWatch`` follows grpc's ``HealthServicer.Watch``: it blocks on the health state's
-condition until something changes (or shutdown), then sends the whole list again.
+``ListAndWatch`` follows grpc's ``HealthServicer.Watch``: it blocks on
+:class:`DeviceListChanges` until something changes (a GPU's health, a sharing supervisor's
+readiness, shutdown), then sends the whole list again.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.events import DevicePluginEvents
-from agent.deviceplugin.mps import MpsControlDaemon
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
 from agent.kubelet.unix_server import UnixGrpcServer
+from agent.sharing.base import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,46 @@ def plugin_options(handler: RequestHandler) -> pb.DevicePluginOptions:
 
 
 def device_list(
-    resource: PluginResource, unhealthy: dict[int, str] | set[int], mps_answering: bool = True
+    resource: PluginResource, unhealthy: dict[int, str] | set[int], sharing_ready: bool = True
 ) -> pb.ListAndWatchResponse:
     """The full ListAndWatch message: every device, in the resource's order, with its health
     and its TopologyInfo. A device whose NUMA node is unknown has no TopologyInfo (as in
     NVIDIA's plugin); the others keep theirs, so the topology manager still aligns them.
-    MPS replicas are Unhealthy while their control daemon does not answer."""
+    Replicas are Unhealthy while their sharing is not ready (its supervisor says so)."""
     out = pb.ListAndWatchResponse()
     for d in resource.devices:
-        down = d.gpu_index in unhealthy or (d.replica is not None and not mps_answering)
+        down = d.gpu_index in unhealthy or (d.replica is not None and not sharing_ready)
         dev = out.devices.add(ID=d.id, health=UNHEALTHY if down else HEALTHY)
         if d.numa_node is not None:
             dev.topology.nodes.add(ID=d.numa_node)
     return out
+
+
+class DeviceListChanges:
+    """What ``ListAndWatch`` streams wait on: something their device lists show may have
+    changed (a GPU's health, which it follows once :meth:`follow` is called; a sharing
+    supervisor's readiness, which its owner reports with :meth:`changed`), or a stream must
+    look again (stopped, cancelled). ``generation`` increases at each :meth:`changed`."""
+
+    def __init__(self) -> None:
+        # Lock order: a leaf, held only to read or bump the generation.
+        self._cond = threading.Condition()
+        self.generation = 0
+
+    def follow(self, health: HealthState) -> DeviceListChanges:
+        health.add_listener(self.changed)
+        return self
+
+    def changed(self) -> None:
+        with self._cond:
+            self.generation += 1
+            self._cond.notify_all()
+
+    def wait(self, generation: int, timeout_s: float) -> None:
+        """Block until the generation differs from ``generation``, or the timeout."""
+        with self._cond:
+            if self.generation == generation:
+                self._cond.wait(timeout_s)
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
@@ -74,13 +102,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         events: DevicePluginEvents,
         *,
         max_streams: int = MAX_STREAMS,
-        mps: MpsControlDaemon | None = None,
+        supervisor: Supervisor | None = None,
+        changes: DeviceListChanges | None = None,
     ) -> None:
+        """``changes``: what the streams wait on (one following ``health`` when None)."""
         self.handler = handler
         self.resource = handler.resource
         self.health = health
         self.events = events
-        self.mps = mps  # the MPS resource's control daemon: its replicas follow it
+        self.supervisor = supervisor  # the resource's sharing supervisor: its replicas follow it
+        self.changes = changes if changes is not None else DeviceListChanges().follow(health)
         self._stopped = threading.Event()
         # Each open ListAndWatch holds a worker thread for its lifetime; past this many the
         # stream is refused, so the rest of the pool always serves the unary calls.
@@ -94,7 +125,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
         self._stopped.set()
-        self.health.wake()
+        self.changes.changed()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
         return plugin_options(self.handler)
@@ -117,17 +148,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         with self._refusing_lock:
             self._refusing = False
         try:
-            context.add_callback(self.health.wake)
+            context.add_callback(self.changes.changed)  # a cancelled stream stops waiting at once
             sent: tuple[int, int] | None = None
-            mps = self.mps
+            supervisor = self.supervisor
             while not self._stopped.is_set() and context.is_active():
-                # the MPS daemon wakes this wait (health.wake) when it stops or starts answering
-                state = (self.health.generation, mps.generation if mps is not None else 0)
+                seen = self.changes.generation  # before the state: a change after it ends the wait
+                state = (self.health.generation, supervisor.generation if supervisor is not None else 0)
                 if state != sent:
                     sent = state
-                    answering = mps is None or mps.answering
-                    yield device_list(self.resource, self.health.snapshot(), answering)
-                self.health.wait_for_change(state[0], 1.0)
+                    ready = supervisor is None or supervisor.ready
+                    yield device_list(self.resource, self.health.snapshot(), ready)
+                self.changes.wait(seen, 1.0)
         finally:
             self._streams.release()
 
@@ -202,13 +233,15 @@ class PluginServer:
         events: DevicePluginEvents,
         max_workers: int = 16,
         max_streams: int = MAX_STREAMS,
-        mps: MpsControlDaemon | None = None,
+        supervisor: Supervisor | None = None,
+        changes: DeviceListChanges | None = None,
     ) -> None:
         if not 0 < max_streams < max_workers:
             raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams, mps=mps)
+        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams,
+                                             supervisor=supervisor, changes=changes)
         self.max_workers = max_workers
         self._unix = UnixGrpcServer(
             self.path,

@@ -9,29 +9,35 @@ Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
   set's device holds the nodes of every member GPU);
 - spec-wide container edits, applied whenever any device of the claim is injected: the
   control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ... where they exist),
-  ``NVIDIA_VISIBLE_DEVICES`` and the agent's ``GPU_TOPOLOGY_*`` variables for the claim's
-  whole device set. They come from :func:`agent.containers.container_edits`, which the
-  device plugin's Allocate answers with too, so both modes hand a container the same
-  environment for the same GPUs; and the claim's NCCL topology file
-  (``<nccl.hostDir>/claim-<uid>.xml``, its GPUs and their nearest NICs) mounted read-only
-  with ``NCCL_TOPO_FILE`` naming it, removed with the spec.
+  ``NVIDIA_VISIBLE_DEVICES`` (and ``NVIDIA_IMEX_CHANNELS`` with the channels' nodes) and
+  the agent's ``GPU_TOPOLOGY_*`` variables for the claim's whole device set; and the
+  claim's NCCL topology file (``<nccl.hostDir>/claim-<uid>.xml``, its GPUs and their nearest
+  NICs) mounted read-only with ``NCCL_TOPO_FILE`` naming it, removed with the spec.
 
-Files are written atomically (a temporary file in the same directory, then a rename), so the
-runtime never reads half a spec.
+The facts come from :func:`agent.containers.container_facts`, which the device plugin's
+Allocate renders too, so both modes hand a container the same device nodes and environment
+for the same GPUs. Files are written atomically (:func:`agent.files.write_json_atomic`), so
+the runtime never reads half a spec.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import tempfile
-from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from agent.config import Config
-from agent.containers import container_edits
+from agent.containers import (
+    IMEX_CHANNELS_ENV,
+    VISIBLE_DEVICES_ENV,
+    ContainerFacts,
+    DeviceNode,
+    Mount,
+    container_facts,
+    nccl_additions,
+)
 from agent.dra.devices import DeviceRef
+from agent.files import remove_file, write_json_atomic
 from agent.ncclfiles import NcclFile, NcclFiles, claim_key
 from agent.topology.model import Topology
 
@@ -42,13 +48,6 @@ CDI_VERSION = "0.6.0"
 CDI_CLASS = "gpu"
 
 _CDI_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$")
-
-
-def valid_claim_uid(uid: str) -> bool:
-    """A UID that can name a CDI device and a file (Kubernetes UIDs are UUIDs)."""
-    return bool(_CDI_NAME.match(uid)) and ":" not in uid
-
-
 def cdi_kind(driver_name: str) -> str:
     """``<vendor>/<class>``: ``gpu.gpu-agent.io/gpu``."""
     return f"{driver_name}/{CDI_CLASS}"
@@ -70,23 +69,14 @@ def spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
 
 
 class CdiSpecWriter:
-    """Builds and writes the claim specs. Thread-safe: it only reads frozen state, and each
-    claim has its own file."""
+    """Builds, writes and removes the claim specs. Thread-safe: it only reads frozen state,
+    and each claim has its own file."""
 
-    def __init__(
-        self,
-        topology: Topology,
-        config: Config,
-        *,
-        path_exists: Callable[[str], bool] = os.path.exists,
-    ) -> None:
+    def __init__(self, topology: Topology, config: Config) -> None:
         self.topology = topology
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
-        # What the device plugin's Allocate would answer with the settings CDI needs: device
-        # nodes on, NVIDIA_VISIBLE_DEVICES as an env variable (IDs as device_id_strategy says).
-        self._config = replace(config, pass_device_specs=True, device_list_strategy=("envvar",))
-        self._path_exists = path_exists
+        self.config = config
         self.nccl_files = NcclFiles.from_config(config)
 
     def build(self, claim_uid: str, devices: Sequence[DeviceRef], nccl_file: NcclFile | None = None) -> dict[str, Any]:
@@ -96,27 +86,26 @@ class CdiSpecWriter:
             name = cdi_device_name(claim_uid, d.name)
             if not _CDI_NAME.match(name):
                 raise ValueError(f"CDI device name {name!r} is not valid")
-        edits = container_edits(
-            self.topology, [p for d in devices for p in d.parts], self._config, path_exists=self._path_exists,
-            nccl_file=nccl_file,
-        )
-        per_device = {d.name: {path for p in d.parts for path in edits.nodes_by_device[p.uuid]} for d in devices}
-        own = {path for paths in per_device.values() for path in paths}
-        common = [spec for spec in edits.devices if spec[0] not in own]
+        facts = container_facts(self.topology, [p for d in devices for p in d.parts], self.config,
+                                additions=nccl_additions(nccl_file, self.config))
+        own = facts.own_nodes()
+        nodes_of = {h.device.uuid: {n.path for n in h.nodes} for h in facts.devices}
         return {
             "cdiVersion": CDI_VERSION,
             "kind": cdi_kind(self.driver_name),
             "devices": [
                 {
                     "name": cdi_device_name(claim_uid, d.name),
-                    "containerEdits": {"deviceNodes": [_node(s) for s in edits.devices if s[0] in per_device[d.name]]},
+                    "containerEdits": {"deviceNodes": [
+                        _node(n) for n in own if any(n.path in nodes_of[p.uuid] for p in d.parts)
+                    ]},
                 }
                 for d in devices
             ],
             "containerEdits": {
-                "env": [f"{k}={v}" for k, v in edits.envs.items()],
-                "deviceNodes": [_node(s) for s in common],
-                **({"mounts": [_mount(m) for m in edits.mounts]} if edits.mounts else {}),
+                "env": [f"{k}={v}" for k, v in _envs(facts).items()],
+                "deviceNodes": [_node(n) for n in (*facts.common_nodes, *(c.node for c in facts.imex_channels))],
+                **({"mounts": [_mount(m) for m in facts.mounts]} if facts.mounts else {}),
             },
         }
 
@@ -139,15 +128,22 @@ class CdiSpecWriter:
         write_json_atomic(path, spec, fsync=False)
         return path
 
-    def remove(self, claim_uid: str) -> bool:
-        """Remove the claim's spec and NCCL topology file; False when there was no spec."""
-        if self.nccl_files is not None:
+    def remove(self, path: str, claim_uid: str | None = None) -> None:
+        """Remove a claim's spec written at ``path`` (none there is fine), and with
+        ``claim_uid`` its NCCL topology file; OSError when either cannot be removed."""
+        remove_file(path)
+        if claim_uid is not None and self.nccl_files is not None:
             self.nccl_files.remove(claim_key(claim_uid))
-        try:
-            os.unlink(spec_path(self.cdi_dir, self.driver_name, claim_uid))
-        except FileNotFoundError:
-            return False
-        return True
+
+
+def _envs(facts: ContainerFacts) -> dict[str, str]:
+    """``NVIDIA_VISIBLE_DEVICES`` (the IDs as ``deviceIDStrategy`` says) and the IMEX
+    channels, as NVIDIA's plugin sets them with ``envvar``, then the facts' own."""
+    envs = {VISIBLE_DEVICES_ENV: ",".join(facts.ids)}
+    if facts.imex_channels:
+        envs[IMEX_CHANNELS_ENV] = ",".join(str(c.id) for c in facts.imex_channels)
+    envs.update(facts.envs)
+    return envs
 
 
 def _names_nic(names: Sequence[str], nic_name: str, bus_id: str | None) -> bool:
@@ -157,40 +153,13 @@ def _names_nic(names: Sequence[str], nic_name: str, bus_id: str | None) -> bool:
     return any(n == nic_name or (dashed and n.lower().endswith(dashed)) for n in names)
 
 
-def _mount(mount: tuple[str, str, bool]) -> dict[str, Any]:
-    container, host, read_only = mount
-    return {"hostPath": host, "containerPath": container,
-            "options": ["ro" if read_only else "rw", "nosuid", "nodev", "bind"]}
+def _mount(mount: Mount) -> dict[str, Any]:
+    return {"hostPath": mount.host_path, "containerPath": mount.container_path,
+            "options": ["ro" if mount.read_only else "rw", "nosuid", "nodev", "bind"]}
 
 
-def _node(spec: tuple[str, str, str]) -> dict[str, str]:
-    container, host, permissions = spec
-    node = {"path": container, "permissions": permissions}
-    if host != container:
-        node["hostPath"] = host
-    return node
-
-
-def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
-    """Write ``data`` as JSON to ``path`` so that readers see the old file or the new one,
-    never a partial one (temp file in the same directory, rename). ``fsync`` also makes it
-    durable against a power loss before the rename."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    # the ".tmp" suffix keeps the runtime, which reads *.json, off the half-written file
-    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def _node(node: DeviceNode) -> dict[str, str]:
+    out = {"path": node.path, "permissions": node.permissions}
+    if node.host_path != node.path:
+        out["hostPath"] = node.host_path
+    return out

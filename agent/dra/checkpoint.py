@@ -16,12 +16,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from agent.dra.cdi import write_json_atomic
 from agent.errors import shorten
+from agent.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,23 @@ def _checksum(claim: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _safe_uid(uid: str) -> bool:
-    # a UID becomes a file name: no path separators, no hidden or parent names
-    return bool(uid) and "/" not in uid and "\0" not in uid and not uid.startswith(".")
+#: The longest claim UID taken (Kubernetes UIDs are 36-character UUIDs): it names the CDI
+#: spec and the checkpoint file, which must stay under the file-name limit (255 bytes).
+MAX_CLAIM_UID_CHARS = 128
+_CLAIM_UID = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+
+
+def claim_uid_problem(uid: str) -> str:
+    """Why ``uid`` cannot be a claim UID here ("" when it can): the one rule for a UID that
+    names the claim's checkpoint file, its CDI spec and CDI devices (Kubernetes UIDs are
+    UUIDs; no path separator, no hidden or parent name, nothing a CDI name refuses)."""
+    if not uid:
+        return "not a claim UID (empty)"
+    if len(uid) > MAX_CLAIM_UID_CHARS:
+        return f"not a claim UID (more than {MAX_CLAIM_UID_CHARS} characters)"
+    if not _CLAIM_UID.match(uid):
+        return "not a claim UID (expected letters, digits, '-', '_' or '.')"
+    return ""
 
 
 class Checkpoint:
@@ -140,9 +155,10 @@ class Checkpoint:
             return self._claims.get(uid)
 
     def add(self, claim: PreparedClaim) -> None:
-        """Record ``claim`` (written before it counts; raises OSError when it cannot be)."""
-        if not _safe_uid(claim.uid):
-            raise ValueError(f"claim uid {shorten(repr(claim.uid))} cannot name a checkpoint file")
+        """Record ``claim`` (written before it counts; raises OSError when it cannot be,
+        ValueError when its UID breaks :func:`claim_uid_problem`'s rule)."""
+        if claim_uid_problem(claim.uid):
+            raise ValueError(f"claim uid {shorten(repr(claim.uid))}: {claim_uid_problem(claim.uid)}")
         raw = claim.to_json()
         with self._lock:
             write_json_atomic(

@@ -131,7 +131,6 @@ class DraPlugin:
         node_name: str | None = None,
         poll_s: float = 0.5,
         max_workers: int = 8,
-        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
         self.config = config
         self.node_name = node_name if node_name is not None else config.node_name
@@ -148,7 +147,7 @@ class DraPlugin:
         self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR), fsync=False)
         self.preparer = ClaimPreparer(
             topology, config, health, claim_reader, self.checkpoint,
-            node_name=self.node_name, path_exists=path_exists,
+            node_name=self.node_name,
         )
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)

@@ -17,22 +17,18 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from agent.config import Config
-from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path, valid_claim_uid
-from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
+from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef, device_refs
 from agent.errors import shorten
-from agent.ncclfiles import claim_key
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-#: The longest claim UID taken (Kubernetes UIDs are 36-character UUIDs): it names the CDI
-#: spec and the checkpoint file, which must stay under the file-name limit (255 bytes).
-MAX_CLAIM_UID_CHARS = 128
 #: Kubernetes object names: a namespace is a DNS label, a claim name a DNS subdomain. A
 #: longer one cannot exist, so it is refused without asking the API server.
 MAX_NAMESPACE_CHARS = 63
@@ -84,7 +80,6 @@ class ClaimPreparer:
         checkpoint: Checkpoint,
         *,
         node_name: str,
-        path_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
@@ -92,9 +87,8 @@ class ClaimPreparer:
         self.health = health
         self.claims = claim_reader
         self.checkpoint = checkpoint
-        self._path_exists = path_exists
         self.devices: Mapping[str, DeviceRef] = device_refs(topology)
-        self.cdi = CdiSpecWriter(topology, config, path_exists=path_exists)
+        self.cdi = CdiSpecWriter(topology, config)
         self._lock = threading.Lock()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
@@ -102,7 +96,7 @@ class ClaimPreparer:
         or SIGHUP; its driver name and CDI directory are the running ones). Claims already
         prepared keep their checkpointed answer."""
         devices = device_refs(topology)
-        cdi = CdiSpecWriter(topology, config, path_exists=self._path_exists)
+        cdi = CdiSpecWriter(topology, config)
         with self._lock:
             self.devices, self.cdi = devices, cdi
 
@@ -111,8 +105,8 @@ class ClaimPreparer:
         missing = [f for f in ("namespace", "uid", "name") if not getattr(ref, f)]
         if missing:
             return PrepareResult(error=f"{ref}: the claim's {', '.join(missing)} must not be empty")
-        if _uid_problem(ref.uid):
-            return PrepareResult(error=f"{ref}: {_uid_problem(ref.uid)}")
+        if claim_uid_problem(ref.uid):
+            return PrepareResult(error=f"{ref}: {claim_uid_problem(ref.uid)}")
         if len(ref.namespace) > MAX_NAMESPACE_CHARS or len(ref.name) > MAX_NAME_CHARS:
             return PrepareResult(
                 error=f"{ref}: not a ResourceClaim name (a namespace has at most {MAX_NAMESPACE_CHARS}"
@@ -153,7 +147,8 @@ class ClaimPreparer:
             except OSError as exc:
                 # nothing half-prepared: a spec without its checkpoint entry would be a
                 # device the runtime can inject and no unprepare after a restart removes
-                self._remove_spec(ref, path)
+                if error := self._remove_spec(ref, path):
+                    log.error("%s", error)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
         return PrepareResult(devices=prepared.devices)
@@ -169,14 +164,14 @@ class ClaimPreparer:
         log.error("%s", error)
         return PrepareResult(error=error)
 
-    @staticmethod
-    def _remove_spec(ref: ClaimRef, path: str) -> None:
+    def _remove_spec(self, ref: ClaimRef, path: str) -> str:
+        """Remove the claim's spec and NCCL topology file (none there is fine); "" or the
+        error."""
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            self.cdi.remove(path, ref.uid)
         except OSError as exc:
-            log.error("%s: cannot remove its CDI spec %s: %s", ref, path, exc.strerror or exc)
+            return f"{ref}: cannot remove its CDI spec {path} or its NCCL topology file: {exc.strerror or exc}"
+        return ""
 
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
         """The checkpointed answer; the spec is written again if it went missing."""
@@ -249,22 +244,13 @@ class ClaimPreparer:
         prepared here), else the error."""
         if not ref.uid:
             return f"{ref}: the claim's uid must not be empty"
-        if _uid_problem(ref.uid):
-            return f"{ref}: {_uid_problem(ref.uid)}"
+        if claim_uid_problem(ref.uid):
+            return f"{ref}: {claim_uid_problem(ref.uid)}"
         with self._lock:
             done = self.checkpoint.get(ref.uid)
             path = done.spec_path if done is not None else spec_path(self.cdi_dir, self.driver_name, ref.uid)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                return f"{ref}: cannot remove its CDI spec {path}: {exc.strerror or exc}"
-            if self.cdi.nccl_files is not None:  # the claim's NCCL topology file goes with it
-                try:
-                    self.cdi.nccl_files.remove(claim_key(ref.uid))
-                except OSError as exc:
-                    return f"{ref}: cannot remove its NCCL topology file: {exc.strerror or exc}"
+            if error := self._remove_spec(ref, path):
+                return error
             try:
                 self.checkpoint.remove(ref.uid)
             except OSError as exc:
@@ -298,15 +284,6 @@ def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
         for k in keys:
             seen.setdefault(k, device.name)
     return problems
-
-
-def _uid_problem(uid: str) -> str:
-    """Why ``uid`` cannot be a claim UID here ("" when it can)."""
-    if len(uid) > MAX_CLAIM_UID_CHARS:
-        return f"not a claim UID (more than {MAX_CLAIM_UID_CHARS} characters)"
-    if not valid_claim_uid(uid):
-        return "not a claim UID (expected letters, digits, '-', '_' or '.')"
-    return ""
 
 
 def _get(obj: Any, *keys: str) -> Any:

@@ -59,6 +59,8 @@ from typing import Mapping
 
 from agent.config import Config
 from agent.formats import GPU_RESOURCE, MIG_RESOURCE_PREFIX
+from agent.sharing import sharing_for, strategy_label
+from agent.sharing.mps import MPS
 from agent.topology.model import Gpu, MigDevice, PcieLevel, Topology
 
 GFD_PREFIX = "nvidia.com/"
@@ -186,22 +188,12 @@ def _capability_labels(topology: Topology, config: Config) -> dict[str, str]:
     ]
     out = {} if None in answers else {GFD_PREFIX + "mig.capable": str(any(answers)).lower()}
     out |= {
-        GFD_PREFIX + "mps.capable": str(config.sharing_strategy == "mps" and _mps_capable(topology)).lower(),
+        GFD_PREFIX + "mps.capable": str(strategy_label(config) == MPS.strategy and MPS.capable(topology)).lower(),
         GFD_PREFIX + "gpu.mode": _gpu_mode(topology),
     }
     if config.mig_strategy != "none":
         out[GFD_PREFIX + "mig.strategy"] = config.mig_strategy
     return out
-
-
-def _mps_capable(topology: Topology) -> bool:
-    """GFD's rule (no GPU in MIG mode) and NVML's word on the others: a GPU in compute mode
-    Prohibited or below compute capability 3.5 cannot run an MPS server."""
-    return not any(
-        g.mig_enabled or g.compute_mode == "Prohibited"
-        or (g.compute_capability is not None and g.compute_capability < (3, 5))
-        for g in topology.gpus
-    )
 
 
 def _known_model(name: str) -> bool:
@@ -227,7 +219,7 @@ def _gpu_mode(topology: Topology) -> str:
 def _sharing(config: Config, resource: str) -> tuple[int, bool]:
     """(replicas, renamed) for ``resource`` from ``sharing.timeSlicing`` or ``sharing.mps``;
     (1, False) if not shared."""
-    for r in config.shared_resources:
+    for r in sharing_for(config).entries(config):
         if r.name == resource and r.replicas > 1:
             return r.replicas, bool(r.rename) or config.rename_by_default
     return 1, False
@@ -257,7 +249,7 @@ def _resource_labels(topology: Topology, config: Config) -> dict[str, str]:
         out[key + "product"] = product
     out[key + "count"] = str(len(same_model))
     out[key + "replicas"] = str(replicas)
-    out[key + "sharing-strategy"] = config.sharing_strategy if shared else "none"
+    out[key + "sharing-strategy"] = strategy_label(config) if shared else "none"
     memories = [g.memory_mib for g in same_model if g.memory_mib]
     if memories:
         out[key + "memory"] = str(min(memories))

@@ -14,7 +14,7 @@ Every series is listed in :mod:`agent.metrics.fields`'s table.
 Sources handed over at construction are read at scrape time: NVML errors from
 ``backend.error_counts`` (a dict read, no NVML call). The devices offered to the kubelet are
 reported by the device plugin whenever that table changes (servers replaced, a GPU's health,
-an MPS daemon's answering), and a scrape reads the last table (one reference, no lock), so a
+a sharing supervisor's readiness), and a scrape reads the last table (one reference, no lock), so a
 scrape never calls into the device plugin and a device no longer offered has no series.
 """
 

@@ -1,4 +1,5 @@
-"""MPS control daemons: one per MPS-shared resource, started and supervised by the agent.
+"""MPS control daemons: one per MPS-shared resource, started and supervised by the agent
+(the supervisor of :mod:`agent.sharing.mps`).
 
 What the control program is told follows NVIDIA's MPS control daemon (the device plugin's
 ``mps-control-daemon``), so a node runs the same MPS setup under either:
@@ -22,7 +23,7 @@ exponential backoff, instead of by a pod restart. A daemon already answering on 
 directory at start (left by an agent that crashed) is told to quit first, so the one
 serving always has this configuration's GPUs and limits.
 
-The replicas are served only while their daemon answers (:attr:`MpsControlDaemon.answering`):
+The replicas are served only while their daemon answers (:attr:`MpsControlDaemon.ready`):
 the device-plugin manager registers the resource once it first answers and reports its
 devices Unhealthy while it does not.
 """
@@ -37,24 +38,21 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
-from agent.config import Config
-from agent.containers import (
+from agent.errors import AgentError
+from agent.sharing.base import PROBE_INTERVAL_S
+from agent.sharing.mps_paths import (
     mps_memory_limit_mib,
     mps_resource_dir,
     mps_shm_dir,
     mps_thread_percentage,
 )
-from agent.deviceplugin.resources import PluginResource
-from agent.errors import AgentError
 from agent.topology.model import Topology
 from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
-#: How often a running daemon is asked whether it answers (s).
-PROBE_INTERVAL_S = 5.0
 #: How long one control-program run may take (s).
 COMMAND_TIMEOUT_S = 5.0
 #: Restarts wait 0.5 s, 1 s, 2 s, ... up to this (s); a daemon that answered this long
@@ -73,17 +71,14 @@ class MpsDaemonSpec:
     thread_percentage: int
 
     @classmethod
-    def for_resource(cls, resource: PluginResource, topology: Topology) -> MpsDaemonSpec:
-        """The daemon for ``resource``'s replicas. One thread percentage serves the whole
-        daemon (the control program takes one): the share of the GPU with the most replicas."""
-        replicas: dict[int, int] = {}
-        for d in resource.devices:
-            if d.replica is not None:
-                replicas[d.gpu_index] = replicas.get(d.gpu_index, 0) + 1
+    def for_resource(cls, resource: str, replicas: Mapping[int, int], topology: Topology) -> MpsDaemonSpec:
+        """The daemon for ``resource``'s replicas (GPU index -> replicas). One thread
+        percentage serves the whole daemon (the control program takes one): the share of
+        the GPU with the most replicas."""
         indices = sorted(replicas)
         gpus = [topology.gpus[i] for i in indices]
         return cls(
-            resource=resource.name,
+            resource=resource,
             uuids=tuple(g.uuid for g in gpus),
             memory_limits_mib=tuple(mps_memory_limit_mib(g, replicas[g.index]) for g in gpus),
             thread_percentage=mps_thread_percentage(max(replicas.values(), default=1)),
@@ -101,7 +96,8 @@ class MpsDaemonSpec:
 
 class MpsControlDaemon(Worker):
     """Starts, watches and restarts the control daemon of one resource (a thread of its
-    own); ``on_change()`` is called (no lock held) whenever :attr:`answering` flips."""
+    own); ``on_change()`` is called (no lock held) whenever :attr:`ready` flips (it
+    answers, or stops answering). A :class:`agent.sharing.base.Supervisor`."""
 
     def __init__(
         self,
@@ -129,27 +125,33 @@ class MpsControlDaemon(Worker):
         # Lock order: a leaf, held only to read or flip the state below.
         self._lock = threading.Lock()
         self._answering = False
-        self.generation = 0  # increases whenever answering flips
+        self._generation = 0  # increases whenever answering flips
         self._started = False  # thread only: we started a daemon that may still run
 
     @property
-    def answering(self) -> bool:
+    def ready(self) -> bool:
+        """The daemon answers: its replicas can be served."""
         with self._lock:
             return self._answering
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
 
     def _set_answering(self, value: bool) -> None:
         with self._lock:
             if self._answering == value:
                 return
             self._answering = value
-            self.generation += 1
+            self._generation += 1
         self._on_change()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         backoff_s, last_error, up_since = 0.0, "", 0.0
         while not self._stop.is_set():
-            if not self.answering:
+            if not self.ready:
                 try:
                     self._start_daemon()
                 except AgentError as exc:
@@ -252,39 +254,3 @@ class MpsControlDaemon(Worker):
             log.info("MPS control daemon for %s told to quit", self.spec.resource)
         except AgentError as exc:
             log.warning("MPS control daemon for %s: quit failed: %s", self.spec.resource, exc)
-
-
-class MpsDaemons:
-    """The control daemons of a node's MPS resources, by resource name. Used by the one
-    thread that owns the device-plugin servers."""
-
-    def __init__(self, on_change: Callable[[], None], probe_s: float = PROBE_INTERVAL_S) -> None:
-        self._on_change = on_change
-        self.probe_s = probe_s
-        self._daemons: dict[str, MpsControlDaemon] = {}
-
-    def get(self, resource: str) -> MpsControlDaemon | None:
-        return self._daemons.get(resource)
-
-    def sync(self, resources: tuple[PluginResource, ...], topology: Topology, config: Config) -> None:
-        """One daemon per MPS resource: a running one whose GPUs, limits, root and program
-        stay is kept (its pods keep their MPS server), the others quit, new ones start."""
-        wanted = {
-            r.name: (MpsDaemonSpec.for_resource(r, topology), config.mps_root, config.mps_control_binary)
-            for r in resources if r.mps
-        }
-        for name, daemon in list(self._daemons.items()):
-            if wanted.get(name) != (daemon.spec, daemon.mps_root, daemon.program):
-                del self._daemons[name]
-                daemon.stop(2 * COMMAND_TIMEOUT_S)
-        for name, (spec, root, program) in wanted.items():
-            if name not in self._daemons:
-                daemon = MpsControlDaemon(spec, root, program, self._on_change, probe_s=self.probe_s)
-                self._daemons[name] = daemon
-                daemon.start()
-
-    def stop(self) -> None:
-        """Every daemon quits."""
-        daemons, self._daemons = list(self._daemons.values()), {}
-        for daemon in daemons:
-            daemon.stop(2 * COMMAND_TIMEOUT_S)
