@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 
 from agent.config import Config
 from agent.errors import ConfigError
-from agent.ncclfiles import NCCL_TOPO_FILE_ENV, NcclFile, nic_envs
+from agent.ncclfiles import NCCL_TOPO_FILE_ENV, NICS_ENV, NcclFile, nic_envs
 from agent.topology.model import Gpu, MigDevice, Topology
 from agent.topology.nccl_file import nearest_nics
 
@@ -158,7 +158,8 @@ def container_facts(
         for c in config.imex_channel_ids if config.imex_required or _imex_node_exists(c, config)
     )
     envs = _topology_envs(topology, devices)
-    envs.update(nic_envs(nearest_nics(topology, sorted({d.gpu.index for d in devices})), config.nccl_ib_hca))
+    if not any(NICS_ENV in a.envs for a in additions):  # an NCCL file names its NICs itself
+        envs.update(nic_envs(nearest_nics(topology, sorted({d.gpu.index for d in devices})), config.nccl_ib_hca))
     mounts: list[Mount] = []
     for added in additions:
         envs.update(added.envs)

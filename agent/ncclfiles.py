@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 #: NCCL's variable naming its topology file
 NCCL_TOPO_FILE_ENV = "NCCL_TOPO_FILE"
 NCCL_IB_HCA_ENV = "NCCL_IB_HCA"
+NICS_ENV = "GPU_TOPOLOGY_NICS"  # the nearest NICs, named for the container
 _SUFFIX = ".xml"
 _MAX_CACHED = 4096  # rendered texts kept (GPU sets); the cache is emptied when full
 
@@ -115,6 +116,7 @@ class NcclFiles:
         self._failed: dict[str, str] = {}  # key -> why its last deferred write failed
         self._writer: threading.Thread | None = None
         self._texts: dict[tuple[int, tuple[int, ...], tuple[str, ...]], tuple[Topology, str, tuple[Nic, ...]]] = {}
+        self._written: dict[str, str] = {}  # key -> the text this process last wrote for it
 
     @classmethod
     def from_config(cls, config: Config) -> NcclFiles | None:
@@ -173,6 +175,8 @@ class NcclFiles:
         """The file of ``gpus`` for ``key``, handed to the writer thread; :meth:`wait`
         returns once it is written."""
         text, nics = self.render(topology, gpus)
+        if self._written.get(key) is text:  # the same allocation again: written already (a
+            return NcclFile(self.path(key), nics)  # file removed since is PreStartContainer's)
         with self._lock:
             self._queue.append((key, text))
             self._pending.add(key)
@@ -190,6 +194,7 @@ class NcclFiles:
                 key, text = self._queue.pop(0)
             try:
                 self._write_text(key, text)
+                self._written[key] = text
             except OSError as exc:
                 log.error("cannot write the NCCL topology file %s: %s", self.path(key), exc.strerror or exc)
                 with self._lock:
@@ -255,7 +260,7 @@ def nic_envs(nics: Sequence[Nic], ib_hca: bool) -> dict[str, str]:
     ``mlx5_10``). NICs known by bus ID only are not named to NCCL."""
     if not nics:
         return {}
-    envs = {"GPU_TOPOLOGY_NICS": ",".join(n.name for n in nics)}
+    envs = {NICS_ENV: ",".join(n.name for n in nics)}
     named = [n.name for n in nics if not n.name.startswith("nic-")]
     if ib_hca and named:
         envs[NCCL_IB_HCA_ENV] = "=" + ",".join(named)
