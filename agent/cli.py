@@ -17,7 +17,7 @@ from agent import __version__
 from agent.commands._common import friendly_paths
 from agent.errors import AgentError
 
-SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo", "slices")
+SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo", "slices", "doctor")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,6 +23,9 @@ from agent.config_values import expect_xids, got, parse_field
 from agent.errors import ConfigError, shorten
 from agent.formats import parse_host_port
 
+#: The DRA driver name by default (its device classes, CDI kind and slices are named after it).
+DEFAULT_DRIVER_NAME = "gpu.gpu-agent.io"
+
 #: XIDs that do not indicate a GPU fault (application errors), skipped by the health
 #: watcher unless configured otherwise; the same defaults as NVIDIA's device plugin.
 DEFAULT_IGNORED_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
@@ -101,7 +104,7 @@ class Config:
     log_level: str = "INFO"
     # --- DRA mode (issue 12): serve the GPUs as a DRA driver instead of device plugins
     mode: str = "device-plugin"  # device-plugin | dra (env AGENT_MODE)
-    driver_name: str = "gpu.gpu-agent.io"  # DRA driver name, a DNS subdomain (env DRA_DRIVER_NAME)
+    driver_name: str = DEFAULT_DRIVER_NAME  # DRA driver name, a DNS subdomain (env DRA_DRIVER_NAME)
     plugins_registry_dir: str = "/var/lib/kubelet/plugins_registry"  # kubelet's plugin watcher dir
     plugins_dir: str = "/var/lib/kubelet/plugins"  # <dir>/<driver>/dra.sock + the claim checkpoint
     cdi_dir: str = "/var/run/cdi"  # one CDI spec per prepared claim is written here
@@ -129,6 +132,10 @@ class Config:
     #: NoSchedule (no new claims; running pods keep it) or NoExecute (pods using it are
     #: evicted unless they tolerate it) (env DRA_TAINT_EFFECT)
     taint_effect: str = "NoSchedule"
+    #: publish GPU sets (counters, set devices): auto (by the API server's version: on from
+    #: Kubernetes 1.37, whose scheduler gathers a node's counters for that node only; off
+    #: before, where every counter slice costs every node's Filter), on, off (env DRA_GPU_SETS)
+    gpu_sets: str = "auto"
     # --- NCCL (issue 24; README "NCCL topology files")
     #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""
@@ -179,6 +186,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "KUBECONFIG": "kubeconfig",
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
     "DRA_TAINT_EFFECT": "taint_effect",
+    "DRA_GPU_SETS": "gpu_sets",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
@@ -334,7 +342,7 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 #: Everything else follows a reload.
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
-    "delete_slices_on_shutdown", "taint_effect", "metrics_address", "probe_address", "web_config_file",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
     "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",

@@ -339,6 +339,7 @@ DRA_FILE_KEYS: Mapping[str, str] = {
     "kubeconfig": "kubeconfig",
     "deleteSlicesOnShutdown": "delete_slices_on_shutdown",
     "taintEffect": "taint_effect",
+    "gpuSets": "gpu_sets",
 }
 
 

@@ -24,6 +24,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MODES = ("device-plugin", "dra")
 #: Device-taint effects for unhealthy GPUs in DRA mode (agent.dra.taints).
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
+#: dra.gpuSets: by the API server's version, always, never
+GPU_SETS_MODES = ("auto", "on", "off")
 LABEL_SINKS = ("file", "nodefeature")
 
 
@@ -232,6 +234,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "driver_name": expect_driver_name,
     "delete_slices_on_shutdown": expect_bool,
     "taint_effect": _taint_effect,
+    "gpu_sets": lambda v, w: expect_choice(v, GPU_SETS_MODES, w),
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too

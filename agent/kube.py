@@ -6,15 +6,27 @@ in-cluster service account (``KUBERNETES_SERVICE_HOST`` and the mounted token).
 :class:`CustomObjects` is the small door the label sink uses for one kind of namespaced
 custom object (``CustomObjectsApi``): plain JSON data in and out, 404 as None, every other
 failure one :class:`ApiCallError` with the server's status code, reason and message.
+
+:func:`call` is that idiom for every other caller (the ResourceClaim reader, the
+ResourceSlice publisher, the node-label watch): one client method, JSON data or None for a
+404, else one :class:`ApiCallError` whose ``state`` is stable across retries of the same
+failure. :func:`resource_versions` is the one ``resource.k8s.io`` discovery and
+:func:`server_version` the one ``/version`` probe; :data:`RESOURCE_GROUP` and
+:data:`RESOURCE_VERSIONS` name the DRA API once.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Collection
 
 from agent.config import Config
 from agent.errors import AgentError, ConfigError, shorten
+
+#: The DRA API group and the versions the agent speaks, most preferred first.
+RESOURCE_GROUP = "resource.k8s.io"
+RESOURCE_VERSIONS = ("v1", "v1beta2", "v1beta1")
 
 #: Where the kubelet mounts the service account's namespace beside its token.
 SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -140,29 +152,75 @@ class CustomObjects:
     def _call(self, what: str, method: str, *args: Any, missing_ok: bool = True,
               **kwargs: Any) -> dict[str, Any] | None:
         from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
 
         if self._client is None:
             try:
                 self._client = self._client_factory()
             except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
                 raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
-        api = client.CustomObjectsApi(self._client)
-        try:
-            resp = getattr(api, method)(*args, _preload_content=False, _request_timeout=self.timeout_s, **kwargs)
-        except ApiException as exc:
-            if exc.status == 404 and missing_ok:
-                return None
-            reason, message = _status_of(exc)
-            raise ApiCallError(what, exc.status, reason, message) from None
-        except Exception as exc:  # urllib3 connection errors, timeouts, TLS
-            self.close()
-            raise ApiCallError(what, None, type(exc).__name__, str(exc)) from None
-        try:
-            out = json.loads(resp.data) if resp.data else {}
-        except ValueError as exc:
-            raise ApiCallError(what, resp.status, "BadResponse", f"the answer is not JSON: {exc}") from None
-        return out if isinstance(out, dict) else {}
+        method_of = getattr(client.CustomObjectsApi(self._client), method)
+        return call(what, method_of, *args, missing_ok=missing_ok, timeout_s=self.timeout_s,
+                    on_unreachable=self.close, **kwargs)
+
+
+def call(what: str, method: Callable[..., Any], *args: Any, missing_ok: bool = True, timeout_s: float = 10.0,
+         on_unreachable: Callable[[], None] | None = None, **kwargs: Any) -> dict[str, Any] | None:
+    """Run one ``kubernetes`` client ``method``: the answer as JSON data (``{}`` for an empty
+    one), None for a 404 when ``missing_ok``; any other failure is an :class:`ApiCallError`
+    (``status`` None: the server was not reached, after which ``on_unreachable()`` runs: a
+    caller drops its connection pool there)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        resp = method(*args, _preload_content=False, _request_timeout=timeout_s, **kwargs)
+    except ApiException as exc:
+        if exc.status == 404 and missing_ok:
+            return None
+        reason, message = _status_of(exc)
+        raise ApiCallError(what, exc.status, reason, message) from None
+    except Exception as exc:  # urllib3 connection errors, timeouts, TLS
+        if on_unreachable is not None:
+            on_unreachable()
+        raise ApiCallError(what, None, type(exc).__name__, " ".join(str(exc).split())) from None
+    try:
+        out = json.loads(resp.data) if resp.data else {}
+    except ValueError as exc:
+        raise ApiCallError(what, resp.status, "BadResponse", f"the answer is not JSON: {exc}") from None
+    return out if isinstance(out, dict) else {}
+
+
+def resource_versions(client_: Any, timeout_s: float = 10.0) -> list[str]:
+    """The ``resource.k8s.io`` versions the API server serves (discovery of the group;
+    none when the group is not served). ApiCallError when it cannot be asked."""
+    from kubernetes import client
+
+    group = call(f"discovery of {RESOURCE_GROUP}", client.ResourceApi(client_).get_api_group, timeout_s=timeout_s)
+    return [str(v.get("version")) for v in (group or {}).get("versions", []) if isinstance(v, dict)]
+
+
+def pick_version(served: Collection[str]) -> str | None:
+    """The first of :data:`RESOURCE_VERSIONS` that is served."""
+    return next((v for v in RESOURCE_VERSIONS if v in served), None)
+
+
+def server_version(client_: Any, timeout_s: float = 10.0) -> tuple[int, int] | None:
+    """(major, minor) of the API server, from ``/version`` (``minor`` may carry a ``+``, as
+    managed clusters spell it; ``gitVersion`` ``v1.37.0-alpha.2`` is read when they do not
+    say); None when the answer says neither. ApiCallError when it cannot be asked."""
+    from kubernetes import client
+
+    info = call("read /version", client.VersionApi(client_).get_code, timeout_s=timeout_s) or {}
+    return parse_server_version(str(info.get("major", "")), str(info.get("minor", "")),
+                                str(info.get("gitVersion", "")))
+
+
+def parse_server_version(major: str, minor: str, git_version: str = "") -> tuple[int, int] | None:
+    """(major, minor) from ``/version``'s fields, or None."""
+    m, n = major.strip(), minor.strip().rstrip("+")
+    if m.isdigit() and n.isdigit():
+        return int(m), int(n)
+    found = re.match(r"^v?(\d+)\.(\d+)(?:[.+-]|$)", git_version.strip())
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def _status_of(exc: Any) -> tuple[str, str]:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from agent.config import Config
 from agent.errors import ConfigError, shorten
+from agent.kube import ApiCallError, call
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,9 @@ class NodeLabelWatch:
                 self._recovered()
                 backoff_s = self.backoff_initial_s
                 continue
-            except ApiException as exc:
+            except ApiCallError as exc:  # the list
+                reason = f"HTTP {exc.status} {exc.reason}" if exc.status is not None else exc.state
+            except ApiException as exc:  # the watch stream
                 if exc.status == 410:  # the history is compacted: list again
                     log.info("watch of node %s expired: listing it again", self.node_name)
                     resource_version = None
@@ -178,13 +181,15 @@ class NodeLabelWatch:
 
     def _list(self, api: Any) -> str:
         """Report the label's value now; the list's resourceVersion, to watch from."""
-        nodes = api.list_node(field_selector=self._selector(), _request_timeout=REQUEST_TIMEOUT_S)
-        if nodes.items:
-            self._report(dict(nodes.items[0].metadata.labels or {}).get(self.label, ""))
+        nodes = call(f"list Node {self.node_name}", api.list_node, field_selector=self._selector(),
+                     missing_ok=False, timeout_s=REQUEST_TIMEOUT_S) or {}
+        items = [n for n in nodes.get("items") or () if isinstance(n, dict)]
+        if items:
+            self._report(str(((items[0].get("metadata") or {}).get("labels") or {}).get(self.label, "")))
         elif not self._missing_said:
             self._missing_said = True
             log.warning("node %s not found in the API server: waiting for it", self.node_name)
-        return str(nodes.metadata.resource_version)
+        return str((nodes.get("metadata") or {}).get("resourceVersion"))
 
     def _watch_from(self, api: Any, resource_version: str) -> str:
         """Watch until the server ends the stream; the resourceVersion to resume from."""

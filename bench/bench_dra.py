@@ -4,7 +4,7 @@
                                        [--cdi-base DIR] [--state-base DIR]
 
 NodePrepareResources round trips (v1 service, one client, sequential calls, after a warm-up)
-for a claim of 1 GPU, one of 8 single GPUs and one of an 8-GPU set device (``gpuset-8-0``:
+for a claim of 1 GPU, one of 8 single GPUs and one of an 8-GPU set device (``gpuset-8-mff``:
 one CDI device with the 8 members' nodes). Every call prepares a new claim, so each includes
 the whole path: the ResourceClaim read from the stand-in API server (HTTP on 127.0.0.1,
 through the official client), the device checks, the atomic CDI spec write (rename) and the
@@ -69,7 +69,8 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     from agent.config import Config
     from agent.discovery import load_topology
     from agent.dra.claims import KubernetesClaimReader
-    from agent.dra.devices import device_refs
+    from agent.dra.devices import DeviceRefs
+    from agent.dra.gpusets import set_name
     from agent.dra.plugin import DraPlugin
     from agent.health import HealthState
 
@@ -79,9 +80,8 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True
     topology = load_topology(machine)
-    names = [n for n in device_refs(topology) if not n.startswith("gpuset-")]
-    largest = max((n for n in device_refs(topology) if n.startswith("gpuset-")),
-                  key=lambda n: (int(n.split("-")[1]), -int(n.split("-")[2])), default=None)
+    names = list(DeviceRefs(topology))
+    largest = set_name(range(min(8, topology.gpu_count))) if topology.gpu_count >= 2 else None
     root = tempfile.mkdtemp(prefix="bdra", dir=state_base)
     cdi_root = tempfile.mkdtemp(prefix="bdra-cdi", dir=cdi_base)
     config = Config(
@@ -153,6 +153,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.discovery import open_backend, read_topology
     from agent.dra.claims import KubernetesClaimReader
     from agent.dra.plugin import DraPlugin
+    from agent.dra.publish_settings import PublishSettings
     from agent.dra.publisher import SlicePublisher
     from agent.dra.servers import DraServers
 
@@ -168,7 +169,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 
     def servers(t, c, h, on_kubelet_restart):  # DraServers.from_config, over the stand-in
         plugin = DraPlugin(c, t, h, KubernetesClaimReader(api.api_client()), on_kubelet_restart=on_kubelet_restart)
-        return DraServers(plugin, SlicePublisher(api.api_client, c.node_name, t, c.driver_name, health=h))
+        return DraServers(plugin, SlicePublisher(api.api_client, t, PublishSettings.from_config(c), health=h))
 
     daemon = Daemon(
         config, backend, servers=servers, read_topology=lambda: read_topology(backend, sim),
@@ -216,6 +217,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from apiserver_stub import ApiServerStub
 
     from agent.discovery import load_topology
+    from agent.dra.publish_settings import PublishSettings
     from agent.dra.publisher import SlicePublisher
     from agent.dra.slices import render_slices
     from agent.hw.sim.machines import BUILTIN_MACHINES
@@ -236,7 +238,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
             count = len(objs)
             with ApiServerStub(served_versions=("v1",)) as api:
                 api.add_node("node-1")
-                pub = SlicePublisher(api.api_client, "node-1", topology)
+                pub = SlicePublisher(api.api_client, topology, PublishSettings("node-1"))
                 t0 = time.perf_counter()
                 pub.start()
                 try:

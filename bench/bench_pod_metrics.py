@@ -163,11 +163,13 @@ def bench_scrape(spec_path: str, cri_socket: str, workdir: str, requests: int) -
                     sample_interval_s=3600, pod_resources_refresh_s=3600)
     service = MetricsService(backend, topology, config, hostname="bench", ready=lambda: True,
                              agent_metrics=AgentMetrics(CollectorRegistry(), backend))
-    service.start()
+    service.sampler.sample_once()  # before start: rounds have one caller at a time
+    service.pod_resources.refresh_once()
+    service.start()  # the thread's first round is the second sample
     try:
-        service.sampler.sample_once()
-        service.sampler.sample_once()
-        service.pod_resources.refresh_once()
+        deadline = time.monotonic() + 10
+        while service.sampler.snapshot.rounds < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         def get(path: str) -> bytes:
             # a connection per request, as the kubelet's probes make (a kept-alive one
             # measures the server's two writes per small reply meeting delayed ACKs)

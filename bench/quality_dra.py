@@ -64,7 +64,7 @@ import quality  # noqa: E402
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel  # noqa: E402
 
-from agent.dra.gpusets import gpu_sets, island_ids  # noqa: E402
+from agent.dra.gpusets import island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, render_slices  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
@@ -149,7 +149,10 @@ class DraPolicy:
                 self.members[d["name"]] = (tuple(int(c[4:]) for u in d["consumesCounters"] for c in u["counters"])
                                            if a[f"{DRIVER}/type"]["string"] == "gpuset"
                                            else (a[f"{DRIVER}/index"]["int"],))
-        self.sets = {k: {s.members for s in v} for k, v in gpu_sets(topo).items()}
+        self.sets: dict[int, set[tuple[int, ...]]] = {}  # the sets these slices publish, by size
+        for name, members in self.members.items():
+            if name.startswith("gpuset-"):
+                self.sets.setdefault(len(members), set()).add(tuple(sorted(members)))
         self.largest_island = max(collections_count(island_ids(topo).values()))
         self.engine = AllocationEngine(topo)
         self.n = self.claims = self.fallbacks = self.pruned = self.below = 0

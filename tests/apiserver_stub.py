@@ -18,6 +18,10 @@ nothing more:
   are DNS labels and unique) so that a bad slice fails here as it would there;
 - ``resourceclaims`` (namespaced): get and list, objects put in by the test (:meth:`put_claim`);
 - ``/api/v1/nodes/<name>``: get, objects put in by the test (:meth:`add_node`);
+- ``/version``: ``server_version`` (``"1.37"`` by default) as the API server answers it
+  (``k8s.io/apimachinery/pkg/version.Info``: ``major``, ``minor``, ``gitVersion``, ...;
+  ``apiserver/pkg/endpoints/discovery/version.go``), unauthenticated as upstream's
+  ``system:public-info-viewer`` allows;
 - failures on demand: :meth:`fail` answers matching requests with a ``Status`` error (403,
   500, ...), :meth:`go_down` / :meth:`come_up` close and reopen the listening socket on the same
   port (connection refused in between).
@@ -60,6 +64,10 @@ each following the named upstream code:
   ``allowWatchBookmarks`` gets a ``BOOKMARK`` holding the newest ``resourceVersion`` just
   before its ``timeoutSeconds`` end, as the cacher sends one before a watcher's deadline
   (``cacheWatcher.nextBookmarkTime``), not when :meth:`ApiServerStub.end_watches` cuts it;
+- **SelfSubjectAccessReview** (``authorization.k8s.io/v1``, for ``doctor``): the caller's own
+  access to a verb on a resource, answered by the same RBAC, allowed to every authenticated
+  user; and **dry-run creates** of ResourceSlices (``?dryRun=All``): validated, admitted and
+  answered as stored, never stored;
 - **authentication, RBAC (403) and admission** (``access``: :class:`apiserver_auth.Access`,
   from the project's manifests under ``daemonset/``): the rules and their upstream sources
   are in :mod:`apiserver_auth`. Without ``access`` every request is allowed, as the DRA tests
@@ -137,8 +145,10 @@ class ApiServerStub:
     """Start with :meth:`start` (or as a context manager); point the client at :attr:`url`."""
 
     def __init__(self, served_versions: Iterable[str] = ALL_VERSIONS, *, access: Access | None = None,
-                 disabled_features: Iterable[str] = (), nfd_installed: bool = True) -> None:
+                 disabled_features: Iterable[str] = (), nfd_installed: bool = True,
+                 server_version: str = "1.37") -> None:
         self.served_versions = tuple(served_versions)
+        self.server_version = server_version
         self.access = access  # None: every request is allowed (no authentication, no RBAC)
         self.disabled_features = frozenset(disabled_features)
         self.nfd_installed = nfd_installed  # NFD's NodeFeature CRD is installed
@@ -281,6 +291,22 @@ class ApiServerStub:
         with self._lock:
             self._claims.pop((namespace, name), None)
 
+    def slice_history(self) -> list[list[dict[str, Any]]]:
+        """Every state the stored ResourceSlices went through, one after each write, in order:
+        what a scheduler's informer, fed one watch event at a time, may have seen."""
+        with self._lock:
+            events = [(kind, copy.deepcopy(obj)) for _, resource, kind, obj in self._events
+                      if resource == "resourceslices"]
+        state: dict[str, dict[str, Any]] = {}
+        out = []
+        for kind, obj in events:
+            if kind == "DELETED":
+                state.pop(obj["metadata"]["name"], None)
+            else:
+                state[obj["metadata"]["name"]] = obj
+            out.append([state[k] for k in sorted(state)])
+        return out
+
     def slices(self) -> list[dict[str, Any]]:
         """Copies of the stored ResourceSlices, sorted by name."""
         with self._lock:
@@ -366,7 +392,10 @@ class ApiServerStub:
         seg = [s for s in path.split("/") if s]
         if method == "GET":
             if seg == ["version"]:
-                return 200, {"major": "1", "minor": "34", "gitVersion": "v1.34.0-stub"}
+                major, _, minor = self.server_version.partition(".")
+                return 200, {"major": major, "minor": minor, "gitVersion": f"v{self.server_version}.0",
+                             "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2026-08-01T00:00:00Z",
+                             "goVersion": "go1.25.0", "compiler": "gc", "platform": "linux/amd64"}
             if seg == ["api"]:
                 return 200, {"kind": "APIVersions", "versions": ["v1"],
                              "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
@@ -395,6 +424,8 @@ class ApiServerStub:
                 if node is None:
                     raise ApiError(404, f'nodes "{seg[3]}" not found', name=seg[3], kind="nodes")
                 return 200, copy.deepcopy(node)
+        if method == "POST" and seg == ["apis", "authorization.k8s.io", "v1", "selfsubjectaccessreviews"]:
+            return self._self_subject_access_review(_json(body))
         if seg[:2] == ["apis", NFD_GROUP] and self.nfd_installed:
             return self._nfd_route(method, seg[2:], query, body)
         if len(seg) >= 4 and seg[:2] == ["apis", GROUP]:
@@ -443,6 +474,8 @@ class ApiServerStub:
                          if _selected(o, query)]
                 return 200, {"kind": "ResourceSliceList", "apiVersion": f"{GROUP}/{version}",
                              "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+            if method == "POST" and query.get("dryRun") == "All":
+                return self._create_slice(version, _json(body), dry_run=True)
             if method == "POST":
                 return self._create_slice(version, _json(body))
             raise ApiError(405, f"{method} not allowed on the collection")
@@ -492,7 +525,10 @@ class ApiServerStub:
                 raise ApiError(422, f"spec.devices[{i}].name: Duplicate value: {name!r}")
             seen.add(name)
 
-    def _create_slice(self, version: str, obj: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _create_slice(self, version: str, obj: dict[str, Any], *, dry_run: bool = False) -> tuple[int, dict[str, Any]]:
+        """Create; with ``dry_run`` (``?dryRun=All``) every step but storing: validation, the
+        fields of disabled features dropped, admission, and the object as it would be stored
+        answered, with no resourceVersion (``registry/generic/registry.DryRunnableStorage``)."""
         self._checked_slice(version, obj, None)
         meta = obj.setdefault("metadata", {})
         if not meta.get("name"):
@@ -505,9 +541,12 @@ class ApiServerStub:
             raise ApiError(409, f'resourceslices.{GROUP} "{name}" already exists', reason="AlreadyExists",
                            name=name, group=GROUP, kind="resourceslices")
         meta["uid"] = str(uuidlib.uuid4())
-        meta["resourceVersion"] = self._next_rv()
         meta["creationTimestamp"] = _now()
         meta["generation"] = 1
+        if dry_run:
+            self._admit("CREATE", None, obj)
+            return 201, self._as_version(obj, version)
+        meta["resourceVersion"] = self._next_rv()
         self._admit("CREATE", None, obj)
         self._slices[name] = obj
         self._record("resourceslices", "ADDED", obj)
@@ -568,7 +607,9 @@ class ApiServerStub:
         if user is None:
             raise ApiError(401, "Unauthorized")
         attrs = request_attributes(user, method, path, query)
-        if not self.access.rbac.allowed(attrs):
+        basic_user = (attrs.verb, attrs.group, attrs.resource) == (
+            "create", "authorization.k8s.io", "selfsubjectaccessreviews")  # system:basic-user
+        if not basic_user and not self.access.rbac.allowed(attrs):
             if not attrs.resource_request:
                 raise ApiError(403, f'forbidden: User "{user.name}" cannot {attrs.verb} path "{path}"')
             raise ApiError(403, self.access.rbac.forbidden_message(attrs), name=attrs.name or None,
@@ -585,6 +626,29 @@ class ApiServerStub:
         denial = self.access.admission_denial(attrs, operation, old, new)
         if denial is not None:
             raise ApiError(422, denial, reason="Invalid", name=attrs.name, group=attrs.group, kind=attrs.resource)
+
+    def _self_subject_access_review(self, review: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``SelfSubjectAccessReview`` (``pkg/registry/authorization/selfsubjectaccessreview``):
+        the requesting user's own access to ``spec.resourceAttributes``, answered in
+        ``status.allowed`` (with the RBAC authorizer's ``reason``) and never a 403 for a denied
+        verb; every authenticated user may create one (the ``system:basic-user`` ClusterRole).
+        Without ``access`` every request is allowed."""
+        attrs = (review.get("spec") or {}).get("resourceAttributes")
+        if not isinstance(attrs, dict):
+            raise invalid("SelfSubjectAccessReview", "authorization.k8s.io", "",
+                          [("spec.resourceAttributes", "Required value: exactly one of"
+                            " nonResourceAttributes or resourceAttributes must be specified")])
+        allowed, reason = True, ""
+        if self.access is not None and self._attrs is not None:
+            asked = Attributes(self._attrs.user, str(attrs.get("verb") or ""), str(attrs.get("group") or ""),
+                               str(attrs.get("resource") or ""), str(attrs.get("subresource") or ""),
+                               str(attrs.get("namespace") or ""), str(attrs.get("name") or ""))
+            allowed = self.access.rbac.allowed(asked)
+            reason = "RBAC: allowed by a binding of the manifests" if allowed else ""
+        out = copy.deepcopy(review)
+        out.update({"kind": "SelfSubjectAccessReview", "apiVersion": "authorization.k8s.io/v1",
+                    "status": {"allowed": allowed, **({"reason": reason} if reason else {})}})
+        return 201, out
 
     # ---------------------------------------------------------- watch
     def _record(self, resource: str, kind: str, obj: dict[str, Any]) -> None:

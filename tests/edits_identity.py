@@ -148,11 +148,13 @@ def allocate_cases(machine: str, topology: Any) -> Iterator[tuple[str, bytes]]:
 def cdi_cases(machine: str, topology: Any, directory: str) -> Iterator[tuple[str, bytes]]:
     from agent.config import Config
     from agent.dra.cdi import CdiSpecWriter
-    from agent.dra.devices import device_refs
+    from agent.dra.devices import DeviceRefs
+    from agent.dra.gpusets import SetPolicy, set_name
 
-    refs = list(device_refs(topology).values())
-    singles = [r for r in refs if len(r.parts) == 1]
-    sets = [r for r in refs if len(r.parts) > 1]
+    devices = DeviceRefs(topology)
+    singles = list(devices.values())
+    whole = SetPolicy(topology).free_gpus(())
+    sets = [devices[set_name(SetPolicy(topology).choose(whole, 2))]] if len(whole) >= 2 else []
     migs = [r for r in singles if r.parts[0].mig is not None]
     plain = [r for r in singles if r.parts[0].mig is None]
     claims = {"one": singles[:1], "two": singles[:2], "a-set": sets[:1], "mig-and-gpu": (migs[:1] + plain[:1])}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import shlex
 from pathlib import Path
@@ -325,3 +326,12 @@ def test_the_demo_json_tells_what_an_mps_replica_gets(capsys):
             ("/mps/nvidia.com/gpu/pipe", f"{root}/nvidia.com/gpu/pipe"),
             ("/dev/shm", f"{root}/shm"),
         }
+
+
+def test_the_demo_leaves_the_agents_log_lines_as_it_found_them(caplog):
+    caplog.set_level(logging.INFO)  # as `run --log-level INFO` sets up the root logger
+    demo("single-gpu", "json")
+    caplog.clear()
+    logging.getLogger("agent.daemon").info("after the demo")
+    assert [r.getMessage() for r in caplog.records] == ["after the demo"], (
+        "the demo quiets the agent while it tells its story, and only then")

@@ -32,6 +32,7 @@ from agent.config import Config
 from agent.daemon import Daemon
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
+from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
 from agent.dra.servers import DraServers
 from agent.labels.publisher import LabelPublisher
@@ -176,9 +177,9 @@ def simulated_daemon(node):
         def servers(topology, cfg, health, on_kubelet_restart):
             plugin = DraPlugin(cfg, topology, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
                                on_kubelet_restart=on_kubelet_restart, poll_s=0.05)
-            publisher = SlicePublisher(node.api.api_client, cfg.node_name, topology, cfg.driver_name, health=health,
-                                       delete_on_stop=cfg.delete_slices_on_shutdown,
-                                       backoff_initial_s=0.05, backoff_max_s=backoff_max_s)
+            publisher = SlicePublisher(node.api.api_client, topology, replace(
+                PublishSettings.from_config(cfg), backoff_initial_s=0.05, backoff_max_s=backoff_max_s), health=health,
+                prepared=plugin.checkpoint)
             return DraServers(plugin, publisher)
 
         def metrics(topology, cfg, ready):
@@ -222,8 +223,8 @@ def single_gpus(slices) -> list[str]:
     return [d["name"] for s in slices for d in s["spec"].get("devices", []) if not d["name"].startswith("gpuset-")]
 
 
-#: dgx-h100 in v1: a counter slice, then 8 single GPUs and 99 GPU sets in two slices
-DGX_H100_SLICES = 3
+#: dgx-h100 in v1: a counter slice, then 8 single GPUs and 7 GPU sets in one slice
+DGX_H100_SLICES = 2
 
 
 def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_slices_on_sigterm(node):
@@ -327,19 +328,65 @@ def tainted_devices(slices) -> dict[str, list[tuple[str, str, str]]]:
             for s in slices for d in s["spec"].get("devices", []) if d.get("taints")}
 
 
+def first_devices(slices) -> dict[str, str]:
+    """The first published device of each kind: ``gpu`` (a single), ``2``, ``4``, ``8`` (sets)."""
+    out: dict[str, str] = {}
+    for s in slices:
+        for d in s["spec"].get("devices", []):
+            kind = "gpu" if not d["name"].startswith("gpuset-") else d["name"].split("-")[1]
+            out.setdefault(kind, d["name"])
+    return out
+
+
+def test_a_prepare_re_publishes_the_order_within_a_second_and_the_pool_is_never_incomplete_or_invalid(
+        node, simulated_daemon):
+    from dra_allocator_model import gather_pools
+
+    from agent.discovery import load_topology
+    from agent.dra.gpusets import SetPolicy, parse_set_name, set_name
+
+    simulated_daemon()
+    node.kubelet_registers()
+    assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 5)
+    empty = first_devices(node.api.slices())
+    policy = SetPolicy(load_topology("dgx-h100"))
+    assert empty["2"] == set_name(policy.choose(range(8), 2))
+    pair = parse_set_name(empty["2"])
+    c = node.put_claim("pair", [empty["2"]])
+    assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
+    free = [i for i in range(8) if i not in pair]
+    want = {"gpu": f"gpu-{policy.choose(free, 1)[0]}", "2": set_name(policy.choose(free, 2)),
+            "4": set_name(policy.choose(free, 4))}
+    assert node.api.wait_for(lambda s: {k: first_devices(s)[k] for k in want} == want, 1.0), first_devices(
+        node.api.slices())
+    assert empty["2"] in device_names(node.api.slices())  # the prepared set stays published
+    assert node.unprepare(c).claims[c["metadata"]["uid"]].error == ""
+    assert node.api.wait_for(lambda s: first_devices(s) == empty, 1.0)
+    history = node.api.slice_history()
+    complete = next(i for i, state in enumerate(history) if len(state) == DGX_H100_SLICES)
+    assert len(history) - complete >= 3  # the first publication, the prepare's, the unprepare's
+    for state in history[complete:]:
+        (pool,) = gather_pools(state, NODE)
+        assert not pool.incomplete and not pool.invalid
+
+
+def device_names(slices) -> list[str]:
+    return [d["name"] for s in slices for d in s["spec"].get("devices", [])]
+
+
 def test_an_xid_taints_the_gpu_and_every_set_holding_it_within_a_second(node, simulated_daemon):
     daemon = simulated_daemon(node.config(metrics_address="127.0.0.1:0", health_recovery_s=60))
     node.kubelet_registers()
     assert node.api.wait_for(lambda s: len(s) == DGX_H100_SLICES and len(single_gpus(s)) == 8, 5)
     before, updates = node.generation(), node.api.count("PUT", "resourceslices")
     daemon.backend.lib.inject_xid(3, 79)
-    # every set holding GPU 3: 7 pairs, 35 quads, the 8
-    assert node.api.wait_for(lambda s: len(tainted_devices(s)) == 1 + 7 + 35 + 1, 1.0)
+    # every published set holding GPU 3 (a pair, a quad, the 8) stays, tainted: a claim may hold it
+    assert node.api.wait_for(lambda s: len(tainted_devices(s)) == 1 + 1 + 1 + 1, 1.0)
     taints = tainted_devices(node.api.slices())
     assert taints["gpu-3"] == [("gpu.gpu-agent.io/xid", "79", "NoSchedule")]
     assert len(set(map(tuple, taints.values()))) == 1
-    assert len(node.devices()) == 8 and node.generation() > before
-    assert node.api.count("PUT", "resourceslices") == updates + DGX_H100_SLICES, "one publication: each slice written once"
+    assert len(node.devices()) == 8 and node.generation() == before  # the device slice, in place
+    assert node.api.count("PUT", "resourceslices") == updates + 1, "one publication: the device slice written once"
     # an unhealthy GPU is not prepared either
     resp = node.prepare(node.put_claim("late", ["gpu-3"]))
     assert "unhealthy" in next(iter(resp.claims.values())).error

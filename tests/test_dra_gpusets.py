@@ -10,14 +10,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from allocation_support import best_set, explain, synthetic_islands_topology
+from allocation_support import best_set, synthetic_islands_topology
 from dra_allocator_model import AllocatorModel, gather_pools
 from dra_api_validation import default_claim, validate_claim, validate_slice
 
 from agent.cli import main
 from agent.discovery import load_topology
-from agent.dra.gpusets import gpu_sets, set_sizes
-from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, render_slices
+from agent.dra.gpusets import (
+    SETS_PER_SIZE,
+    SetPolicy,
+    parse_set_name,
+    set_name,
+    set_sizes,
+    sets_to_keep,
+)
+from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
 
@@ -52,8 +59,14 @@ CEL = {expression(GPU_CLASS): lambda d: d.driver == D and d.attributes[D]["type"
        **{expression(SET_CLASSES[f"set-of-{k}.{D}"]): (lambda d, k=k: is_set(d, k)) for k in (2, 4, 8)},
        **{count_expr(k): (lambda d, k=k: d.attributes[D]["gpuCount"] == k) for k in range(2, 65)}}
 
-MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if gpu_sets(load_topology(m))
+MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if set_sizes(load_topology(m))
                       and not any(g.mig_enabled for g in load_topology(m).gpus)]
+
+
+def published_sets(slices, k):
+    """The members of the set devices of ``k`` GPUs in ``slices``, in publication order."""
+    return [parse_set_name(d["name"]) for s in slices for d in s["spec"].get("devices", [])
+            if d["name"].startswith(f"gpuset-{k}-")]
 
 
 def set_request(k, name="gpus"):
@@ -134,8 +147,9 @@ def test_every_rendered_slice_passes_the_api_rules_and_forms_one_valid_pool(name
         assert not pool.invalid and not pool.incomplete
         # publication order: singles first, then sets by size, best first
         order = [d.view.attributes[D] for d in pool.devices]
-        sets = [(a["gpuCount"], a["rank"]) for a in order if a["type"] == "gpuset"]
+        sets = [a["gpuCount"] for a in order if a["type"] == "gpuset"]
         assert sets == sorted(sets)
+        assert all(set(a) == {"type", "gpuCount", "healthy"} for a in order if a["type"] == "gpuset")
         assert all(a["type"] != "gpuset" for a in order[: len(order) - len(sets)])
 
 
@@ -184,7 +198,7 @@ def test_a_single_allocated_first_changes_which_set_comes_next(machine):
         (got,) = _with(node, claim("c", set_request(k)))
         members = node.gpus(got)
         assert gpu not in members
-        published = [s.members for s in gpu_sets(topology)[k]]
+        published = published_sets(node.slices, k)
         assert tuple(members) == next(s for s in published if gpu not in s)
         if gpu in empty_best[k]:
             assert members != empty_best[k]
@@ -208,9 +222,9 @@ def test_a_prioritized_list_falls_back_to_singles_when_no_set_is_free(machine):
         assert [req for req, _ in got] == ["gpus/set"]
         # one single out of every set of size k (those sets stay busy), k GPUs still free
         busy: set[int] = set()
-        for s in gpu_sets(topology)[k]:
-            if not busy & set(s.members):
-                busy.add(s.members[-1])
+        for members in published_sets(node.slices, k):
+            if not busy & set(members):
+                busy.add(members[-1])
         if topology.gpu_count - len(busy) < k:
             continue
         node.allocated += [(D, NODE, f"gpu-{g}") for g in busy]
@@ -233,7 +247,7 @@ def tainted(slices, names, effect="NoSchedule"):
 def test_a_tainted_set_is_never_allocated(machine):
     topology = load_topology(machine)
     for k in set_sizes(topology):
-        names = [s.name for s in gpu_sets(topology)[k]]
+        names = [set_name(m) for m in published_sets(render_slices(topology, node_name=NODE), k)]
         for effect in ("NoSchedule", "NoExecute"):
             node = Node(topology, tainted(render_slices(topology, node_name=NODE), {names[0]}, effect))
             for _ in range(len(names)):
@@ -265,55 +279,92 @@ def test_the_slices_command_renders_exactly_what_is_published_in_v1(capsys):
 
 
 @pytest.mark.parametrize("machine,sizes,counts", [
-    ("dgx1-v100", [2, 4, 8], [28, 70, 1]),  # 8 GPUs: every set of every size
-    ("dgx-h100", [2, 4, 8], [28, 70, 1]),
-    ("pcie-4gpu", [2, 4], [6, 1]),
-    ("dgx2", [2, 4, 8, 16], [120, 140, 2, 1]),  # pairs: all; quads: inside a NUMA node; halves
+    ("dgx1-v100", [2, 4, 8], [4, 2, 1]),  # per size, the device plugin's disjoint choices, at most 4
+    ("dgx-h100", [2, 4, 8], [4, 2, 1]),
+    ("pcie-4gpu", [2, 4], [2, 1]),
+    ("dgx2", [2, 4, 8, 16], [4, 4, 2, 1]),
 ])
 def test_sizes_and_how_many_sets_each_machine_publishes(machine, sizes, counts):
-    sets = gpu_sets(load_topology(machine))
-    assert list(sets) == sizes == set_sizes(load_topology(machine))
-    assert [len(v) for v in sets.values()] == counts
+    slices = render_slices(load_topology(machine), node_name=NODE)
+    assert set_sizes(load_topology(machine)) == sizes
+    assert [len(published_sets(slices, k)) for k in sizes] == counts
 
 
-def test_large_synthetic_nodes_stay_publishable():
-    for islands, sets_published in ((2, 263), (4, 526), (8, 804)):
-        topology = synthetic_islands_topology(islands, 8)
-        assert sum(len(v) for v in gpu_sets(topology).values()) == sets_published
-        # 16-GPU sets are unions of two whole NVLink islands, never a straddling mix
-        island_of = {g: g // 8 for g in range(topology.gpu_count)}
-        for s in gpu_sets(topology).get(16, []):
-            assert len({island_of[g] for g in s.members}) == 2
+@pytest.mark.parametrize("islands", [2, 4, 8])
+def test_large_synthetic_nodes_publish_a_few_sets_a_size(islands):
+    topology = synthetic_islands_topology(islands, 8)
+    slices = render_slices(topology, node_name=NODE)
+    for k in set_sizes(topology):
+        sets = published_sets(slices, k)
+        assert 1 <= len(sets) <= SETS_PER_SIZE
+        assert sum(len(m) for m in sets) == len({g for m in sets for g in m})  # disjoint
+    if islands == 8:  # 64 GPUs: 64 singles and 16 sets, in two device slices
+        assert len(slices) == 3 and sum(len(s["spec"].get("devices", [])) for s in slices) == 64 + 16
 
 
-def test_ranks_are_best_first_by_the_device_plugins_criteria():
-    topology = load_topology("pcie-pairs")  # NVLink pairs {0,1} {2,3} on NUMA 0, {4,5} {6,7} on 1
-    engine = AllocationEngine(topology)
-    for k, sets in gpu_sets(topology).items():
-        keys = []
-        for s in sets:
-            c = explain(engine, list(range(8)), list(s.members), k, runners_up=0).chosen
-            keys.append((-c.anchor_score, -c.score, c.numa_nodes, c.cut))
-        assert keys[1:] == sorted(keys[1:]) and keys[0] == min(keys)  # rank 0: the device plugin's choice
-    assert [s.members for s in gpu_sets(topology)[2][:4]] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+@pytest.mark.parametrize("machine,held", [("dgx-h100", [1]), ("dgx-h100", [0, 5, 6]), ("dgx1-v100", [0, 2, 4]),
+                                          ("dgx2", [0, 1, 2, 9]), ("pcie-pairs", [3])])
+def test_the_first_set_of_each_size_is_what_allocate_available_gives_on_the_free_gpus(machine, held, capsys):
+    topology = load_topology(machine)
+    free = [i for i in range(topology.gpu_count) if i not in held]
+    assert main(["slices", "--simulate", machine, "--node-name", NODE, "--in-use", ",".join(map(str, held))]) == 0
+    slices = list(yaml.safe_load_all(capsys.readouterr().out))
+    for k in set_sizes(topology):
+        sets = published_sets(slices, k)
+        if k > len(free):
+            assert sets == []
+            continue
+        assert main(["allocate", "--simulate", machine, "--size", str(k), "--available", ",".join(map(str, free))]) == 0
+        chosen = [int(i) for i in capsys.readouterr().out.split("indices")[1].split("\n")[0].strip(" []").split(",")]
+        assert list(sets[0]) == chosen, (machine, held, k)
+        # the next ones: the policy's choice among the free GPUs the earlier ones left
+        left = set(free) - set(chosen)
+        for members in sets[1:]:
+            assert set(members) <= left and members == SetPolicy(topology).choose(sorted(left), k)
+            left -= set(members)
 
 
-def test_set_names_stay_with_their_gpus_while_a_member_is_unhealthy():
+def test_a_published_set_stays_until_a_member_is_held_through_another_device():
+    published = ["gpuset-2-m3", "gpuset-2-mc", "gpuset-4-mf", "gpuset-8-mff", "gpuset-4-0"]
+    # nothing held: every set of ours stays (a claim the agent has not heard of may hold any)
+    assert [s.name for s in sets_to_keep(published, {})] == sorted(published[:4])
+    # GPU 0 held by a single: every set with GPU 0 may go; the held set itself stays
+    assert [s.name for s in sets_to_keep(published, {"gpu-0": (0,)})] == ["gpuset-2-mc"]
+    assert [s.name for s in sets_to_keep(published, {"gpuset-4-mf": (0, 1, 2, 3)})] == ["gpuset-4-mf"]
+    # rendered: the held set stays published though its GPUs are not free, the others follow
+    topology = load_topology("dgx-h100")
+    occupancy = Occupancy({"gpuset-4-mf": (0, 1, 2, 3)}, published)
+    names = [d["name"] for s in render_slices(topology, node_name=NODE, occupancy=occupancy)
+             for d in s["spec"].get("devices", [])]
+    assert "gpuset-4-mf" in names and "gpuset-2-m3" not in names and "gpuset-8-mff" not in names
+    assert names.index("gpuset-4-mf0") < names.index("gpuset-4-mf")  # the free set first
+
+
+def test_set_names_say_their_members():
+    assert [set_name(m) for m in [(0, 1), (4, 5), (0, 1, 2, 3), tuple(range(64))]] == [
+        "gpuset-2-m3", "gpuset-2-m30", "gpuset-4-mf", "gpuset-64-mffffffffffffffff"]
+    assert all(parse_set_name(set_name(m)) == m for m in [(0, 1), (3, 17, 40, 63)])
+    assert [parse_set_name(n) for n in ["gpuset-4-0", "gpuset-3-mf", "gpuset-4-m0f", "gpu-3", "gpuset-2-mg"]] == [
+        None] * 5
+
+
+def test_sets_published_before_a_gpu_went_unhealthy_stay_tainted():
     topology = load_topology("dgx-h100")
 
     def sets(**kw):
         return {d["name"]: d for s in render_slices(topology, node_name=NODE, **kw)
                 for d in s["spec"].get("devices", []) if d["name"].startswith("gpuset-")}
 
-    names, sick = sets(), sets(unhealthy={2: "XID 79"})
-    assert set(sick) == set(names)
-    holding = {n for n, d in names.items() if "gpu-2" in d["consumesCounters"][0]["counters"]}
-    assert len(holding) == 7 + 35 + 1
+    names = sets()
+    sick = sets(unhealthy={2: "XID 79"}, occupancy=Occupancy(published=list(names)))
+    assert set(names) <= set(sick)
+    holding = {n for n in names if 2 in parse_set_name(n)}
+    assert len(holding) == 3  # a pair, a quad, the eight
     for n, d in sick.items():
-        assert d["consumesCounters"] == names[n]["consumesCounters"]
         assert d.get("taints") == ([{"key": f"{D}/xid", "value": "79", "effect": "NoSchedule"}] if n in holding else None)
-    gone = sets(unhealthy={2: "XID 79"}, taint_effect=None, keep={"gpuset-4-3"})
-    assert set(names) - set(gone) == holding - {"gpuset-4-3"}
+    gone = sets(unhealthy={2: "XID 79"}, taint_effect=None, keep={"gpuset-4-mf"},
+                occupancy=Occupancy(published=list(names)))
+    assert set(names) - set(gone) == holding - {"gpuset-4-mf"}
     assert not any("taints" in d for d in gone.values())
 
 
@@ -323,13 +374,13 @@ def test_sets_tainted_for_an_unhealthy_gpu_are_never_allocated_and_a_claim_gets_
     bad = topology.gpu_count // 2
     node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={bad: "XID 79"}))
     for k in set_sizes(topology):
-        healthy = [s for s in gpu_sets(topology)[k] if bad not in s.members]
+        free = [i for i in range(topology.gpu_count) if i != bad]
         got = _with(node, claim("c", set_request(k)))
-        if not healthy:
+        if k > len(free):
             assert got is None
             continue
         # the best set without the unhealthy GPU, as on a node without that GPU
-        assert [d for _, d in got[0]] == [(D, NODE, healthy[0].name)], (machine, k)
+        assert [d for _, d in got[0]] == [(D, NODE, set_name(SetPolicy(topology).choose(free, k)))], (machine, k)
         assert bad not in node.gpus(got[0])
     assert _with(node, claim("c", singles_request(topology.gpu_count))) is None
     assert bad not in node.gpus(_with(node, claim("c", singles_request(topology.gpu_count - 1)))[0])
@@ -401,7 +452,9 @@ def test_a_tainted_set_never_holds_counters_in_a_search_so_v0_36_2_schedules_wha
     # unhealthy, every [set -> singles] claim the fixed allocator schedules, v0.36.2 does too.
     topology = load_topology(machine)
     n, rng = topology.gpu_count, random.Random(2026)
-    node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={2: "XID 79"}))
+    before = [d["name"] for s in render_slices(topology, node_name=NODE) for d in s["spec"].get("devices", [])]
+    node = Node(topology, render_slices(topology, node_name=NODE, unhealthy={2: "XID 79"},
+                                        occupancy=Occupancy(published=before)))
     unhealthy_sets = {d["name"] for d in node.devices.values() if "taints" in d and d["name"].startswith("gpuset-")}
     assert unhealthy_sets and all(not node.devices[s]["attributes"][f"{D}/healthy"]["bool"] for s in unhealthy_sets)
     tried = 0
@@ -416,3 +469,33 @@ def test_a_tainted_set_never_holds_counters_in_a_search_so_v0_36_2_schedules_wha
             assert 2 not in node.gpus(fixed[0]) and not set(node.gpus(fixed[0])) & set(busy)
             tried += 1
     assert tried == 120
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--in-use", "8"], "--in-use: '8' is none of this machine's GPUs (indices 0-7"),
+    (["--in-use", "0,,1"], "--in-use: empty item in '0,,1'"),
+    (["--in-use", "GPU-nope"], "--in-use: 'GPU-nope' is none of this machine's GPUs"),
+    (["--in-use", "gpuset-4-0"], "--in-use: 'gpuset-4-0' is none of this machine's GPUs"),
+    (["--in-use", "1,gpuset-2-m3"], "--in-use: GPU 1 is held twice (gpu-1, gpuset-2-m3)"),
+    (["--server-version", "1.x"], "--server-version '1.x': expected a Kubernetes version such as 1.36 or 1.37"),
+    (["--server-version", ""], "--server-version '': expected a Kubernetes version"),
+])
+def test_slices_refuses_a_bad_in_use_list_or_server_version_with_exit_2_and_one_line(flags, says, capsys):
+    assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, *flags]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and says in out.err
+
+
+def test_slices_in_use_takes_indices_uuids_and_device_names_alike(capsys):
+    topology = load_topology("dgx-h100")
+    outputs = []
+    for held in ("2,3", f"{topology.gpus[2].uuid},gpu-3", "gpuset-2-mc"):
+        assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--in-use", held]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert [d["name"] for s in yaml.safe_load_all(outputs[0]) for d in s["spec"].get("devices", [])][0] == "gpu-0"
+    assert "gpuset-2-mc" in outputs[2] and "gpuset-2-mc\n" not in outputs[0]  # a held set stays published
+    assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--server-version", "1.36"]) == 0
+    out = capsys.readouterr()
+    assert "gpuset" not in out.out and "sharedCounters" not in out.out
+    assert "GPU sets not published: dra.gpuSets is auto and the API server is Kubernetes 1.36" in out.err

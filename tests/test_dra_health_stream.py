@@ -21,7 +21,7 @@ from agent._proto import (
     dra_health_v1beta1_pb2_grpc,
 )
 from agent._proto import pluginregistration_v1_pb2 as reg_pb
-from agent.dra.devices import device_refs
+from agent.dra.devices import DeviceRefs
 from agent.dra.health_stream import HealthStreams
 from agent.health import HealthState
 from agent.kubelet.unix_server import UnixGrpcServer
@@ -79,14 +79,15 @@ def test_a_gpu_going_unhealthy_and_recovering_reaches_a_subscriber_within_a_seco
     plugin = node.start()
     sub = Subscriber(node.channel(plugin.endpoint), pb, pb_grpc)
     first = sub.health(sub.next(5.0))
-    names = list(device_refs(node.topology))
+    names = list(DeviceRefs(node.topology))
     assert list(first) == names and set(first.values()) == {"HEALTHY"}
-    assert len([n for n in names if n.startswith("gpuset-")]) == 99
+    assert names == [f"gpu-{i}" for i in range(8)]  # no claim holds a set: the single GPUs
+    c = node.put_claim("c", ["gpuset-4-mf"])  # GPUs 0-3, prepared: the kubelet asks about it
+    assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
     node.health.mark_unhealthy(3, "XID 79")
     msg = sub.next(1.0)
     sick = {n for n, h in sub.health(msg).items() if h == "UNHEALTHY"}
-    holding = {n for n, d in device_refs(node.topology).items() if 3 in [g.index for g in d.gpus]}
-    assert sick == holding and "gpu-3" in sick and len(holding) == 1 + 7 + 35 + 1
+    assert sick == {"gpu-3", "gpuset-4-mf"}
     if pb is dra_health_v1beta1_pb2:
         assert {d.message for d in msg.devices if d.device.device_name in sick} == {"GPU 3: XID 79"}
         assert {d.message for d in msg.devices if d.device.device_name not in sick} == {""}
@@ -112,7 +113,7 @@ def test_without_a_change_the_full_list_is_sent_again_before_the_kubelet_forgets
     health = HealthState(8)
     from kubelet_stub import hgx8_topology
 
-    devices = device_refs(hgx8_topology())
+    devices = DeviceRefs(hgx8_topology())
     streams = HealthStreams(health, lambda: devices, NODE, resend_s=0.2)
     path = os.path.join(tempfile.mkdtemp(prefix="hs", dir="/tmp"), "dra.sock")
     server = UnixGrpcServer(path, streams.add_to, name="health")

@@ -11,7 +11,7 @@ import pytest
 from test_dra_plugin import DRIVER, NODE, Node, claim_object, env_of, spec_of
 
 from agent.dra.cdi import spec_path
-from agent.dra.gpusets import gpu_sets
+from agent.dra.gpusets import SetPolicy, set_name
 
 
 @pytest.fixture
@@ -22,7 +22,12 @@ def node():
 
 
 def members(node, k, rank=0):
-    return gpu_sets(node.topology)[k][rank].members
+    """The GPUs of the ``rank``-th set of ``k`` the empty node publishes."""
+    return SetPolicy(node.topology).sequence(range(node.topology.gpu_count), k, 4)[rank]
+
+
+def name(node, k, rank=0):
+    return set_name(members(node, k, rank))
 
 
 def two_request_claim(name, results):
@@ -38,15 +43,15 @@ def two_request_claim(name, results):
 def test_a_set_claim_prepares_every_member_gpu_in_one_cdi_spec(node):
     node.start()
     quad = members(node, 4)
-    c = node.put_claim("train", ["gpuset-4-0"])
+    c = node.put_claim("train", [name(node, 4)])
     uid = c["metadata"]["uid"]
     got = node.prepare(c).claims[uid]
     assert got.error == ""
     assert [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in got.devices] == [
-        (["gpus"], NODE, "gpuset-4-0", [f"{DRIVER}/gpu={uid}-gpuset-4-0"])]
+        (["gpus"], NODE, name(node, 4), [f"{DRIVER}/gpu={uid}-{name(node, 4)}"])]
     spec = spec_of(node, uid)
     assert [(d["name"], [n["path"] for n in d["containerEdits"]["deviceNodes"]]) for d in spec["devices"]] == [
-        (f"{uid}-gpuset-4-0", [f"/dev/nvidia{i}" for i in quad])]
+        (f"{uid}-{name(node, 4)}", [f"/dev/nvidia{i}" for i in quad])]
     env = env_of(spec)
     topo = node.topology
     assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(topo.gpus[i].uuid for i in quad)
@@ -61,12 +66,12 @@ def test_a_claim_with_a_set_and_single_gpus_in_several_requests_gets_them_all(no
     node.start()
     pair = members(node, 2)
     single = next(i for i in range(8) if i not in pair)
-    c = node.api.put_claim(two_request_claim("mixed", [("pair", "gpuset-2-0"), ("one", f"gpu-{single}")]))
+    c = node.api.put_claim(two_request_claim("mixed", [("pair", name(node, 2)), ("one", f"gpu-{single}")]))
     uid = c["metadata"]["uid"]
     got = node.prepare(c).claims[uid]
     assert got.error == ""
     assert [(list(d.request_names), d.device_name) for d in got.devices] == [
-        (["pair"], "gpuset-2-0"), (["one"], f"gpu-{single}")]
+        (["pair"], name(node, 2)), (["one"], f"gpu-{single}")]
     spec = spec_of(node, uid)
     assert [[n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]] == [
         [f"/dev/nvidia{i}" for i in pair], [f"/dev/nvidia{single}"]]
@@ -77,13 +82,13 @@ def test_a_set_with_an_unhealthy_member_is_refused_naming_it_and_the_other_claim
     node.start()
     quad = members(node, 4)
     node.health.mark_unhealthy(quad[2], "XID 79")
-    sick = node.put_claim("sick", ["gpuset-4-0"])
-    fine = node.put_claim("fine", ["gpuset-4-1"])
+    sick = node.put_claim("sick", [name(node, 4)])
+    fine = node.put_claim("fine", [name(node, 4, 1)])
     resp = node.prepare(sick, fine)
     err = resp.claims[sick["metadata"]["uid"]].error
     gpu = node.topology.gpus[quad[2]]
     assert err.startswith(f"ResourceClaim default/sick (uid {sick['metadata']['uid']}): cannot prepare device"
-                          " 'gpuset-4-0' of pool 'node-1' (request 'gpus'):")
+                          f" '{name(node, 4)}' of pool 'node-1' (request 'gpus'):")
     assert f"a GPU set whose member GPU {quad[2]} ({gpu.uuid}) is unhealthy" in err
     assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, sick["metadata"]["uid"]))
     assert resp.claims[fine["metadata"]["uid"]].error == ""
@@ -94,15 +99,16 @@ def test_a_set_with_an_unhealthy_member_is_refused_naming_it_and_the_other_claim
 def test_a_claim_naming_one_gpu_twice_is_refused(node):
     node.start()
     pair = members(node, 2)
-    c = node.api.put_claim(two_request_claim("twice", [("pair", "gpuset-2-0"), ("one", f"gpu-{pair[1]}")]))
+    c = node.api.put_claim(two_request_claim("twice", [("pair", name(node, 2)), ("one", f"gpu-{pair[1]}")]))
     err = node.prepare(c).claims[c["metadata"]["uid"]].error
-    assert f"device 'gpu-{pair[1]}' holds GPU {pair[1]}, which device 'gpuset-2-0' of the same claim holds too" in err
+    assert (f"device 'gpu-{pair[1]}' holds GPU {pair[1]}, which device '{name(node, 2)}' of the same claim"
+            " holds too") in err
     assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, c["metadata"]["uid"]))
 
 
 def test_a_set_claim_is_answered_from_the_checkpoint_after_a_restart_and_unprepared_after_another(node):
     node.start()
-    c = node.put_claim("c", ["gpuset-8-0"])
+    c = node.put_claim("c", [name(node, 8)])
     uid = c["metadata"]["uid"]
     first = node.prepare(c)
     assert first.claims[uid].error == ""
@@ -116,3 +122,13 @@ def test_a_set_claim_is_answered_from_the_checkpoint_after_a_restart_and_unprepa
     assert node.unprepare(c).claims[uid].error == ""
     assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, uid))
     assert len(plugin.checkpoint) == 0 and len(node.restart().checkpoint) == 0
+
+
+@pytest.mark.parametrize("device", ["gpuset-4-0", "gpuset-4-m0f", "gpuset-3-mf", "gpuset-2-m300", "gpuset-4-MF"])
+def test_a_set_name_that_is_no_set_of_this_node_is_refused(node, device):
+    """Old rank names, a mask with a leading zero, a count that is not the mask's, a GPU the
+    node lacks, upper case: none names a set of this node's GPUs."""
+    node.start()
+    c = node.put_claim("c", [device])
+    err = node.prepare(c).claims[c["metadata"]["uid"]].error
+    assert f"device {device!r} of pool 'node-1' (request 'gpus'): unknown, this node has gpu-0" in err

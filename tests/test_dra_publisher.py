@@ -13,9 +13,11 @@ from prometheus_client import CollectorRegistry
 from waiting import eventually
 
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from agent.dra.publisher import SlicePublisher, pick_version
+from agent.dra.publish_settings import PublishSettings
+from agent.dra.publisher import SlicePublisher
 from agent.dra.slices import render_slices
 from agent.health import HealthState
+from agent.kube import pick_version
 from agent.metrics.self_metrics import AgentMetrics
 
 DRIVER = "gpu.gpu-agent.io"
@@ -50,11 +52,11 @@ def expected_slices(unhealthy=frozenset()) -> int:
     return len(render_slices(hgx8_topology(), node_name="node-1", driver=DRIVER, unhealthy=unhealthy))
 
 
-def make(server, topology=None, **kw):
-    kw.setdefault("backoff_initial_s", 0.05)
-    kw.setdefault("backoff_max_s", 0.2)
-    pub = SlicePublisher(server.api_client, "node-1", topology or hgx8_topology(), DRIVER, **kw)
-    return pub
+def make(server, topology=None, *, health=None, prepared=None, events=None, **settings):
+    settings.setdefault("backoff_initial_s", 0.05)
+    settings.setdefault("backoff_max_s", 0.2)
+    return SlicePublisher(server.api_client, topology or hgx8_topology(), PublishSettings("node-1", DRIVER, **settings),
+                          health=health, prepared=prepared, events=events)
 
 
 def test_pick_version_prefers_v1_then_v1beta2_then_v1beta1():
@@ -81,17 +83,17 @@ def test_publisher_discovers_the_served_version_once_and_publishes_in_it(served,
         finally:
             pub.stop()
         objs = server.slices()
-        # v1: a counter slice, then the single GPUs and the GPU sets (107 devices, 64 a slice);
-        # older versions: the single GPUs only
-        assert len(objs) == (3 if expected == "v1" else 1)
+        # v1: a counter slice, then the single GPUs and the GPU sets (15 devices); older
+        # versions: the single GPUs only. The taint changed one slice: the same generation
+        assert len(objs) == (2 if expected == "v1" else 1)
         for obj in objs:
             assert obj["apiVersion"] == f"resource.k8s.io/{expected}"
             assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
-            assert obj["spec"]["pool"] == {"name": "node-1", "generation": 2, "resourceSliceCount": len(objs)}
+            assert obj["spec"]["pool"] == {"name": "node-1", "generation": 1, "resourceSliceCount": len(objs)}
         obj = next(o for o in objs if o["spec"].get("devices"))
         discovery = [r for r in server.requests if r.path == "/apis/resource.k8s.io"]
         assert len(discovery) == 1  # discovery once at start
-        assert server.count("POST", f"/apis/resource.k8s.io/{expected}/resourceslices") == (3 if expected == "v1" else 1)
+        assert server.count("POST", f"/apis/resource.k8s.io/{expected}/resourceslices") == (2 if expected == "v1" else 1)
         if expected == "v1beta1":
             assert "basic" in obj["spec"]["devices"][0]
         else:
@@ -113,7 +115,8 @@ def test_an_unhealthy_gpu_and_its_sets_are_tainted_with_the_reason_and_untainted
         slices = server.slices()
         want = [{"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule"}]
         assert [{k: v for k, v in t.items() if k != "timeAdded"} for t in taints(slices, "gpu-5")] == want
-        assert len(sets_of_5) == 7 + 35 + 1 and all(tainted(slices, n) for n in sets_of_5)
+        # the sets published with GPU 5 stay (a claim may hold one), tainted; new sets leave it out
+        assert len(sets_of_5) == 3 and all(tainted(slices, n) for n in sets_of_5)
         assert sum(tainted(slices, n) for n in device_names(slices)) == 1 + len(sets_of_5)
         second = slices[0]["spec"]["pool"]["generation"]
         health.mark_healthy(5)
@@ -121,7 +124,7 @@ def test_an_unhealthy_gpu_and_its_sets_are_tainted_with_the_reason_and_untainted
         third = server.slices()[0]["spec"]["pool"]["generation"]
     finally:
         pub.stop()
-    assert first < second < third
+    assert first == second == third  # one slice changed each time: rewritten in place
 
 
 def test_the_taint_effect_is_the_configured_one_and_a_kept_taint_keeps_the_time_it_was_added(server):
@@ -163,7 +166,7 @@ def test_stale_resource_version_conflict_is_reread_and_retried(server):
     pub.start()
     try:
         assert eventually(pub.ready, 30)
-        name = server.slices()[0]["metadata"]["name"]
+        name = next(o["metadata"]["name"] for o in server.slices() if "gpu-0" in device_names([o]))
         # another writer changes the slice behind the publisher's back, between its list and
         # its update: the first PUT carries a stale resourceVersion
         server.fail(409, method="PUT", times=1)
@@ -182,7 +185,7 @@ def test_a_real_stale_resource_version_from_the_server_is_retried(server):
     pub.start()
     assert eventually(pub.ready, 30)
     pub.stop()
-    name = server.slices()[0]["metadata"]["name"]
+    name = next(o["metadata"]["name"] for o in server.slices() if "gpu-1" in device_names([o]))
     # the publisher lists, then someone else writes, then it updates with the stale version
     original = server._slices_route
 
@@ -373,8 +376,6 @@ def test_without_device_taints_unhealthy_devices_leave_but_those_of_prepared_cla
         tmp_path, caplog):
     registry = CollectorRegistry()
     checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
-    held = PreparedClaim("uid-1", "default", "train", (PreparedDevice("gpus", "node-1", "gpuset-2-0", ("x",)),),
-                         str(tmp_path / "spec.json"))
     with ApiServerStub(disabled_features={"DRADeviceTaints"}) as server:
         server.add_node("node-1")
         health = HealthState(8)
@@ -383,21 +384,52 @@ def test_without_device_taints_unhealthy_devices_leave_but_those_of_prepared_cla
             pub.start()
             try:
                 assert eventually(pub.ready, 30)
-                pair = [d for o in server.slices() for d in o["spec"].get("devices", []) if d["name"] == "gpuset-2-0"]
-                (bad, other) = sorted(int(c.split("-")[1]) for c in pair[0]["consumesCounters"][0]["counters"])
-                checkpoint.add(held)
+                pair = next(d for o in server.slices() for d in o["spec"].get("devices", [])
+                            if d["name"].startswith("gpuset-2-"))  # the first pair
+                (bad, other) = sorted(int(c.split("-")[1]) for c in pair["consumesCounters"][0]["counters"])
+                checkpoint.add(PreparedClaim("uid-1", "default", "train",
+                                             (PreparedDevice("gpus", "node-1", pair["name"], ("x",)),),
+                                             str(tmp_path / "spec.json")))
                 health.mark_unhealthy(bad, "XID 79")
                 assert server.wait_for(lambda s: f"gpu-{bad}" not in device_names(s))
                 names = device_names(server.slices())
-                assert "gpuset-2-0" in names and f"gpu-{other}" in names  # the prepared set stays
+                assert pair["name"] in names and f"gpu-{other}" in names  # the prepared set stays
                 assert not any(tainted(server.slices(), n) for n in names)
                 checkpoint.remove("uid-1")  # unprepared: now it leaves too
-                assert server.wait_for(lambda s: "gpuset-2-0" not in device_names(s))
+                assert server.wait_for(lambda s: pair["name"] not in device_names(s))
                 health.mark_healthy(bad)
-                assert server.wait_for(lambda s: f"gpu-{bad}" in device_names(s) and "gpuset-2-0" in device_names(s))
+                assert server.wait_for(lambda s: f"gpu-{bad}" in device_names(s) and pair["name"] in device_names(s))
             finally:
                 pub.stop()
     said = [r.getMessage() for r in caplog.records if "stored without" in r.getMessage()]
     assert len(said) == 1 and "DRADeviceTaints" in said[0] and "left out" in said[0]
     assert feature(registry, "DRADeviceTaints") == 0.0
     assert feature(registry, "DRAPartitionableDevices") == 1.0
+
+
+@pytest.mark.parametrize("version,setting,sets", [
+    ("1.36", "auto", False), ("1.37", "auto", True), ("1.38", "auto", True),
+    ("1.36", "on", True), ("1.37", "off", False),
+])
+def test_gpu_sets_follow_the_api_servers_version_said_in_one_line_and_the_metric(version, setting, sets, caplog):
+    registry = CollectorRegistry()
+    with ApiServerStub(server_version=version) as server:
+        server.add_node("node-1")
+        pub = make(server, gpu_sets=setting, events=AgentMetrics(registry))
+        with caplog.at_level(logging.INFO, logger="agent.dra.publisher"):
+            pub.start()
+            try:
+                assert eventually(pub.ready, 30)
+            finally:
+                pub.stop()
+        names = device_names(server.slices())
+        assert any(n.startswith("gpuset-") for n in names) == sets
+        assert any("sharedCounters" in o["spec"] for o in server.slices()) == sets
+        assert server.count("GET", "/version") == (1 if setting == "auto" else 0)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU sets ")]
+    assert len(said) == 1 and said[0].startswith("GPU sets published" if sets else "GPU sets not published")
+    assert f"dra.gpuSets is {setting}" in said[0]
+    if setting == "auto":
+        assert f"Kubernetes {version}" in said[0] and ("before 1.37" in said[0]) == (not sets)
+    mode = "on" if sets else "off"
+    assert registry.get_sample_value("gpu_agent_dra_gpu_sets_mode", {"mode": mode, "setting": setting}) == 1.0

@@ -114,23 +114,18 @@ def test_device_order_groups_numa_nodes_then_islands_then_best_links():
         assert topo.pair_score(prev, nxt) == max(topo.pair_score(prev, g) for g in rest)
 
 
-def test_occupancy_puts_the_numa_node_with_fewest_free_gpus_first():
-    topo = load_topology("dgx-h100")  # NUMA 0: GPUs 0-3, NUMA 1: GPUs 4-7, one NVSwitch island
-    assert device_order(topo, in_use=()) == device_order(topo)
-    assert device_order(topo, in_use={5}) == [4, 5, 6, 7, 0, 1, 2, 3]
-    # a NUMA node with no free GPU is skipped by the allocator wherever it sits; the next
-    # one with the fewest free GPUs comes before the whole one
-    assert device_order(topo, in_use={0, 1, 2, 3, 6}) == [0, 1, 2, 3, 4, 5, 6, 7]
-    assert device_order(topo, in_use={0, 1, 4, 5, 6}) == [4, 5, 6, 7, 0, 1, 2, 3]
+@pytest.mark.parametrize("machine,held", [("dgx-h100", {5}), ("pcie-pairs", {3, 6}), ("dgx1-v100", {0, 2, 4})])
+def test_the_first_single_gpu_is_the_device_plugins_choice_on_the_free_gpus(machine, held):
+    from agent.dra.gpusets import SetPolicy
+    from agent.dra.slices import Occupancy
 
-
-def test_occupancy_puts_the_half_used_nvlink_island_first_inside_a_numa_node():
-    topo = load_topology("pcie-pairs")  # islands {0,1} {2,3} on NUMA 0, {4,5} {6,7} on NUMA 1
-    assert device_order(topo, in_use={3}) == [2, 3, 0, 1, 4, 5, 6, 7]
-    assert device_order(topo, in_use={3, 6}) == [2, 3, 0, 1, 6, 7, 4, 5]
-    # the slices follow: the published device order is the occupancy order
-    names = [d["name"] for d in devices(topo, node_name="n1", in_use={7}) if d["name"].startswith("gpu-")]
-    assert names == ["gpu-6", "gpu-7", "gpu-4", "gpu-5", "gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    topo = load_topology(machine)
+    occupancy = Occupancy({f"gpu-{i}": (i,) for i in held})
+    names = [d["name"] for d in devices(topo, node_name="n1", occupancy=occupancy) if d["name"].startswith("gpu-")]
+    free = [i for i in range(topo.gpu_count) if i not in held]
+    assert names[0] == f"gpu-{SetPolicy(topo).choose(free, 1)[0]}"
+    assert {f"gpu-{i}" for i in held} == set(names[-len(held):])  # held GPUs last
+    assert sorted(names) == sorted(f"gpu-{i}" for i in range(topo.gpu_count))
 
 
 def test_unknown_numa_nodes_come_last():

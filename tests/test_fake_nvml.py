@@ -4,8 +4,11 @@ telemetry, fault injection)."""
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import inspect
+import pathlib
+import re
 import threading
 
 import pynvml
@@ -472,3 +475,129 @@ def test_mig_profiles_parse_gpu_and_compute_slices():
     assert parse_mig_profile("1c.3g.40gb").ci_slices == 1
     with pytest.raises(ValueError):
         parse_mig_profile("3g")
+
+
+# ---------------------------------------------------------------- every NVML name in use
+# The tests above compare what the fake *defines* with pynvml. These read the source of the
+# agent's NVML package and of the simulator (AST) for every NVML name they *use* (functions
+# called through the wrapper or on the library, constants, struct fields, error classes) and
+# hold each to the real pynvml, so that a name the fake invents, or one a newer pynvml
+# renamed, fails here and not on a GPU node.
+_NVML_PACKAGES = ("agent/hw/nvml", "agent/hw/sim")
+_NVML_NAME = re.compile(r"^(nvml[A-Z]\w*|NVML_[A-Z0-9_]*[A-Z0-9]|NVMLError(_\w+)?|c_nvml\w+|nvmlEventType\w+)$")
+#: a name made in an f-string: its fixed part
+_NVML_PREFIX = re.compile(r"^(NVML_|nvml|c_nvml)\w*$")
+#: the wrapper methods taking an NVML function's name: (method, where the name is, how many
+#: arguments the wrapper adds itself)
+_WRAPPERS = {"call": (0, 0), "_call": (1, 0), "ask": (0, 1)}
+
+
+def _nvml_sources() -> list[tuple[str, ast.Module]]:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = sorted(p for pkg in _NVML_PACKAGES for p in (root / pkg).glob("*.py"))
+    assert files
+    return [(str(p.relative_to(root)), ast.parse(p.read_text(), str(p))) for p in files]
+
+
+def _used_names() -> tuple[dict[str, set[str]], dict[str, set[tuple[str, int]]], dict[str, set[str]]]:
+    """(NVML name -> files using it, function -> {(file, positional argument count)},
+    camelCase attribute read -> files) over the agent's NVML package and the simulator. A
+    name made in an f-string (``f"NVML_BRAND_{suffix}"``) is kept as a pattern,
+    ``NVML_BRAND_*``."""
+    names: dict[str, set[str]] = {}
+    arities: dict[str, set[tuple[str, int]]] = {}
+    fields: dict[str, set[str]] = {}
+    for path, tree in _nvml_sources():
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        in_fstrings = {id(c) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for c in n.values}
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr) and isinstance(node.values[0], ast.Constant) \
+                    and _NVML_PREFIX.match(str(node.values[0].value)):
+                pattern = "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "*" for v in node.values)
+                names.setdefault(pattern.replace("\\", ""), set()).add(path)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in in_fstrings \
+                    and _NVML_NAME.match(node.value):
+                names.setdefault(node.value, set()).add(path)
+            elif isinstance(node, ast.Attribute) and _NVML_NAME.match(node.attr) and node.attr not in defined \
+                    and (not node.attr.startswith("nvml") or id(node) in called or node.attr.startswith("nvmlEvent")):
+                names.setdefault(node.attr, set()).add(path)
+            elif isinstance(node, ast.Attribute) and re.fullmatch(r"[a-z]+[A-Z]\w*", node.attr) \
+                    and id(node) not in called and node.attr not in defined:
+                fields.setdefault(node.attr, set()).add(path)
+            if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            func = node.func
+            method = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if method in _WRAPPERS and path.startswith("agent/hw/nvml"):
+                at, added = _WRAPPERS[method]
+                if len(node.args) > at and isinstance(node.args[at], ast.Constant) and str(node.args[at].value).startswith("nvml"):
+                    arities.setdefault(node.args[at].value, set()).add((path, len(node.args) - at - 1 + added))
+            elif isinstance(func, ast.Attribute) and func.attr.startswith("nvml") and path.startswith("agent/hw/nvml"):
+                arities.setdefault(func.attr, set()).add((path, len(node.args)))
+    return names, arities, fields
+
+
+_NAMES, _ARITIES, _FIELDS = _used_names()
+_REAL_FIELDS = {f[0] for n in dir(pynvml) if isinstance(getattr(pynvml, n), type)
+                and issubclass(getattr(pynvml, n), (ctypes.Structure, ctypes.Union))
+                for f in getattr(getattr(pynvml, n), "_fields_", ())}
+
+
+def test_the_source_scan_finds_the_nvml_names_in_use():
+    # a scan that finds nothing would pass every test below
+    assert {"nvmlDeviceGetNvLinkState", "NVML_FEATURE_ENABLED", "nvmlEventTypeXidCriticalError",
+            "c_nvmlGpuFabricInfoV_t", "NVMLError"} <= set(_NAMES)
+    assert {"nvmlDeviceGetTopologyCommonAncestor", "nvmlDeviceGetPersistenceMode", "nvmlInit"} <= set(_ARITIES)
+    assert {"busId", "clusterUuid", "gpuInstanceSliceCount", "eventData"} <= set(_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(_NAMES))
+def test_every_nvml_name_the_agent_or_the_simulator_uses_exists_in_pynvml(name):
+    if "*" in name:
+        matching = [n for n in dir(pynvml) if re.fullmatch(name.replace("*", r"\w+"), n)]
+        assert matching, f"pynvml has no name like {name} (made in {sorted(_NAMES[name])})"
+        return
+    if name in _REAL_FIELDS:  # a struct field named like a function (nvmlReturn): the test below
+        return
+    assert hasattr(pynvml, name), f"pynvml has no {name} (used in {sorted(_NAMES[name])})"
+    fake = getattr(FakeNvml, name, None)
+    real = getattr(pynvml, name)
+    if fake is not None and isinstance(real, int) and not isinstance(real, bool):
+        assert fake == real, f"{name}: the fake says {fake}, pynvml {real}"
+
+
+@pytest.mark.parametrize("name", sorted(_ARITIES))
+def test_every_nvml_call_passes_as_many_arguments_as_pynvml_takes(name):
+    real = getattr(pynvml, name)
+    params = list(inspect.signature(real).parameters.values())
+    assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params), name
+    required = sum(1 for p in params if p.default is p.empty)
+    for path, count in sorted(_ARITIES[name]):
+        assert required <= count <= len(params), (
+            f"{path} calls {name} with {count} arguments; pynvml's takes {[p.name for p in params]}")
+    fake = getattr(FakeNvml, name, None)
+    if fake is not None:  # and the fake answers the same call (parameter names: the test above)
+        fake_params = list(inspect.signature(fake).parameters)[1:]
+        assert fake_params == [p.name for p in params]
+
+
+@pytest.mark.parametrize("field", sorted(_FIELDS))
+def test_every_struct_field_the_agent_reads_is_a_field_of_a_pynvml_struct(field):
+    assert field in _REAL_FIELDS, f"{field} (read in {sorted(_FIELDS[field])}) is no field of a pynvml struct"
+
+
+@pytest.mark.parametrize("name", sorted(ERROR_CLASSES))
+def test_every_fake_error_class_has_pynvmls_class_hierarchy(name):
+    def lineage(cls: type) -> list[str]:
+        return [c.__name__ for c in cls.__mro__ if c not in (Exception, BaseException, object)]
+
+    assert lineage(getattr(FakeNvml, name)) == lineage(getattr(pynvml, name))
+    assert issubclass(getattr(FakeNvml, name), FakeNvml.NVMLError)
+
+
+def test_the_library_mismatch_error_the_wrapper_recognises_is_pynvmls():
+    # agent/hw/nvml/calls.py recognises it by name (pynvml raises it for a function the
+    # driver lacks): it must exist under that name and not be an NVMLError
+    assert pynvml.NVMLLibraryMismatchError.__name__ == "NVMLLibraryMismatchError"
+    assert not issubclass(pynvml.NVMLLibraryMismatchError, pynvml.NVMLError)

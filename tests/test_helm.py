@@ -289,6 +289,7 @@ def test_a_stale_plain_manifest_is_reported(tmp_path: Path) -> None:
     ("metrics.port=http", "metrics.port"),
     ("migStrategy=auto", "migStrategy"),
     ("dra.taintEffect=PreferNoSchedule", "dra.taintEffect"),
+    ("dra.gpuSets=maybe", "dra.gpuSets"),
 ])
 def test_schema_refuses_a_misspelt_or_wrong_value(setting: str, complaint: str) -> None:
     result = template_text({}, extra=("--set", setting))
@@ -444,6 +445,12 @@ def test_device_classes_use_the_newest_dra_api_the_cluster_serves(
 def test_the_taint_effect_value_reaches_the_agent_and_a_bad_one_is_refused() -> None:
     assert "--taint-effect=NoExecute" in container(render({"mode": "dra", "dra": {"taintEffect": "NoExecute"}}))["args"]
     assert not [a for a in container(render({"mode": "dra"}))["args"] if a.startswith("--taint-effect")]
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_the_gpu_sets_value_reaches_the_agent_and_auto_is_its_own_default(setting: str) -> None:
+    assert f"--gpu-sets={setting}" in container(render({"mode": "dra", "dra": {"gpuSets": setting}}))["args"]
+    assert not [a for a in container(render({"mode": "dra"}))["args"] if a.startswith("--gpu-sets")]
 
 
 def test_monitoring_objects_only_where_the_cluster_serves_their_crds() -> None:

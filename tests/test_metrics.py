@@ -29,6 +29,7 @@ from metrics_support import (
     small_machine,
 )
 from prometheus_client import CollectorRegistry
+from waiting import eventually
 
 from agent.attribution import ContainerRef
 from agent.attribution.holders import Attribution, DeviceIdResolver, PodResourcesCache
@@ -389,8 +390,9 @@ def test_service_serves_metrics_health_and_readiness(kubelet, box2):
         ready["value"] = True
         assert get(base + "/ready")[0] == 200
         assert get(base + "/nope")[0] == 404
-        service.sampler.sample_once()
-        service.pod_resources.refresh_once()
+        # the threads' first round and refresh (the next ones are a minute away)
+        assert eventually(lambda: service.sampler.snapshot.rounds == 1
+                          and bool(service.pod_resources.current.containers))
         # the kubelet's answer changes: a scrape that called List would show pod b
         kubelet.list_response = listing(
             pod("ml", "b", {"main": [("nvidia.com/gpu", [topo.gpus[1].uuid])]}))

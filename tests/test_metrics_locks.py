@@ -149,26 +149,6 @@ def test_stopping_the_sampler_does_not_wait_for_a_hung_read_and_closes_the_sourc
     assert hung.events == ["read returned", "closed"]
 
 
-def test_a_round_asked_for_while_another_is_in_flight_waits_for_it_then_reads_again(box2):
-    sampler = box2.sampler()
-    hung = HungSource(sampler.source)
-    sampler.source = hung
-    first = threading.Thread(target=sampler.sample_once)
-    first.start()
-    assert hung.entered.wait(5)
-    hung.entered.clear()
-    second: list[int] = []
-    waiter = threading.Thread(target=lambda: second.append(sampler.sample_once().rounds))
-    waiter.start()
-    time.sleep(0.1)
-    assert not hung.entered.is_set(), "the second round does not read beside the first"
-    hung.release.set()
-    first.join(5)
-    waiter.join(5)
-    assert second == [2] and sampler.snapshot.rounds == 2
-    sampler.stop()
-
-
 def test_a_hung_pod_resources_list_holds_no_lock_and_the_scrape_answers(box2, kubelet):
     kubelet.list_response = listing(
         pod("ml", "a", {"main": [("nvidia.com/gpu", [box2.topology.gpus[0].uuid])]}))

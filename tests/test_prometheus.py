@@ -125,9 +125,10 @@ def scraped(tmp_path_factory):
                         sample_interval_s=3600, pod_resources_refresh_s=3600)
         service = MetricsService(backend, topology, config, hostname="node-a", ready=lambda: True,
                                  agent_metrics=AgentMetrics(CollectorRegistry(), backend))
-        service.start()
-        service.sampler.sample_once()  # GPM ratios need two samples
+        # GPM ratios need two samples: this one, then the thread's first
+        service.sampler.sample_once()
         service.pod_resources.refresh_once()
+        service.start()
         prom = PrometheusServer(workdir, f"127.0.0.1:{service.port}")
         try:
             prom.wait_for("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", topology.gpu_count)

@@ -48,6 +48,14 @@ COMMAND_LANGS = {"sh", "console"}
 
 #: Commands the README shows that cannot run here, with the reason. Exact text.
 NOT_RUNNABLE: dict[str, str] = {
+    ".venv/bin/python bench/real_gpu/run.py --out real-gpu-report": (
+        "needs NVIDIA GPUs and nvidia-smi; tests/test_real_gpu_kit.py runs the same script on a"
+        " simulated machine with tests/fake_nvidia_smi.py"
+    ),
+    "kubectl exec -n gpu-topology-agent ds/gpu-topology-agent -- gpu-topology-agent doctor": (
+        "needs a cluster running the agent; the same doctor runs on a simulated machine in the"
+        " console block below it and in tests/test_doctor.py"
+    ),
     "docker build -t gpu-topology-agent:0.1.0 .": (
         "minutes with a Docker engine: the image tier (tests/test_image.py, marker image, run by "
         ".ci/run) builds this Dockerfile unchanged"

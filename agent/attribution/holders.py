@@ -15,7 +15,6 @@ GPU index ``"3"`` or MIG ``"3:1"``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -118,13 +117,8 @@ class PodResourcesCache(Worker):
         self.on_error = on_error
         self.on_refresh = on_refresh
         self.current: Attribution = EMPTY_ATTRIBUTION
-        # Lock order: ``_refresh`` is a leaf guarding only ``_refreshing``; it is never
-        # held across the ``List`` call or a hook. One refresh runs at a time (a second
-        # caller waits on the condition), and the refresh in flight owns ``_logged_failure``
-        # and publishes ``current`` by a single assignment, which scrapes read without any
-        # lock.
-        self._refresh = threading.Condition(threading.Lock())
-        self._refreshing = False
+        # No lock: refreshes run on the cache's one thread, which owns ``_logged_failure``
+        # and publishes ``current`` by a single assignment, which scrapes read as it is.
         self._logged_failure = False
         super().__init__()
 
@@ -135,21 +129,14 @@ class PodResourcesCache(Worker):
 
     def refresh_once(self) -> bool:
         """Call ``List`` now and publish the result; False (and the old attribution kept)
-        when the kubelet could not be asked. A call while another refresh is in flight
-        waits for it, then asks again."""
-        with self._refresh:
-            self._refresh.wait_for(lambda: not self._refreshing)
-            self._refreshing = True
-        try:
-            response = self._list()
-            if response is None:
-                return False
-            self._publish(response)
-            return True
-        finally:
-            with self._refresh:
-                self._refreshing = False
-                self._refresh.notify_all()
+        when the kubelet could not be asked. Refreshes are serialised by their one caller,
+        the cache's thread; call it directly only where no refresh of that thread can overlap
+        (before ``start``)."""
+        response = self._list()
+        if response is None:
+            return False
+        self._publish(response)
+        return True
 
     def _list(self) -> Any:
         """The kubelet's answer, None (logged once per outage, counted) when it failed."""

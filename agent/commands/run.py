@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
-from agent.config_values import TAINT_EFFECTS
+from agent.config_values import GPU_SETS_MODES, TAINT_EFFECTS
 from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
 from agent.nodeconfig import NamedConfigs
@@ -28,6 +28,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Run the node agent until SIGTERM/SIGINT. SIGHUP reloads the configuration "
         "and re-registers with the kubelet. Precedence: flags > environment > config file > defaults.",
     )
+    add_agent_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_agent_flags(p: argparse.ArgumentParser) -> None:
+    """``--config``, ``--simulate`` and every setting flag of ``run`` (:data:`FLAG_FIELDS`):
+    ``doctor`` takes the same, to check what that agent would use."""
     p.add_argument("--config", metavar="FILE", default=None,
                    help="NVIDIA device plugin config file (version: v1), YAML or JSON "
                         "(default: $CONFIG_FILE, else none)")
@@ -41,7 +48,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
                    help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
                         " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
-    p.set_defaults(func=run)
 
 
 def _add_location_flags(p: argparse.ArgumentParser) -> None:
@@ -145,6 +151,10 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                      help="the device-taint effect on an unhealthy GPU and every GPU set holding it:"
                           " NoSchedule keeps running pods, NoExecute evicts them"
                           f" (default: {_DEFAULTS.taint_effect}; env DRA_TAINT_EFFECT)")
+    dra.add_argument("--gpu-sets", choices=GPU_SETS_MODES, dest="gpu_sets", default=None,
+                     help="publish GPU sets: auto (on where the API server is Kubernetes 1.37 or newer,"
+                          " whose scheduler reads a node's counters for that node only), on, off"
+                          f" (default: {_DEFAULTS.gpu_sets}; env DRA_GPU_SETS)")
 
 
 def _add_nccl_flags(p: argparse.ArgumentParser) -> None:
@@ -195,7 +205,7 @@ FLAG_FIELDS = (
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
-    "delete_slices_on_shutdown", "taint_effect",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
     "imex_required", "nccl_topology_file", "nccl_pod_files", "nccl_host_dir", "nccl_mount_path", "nccl_ib_hca",

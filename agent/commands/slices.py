@@ -9,6 +9,15 @@ stderr that a cluster whose API server drops the counter fields (``DRAPartitiona
 off) gets the single GPUs only from the agent, which logs it and reports it as
 ``gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} 0``. Pipe into
 ``kubectl apply --dry-run=server -f -`` to check them against a cluster.
+
+``--in-use LIST`` renders what the agent publishes while prepared claims hold those devices
+(GPU indices or UUIDs, MIG UUIDs, or DRA device names such as ``gpu-3`` and ``gpuset-4-mf``;
+as a freshly started agent would, with no sets published before): the single GPUs and the
+sets then follow the device plugin's choices on the free GPUs (:mod:`agent.dra.gpusets`).
+``--server-version 1.36|1.37|...`` says which Kubernetes the API server runs (default: the
+newest the agent knows); with the config's ``dra.gpuSets: auto`` it decides whether sets are
+published, as the agent does, and the decision is said on stderr. A bad list or version
+exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import sys
 from agent.commands._common import add_simulate_flag, load_topology
 from agent.config import default_environ, load_config
 from agent.errors import UsageError
+from agent.topology.model import Topology
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -38,6 +48,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--api-version", dest="api_version", default="v1", metavar="VERSION",
                    help=f"resource.k8s.io version to render: {' | '.join(API_VERSIONS)} (default: v1;"
                         " GPU sets only in v1)")
+    p.add_argument("--in-use", dest="in_use", default="", metavar="LIST",
+                   help="devices prepared claims hold: GPU indices or UUIDs, MIG UUIDs or DRA device names"
+                        " (gpu-3, gpuset-4-mf), comma-separated (default: none)")
+    p.add_argument("--server-version", dest="server_version", default=None, metavar="MAJOR.MINOR",
+                   help="the API server's Kubernetes version, e.g. 1.36 (default: the newest the agent knows,"
+                        " 1.37); with dra.gpuSets auto it decides whether GPU sets are published")
     p.set_defaults(func=run)
 
 
@@ -51,8 +67,56 @@ def check_node_name(name: str) -> str:
     return name
 
 
+def parse_server_version(text: str) -> tuple[int, int]:
+    """``1.36``, ``v1.37``, ``1.37.2`` -> (1, 37); UsageError otherwise."""
+    found = re.match(r"^v?(\d{1,3})\.(\d{1,3})(?:\.\d{1,5})?$", text.strip())
+    if not found:
+        raise UsageError(f"--server-version {text!r}: expected a Kubernetes version such as 1.36 or 1.37")
+    return int(found.group(1)), int(found.group(2))
+
+
+def parse_in_use(text: str, topology: Topology) -> dict[str, tuple[int, ...]]:
+    """``--in-use``: device name -> its GPU indices, each GPU held once; UsageError naming the
+    first item that is none of this machine's GPUs or devices."""
+    from agent.dra.devices import DeviceRefs, device_name, gpus_of
+
+    refs = DeviceRefs(topology)
+    migs = {m.uuid: (g, m) for g in topology.gpus for m in g.mig_devices}
+    held: dict[str, tuple[int, ...]] = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            if text.strip():
+                raise UsageError(f"--in-use: empty item in {text!r}")
+            continue
+        gpu = topology.gpu_by_uuid(item) or (topology.gpus[int(item)] if item.isdigit()
+                                            and int(item) < topology.gpu_count else None)
+        if gpu is not None:
+            held.setdefault(device_name(gpu), (gpu.index,))
+        elif item in migs:
+            held.setdefault(device_name(*migs[item]), (migs[item][0].index,))
+        elif item in refs:
+            held.setdefault(item, gpus_of(refs, item))
+        else:
+            raise UsageError(f"--in-use: {item!r} is none of this machine's GPUs (indices 0-{topology.gpu_count - 1},"
+                             " GPU or MIG UUIDs) or DRA devices (gpu-3, gpuset-4-mf)")
+    owner: dict[int, str] = {}
+    for name, gpus in held.items():
+        for g in gpus if "-mig-" not in name else ():  # MIG devices of one GPU: several claims
+            if owner.setdefault(g, name) != name:
+                raise UsageError(f"--in-use: GPU {g} is held twice ({owner[g]}, {name}): no two claims hold one GPU")
+    return held
+
+
 def run(args: argparse.Namespace) -> int:
-    from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, dump_yaml, render_slices
+    from agent.dra.gpusets import NEWEST_KNOWN, gpu_sets_decision
+    from agent.dra.slices import (
+        API_VERSIONS,
+        SETS_API_VERSIONS,
+        Occupancy,
+        dump_yaml,
+        render_slices,
+    )
 
     if args.simulate == "list":
         from agent.hw.sim.machines import BUILTIN_MACHINES
@@ -61,12 +125,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.api_version not in API_VERSIONS:
         raise UsageError(f"--api-version {args.api_version!r}: expected one of {', '.join(API_VERSIONS)}")
+    server = parse_server_version(args.server_version) if args.server_version is not None else NEWEST_KNOWN
     config = load_config(args.config, dict(default_environ()), {})
     node = check_node_name(args.node_name or config.node_name or socket.gethostname().lower())
     topology = load_topology(args.simulate)
-    slices = render_slices(topology, node_name=node, driver=config.driver_name,
-                           api_version=args.api_version)
+    held = parse_in_use(args.in_use, topology)
+    with_sets, why = gpu_sets_decision(config.gpu_sets, server)
+    slices = render_slices(topology, node_name=node, driver=config.driver_name, api_version=args.api_version,
+                           occupancy=Occupancy(held), with_sets=with_sets)
     sys.stdout.write(dump_yaml(slices))
+    if args.api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
+        print(f"note: GPU sets {'published' if with_sets else 'not published'}: {why}", file=sys.stderr)
     if args.api_version not in SETS_API_VERSIONS:
         print(f"note: resource.k8s.io/{args.api_version} has no partitionable devices: single GPUs "
               f"only, no GPU sets (they need {' or '.join(SETS_API_VERSIONS)})", file=sys.stderr)

@@ -21,8 +21,9 @@ import tempfile
 import textwrap
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -364,10 +365,26 @@ def run_demo(
     how the user named the machine where ``machine`` is a copy (``-``: standard input)."""
     out = out or sys.stdout
     err = err or sys.stderr
-    logging.getLogger("agent").setLevel(logging.WARNING)
+    with _agent_logs_quiet():
+        return _tell(machine, fmt, out, err, label)
 
+
+@contextmanager
+def _agent_logs_quiet() -> Iterator[None]:
+    """Only the agent's warnings and errors while the story is told (its INFO lines would
+    drown the story on stderr); the ``agent`` logger's level as it was afterwards, so a
+    process that goes on (a test run, an embedding program) logs as it did before."""
+    agent_log = logging.getLogger("agent")
+    level = agent_log.level
+    agent_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        agent_log.setLevel(level)
+
+
+def _tell(machine: str, fmt: str, out: TextIO, err: TextIO, label: str | None) -> int:
     def progress(text: str) -> None:
-        assert err is not None
         err.write(f"demo: {text}\n")
         err.flush()
 

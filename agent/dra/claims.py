@@ -4,8 +4,9 @@
 returns the claim as plain JSON data (the same shape in ``resource.k8s.io`` v1, v1beta2 and
 v1beta1 for everything read here: ``metadata.uid`` and ``status.allocation.devices.results``).
 :class:`KubernetesClaimReader` implements it with the official ``kubernetes`` client (built
-by :func:`agent.kube.api_client`); the served version is discovered once, on first use
-(``v1``, else ``v1beta2``, else ``v1beta1``).
+by :func:`agent.kube.api_client`, called through :func:`agent.kube.call`); the served
+version is discovered once, on first use (:func:`agent.kube.resource_versions`: ``v1``, else
+``v1beta2``, else ``v1beta1``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ import threading
 from typing import Any, Callable, Mapping, Protocol
 
 from agent.errors import AgentError, shorten
+from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS, ApiCallError, call, resource_versions
 
 log = logging.getLogger(__name__)
-
-GROUP = "resource.k8s.io"
-#: Versions we read, most preferred first.
-VERSIONS = ("v1", "v1beta2", "v1beta1")
 
 
 class ClaimNotFound(AgentError):
@@ -60,12 +58,12 @@ class KubernetesClaimReader:
         *,
         count_error: Callable[[], None] | None = None,
         timeout_s: float = 5.0,
-        versions: tuple[str, ...] = VERSIONS,
+        versions: tuple[str, ...] = RESOURCE_VERSIONS,
     ) -> None:
         from kubernetes import client
 
+        self._client = api_client
         self._api = client.CustomObjectsApi(api_client)
-        self._apis = client.ApisApi(api_client)
         self.timeout_s = timeout_s
         self._versions = versions
         self._version: str | None = None
@@ -84,25 +82,16 @@ class KubernetesClaimReader:
             return self._version
 
     def _discover(self) -> str:
-        from kubernetes.client.exceptions import ApiException
-
         try:
-            groups = self._apis.get_api_versions(_request_timeout=self.timeout_s)
-        except ApiException as exc:
-            raise ClaimReadError(f"API discovery failed: HTTP {exc.status} {shorten(exc.reason)}",
-                                 f"HTTP {exc.status}") from None
-        except Exception as exc:  # urllib3 connection errors
-            raise ClaimReadError(f"API server unreachable: {_short(exc)}", "unreachable") from None
-        served: list[str] = []
-        for group in groups.groups or ():
-            if group.name == GROUP:
-                served = [v.version for v in group.versions or ()]
+            served = resource_versions(self._client, self.timeout_s)
+        except ApiCallError as exc:
+            raise ClaimReadError(str(exc), _cause(exc)) from None
         for version in self._versions:
             if version in served:
-                log.info("reading ResourceClaims as %s/%s", GROUP, version)
+                log.info("reading ResourceClaims as %s/%s", RESOURCE_GROUP, version)
                 return version
         raise ClaimReadError(
-            f"the API server serves no {GROUP} version this agent reads "
+            f"the API server serves no {RESOURCE_GROUP} version this agent reads "
             f"(served: {shorten(', '.join(served), 200) or 'none'};"
             f" expected one of {', '.join(self._versions)});"
             " is DynamicResourceAllocation enabled?",
@@ -139,26 +128,18 @@ class KubernetesClaimReader:
             log.info("ResourceClaims are read again")
 
     def _read(self, namespace: str, name: str) -> Mapping[str, Any]:
-        from kubernetes.client.exceptions import ApiException
-
         version = self.version
         claim = f"ResourceClaim {shorten(namespace)}/{shorten(name, 253)}"  # as the caller got them
         try:
-            obj = self._api.get_namespaced_custom_object(
-                GROUP, version, namespace, "resourceclaims", name, _request_timeout=self.timeout_s
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                raise ClaimNotFound(f"{claim} not found") from None
-            raise ClaimReadError(f"reading {claim}: HTTP {exc.status} {shorten(exc.reason)}",
-                                 f"HTTP {exc.status}") from None
-        except Exception as exc:
-            raise ClaimReadError(f"reading {claim}: {_short(exc)}", "unreachable") from None
-        if not isinstance(obj, Mapping):
-            raise ClaimReadError(f"reading {claim}: the answer is not an object", "not an object")
+            obj = call(f"reading {claim}", self._api.get_namespaced_custom_object, RESOURCE_GROUP, version,
+                       namespace, "resourceclaims", name, timeout_s=self.timeout_s)
+        except ApiCallError as exc:
+            raise ClaimReadError(str(exc), _cause(exc)) from None
+        if obj is None:
+            raise ClaimNotFound(f"{claim} not found")
         return obj
 
 
-def _short(exc: BaseException) -> str:
-    """An exception from the client on one line, shortened (it may quote the request URL)."""
-    return shorten(" ".join(str(exc).split()), 200)
+def _cause(exc: ApiCallError) -> str:
+    """What fails, without naming the claim: one state for every claim read meanwhile."""
+    return "unreachable" if exc.status is None else f"HTTP {exc.status}"

@@ -3,16 +3,18 @@ it, shared by the slice publisher and the kubelet plugin.
 
 A full GPU is ``gpu-<index>``; with MIG enabled, the GPU itself is not a device and each MIG
 device is ``gpu-<parent index>-mig-<MIG device index>``; a GPU set is
-``gpuset-<size>-<rank>`` (:mod:`agent.dra.gpusets`) and stands for all its member GPUs. Names
-are DNS labels, as the API server requires, and stable for a given topology.
+``gpuset-<size>-m<mask>`` (:func:`agent.dra.gpusets.set_name`) and stands for the member GPUs
+its name says, whole GPUs (MIG off). Names are DNS labels, as the API server requires, and
+stable for a given topology: a name never comes to mean other GPUs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 from agent.containers import ContainerDevice
-from agent.dra.gpusets import gpu_sets, publishable
+from agent.dra.gpusets import parse_set_name
 from agent.topology.model import Gpu, MigDevice, Topology
 
 
@@ -35,18 +37,40 @@ def device_name(gpu: Gpu, mig: MigDevice | None = None) -> str:
     return f"gpu-{gpu.index}-mig-{mig.index}"
 
 
-def device_refs(topology: Topology) -> dict[str, DeviceRef]:
-    """Every device the node offers through DRA, by name: the GPUs and MIG devices in GPU
-    index order, then the GPU sets by size, best first."""
-    out: dict[str, DeviceRef] = {}
-    for gpu in topology.gpus:
-        if gpu.mig_enabled:
-            for mig in gpu.mig_devices:
-                out[device_name(gpu, mig)] = DeviceRef(device_name(gpu, mig), (ContainerDevice(gpu, mig),))
-        else:
-            out[device_name(gpu)] = DeviceRef(device_name(gpu), (ContainerDevice(gpu),))
-    for sets in gpu_sets(topology).values():
-        for s in sets:
-            if publishable(topology, s):
-                out[s.name] = DeviceRef(s.name, tuple(ContainerDevice(topology.gpus[i]) for i in s.members))
-    return out
+class DeviceRefs(Mapping[str, DeviceRef]):
+    """Every device the node offers through DRA, by name. Iterating lists the GPUs and MIG
+    devices in GPU index order; a set device is found by its name (any set of whole GPUs of
+    this node), since which sets are published follows the occupancy."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._singles: dict[str, DeviceRef] = {}
+        for gpu in topology.gpus:
+            if gpu.mig_enabled:
+                for mig in gpu.mig_devices:
+                    name = device_name(gpu, mig)
+                    self._singles[name] = DeviceRef(name, (ContainerDevice(gpu, mig),))
+            else:
+                self._singles[device_name(gpu)] = DeviceRef(device_name(gpu), (ContainerDevice(gpu),))
+
+    def __getitem__(self, name: str) -> DeviceRef:
+        found = self._singles.get(name)
+        if found is not None:
+            return found
+        members = parse_set_name(name)
+        gpus = self.topology.gpus
+        if members is None or members[-1] >= len(gpus) or any(gpus[i].mig_enabled for i in members):
+            raise KeyError(name)
+        return DeviceRef(name, tuple(ContainerDevice(gpus[i]) for i in members))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._singles)
+
+    def __len__(self) -> int:
+        return len(self._singles)
+
+
+def gpus_of(refs: Mapping[str, DeviceRef], name: str) -> tuple[int, ...]:
+    """The GPU indices behind device ``name`` (none for a name not of this node)."""
+    found = refs.get(name)
+    return tuple(sorted({p.gpu.index for p in found.parts})) if found is not None else ()

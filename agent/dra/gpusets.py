@@ -1,89 +1,142 @@
-"""Placement by publication order: the order of the single GPUs, and which multi-GPU sets
-the node publishes as DRA devices, in what order.
+"""Placement by publication order, following the node's occupancy: which GPU sets the node
+publishes as DRA devices, and in what order the single GPUs and the sets come.
 
 The scheduler's allocator has no scoring: it takes the first free device in pool, slice and
 device order (slices sorted by name). A claim for one *set device* of k GPUs therefore gets
 the first published set of that size whose GPUs are all free (the counters of
-``agent.dra.slices`` make a set busy as soon as one member is). Publishing the sets the device
-plugin's policy would choose, best first, lets that first-fit search find the best free set.
+``agent.dra.slices`` make a set busy as soon as one member is). So the agent publishes, for
+the GPUs free now, the device plugin's own choices first, and re-publishes at every
+NodePrepareResources and NodeUnprepareResources (:class:`agent.dra.publisher.SlicePublisher`).
 
-**Single GPUs** (:func:`device_order`): grouped by NUMA node (unknown last), then by NVLink
-island (lowest index first), and inside a group a greedy walk where each next GPU is the one
-best linked (pair score) to the one before, ties broken by its links to the whole group so
-far, then by the lower index. MIG devices keep their parent's place, in MIG index order.
-``device_order(topology, in_use)`` is the order an agent could re-publish after every
-NodePrepareResources / NodeUnprepareResources (NUMA nodes, then islands, with the fewest free
-GPUs first, so that first fit approximates best fit); ``bench/quality_dra.py`` measured it
-worse than the static order for single-GPU claims, so the agent publishes the static order.
+**Free GPUs** are the whole (MIG off), healthy, not lost GPUs that no prepared claim of this
+node holds. The **policy** is the device plugin's (:class:`SetPolicy`, over
+:class:`agent.topology.allocator.AllocationEngine`, built once per topology): its choice of
+k GPUs among the free ones is what ``GetPreferredAllocation`` and
+``gpu-topology-agent allocate --available <free> --size k`` give.
 
-**Sizes.** 2, 4, 8 and 16, and the size of every NVLink island and every maximal NVLink
-clique of two or more GPUs, as far as the node has GPUs.
+**Single GPUs** (:meth:`SetPolicy.sequence` with k = 1): the policy's choice of one free GPU,
+then its choice among the free GPUs left, and so on (the device plugin's answers to a run of
+one-GPU requests); then the GPUs that are not free, in the static order of
+:func:`device_order` (MIG devices in their parent's place).
 
-**Which sets (the pruning rule).** The sets of one size k come from the node's *structural
-units*: every maximal NVLink clique, every NVLink island, every NUMA node (GPUs of unknown
-NUMA node form one unit), every PCIe root complex shared by two or more GPUs, and the whole
-node. For each unit U that can hold k GPUs:
+**Sets.** Sizes 2, 4, 8 and 16, and the size of every NVLink island and maximal NVLink clique
+of two or more GPUs, as far as the node has GPUs (:func:`set_sizes`). Per size, the policy's
+choice of k free GPUs, then its choice among the free GPUs left, and so on, at most
+:data:`SETS_PER_SIZE` disjoint sets (:meth:`SetPolicy.sequence`): the first free set of each size
+is exactly the device plugin's answer, and claims allocated before the agent re-publishes
+(the scheduler runs ahead of the kubelet) still find the next answers. A claim that finds no
+set free falls back to single GPUs (the example claims' prioritized list).
 
-* if U has at most :data:`ENUMERATION_LIMIT` subsets of k GPUs, every one of them;
-* otherwise the unions of whole *sub-units* of U (the largest units strictly inside it, when
-  they are disjoint) that hold exactly k GPUs, at most :data:`ENUMERATION_LIMIT` of them.
+**Never withdraw what a claim may hold** (:func:`sets_to_keep`). The scheduler allocates
+before the agent hears of it (the kubelet prepares after the pod is bound), and counts an
+allocated device's counters by finding it in the published slices: a set withdrawn between
+allocation and prepare would let its GPUs be handed out again. The rule: *a set device
+published once stays published until one of its member GPUs is held by a prepared claim
+through another device.* Safe with what the agent knows, without watching ResourceClaims:
+if set D is left out while claim C2 may hold it, some member g of D is held by prepared claim
+C3 through device E != D. C3 was allocated before D was left out; if C2 got D before C3 got
+E, the scheduler counted D's counters (D was published, by the same rule, all along) and
+could not give E; if after, it counted E's (E was published and allocated), and could not
+give D. Either way C2 cannot hold D. Kept sets come after the policy's sets of their size,
+so first fit still finds the policy's answer first. The single GPUs are always published.
+The agent recovers what it published from its own slices in the API server after a restart.
+Two cases fall outside the rule: an agent started with sets off (``dra.gpuSets``, or an API
+server that drops the counters) withdraws every set, and an upgrade from agents that named
+sets by rank (``gpuset-4-0``) withdraws those: change either on a node without pending set
+claims.
 
-So a node of up to 8 GPUs publishes every set of every size (at most 99 sets on 8 GPUs),
-and a larger node every set inside a small unit (a NUMA node of 8, an NVLink island of 8)
-plus the sets made of whole units above that (two whole islands of one NUMA node, two NUMA
-halves). A set that straddles units without being a union of whole ones is left out: a claim
-that finds no published set free falls back to single GPUs (a prioritized list, see the
-example claims), which on such a fragmented node choose about as well. The device plugin's
-own choice on the empty node (:meth:`AllocationEngine.gpus` for the whole node) is always published.
-What the pruning costs is measured by ``bench/quality_dra.py`` on 16, 32 and 64-GPU
-synthetic nodes.
+**Which Kubernetes** (:func:`gpu_sets_decision`). Sets need counters, and the scheduler's
+``GatherPools`` (``k8s.io/dynamic-resource-allocation``, ``structured/internal/incubating``)
+reads counter slices differently by version: up to 1.36 every slice holding
+``sharedCounters`` is gathered for every node it filters ("needed to use a pool regardless
+of their node selector"), so each Filter converts and validates every node's devices:
+scheduling becomes quadratic in the node count. 1.37 (kubernetes#138917) gathers a counter
+slice with ``nodeName`` for that node only. ``dra.gpuSets: auto`` therefore publishes sets on
+an API server of 1.37 or newer and single GPUs only before (or when the version is unknown);
+``on`` and ``off`` decide without asking. The scheduler may be one minor version older than
+the API server during an upgrade: ``off`` until it is upgraded too, where that matters.
 
-**Order.** Within a size, the device plugin's own choice on the empty node first (rank 0:
-a set claim on an empty node gets what GetPreferredAllocation gives), then best first by the
-device plugin's objective on the empty node (``AllocationEngine.explain`` with the set as
-must-include): the anchor criterion (set score plus the best split of the other GPUs into
-groups of k), the set score, fewer NUMA nodes, the smaller cut to the other GPUs. Among
-equals: pairs fill from the front of the single GPUs' order (:func:`device_order`, which
-single GPUs also fill from the front), larger sets from its back; then the lower indices.
-Two-ended filling keeps whole units free for large sets while single GPUs and pairs share
-the front. (First fit cannot do the device plugin's best fit, which takes the GPUs next to
-busy ones; ``bench/quality_dra.py`` measures what that costs, and what the pruning costs.)
+**Names** say the members: ``gpuset-<k>-m<mask>``, the members' bitmask in lowercase hex
+(``gpuset-4-mf`` is GPUs 0-3, ``gpuset-2-m30`` GPUs 4 and 5; the ``m`` keeps them apart from
+the ``gpuset-<k>-<rank>`` names of earlier agents, which stood for other GPUs; :func:`set_name`,
+:func:`parse_set_name`), so a name means the same GPUs whatever the occupancy, whichever
+agent generation published it, and the preparer needs no list of sets to resolve one.
 
-**Names and ranks** come from the whole topology (MIG-enabled and unhealthy GPUs included):
-a set's ``rank`` is its position in its size's order, 0 the best, and its device name
-``gpuset-<k>-<rank>`` stays the same while GPUs fail and recover, so a claim allocated
-before keeps naming the same GPUs. Sets with a MIG-enabled member are not published
-(:func:`publishable`); sets with an unhealthy member are, tainted.
+**Single GPUs' static order** (:func:`device_order`): grouped by NUMA node (unknown last),
+then by NVLink island (lowest index first), and inside a group a greedy walk where each next
+GPU is the one best linked (pair score) to the one before, ties broken by its links to the
+whole group so far, then by the lower index.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from math import comb
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Collection, Iterable, Mapping
 
-from agent.topology.allocator import AllocationEngine, Candidate
-from agent.topology.deviceids import DeviceRequest, DeviceTable
+from agent.topology.allocator import AllocationEngine
+from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
-__all__ = ["ENUMERATION_LIMIT", "SET_SIZES", "GpuSet", "clique_ids", "device_order", "gpu_sets",
-           "island_ids", "publishable", "set_sizes", "structural_units"]
+__all__ = ["NEWEST_KNOWN", "SETS_FROM", "SETS_PER_SIZE", "SET_SIZES", "GpuSet", "SetPolicy", "clique_ids",
+           "device_order", "gpu_sets_decision", "island_ids", "parse_set_name", "set_name", "set_sizes",
+           "sets_to_keep"]
 
 #: Sizes every node is offered in (besides its NVLink island and clique sizes).
 SET_SIZES = (2, 4, 8, 16)
-#: Most k-subsets of one unit published whole; above, whole sub-units are combined.
-ENUMERATION_LIMIT = 256
+#: The most sets of one size the policy publishes for the current occupancy (kept sets aside).
+SETS_PER_SIZE = 4
+_PREFIX = "gpuset-"
+#: The first Kubernetes version whose scheduler gathers a node's counter slices for that node only.
+SETS_FROM = (1, 37)
+#: The newest Kubernetes version this agent knows (``slices --server-version`` default).
+NEWEST_KNOWN = (1, 37)
 
-Unit = tuple[int, ...]
+
+def gpu_sets_decision(setting: str, server: tuple[int, int] | None) -> tuple[bool, str]:
+    """Whether to publish GPU sets for ``dra.gpuSets`` = ``setting`` (auto, on, off) against an
+    API server of version ``server`` (major, minor; None: unknown), and why, in words."""
+    if setting == "on":
+        return True, "dra.gpuSets is on"
+    if setting == "off":
+        return False, "dra.gpuSets is off"
+    if server is None:
+        return False, ("dra.gpuSets is auto and the API server's version is unknown: single GPUs only"
+                       " (a scheduler before 1.37 gathers every node's counter slices in every Filter)")
+    shown = f"{server[0]}.{server[1]}"
+    if server >= SETS_FROM:
+        return True, (f"dra.gpuSets is auto and the API server is Kubernetes {shown}: its scheduler reads a"
+                      " node's counter slices for that node only (kubernetes#138917)")
+    return False, (f"dra.gpuSets is auto and the API server is Kubernetes {shown}: before 1.37 the scheduler"
+                   " gathers every node's counter slices in every Filter (quadratic in nodes), so single"
+                   " GPUs only; set dra.gpuSets=on to publish sets anyway")
+
+
+def set_name(members: Iterable[int]) -> str:
+    """The set device's name, a DNS label: ``gpuset-<k>-m<hex bitmask of the members>``."""
+    found = sorted(set(members))
+    return f"{_PREFIX}{len(found)}-m{sum(1 << i for i in found):x}"
+
+
+def parse_set_name(name: str) -> tuple[int, ...] | None:
+    """The members (ascending) a set name stands for; None when ``name`` is no canonical one."""
+    if not name.startswith(_PREFIX):
+        return None
+    size, _, mask = name[len(_PREFIX):].partition("-m")
+    if not size.isdigit() or not mask or mask != mask.lower() or mask.startswith("0") or len(mask) > 64:
+        return None
+    try:
+        bits = int(mask, 16)
+    except ValueError:
+        return None
+    members = tuple(i for i in range(bits.bit_length()) if bits >> i & 1)
+    return members if len(members) == int(size) >= 2 and set_name(members) == name else None
 
 
 @dataclass(frozen=True)
 class GpuSet:
-    """One published set: its GPU indices (sorted) and its rank among the sets of its size."""
+    """One set device: its GPU indices, ascending."""
 
     members: tuple[int, ...]
-    rank: int
 
     @property
     def size(self) -> int:
@@ -91,8 +144,8 @@ class GpuSet:
 
     @property
     def name(self) -> str:
-        """The DRA device name, a DNS label."""
-        return f"gpuset-{self.size}-{self.rank}"
+        """The DRA device name (:func:`set_name`)."""
+        return set_name(self.members)
 
 
 # ----------------------------------------------------------------------- single GPUs
@@ -118,27 +171,16 @@ def clique_ids(topology: Topology) -> dict[int, int]:
     return out
 
 
-def device_order(topology: Topology, in_use: Collection[int] = ()) -> list[int]:
-    """GPU indices in slice order (see the module docstring); ``in_use``: indices of the GPUs
-    held by prepared claims (groups with fewer free GPUs come first)."""
+def device_order(topology: Topology) -> list[int]:
+    """GPU indices in the static order (see the module docstring): the single GPUs' order
+    after those the policy would hand out first."""
     islands = island_ids(topology)
     groups: dict[tuple[bool, int, int], list[int]] = {}
     for g in topology.gpus:
         key = (g.numa_node is None, g.numa_node if g.numa_node is not None else 0, islands[g.index])
         groups.setdefault(key, []).append(g.index)
-    used = set(in_use)
-    free = {key: sum(1 for i in members if i not in used) for key, members in groups.items()}
-    numa_free: dict[tuple[bool, int], int] = {}
-    for key, n in free.items():
-        numa_free[key[:2]] = numa_free.get(key[:2], 0) + n
-
-    def rank(key: tuple[bool, int, int]) -> tuple[object, ...]:
-        if not used:
-            return key
-        return (key[0], numa_free[key[:2]], key[1], free[key], key[2])
-
     order: list[int] = []
-    for key in sorted(groups, key=rank):
+    for key in sorted(groups):
         left = list(groups[key])
         walk = [left.pop(0)]
         while left:
@@ -160,112 +202,76 @@ def set_sizes(topology: Topology) -> list[int]:
     return sorted(k for k in sizes if 2 <= k <= n)
 
 
-def structural_units(topology: Topology) -> list[Unit]:
-    """Cliques, islands, NUMA nodes, shared PCIe roots and the node, each sorted, no repeats."""
-    units: set[Unit] = {tuple(sorted(c)) for c in topology.nvlink_cliques}
-    units |= {tuple(sorted(i)) for i in topology.nvlink_islands}
-    units |= {tuple(sorted(g)) for g in topology.numa_groups.values()}
-    roots: dict[str, list[int]] = {}
-    for g in topology.gpus:
-        if g.pcie_root:
-            roots.setdefault(g.pcie_root, []).append(g.index)
-    units |= {tuple(sorted(r)) for r in roots.values() if len(r) >= 2}
-    units.add(tuple(range(topology.gpu_count)))
-    return sorted(u for u in units if u)
+class SetPolicy:
+    """The device plugin's policy on one topology's whole GPUs, asked in GPU indices (the
+    request goes down the same path as a GetPreferredAllocation for the whole-GPU resource).
+    Built once per topology; thread-safe as the engine is."""
 
-
-def _sub_units(unit: Unit, units: Sequence[Unit]) -> list[Unit] | None:
-    """The largest units strictly inside ``unit``, when they are pairwise disjoint; else None."""
-    inside = [u for u in units if len(u) < len(unit) and set(u) <= set(unit)]
-    top = [u for u in inside if not any(set(u) < set(v) for v in inside)]
-    seen: set[int] = set()
-    for u in top:
-        if seen & set(u):
-            return None
-        seen |= set(u)
-    return top
-
-
-def _whole_unions(parts: Sequence[Unit], k: int) -> Iterator[Unit]:
-    """Unions of whole ``parts`` holding exactly ``k`` GPUs (parts in the given order)."""
-    def walk(start: int, left: int, chosen: tuple[int, ...]) -> Iterator[Unit]:
-        if left == 0:
-            yield tuple(sorted(chosen))
-            return
-        for i in range(start, len(parts)):
-            if len(parts[i]) <= left:
-                yield from walk(i + 1, left - len(parts[i]), chosen + parts[i])
-
-    yield from walk(0, k, ())
-
-
-def candidate_sets(topology: Topology, k: int, units: Sequence[Unit] | None = None) -> set[Unit]:
-    """The k-GPU sets the pruning rule keeps (the device plugin's empty-node choice aside)."""
-    units = structural_units(topology) if units is None else units
-    out: set[Unit] = set()
-    for unit in units:
-        if len(unit) < k:
-            continue
-        if comb(len(unit), k) <= ENUMERATION_LIMIT:
-            out.update(itertools.combinations(unit, k))
-            continue
-        parts = _sub_units(unit, units)
-        if parts:
-            out.update(itertools.islice(_whole_unions(parts, k), ENUMERATION_LIMIT))
-    return out
-
-
-class _EmptyNode:
-    """The device plugin's policy asked about the empty node, in GPU indices: the request
-    goes down the same path as a GetPreferredAllocation for the whole-GPU resource."""
-
-    def __init__(self, topology: Topology, engine: AllocationEngine) -> None:
-        self.engine = engine
+    def __init__(self, topology: Topology, engine: AllocationEngine | None = None) -> None:
+        self.topology = topology
+        self.engine = engine or AllocationEngine(topology)
         self.table = DeviceTable([(g.uuid, g.index) for g in topology.gpus], topology.gpu_count, "gpus")
-        self.everyone = list(self.table.ids)
+        self.sizes = set_sizes(topology)
+        self.static_order = device_order(topology)
 
-    def _request(self, must: Sequence[int], size: int) -> DeviceRequest:
-        return self.table.request(self.everyone, [self.table.ids[i] for i in must], size)
+    def choose(self, free: Collection[int], size: int) -> tuple[int, ...]:
+        """The policy's choice of ``size`` GPUs among ``free`` (indices), ascending."""
+        ids = self.table.ids
+        request = self.table.request([ids[self.table.start[i]] for i in free], [], size)
+        return tuple(sorted(self.table.gpu[r] for r in self.engine.gpus(self.table, request)))
 
-    def best_set(self, size: int) -> tuple[int, ...]:
-        """The policy's choice of ``size`` GPUs on the empty node."""
-        return tuple(sorted(self.table.gpu[r] for r in self.engine.gpus(self.table, self._request((), size))))
+    def sequence(self, free: Collection[int], size: int, limit: int) -> list[tuple[int, ...]]:
+        """The policy's choice of ``size`` among ``free``, then among the free GPUs left, ...:
+        at most ``limit`` disjoint choices."""
+        left = set(free)
+        out: list[tuple[int, ...]] = []
+        while len(out) < limit and len(left) >= size:
+            chosen = self.choose(sorted(left), size)
+            out.append(chosen)
+            left -= set(chosen)
+        return out
 
-    def chosen(self, members: Unit) -> Candidate:
-        """``members`` as the policy ranks them (its criteria, as for its own choice)."""
-        return self.engine.explain(self.table, self._request(members, len(members)), runners_up=0).chosen
+    def free_gpus(self, held: Collection[int], unhealthy: Collection[int] = ()) -> list[int]:
+        """The GPUs a set may hold: whole, healthy, not lost, not in ``held``."""
+        return [g.index for g in self.topology.gpus
+                if not g.mig_enabled and not g.lost and g.index not in held and g.index not in unhealthy]
+
+    def single_order(self, free: Collection[int]) -> list[int]:
+        """Every GPU index in slice order: the policy's run over ``free``, then the others in
+        the static order."""
+        first = [c[0] for c in self.sequence(free, 1, len(free))]
+        return first + [i for i in self.static_order if i not in set(first)]
+
+    def sets(self, free: Collection[int], kept: Iterable[GpuSet] = ()) -> list[GpuSet]:
+        """The set devices to publish, by size ascending: per size the policy's
+        :meth:`sequence` over ``free``, then the ``kept`` sets of that size not among them."""
+        kept_by_size: dict[int, dict[str, GpuSet]] = {}
+        for s in kept:
+            kept_by_size.setdefault(s.size, {})[s.name] = s
+        out: list[GpuSet] = []
+        for k in sorted(set(self.sizes) | set(kept_by_size)):
+            chosen = [GpuSet(m) for m in self.sequence(free, k, SETS_PER_SIZE)] if k in self.sizes else []
+            names = {s.name for s in chosen}
+            out += chosen + sorted((s for s in kept_by_size.get(k, {}).values() if s.name not in names),
+                                   key=lambda s: s.members)
+        return out
 
 
-def _order_key(policy: _EmptyNode, position: dict[int, int],
-               from_front: bool) -> Callable[[Unit], tuple[Any, ...]]:
-    def key(members: Unit) -> tuple[Any, ...]:
-        c = policy.chosen(members)
-        places = sorted(position[i] for i in members)
-        tie = places if from_front else sorted((-p for p in places))
-        return (-c.anchor_score, -c.score, c.numa_nodes, c.cut, tie, members)
-
-    return key
-
-
-def gpu_sets(topology: Topology, engine: AllocationEngine | None = None) -> dict[int, list[GpuSet]]:
-    """Per size (ascending), the sets to publish, best first, ranked over the whole topology
-    (``engine``: the topology's policy, built when not given)."""
-    if topology.gpu_count < 2:
-        return {}
-    policy = _EmptyNode(topology, engine or AllocationEngine(topology))
-    position = {g: i for i, g in enumerate(device_order(topology))}
-    units = structural_units(topology)
-    out: dict[int, list[GpuSet]] = {}
-    for k in set_sizes(topology):
-        best = policy.best_set(k)
-        rest = candidate_sets(topology, k, units) - {best}
-        key = _order_key(policy, position, from_front=k <= 2)
-        ordered = [best, *sorted(rest, key=key)]
-        out[k] = [GpuSet(members, rank) for rank, members in enumerate(ordered)]
+def sets_to_keep(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
+    """The rule (module docstring): of the set devices ``published`` (names), those that must
+    stay published, given ``held``: every device a prepared claim of this node holds, name ->
+    GPU indices. A set stays unless one of its members is held through another device."""
+    through: dict[int, set[str]] = {}
+    for device, gpus in held.items():
+        for g in gpus:
+            through.setdefault(g, set()).add(device)
+    out = []
+    for name in sorted(set(published)):
+        members = parse_set_name(name)
+        if members is None:
+            continue  # not a set of ours (a stored slice of another agent version): nothing to keep
+        if not any(through.get(g, set()) - {name} for g in members):
+            out.append(GpuSet(members))
     return out
 
 
-def publishable(topology: Topology, gpu_set: GpuSet) -> bool:
-    """Whether every member is a whole GPU (MIG off). Sets with an unhealthy or lost member
-    are published too, tainted (:mod:`agent.dra.taints`)."""
-    return not any(topology.gpus[i].mig_enabled for i in gpu_set.members)

@@ -152,7 +152,7 @@ class DraPlugin:
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
         self._v1beta1 = DraV1beta1Servicer(self.preparer)
-        self.health_streams = HealthStreams(health, lambda: self.preparer.devices, self.node_name)
+        self.health_streams = HealthStreams(health, self._served_devices, self.node_name)
         self._registration = WatcherRegistrationServicer(
             PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS + HEALTH_SERVICES,
             self._registration_status,
@@ -180,6 +180,17 @@ class DraPlugin:
         add_watcher_registration(self._registration, server)
 
     # ------------------------------------------------------------------ lifecycle
+    def _served_devices(self) -> dict[str, Any]:
+        """The devices the health stream reports: the single GPUs and MIG devices, and the
+        GPU sets prepared claims of this node hold (which sets are published follows the
+        occupancy; a pod's set is what the kubelet asks about)."""
+        refs = self.preparer.devices
+        out = dict(refs)
+        for pool, name in sorted(self.checkpoint.devices()):
+            if pool == self.node_name and name not in out and name in refs:
+                out[name] = refs[name]
+        return out
+
     def start(self) -> None:
         """Serve the DRA service, then the registration socket (the kubelet may dial the
         endpoint as soon as it sees the registration socket), then watch both."""

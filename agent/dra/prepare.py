@@ -23,7 +23,7 @@ from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
-from agent.dra.devices import DeviceRef, device_refs
+from agent.dra.devices import DeviceRef, DeviceRefs
 from agent.errors import shorten
 from agent.topology.model import Topology
 
@@ -87,7 +87,7 @@ class ClaimPreparer:
         self.health = health
         self.claims = claim_reader
         self.checkpoint = checkpoint
-        self.devices: Mapping[str, DeviceRef] = device_refs(topology)
+        self.devices: Mapping[str, DeviceRef] = DeviceRefs(topology)
         self.cdi = CdiSpecWriter(topology, config)
         self._lock = threading.Lock()
 
@@ -95,7 +95,7 @@ class ClaimPreparer:
         """Serve ``topology`` with ``config`` from now on (read again after a kubelet restart
         or SIGHUP; its driver name and CDI directory are the running ones). Claims already
         prepared keep their checkpointed answer."""
-        devices = device_refs(topology)
+        devices = DeviceRefs(topology)
         cdi = CdiSpecWriter(topology, config)
         with self._lock:
             self.devices, self.cdi = devices, cdi

@@ -1,14 +1,30 @@
-"""The ResourceSlice publisher: keeps the node's pool in the API server equal to the topology
-and its health (unhealthy GPUs tainted), with the official ``kubernetes`` client.
+"""The ResourceSlice publisher: keeps the node's pool in the API server equal to the topology,
+its health (unhealthy GPUs tainted) and its occupancy, with the official ``kubernetes`` client.
 
 One thread owns all API calls. At start it asks discovery once which ``resource.k8s.io``
-versions are served (``v1`` preferred, else ``v1beta2``, else ``v1beta1``) and reads the
-Node's UID (for the owner reference; a Node it may not read is published without one). Then it
-makes the pool match what :func:`agent.dra.slices.render_slices` renders: create what is
-missing, update what differs (a stale ``resourceVersion`` answered with 409 is re-read and
-retried), delete this driver's other slices of the node. Each change of content raises the
-pool generation above every generation seen, so the scheduler never mixes two versions of the
-pool. A health change wakes the thread at once (republished well within a second).
+versions are served (``v1`` preferred, else ``v1beta2``, else ``v1beta1``), decides once
+whether to publish GPU sets (``dra.gpuSets``; ``auto`` asks ``/version``:
+:func:`agent.dra.gpusets.gpu_sets_decision`, said in one log line and
+``gpu_agent_dra_gpu_sets_mode``) and reads the Node's UID (for the owner reference; a Node it
+may not read is published without one). Then it makes the pool match what
+:func:`agent.dra.slices.render_slices` renders for the devices prepared claims hold (the
+checkpoint) and the set devices the pool has now: create what is missing, update what
+differs (a stale ``resourceVersion`` answered with 409 is re-read and retried), delete this
+driver's other slices of the node. A health change, a prepared or an unprepared claim wakes
+the thread at once (re-published well within a second).
+
+**Generations.** The scheduler's allocator skips a pool with fewer slices of its newest
+generation than ``resourceSliceCount`` (incomplete) or with a device name twice (invalid). A
+re-publication that moves no device from one slice to another (the counter slice never
+changes; up to 64 devices are one device slice; above, the single GPUs and the sets have
+slices of their own) rewrites the changed slices under the same pool generation: any view
+the scheduler can have holds each slice once, each device at most once, and every device a
+claim may hold (the single GPUs always, a set kept by the rule of :mod:`agent.dra.gpusets`
+in both publications), so the pool is never incomplete nor invalid. The API reference asks
+for a new generation on every change so that consumers never mix two versions of a pool;
+mixing is harmless when no device moves, and a new generation would make the pool
+incomplete from its first write to its last. Any other change raises the generation above
+every generation seen, in every slice.
 
 **Read-back.** Every write is answered with the object as stored; where the server dropped
 fields of a feature (a gate off drops them without an error, :mod:`agent.dra.readback`), the
@@ -37,8 +53,16 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Collection, Mapping, Protocol
+from typing import Any, Callable, Collection, Mapping
 
+from agent.dra.devices import DeviceRefs, gpus_of
+from agent.dra.gpusets import SetPolicy, gpu_sets_decision, parse_set_name
+from agent.dra.publish_settings import (
+    HealthSource,
+    PreparedDevices,
+    PublisherEvents,
+    PublishSettings,
+)
 from agent.dra.readback import (
     DEVICE_TAINTS,
     PARTITIONABLE_DEVICES,
@@ -46,12 +70,21 @@ from agent.dra.readback import (
     keep_taint_times,
     same_content,
 )
-from agent.dra.slices import API_VERSIONS, DEFAULT_DRIVER, SETS_API_VERSIONS, render_slices
+from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, Occupancy, render_slices
+from agent.errors import AgentError
+from agent.kube import (
+    RESOURCE_GROUP,
+    ApiCallError,
+    call,
+    pick_version,
+    resource_versions,
+    server_version,
+)
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreparedDevices", "PublisherEvents", "SlicePublisher", "pick_version"]
+__all__ = ["SlicePublisher"]
 
 #: Why publishing goes on without a feature, logged once when the server drops it.
 _WITHOUT = {
@@ -64,44 +97,17 @@ _WITHOUT = {
 }
 
 
-class PublisherEvents(Protocol):
-    """What the publisher reports: the self-metrics implement it
-    (:class:`agent.metrics.self_metrics.AgentMetrics`). Cheap, no I/O."""
-
-    def dra_api_feature(self, feature: str, kept: bool) -> None:
-        """Whether the API server keeps ``feature``'s fields (a feature-gate name)."""
-        ...
-
-
-class PreparedDevices(Protocol):
-    """The devices prepared claims of this node use (:class:`agent.dra.checkpoint.Checkpoint`)."""
-
-    def devices(self) -> Collection[tuple[str, str]]:
-        """(pool, device name) of every device of every prepared claim."""
-        ...
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """``callback()`` after every prepared or forgotten claim."""
-        ...
-
 _REQUEST_TIMEOUT_S = 10.0
 _CONFLICT_RETRIES = 5
 
 
-def pick_version(served: Collection[str]) -> str | None:
-    """The version to publish: the first of ``v1``, ``v1beta2``, ``v1beta1`` that is served."""
-    for version in API_VERSIONS:
-        if version in served:
-            return version
-    return None
+class _Failure(AgentError):
+    """A failed step that is no API call (no client, no DRA API served), with a stable
+    ``state`` for log-once, as :class:`agent.kube.ApiCallError` has."""
 
-
-class _Failure(Exception):
-    """One failed step, with a stable ``reason`` (for log-once) and a message."""
-
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, state: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.state = state
 
 
 class SlicePublisher:
@@ -109,40 +115,31 @@ class SlicePublisher:
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
     thread, again after a failure to build one; production: :func:`agent.kube.api_client`,
-    which leaves retrying to the publisher's own loop). ``health`` (an
-    :class:`agent.health.HealthState`, optional) is subscribed to: its unhealthy GPUs and
-    every set holding one get a taint with ``taint_effect`` saying why, removed on recovery.
-    Without it, call :meth:`update`. ``prepared`` (the plugin's checkpoint, optional) tells
-    which devices stay while the server keeps no taints. ``events`` hears which features the
-    API server keeps. ``delete_on_stop``: delete the slices on :meth:`stop` (default keep: a
-    restarting agent must not make running pods' devices vanish).
+    which leaves retrying to the publisher's own loop). ``settings`` says for which node
+    and driver, and how to retry. ``health`` (an :class:`agent.health.HealthState`,
+    optional) is subscribed to: its unhealthy GPUs and every set holding one get a taint with
+    the settings' effect saying why, removed on recovery. Without it, call :meth:`update`.
+    ``prepared`` (the plugin's checkpoint, optional) tells which devices stay while the
+    server keeps no taints. ``events`` hears which features the API server keeps.
     """
 
     def __init__(
         self,
         client_factory: Callable[[], Any],
-        node_name: str,
         topology: Topology,
-        driver_name: str = DEFAULT_DRIVER,
+        settings: PublishSettings,
         *,
-        health: Any = None,
+        health: HealthSource | None = None,
         prepared: PreparedDevices | None = None,
         events: PublisherEvents | None = None,
-        taint_effect: str = "NoSchedule",
-        delete_on_stop: bool = False,
-        backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        resync_s: float = 300.0,
     ) -> None:
         self.client_factory = client_factory
-        self.node_name = node_name
-        self.driver_name = driver_name
-        self.delete_on_stop = delete_on_stop
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self.resync_s = resync_s
-        self.taint_effect = taint_effect
+        self.settings = settings
+        self.node_name = settings.node_name
+        self.driver_name = settings.driver_name
         self._topology = topology
+        self._policy = SetPolicy(topology)
+        self._refs = DeviceRefs(topology)
         self._unhealthy: dict[int, str] = {}
         self._health = health
         self._prepared = prepared
@@ -158,6 +155,7 @@ class SlicePublisher:
         self._last_reason: str | None = None
         # what the thread learnt (the thread's own state)
         self.api_version: str | None = None
+        self.gpu_sets: bool | None = None  # decided at discovery
         self.node_uid: str | None = None
         self._node_read = False
         self.generation = 0  # the pool generation last published
@@ -183,10 +181,10 @@ class SlicePublisher:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        if self.delete_on_stop and self.api_version is not None:
+        if self.settings.delete_on_stop and self.api_version is not None:
             try:
                 self._delete_all()
-            except _Failure as exc:
+            except (ApiCallError, _Failure) as exc:
                 log.warning("could not delete the ResourceSlices of node %s on shutdown: %s", self.node_name, exc)
         if self._client is not None:
             try:
@@ -204,39 +202,49 @@ class SlicePublisher:
                unhealthy: Collection[int] | Mapping[int, str] | None = None) -> None:
         """Publish a new topology and/or the unhealthy GPUs (indices, or index -> reason)
         (returns at once)."""
+        policy, refs = (SetPolicy(topology), DeviceRefs(topology)) if topology is not None else (None, None)
         with self._cond:
-            if topology is not None:
-                self._topology = topology
+            if topology is not None and policy is not None and refs is not None:
+                self._topology, self._policy, self._refs = topology, policy, refs
             if unhealthy is not None:
                 self._unhealthy = (dict(unhealthy) if isinstance(unhealthy, Mapping)
                                    else {i: "unhealthy" for i in unhealthy})
             self._dirty = True
             self._cond.notify_all()
 
-    def _desired(self) -> list[dict[str, Any]]:
-        """The slices as they would be published now, for generation :attr:`generation`."""
+    def _desired(self, existing: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The slices as they would be published now, for generation :attr:`generation`,
+        given the pool as the API server has it (``existing``: the set devices in it stay
+        while a claim may hold them, :func:`agent.dra.gpusets.sets_to_keep`)."""
         with self._cond:
             topology, unhealthy = self._topology, dict(self._unhealthy)
+            policy, refs = self._policy, self._refs
+        prepared = ({device for pool, device in self._prepared.devices() if pool == self.node_name}
+                    if self._prepared is not None else set())
+        published = {d.get("name", "") for o in existing.values()
+                     for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
+        occupancy = Occupancy({name: gpus_of(refs, name) for name in sorted(prepared)},
+                              sorted(n for n in published if parse_set_name(n) is not None))
         taints = self.kept[DEVICE_TAINTS]
-        keep = () if taints or self._prepared is None else {
-            device for pool, device in self._prepared.devices() if pool == self.node_name}
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=self.api_version or "v1",
                              generation=max(self.generation, 1), node_uid=self.node_uid,
-                             unhealthy=unhealthy, with_sets=self.kept[PARTITIONABLE_DEVICES],
-                             taint_effect=self.taint_effect if taints else None, keep=keep)
+                             unhealthy=unhealthy, occupancy=occupancy,
+                             with_sets=bool(self.gpu_sets) and self.kept[PARTITIONABLE_DEVICES],
+                             taint_effect=self.settings.taint_effect if taints else None,
+                             keep=() if taints else prepared, policy=policy)
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:
-        self.update(unhealthy=self._health.snapshot())
+        if self._health is not None:
+            self.update(unhealthy=self._health.snapshot())
 
     def _on_prepared_change(self) -> None:
-        if not self.kept[DEVICE_TAINTS]:  # only then do prepared claims change what is published
-            self.update()
+        self.update()  # the order and the sets follow what prepared claims hold
 
     def _run(self) -> None:
-        backoff = self.backoff_initial_s
-        next_resync = time.monotonic() + self.resync_s
+        backoff = self.settings.backoff_initial_s
+        next_resync = time.monotonic() + self.settings.resync_s
         while True:
             with self._cond:
                 while not self._stopping and not self._dirty and time.monotonic() < next_resync:
@@ -246,12 +254,12 @@ class SlicePublisher:
                 self._dirty = False
             try:
                 self._sync()
-            except _Failure as exc:
+            except (ApiCallError, _Failure) as exc:
                 self._log_failure(exc)
                 with self._cond:
                     self._dirty = True
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                backoff = min(backoff * 2, self.settings.backoff_max_s)
                 continue
             except Exception as exc:  # a bug must not kill the thread: log, back off, retry
                 log.exception("ResourceSlice publisher failed unexpectedly")
@@ -259,40 +267,25 @@ class SlicePublisher:
                 with self._cond:
                     self._dirty = True
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                backoff = min(backoff * 2, self.settings.backoff_max_s)
                 continue
             if self._last_reason is not None:
                 log.info("ResourceSlices of node %s published again (after: %s)", self.node_name, self._last_reason)
                 self._last_reason = None
-            backoff = self.backoff_initial_s
-            next_resync = time.monotonic() + self.resync_s
+            backoff = self.settings.backoff_initial_s
+            next_resync = time.monotonic() + self.settings.resync_s
             self._ready.set()
 
-    def _log_failure(self, exc: _Failure) -> None:
-        if exc.reason != self._last_reason:
+    def _log_failure(self, exc: ApiCallError | _Failure) -> None:
+        if exc.state != self._last_reason:
             log.warning("cannot publish the ResourceSlices of node %s (will retry): %s", self.node_name, exc)
-            self._last_reason = exc.reason
+            self._last_reason = exc.state
 
     # ------------------------------------------------------------------ API calls
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one client call; JSON body of the answer, or _Failure with a stable reason.
-        A 404 answers None (callers decide what a missing object means)."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            resp = fn(*args, _preload_content=False, _request_timeout=_REQUEST_TIMEOUT_S, **kwargs)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            reason = _status_reason(exc)
-            raise _Failure(f"{exc.status} {reason}",
-                           f"{what}: HTTP {exc.status} {reason}: {_status_message(exc)}") from None
-        except Exception as exc:  # urllib3 connection errors, timeouts, TLS
-            self._drop_client()
-            raise _Failure(f"unreachable {type(exc).__name__}",
-                           f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from None
-        data = resp.data
-        return json.loads(data) if data else {}
+        """One client call (:func:`agent.kube.call`): JSON data, None for a 404 (callers decide
+        what a missing object means); the client is dropped when the server was not reached."""
+        return call(what, fn, *args, timeout_s=_REQUEST_TIMEOUT_S, on_unreachable=self._drop_client, **kwargs)
 
     def _drop_client(self) -> None:
         if self._client is not None:
@@ -319,22 +312,37 @@ class SlicePublisher:
         return cls(self._api_client())
 
     def _discover(self) -> None:
-        from kubernetes import client
-
-        group = self._call("discovery of resource.k8s.io", client.ResourceApi(self._api_client()).get_api_group)
-        served = [v.get("version") for v in (group or {}).get("versions", [])]
+        served = resource_versions(self._api_client(), _REQUEST_TIMEOUT_S)
         version = pick_version(served)
         if version is None:
-            raise _Failure("not served", "the API server serves no resource.k8s.io version this agent "
+            raise _Failure("not served", f"the API server serves no {RESOURCE_GROUP} version this agent "
                                          f"publishes ({', '.join(API_VERSIONS)}); served: {served or 'none'}")
         self.api_version = version
         log.info("publishing ResourceSlices as resource.k8s.io/%s (served: %s)", version, ", ".join(served))
         if version not in SETS_API_VERSIONS:
             log.warning("resource.k8s.io/%s has no partitionable devices: publishing the single GPUs only,"
                         " no GPU sets (they need resource.k8s.io/%s)", version, " or ".join(SETS_API_VERSIONS))
+        self._decide_gpu_sets()
         if self._events is not None:
             self._events.dra_api_feature(PARTITIONABLE_DEVICES, version in SETS_API_VERSIONS)
             self._events.dra_api_feature(DEVICE_TAINTS, self.kept[DEVICE_TAINTS])
+
+    def _decide_gpu_sets(self) -> None:
+        """Decide once whether to publish GPU sets; say which and why (one line, the metric)."""
+        setting = self.settings.gpu_sets
+        server = None
+        if setting == "auto":
+            try:
+                server = server_version(self._api_client(), _REQUEST_TIMEOUT_S)
+            except ApiCallError as exc:
+                if exc.status is None:
+                    raise  # not reached: decide once it answers
+                log.warning("cannot read the API server's version (%s): deciding without it", exc)
+        on, why = gpu_sets_decision(setting, server)
+        self.gpu_sets = on
+        log.info("GPU sets %s: %s", "published" if on else "not published", why)
+        if self._events is not None:
+            self._events.dra_gpu_sets(on, setting)
 
     def _read_node(self) -> None:
         from kubernetes import client
@@ -342,8 +350,8 @@ class SlicePublisher:
         try:
             node = self._call(f"read Node {self.node_name}", client.CoreV1Api(self._api_client()).read_node,
                               self.node_name)
-        except _Failure as exc:
-            if exc.reason.startswith("unreachable"):
+        except ApiCallError as exc:
+            if exc.status is None:
                 raise
             log.warning("cannot read Node %s (%s): slices are published without an owner reference",
                         self.node_name, exc)
@@ -377,16 +385,25 @@ class SlicePublisher:
         fields on a write (the round stopped there, :attr:`kept` says which)."""
         seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
                                for o in existing.values()] + [self.generation])
-        want = self._desired()
-        same = len(want) == len(existing) and all(
-            w["metadata"]["name"] in existing and same_content(w, existing[w["metadata"]["name"]]) for w in want)
-        if same:
+        want = self._desired(existing)
+        changed = [w for w in want if w["metadata"]["name"] not in existing
+                   or not same_content(w, existing[w["metadata"]["name"]])]
+        if not changed and len(want) == len(existing):
             self.generation = seen_generation
             return True
-        generation = seen_generation + 1
+        generations = {((o.get("spec") or {}).get("pool") or {}).get("generation") for o in existing.values()}
+        in_place = (generations == {seen_generation} and {w["metadata"]["name"] for w in want} == set(existing)
+                    and _stays_in_its_slice(existing, want))
+        # No device moves between slices (the device slice of a node of up to 64 devices after
+        # a prepare, or the single GPUs' and the sets' slices of a larger one): rewrite the
+        # changed slices under the same generation, so the pool is never incomplete; any view
+        # the scheduler can have mixes whole slices of two publications, each device once.
+        # Otherwise a new generation in every slice, which the scheduler treats as incomplete
+        # until the last is written.
+        generation = seen_generation if in_place else seen_generation + 1
         for w in want:
             w["spec"]["pool"]["generation"] = generation
-        for w in want:
+        for w in changed if in_place else want:
             current = existing.get(w["metadata"]["name"])
             keep_taint_times(w, current)
             stored = self._put(api, w, current)
@@ -416,8 +433,8 @@ class SlicePublisher:
             if current is None:
                 try:
                     created = self._call(f"create ResourceSlice {name}", api.create_resource_slice, body)
-                except _Failure as exc:
-                    if not exc.reason.startswith("409"):
+                except ApiCallError as exc:
+                    if exc.status != 409:
                         raise
                     created = None  # AlreadyExists: someone made it meanwhile; update it
                 if created is not None:
@@ -427,8 +444,8 @@ class SlicePublisher:
                 update["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
                 try:
                     done = self._call(f"update ResourceSlice {name}", api.replace_resource_slice, name, update)
-                except _Failure as exc:
-                    if not exc.reason.startswith("409"):
+                except ApiCallError as exc:
+                    if exc.status != 409:
                         raise
                     # stale resourceVersion: re-read below and try again
                 else:
@@ -446,15 +463,9 @@ class SlicePublisher:
         log.info("deleted the ResourceSlices of node %s", self.node_name)
 
 
-def _status_reason(exc: Any) -> str:
-    try:
-        return str(json.loads(exc.body).get("reason") or exc.reason)
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)
-
-
-def _status_message(exc: Any) -> str:
-    try:
-        return str(json.loads(exc.body).get("message") or exc.reason)
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)
+def _stays_in_its_slice(existing: Mapping[str, Mapping[str, Any]], want: list[dict[str, Any]]) -> bool:
+    """Whether every device name of ``want`` that ``existing`` has is in the same slice there."""
+    where = {d.get("name"): name for name, o in existing.items()
+             for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
+    return all(where.get(d["name"], w["metadata"]["name"]) == w["metadata"]["name"]
+               for w in want for d in w["spec"].get("devices") or ())

@@ -3,9 +3,9 @@ publisher behind the same four calls as the device-plugin mode's manager (start,
 set_topology, stop), so the daemon runs "the servers" without knowing which.
 
 No device-plugin socket is served in this mode: a GPU is never handed out by both. The
-publisher follows health through its own subscription. The device order is the static one:
-an occupancy-following order (re-published after each prepare/unprepare) was measured worse,
-see ``bench/quality_dra.py``.
+publisher follows health through its own subscription and the prepared claims through the
+plugin's checkpoint: the order and the GPU sets follow the occupancy
+(:mod:`agent.dra.gpusets`), re-published after each prepare and unprepare.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Callable, Protocol
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
-from agent.dra.publisher import PublisherEvents, SlicePublisher
+from agent.dra.publish_settings import PublisherEvents, PublishSettings
+from agent.dra.publisher import SlicePublisher
 from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
@@ -61,11 +62,8 @@ class DraServers:
             config, topology, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
             on_kubelet_restart=on_kubelet_restart,
         )
-        publisher = SlicePublisher(
-            lambda: api_client(config), config.node_name, topology, config.driver_name,
-            health=health, prepared=plugin.checkpoint, events=events, taint_effect=config.taint_effect,
-            delete_on_stop=config.delete_slices_on_shutdown,
-        )
+        publisher = SlicePublisher(lambda: api_client(config), topology, PublishSettings.from_config(config),
+                                   health=health, prepared=plugin.checkpoint, events=events)
         return cls(plugin, publisher)
 
     def start(self) -> None:

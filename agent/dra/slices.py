@@ -45,36 +45,31 @@ slice of their own (``sharedCounters``, no devices); every full GPU consumes its
 and every set device its members' counters, so allocating a set blocks its members and every
 overlapping set, and allocating a single blocks every set that contains it. MIG-enabled GPUs
 are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
-counter and a MIG device never competes with a set. Set device attributes:
+counter and a MIG device never competes with a set. Which sets, in what order, and when a
+published set may go: :mod:`agent.dra.gpusets`. Set device attributes (only what the device
+classes select on; the name says the members, ``gpuset-4-mf`` is GPUs 0-3):
 
 ==========================  ========  =====================================================
 ``type``                    string    ``gpuset``
 ``gpuCount``                int       number of GPUs in the set
-``members``                 string    their indices, ``0-3`` / ``0,2,4,6`` (cpulist spelling;
-                                      left out above 64 characters)
-``rank``                    int       position among the sets of its size, 0 = best
 ``healthy``                 bool      false while a member is unhealthy (the set is tainted
                                       then too); the set classes select healthy sets only,
                                       so the allocator never reserves a tainted set's
                                       counters (kubernetes#140436 keeps a taint-rejected
                                       device's counters for the rest of its search)
-``nvlinkIsland``,           int       where every member shares one
-``nvlinkClique``,
-``numaNode``
 ==========================  ========  =====================================================
-
-plus ``resource.kubernetes.io/numaNode`` and ``resource.kubernetes.io/pcieRoot`` where every
-member shares one, and capacity ``memory`` (the members' total, when every member's is known).
 
 **Health.** A device holding an unhealthy or lost GPU stays, with a device taint saying
 why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints`).
 
-**Slices.** Devices in publication order: the single GPUs (MIG devices in their parent's
-place) in :func:`agent.dra.gpusets.device_order`, then the sets by size, best first; at most
-128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
-slices using partitionable devices or taints). Slice names are ``<node>-<driver>-<nnn>`` with a zero-padded number,
-so they sort in publication order (the allocator walks slices by name); the counter slice is
-number 0. ``v1beta1`` and ``v1beta2`` render single GPUs only (no counters, no sets).
+**Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
+given): the single GPUs (MIG devices in their parent's place), then the sets by size; at
+most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
+slices using partitionable devices or taints); above one slice, the sets start a slice of
+their own, so a re-publication moves no device between slices. Slice names are
+``<node>-<driver>-<nnn>`` with a zero-padded number, so they sort in publication order (the
+allocator walks slices by name); the counter slice is number 0. ``v1beta1`` and ``v1beta2``
+render single GPUs only (no counters, no sets).
 
 Size: above 400 lines because this docstring is the attribute reference users read (about a
 hundred lines of tables); the code is one rendering pass, attributes to devices to slices.
@@ -84,30 +79,29 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import yaml
 
+from agent.config import DEFAULT_DRIVER_NAME
 from agent.dra.devices import device_name
-from agent.dra.gpusets import clique_ids, device_order, gpu_sets, island_ids, publishable
+from agent.dra.gpusets import GpuSet, SetPolicy, clique_ids, device_order, island_ids, sets_to_keep
 from agent.dra.taints import HealthMarks
-from agent.formats import BusIdError, format_cpulist, nvml_to_sysfs_bus_id
+from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.health import LOST_REASON
+from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
-    "API_VERSIONS", "DEFAULT_DRIVER", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
-    "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "clique_ids",
-    "device_order", "dump_yaml", "island_ids", "render_devices", "render_set_devices",
-    "health_marks", "render_slices", "semver",
+    "API_VERSIONS", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
+    "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "Occupancy",
+    "dump_yaml", "render_devices", "render_set_devices", "health_marks", "render_slices", "semver",
 ]
 
-API_VERSIONS = ("v1", "v1beta2", "v1beta1")
+API_VERSIONS = RESOURCE_VERSIONS
 #: Versions the GPU sets (counters, partitionable devices) are rendered in.
 SETS_API_VERSIONS = ("v1",)
-DEFAULT_DRIVER = "gpu.gpu-agent.io"
-GROUP = "resource.k8s.io"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 # API limits (k8s.io/api/resource/v1/types.go, v0.36)
@@ -205,18 +199,18 @@ def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, s
     return HealthMarks(reasons, taint_effect, frozenset(keep))
 
 
-def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
-                   marks: HealthMarks | None = None, in_use: Collection[int] = (),
+def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
+                   marks: HealthMarks | None = None, order: Sequence[int] | None = None,
                    counters: bool = False) -> list[Device]:
-    """The node's single devices (full GPUs, MIG devices) in slice order (``in_use``: see
-    :func:`device_order`); a device of an unhealthy GPU is tainted, or left out, as ``marks``
-    says (default: the lost GPUs tainted ``NoSchedule``). ``counters``: every full GPU
-    consumes its own counter."""
+    """The node's single devices (full GPUs, MIG devices) in slice order (``order``: GPU
+    indices, default :func:`agent.dra.gpusets.device_order`); a device of an unhealthy GPU
+    is tainted, or left out, as ``marks`` says (default: the lost GPUs tainted
+    ``NoSchedule``). ``counters``: every full GPU consumes its own counter."""
     marks = marks if marks is not None else health_marks(topology)
     islands = island_ids(topology)
     cliques = clique_ids(topology)
     out: list[Device] = []
-    for index in device_order(topology, in_use):
+    for index in order if order is not None else device_order(topology):
         gpu = topology.gpus[index]
         common = _gpu_attributes(topology, gpu, islands[index], cliques[index])
         if gpu.mig_enabled:
@@ -235,43 +229,39 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
     return out
 
 
-def render_set_devices(topology: Topology, driver: str = DEFAULT_DRIVER,
+def render_set_devices(topology: Topology, sets: Iterable[GpuSet], driver: str = DEFAULT_DRIVER_NAME,
                        marks: HealthMarks | None = None) -> list[Device]:
-    """The GPU-set devices (:func:`agent.dra.gpusets.gpu_sets`) by size, best first; sets
-    with a MIG-enabled member are left out, sets with an unhealthy member tainted (or left
-    out) as ``marks`` says."""
+    """``sets`` as devices, in the given order, with only the attributes the device classes
+    select on (``type``, ``gpuCount``, ``healthy``); a set with an unhealthy member is
+    tainted (or left out) as ``marks`` says, one with a MIG-enabled member left out."""
     marks = marks if marks is not None else health_marks(topology)
-    islands = island_ids(topology)
-    cliques = clique_ids(topology)
     out: list[Device] = []
-    for sets in gpu_sets(topology).values():
-        for s in sets:
-            shown, taints = marks.device(driver, s.name, s.members)
-            if not shown or not publishable(topology, s):
-                continue
-            gpus = [topology.gpus[i] for i in s.members]
-            attributes = {
-                "type": {"string": "gpuset"},
-                "gpuCount": {"int": s.size},
-                "members": _string(format_cpulist(s.members)),
-                "rank": {"int": s.rank},
-                "healthy": {"bool": not any(i in marks.reasons for i in s.members)},
-                "nvlinkIsland": _int(_shared(islands[i] for i in s.members)),
-                "nvlinkClique": _int(_shared(cliques[i] for i in s.members)),
-                "numaNode": _int(_shared(g.numa_node for g in gpus)),
-                NUMA_NODE_ATTRIBUTE: _int(_shared(g.numa_node for g in gpus)),
-                PCIE_ROOT_ATTRIBUTE: _string(_shared(g.pcie_root for g in gpus)),
-            }
-            memory = [g.memory_mib for g in gpus]
-            total = sum(m for m in memory if m) if all(memory) else None
-            out.append(_device(driver, s.name, attributes, total, s.members, taints))
+    for s in sets:
+        shown, taints = marks.device(driver, s.name, s.members)
+        if not shown or any(topology.gpus[i].mig_enabled for i in s.members):
+            continue
+        attributes = {
+            "type": {"string": "gpuset"},
+            "gpuCount": {"int": s.size},
+            "healthy": {"bool": not any(i in marks.reasons for i in s.members)},
+        }
+        out.append(_device(driver, s.name, attributes, None, s.members, taints))
     return out
 
 
-def _shared(values: Iterable[Any]) -> Any:
-    """The one value every member has; None when they differ or one is unknown."""
-    seen = set(values)
-    return seen.pop() if len(seen) == 1 else None
+@dataclass(frozen=True)
+class Occupancy:
+    """What the publication follows: ``held``, every device a prepared claim of this node
+    holds (name -> GPU indices); ``published``, the set devices in the pool now (names, as
+    the API server has them; the rule of :func:`agent.dra.gpusets.sets_to_keep` keeps them
+    while a claim may hold them)."""
+
+    held: Mapping[str, Collection[int]] = field(default_factory=dict)
+    published: Collection[str] = ()
+
+    @property
+    def held_gpus(self) -> set[int]:
+        return {g for gpus in self.held.values() for g in gpus}
 
 
 def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
@@ -338,15 +328,16 @@ def render_slices(
     topology: Topology,
     *,
     node_name: str,
-    driver: str = DEFAULT_DRIVER,
+    driver: str = DEFAULT_DRIVER_NAME,
     api_version: str = "v1",
     generation: int = 1,
     node_uid: str | None = None,
     unhealthy: Collection[int] | Mapping[int, str] = (),
-    in_use: Collection[int] = (),
+    occupancy: Occupancy = Occupancy(),
     with_sets: bool = True,
     taint_effect: str | None = "NoSchedule",
     keep: Collection[str] = (),
+    policy: SetPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
     after the node, owned by the Node when its UID is known. With ``with_sets`` (the default)
@@ -355,17 +346,26 @@ def render_slices(
     GPUs only. 64 devices a slice where any device consumes counters or has a taint, else 128
     (module docstring). Devices of ``unhealthy`` GPUs (index -> reason) are tainted with
     ``taint_effect``, or, where it is None, left out but those named in ``keep``
-    (:mod:`agent.dra.taints`)."""
+    (:mod:`agent.dra.taints`). ``occupancy``: what prepared claims hold and which sets are
+    published now; the single GPUs and the sets follow it (:mod:`agent.dra.gpusets`).
+    ``policy``: the topology's :class:`agent.dra.gpusets.SetPolicy`, built when not given."""
     if api_version not in API_VERSIONS:
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     marks = health_marks(topology, unhealthy, taint_effect, keep)
-    sets = render_set_devices(topology, driver, marks) if with_sets and api_version in SETS_API_VERSIONS else []
-    devices = render_devices(topology, driver, marks, in_use, counters=bool(sets)) + sets
+    policy = policy or SetPolicy(topology)
+    free = policy.free_gpus(occupancy.held_gpus, marks.reasons)
+    sets: list[Device] = []
+    if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
+        sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
+    devices = render_devices(topology, driver, marks, policy.single_order(free), counters=bool(sets)) + sets
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
-    specs += [{"devices": [_render_device(d, api_version) for d in devices[i : i + per_slice]]}
-              for i in range(0, len(devices), per_slice)]
+    # more than one slice of devices: the sets start a slice of their own, so that a
+    # re-publication moves no device between slices (the publisher rewrites in place then)
+    groups = [devices] if len(devices) <= per_slice else [devices[: len(devices) - len(sets)], sets]
+    specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
+              for group in groups for i in range(0, len(group), per_slice)]
     if not devices:
         specs.append({"devices": []})  # an empty pool is published too: "no devices here now"
     width = max(3, len(str(len(specs) - 1)))
@@ -376,7 +376,7 @@ def render_slices(
             metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node_name,
                                             "uid": node_uid, "controller": True}]
         out.append({
-            "apiVersion": f"{GROUP}/{api_version}",
+            "apiVersion": f"{RESOURCE_GROUP}/{api_version}",
             "kind": "ResourceSlice",
             "metadata": metadata,
             "spec": {"driver": driver, "nodeName": node_name,
@@ -384,6 +384,14 @@ def render_slices(
                      **body},
         })
     return out
+
+
+def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int]) -> list[GpuSet]:
+    """The policy's sets on ``free``, then those a claim may hold: the published ones the rule
+    keeps and the ones prepared claims hold."""
+    kept = sets_to_keep(occupancy.published, occupancy.held)
+    held = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
+    return policy.sets(free, [*kept, *held])
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:

@@ -159,6 +159,24 @@ class SysfsReader:
         except ValueError:
             return None
 
+    def nvidia_gpus(self) -> list[str]:
+        """The sysfs bus ids (``0000:3b:00.0``) of the NVIDIA display and 3D controllers
+        (``vendor`` 0x10de, ``class`` 0x03xxxx) sysfs lists, sorted: what the PCI bus holds,
+        whether NVML answers for them or not (a GPU fallen off the bus may still be listed)."""
+        base = os.path.join(self.root, "bus", "pci", "devices")
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            return []
+        out = []
+        for bdf in names:
+            vendor = self._read("bus", "pci", "devices", bdf, "vendor")
+            cls = self._read("bus", "pci", "devices", bdf, "class")
+            if vendor is not None and cls is not None and vendor.strip().lower() == "0x10de" \
+                    and cls.strip().lower().startswith("0x03"):
+                out.append(bdf)
+        return out
+
     def pcie_level(self, bus_id_a: str, bus_id_b: str) -> PcieLevel | None:
         """How devices ``a`` and ``b`` are connected, from their real paths in the PCIe tree,
         their NUMA nodes and local CPUs: the rule of :func:`agent.hw.pcie.pcie_level`. None

@@ -76,6 +76,8 @@ gpu_agent_active_config{name}                  gauge    1 for the per-node confi
 gpu_agent_config_refused{label,reason}         gauge    1 while the node label's config is not applied
 gpu_agent_dra_api_feature{feature}             gauge    1 while the API server keeps a DRA feature's fields,
                                                         0 once it dropped them
+gpu_agent_dra_gpu_sets_mode{mode,setting}      gauge    1 for the GPU-set publishing chosen (DRA): mode on/off
+                                                        from dra.gpuSets auto/on/off
 =============================================  =======  ====================================================
 
 Per pod (container) and GPU, from the GPU's processes (:class:`~agent.hw.protocols.ProcessSample`,

@@ -55,9 +55,8 @@ MAX_POD_BUSY_ENTRIES = 4096
 
 
 class Sampler(Worker):
-    """Polls ``source`` every ``interval_s`` on its own thread (``start``/``stop``), or on
-    demand with ``sample_once`` (tests, benchmarks). ``stop`` closes the source (and
-    ``pods``)."""
+    """Polls ``source`` every ``interval_s`` on its own thread (``start``/``stop``); each
+    round is one ``sample_once``. ``stop`` closes the source (and ``pods``)."""
 
     thread_name = "metrics-sampler"
 
@@ -89,12 +88,12 @@ class Sampler(Worker):
         self._pod_busy_at: dict[tuple[ContainerRef, int], float] = {}
         # Locks: two leaves, never nested, never held across an NVML read, a callback or
         # ``source.close()``. ``_xid_lock`` guards ``_xids`` (the health watcher writes, a
-        # round copies). ``_round`` guards only the flags below: one round at a time runs
-        # without it held, and a second caller waits on the condition until the first is
-        # done. The scrape path takes neither: it reads ``snapshot``, a single reference.
+        # round copies). ``_round`` guards only the flags below, which ``stop`` (another
+        # thread) and the round in flight share to decide who closes the source. The scrape
+        # path takes neither: it reads ``snapshot``, a single reference.
         self._xids: dict[int, int] = {}
         self._xid_lock = threading.Lock()
-        self._round = threading.Condition(threading.Lock())
+        self._round = threading.Lock()
         self._in_round = False
         self._close_after_round = False
         super().__init__()
@@ -106,10 +105,10 @@ class Sampler(Worker):
             self._xids[gpu_index] = int(xid)
 
     def sample_once(self) -> Snapshot:
-        """Read all GPUs now and publish the result; returns the new snapshot. A call while
-        another round is in flight (a test beside the thread) waits for it, then reads."""
+        """Read all GPUs now and publish the result; returns the new snapshot. Rounds are
+        serialised by their one caller, the sampler's thread; call it directly only where no
+        round of that thread can overlap (before ``start``)."""
         with self._round:
-            self._round.wait_for(lambda: not self._in_round)
             self._in_round = True
         try:
             snap = self._read_round()
@@ -184,7 +183,6 @@ class Sampler(Worker):
             with self._round:
                 if not self._close_after_round:
                     self._in_round = False
-                    self._round.notify_all()
                     return
                 self._close_after_round = False
             try:

@@ -119,6 +119,12 @@ class AgentMetrics:
             " 0 once it dropped them on write and the agent publishes without.",
             ["feature"], registry=registry,
         )
+        self._dra_gpu_sets = Gauge(
+            "gpu_agent_dra_gpu_sets_mode",
+            "1 for the GPU-set publishing the DRA publisher chose (mode on: sets and counters, off: single"
+            " GPUs only) from dra.gpuSets (setting auto, on, off) and the API server's version.",
+            ["mode", "setting"], registry=registry,
+        )
 
     def observe_preferred_allocation(self, seconds: float) -> None:
         self._preferred.observe(seconds)
@@ -148,6 +154,10 @@ class AgentMetrics:
 
     def dra_api_feature(self, feature: str, kept: bool) -> None:
         self._dra_api_features.labels(feature=feature).set(1.0 if kept else 0.0)
+
+    def dra_gpu_sets(self, on: bool, setting: str) -> None:
+        self._dra_gpu_sets.clear()
+        self._dra_gpu_sets.labels(mode="on" if on else "off", setting=setting).set(1.0)
 
     def devices_offered(self, offers: Sequence[tuple[str, str, bool]]) -> None:
         """The devices offered to the kubelet now, the whole table: (resource, device ID,

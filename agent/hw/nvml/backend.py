@@ -57,6 +57,11 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
         self._sysfs = sysfs
         self._events = NvmlEvents(self)
 
+    @property
+    def sysfs(self) -> SysfsReader | None:
+        """The sysfs reader discovery uses (None: NVML only)."""
+        return self._sysfs
+
     def shutdown(self) -> None:
         """Free the event set and shut NVML down; never raises."""
         self._events.close()

@@ -146,6 +146,7 @@ class FakeNvml(TelemetryApi):
 
     @api
     def nvmlDeviceGetPersistenceMode(self, handle: _Handle) -> int:
+        """Always Enabled (NVML: Disabled unless set; :mod:`agent.hw.sim.nvml_telemetry`)."""
         self._dev(handle, mig_ok=False)
         return _C["NVML_FEATURE_ENABLED"]
 

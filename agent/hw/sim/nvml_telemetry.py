@@ -1,5 +1,30 @@
 """The fake NVML's telemetry, GPM and event functions (a base of
-:class:`agent.hw.sim.nvml.FakeNvml`), deterministic per (machine, GPU) unless set."""
+:class:`agent.hw.sim.nvml.FakeNvml`), deterministic per (machine, GPU) unless set.
+
+Units are NVML's: power in milliwatts, energy in millijoules since the driver loaded,
+temperatures in degrees C, clocks in MHz, memory in bytes, PCIe throughput in KB/s,
+utilisation in percent. Where the fake answers differently from what NVML documents (so a
+test on the fake passes where a real GPU may answer otherwise; ``bench/real_gpu/`` compares
+them on hardware):
+
+* **NotSupported by architecture.** Real NVML answers NotSupported for
+  ``nvmlDeviceGetTotalEccErrors`` on GPUs without ECC (GeForce, most workstation boards, or
+  ECC turned off), for ``nvmlDeviceGetFieldValues``' memory temperature on GDDR boards, for
+  ``nvmlDeviceGetPowerUsage``/``nvmlDeviceGetTotalEnergyConsumption`` on some boards and
+  vGPU guests, and for ``nvmlDeviceGetPcieReplayCounter`` in some VMs; the fake answers
+  all of them for every catalogued GPU. ``nvmlDeviceGetRemappedRows`` (Ampere+ with HBM),
+  GPM (Hopper+) and per-process utilisation (Maxwell+, not in MIG mode) follow the
+  architecture as NVML does.
+* **Time.** Counters (energy, NVLink traffic) advance one simulated second per read;
+  PCIe throughput (NVML: a 20 ms sample) and utilisation (NVML: an average over 1/6 s to
+  1 s by product) are fixed figures.
+* **Persistence mode** (``nvmlDeviceGetPersistenceMode``, :mod:`agent.hw.sim.nvml`) is always
+  Enabled; on real Linux nodes it is Disabled unless ``nvidia-persistenced`` or
+  ``nvidia-smi -pm 1`` set it, and NotSupported on Windows.
+* **Events.** Real NVML delivers only events raised after the registration; the spec's
+  ``faults.xids`` are raised again at every registration (a recurring XID), and
+  ``inject_xid`` delivers at once; MIG instance ids in event data are always 0xFFFFFFFF.
+"""
 
 from __future__ import annotations
 
@@ -329,7 +354,15 @@ class TelemetryApi(FakeNvmlCore):
         if eventTypes & ~supported:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         with self._lock:
-            eventSet.registered[g.index] = eventSet.registered.get(g.index, 0) | eventTypes
+            before = eventSet.registered.get(g.index, 0)
+            eventSet.registered[g.index] = before | eventTypes
+        xid_type = _C["nvmlEventTypeXidCriticalError"]
+        if eventTypes & xid_type and not before & xid_type:
+            # the spec's recurring XIDs (faults.xids): the GPU raises them again, so a new
+            # watcher sees them; real NVML delivers only events raised after registration
+            for gpu, xid in self.spec.faults.xids:
+                if gpu == g.index:
+                    self._deliver(gpu, xid_type, xid)
 
     @api
     def nvmlEventSetWait(self, eventSet: _EventSet, timeoutms: int) -> Any:

@@ -74,7 +74,8 @@ def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> M
                 gpu_numa_id, board, processes, compute_mode}],
         nvlink: {pairs: [[a, b, links]], nvswitch: {links_per_gpu, bus_ids, gpus}},
         nics: [{name, bus_id, numa_node, cpus, host_bridge, switches}],
-        pcie_levels: {"0-1": PIX}, faults: {lost_gpus, unsupported, init_error}
+        pcie_levels: {"0-1": PIX}, faults: {lost_gpus, unsupported, init_error,
+        xids: [{gpu, xid}]}
     """
     r = SpecReader(source)
     data = r.mapping(data, "top level", _TOP_KEYS)
@@ -225,7 +226,7 @@ def _read_pcie_levels(r: SpecReader, value: object, n: int) -> dict[tuple[int, i
 
 
 def _read_faults(r: SpecReader, value: object, n: int) -> FaultSpec:
-    faults = r.mapping(value, "faults", frozenset({"lost_gpus", "unsupported", "init_error"}))
+    faults = r.mapping(value, "faults", frozenset({"lost_gpus", "unsupported", "init_error", "xids"}))
     lost = r.indices(faults.get("lost_gpus"), "faults.lost_gpus", n)
     unsupported: list[tuple[str, int | None]] = []
     for j, raw in enumerate(r.seq(faults.get("unsupported"), "faults.unsupported")):
@@ -238,7 +239,15 @@ def _read_faults(r: SpecReader, value: object, n: int) -> FaultSpec:
         init_error = r.str_(init_error, "faults.init_error").upper()
         if f"NVML_ERROR_{init_error}" not in _C:
             raise r.fail("faults.init_error", f"unknown NVML error {init_error.lower()!r}")
-    return FaultSpec(lost, tuple(unsupported), init_error)
+    xids: list[tuple[int, int]] = []
+    for j, raw in enumerate(r.seq(faults.get("xids"), "faults.xids")):
+        where = f"faults.xids[{j}]"
+        e = r.mapping(raw, where, frozenset({"gpu", "xid"}))
+        gpu = r.int_(e.get("gpu"), f"{where}.gpu", minimum=0)
+        if gpu >= n:
+            raise r.fail(f"{where}.gpu", f"expected a GPU of 0..{n - 1}, got {gpu}")
+        xids.append((gpu, r.int_(e.get("xid"), f"{where}.xid", minimum=1)))
+    return FaultSpec(lost, tuple(unsupported), init_error, tuple(xids))
 
 
 def load_machine_spec(path: str) -> MachineSpec:

@@ -66,9 +66,15 @@ class NvSwitchSpec:
 
 @dataclass(frozen=True)
 class FaultSpec:
+    """Faults the fake NVML injects from the start (:mod:`agent.hw.sim.nvml_core`)."""
+
     lost_gpus: tuple[int, ...] = ()
     unsupported: tuple[tuple[str, int | None], ...] = ()
     init_error: str | None = None  # an NVML_ERROR_* suffix: "library_not_found"
+    #: (gpu, xid): a GPU that keeps raising this XID (a failing GPU repeats its XID: 79
+    #: fallen off the bus, 48 double-bit ECC, 94/95 contained/uncontained ECC): it is raised
+    #: again each time an event set registers for its XID events, so every watcher sees it
+    xids: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

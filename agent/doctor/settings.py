@@ -1,0 +1,145 @@
+"""Configuration checks: the config file and the per-node config resolve and load, the
+sharing settings are valid for these GPUs (the resources the agent would build, each GPU's
+compute mode, the MPS control program), and the IMEX channels exist where required.
+
+The other checks run with the configuration the agent would start with: ``--config`` (or
+``CONFIG_FILE``), or with per-node configs (``--config-file-srcdir``) the config a node
+without the label gets, as ``run`` reads it at start; :func:`config_file` also reads the
+node's label through the API server, when it can, and says which config that selects.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable
+
+from agent.config import Config
+from agent.containers import IMEX_CHANNELS_DIR
+from agent.doctor.context import DoctorContext, Unavailable
+from agent.doctor.report import Check, Result, failed, passed, warned
+from agent.errors import ConfigError
+from agent.sharing import sharing_for, strategy_label
+
+__all__ = ["checks", "node_label"]
+
+
+def node_label(context: DoctorContext) -> str | None:
+    """The node's per-node config label (``--node-label``), "" when it has none; None when
+    the API server cannot be asked."""
+    from kubernetes import client
+
+    config = context.config
+    if not config.node_name:
+        return None
+    try:
+        api = context.api()
+    except Unavailable:
+        return None
+    try:
+        node = client.CoreV1Api(api).read_node(config.node_name, _request_timeout=3.0)
+    except Exception:
+        return None
+    labels = (node.metadata.labels if node.metadata is not None else None) or {}
+    return str(labels.get(config.node_label, ""))
+
+
+def config_file(context: DoctorContext, load: Callable[[str], Config]) -> Result:
+    """The configuration loads; with per-node configs, the node's choice loads too."""
+    config = context.config
+    if context.config_error is not None:
+        return failed(context.config_error, "fix the file (the agent refuses to start with it)")
+    summary = (f"migStrategy {config.mig_strategy}, device-list {','.join(config.device_list_strategy)},"
+               f" sharing {strategy_label(config)}, mode {config.mode}")
+    if not config.config_file_srcdir:
+        where = config.config_file or "no config file (defaults, environment, flags)"
+        return passed(f"{where}: {summary}")
+    from agent.nodeconfig import NamedConfigs
+
+    label = node_label(context)
+    try:
+        configs = NamedConfigs.from_config(config)
+        name = configs.choose(label or "")
+        load(configs.path(name))
+    except ConfigError as exc:
+        return failed(str(exc), "fix the named config or the node's label; the agent keeps its last good"
+                      " config (or does not start)")
+    said = ("label unknown: API server not reachable, the default choice" if label is None
+            else f"label {config.node_label}={label or '(none)'}")
+    return passed(f"per-node config {name!r} from {config.config_file_srcdir} ({said}): {summary}")
+
+
+def sharing(context: DoctorContext) -> Result:
+    """Sharing valid for these GPUs: the resources build (MPS's own limits included), no
+    shared GPU is in an exclusive or prohibited compute mode (time-slicing), the MPS control
+    program is there (MPS)."""
+    config = context.config
+    section = sharing_for(config).section
+    if not sharing_for(config).entries(config):
+        return passed("no sharing configured")
+    try:
+        resources = context.resources()
+        gpus = context.node().topology.gpus
+    except Unavailable:
+        return warned("not run: NVML did not load (see nvml.library)", "fix nvml.library first")
+    except ConfigError as exc:
+        return failed(f"the agent refuses the sharing settings: {exc}", f"fix {section}")
+    shared = sorted({d.gpu_index for r in resources for d in r.devices if d.replica is not None})
+    # MPS runs one server process per GPU (exclusive modes suit it); time-slicing needs many
+    refused = ("Prohibited",) if config.mps else ("Prohibited", "Exclusive_Process", "Exclusive_Thread")
+    bad_mode = [(i, gpus[i].compute_mode) for i in shared if gpus[i].compute_mode in refused]
+    if bad_mode:
+        return failed(", ".join(f"GPU {i} is shared but its compute mode is {m}" for i, m in bad_mode),
+                      "set the compute mode to Default (nvidia-smi -c DEFAULT -i <index>): one process at a"
+                      " time (or none) can use it otherwise")
+    found = f"{section}: {len(shared)} GPUs shared as " + ", ".join(
+        f"{r.name} x{len(r.devices)}" for r in resources if r.shared)
+    if config.mps:
+        binary = config.mps_control_binary
+        present = os.access(binary, os.X_OK) if "/" in binary else shutil.which(binary) is not None
+        if not present:
+            return failed(f"{found}; the MPS control program {binary} is not there",
+                          "install the driver's nvidia-cuda-mps-control where the agent runs, or set"
+                          " --mps-control-binary; without it no MPS replica is served")
+        found += f"; MPS control program {binary} present"
+    return passed(found)
+
+
+def _char_device(path: str) -> bool:
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def imex(context: DoctorContext) -> Result:
+    """The configured IMEX channels exist (``/dev/nvidia-caps-imex-channels/channel<N>``)."""
+    config = context.config
+    if not config.imex_channel_ids:
+        return passed("no IMEX channels configured")
+    root = config.nvidia_driver_root.rstrip("/")
+    missing = [c for c in config.imex_channel_ids
+               if not any(_char_device(p) for p in (f"{root}{IMEX_CHANNELS_DIR}/channel{c}",
+                                                    f"{IMEX_CHANNELS_DIR}/channel{c}"))]
+    if not missing:
+        return passed(f"IMEX channels {list(config.imex_channel_ids)} present")
+    what = f"IMEX channels {missing}: no character device in {root}{IMEX_CHANNELS_DIR}"
+    action = "create them with the IMEX driver (nvidia-imex, nvidia-modprobe -i <N>)"
+    if config.imex_required:
+        return failed(f"{what} (imex.required: the agent does not start)", action)
+    return warned(f"{what} (left out of containers until they exist)", action)
+
+
+def checks(load: Callable[[str], Config]) -> tuple[Check, ...]:
+    """The configuration checks; ``load`` reads a config file as ``run`` would."""
+
+    def config_file_check(context: DoctorContext) -> Result:
+        return config_file(context, load)
+
+    return (
+        Check("config.file", config_file_check),
+        Check("config.sharing", sharing, timeout_s=8.0),
+        Check("config.imex", imex),
+    )
+

@@ -1,0 +1,73 @@
+"""The real-GPU kit (``bench/real_gpu/run.py``) end to end against a simulated machine and
+the stand-in ``nvidia-smi`` (``tests/fake_nvidia_smi.py``): the same script a GPU machine
+runs, so a renamed flag, label, metric or JSON field of the agent breaks here first."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KIT = os.path.join(ROOT, "bench", "real_gpu", "run.py")
+FAKE_SMI = os.path.join(ROOT, "tests", "fake_nvidia_smi.py")
+
+#: Two NVLinked A100 pairs on two sockets, a NIC per socket, and processes on GPU 0 (so that
+#: every step, the per-process one included, has something to compare).
+MACHINE = {
+    "name": "kit-node", "driver_version": "550.54.15", "cuda_driver_version": 12040,
+    "product_name": "kit test node",
+    "numa_nodes": {0: {"cpus": "0-15", "distances": [10, 20]}, 1: {"cpus": "16-31", "distances": [20, 10]}},
+    "gpu_defaults": {"model": "NVIDIA A100-SXM4-80GB"},
+    "gpus": [
+        {"bus_id": "0000:17:00.0", "numa_node": 0, "host_bridge": "pci0000:16", "switches": ["sw0"],
+         "processes": [{"pid": 4242, "used_memory_mib": 10240, "sm_util": 35, "mem_util": 12},
+                       {"pid": 4343, "used_memory_mib": 2048, "sm_util": 5, "mem_util": 1}]},
+        {"bus_id": "0000:31:00.0", "numa_node": 0, "host_bridge": "pci0000:30"},
+        {"bus_id": "0000:97:00.0", "numa_node": 1, "host_bridge": "pci0000:96"},
+        {"bus_id": "0000:b1:00.0", "numa_node": 1, "host_bridge": "pci0000:b0"},
+    ],
+    "nvlink": {"pairs": [[0, 1, 12], [2, 3, 12]]},
+    "nics": [{"name": "mlx5_0", "bus_id": "0000:19:00.0", "numa_node": 0, "host_bridge": "pci0000:16",
+              "switches": ["sw0"]},
+             {"name": "mlx5_1", "bus_id": "0000:99:00.0", "numa_node": 1, "host_bridge": "pci0000:96"}],
+}
+
+
+def run_kit(tmp_path, **env: str) -> tuple[int, dict, str]:
+    spec = tmp_path / "kit-node.yaml"
+    spec.write_text(yaml.safe_dump(MACHINE))
+    out = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, KIT, "--simulate", str(spec), "--nvidia-smi", f"{sys.executable} {FAKE_SMI}",
+         "--soak-s", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, FAKE_NVIDIA_SMI_MACHINE=str(spec), **env))
+    with open(out / "report.json", encoding="utf-8") as f:
+        report = json.load(f)
+    return result.returncode, report, (out / "report.txt").read_text()
+
+
+def test_the_kit_finds_no_difference_between_the_agent_and_nvidia_smi_on_a_simulated_machine(tmp_path):
+    rc, report, text = run_kit(tmp_path)
+    steps = report["steps"]
+    assert report["differences"] == [], text
+    assert rc == 0, text
+    assert {name: s["status"] for name, s in steps.items()} == {
+        "doctor": "ok", "topology": "ok", "labels": "ok", "allocate": "ok", "soak": "ok", "processes": "ok"}, text
+    assert steps["topology"]["details"] == {"gpus": 4, "nics": 2}
+    assert steps["allocate"]["details"] == {"sizes": 4}
+    assert steps["soak"]["details"]["devices"] == 4
+    assert steps["processes"]["details"] == {"processes": 2}
+    assert text.startswith("real-GPU kit: ") and "0 differences" in text.splitlines()[0]
+
+
+def test_the_kit_reports_where_nvidia_smi_and_the_agent_disagree(tmp_path):
+    rc, report, text = run_kit(tmp_path, FAKE_NVIDIA_SMI_DRIVER="560.35.03")
+    assert rc == 1
+    assert {"step": "labels", "what": "nvidia.com/cuda.driver-version.full", "agent": "550.54.15",
+            "nvidia_smi": "560.35.03"} in report["differences"]
+    assert "DIFF labels: nvidia.com/cuda.driver-version.full: agent '550.54.15', nvidia-smi '560.35.03'" in text
