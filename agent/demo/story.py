@@ -30,14 +30,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
 from agent.demo.mps_gpu import show_mps
+from agent.demo.nccl_files import show_nccl
 from agent.demo.node import demo_node
 from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
 from agent.formats import GPU_RESOURCE
-from agent.ncclfiles import NcclFiles, allocation_key
 from agent.render import render_table, topology_to_json
 from agent.topology.model import Topology
-from agent.topology.nccl_file import nccl_topology_xml
 
 if TYPE_CHECKING:
     from agent._proto.deviceplugin_v1beta1_pb2 import Device
@@ -123,7 +122,8 @@ class Story:
                 endpoint, devices = self.show_registration(node.kubelet, table)
                 running = self.replay(topology, devices, node.client(endpoint), table)
                 self.report_pods(node.pod_resources, running)
-                self.show_nccl(topology, config, running, table)
+                if (nccl := show_nccl(self, topology, config, running, table)) is not None:
+                    self.facts["nccl"] = nccl
                 self.progress("waiting for the metrics to attribute GPUs to pods")
                 self.show_metrics(node.daemon, running, table)
         finally:
@@ -270,31 +270,6 @@ class Story:
                 )
                 self.say(f"on one NUMA node: ours {n['ours']}, anchor {n['anchor']}, naive {n['naive']}")
         return node.running
-
-    def show_nccl(self, topology: Topology, config: Config, running: dict[str, list[str]], table: bool) -> None:
-        """A running 2-GPU pod's NCCL topology file beside the node's: NCCL in the pod sees
-        the GPUs it got, their nearest NICs and the path between them (issue 24)."""
-        files = NcclFiles.from_config(config)
-        pods = sorted(pod for pod, ids in running.items() if len(ids) == 2)
-        if files is None or not pods:
-            return
-        path = files.path(allocation_key(GPU_RESOURCE, running[pods[0]]))
-        deadline = time.monotonic() + 5.0  # the writer thread writes it after Allocate
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with open(path, encoding="ascii") as fh:
-            pod_text = fh.read()
-        node_lines = nccl_topology_xml(topology, range(topology.gpu_count)).count("\n")
-        self.facts["nccl"] = {"pod": pods[0], "file": path, "pod_file": pod_text, "node_lines": node_lines}
-        if table:
-            self.heading("NCCL in a pod sees what the scheduler saw")
-            self.explain(
-                f"{pods[0]} got 2 GPUs; Allocate mounted {config.nccl_mount_path} (NCCL_TOPO_FILE) from {path}:"
-                " its GPUs, their nearest NICs, the PCIe switches between them, their NVLinks and CPUs"
-                f" ({pod_text.count(chr(10))} lines; the node's whole file has {node_lines})."
-            )
-            lines = ["", *pod_text.splitlines()]  # long CPU masks cut to fit the columns
-            self.say("\n".join("  " + (x if len(x) <= 96 else x[:93] + "...") for x in lines))
 
     def report_pods(self, pod_resources: PodResourcesStub, running: dict[str, list[str]]) -> None:
         """What the kubelet's pod-resources API would now list for the running pods."""
