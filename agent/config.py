@@ -136,6 +136,15 @@ class Config:
     #: Kubernetes 1.37, whose scheduler gathers a node's counters for that node only; off
     #: before, where every counter slice costs every node's Filter), on, off (env DRA_GPU_SETS)
     gpu_sets: str = "auto"
+    # --- NCCL (issue 24; README "NCCL topology files")
+    #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
+    nccl_topology_file: str = ""
+    nccl_pod_files: str = "auto"  # each container with GPUs gets its NCCL file (auto) or none (off)
+    #: host dir of those files; "" = <kubelet_dir>/../gpu-topology-agent/nccl (not in
+    #: device-plugins/, which the kubelet empties), in DRA mode <plugins_dir>/<driver>/nccl
+    nccl_host_dir: str = ""
+    nccl_mount_path: str = "/etc/nccl/topology.xml"  # the file in the container (NCCL_TOPO_FILE)
+    nccl_ib_hca: bool = False  # also NCCL_IB_HCA naming the nearest NICs (opt-in)
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
@@ -188,12 +197,18 @@ ENV_FIELDS: Mapping[str, str] = {
     "FALLBACK_STRATEGIES": "fallback_strategies",
     "IMEX_CHANNEL_IDS": "imex_channel_ids",
     "IMEX_REQUIRED": "imex_required",
+    "NCCL_TOPOLOGY_FILE": "nccl_topology_file",
+    "NCCL_POD_FILES": "nccl_pod_files",
+    "NCCL_HOST_DIR": "nccl_host_dir",
+    "NCCL_MOUNT_PATH": "nccl_mount_path",
+    "NCCL_SET_IB_HCA": "nccl_ib_hca",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
-               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir")
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir",
+               "nccl_topology_file", "nccl_host_dir")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -330,7 +345,7 @@ START_ONLY_FIELDS = (
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",
 )
 
 

@@ -3,7 +3,8 @@ the :class:`agent.config.Config` fields it sets.
 
 We accept every key NVIDIA's device plugin's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
 ``sharing.timeSlicing``, ``sharing.mps``, ``resources``, ``imex``) so that its files load
-unchanged, plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys NVIDIA's device plugin
+unchanged, plus our sections ``health:``, ``metrics:``, ``mode:``, ``dra:``, ``topology:`` and
+``nccl:``. Keys NVIDIA's device plugin
 parses for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
 """
@@ -171,7 +172,8 @@ def _parse_sharing(sharing: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra",
+                      "topology", "nccl"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {got(doc.get('version'))}")
     out: dict[str, object] = {}
@@ -181,7 +183,22 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     _parse_imex(_expect_mapping(doc.get("imex"), "imex"), out)
     _parse_dra_file_keys(doc, out)
     _parse_metrics(_expect_mapping(doc.get("metrics"), "metrics"), out)
+    _parse_nccl(_expect_mapping(doc.get("topology"), "topology"), _expect_mapping(doc.get("nccl"), "nccl"), out)
     return out
+
+
+def _parse_nccl(topology: Mapping[str, Any], nccl: Mapping[str, Any], out: dict[str, object]) -> None:
+    """Our ``topology.ncclTopologyFile`` and ``nccl`` section (issue 24)."""
+    _check_keys(topology, ("ncclTopologyFile",), "topology")
+    if "ncclTopologyFile" in topology:
+        out["nccl_topology_file"] = parse_field("nccl_topology_file", topology["ncclTopologyFile"] or "",
+                                                "topology.ncclTopologyFile")
+    keys = {"topologyFile": "nccl_pod_files", "hostDir": "nccl_host_dir", "mountPath": "nccl_mount_path",
+            "setIbHca": "nccl_ib_hca"}
+    _check_keys(nccl, tuple(keys), "nccl")
+    for key, name in keys.items():
+        if key in nccl:
+            out[name] = parse_field(name, nccl[key], f"nccl.{key}")
 
 
 def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:

@@ -28,7 +28,8 @@ def demo(machine: str, fmt: str) -> tuple[str, str]:
 def test_demo_tells_the_whole_story_within_100_columns():
     out, err = demo("dgx-h100", "table")
     for section in ("Topology of dgx-h100", "Node labels", "The kubelet's view",
-                    "A busy node", "/metrics excerpt", SHARED[3:], "Done"):
+                    "A busy node", "NCCL in a pod sees what the scheduler saw", "/metrics excerpt",
+                    SHARED[3:], "Done"):
         assert section in out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "registered nvidia.com/gpu (API v1beta1" in out
@@ -65,6 +66,11 @@ def test_demo_json_gives_the_same_facts_and_every_allocation_is_valid():
     assert arrivals >= 5
     attributed = {m["labels"]["pod"] for m in facts["metrics"] if "pod" in m["labels"]}
     assert attributed and attributed <= set(owner)
+    # a 2-GPU pod's NCCL topology file: its 2 GPUs, as NCCL's reader takes it
+    import nccl_standin
+
+    assert len(nccl_standin.load(facts["nccl"]["pod_file"]).gpus) == 2
+    assert facts["nccl"]["pod"] in owner and facts["nccl"]["node_lines"] > facts["nccl"]["pod_file"].count("\n")
 
 
 def test_demo_runs_on_a_pasted_topology_matrix():

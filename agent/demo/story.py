@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
 from agent.demo.mps_gpu import show_mps
+from agent.demo.nccl_files import show_nccl
 from agent.demo.node import demo_node
 from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
@@ -121,6 +122,8 @@ class Story:
                 endpoint, devices = self.show_registration(node.kubelet, table)
                 running = self.replay(topology, devices, node.client(endpoint), table)
                 self.report_pods(node.pod_resources, running)
+                if (nccl := show_nccl(self, topology, config, running, table)) is not None:
+                    self.facts["nccl"] = nccl
                 self.progress("waiting for the metrics to attribute GPUs to pods")
                 self.show_metrics(node.daemon, running, table)
         finally:
@@ -137,7 +140,8 @@ class Story:
         for key, section in (("shared_gpu", show_shared_gpu), ("mps", show_mps)):
             workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
             try:
-                self.facts[key] = section(self, demo_config(workdir), workdir, model, table)
+                config = replace(demo_config(workdir), nccl_pod_files="off")  # NCCL: shown above
+                self.facts[key] = section(self, config, workdir, model, table)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
 

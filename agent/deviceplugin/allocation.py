@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NoReturn, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerAdditions, ContainerDevice, container_facts
+from agent.containers import ContainerAdditions, ContainerDevice, container_facts, nccl_additions
 from agent.deviceplugin.device_lists import ContainerResponse, render
 from agent.deviceplugin.resources import (
     PluginDevice,
@@ -25,7 +25,8 @@ from agent.deviceplugin.resources import (
     ResourceKind,
     physical_devices,
 )
-from agent.errors import AllocationError
+from agent.errors import AgentError, AllocationError
+from agent.ncclfiles import NcclFile, NcclFiles, allocation_key
 from agent.sharing.base import Share, replicas_per_gpu
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable
@@ -41,8 +42,10 @@ class RequestHandler:
         resource: PluginResource,
         topology: Topology,
         config: Config,
+        nccl_files: NcclFiles | None = None,
     ) -> None:
         self.resource = resource
+        self.nccl_files = nccl_files  # where Allocate writes the containers' NCCL files
         self.topology = topology
         self.config = config
         # built once, before the first request: the resource's devices never change while
@@ -99,9 +102,41 @@ class RequestHandler:
         requested = [self.resource.by_id[table.ids[r]] for r in ranks]
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
+        nccl = nccl_additions(self._nccl_file(device_ids, devices), self.config)
+        additions = [*self._share(requested, devices), *nccl]
         facts = container_facts(self.topology, devices, self.config, nodes=self.config.pass_device_specs,
-                                additions=self._share(requested, devices))
+                                additions=additions)
         return render(facts, self.config)
+
+    def _nccl_file(self, device_ids: Sequence[str], devices: Sequence[ContainerDevice]) -> NcclFile | None:
+        """The container's NCCL topology file (README "NCCL topology files"): for whole
+        GPUs and for the GPUs behind replicas, none for MIG devices. Allocate only names it;
+        the writer thread writes it and :meth:`pre_start` makes sure it is in place before
+        the container starts."""
+        if self.nccl_files is None or any(d.mig is not None for d in devices):
+            return None
+        key = allocation_key(self.resource.name, device_ids)
+        return self.nccl_files.write_later(key, self.topology, sorted({d.gpu.index for d in devices}))
+
+    def pre_start(self, device_ids: Sequence[str]) -> None:
+        """PreStartContainer: the kubelet starts the container with ``device_ids`` next;
+        its NCCL topology file is in place when this returns (written now if the deferred
+        write failed or a restarted agent never queued it). AgentError when it cannot be
+        written: the kubelet does not start a container whose mount has no source."""
+        files = self.nccl_files
+        if files is None or not device_ids:
+            return
+        key = allocation_key(self.resource.name, device_ids)
+        if files.wait(key):
+            return
+        ranks = self.table.lookup(device_ids, "devices")
+        requested = [self.resource.by_id[self.table.ids[r]] for r in ranks]
+        if any(d.mig is not None for d in requested):
+            return
+        try:
+            files.write(key, self.topology, sorted({d.gpu_index for d in requested}))
+        except OSError as exc:
+            raise AgentError(f"cannot write the NCCL topology file {files.path(key)}: {exc.strerror or exc}") from None
 
     def _share(self, requested: Sequence[PluginDevice], devices: Sequence[ContainerDevice]) -> list[ContainerAdditions]:
         """What the resource's sharing adds for the replicas the container holds."""

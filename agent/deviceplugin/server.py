@@ -40,6 +40,15 @@ MAX_STREAMS = 4
 PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
+def plugin_options(handler: RequestHandler) -> pb.DevicePluginOptions:
+    """:data:`PLUGIN_OPTIONS`, asking for PreStartContainer where Allocate hands containers
+    NCCL topology files: the kubelet calls it before each container starts, and it returns
+    once the container's file is written."""
+    if handler.nccl_files is None:
+        return PLUGIN_OPTIONS
+    return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+
+
 def device_list(
     resource: PluginResource, unhealthy: dict[int, str] | set[int], sharing_ready: bool = True
 ) -> pb.ListAndWatchResponse:
@@ -119,7 +128,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.changes.changed()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
-        return PLUGIN_OPTIONS
+        return plugin_options(self.handler)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
@@ -192,6 +201,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        try:
+            self.handler.pre_start(list(request.devices_ids))
+        except AgentError as exc:
+            self._abort(context, exc)
         return pb.PreStartContainerResponse()
 
     def _abort(self, context: grpc.ServicerContext, exc: AgentError) -> None:
