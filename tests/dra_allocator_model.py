@@ -1,19 +1,28 @@
-"""A model of the scheduler's DRA allocator, for the tests and ``bench/quality_dra.py``.
+"""A model of the scheduler's DRA allocator, for the tests, ``bench/quality_dra.py`` and ``bench/bench_dra_scheduler.py``.
 
 The allocator kube-scheduler runs is Go code in ``k8s.io/dynamic-resource-allocation/structured``
 and cannot ship with this project. This is a small Python model of the variant Kubernetes 1.36
 picks whenever a beta feature is on (``internal/incubating``, v0.36.2:
 ``allocator_incubating.go``, ``pools_incubating.go``, ``constraint.go``), written from that code
-and following it function by function. The API server's defaulting and validation of the
+and following it function by function; ``version="1.37"`` swaps in ``GatherPools`` of v0.37.0-alpha.2
+(kubernetes#138917, the only change there that matters here). The API server's defaulting and validation of the
 objects it reads are in ``dra_api_validation.py`` beside it.
 
 What it follows, by upstream function:
 
-* ``GatherPools`` / ``addSlice`` / ``buildPool`` -> :func:`gather_pools`: a slice is relevant
-  when it carries ``sharedCounters`` (always) or its ``nodeName`` is the node or ``allNodes``
-  is set; slices are grouped by (driver, pool name), an older generation is dropped, a newer
-  one replaces the slices seen so far; a pool with fewer slices than ``resourceSliceCount``
-  is incomplete (never allocated from). ``buildPool`` sorts a pool's slices by name, splits
+* ``NewAllocator`` / ``GatherPools`` / ``addSlice`` / ``checkSlicesInPool`` / ``buildPool``
+  -> :func:`gather_pools`: a Filter of node N sees N's slices and ``slicesShared`` (slices
+  without ``nodeName``; in 1.36 also every slice holding ``sharedCounters``, whatever its
+  node). A slice is relevant when its ``nodeName`` is N or ``allNodes`` is set, and in 1.36
+  whenever it carries ``sharedCounters`` (so each Filter gathers every node's pool: the
+  counter slice of node M makes M's pool relevant to N, it is incomplete with that one slice,
+  ``checkSlicesInPool`` walks every slice of the cluster for M's others, and ``buildPool``
+  converts them and validates their counter consumptions; their devices only count for
+  counters). 1.37 drops the ``sharedCounters`` rule: a counter slice with ``nodeName`` is
+  relevant to its node alone. Slices are grouped by (driver, pool name), an older
+  generation is dropped, a newer one replaces the slices seen so far; a pool with fewer
+  slices than ``resourceSliceCount`` even after ``checkSlicesInPool`` is incomplete (never
+  allocated from), one with a newer generation elsewhere is dropped. ``buildPool`` sorts a pool's slices by name, splits
   counter-set slices from device slices, and marks the pool invalid for a device name seen
   twice, a counter-set name seen twice, or a device consuming a counter set or counter that
   does not exist. Pools are sorted by driver, then pool name (``sortPoolsByID``).
@@ -59,19 +68,48 @@ Where model and upstream could differ:
   "some counter is already over-committed by allocated devices" (then no counter-consuming
   device of the pool fits, as upstream). Same answers, less work.
 * Not modelled (an input using them raises :class:`NotModelled`): ``nodeSelector`` and
-  ``perDeviceNodeSelection`` slices, slices of other nodes that share a pool with this node's
-  (``checkSlicesInPool``), binding conditions (their pools go last upstream), admin access,
+  ``perDeviceNodeSelection`` slices, binding conditions (their pools go last upstream), admin access,
   consumable capacity (``allowMultipleAllocations``, capacity requests), DeviceTaintRules
   (taints not in the slice). The allocation result's node selector and configs are not built.
 * Quantities: counters and capacities are parsed as exact integers (plain, or with a decimal
   or binary suffix); fractional quantities raise.
+
+Work counted (:class:`Work`, ``AllocatorModel.work`` after each ``allocate``: one Filter of
+one node, as the DynamicResources plugin calls ``Allocate`` once per Filter, and each
+``Allocate`` gathers the pools anew; the model gathers once per node and charges the same
+gathering work to every call):
+
+* ``pools``: the pools ``GatherPools`` returns (incomplete ones included);
+* ``slices_converted`` / ``devices_converted``: ``Convert_v1_ResourceSlice_To_api_ResourceSlice``
+  calls in ``addSlice`` (every relevant slice, before the generation check) and in
+  ``buildPool`` (the slices ``checkSlicesInPool`` found), and the devices those slices hold
+  (each converted whole: attributes, capacities, counter consumptions);
+* ``consumptions_validated``: the counter look-ups of ``validateDeviceCounterConsumption``,
+  one per counter named in a device's ``consumesCounters``, over every device of the pool
+  (those targeting the node and, in 1.36, the ones of other nodes' pools);
+* ``slices_scanned``: the slices ``checkSlicesInPool`` walks (all of the cluster's, per
+  incomplete-looking pool);
+* ``cel_evaluations``: selector expressions run by ``selectorsMatch``, through
+  ``isSelectable``'s cache (once per device and (sub)request per ``Allocate``; class
+  selectors first, stopping at the first non-match);
+* ``counter_checks``: the counters ``checkAvailableCounters`` compares for each device it
+  reserves (upstream compares every counter of every set of the pool; on a shortfall it
+  stops at the first short counter in Go's map order, which the model cannot know, so a
+  refused device is counted in full: an upper bound);
+* ``steps``: ``allocateOne`` invocations (upstream's ``numAllocateOneInvocations``).
+
+Not counted: the CEL compilation (cached across cycles upstream), ``availableCounters`` (a
+walk over a pool's devices once per pool and ``Allocate`` where a counter is checked), the
+rest of the scheduling cycle. :class:`ClusterGather` gives the gathering counts of one
+Filter in a cluster of N node-local pools without gathering N pools per Filter (equal to
+:func:`gather_pools`' counts: ``GatherPools`` handles each pool on its own, see the class).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ALLOCATION_RESULTS_MAX_SIZE = 32  # k8s.io/api/resource/v1 AllocationResultsMaxSize
 
@@ -144,44 +182,150 @@ class Pool:
     incomplete: bool = False
     invalid: str = ""
     devices: list[Device] = field(default_factory=list)  # slices by name, devices in slice order
+    others: list[Device] = field(default_factory=list)  # devices of slices not targeting the node
     counters: dict[tuple[str, str], int] = field(default_factory=dict)  # (set, counter) -> value
 
 
-def _slice_relevant(spec: Mapping[str, Any], node: str) -> bool:
-    if spec.get("sharedCounters"):
+@dataclass
+class Work:
+    """What one ``Allocate`` call (one Filter of one node) costs the scheduler, counted as the
+    upstream functions named do it (module docstring, "Work counted"); adds up field by field."""
+
+    pools: int = 0  # pools GatherPools returns (incomplete ones included)
+    slices_converted: int = 0  # Convert_v1_ResourceSlice_To_api_ResourceSlice calls
+    devices_converted: int = 0  # devices in those slices (each converted with its attributes)
+    consumptions_validated: int = 0  # counter look-ups in validateDeviceCounterConsumption
+    slices_scanned: int = 0  # slices checkSlicesInPool walks
+    cel_evaluations: int = 0  # selector expressions selectorsMatch evaluates
+    counter_checks: int = 0  # counters checkAvailableCounters compares per reserved device
+    steps: int = 0  # allocateOne invocations
+
+    def __add__(self, other: Work) -> Work:
+        return Work(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
+
+    def times(self, n: int) -> Work:
+        return Work(**{k: getattr(self, k) * n for k in self.__dataclass_fields__})
+
+
+VERSIONS = ("1.36", "1.37")  # GatherPools of v0.36.2 / of v0.37.0-alpha.2 (kubernetes#138917)
+
+
+def _shared(spec: Mapping[str, Any], version: str) -> bool:
+    """``NewAllocator``'s split: a slice without ``nodeName`` is in ``slicesShared`` (handed to
+    every node's Filter); in 1.36 so is every slice holding ``sharedCounters``."""
+    return not spec.get("nodeName") or (version == "1.36" and bool(spec.get("sharedCounters")))
+
+
+def _slice_relevant(spec: Mapping[str, Any], node: str, version: str = "1.36") -> bool:
+    if version == "1.36" and spec.get("sharedCounters"):
         return True
     if spec.get("nodeSelector") is not None or spec.get("perDeviceNodeSelection"):
         raise NotModelled("nodeSelector / perDeviceNodeSelection slices are not modelled")
     return spec.get("nodeName") == node or bool(spec.get("allNodes"))
 
 
-def gather_pools(slices: Iterable[Mapping[str, Any]], node: str) -> list[Pool]:
-    """``GatherPools`` + ``buildPool`` for the slices relevant to ``node`` (module docstring)."""
+def _pool_key(s: Mapping[str, Any]) -> tuple[str, str]:
+    return (s["spec"]["driver"], s["spec"]["pool"]["name"])
+
+
+def gather_pools(slices: Iterable[Mapping[str, Any]], node: str, *, version: str = "1.36",
+                 work: Work | None = None) -> list[Pool]:
+    """``GatherPools`` + ``checkSlicesInPool`` + ``buildPool`` of ``version`` for the Filter
+    of ``node`` over the cluster's ``slices`` (module docstring); ``work`` counts its cost."""
+    if version not in VERSIONS:
+        raise ValueError(f"version {version!r}: expected one of {VERSIONS}")
+    work = work if work is not None else Work()
+    everything = list(slices)
+    for_node = ([s for s in everything if s["spec"].get("nodeName") == node and not _shared(s["spec"], version)]
+                + [s for s in everything if _shared(s["spec"], version)])
     by_pool: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for s in slices:
+    for s in for_node:
         spec = s["spec"]
-        if not _slice_relevant(spec, node):
+        if not _slice_relevant(spec, node, version):
             continue
-        key = (spec["driver"], spec["pool"]["name"])
-        seen = by_pool.setdefault(key, [])
+        work.slices_converted += 1  # addSlice converts before it looks at the generation
+        work.devices_converted += len(spec.get("devices") or ())
+        seen = by_pool.setdefault(_pool_key(s), [])
         gen = spec["pool"]["generation"]
         if seen and gen < seen[0]["spec"]["pool"]["generation"]:
             continue
         if seen and gen > seen[0]["spec"]["pool"]["generation"]:
             seen.clear()
         seen.append(s)
-    pools = [_build_pool(driver, name, objs) for (driver, name), objs in by_pool.items()]
+    pools = []
+    for (driver, name), objs in by_pool.items():
+        want = objs[0]["spec"]["pool"]["resourceSliceCount"]
+        others: list[Mapping[str, Any]] = []
+        if len(objs) != want:  # checkSlicesInPool: the pool's other slices, from every slice
+            work.slices_scanned += len(everything)
+            gen = objs[0]["spec"]["pool"]["generation"]
+            pool_slices = [s for s in everything if _pool_key(s) == (driver, name)]
+            if any(s["spec"]["pool"]["generation"] > gen for s in pool_slices):
+                continue  # obsolete: the driver is replacing this generation
+            current = [s for s in pool_slices if s["spec"]["pool"]["generation"] == gen]
+            if len(current) != want:
+                pools.append(Pool(driver, name, incomplete=True))
+                continue
+            names = {s["metadata"]["name"] for s in objs}
+            others = [s for s in current if s["metadata"]["name"] not in names]
+            for s in others:
+                work.slices_converted += 1
+                work.devices_converted += len(s["spec"].get("devices") or ())
+        pools.append(_build_pool(driver, name, objs, others, work))
+    work.pools += len(pools)
     return sorted(pools, key=lambda p: (p.driver, p.name))
 
 
-def _build_pool(driver: str, name: str, objs: list[Mapping[str, Any]]) -> Pool:
+class ClusterGather:
+    """What ``GatherPools`` costs one Filter of a node in a cluster where every slice names its
+    node (``nodeName``) and each node publishes pools of its own, as the agent does: the
+    counts :func:`gather_pools` gives over all the cluster's slices, added up per pool.
+    ``GatherPools`` converts each relevant slice and builds each pool from that pool's slices
+    alone, so a Filter of node N costs N's own gathering plus, in 1.36, every other node M's
+    pool as seen from elsewhere (its counter slice relevant, the rest found by
+    ``checkSlicesInPool``, which walks all the cluster's slices for it). Nodes are set (and
+    replaced, when they re-publish) with :meth:`set_node`; ``copies`` makes one node stand
+    for that many nodes publishing the same slices under their own names (the counts do not
+    depend on names)."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.own: dict[str, Work] = {}
+        self.foreign: dict[str, Work] = {}  # one copy's
+        self.slices: dict[str, int] = {}  # one copy's
+        self.copies: dict[str, int] = {}
+        self._foreign_total, self._slices_total = Work(), 0
+
+    def set_node(self, node: str, slices: Sequence[Mapping[str, Any]], copies: int = 1) -> None:
+        if any(s["spec"].get("nodeName") != node for s in slices):
+            raise NotModelled("ClusterGather: every slice of a node must name that node")
+        own, foreign = Work(), Work()
+        gather_pools(slices, node, version=self.version, work=own)
+        if self.version == "1.36":
+            gather_pools(slices, "", version=self.version, work=foreign)
+            foreign.slices_scanned = 0  # charged per Filter over the whole cluster (filter_work)
+        if node in self.own:
+            self._foreign_total = self._foreign_total + self.foreign[node].times(-self.copies[node])
+            self._slices_total -= self.slices[node] * self.copies[node]
+        self.own[node], self.foreign[node], self.slices[node], self.copies[node] = own, foreign, len(slices), copies
+        self._foreign_total = self._foreign_total + foreign.times(copies)
+        self._slices_total += len(slices) * copies
+
+    def filter_work(self, node: str) -> Work:
+        """The gathering counts of one Filter of ``node`` (of one of its copies)."""
+        others = self._foreign_total + self.foreign[node].times(-1)
+        return self.own[node] + others + Work(slices_scanned=others.pools * self._slices_total)
+
+
+def _build_pool(driver: str, name: str, objs: list[Mapping[str, Any]],
+                others: Sequence[Mapping[str, Any]] = (), work: Work | None = None) -> Pool:
+    """``buildPool``: ``objs`` target the node (their devices are allocatable), ``others``
+    (found by ``checkSlicesInPool``) only count for counters."""
+    work = work if work is not None else Work()
     pool = Pool(driver, name)
-    if len(objs) != objs[0]["spec"]["pool"]["resourceSliceCount"]:
-        pool.incomplete = True
-        return pool
     objs = sorted(objs, key=lambda s: s["metadata"]["name"])
     sets: set[str] = set()
-    for s in objs:
+    for s in [*objs, *others]:
         for cs in s["spec"].get("sharedCounters") or ():
             if cs["name"] in sets:
                 pool.invalid = f"duplicate counter set name {cs['name']}"
@@ -190,11 +334,12 @@ def _build_pool(driver: str, name: str, objs: list[Mapping[str, Any]]) -> Pool:
             for counter, c in cs["counters"].items():
                 pool.counters[(cs["name"], counter)] = quantity(c["value"])
     names: set[str] = set()
-    for s in objs:
+    for s in [*objs, *others]:
         if s["spec"].get("sharedCounters"):
             continue
+        targeting = any(s is o for o in objs)
         for d in s["spec"].get("devices") or ():
-            if d["name"] in names:
+            if targeting and d["name"] in names:
                 pool.invalid = f"duplicate device name {d['name']}"
                 return pool
             names.add(d["name"])
@@ -202,6 +347,7 @@ def _build_pool(driver: str, name: str, objs: list[Mapping[str, Any]]) -> Pool:
                 raise NotModelled("binding conditions / multiple allocations are not modelled")
             consumes = []
             for use in d.get("consumesCounters") or ():
+                work.consumptions_validated += len(use["counters"])
                 if use["counterSet"] not in sets:
                     pool.invalid = f"counter set {use['counterSet']} not found"
                     return pool
@@ -212,8 +358,8 @@ def _build_pool(driver: str, name: str, objs: list[Mapping[str, Any]]) -> Pool:
                     consumes.append((use["counterSet"], counter, quantity(c["value"])))
             view = DeviceView(driver, d["name"], _by_domain(driver, d.get("attributes") or {}, _plain),
                               _by_domain(driver, d.get("capacity") or {}, lambda c: quantity(c["value"])))
-            pool.devices.append(Device((driver, name, d["name"]), d, pool, view, tuple(consumes),
-                                       tuple(d.get("taints") or ())))
+            device = Device((driver, name, d["name"]), d, pool, view, tuple(consumes), tuple(d.get("taints") or ()))
+            (pool.devices if targeting else pool.others).append(device)
     return pool
 
 
@@ -298,14 +444,16 @@ class AllocatorModel:
 
     def __init__(self, slices: Iterable[Mapping[str, Any]], classes: Iterable[Mapping[str, Any]],
                  cel: Mapping[str, Predicate], allocated: Iterable[DeviceId] = (), *,
-                 leak_rejected_counters: bool = True) -> None:
+                 leak_rejected_counters: bool = True, version: str = "1.36") -> None:
         self.slices = list(slices)
         self.classes = {c["metadata"]["name"]: c for c in classes}
         self.cel = dict(cel)
         self.allocated = set(allocated)
         self.leak = leak_rejected_counters
+        self.version = version
         self.steps = 0  # allocateOne invocations of the last allocate() (numAllocateOneInvocations)
-        self._pools: dict[str, list[Pool]] = {}
+        self.work = Work()  # what the last allocate() cost, gathering included (Work)
+        self._pools: dict[str, tuple[list[Pool], Work]] = {}
 
     def predicates(self, selectors: Iterable[Mapping[str, Any]], where: str) -> tuple[Predicate, ...]:
         out = []
@@ -321,13 +469,16 @@ class AllocatorModel:
     def allocate(self, claims: list[Mapping[str, Any]], node: str) -> list[list[tuple[str, DeviceId]]] | None:
         """Per claim, its results in order as (request name, device ID); None when the claims
         cannot all be allocated on ``node`` (unschedulable); AllocationError as upstream errs."""
-        pools = self._pools.get(node)
-        if pools is None:
-            pools = self._pools[node] = gather_pools(self.slices, node)
+        cached = self._pools.get(node)
+        if cached is None:
+            gathered = Work()
+            cached = self._pools[node] = (gather_pools(self.slices, node, version=self.version, work=gathered), gathered)
+        pools, gathered = cached
+        self.work = gathered + Work()  # upstream gathers on every call; the model reuses the pools
         search = _Search(self, pools, [self._requests(c, pools) for c in claims],
                          [self._constraints(c) for c in claims])
         done = search.one(0, 0, 0, 0, False, (0, 0))
-        self.steps = search.steps
+        self.steps = self.work.steps = search.steps
         if not done:
             if any(p.invalid for p in pools):
                 raise AllocationError("invalid resource pools were encountered")
@@ -380,13 +531,19 @@ class AllocatorModel:
             if pool.incomplete or pool.invalid:
                 state = "currently being updated" if pool.incomplete else "currently invalid"
                 raise AllocationError(f"{where}: asks for all devices, but resource pool {pool.driver}/{pool.name} is {state}")
-            r.all_devices += [d for d in pool.devices if _selectable(r, d)]
+            r.all_devices += [d for d in pool.devices if _selectable(r, d, self.work)]
         r.count = len(r.all_devices)
         return r
 
 
-def _selectable(req: _Request, device: Device) -> bool:
-    return all(p(device.view) for p in req.class_selectors) and all(p(device.view) for p in req.selectors)
+def _selectable(req: _Request, device: Device, work: Work) -> bool:
+    """``isSelectable``: the class's selectors, then the request's, each list stopping at the
+    first that does not match (``selectorsMatch``); every expression run is counted."""
+    for p in (*req.class_selectors, *req.selectors):
+        work.cel_evaluations += 1
+        if not p(device.view):
+            return False
+    return True
 
 
 class _Search:
@@ -481,7 +638,7 @@ class _Search:
         key = (device.id, req.name, claim)
         hit = self.match.get(key)
         if hit is None:
-            hit = self.match[key] = _selectable(req, device)
+            hit = self.match[key] = _selectable(req, device, self.model.work)
         return hit
 
     def device(self, claim: int, req: _Request, device: Device,
@@ -530,7 +687,7 @@ class _Search:
         cached = self.available.get(pool.name)
         if cached is None:
             left = dict(pool.counters)
-            for d in pool.devices:
+            for d in (*pool.devices, *pool.others):
                 if d.id in self.model.allocated:
                     for cs, counter, amount in d.consumes:
                         if (cs, counter) in left:
@@ -541,6 +698,7 @@ class _Search:
     def _take_counters(self, device: Device) -> bool:
         """``checkAvailableCounters``: reserve, then check; given back when short."""
         left, over = self._pool_counters(device.pool)
+        self.model.work.counter_checks += len(device.pool.counters)  # upstream compares them all
         for cs, counter, amount in device.consumes:
             key = (device.pool.name, (cs, counter))
             self.held[key] = self.held.get(key, 0) + amount

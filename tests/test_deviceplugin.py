@@ -104,7 +104,12 @@ def test_kubelet_gets_options_from_the_plugin_during_register(node):
     node.start(hgx8_topology())
     assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
     options = node.kubelet.registrations[0].options
-    assert options.get_preferred_allocation_available is True and options.pre_start_required is False
+    # PreStartContainer holds a container back until its NCCL topology file is written
+    assert options.get_preferred_allocation_available is True and options.pre_start_required is True
+    node.stop()
+    node.start(hgx8_topology(), Config(nccl_pod_files="off"))
+    assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
+    assert node.kubelet.registrations[0].options.pre_start_required is False
 
 
 def test_one_registration_per_resource(node):
@@ -324,7 +329,9 @@ def test_allocate_envvar_uuid_strategy_lists_gpu_uuids(node):
     assert envs_of(resp)["GPU_TOPOLOGY_NUMA_NODES"] == "1"
     assert envs_of(resp)["GPU_TOPOLOGY_CPULIST"] == "56-111,168-223"
     assert envs_of(resp)["GPU_TOPOLOGY_NVLINK_CONNECTED"] == "true"
-    assert not resp.container_responses[0].mounts and not resp.container_responses[0].devices
+    # the one mount is the container's NCCL topology file (tests/test_nccl_pods.py)
+    assert [m.container_path for m in resp.container_responses[0].mounts] == ["/etc/nccl/topology.xml"]
+    assert not resp.container_responses[0].devices
 
 
 def test_allocate_index_strategy_lists_indices_and_mig_pairs(node):
@@ -342,7 +349,7 @@ def test_allocate_volume_mounts_strategy_mounts_dev_null_per_device(node):
     resp = node.client().allocate([topo.gpus[0].uuid, topo.gpus[1].uuid])
     c = resp.container_responses[0]
     assert c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
-    assert [(m.container_path, m.host_path) for m in c.mounts] == [
+    assert [(m.container_path, m.host_path) for m in c.mounts if m.container_path != "/etc/nccl/topology.xml"] == [
         (f"/var/run/nvidia-container-devices/{topo.gpus[i].uuid}", "/dev/null") for i in (0, 1)
     ]
 
@@ -401,10 +408,10 @@ def test_allocate_reduces_replicas_to_their_gpu_once(node):
     assert envs_of(resp)["NVIDIA_VISIBLE_DEVICES"] == f"{u[1]},{u[0]}"
 
 
-def test_pre_start_container_succeeds_and_does_nothing(node):
+def test_pre_start_container_succeeds_and_does_nothing_without_nccl_files(node):
     from agent._proto import deviceplugin_v1beta1_pb2 as pb
 
-    node.start(pcie4_topology())
+    node.start(pcie4_topology(), Config(nccl_pod_files="off"))
     resp = node.client().stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["x"]), timeout=5)
     assert resp == pb.PreStartContainerResponse()
 

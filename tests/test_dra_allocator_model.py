@@ -188,3 +188,99 @@ def test_claim_defaulting_and_validation():
     errs = validate_claim(bad)
     assert "spec.devices.requests[0].firstAvailable: must have at most 8 items" in errs
     assert "spec.devices.constraints[0].requests: 'nope' is not a request" in errs
+
+
+# ------------------------------------------------------------------ work counted per Filter
+def node_slices(node, pool=None, sets=True):
+    """A node as the agent publishes it: a counter slice (``c0``, ``c1``), then g0, g1 and, with
+    ``sets``, the set s01 consuming both (2 + 1 + 1 = 4 counter look-ups); or two plain
+    devices in one slice."""
+    pool = pool or node
+    if not sets:
+        s = slice_(f"{node}-1", [dev("g0", size=1), dev("g1", size=1)], pool=pool)
+        s["spec"]["nodeName"] = node
+        return [s]
+    out = [slice_(f"{node}-0", counters=("c0", "c1"), pool=pool, count=2),
+           slice_(f"{node}-1", [dev("g0", ("c0",), size=1), dev("g1", ("c1",), size=1),
+                                dev("s01", ("c0", "c1"), size=2)], pool=pool, count=2)]
+    for s in out:
+        s["spec"]["nodeName"] = node
+    return out
+
+
+def gathered(slices, node, version):
+    from dra_allocator_model import Work
+    work = Work()
+    pools = gather_pools(slices, node, version=version, work=work)
+    return pools, work
+
+
+def test_gathering_work_on_1_37_is_the_nodes_own_pool():
+    cluster = node_slices("n0") + node_slices("n1") + node_slices("n2")
+    pools, w = gathered(cluster, "n0", "1.37")
+    assert [(p.name, len(p.devices), p.incomplete) for p in pools] == [("n0", 3, False)]
+    assert (w.pools, w.slices_converted, w.devices_converted, w.consumptions_validated, w.slices_scanned) == (1, 2, 3, 4, 0)
+
+
+def test_gathering_work_on_1_36_takes_every_nodes_pool_through_check_slices_in_pool():
+    # n0's Filter sees its device slice and all three counter slices (slicesShared); n1's and
+    # n2's pools hold one slice of two: checkSlicesInPool walks the 6 slices for each and
+    # buildPool converts their device slice (3 devices, 4 look-ups each)
+    cluster = node_slices("n0") + node_slices("n1") + node_slices("n2")
+    pools, w = gathered(cluster, "n0", "1.36")
+    assert [(p.name, len(p.devices), len(p.others), p.incomplete) for p in pools] == [
+        ("n0", 3, 0, False), ("n1", 0, 3, False), ("n2", 0, 3, False)]
+    assert (w.pools, w.slices_converted, w.devices_converted, w.consumptions_validated, w.slices_scanned) == (3, 6, 9, 12, 12)
+
+
+def test_single_devices_cost_the_same_on_both_versions():
+    cluster = node_slices("n0", sets=False) + node_slices("n1", sets=False)
+    for version in ("1.36", "1.37"):
+        _, w = gathered(cluster, "n0", version)
+        assert (w.pools, w.slices_converted, w.devices_converted, w.consumptions_validated, w.slices_scanned) == (1, 1, 2, 0, 0)
+
+
+def test_cluster_gather_adds_up_to_gathering_the_whole_cluster():
+    from dra_allocator_model import ClusterGather
+    nodes = {"n0": node_slices("n0"), "n1": node_slices("n1", sets=False), "n2": node_slices("n2"),
+             "n3": node_slices("n3")}
+    cluster = [s for v in nodes.values() for s in v]
+    for version in ("1.36", "1.37"):
+        shortcut = ClusterGather(version)
+        for node, objs in nodes.items():
+            shortcut.set_node(node, node_slices(node, sets=False))  # replaced below: re-publishing
+            shortcut.set_node(node, objs)
+        for node in nodes:
+            assert shortcut.filter_work(node) == gathered(cluster, node, version)[1], (version, node)
+        # n2 and n3 publish alike: one node standing for two gives n2's Filter the same counts
+        twins = ClusterGather(version)
+        for node in ("n0", "n1", "n2"):
+            twins.set_node(node, nodes[node], copies=2 if node == "n2" else 1)
+        assert twins.filter_work("n2") == gathered(cluster, "n2", version)[1], version
+
+
+def test_an_allocated_device_of_another_nodes_pool_still_counts_for_its_counters():
+    # 1.36: n1's devices reach n0's Filter only as counter consumers; a claim there is unaffected
+    cluster = node_slices("n0") + node_slices("n1")
+    model = AllocatorModel(cluster, [CLASS], CEL, allocated=[(D, "n1", "s01")], version="1.36")
+    assert names(model.allocate([claim("c", exactly("r", selectors=["big"]))], "n0")[0]) == [("r", "s01")]
+
+
+def test_search_work_counts_cel_evaluations_and_counter_checks():
+    # class "x" then the request's "big": g0 and g1 run both (x matches, big does not), s01
+    # both and is reserved: 6 evaluations, 2 counters compared (the pool has c0 and c1)
+    model = AllocatorModel(node_slices("n0"), [CLASS], CEL, version="1.37")
+    assert names(model.allocate([claim("c", exactly("r", selectors=["big"]))], "n0")[0]) == [("r", "s01")]
+    assert (model.work.cel_evaluations, model.work.counter_checks, model.work.devices_converted) == (6, 2, 3)
+    # with g0 allocated, s01 is refused on its counters (c0 used): still 2 checks counted;
+    # then nothing else is big: unschedulable
+    model.allocated = {(D, "n0", "g0")}
+    assert model.allocate([claim("c", exactly("r", selectors=["big"]))], "n0") is None
+    assert (model.work.cel_evaluations, model.work.counter_checks) == (4, 2)  # g0 in use: skipped unevaluated
+    # a prioritized list ["set": big and one (nothing is both) -> "single": one]: "set" runs
+    # x, big on g0 and g1 (2 + 2) and x, big, one on s01 (3), then fails; "single" runs x, one
+    # on g0 (2), which it takes: 9 (the cache is per device and subrequest, so nothing is shared)
+    model.allocated = set()
+    got = model.allocate([claim("c", first_available("r", ("set", 1, ["big", "one"]), ("single", 1, ["one"])))], "n0")
+    assert names(got[0]) == [("r/single", "g0")]
+    assert model.work.cel_evaluations == 2 + 2 + 3 + 2

@@ -14,7 +14,7 @@ import yaml
 from k8s_binaries import k8s_binary, missing_reason
 
 from agent.discovery import load_topology
-from agent.dra.slices import dump_yaml, render_slices
+from agent.dra.slices import SETS_API_VERSIONS, dump_yaml, render_slices
 from agent.hw.sim.machines import BUILTIN_MACHINES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +22,9 @@ DRAALLOC = k8s_binary("draalloc")
 EXAMPLES = ROOT / "daemonset" / "dra" / "examples" / "claim-templates.yaml"
 CLASSES = ROOT / "daemonset" / "dra" / "deviceclass.yaml"
 D = "gpu.gpu-agent.io"
+#: The Kubernetes version draalloc is built from (k8s_binaries.py): it decodes its inputs
+#: strictly, as that version's resource.k8s.io/v1beta1 types define them.
+KUBE = "1.32.0"
 
 needs_draalloc = pytest.mark.skipif(missing_reason("draalloc") is not None, reason=str(missing_reason("draalloc")))
 
@@ -46,8 +49,20 @@ def template_claim(name, claim_name=None):
     raise KeyError(name)
 
 
-def classes():
-    return [to_v1beta1(c) for c in yaml.safe_load_all(CLASSES.read_text())]
+def selects_gpu_sets(device_class):
+    return any('.type == "gpuset"' in sel["cel"]["expression"] for sel in device_class["spec"].get("selectors", ()))
+
+
+def classes(api_version="v1beta1"):
+    """The device classes the chart renders for a cluster whose newest ``resource.k8s.io`` is
+    ``api_version`` (``daemonset/dra/deviceclass.yaml`` is its rendering for v1): the GPU and
+    MIG classes in every version; the GPU-set classes (``gpuset.*``, ``set-of-k.*`` with
+    ``extendedResourceName``, a v1.34+ field) only in the versions the agent publishes sets in
+    (:data:`~agent.dra.slices.SETS_API_VERSIONS`, the chart's ``if eq $api
+    "resource.k8s.io/v1"``): draalloc (v1.32, v1beta1) decodes strictly and refuses them."""
+    v1 = list(yaml.safe_load_all(CLASSES.read_text()))
+    kept = [c for c in v1 if api_version in SETS_API_VERSIONS or not selects_gpu_sets(c)]
+    return kept if api_version == "v1" else [to_v1beta1(c) for c in kept]
 
 
 def allocate(tmp_path, slices, claims, allocated=(), extra_classes=()):
@@ -73,12 +88,59 @@ def slices_of(machine):
     return render_slices(load_topology(machine), node_name="node-1", api_version="v1beta1")
 
 
+def nic_slice(topo):
+    """The RDMA NIC mlx5_5 of ``topo`` as another driver's device, beside the agent's slices."""
+    return {
+        "apiVersion": "resource.k8s.io/v1beta1", "kind": "ResourceSlice",
+        "metadata": {"name": "node-1-nic"},
+        "spec": {"driver": "nic.example.com", "nodeName": "node-1",
+                 "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
+                 "devices": [{"name": n.name.replace("_", "-"), "basic": {"attributes": {
+                     "resource.kubernetes.io/pcieRoot": {"string": n.pcie_root}}}}
+                     for n in topo.nics if n.name == "mlx5_5"]},
+    }
+
+
+NIC_CLASS = {"apiVersion": "resource.k8s.io/v1beta1", "kind": "DeviceClass", "metadata": {"name": "rdma-nic"},
+             "spec": {"selectors": [{"cel": {"expression": 'device.driver == "nic.example.com"'}}]}}
+CLAIMS = ("any-gpus", "gpus-one-nvlink-island", "gpus-one-numa-node", "gpu-with-rdma-nic")
+
+
+def tier_inputs():
+    """Every object the tests below write into draalloc's input files."""
+    yield from classes()
+    yield NIC_CLASS
+    yield from (template_claim(name) for name in CLAIMS)
+    for machine in BUILTIN_MACHINES:
+        yield from slices_of(machine)
+    yield nic_slice(load_topology("dgx-h100"))
+
+
+def test_every_input_the_tier_hands_draalloc_is_valid_for_its_kubernetes_version():
+    """Runs without draalloc: each input, validated strictly against Kubernetes 1.32's schemas
+    (kubernetes-validate, strict: a field that version does not know is an error, as
+    draalloc's strict decoding refuses it: ``json: unknown field``)."""
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is not installed (the test extra has it)")
+    problems, checked = [], 0
+    for obj in tier_inputs():
+        checked += 1
+        try:
+            kubernetes_validate.validate(obj, KUBE, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            problems.append(f"{obj['kind']} {obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+    assert checked > len(BUILTIN_MACHINES)
+    assert not problems, "\n".join(problems)
+
+
 def test_what_the_allocator_tests_hand_draalloc_still_exists():
     """Runs without draalloc, so that these tests cannot rot while they skip: the claim
     templates and classes they name, every machine's v1beta1 slices with devices named
     ``gpu-<index>`` (as :func:`indices` reads them), and the NIC the RDMA test pairs with."""
     assert {"gpu.gpu-agent.io", "mig.gpu.gpu-agent.io"} <= {c["metadata"]["name"] for c in classes()}
-    for name in ("any-gpus", "gpus-one-nvlink-island", "gpus-one-numa-node", "gpu-with-rdma-nic"):
+    sets = {c["metadata"]["name"] for c in classes("v1") if selects_gpu_sets(c)}
+    assert {f"set-of-{k}.{D}" for k in (2, 4, 8)} <= sets  # what v1beta1 leaves out
+    for name in CLAIMS:
         assert template_claim(name)["spec"]["devices"]["requests"], name
     for machine in BUILTIN_MACHINES:
         topo = load_topology(machine)
@@ -148,20 +210,8 @@ def test_impossible_claim_is_reported_unschedulable(tmp_path):
 @needs_draalloc
 def test_gpu_aligned_with_an_rdma_nic_by_pcie_root(tmp_path):
     topo = load_topology("dgx-h100")
-    nic_slice = {
-        "apiVersion": "resource.k8s.io/v1beta1", "kind": "ResourceSlice",
-        "metadata": {"name": "node-1-nic"},
-        "spec": {"driver": "nic.example.com", "nodeName": "node-1",
-                 "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
-                 "devices": [{"name": n.name.replace("_", "-"), "basic": {"attributes": {
-                     "resource.kubernetes.io/pcieRoot": {"string": n.pcie_root}}}}
-                     for n in topo.nics if n.name == "mlx5_5"]},
-    }
-    nic_class = {"apiVersion": "resource.k8s.io/v1beta1", "kind": "DeviceClass",
-                 "metadata": {"name": "rdma-nic"},
-                 "spec": {"selectors": [{"cel": {"expression": 'device.driver == "nic.example.com"'}}]}}
-    got = allocate(tmp_path, [*slices_of("dgx-h100"), nic_slice], [template_claim("gpu-with-rdma-nic")],
-                   extra_classes=[nic_class])
+    got = allocate(tmp_path, [*slices_of("dgx-h100"), nic_slice(topo)], [template_claim("gpu-with-rdma-nic")],
+                   extra_classes=[NIC_CLASS])
     result = got["gpu-with-rdma-nic"]
     assert result["allocated"], result
     gpu = [d["device"] for d in result["devices"] if d["request"] == "gpu"]

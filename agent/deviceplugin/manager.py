@@ -39,14 +39,16 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.ncclsweep import NcclSweeper
+from agent.deviceplugin.reporting import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PLUGIN_OPTIONS, DeviceListChanges, PluginServer
+from agent.deviceplugin.server import DeviceListChanges, PluginServer, plugin_options
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
 from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.podresources import rpc_message
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
+from agent.ncclfiles import NcclFiles
 from agent.retry import Backoff, Outage
 from agent.sharing.base import PROBE_INTERVAL_S, Supervisor, Supervisors
 from agent.topology.model import Topology
@@ -134,6 +136,8 @@ class DevicePluginManager:
         )
         self._keeping = False
         self.resources: tuple[PluginResource, ...] = ()
+        # removes the NCCL topology files of containers the kubelet no longer lists
+        self._nccl_sweeper = NcclSweeper(lambda: (self.config, [r.name for r in self.resources]))
         health.add_listener(self._report_offers)
 
     @property
@@ -147,6 +151,7 @@ class DevicePluginManager:
         with self._lock:
             self._keeping = True
         self._keeper.start()
+        self._nccl_sweeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop watching, close streams, stop servers, remove our sockets."""
@@ -160,6 +165,7 @@ class DevicePluginManager:
         for slot in slots:
             slot.server.stop(grace_s)
         self._supervisors.stop()
+        self._nccl_sweeper.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -202,7 +208,8 @@ class DevicePluginManager:
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
-            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
+            RequestHandler(resource, topology, config, NcclFiles.from_config(config)),
+            self.health, config.kubelet_dir, events=self.events,
             supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
         server.start()
@@ -330,7 +337,7 @@ class DevicePluginManager:
         try:
             register_device_plugin(
                 self.kubelet_socket, resource_name=resource.name, endpoint=resource.socket_name,
-                options=PLUGIN_OPTIONS, timeout_s=self.register_timeout_s,
+                options=plugin_options(slot.server.servicer.handler), timeout_s=self.register_timeout_s,
             )
         except grpc.RpcError as exc:
             slot.next_try_s = time.monotonic() + slot.register_backoff.next()

@@ -21,7 +21,7 @@ import grpc
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.reporting import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
@@ -40,6 +40,15 @@ MAX_STATUS_MESSAGE = 1000
 MAX_STREAMS = 4
 #: What every plugin tells the kubelet, in Register and in GetDevicePluginOptions.
 PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+def plugin_options(handler: RequestHandler) -> pb.DevicePluginOptions:
+    """:data:`PLUGIN_OPTIONS`, asking for PreStartContainer where Allocate hands containers
+    NCCL topology files: the kubelet calls it before each container starts, and it returns
+    once the container's file is written."""
+    if handler.nccl_files is None:
+        return PLUGIN_OPTIONS
+    return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
 
 def device_list(
@@ -128,7 +137,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.changes.changed()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
-        return PLUGIN_OPTIONS
+        return plugin_options(self.handler)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
@@ -197,6 +206,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        try:
+            self.handler.pre_start(list(request.devices_ids))
+        except AgentError as exc:
+            self._abort(context, exc)
         return pb.PreStartContainerResponse()
 
     def _abort(self, context: grpc.ServicerContext, exc: AgentError) -> None:
