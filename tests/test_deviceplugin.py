@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
@@ -23,6 +23,7 @@ from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
+from agent.kubelet.unix_server import UnixGrpcServer
 from agent.metrics.self_metrics import AgentMetrics
 
 
@@ -136,6 +137,31 @@ def test_stale_socket_file_is_replaced(node):
     assert node.client().options().get_preferred_allocation_available
 
 
+def test_a_socket_another_live_plugin_took_is_left_alone_said_once_and_served_once_free(node, caplog):
+    node.start(hgx8_topology())
+    assert eventually(node.manager.ready, 2.0)
+    ours = os.path.join(node.kubelet_dir, "nvidia-gpu.sock")
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # NVIDIA's plugin on the same directory
+    other.bind(ours + ".new")
+    other.listen()
+    theirs = os.stat(ours + ".new").st_ino
+    try:
+        with caplog.at_level(logging.INFO, logger="agent"):
+            caplog.clear()
+            os.rename(ours + ".new", ours)  # it takes the name over ours
+            time.sleep(1.0)  # 20 watch rounds
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+            assert os.stat(ours).st_ino == theirs, "another live server's socket is never removed"
+            assert not node.manager.ready()
+            other.close()
+            os.unlink(ours)  # it is gone
+            assert eventually(node.manager.ready, 5.0), "served and registered again"
+    finally:
+        other.close()
+    assert len(said) <= 2 and any("another device plugin is serving on this socket" in m for m in said), said
+    assert node.client().options().get_preferred_allocation_available
+
+
 class _SlowRegistration(pb_grpc.RegistrationServicer):
     """A kubelet whose Register takes ``delay_s`` to answer (a busy kubelet)."""
 
@@ -151,9 +177,9 @@ class _SlowRegistration(pb_grpc.RegistrationServicer):
 
 def test_readiness_answers_at_once_while_a_slow_register_is_in_flight(node):
     slow = _SlowRegistration(delay_s=1.5)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_RegistrationServicer_to_server(slow, server)
-    server.add_insecure_port(f"unix:{os.path.join(node.kubelet_dir, 'kubelet.sock')}")
+    server = UnixGrpcServer(os.path.join(node.kubelet_dir, "kubelet.sock"),
+                            lambda s: pb_grpc.add_RegistrationServicer_to_server(slow, s), name="slow-kubelet",
+                            max_workers=2)
     server.start()
     try:
         node.start(hgx8_topology(), kubelet=False, register_timeout_s=3.0)
