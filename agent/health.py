@@ -173,7 +173,7 @@ class HealthWatcher(Worker):
         self._clock = clock
         super().__init__()
         self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
-        self.fenced = False
+        self.fenced = False  # no Outage: public state (the GPUs are fenced), its loud wording its own
         self._seen_lost: set[int] = set()
 
     # ------------------------------------------------------------------ work
