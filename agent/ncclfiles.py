@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.config import Config
+from agent.files import remove_file, write_text_atomic
 from agent.records import Nic
 from agent.topology.model import Topology
 from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
@@ -150,26 +151,9 @@ class NcclFiles:
         return NcclFile(self.path(key), nics)
 
     def _write_text(self, key: str, text: str) -> None:
-        path = self.path(key)
-        # a temp name of this key and thread: no other writer uses it at the same time
-        tmp = os.path.join(self.host_dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except FileNotFoundError:
-            os.makedirs(self.host_dir, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         # no fsync: a file lost to a power cut is written again by the next Allocate,
         # PreStartContainer or prepare; the rename alone keeps a reader off half a file
-        try:
-            os.write(fd, text.encode("ascii"))
-            os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_text_atomic(self.path(key), text, fsync=False)
 
     def write_later(self, key: str, topology: Topology, gpus: Sequence[int]) -> NcclFile:
         """The file of ``gpus`` for ``key``, handed to the writer thread; :meth:`wait`
@@ -214,11 +198,7 @@ class NcclFiles:
 
     def remove(self, key: str) -> bool:
         """Remove ``key``'s file; False when there was none."""
-        try:
-            os.unlink(self.path(key))
-        except FileNotFoundError:
-            return False
-        return True
+        return remove_file(self.path(key))
 
     def keys(self) -> set[str]:
         """The keys of the files in the directory."""
