@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Mapping
 
 from agent.config import Config, is_critical_xid
 from agent.hw.protocols import EventSource, HealthEvent
+from agent.listeners import Listeners
 from agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class HealthState:
         self._cond = threading.Condition()
         self._unhealthy: dict[int, str] = {i: r for i, r in (unhealthy or {}).items() if 0 <= i < gpu_count}
         self.generation = 0
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners = Listeners(log, "health")
 
     def snapshot(self) -> dict[int, str]:
         """Unhealthy GPU index -> reason, a copy."""
@@ -73,21 +74,14 @@ class HealthState:
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """``callback()`` runs (outside the lock) after every change."""
-        with self._cond:
-            self._listeners.append(callback)
+        self._listeners.add(callback)
 
     def _changed(self) -> None:
         self.generation += 1
         self._cond.notify_all()
 
     def _notify(self) -> None:
-        with self._cond:
-            listeners = list(self._listeners)
-        for cb in listeners:
-            try:
-                cb()
-            except Exception:  # a listener must not break the watcher
-                log.exception("health listener failed")
+        self._listeners.notify()  # a listener that fails is logged: it never breaks the watcher
 
     def mark_unhealthy(self, index: int, reason: str) -> bool:
         """Mark GPU ``index`` unhealthy; True if that changed its state."""
@@ -173,7 +167,7 @@ class HealthWatcher(Worker):
         self._clock = clock
         super().__init__()
         self._last_bad_s: dict[int, float] = {}  # GPU -> last critical event / failed probe
-        self.fenced = False
+        self.fenced = False  # no Outage: public state (the GPUs are fenced), its loud wording its own
         self._seen_lost: set[int] = set()
 
     # ------------------------------------------------------------------ work

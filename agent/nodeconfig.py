@@ -131,7 +131,8 @@ class NodeLabelWatch(Worker):
         self._watch: Any = None  # the open watch, stopped from stop()
         self._on_value: Callable[[str], None] = lambda _value: None
         self._last: str | None = None  # the value last reported
-        self._missing_said = False
+        # the node not in the API server: said once, and once when it appears
+        self._missing = Outage(log, f"finding node {node_name} in the API server", retrying="waiting for it")
 
     def start(self, on_value: Callable[[str], None] | None = None) -> None:
         """Start following; ``on_value`` hears each value (on the watch's thread)."""
@@ -190,10 +191,10 @@ class NodeLabelWatch(Worker):
                      missing_ok=False, timeout_s=REQUEST_TIMEOUT_S) or {}
         items = [n for n in nodes.get("items") or () if isinstance(n, dict)]
         if items:
+            self._missing.recovered()
             self._report(str(((items[0].get("metadata") or {}).get("labels") or {}).get(self.label, "")))
-        elif not self._missing_said:
-            self._missing_said = True
-            log.warning("node %s not found in the API server: waiting for it", self.node_name)
+        else:
+            self._missing.failed("not found")
         return str((nodes.get("metadata") or {}).get("resourceVersion"))
 
     def _watch_from(self, api: Any, resource_version: str) -> str:
@@ -213,6 +214,7 @@ class NodeLabelWatch(Worker):
                 self._recovered()
                 labels = ((event.get("raw_object") or {}).get("metadata") or {}).get("labels") or {}
                 if event.get("type") in ("ADDED", "MODIFIED"):
+                    self._missing.recovered()
                     self._report(str(labels.get(self.label, "")))
                 elif event.get("type") == "DELETED":  # as config-manager: no node, no label
                     self._report("")

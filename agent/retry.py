@@ -80,14 +80,20 @@ class Outage:
     def failing(self) -> bool:
         return self._reason is not None
 
-    def failed(self, reason: str, *, exc_info: bool = False) -> bool:
-        """One more failure; True when it was said (the outage's first, or a new reason)."""
-        news = self._reason is None or (self.per_reason and reason != self._reason)
-        self._reason = reason
+    def failed(self, reason: str, *, key: str | None = None, level: int | None = None,
+               exc_info: bool = False) -> bool:
+        """One more failure; True when it was said (the outage's first, or a new reason).
+        ``key`` tells reasons apart for ``per_reason`` where the text varies between tries of
+        one failure (default: ``reason`` itself); ``level`` says this one at another level
+        than the outage's (an unexpected error, a bug, at ERROR)."""
+        key = reason if key is None else key
+        news = self._reason is None or (self.per_reason and key != self._reason)
+        self._reason = key
         self.failures += 1
         suffix = f" ({self.retrying})" if self.retrying else ""
         if news:
-            self.log.log(self.level, "%s failed: %s%s", self.what, reason, suffix, exc_info=exc_info)
+            self.log.log(self.level if level is None else level, "%s failed: %s%s", self.what, reason, suffix,
+                         exc_info=exc_info)
         else:
             self.log.debug("%s failed again (%d times): %s", self.what, self.failures, reason)
         return news

@@ -306,7 +306,7 @@ def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_ba
     node.kubelet_registers()
     assert eventually(daemon.servers.plugin.ready, 5)
     time.sleep(1.5)  # 0.05, 0.1, 0.2, 0.2, ...: at least 6 tries in 1.5 s with the cap at 0.2 s
-    failures = [r for r in caplog.records if "cannot publish" in r.getMessage()]
+    failures = [r for r in caplog.records if "the ResourceSlices of node" in r.getMessage() and " failed: " in r.getMessage()]
     assert len(failures) == 1, "one log line per reason, not one per retry"
     assert "unreachable" in failures[0].getMessage()
     assert not daemon.ready()
@@ -318,7 +318,7 @@ def test_unreachable_api_server_keeps_serving_the_kubelet_retries_with_capped_ba
     node.api.fail(403, method="POST", path_contains="resourceslices", times=2)
     assert node.api.wait_for(lambda s: len(s) == 1, 5)
     assert eventually(daemon.ready, 2.0)
-    reasons = [r.getMessage() for r in caplog.records if "cannot publish" in r.getMessage()]
+    reasons = [r.getMessage() for r in caplog.records if "the ResourceSlices of node" in r.getMessage() and " failed: " in r.getMessage()]
     assert len(reasons) == 2 and "403" in reasons[1], reasons
 
 

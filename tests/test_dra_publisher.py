@@ -225,7 +225,7 @@ def test_unreachable_server_is_not_ready_then_publishes_on_recovery(server, capl
     server.add_node("node-1")
     server.go_down()
     pub = make(server)
-    with caplog.at_level(logging.WARNING, logger="agent.dra.publisher"):
+    with caplog.at_level(logging.INFO, logger="agent.dra.publisher"):
         pub.start()
         try:
             time.sleep(0.6)  # several retries
@@ -234,9 +234,11 @@ def test_unreachable_server_is_not_ready_then_publishes_on_recovery(server, capl
             assert eventually(pub.ready, 30)
         finally:
             pub.stop()
-    failures = [r for r in caplog.records if "cannot publish" in r.getMessage()]
+    failures = [r for r in caplog.records if "the ResourceSlices of node" in r.getMessage() and " failed: " in r.getMessage()]
     assert len(failures) == 1, "one log line per reason, not per retry"
     assert "unreachable" in failures[0].getMessage()
+    assert [r.getMessage() for r in caplog.records if "works again" in r.getMessage()] == [
+        "publishing the ResourceSlices of node node-1 works again"]
     assert len(server.slices()) == expected_slices()
 
 
@@ -251,7 +253,7 @@ def test_forbidden_then_server_error_logs_once_per_reason_and_recovers(server, c
             assert eventually(pub.ready, 30)
         finally:
             pub.stop()
-    failures = [r.getMessage() for r in caplog.records if "cannot publish" in r.getMessage()]
+    failures = [r.getMessage() for r in caplog.records if "the ResourceSlices of node" in r.getMessage() and " failed: " in r.getMessage()]
     assert len(failures) == 2
     assert "403 Forbidden" in failures[0] and "forbidden" in failures[0]
     assert "500 InternalError" in failures[1]

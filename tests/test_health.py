@@ -207,3 +207,20 @@ def test_gpu_the_backend_found_lost_is_marked_unhealthy_once():
     clock.now += 10
     w.step()
     assert state.is_healthy(3)  # still listed by the backend, but not newly lost
+
+
+def test_a_failing_listener_is_logged_and_the_others_still_hear_every_change(caplog):
+    state = HealthState(4)
+    heard: list[dict[int, str]] = []
+
+    def broken() -> None:
+        raise RuntimeError("listener bug")
+
+    state.add_listener(broken)
+    state.add_listener(lambda: heard.append(state.snapshot()))
+    with caplog.at_level(logging.ERROR, logger="agent.health"):
+        assert state.mark_unhealthy(1, "XID 79")
+        assert state.mark_healthy(1)
+    assert heard == [{1: "XID 79"}, {}]
+    failed = [r for r in caplog.records if r.getMessage() == "health listener failed"]
+    assert len(failed) == 2 and all(r.exc_info for r in failed)

@@ -207,11 +207,11 @@ def test_api_server_errors_are_logged_once_per_change_of_state_and_the_agent_kee
         assert proc.poll() is None, "the agent kept running"
     finally:
         stderr = stop(proc)
-    errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+    errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
     assert len(errors) == 2, stderr
     assert "HTTP 403 Forbidden: injected: RBAC says no" in errors[0] and "RBAC must allow it" in errors[0]
     assert "HTTP 500 InternalError: injected: etcd is sad" in errors[1]
-    assert stderr.count(f"NodeFeature {NAMESPACE}/{OBJECT} published again (after: 500 InternalError)") == 1
+    assert stderr.count(f"publishing the labels as NodeFeature {NAMESPACE}/{OBJECT} works again") == 1
 
 
 def test_an_api_server_that_goes_away_is_logged_once_and_the_labels_come_back(cluster):
@@ -225,9 +225,9 @@ def test_an_api_server_that_goes_away_is_logged_once_and_the_labels_come_back(cl
         assert cluster.api.wait_for_nodefeatures(lambda objs: len(objs) == 1, 20), "not re-created"
     finally:
         stderr = stop(proc)
-    errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+    errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
     assert len(errors) == 1 and "API server unreachable" in errors[0], stderr
-    assert stderr.count("published again (after: unreachable") == 1
+    assert stderr.count(f"publishing the labels as NodeFeature {NAMESPACE}/{OBJECT} works again") == 1
 
 
 def free_port() -> int:
@@ -279,7 +279,7 @@ def test_api_server_failures_are_counted_and_keep_the_agent_unready_until_a_writ
     finally:
         stderr = stop(proc)
         kubelet.stop()
-    errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+    errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
     assert len(errors) == 1 and "HTTP 500 InternalError: injected: etcd is sad" in errors[0], stderr
 
 
@@ -292,7 +292,7 @@ def test_without_the_nodefeature_rbac_the_agent_logs_the_forbidden_request_once(
         finally:
             stderr = stop(proc)
         assert base.objects() == []
-        errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+        errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
         assert len(errors) == 1, stderr
         assert ('User "system:serviceaccount:gpu-topology-agent:gpu-topology-agent" cannot get resource'
                 ' "nodefeatures" in API group "nfd.k8s-sigs.io" in the namespace "gpu-topology-agent"') in errors[0]
@@ -310,7 +310,7 @@ def test_nfd_not_installed_is_said_once(cluster):
             time.sleep(0.05)
     finally:
         stderr = stop(proc)
-    errors = [line for line in stderr.splitlines() if "cannot publish the labels" in line]
+    errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
     assert len(errors) == 1 and "is NFD installed?" in errors[0], stderr
 
 

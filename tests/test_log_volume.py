@@ -187,14 +187,14 @@ def test_a_100_claim_prepare_with_the_api_server_down_logs_one_line_and_counts_1
         assert len(response.claims) == 100
         new = agent.log().splitlines()[before:]
         about_claims = [line for line in new if "ResourceClaim" in line or "urllib3" in line or "Retrying" in line]
-        assert len(about_claims) == 1 and "cannot read ResourceClaims: " in about_claims[0] \
+        assert len(about_claims) == 1 and "reading ResourceClaims failed: " in about_claims[0] \
             and "API server unreachable" in about_claims[0], (
             len(about_claims), about_claims[:4])
         assert _metric(port, "gpu_agent_claim_read_errors_total") == 100
         node.api.come_up()
         claim = node.put_claim("after", ["gpu-1"])
         assert node.prepare(claim).claims[claim["metadata"]["uid"]].error == ""
-        assert len(agent.lines("ResourceClaims are read again")) == 1
+        assert len(agent.lines("reading ResourceClaims works again")) == 1
         assert agent.stop() == 0, agent.log()[-3000:]
     finally:
         agent.kill()

@@ -267,3 +267,25 @@ def test_a_watch_ended_at_its_timeout_resumes_from_the_bookmarks_resource_versio
         watch.stop()
     finally:
         api.stop()
+
+
+def test_a_node_not_yet_in_the_api_server_is_said_once_and_once_when_it_appears(caplog) -> None:
+    import logging
+
+    from agent.nodeconfig import NodeLabelWatch
+
+    api = ApiServerStub().start()
+    try:
+        values: list[str] = []
+        watch = NodeLabelWatch(api.api_client, NODE, LABEL, watch_timeout_s=1)
+        with caplog.at_level(logging.INFO, logger="agent.nodeconfig"):
+            watch.start(values.append)
+            assert eventually(lambda: len(_watch_queries(api)) >= 2, 15.0), "a watch ended and was resumed"
+            api.add_node(NODE, labels={LABEL: "a"})
+            assert eventually(lambda: values == ["a"], 10.0)
+            watch.stop()
+        said = [r.getMessage() for r in caplog.records if f"node {NODE} in the API server" in r.getMessage()]
+        assert said == [f"finding node {NODE} in the API server failed: not found (waiting for it)",
+                        f"finding node {NODE} in the API server works again"], said
+    finally:
+        api.stop()

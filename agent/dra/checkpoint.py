@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 from agent.errors import shorten
 from agent.files import write_json_atomic
+from agent.listeners import Listeners
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class Checkpoint:
         # Lock order: a leaf; listeners run after it is released.
         self._lock = threading.Lock()
         self._claims: dict[str, PreparedClaim] = self._load()
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners = Listeners(log, "checkpoint")
 
     def path_of(self, uid: str) -> str:
         return os.path.join(self.directory, uid + SUFFIX)
@@ -186,17 +187,10 @@ class Checkpoint:
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """``callback()`` runs (outside the lock) after every claim recorded or forgotten."""
-        with self._lock:
-            self._listeners.append(callback)
+        self._listeners.add(callback)
 
     def _notify(self) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        for callback in listeners:
-            try:
-                callback()
-            except Exception:  # a listener must not fail a prepare
-                log.exception("checkpoint listener failed")
+        self._listeners.notify()  # a listener that fails is logged: it never fails a prepare
 
     def devices(self) -> set[tuple[str, str]]:
         """(pool, device name) of every device of every prepared claim."""

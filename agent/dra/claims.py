@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from agent.errors import AgentError, shorten
 from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS, ApiCallError, call, resource_versions
+from agent.retry import Outage
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,12 @@ class KubernetesClaimReader:
         self._version: str | None = None
         self._lock = threading.Lock()
         self._count_error = count_error
-        # the cause reads fail with now (None: they work); a leaf lock, never held to log
-        self._failing: str | None = None
-        self._failing_lock = threading.Lock()
+        # the cause reads fail with now, said once per cause; guarded by a leaf lock (held
+        # while the Outage logs: logging never calls back into this reader)
+        self._outage = Outage(log, "reading ResourceClaims", per_reason=True, retrying=(
+            "each claim read meanwhile fails the same way, counted in gpu_agent_claim_read_errors_total;"
+            " the kubelet retries"))
+        self._outage_lock = threading.Lock()
 
     @property
     def version(self) -> str:
@@ -113,19 +117,12 @@ class KubernetesClaimReader:
     def _fails(self, exc: ClaimReadError) -> None:
         if self._count_error is not None:
             self._count_error()
-        with self._failing_lock:
-            new, self._failing = exc.cause != self._failing, exc.cause
-        if new:
-            log.warning(
-                "cannot read ResourceClaims: %s (each claim read meanwhile fails the same way, counted in"
-                " gpu_agent_claim_read_errors_total; the kubelet retries)", exc,
-            )
+        with self._outage_lock:
+            self._outage.failed(str(exc), key=exc.cause)
 
     def _works(self) -> None:
-        with self._failing_lock:
-            was, self._failing = self._failing, None
-        if was is not None:
-            log.info("ResourceClaims are read again")
+        with self._outage_lock:
+            self._outage.recovered()
 
     def _read(self, namespace: str, name: str) -> Mapping[str, Any]:
         version = self.version

@@ -39,8 +39,9 @@ from set devices whose counters were dropped (unless a stored counter slice kept
 and only a newly created device slice lost them: then for one round trip).
 
 The API server being unreachable, or refusing, never stops the agent: the thread retries with
-a capped exponential backoff, logs each failure once per change of reason, and :meth:`ready`
-stays False until the slices have been published once.
+a capped exponential backoff, logs each failure once per change of reason and the recovery once
+(:class:`agent.retry.Outage`), and :meth:`ready` stays False until the slices have been
+published once.
 
 Size: above 400 lines because it is one thread and the only code that talks to the API server
 about ResourceSlices: its loop, the sync decision and the handful of calls it makes with their
@@ -80,8 +81,9 @@ from agent.kube import (
     resource_versions,
     server_version,
 )
-from agent.retry import Backoff
+from agent.retry import Backoff, Outage
 from agent.topology.model import Topology
+from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ class _Failure(AgentError):
         self.state = state
 
 
-class SlicePublisher:
+class SlicePublisher(Worker):
     """Publish the node's ResourceSlices and keep them current.
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
@@ -124,6 +126,8 @@ class SlicePublisher:
     server keeps no taints. ``events`` hears which features the API server keeps.
     """
 
+    thread_name = "slice-publisher"
+
     def __init__(
         self,
         client_factory: Callable[[], Any],
@@ -134,6 +138,7 @@ class SlicePublisher:
         prepared: PreparedDevices | None = None,
         events: PublisherEvents | None = None,
     ) -> None:
+        super().__init__()
         self.client_factory = client_factory
         self.settings = settings
         self.node_name = settings.node_name
@@ -149,11 +154,10 @@ class SlicePublisher:
         self.kept = {PARTITIONABLE_DEVICES: True, DEVICE_TAINTS: True}
         self._cond = threading.Condition()
         self._dirty = True
-        self._stopping = False
         self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
         self._client: Any = None
-        self._last_reason: str | None = None
+        # each failure said once per reason (ApiCallError.state), the recovery once
+        self._outage = Outage(log, f"publishing the ResourceSlices of node {self.node_name}", per_reason=True)
         # what the thread learnt (the thread's own state)
         self.api_version: str | None = None
         self.gpu_sets: bool | None = None  # decided at discovery
@@ -167,21 +171,13 @@ class SlicePublisher:
             prepared.add_listener(self._on_prepared_change)
 
     # ------------------------------------------------------------------ public API
-    def start(self) -> None:
-        """Start the publishing thread (returns at once; see :meth:`ready`)."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="slice-publisher", daemon=True)
-        self._thread.start()
-
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread; delete the slices if ``delete_on_stop`` (one try, errors logged)."""
-        with self._cond:
-            self._stopping = True
+        """Stop the thread (:meth:`start` starts it and returns at once; see :meth:`ready`);
+        delete the slices if ``delete_on_stop`` (one try, errors logged)."""
+        with self._cond:  # set under the lock the loop waits with: no wake-up is lost
+            self._stop.set()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        super().stop(timeout_s)
         if self.settings.delete_on_stop and self.api_version is not None:
             try:
                 self._delete_all()
@@ -248,37 +244,28 @@ class SlicePublisher:
         next_resync = time.monotonic() + self.settings.resync_s
         while True:
             with self._cond:
-                while not self._stopping and not self._dirty and time.monotonic() < next_resync:
+                while not self._stop.is_set() and not self._dirty and time.monotonic() < next_resync:
                     self._cond.wait(max(0.0, next_resync - time.monotonic()))
-                if self._stopping:
+                if self._stop.is_set():
                     return
                 self._dirty = False
             try:
                 self._sync()
             except (ApiCallError, _Failure) as exc:
-                self._log_failure(exc)
-                with self._cond:
-                    self._dirty = True
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.next())
+                self._outage.failed(str(exc), key=exc.state)
+            except Exception as exc:  # a bug must not kill the thread: say it, back off, retry
+                name = type(exc).__name__
+                self._outage.failed(f"unexpected {name}: {exc}", key=f"unexpected {name}", level=logging.ERROR,
+                                    exc_info=True)
+            else:
+                self._outage.recovered()
+                backoff.reset()
+                next_resync = time.monotonic() + self.settings.resync_s
+                self._ready.set()
                 continue
-            except Exception as exc:  # a bug must not kill the thread: log, back off, retry
-                log.exception("ResourceSlice publisher failed unexpectedly")
-                self._last_reason = f"unexpected {type(exc).__name__}"
-                with self._cond:
-                    self._dirty = True
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.next())
-                continue
-            if self._last_reason is not None:
-                log.info("ResourceSlices of node %s published again (after: %s)", self.node_name, self._last_reason)
-                self._last_reason = None
-            backoff.reset()
-            next_resync = time.monotonic() + self.settings.resync_s
-            self._ready.set()
-
-    def _log_failure(self, exc: ApiCallError | _Failure) -> None:
-        if exc.state != self._last_reason:
-            log.warning("cannot publish the ResourceSlices of node %s (will retry): %s", self.node_name, exc)
-            self._last_reason = exc.state
+            with self._cond:
+                self._dirty = True
+                self._cond.wait_for(self._stop.is_set, timeout=backoff.next())
 
     # ------------------------------------------------------------------ API calls
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -19,13 +19,14 @@ applies their ``spec.labels`` to the Node. So the object here is:
 
 API-server failures (403 where RBAC forbids, 5xx, no answer) never stop the agent: each is
 logged once when it starts or changes (its status, reason and message) and once when a write
-works again, and :meth:`NodeFeatureSink.write` raises :class:`agent.errors.LabelWriteError`,
-so the publisher counts every failed write (``gpu_agent_label_write_errors_total``) and the
-agent is not ready until a write works, as with the feature file: a DaemonSet's rollout
-waits for its new pods to be ready, so an agent that cannot publish its labels (RBAC
-missing, NFD not installed, the API server away) holds the rollout instead of spreading over
-the nodes; labels published before an outage stay on the node meanwhile. The next write
-(the daemon re-asserts every ``label_interval_s``) tries again.
+works again (:class:`agent.retry.Outage`), and :meth:`NodeFeatureSink.write` raises
+:class:`agent.errors.LabelWriteError`, so the publisher counts every failed write
+(``gpu_agent_label_write_errors_total``) and the agent is not ready until a write works, as
+with the feature file: a DaemonSet's rollout waits for its new pods to be ready, so an agent
+that cannot publish its labels (RBAC missing, NFD not installed, the API server away) holds
+the rollout instead of spreading over the nodes; labels published before an outage stay on
+the node meanwhile. The next write (the daemon re-asserts every ``label_interval_s``) tries
+again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Mapping
 from agent.config import Config
 from agent.errors import ConfigError, LabelWriteError
 from agent.kube import ApiCallError, CustomObjects, own_namespace
+from agent.retry import Outage
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,9 @@ class NodeFeatureSink:
         self.owner = owner
         self.name = object_name(node_name)
         self.where = f"NodeFeature {namespace}/{self.name}"
-        self._failure: str | None = None  # the state of the last failed write (None: fine)
+        # said once per ApiCallError.state, the recovery once
+        self._outage = Outage(log, f"publishing the labels as {self.where}", level=logging.ERROR, per_reason=True,
+                              retrying="retrying with every re-assertion")
 
     @classmethod
     def from_config(cls, config: Config) -> NodeFeatureSink:
@@ -101,16 +105,11 @@ class NodeFeatureSink:
         try:
             changed = self._reconcile(dict(labels))
         except ApiCallError as exc:
-            if exc.state != self._failure:
-                hint = {403: " (the agent's RBAC must allow it: see the README)",
-                        404: f" (is NFD installed? no {PLURAL}.{GROUP}/{VERSION} API)"}.get(exc.status or 0, "")
-                log.error("cannot publish the labels as %s: %s%s; retrying with every re-assertion",
-                          self.where, exc, hint)
-                self._failure = exc.state
+            hint = {403: " (the agent's RBAC must allow it: see the README)",
+                    404: f" (is NFD installed? no {PLURAL}.{GROUP}/{VERSION} API)"}.get(exc.status or 0, "")
+            self._outage.failed(f"{exc}{hint}", key=exc.state)
             raise LabelWriteError(f"cannot publish the labels as {self.where}: {exc}") from exc
-        if self._failure is not None:
-            log.info("%s published again (after: %s)", self.where, self._failure)
-            self._failure = None
+        self._outage.recovered()
         return changed
 
     def remove(self) -> None:

@@ -4,9 +4,10 @@ agent's back, or a removed features directory, comes back), withdrawn on a clean
 
 A failed write, whichever the sink, is counted (``count_error``: the agent's
 ``gpu_agent_label_write_errors_total``) and makes :meth:`LabelPublisher.ready` False until a
-write succeeds. A feature file that cannot be written is logged here every time; the
-NodeFeature sink says its API-server failures itself, once per change of state, and raises
-:class:`agent.errors.LabelWriteError`. Called from the daemon's main thread only.
+write succeeds. A feature file that cannot be written is logged here once per outage and the
+recovery once (:class:`agent.retry.Outage`); the NodeFeature sink says its API-server failures
+itself, once per change of state, and raises :class:`agent.errors.LabelWriteError`. Called
+from the daemon's main thread only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agent.errors import LabelWriteError
 from agent.labels import compute_labels
 from agent.labels.gfd import TIMESTAMP_LABEL
 from agent.labels.sinks import LabelSink
+from agent.retry import Outage
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,11 @@ class LabelPublisher:
         self._clock = clock
         self._wall_clock = wall_clock
         self._served: tuple[Topology, Config] | None = None
-        # who said the last write failed ("publisher" or "sink"); None after one that worked
-        self._failing: str | None = None
+        # a write this publisher failed: said once, the recovery once
+        self._outage = Outage(log, f"writing labels to {sink.where}", level=logging.ERROR,
+                              recovered_level=logging.WARNING, retrying="not ready; retrying with every re-assertion")
+        # the last write failed in the sink, which said why itself (readiness only, no log line)
+        self._sink_failing = False
         self._logged: dict[str, str] = {}  # the labels last reported in the log
         #: when the next re-assertion is due (``clock`` seconds); infinite before the first write
         self.due_s = float("inf")
@@ -60,14 +65,12 @@ class LabelPublisher:
         try:
             changed = self.sink.write(labels)
         except LabelWriteError:  # the sink said why
-            self._failed(said_by_sink=True)
+            self._sink_failing = True
+            self._count_error()
             return
         except OSError as exc:
-            self._failed(said_by_sink=False)
-            log.error(
-                "cannot write labels to %s: %s (not ready; retrying in %g s)",
-                self.sink.where, exc.strerror or exc, config.label_interval_s,
-            )
+            self._outage.failed(str(exc.strerror or exc))
+            self._count_error()
             return
         if changed:
             # GFD's timestamp moves with every write: say so only when a label changed
@@ -75,13 +78,8 @@ class LabelPublisher:
             if facts != self._logged:
                 log.info("labels written to %s", self.sink.where)
                 self._logged = facts
-        if self._failing == "publisher":
-            log.warning("labels written to %s again", self.sink.where)
-        self._failing = None
-
-    def _failed(self, *, said_by_sink: bool) -> None:
-        self._failing = "sink" if said_by_sink else "publisher"
-        self._count_error()
+        self._outage.recovered()
+        self._sink_failing = False
 
     def maintain(self) -> None:
         """Re-assert the labels last published once ``label_interval_s`` has passed."""
@@ -90,7 +88,7 @@ class LabelPublisher:
 
     def ready(self) -> bool:
         """False while the last write failed."""
-        return self._failing is None
+        return not (self._outage.failing or self._sink_failing)
 
     def withdraw(self) -> None:
         """A clean stop withdraws the labels (NFD drops them from the node); nothing if none
