@@ -172,9 +172,14 @@ class NcclFiles:
         return NcclFile(self.path(key), nics)
 
     def _write_queued(self) -> None:
+        # the writer lives while there is something to write and ends when the queue is
+        # empty: a handler replaced by a reload leaves no thread behind, and no one has to
+        # stop it
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: bool(self._queue))
+                if not self._queue:
+                    self._writer = None
+                    return
                 key, text = self._queue.pop(0)
             try:
                 self._write_text(key, text)

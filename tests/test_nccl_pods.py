@@ -193,3 +193,17 @@ def test_a_claims_nic_from_a_network_driver_goes_into_its_file(tmp_path):
         assert set(nccl_standin.load(text).nics) == {nccl_bus_id(topo.nics[0].pci_bus_id), nccl_bus_id(far.pci_bus_id)}
     finally:
         dra.close()
+
+
+def test_the_file_writer_leaves_no_thread_behind_once_its_files_are_written(node, tmp_path):
+    """Each resource's handler (new on every reload) has its own writer: it must end when its
+    queue is empty, or every reload that allocates leaves a thread behind."""
+    import threading
+
+    topo = load_topology("dgx-h100")
+    node.start(topo, config(tmp_path))
+    for i in range(4):
+        allocate(node, [topo.gpus[i].uuid])
+    assert len(os.listdir(tmp_path / "nccl")) == 4
+    assert eventually(lambda: not [t for t in threading.enumerate() if t.name == "nccl-files"], 5.0), \
+        [t.name for t in threading.enumerate()]
