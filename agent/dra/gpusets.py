@@ -52,6 +52,22 @@ could not give E; if after, it counted E's (E was published and allocated), and 
 give D. Either way C2 cannot hold D. Kept sets come after the policy's sets of their size,
 so first fit still finds the policy's answer first. The single GPUs are always published.
 The agent recovers what it published from its own slices in the API server after a restart.
+
+**What remains, and the defence.** The argument above holds for the slices the scheduler
+counts with. Its ResourceSlice informer may lag the agent's writes, unordered with its view
+of the claims: a withdrawal decided while a member was held through another device (safe
+then) can reach the scheduler only after that claim ended and after the scheduler allocated
+the set from the pool it still saw; the set's counters then go uncounted and a member can be
+handed out again (``tests/test_dra_safety.py``, RACE). No rule on what the agent knows closes
+this under unbounded lag; the window is the scheduler's slice-informer lag when the other
+claim is deallocated (normally well under a second). NodePrepareResources refuses a claim
+while another prepared claim holds one of its GPUs (:mod:`agent.dra.prepare`), so at worst a
+pod fails to start (the kubelet retries it until the other claim is unprepared), never two
+pods on one GPU. A grace period (a set whose withdrawal is due stays published a few seconds)
+was considered and not adopted: the race starts when the claim holding the member ends,
+which can be any time after the withdrawal is written, delayed or not, so it would not
+narrow the window, while the set kept would cost the scheduler's work on every Filter and
+keep a stale order meanwhile.
 Two cases fall outside the rule: an agent started with sets off (``dra.gpuSets``, or an API
 server that drops the counters) withdraws every set, and an upgrade from agents that named
 sets by rank (``gpuset-4-0``) withdraws those: change either on a node without pending set
