@@ -444,12 +444,16 @@ def test_the_check_catches_a_rule_that_withdraws_a_held_set() -> None:
     hands them out again. Hypothesis finds such an interleaving (so the test above can fail)."""
     unsafe = Agent(few_best_free_sets, withdraw_at_once)
     ops = find(OPS, lambda ops: first_violation(unsafe, ops) is not None,
-               settings=settings(max_examples=400, deadline=None, database=None, phases=[Phase.generate, Phase.shrink]))
+               settings=settings(max_examples=2000, deadline=None, database=None,
+                                 phases=[Phase.generate, Phase.shrink]))  # 400 missed it about 1 run in 20
     problem = first_violation(unsafe, ops)
     assert problem and "allocated to claims" in problem, (ops, problem)
-    # the shortest such story: a set allocated and prepared, a re-publish that withdraws it,
-    # then a single of one of its GPUs allocated again
-    assert [op for op, _ in ops] == ["schedule", "prepare", "publish", "schedule"], ops
+    # the shortest such story (the shrinker does not always reach it, so it is stated here): a
+    # set allocated and prepared, a re-publish that withdraws it, then a single of one of its
+    # GPUs allocated again; the agent's rule keeps the set and refuses it
+    shortest = [("schedule", 2), ("prepare", 0), ("publish", 0), ("schedule", 1)]
+    assert "GPUs [0] allocated to claims c1 ('gpuset-2-m3',) and c2 ('gpu-0',)" in (first_violation(unsafe, shortest) or "")
+    assert first_violation(AGENTS["the agent's rendering and rule"], shortest) is None
 
 
 @pytest.mark.parametrize(("in_use", "server"), [("0,3", "1.37"), ("1,2,5", "1.36"), ("", "1.37")])
