@@ -4,11 +4,12 @@ implementation for every DRA API version, on plain records.
 For each claim: read the ResourceClaim (namespace, name; the UID must match), take the
 allocation results of this driver (one or several requests: GPU sets, single GPUs, MIG
 devices), check that every device is ours (this node's pool, a device name we publish, every
-GPU behind it healthy, no GPU twice, no GPU another prepared claim holds), write one CDI spec for the claim (a set's device holds
-every member's device nodes; the environment covers every GPU of the claim) and checkpoint
-the answer. Problems are reported per claim (the rest of the call is still served), each
-naming the claim and the device. Idempotent: a claim already prepared answers from the
-checkpoint without reading the API server again, also after an agent restart.
+GPU behind it healthy, no GPU twice, no GPU another prepared claim holds), write one CDI
+spec for the claim (a set's device holds every member's device nodes; the environment
+covers every GPU of the claim) and checkpoint the answer. Problems are reported per claim
+(the rest of the call is still served), each naming the claim and the device. Idempotent:
+a claim already prepared answers from the checkpoint without reading the API server again,
+also after an agent restart.
 
 **No GPU is prepared for two claims.** A claim is refused while any GPU it would hold is held
 by another prepared claim of the checkpoint (a GPU set holds every member; a whole GPU and a

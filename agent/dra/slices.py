@@ -357,19 +357,17 @@ def render_slices(
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
-    singles = render_devices(topology, driver, marks, policy.single_order(free), counters=bool(sets))
-    devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles (gpusets)
+    # sets first: a multi-GPU claim tries its set before the singles (agent.dra.gpusets)
+    devices = sets + (singles := render_devices(topology, driver, marks, policy.single_order(free), bool(sets)))
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
-    # more than one slice of devices: the singles start a slice of their own, so that a
-    # re-publication with as many slices of sets moves no device between slices (the
-    # publisher rewrites in place then)
+    # above one slice, the singles start a slice of their own: a re-publication with as many
+    # slices of sets moves no device between slices (the publisher rewrites in place then)
     groups = [devices] if len(devices) <= per_slice else [sets, singles]
     specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
               for group in groups for i in range(0, len(group), per_slice)]
-    if not devices:
-        specs.append({"devices": []})  # an empty pool is published too: "no devices here now"
+    specs += [] if devices else [{"devices": []}]  # an empty pool is published too: "no devices here now"
     width = max(3, len(str(len(specs) - 1)))
     out = []
     for number, body in enumerate(specs):
