@@ -1,23 +1,25 @@
 """Command line: ``gpu-topology-agent <subcommand>`` and ``python -m agent``.
 
 Each subcommand lives in ``agent/commands/<name>.py`` and exposes ``add_parser(subparsers)``
-(which sets ``func`` on its parser) and is imported here. Exit codes: 0 ok, 2 usage or bad
+(which sets ``func`` on its parser); :data:`COMMAND_MODULES` lists them, in the order
+``--help`` shows them. Exit codes: 0 ok, 2 usage or bad
 input (one clear line on stderr), 1 anything else.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from typing import NoReturn
 
 from agent import __version__
+from agent.commands import allocate, demo, discover, doctor, labels, run, slices
 from agent.commands._common import friendly_paths
 from agent.errors import AgentError
 
-SUBCOMMANDS = ("run", "discover", "allocate", "labels", "demo", "slices", "doctor")
+#: The subcommands' modules: each one's name is the subcommand's.
+COMMAND_MODULES = (run, discover, allocate, labels, demo, slices, doctor)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"agent.commands.{name}").add_parser(sub)
+    for module in COMMAND_MODULES:
+        module.add_parser(sub)
     return parser
 
 

@@ -5,7 +5,7 @@ format ``version: v1``, YAML or JSON: :mod:`agent.config_file`) < environment va
 command-line flags. It is built once at start (and again on SIGHUP) and passed down; the
 subcommands hand the loader the environment (:func:`default_environ`) and no other module
 reads a setting from it (the engine switch ``AGENT_PUREPYTHON`` is read by
-:mod:`agent.topology.engine`).
+:mod:`agent.topology.kernel`).
 
 The loader (``load_config``) lives here too; field documentation says unit, default and why.
 Each value is checked by :mod:`agent.config_values`, whichever source gives it.
@@ -49,10 +49,10 @@ class Config:
     time_slicing: tuple[TimeSlicingResource, ...] = ()
     mps: tuple[TimeSlicingResource, ...] = ()
     rename_by_default: bool = False
-    fail_requests_greater_than_one: bool = False  # true by default under sharing.mps (the anchor's)
+    fail_requests_greater_than_one: bool = False  # true by default under sharing.mps (as in NVIDIA's device plugin)
     #: MPS: each shared resource's control daemon keeps its pipe and log directories under
     #: <mps_root>/<resource>/ and pods mount <mps_root>/shm as /dev/shm (flags.mpsRoot, env
-    #: MPS_ROOT, the anchor's default): the agent must see this host directory at this path
+    #: MPS_ROOT, NVIDIA's device plugin's default): the agent must see this host directory at this path
     mps_root: str = "/run/nvidia/mps"
     #: the MPS control program, a name on the PATH or a path (flags.mpsControlBinary, env
     #: MPS_CONTROL_BINARY): the agent runs one control daemon per MPS-shared resource
@@ -136,13 +136,22 @@ class Config:
     #: Kubernetes 1.37, whose scheduler gathers a node's counters for that node only; off
     #: before, where every counter slice costs every node's Filter), on, off (env DRA_GPU_SETS)
     gpu_sets: str = "auto"
+    # --- NCCL (issue 24; README "NCCL topology files")
+    #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
+    nccl_topology_file: str = ""
+    nccl_pod_files: str = "auto"  # each container with GPUs gets its NCCL file (auto) or none (off)
+    #: host dir of those files; "" = <kubelet_dir>/../gpu-topology-agent/nccl (not in
+    #: device-plugins/, which the kubelet empties), in DRA mode <plugins_dir>/<driver>/nccl
+    nccl_host_dir: str = ""
+    nccl_mount_path: str = "/etc/nccl/topology.xml"  # the file in the container (NCCL_TOPO_FILE)
+    nccl_ib_hca: bool = False  # also NCCL_IB_HCA naming the nearest NICs (opt-in)
     # --- where it came from (for the start-up log line)
     config_file: str | None = None
 
 
 # ----------------------------------------------------------------------------- loading
 
-#: Environment variables read by :func:`load_config` (the anchor's names) -> Config field.
+#: Environment variables read by :func:`load_config` (NVIDIA's device plugin's names) -> Config field.
 ENV_FIELDS: Mapping[str, str] = {
     "MIG_STRATEGY": "mig_strategy",
     "FAIL_ON_INIT_ERROR": "fail_on_init_error",
@@ -188,12 +197,18 @@ ENV_FIELDS: Mapping[str, str] = {
     "FALLBACK_STRATEGIES": "fallback_strategies",
     "IMEX_CHANNEL_IDS": "imex_channel_ids",
     "IMEX_REQUIRED": "imex_required",
+    "NCCL_TOPOLOGY_FILE": "nccl_topology_file",
+    "NCCL_POD_FILES": "nccl_pod_files",
+    "NCCL_HOST_DIR": "nccl_host_dir",
+    "NCCL_MOUNT_PATH": "nccl_mount_path",
+    "NCCL_SET_IB_HCA": "nccl_ib_hca",
 }
 
 #: Fields holding paths: made absolute when the configuration is loaded (a relative
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
-               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir")
+               "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir",
+               "nccl_topology_file", "nccl_host_dir")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -201,7 +216,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
     for var, name in ENV_FIELDS.items():
         if var in env and env[var] != "":
             out[name] = parse_field(name, env[var], f"environment {var}")
-    # The anchor's health switches: DP_DISABLE_HEALTHCHECKS=all|xids|<list of XIDs to skip>,
+    # NVIDIA's device plugin's health switches: DP_DISABLE_HEALTHCHECKS=all|xids|<list of XIDs to skip>,
     # DP_ENABLE_HEALTHCHECKS=all|<list of XIDs to treat as critical although ignored>.
     disable = env.get("DP_DISABLE_HEALTHCHECKS", "").strip().lower()
     if disable:
@@ -330,7 +345,7 @@ START_ONLY_FIELDS = (
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",
 )
 
 

@@ -1,9 +1,10 @@
 """The config file: NVIDIA's device plugin format (``version: v1``, YAML or JSON), read into
 the :class:`agent.config.Config` fields it sets.
 
-We accept every key the anchor's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
+We accept every key NVIDIA's device plugin's file has (``flags``, ``flags.plugin``, ``flags.gfd``,
 ``sharing.timeSlicing``, ``sharing.mps``, ``resources``, ``imex``) so that its files load
-unchanged, plus our sections ``health:``, ``metrics:``, ``mode:`` and ``dra:``. Keys the anchor
+unchanged, plus our sections ``health:``, ``metrics:``, ``mode:``, ``dra:``, ``topology:`` and
+``nccl:``. Keys NVIDIA's device plugin
 parses for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
 """
@@ -37,8 +38,8 @@ from agent.records import REPLICA_POLICIES
 
 @dataclass(frozen=True)
 class TimeSlicingResource:
-    """One entry of ``sharing.timeSlicing.resources`` or ``sharing.mps.resources`` (the
-    anchor's ``ReplicatedResource``: both sections share its fields)."""
+    """One entry of ``sharing.timeSlicing.resources`` or ``sharing.mps.resources`` (NVIDIA's device plugin's
+    ``ReplicatedResource``: both sections share its fields)."""
 
     name: str = GPU_RESOURCE  # the resource being shared
     replicas: int = 1  # how many replicas each GPU is advertised as (>= 2 to share)
@@ -47,7 +48,7 @@ class TimeSlicingResource:
 
 
 # Keys of the NVIDIA device plugin's file that we accept and do not act on (GFD settings,
-# MPS/GDS knobs of other components): accepted so that the anchor's files load unchanged.
+# MPS/GDS knobs of other components): accepted so that NVIDIA's device plugin's files load unchanged.
 _IGNORED_FLAG_KEYS = (
     "gfd", "gdsEnabled", "mofedEnabled",
     "deviceDiscoveryStrategy",
@@ -55,7 +56,7 @@ _IGNORED_FLAG_KEYS = (
 _IGNORED_PLUGIN_KEYS = ("nvidiaCTKPath", "containerDriverRoot", "nvidiaDevRoot")
 
 
-#: The anchor reads ``replicas`` into a Go ``int``: nothing larger loads there.
+#: NVIDIA's device plugin reads ``replicas`` into a Go ``int``: nothing larger loads there.
 _GO_INT_MAX = 2**63 - 1
 
 
@@ -86,7 +87,7 @@ def _is_device_index(text: str) -> bool:
 def _parse_replicated(section: Mapping[str, Any], where: str, mps: bool) -> dict[str, object]:
     """One of ``sharing.timeSlicing`` and ``sharing.mps`` (NVIDIA's ``ReplicatedResources``)
     into Config fields: its resources under ``time_slicing`` or ``mps``, and the two
-    switches. MPS follows the anchor's stricter rules: at least one resource, replicas >= 2,
+    switches. MPS follows NVIDIA's device plugin's stricter rules: at least one resource, replicas >= 2,
     full GPUs only (its plugin refuses MIG devices), ``failRequestsGreaterThanOne`` true
     unless the file says otherwise."""
     _check_keys(section, ("renameByDefault", "failRequestsGreaterThanOne", "resources"), where)
@@ -171,7 +172,8 @@ def _parse_sharing(sharing: Mapping[str, Any], out: dict[str, object]) -> None:
 def _parse_file_document(doc: object) -> dict[str, object]:
     """The Config fields a parsed config file sets; raises ValueError naming key and expectation."""
     doc = _expect_mapping(doc, "(top level)")
-    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra"), "")
+    _check_keys(doc, ("version", "flags", "sharing", "resources", "imex", "health", "metrics", "mode", "dra",
+                      "topology", "nccl"), "")
     if doc.get("version") != "v1":
         raise ValueError(f"version: expected \"v1\", got {got(doc.get('version'))}")
     out: dict[str, object] = {}
@@ -181,7 +183,22 @@ def _parse_file_document(doc: object) -> dict[str, object]:
     _parse_imex(_expect_mapping(doc.get("imex"), "imex"), out)
     _parse_dra_file_keys(doc, out)
     _parse_metrics(_expect_mapping(doc.get("metrics"), "metrics"), out)
+    _parse_nccl(_expect_mapping(doc.get("topology"), "topology"), _expect_mapping(doc.get("nccl"), "nccl"), out)
     return out
+
+
+def _parse_nccl(topology: Mapping[str, Any], nccl: Mapping[str, Any], out: dict[str, object]) -> None:
+    """Our ``topology.ncclTopologyFile`` and ``nccl`` section (issue 24)."""
+    _check_keys(topology, ("ncclTopologyFile",), "topology")
+    if "ncclTopologyFile" in topology:
+        out["nccl_topology_file"] = parse_field("nccl_topology_file", topology["ncclTopologyFile"] or "",
+                                                "topology.ncclTopologyFile")
+    keys = {"topologyFile": "nccl_pod_files", "hostDir": "nccl_host_dir", "mountPath": "nccl_mount_path",
+            "setIbHca": "nccl_ib_hca"}
+    _check_keys(nccl, tuple(keys), "nccl")
+    for key, name in keys.items():
+        if key in nccl:
+            out[name] = parse_field(name, nccl[key], f"nccl.{key}")
 
 
 def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:

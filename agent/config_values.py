@@ -196,6 +196,17 @@ def _log_level(value: object, where: str) -> str:
     return expect_choice(str(value).upper(), tuple(x.lower() for x in LOG_LEVELS), where).upper()
 
 
+NCCL_POD_FILES = ("auto", "off")
+
+
+def _container_path(value: object, where: str) -> str:
+    """An absolute path inside a container (not made absolute on the host)."""
+    path = expect_path(value, where)
+    if not path.startswith("/") or path.endswith("/"):
+        raise ValueError(f"{where}: expected an absolute file path in the container, got {got(value)}")
+    return path
+
+
 #: Config field -> its check (fields not named here are strings).
 FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "mig_strategy": lambda v, w: expect_choice(v, MIG_STRATEGIES, w),
@@ -234,6 +245,11 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "fallback_strategies": expect_fallbacks,
     "imex_channel_ids": expect_imex_channel_ids,
     "imex_required": expect_bool,
+    "nccl_topology_file": lambda v, w: expect_str(v, w).strip(),
+    "nccl_pod_files": lambda v, w: expect_choice(v, NCCL_POD_FILES, w),
+    "nccl_host_dir": lambda v, w: "" if v is None or v == "" else expect_path(v, w),  # "": the default
+    "nccl_mount_path": _container_path,
+    "nccl_ib_hca": expect_bool,
 }
 
 

@@ -19,8 +19,9 @@ The facts (:class:`ContainerFacts`):
   always (:func:`check_imex_channels` refused to load a configuration requiring a missing
   one);
 - the environment: the agent's ``GPU_TOPOLOGY_*`` variables (the GPU indices, their NUMA
-  nodes and CPUs, whether they share one NVLink island, the set's score), then what the
-  caller adds (:class:`ContainerAdditions`: a share of a shared GPU);
+  nodes and CPUs, whether they share one NVLink island, the set's score, the nearest NICs),
+  then what the caller adds (:class:`ContainerAdditions`: a share of a shared GPU, the
+  container's NCCL topology file, :func:`nccl_additions`);
 - the mounts the additions bring.
 
 The host is read directly, under ``nvidiaDriverRoot`` (tests point it at a directory of
@@ -37,7 +38,9 @@ from typing import Mapping, Sequence
 
 from agent.config import Config
 from agent.errors import ConfigError
+from agent.ncclfiles import NCCL_TOPO_FILE_ENV, NICS_ENV, NcclFile, nic_envs
 from agent.topology.model import Gpu, MigDevice, Topology
+from agent.topology.nccl_file import nearest_nics
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,8 @@ IMEX_CHANNELS_DIR = "/dev/nvidia-caps-imex-channels"
 
 @dataclass(frozen=True)
 class ContainerDevice:
-    """One GPU, or one MIG device of it, handed to a container."""
+    """One GPU, or one MIG device of it, handed to a container. Models no Kubernetes API: the
+    physical device both siblings render (Allocate's response, DRA's CDI spec) from."""
 
     gpu: Gpu
     mig: MigDevice | None = None
@@ -155,11 +159,23 @@ def container_facts(
         for c in config.imex_channel_ids if config.imex_required or _imex_node_exists(c, config)
     )
     envs = _topology_envs(topology, devices)
+    if not any(NICS_ENV in a.envs for a in additions):  # an NCCL file names its NICs itself
+        envs.update(nic_envs(nearest_nics(topology, sorted({d.gpu.index for d in devices})), config.nccl_ib_hca))
     mounts: list[Mount] = []
     for added in additions:
         envs.update(added.envs)
         mounts.extend(added.mounts)
     return ContainerFacts(handed, common, channels, envs, tuple(mounts))
+
+
+def nccl_additions(nccl_file: NcclFile | None, config: Config) -> tuple[ContainerAdditions, ...]:
+    """What a container's NCCL topology file adds (README "NCCL topology files"): the file
+    mounted read-only at ``nccl.mountPath``, ``NCCL_TOPO_FILE`` naming it, and the NICs it
+    holds named (``GPU_TOPOLOGY_NICS``, with ``nccl.setIbHca`` ``NCCL_IB_HCA``)."""
+    if nccl_file is None:
+        return ()
+    envs = {NCCL_TOPO_FILE_ENV: config.nccl_mount_path, **nic_envs(nccl_file.nics, config.nccl_ib_hca)}
+    return (ContainerAdditions(envs, (Mount(config.nccl_mount_path, nccl_file.host_path, True),)),)
 
 
 def _node(path: str, driver_root: str) -> DeviceNode:

@@ -177,10 +177,11 @@ class Daemon:
                 active=os.path.basename(config.config_file or ""),
             )
             config_loader = node_config.load_active
-        return cls(
+        daemon = cls(
             config, backend,
             servers=servers_for(config.mode, agent_metrics),
-            read_topology=lambda: read_topology(backend, sim),
+            # the running config's file: a node's own config (config_file_srcdir) may name one
+            read_topology=lambda: read_topology(backend, sim, daemon.config.nccl_topology_file),
             labels=LabelPublisher(sink, count_error=agent_metrics.label_write_error),
             metrics=metrics,
             waiting_endpoint=WaitingEndpoint,
@@ -188,6 +189,7 @@ class Daemon:
             node_config=node_config,
             on_close=sim.close if sim is not None else None,
         )
+        return daemon
 
     # ------------------------------------------------------------------ signals
     def _on_stop_signal(self, _signum: int, _frame: object) -> None:

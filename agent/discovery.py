@@ -1,7 +1,7 @@
 """The one path from any input to the node's :class:`Topology`.
 
 ``MACHINE`` (``--simulate``) — a built-in machine, a spec file or a pasted
-``nvidia-smi topo -m`` — becomes a simulated machine (fake NVML + fake sysfs); without it the
+``nvidia-smi topo -m`` or an NCCL topology file — becomes a simulated machine (fake NVML + fake sysfs); without it the
 real NVML and ``/sys`` are used. Either way the real :class:`NvmlBackend` reads the facts and
 ``Topology.from_facts`` builds the model, for every consumer (discover, labels, allocate, the
 daemon, the demo). Sits above ``agent.hw`` and ``agent.topology``.
@@ -36,12 +36,21 @@ def open_backend(
     return NvmlBackend(sysfs=SysfsReader(sysfs_root)), None
 
 
-def read_topology(backend: FactsReader, sim: SimulatedMachine | None) -> Topology:
+def read_topology(backend: FactsReader, sim: SimulatedMachine | None, nccl_file: str = "") -> Topology:
     """The topology an initialised backend reads; a simulated machine adds the notes of
-    what its spec synthesised."""
+    what its spec synthesised. With ``nccl_file`` (``topology.ncclTopologyFile``), that NCCL
+    topology file's placement is laid over the GPUs read, matched by bus ID
+    (:func:`agent.hw.nccl_topo.overlay_nccl_topology`; NcclTopologyError, exit 2, when
+    they are not the same GPUs)."""
     facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")
+    if nccl_file:
+        from agent.hw.nccl_topo import overlay_nccl_topology, read_nccl_topology
+
+        facts = overlay_nccl_topology(facts, read_nccl_topology(nccl_file))
     if sim is not None and sim.spec.notes:
         facts = replace(facts, notes=(*sim.spec.notes, *facts.notes))
+    if sim is not None and sim.spec.nccl_topology is not None:
+        facts = replace(facts, nccl_topology=sim.spec.nccl_topology)
     return Topology.from_facts(facts)
 
 

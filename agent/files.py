@@ -12,17 +12,23 @@ import tempfile
 
 
 def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
-    """Write ``data`` as JSON to ``path`` so that readers see the old file or the new one,
-    never a partial one (temp file in the same directory, rename). ``fsync`` also makes it
-    durable against a power loss before the rename."""
+    """Write ``data`` as JSON to ``path`` atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n", fsync=fsync)
+
+
+def write_text_atomic(path: str, text: str, *, fsync: bool = True) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a
+    partial one (temp file in the same directory, rename), creating the directory when it is
+    missing. ``fsync`` also makes it durable against a power loss before the rename; a file
+    the agent writes again anyway (a container's NCCL topology file) can go without."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    # the ".tmp" suffix keeps a container runtime, which reads *.json, off the half-written file
+    # the ".tmp" suffix keeps a container runtime, which reads *.json, off the half-written
+    # file, and the leading dot keeps it out of directory listings of the agent's own files
     fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False)
-            fh.write("\n")
+            fh.write(text)
             if fsync:
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -32,6 +32,8 @@ from typing import Any, Callable, Protocol, Sequence
 from agent.config import Config
 from agent.errors import ConfigError, shorten
 from agent.kube import ApiCallError, call
+from agent.retry import Backoff, Outage
+from agent.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +95,18 @@ class NamedConfigs:
         return os.path.join(self.directory, name)
 
 
-class NodeLabelWatch:
+class NodeLabelWatch(Worker):
     """Reports the value of label ``label`` of Node ``node_name`` ("" without it) to
     ``on_value`` (on its own thread) at first and whenever it changes.
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (production:
     :func:`agent.kube.api_client`, which does not retry: this loop does, with a capped
-    exponential backoff, each failure logged once per reason). ``watch_timeout_s`` is the
-    ``timeoutSeconds`` of each watch; the server may end one sooner.
+    exponential backoff, each failure said once per reason, the recovery once).
+    ``watch_timeout_s`` is the ``timeoutSeconds`` of each watch; the server may end one
+    sooner.
     """
+
+    thread_name = "node-label-watch"
 
     def __init__(
         self,
@@ -113,34 +118,33 @@ class NodeLabelWatch:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
     ) -> None:
+        super().__init__()
         self.client_factory = client_factory
         self.node_name = node_name
         self.label = label
         self.watch_timeout_s = watch_timeout_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s)
+        self._outage = Outage(
+            log, f"following the label {label} of node {node_name}", level=logging.ERROR, per_reason=True,
+            retrying=f"retrying with backoff up to {backoff_max_s:g} s",
+        )
         self._watch: Any = None  # the open watch, stopped from stop()
         self._on_value: Callable[[str], None] = lambda _value: None
         self._last: str | None = None  # the value last reported
-        self._failure: str | None = None  # the reason last logged
         self._missing_said = False
 
-    def start(self, on_value: Callable[[str], None]) -> None:
-        self._on_value = on_value
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="node-label-watch", daemon=True)
-        self._thread.start()
+    def start(self, on_value: Callable[[str], None] | None = None) -> None:
+        """Start following; ``on_value`` hears each value (on the watch's thread)."""
+        if on_value is not None:
+            self._on_value = on_value
+        super().start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         watch = self._watch
         if watch is not None:
             watch.stop()  # shuts the stream's socket: the blocked read returns
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        super().stop(timeout_s)
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -149,7 +153,6 @@ class NodeLabelWatch:
 
         api: Any = None
         resource_version: str | None = None
-        backoff_s = self.backoff_initial_s
         while not self._stop.is_set():
             try:
                 api = api or client.CoreV1Api(self.client_factory())
@@ -158,7 +161,6 @@ class NodeLabelWatch:
                     self._recovered()
                 resource_version = self._watch_from(api, resource_version)
                 self._recovered()
-                backoff_s = self.backoff_initial_s
                 continue
             except ApiCallError as exc:  # the list
                 reason = f"HTTP {exc.status} {exc.reason}" if exc.status is not None else exc.state
@@ -172,9 +174,12 @@ class NodeLabelWatch:
                 reason = shorten(f"{type(exc).__name__}: {exc}", 200)
             if self._stop.is_set():
                 return
-            self._failed(reason, backoff_s)
-            self._stop.wait(backoff_s)
-            backoff_s = min(backoff_s * 2, self.backoff_max_s)
+            self._outage.failed(reason)
+            self._stop.wait(self._backoff.next())
+
+    def _recovered(self) -> None:
+        self._outage.recovered()
+        self._backoff.reset()
 
     def _selector(self) -> str:
         return f"metadata.name={self.node_name}"
@@ -220,17 +225,6 @@ class NodeLabelWatch:
         if value != self._last:
             self._last = value
             self._on_value(value)
-
-    def _failed(self, reason: str, backoff_s: float) -> None:
-        if reason != self._failure:
-            self._failure = reason
-            log.error("cannot follow the label %s of node %s: %s (retrying, backoff from %.1f s)",
-                      self.label, self.node_name, reason, backoff_s)
-
-    def _recovered(self) -> None:
-        if self._failure is not None:
-            self._failure = None
-            log.info("following the label %s of node %s again", self.label, self.node_name)
 
 
 class ConfigMetrics(Protocol):

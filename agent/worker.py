@@ -25,6 +25,11 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        """The thread runs (started, not stopped, and its loop has not ended)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the loop to end and wait up to ``timeout_s`` for it; idempotent."""
         self._stop.set()

@@ -59,10 +59,20 @@ from agent.config import Config, TimeSlicingResource  # noqa: E402
 from agent.deviceplugin.allocation import RequestHandler  # noqa: E402
 from agent.deviceplugin.resources import build_resources  # noqa: E402
 from agent.discovery import load_topology  # noqa: E402
-from agent.topology import engine  # noqa: E402
+from agent.topology import kernel  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
 # --------------------------------------------------------------------------- machines
+
+
+def use_kernel(name: str) -> None:
+    """Switch the kernel the engine builds on: ``"cython"`` (``agent._topo``) or ``"python"``
+    (the twin), as tests/conftest.py's ``impl`` fixture does."""
+    from agent import _topo  # type: ignore[attr-defined]
+    from agent.topology import _pure
+
+    module = _topo if name == "cython" else _pure
+    kernel.impl, kernel.IMPLEMENTATION, kernel.EXACT_MAX_GPUS = module, name, module.EXACT_MAX_GPUS
 
 
 def machine(name: str) -> Topology:
@@ -122,11 +132,11 @@ def time_calls(fn: Callable[..., object], args_list: list[tuple], calls: int) ->
     }
 
 
-def kernel_solver(topo: Topology):  # an engine.impl.AllocationSolver
+def kernel_solver(topo: Topology):  # an kernel.impl.AllocationSolver
     """The kernel's solver for a node, NUMA ids as the allocation engine numbers them."""
     known = sorted({g.numa_node for g in topo.gpus if g.numa_node is not None})
     numa = [known.index(g.numa_node) if g.numa_node is not None else len(known) for g in topo.gpus]
-    return engine.allocation_solver([list(row) for row in topo.scores], numa)
+    return kernel.allocation_solver([list(row) for row in topo.scores], numa)
 
 
 def bench_gpu_machine(
@@ -136,7 +146,7 @@ def bench_gpu_machine(
     kernel's call alone (``AllocationSolver.best_mask`` on GPU bitmasks: the twin/extension
     ratio). ``cold``: the first call on a fresh handler (or solver) whose engine and device
     table exist already, as the device plugin's do after its first request."""
-    engine.use(impl)
+    use_kernel(impl)
     n = topo.gpu_count
     handler, ids = handler_for(topo)
     solver = kernel_solver(topo) if kernel_only else None
@@ -147,8 +157,7 @@ def bench_gpu_machine(
             t0 = time.thread_time_ns()
             cold_solver.best_mask((1 << n) - 1, 0, k)
         else:
-            cold, _ = handler_for(topo)
-            cold.engine, getattr(cold, "table", None)  # built, not timed
+            cold, _ = handler_for(topo)  # its engine and device table built, not timed
             t0 = time.thread_time_ns()
             cold.preferred(ids, [], k)
         cold_us = (time.thread_time_ns() - t0) / 1000.0
@@ -167,7 +176,7 @@ def bench_gpu_machine(
 def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
     """``dgx-h100`` with 16 time-sliced replicas per GPU, each policy: ~60% of the replicas
     free (seeded), k of them asked for."""
-    engine.use(impl)
+    use_kernel(impl)
     topo = machine("dgx-h100")
     results = {}
     for policy in ("distributed", "packed"):
@@ -188,7 +197,7 @@ def bench_replicas(impl: str, calls: int) -> dict[str, dict[str, float]]:
 
 
 def bench_large(impl: str, calls: int, ks: list[int]) -> dict[int, dict[str, float]]:
-    engine.use(impl)
+    use_kernel(impl)
     handler, ids = handler_for(synthetic_islands_topology())
     results = {}
     for k in ks:

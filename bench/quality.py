@@ -9,7 +9,7 @@ Policies:
 
 * ``ours``: the device plugin's answer (criteria 1-5, issue 3): the request checked and
   mapped at its edge, then ``AllocationEngine.gpus``;
-* ``partition-only``: the anchor's choice (``agent.demo.comparisons.AnchorChoice``, what
+* ``partition-only``: go-gpuallocator's choice (``agent.demo.comparisons.GpuallocatorChoice``, what
   the demo shows): the
   first best partition of the free GPUs into groups of the request size that
   go-gpuallocator's enumeration finds, then that partition's best group (exact where the size
@@ -39,7 +39,7 @@ sys.path.insert(1, str(ROOT / "tests"))  # the device plugin's requests from GPU
 
 from allocation_support import best_set  # noqa: E402
 
-from agent.demo.comparisons import AnchorChoice, naive_choice  # noqa: E402
+from agent.demo.comparisons import GpuallocatorChoice, naive_choice  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
@@ -93,13 +93,13 @@ class Ours:
 
 
 class PartitionOnly:
-    """The anchor's choice: first best partition, then its best group."""
+    """go-gpuallocator's choice: first best partition, then its best group."""
 
     def __init__(self, topo: Topology) -> None:
-        self.anchor = AnchorChoice(topo)
+        self.gpuallocator = GpuallocatorChoice(topo)
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
-        return self.anchor.choose(free, k)
+        return self.gpuallocator.choose(free, k)
 
 
 class Naive:

@@ -55,7 +55,7 @@ cdef enum:
 #: Most GPUs per node (64-bit masks).
 MAX_GPUS = _MAX_GPUS
 #: Largest number of GPUs solved exactly (bitmask tables of 2**n entries). The one definition
-#: of this limit: ``agent.topology.engine.EXACT_MAX_GPUS`` reads it from here (or from the
+#: of this limit: ``agent.topology.kernel.EXACT_MAX_GPUS`` reads it from here (or from the
 #: twin, which a test keeps equal).
 EXACT_MAX_GPUS = _EXACT
 #: Largest pair score and device rank accepted (as in the twin).

@@ -19,13 +19,13 @@ UNAVAILABLE, as a runtime restarting), :attr:`CriStub.calls`.
 from __future__ import annotations
 
 import threading
-from concurrent import futures
 from typing import Any
 
 import grpc
 
 from agent._proto import cri_runtime_v1_pb2 as cri
 from agent._proto import cri_runtime_v1_pb2_grpc as cri_grpc
+from agent.kubelet.unix_server import UnixGrpcServer
 
 
 def pod_container(cid: str, pod: str, namespace: str, container: str, pod_uid: str,
@@ -89,21 +89,19 @@ class CriStub:
         self.calls = 0
         self.failing = False
         self.lock = threading.Lock()
-        self._server: grpc.Server | None = None
+        servicer = _Servicer(self)
+        self._server = UnixGrpcServer(
+            socket_path, lambda server: cri_grpc.add_RuntimeServiceServicer_to_server(servicer, server),
+            name="cri-stub", max_workers=2, in_use="a container runtime is serving on this socket",
+        )
 
     def fail(self, failing: bool = True) -> None:
         with self.lock:
             self.failing = failing
 
     def start(self) -> CriStub:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cri-stub"))
-        cri_grpc.add_RuntimeServiceServicer_to_server(_Servicer(self), server)
-        server.add_insecure_port(f"unix:{self.socket_path}")
-        server.start()
-        self._server = server
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait(5)
-            self._server = None
+        self._server.stop(0)

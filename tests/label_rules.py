@@ -2,7 +2,7 @@
 ``k8s.io/apimachinery/pkg/util/validation`` ``IsQualifiedName`` (an optional DNS-1123
 subdomain prefix of at most 253 characters, ``/``, then a name of at most 63 characters,
 alphanumeric at both ends with ``-_.`` inside). The agent checks its values itself
-(``agent.labels.is_valid_label_value``); its keys are constants, checked here."""
+(``agent.labels.gfd.is_valid_label_value``); its keys are constants, checked here."""
 
 from __future__ import annotations
 

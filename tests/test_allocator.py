@@ -112,14 +112,14 @@ def test_explain_names_the_winner_and_why_each_runner_up_lost(impl):
     assert "chosen [0, 1]" in text and "lost on lowest indices" in text
 
 
-def test_explain_reports_the_anchor_criterion_as_the_separator_when_it_decides(impl):
+def test_explain_reports_the_gpuallocator_criterion_as_the_separator_when_it_decides(impl):
     allocator = AllocationEngine(pcie_pairs_node())
     explanation = explain(allocator, [0, 1, 2, 3], [], 2, runners_up=10)
     separators = {c.indices: i for c, i in explanation.runners_up}
     assert separators[(0, 2)] == 0  # breaks both pairs: worse split of the rest
     assert (
-        explanation.chosen.anchor_score
-        > dict((c.indices, c.anchor_score) for c, _ in explanation.runners_up)[(0, 2)]
+        explanation.chosen.gpuallocator_score
+        > dict((c.indices, c.gpuallocator_score) for c, _ in explanation.runners_up)[(0, 2)]
     )
 
 

@@ -5,7 +5,7 @@ Fixture: ``tests/fixtures/gpuallocator_cases.json``, copied verbatim from
 its ``source`` field names the upstream repository, commit and files).
 
 Every best-effort policy case and allocator sequence passes as upstream states it, except
-where our tie-breaks choose a different set with the SAME anchor criterion (criterion 1);
+where our tie-breaks choose a different set with the SAME go-gpuallocator criterion (criterion 1);
 those are listed in ``DIFFERENCES`` with both answers and why ours is at least as good, and
 tested as such.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from allocation_support import best_set
 
-from agent.demo.comparisons import AnchorChoice, naive_choice
+from agent.demo.comparisons import GpuallocatorChoice, naive_choice
 from agent.errors import AllocationError
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Link, PcieLevel, Topology
@@ -60,7 +60,7 @@ def _partition_value(topo: Topology, rest: list[int], k: int) -> int:
     return best
 
 
-def _anchor_criterion(topo: Topology, available: list[int], chosen: list[int]) -> int:
+def _gpuallocator_criterion(topo: Topology, available: list[int], chosen: list[int]) -> int:
     rest = [x for x in available if x not in chosen]
     return topo.set_score(chosen) + _partition_value(topo, rest, len(chosen))
 
@@ -91,12 +91,12 @@ def test_best_effort_policy_case_matches_upstream(impl, topology_name, case):
         assert got == sorted(case["expected"])
 
 
-#: Sequences where our answer differs from upstream's, with the SAME anchor criterion at the
+#: Sequences where our answer differs from upstream's, with the SAME go-gpuallocator criterion at the
 #: first differing step. test name -> (our steps, why ours is at least as good).
 DIFFERENCES = {
     "TestBestEffort4xRTX8000GPUAllocOne": (
         [[0], [3], [1], [2]],
-        "size 1: every GPU has anchor criterion 0 and set score 0; upstream takes the lowest "
+        "size 1: every GPU has go-gpuallocator criterion 0 and set score 0; upstream takes the lowest "
         "index (1), we take 3, whose NVLink partner 0 is already gone (cut 30 vs 210), which "
         "keeps the NV2 pair 1-2 intact for a later size-2 request.",
     ),
@@ -112,7 +112,7 @@ DIFFERENCES = {
     ),
     "TestBestEffortDGX1VoltaGPUAllocTwo": (
         [[2, 3], [6, 7], [0, 4], [1, 5]],
-        "size 2 on 8 GPUs: {2,3} and upstream's {0,3} both have anchor criterion 920 (both lie "
+        "size 2 on 8 GPUs: {2,3} and upstream's {0,3} both have go-gpuallocator criterion 920 (both lie "
         "in a best split of the node into pairs); {2,3} scores 250 (NV2+PIX) vs 230 (NV2+PHB), "
         "so criterion 2 prefers it. The whole sequence scores 920 either way "
         "(250+250+210+210 vs 4 x 230).",
@@ -137,7 +137,7 @@ def _run_sequence(allocator: AllocationEngine, n: int, sizes: list[int]) -> list
 
 
 @pytest.mark.parametrize("seq", SEQUENCES)
-def test_best_effort_allocator_sequence_matches_upstream_or_a_stated_equal_anchor_answer(impl, seq):
+def test_best_effort_allocator_sequence_matches_upstream_or_a_stated_equal_criterion_answer(impl, seq):
     topo = _topology(seq["topology"])
     allocator = AllocationEngine(topo)
     feasible = [s for s in seq["steps"] if s["expected"]]
@@ -152,11 +152,11 @@ def test_best_effort_allocator_sequence_matches_upstream_or_a_stated_equal_ancho
         return
     stated, _why = DIFFERENCES[seq["test"]]
     assert ours == stated and ours != theirs
-    # at the first differing step both answers have the same anchor criterion, and ours is
+    # at the first differing step both answers have the same go-gpuallocator criterion, and ours is
     # at least as good on the sequence's total set score
     step = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
     available = sorted(set(range(topo.gpu_count)) - {g for s in ours[:step] for g in s})
-    assert _anchor_criterion(topo, available, ours[step]) == _anchor_criterion(
+    assert _gpuallocator_criterion(topo, available, ours[step]) == _gpuallocator_criterion(
         topo, available, theirs[step]
     )
     assert topo.set_score(ours[step]) >= topo.set_score(theirs[step])
@@ -187,22 +187,22 @@ def test_full_node_pairs_and_quads_fall_on_the_static_dgx_policy_sets(impl, poli
     for size in (4, 8):
         assert best_set(allocator, list(range(8)), [], size) in valid[str(size)]
     pair = best_set(allocator, list(range(8)), [], 2)
-    assert _anchor_criterion(topo, list(range(8)), pair) == max(
-        _anchor_criterion(topo, list(range(8)), list(p)) for p in valid["2"]
+    assert _gpuallocator_criterion(topo, list(range(8)), pair) == max(
+        _gpuallocator_criterion(topo, list(range(8)), list(p)) for p in valid["2"]
     )
 
 
 @pytest.mark.parametrize("seq", SEQUENCES)
 def test_partition_only_comparison_policy_reproduces_upstream_sequences(impl, seq):
-    # the demo and the quality benchmark show "what the anchor would choose": it must be
-    # the anchor's own answer, step by step
+    # the demo and the quality benchmark show "what go-gpuallocator would choose": it must be
+    # go-gpuallocator's own answer, step by step
     topo = _topology(seq["topology"])
-    anchor = AnchorChoice(topo)
+    theirs = GpuallocatorChoice(topo)
     remaining = list(range(topo.gpu_count))
     for step in seq["steps"]:
         if not step["expected"]:
             break
-        got = anchor.choose(remaining, step["size"])
+        got = theirs.choose(remaining, step["size"])
         assert got == sorted(step["expected"])
         remaining = [x for x in remaining if x not in got]
 
@@ -215,8 +215,8 @@ PLAIN_CASES = [p for p in BEST_EFFORT_CASES if not p.values[1]["must_include"] a
 def test_partition_only_comparison_policy_matches_upstream_cases_without_must_include(
     impl, topology_name, case
 ):
-    anchor = AnchorChoice(_topology(topology_name))
-    assert anchor.choose(case["available"], case["size"]) == sorted(case["expected"])
+    theirs = GpuallocatorChoice(_topology(topology_name))
+    assert theirs.choose(case["available"], case["size"]) == sorted(case["expected"])
 
 
 def test_naive_comparison_policy_takes_the_lowest_indices():

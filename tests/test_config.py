@@ -9,7 +9,7 @@ import pytest
 from agent.config import DEFAULT_IGNORED_XIDS, Config, describe_config, is_critical_xid, load_config
 from agent.errors import ConfigError
 
-ANCHOR_FILE = """\
+NVIDIA_FILE = """\
 version: v1
 flags:
   migStrategy: mixed
@@ -46,8 +46,8 @@ def test_no_sources_gives_the_real_node_defaults():
     assert load_config(None, {}, {}) == Config()
 
 
-def test_anchor_config_file_sets_every_field_it_names(tmp_path):
-    path = write(tmp_path, "config.yaml", ANCHOR_FILE)
+def test_nvidia_config_file_sets_every_field_it_names(tmp_path):
+    path = write(tmp_path, "config.yaml", NVIDIA_FILE)
     c = load_config(path, {}, {})
     assert c.mig_strategy == "mixed"
     assert c.fail_on_init_error is False
@@ -82,7 +82,7 @@ def test_config_file_comes_from_config_file_env_when_no_flag(tmp_path):
     assert load_config(None, {"CONFIG_FILE": path}, {}).mig_strategy == "single"
 
 
-def test_anchor_env_vars_are_honoured():
+def test_nvidia_env_vars_are_honoured():
     env = {
         "FAIL_ON_INIT_ERROR": "false",
         "PASS_DEVICE_SPECS": "true",
@@ -112,7 +112,7 @@ def test_dp_enable_healthchecks_makes_ignored_xids_critical():
     assert all(is_critical_xid(load_config(None, {"DP_ENABLE_HEALTHCHECKS": "all"}, {}), x) for x in DEFAULT_IGNORED_XIDS)
 
 
-def test_default_ignored_xids_are_the_anchors():
+def test_default_ignored_xids_are_nvidias():
     c = Config()
     assert [x for x in (13, 31, 43, 45, 68, 109, 48, 79) if not is_critical_xid(c, x)] == [13, 31, 43, 45, 68, 109]
 
@@ -182,7 +182,7 @@ def test_mig_time_slicing_needs_mixed_strategy(tmp_path):
 
 
 def test_effective_config_description_is_json_serialisable(tmp_path):
-    c = load_config(write(tmp_path, "c.yaml", ANCHOR_FILE), {}, {})
+    c = load_config(write(tmp_path, "c.yaml", NVIDIA_FILE), {}, {})
     text = json.dumps(describe_config(c))
     assert '"replicas": 4' in text and '"mig_strategy": "mixed"' in text
 

@@ -31,7 +31,7 @@ def write(tmp_path, text):
     return str(path)
 
 
-def test_mps_section_reads_every_field_of_the_anchors_replicated_resources(tmp_path):
+def test_mps_section_reads_every_field_of_nvidias_replicated_resources(tmp_path):
     c = load_config(write(tmp_path, MPS_FILE), {}, {})
     assert c.mps == (TimeSlicingResource("nvidia.com/gpu", 4, "gpu-quarter", ("0", "1")),)
     assert c.time_slicing == ()
@@ -41,7 +41,7 @@ def test_mps_section_reads_every_field_of_the_anchors_replicated_resources(tmp_p
 
 
 def test_mps_refuses_requests_above_one_unless_the_file_says_otherwise(tmp_path):
-    # the anchor's historical MPS behaviour: failRequestsGreaterThanOne defaults to true
+    # NVIDIA's device plugin's historical MPS behaviour: failRequestsGreaterThanOne defaults to true
     c = load_config(write(tmp_path, "version: v1\nsharing:\n  mps:\n    resources:\n"
                                     "    - {name: nvidia.com/gpu, replicas: 2}\n"), {}, {})
     assert c.fail_requests_greater_than_one is True
@@ -50,7 +50,7 @@ def test_mps_refuses_requests_above_one_unless_the_file_says_otherwise(tmp_path)
     assert c.fail_requests_greater_than_one is False
 
 
-def test_mps_defaults_are_the_anchors():
+def test_mps_defaults_are_nvidias():
     c = Config()
     assert (c.mps_root, c.mps_control_binary, strategy_label(c)) == (
         "/run/nvidia/mps", "nvidia-cuda-mps-control", "none"
@@ -108,7 +108,7 @@ def test_bad_mps_section_is_one_line_naming_file_key_and_expectation(tmp_path, s
     assert "\n" not in message and info.value.exit_code == 2
 
 
-def test_mps_with_mig_strategy_mixed_is_refused_as_the_anchor_refuses_it(tmp_path):
+def test_mps_with_mig_strategy_mixed_is_refused_as_nvidias_plugin_refuses_it(tmp_path):
     path = write(tmp_path, "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  mps:\n    resources:\n"
                            "    - {name: nvidia.com/gpu, replicas: 2}\n")
     with pytest.raises(ConfigError, match="sharing.mps: MPS cannot share MIG devices.*migStrategy mixed"):

@@ -301,6 +301,8 @@ def _agent_shutdown_budget_s() -> float:
 
 
 def test_every_hostpath_the_agent_needs_is_mounted_where_its_defaults_look(rendered: Rendered) -> None:
+    from agent.ncclfiles import host_dir_of
+
     defaults = Config()
     needed = {
         defaults.kubelet_dir: "writable",  # our sockets are created here
@@ -308,6 +310,7 @@ def test_every_hostpath_the_agent_needs_is_mounted_where_its_defaults_look(rende
         defaults.features_dir: "writable",  # the NFD feature file is written here
         defaults.sysfs_root: "read-only",
         posixpath.dirname(defaults.cri_socket): "read-only",  # connect only: ListContainers
+        host_dir_of(defaults): "writable",  # the containers' NCCL topology files
     }
     mounts = _mounts_by_path(rendered)
     for path, access in needed.items():
@@ -347,7 +350,9 @@ def test_only_tmp_and_the_agents_output_directories_are_writable(rendered: Rende
         path: volume for path, (mount, volume) in _mounts_by_path(rendered).items()
         if not mount.get("readOnly", False)
     }
-    assert set(writable) == {defaults.kubelet_dir, defaults.features_dir, "/tmp"}
+    from agent.ncclfiles import host_dir_of
+
+    assert set(writable) == {defaults.kubelet_dir, defaults.features_dir, "/tmp", host_dir_of(defaults)}
     assert "emptyDir" in writable["/tmp"] and writable["/tmp"]["emptyDir"].get("sizeLimit")
 
 
@@ -558,8 +563,13 @@ def test_dra_deployment_mounts_the_kubelet_plugin_directories_and_the_cdi_direct
         mount, volume = mounts[path]
         assert not mount.get("readOnly", False), path
         assert volume["hostPath"] == {"path": path, "type": kind}
-    # the base's mounts are all still there
-    assert set(_mounts_by_path(rendered)) | set(expected) == set(mounts)
+    # the base's mounts are all still there, but the NCCL files' directory: in DRA mode the
+    # containers' NCCL topology files go under plugins/<driver>/nccl
+    from agent.ncclfiles import host_dir_of
+
+    base = set(_mounts_by_path(rendered)) - {host_dir_of(defaults)}
+    assert host_dir_of(dataclasses.replace(defaults, mode="dra")).startswith(defaults.plugins_dir + "/")
+    assert base | set(expected) == set(mounts)
 
 
 def test_dra_deployment_mounts_the_service_account_token(rendered_dra: Rendered) -> None:

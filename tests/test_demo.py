@@ -28,7 +28,8 @@ def demo(machine: str, fmt: str) -> tuple[str, str]:
 def test_demo_tells_the_whole_story_within_100_columns():
     out, err = demo("dgx-h100", "table")
     for section in ("Topology of dgx-h100", "Node labels", "The kubelet's view",
-                    "A busy node", "/metrics excerpt", SHARED[3:], "Done"):
+                    "A busy node", "NCCL in a pod sees what the scheduler saw", "/metrics excerpt",
+                    SHARED[3:], "Done"):
         assert section in out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "registered nvidia.com/gpu (API v1beta1" in out
@@ -57,14 +58,19 @@ def test_demo_json_gives_the_same_facts_and_every_allocation_is_valid():
             assert not held & set(gpus), "a GPU is never given to two running pods"
             held |= set(gpus)
             owner[row["pod"]] = gpus
-            # ours is never worse than the anchor's choice on the same free GPUs
-            assert row["score"] >= row["anchor"]["score"]
+            # ours is never worse than go-gpuallocator's choice on the same free GPUs
+            assert row["score"] >= row["gpuallocator"]["score"]
             assert row["score"] >= row["naive"]["score"]
         elif row["event"] == "leave":
             held -= set(owner.pop(row["pod"]))
     assert arrivals >= 5
     attributed = {m["labels"]["pod"] for m in facts["metrics"] if "pod" in m["labels"]}
     assert attributed and attributed <= set(owner)
+    # a 2-GPU pod's NCCL topology file: its 2 GPUs, as NCCL's reader takes it
+    import nccl_standin
+
+    assert len(nccl_standin.load(facts["nccl"]["pod_file"]).gpus) == 2
+    assert facts["nccl"]["pod"] in owner and facts["nccl"]["node_lines"] > facts["nccl"]["pod_file"].count("\n")
 
 
 def test_demo_runs_on_a_pasted_topology_matrix():
@@ -117,7 +123,7 @@ def test_the_suggested_next_command_works_on_the_machine_just_shown(machine, cap
 def test_the_demo_explains_each_term_the_first_time_it_uses_it():
     out, _ = demo("dgx-h100", "table")
     explained = {
-        "anchor": "anchor = NVIDIA's go-gpuallocator",
+        "gpuallocator": "gpuallocator = NVIDIA's go-gpuallocator",
         "naive": "naive = the lowest free indices",
         "score": "score = the sum over every two GPUs",
         "NVLink island": "NVLink island = GPUs that",

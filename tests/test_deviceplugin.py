@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
@@ -23,6 +23,7 @@ from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
+from agent.kubelet.unix_server import UnixGrpcServer
 from agent.metrics.self_metrics import AgentMetrics
 
 
@@ -103,7 +104,12 @@ def test_kubelet_gets_options_from_the_plugin_during_register(node):
     node.start(hgx8_topology())
     assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
     options = node.kubelet.registrations[0].options
-    assert options.get_preferred_allocation_available is True and options.pre_start_required is False
+    # PreStartContainer holds a container back until its NCCL topology file is written
+    assert options.get_preferred_allocation_available is True and options.pre_start_required is True
+    node.stop()
+    node.start(hgx8_topology(), Config(nccl_pod_files="off"))
+    assert node.kubelet.wait_for(lambda: node.kubelet.registrations)
+    assert node.kubelet.registrations[0].options.pre_start_required is False
 
 
 def test_one_registration_per_resource(node):
@@ -131,6 +137,31 @@ def test_stale_socket_file_is_replaced(node):
     assert node.client().options().get_preferred_allocation_available
 
 
+def test_a_socket_another_live_plugin_took_is_left_alone_said_once_and_served_once_free(node, caplog):
+    node.start(hgx8_topology())
+    assert eventually(node.manager.ready, 2.0)
+    ours = os.path.join(node.kubelet_dir, "nvidia-gpu.sock")
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # NVIDIA's plugin on the same directory
+    other.bind(ours + ".new")
+    other.listen()
+    theirs = os.stat(ours + ".new").st_ino
+    try:
+        with caplog.at_level(logging.INFO, logger="agent"):
+            caplog.clear()
+            os.rename(ours + ".new", ours)  # it takes the name over ours
+            time.sleep(1.0)  # 20 watch rounds
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+            assert os.stat(ours).st_ino == theirs, "another live server's socket is never removed"
+            assert not node.manager.ready()
+            other.close()
+            os.unlink(ours)  # it is gone
+            assert eventually(node.manager.ready, 5.0), "served and registered again"
+    finally:
+        other.close()
+    assert len(said) <= 2 and any("another device plugin is serving on this socket" in m for m in said), said
+    assert node.client().options().get_preferred_allocation_available
+
+
 class _SlowRegistration(pb_grpc.RegistrationServicer):
     """A kubelet whose Register takes ``delay_s`` to answer (a busy kubelet)."""
 
@@ -146,9 +177,9 @@ class _SlowRegistration(pb_grpc.RegistrationServicer):
 
 def test_readiness_answers_at_once_while_a_slow_register_is_in_flight(node):
     slow = _SlowRegistration(delay_s=1.5)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_RegistrationServicer_to_server(slow, server)
-    server.add_insecure_port(f"unix:{os.path.join(node.kubelet_dir, 'kubelet.sock')}")
+    server = UnixGrpcServer(os.path.join(node.kubelet_dir, "kubelet.sock"),
+                            lambda s: pb_grpc.add_RegistrationServicer_to_server(slow, s), name="slow-kubelet",
+                            max_workers=2)
     server.start()
     try:
         node.start(hgx8_topology(), kubelet=False, register_timeout_s=3.0)
@@ -298,7 +329,9 @@ def test_allocate_envvar_uuid_strategy_lists_gpu_uuids(node):
     assert envs_of(resp)["GPU_TOPOLOGY_NUMA_NODES"] == "1"
     assert envs_of(resp)["GPU_TOPOLOGY_CPULIST"] == "56-111,168-223"
     assert envs_of(resp)["GPU_TOPOLOGY_NVLINK_CONNECTED"] == "true"
-    assert not resp.container_responses[0].mounts and not resp.container_responses[0].devices
+    # the one mount is the container's NCCL topology file (tests/test_nccl_pods.py)
+    assert [m.container_path for m in resp.container_responses[0].mounts] == ["/etc/nccl/topology.xml"]
+    assert not resp.container_responses[0].devices
 
 
 def test_allocate_index_strategy_lists_indices_and_mig_pairs(node):
@@ -316,7 +349,7 @@ def test_allocate_volume_mounts_strategy_mounts_dev_null_per_device(node):
     resp = node.client().allocate([topo.gpus[0].uuid, topo.gpus[1].uuid])
     c = resp.container_responses[0]
     assert c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
-    assert [(m.container_path, m.host_path) for m in c.mounts] == [
+    assert [(m.container_path, m.host_path) for m in c.mounts if m.container_path != "/etc/nccl/topology.xml"] == [
         (f"/var/run/nvidia-container-devices/{topo.gpus[i].uuid}", "/dev/null") for i in (0, 1)
     ]
 
@@ -375,10 +408,10 @@ def test_allocate_reduces_replicas_to_their_gpu_once(node):
     assert envs_of(resp)["NVIDIA_VISIBLE_DEVICES"] == f"{u[1]},{u[0]}"
 
 
-def test_pre_start_container_succeeds_and_does_nothing(node):
+def test_pre_start_container_succeeds_and_does_nothing_without_nccl_files(node):
     from agent._proto import deviceplugin_v1beta1_pb2 as pb
 
-    node.start(pcie4_topology())
+    node.start(pcie4_topology(), Config(nccl_pod_files="off"))
     resp = node.client().stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["x"]), timeout=5)
     assert resp == pb.PreStartContainerResponse()
 

@@ -154,7 +154,7 @@ def test_mps_resource_registers_its_replicas_once_the_control_daemon_answers(nod
     assert node.wait_ready(2.0)
 
 
-def test_control_daemon_gets_the_shared_gpus_its_directories_and_the_anchors_default_limits(node):
+def test_control_daemon_gets_the_shared_gpus_its_directories_and_nvidias_default_limits(node):
     node.start(node.config(replicas=4))
     assert node.wait_ready(10.0)
     (start,) = node.starts()
@@ -253,7 +253,9 @@ def test_allocate_hands_the_container_the_pipe_directory_shm_and_its_limits(node
     assert resp.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu/pipe"
     assert resp.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert resp.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={H100_MIB // 4}M"
-    mounts = {(m.container_path, m.host_path, m.read_only) for m in resp.mounts}
+    # besides the container's NCCL topology file (tests/test_nccl_pods.py)
+    mounts = {(m.container_path, m.host_path, m.read_only) for m in resp.mounts
+              if m.container_path != "/etc/nccl/topology.xml"}
     assert mounts == {
         ("/mps/nvidia.com/gpu/pipe", node.pipe_dir(), False),
         ("/dev/shm", os.path.join(node.mps_root, "shm"), False),
@@ -290,7 +292,8 @@ def test_gpus_left_out_of_mps_are_served_whole_without_mps_settings(node):
     (start,) = node.starts("nvidia.com/gpu-mps")
     assert start["start"]["CUDA_VISIBLE_DEVICES"] == ",".join(g.uuid for g in node.topology.gpus[:2])
     whole = node.client(RESOURCE).allocate([node.topology.gpus[4].uuid]).container_responses[0]
-    assert not any(k.startswith("CUDA_MPS") for k in whole.envs) and not whole.mounts
+    assert not any(k.startswith("CUDA_MPS") for k in whole.envs)
+    assert [m.container_path for m in whole.mounts] == ["/etc/nccl/topology.xml"]  # its NCCL file only
     shared = node.client("nvidia.com/gpu-mps").allocate([f"{node.topology.gpus[1].uuid}::1"]).container_responses[0]
     assert shared.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu-mps/pipe"
 

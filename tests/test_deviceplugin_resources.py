@@ -1,4 +1,4 @@
-"""Resources and device IDs: MIG strategies and time-slicing, as the anchor defines them,
+"""Resources and device IDs: MIG strategies and time-slicing, as NVIDIA's device plugin defines them,
 with per-GPU sharing and rename really applied."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_plain_node_advertises_every_gpu_uuid_under_nvidia_com_gpu():
     assert res.kind is ResourceKind.GPU and not res.shared
 
 
-def test_time_slicing_advertises_replicas_with_anchor_ids():
+def test_time_slicing_advertises_replicas_with_nvidia_ids():
     topo = pcie4_topology()
     config = Config(time_slicing=(TimeSlicingResource("nvidia.com/gpu", replicas=3),))
     (res,) = build_resources(topo, config)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import SUBCOMMANDS
+from agent.cli import COMMAND_MODULES
 from agent.config import Config, probe_address_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,7 +303,7 @@ def test_entrypoint_is_the_console_script_and_cmd_is_run(stages: list[Stage], py
     (script,) = exec_form(entrypoint)
     assert pyproject["project"]["scripts"][script] == "agent.cli:main"
     assert exec_form(cmd) == ["run"]
-    assert "run" in SUBCOMMANDS
+    assert "agent.commands.run" in {m.__name__ for m in COMMAND_MODULES}
 
 
 def test_runtime_user_is_not_root(stages: list[Stage]) -> None:

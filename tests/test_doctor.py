@@ -369,7 +369,7 @@ def test_the_nodefeature_sink_with_the_charts_rbac_passes(capsys, node, tmp_path
         api.stop()
     checks = cluster_checks(report)
     assert rc == 0, report
-    assert checks["cluster.api_server"][0] == "PASS" and "v1.34.0-stub reachable" in checks["cluster.api_server"][1]
+    assert checks["cluster.api_server"][0] == "PASS" and "v1.37.0 reachable" in checks["cluster.api_server"][1]
     assert checks["cluster.access"] == ("PASS", "all 4 verbs the agent needs are allowed")
     assert checks["cluster.nodefeature_crd"] == ("PASS", "nfd.k8s-sigs.io/v1alpha1 nodefeatures served")
     assert api.count("POST", "selfsubjectaccessreviews") == 4

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import replace
@@ -160,7 +161,8 @@ def test_a_refused_registration_is_logged_with_the_kubelets_reason_and_serving_g
                                                                error="driver name conflicts"), timeout=5)
     refusals = [r for r in caplog.records if "kubelet refused" in r.getMessage()]
     assert [r.getMessage().split(" (")[0] for r in refusals] == [
-        "kubelet refused DRA driver gpu.gpu-agent.io: driver name conflicts"], "once per reason"
+        "registering DRA driver gpu.gpu-agent.io failed: the kubelet refused it: driver name conflicts"
+    ], "once per reason"
     assert not plugin.ready()
     assert reg.GetInfo(reg_pb.InfoRequest(), timeout=5).name == DRIVER
     reg.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
@@ -187,6 +189,55 @@ def test_a_vanished_dra_socket_is_served_again(node):
     deadline = time.monotonic() + 5
     while not os.path.exists(plugin.endpoint) and time.monotonic() < deadline:
         time.sleep(0.01)
+    c = node.put_claim("c", ["gpu-0"])
+    assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
+
+
+def test_a_plugin_directory_replaced_by_a_file_is_said_once_and_served_again_once_it_can_be_made(node, caplog):
+    plugin = node.start(poll_s=0.02)
+    plugin_dir = os.path.dirname(plugin.endpoint)
+    with caplog.at_level(logging.INFO, logger="agent"):
+        caplog.clear()
+        shutil.rmtree(plugin_dir)
+        with open(plugin_dir, "w", encoding="utf-8") as fh:  # nothing can be served under it now
+            fh.write("not a directory\n")
+        time.sleep(2.0)  # about 100 watch rounds at poll_s
+        blocked = len(caplog.records)
+        while_blocked = [r for r in caplog.records[:blocked] if r.levelno >= logging.INFO]
+        os.unlink(plugin_dir)  # the directory can be made again
+        assert eventually(lambda: os.path.exists(plugin.endpoint), 10.0), "the DRA socket is served again"
+        assert eventually(lambda: any("again" in r.getMessage() for r in caplog.records[blocked:])), \
+            "the recovery is said"
+        lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    c = node.put_claim("c", ["gpu-0"])
+    assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
+    assert while_blocked, "the blocked socket is said"
+    assert len(while_blocked) <= 2, f"said once, not per round: {len(while_blocked)} lines in 2 s"
+    assert not [r for r in lines if r.exc_info], "no traceback for a directory we cannot use"
+    assert any(plugin_dir in r.getMessage() for r in while_blocked), "the line names the directory"
+    assert len(lines) <= len(while_blocked) + 2, [r.getMessage() for r in lines]
+
+
+def test_a_dra_socket_another_live_server_took_is_left_alone_said_once_and_served_once_free(node, caplog):
+    plugin = node.start(poll_s=0.02)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a second driver on the same directory
+    other.bind(plugin.endpoint + ".new")
+    other.listen()
+    theirs = os.stat(plugin.endpoint + ".new").st_ino
+    try:
+        with caplog.at_level(logging.INFO, logger="agent"):
+            caplog.clear()
+            os.rename(plugin.endpoint + ".new", plugin.endpoint)  # it takes the name over ours
+            time.sleep(1.0)  # about 50 watch rounds
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+            assert os.stat(plugin.endpoint).st_ino == theirs, "another live server's socket is never removed"
+            other.close()
+            os.unlink(plugin.endpoint)  # it is gone
+            assert eventually(lambda: os.path.exists(plugin.endpoint), 10.0)
+    finally:
+        other.close()
+    assert said, "the taken socket is said"
+    assert len(said) <= 2 and any("another server is serving on this socket" in m for m in said), said
     c = node.put_claim("c", ["gpu-0"])
     assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
 

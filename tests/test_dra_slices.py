@@ -206,7 +206,9 @@ def test_more_than_128_devices_are_split_into_slices_of_one_pool():
 
 
 def test_owner_reference_names_the_node_when_its_uid_is_known():
-    for obj in render_slices(pcie4_topology(), node_name="n1", node_uid="1234"):
+    objs = render_slices(pcie4_topology(), node_name="n1", node_uid="1234")
+    assert objs  # the loop below checks something
+    for obj in objs:
         assert obj["metadata"]["ownerReferences"] == [
             {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "1234", "controller": True}]
 

@@ -223,11 +223,11 @@ def outcome(fn, *args):
 
 
 def test_both_implementations_export_one_exact_search_limit():
-    from agent.topology import engine
+    from agent.topology import kernel
 
     for name in ("EXACT_MAX_GPUS", "MAX_GPUS", "SCORE_MAX", "COUNT_MAX"):
         assert getattr(_topo, name) == getattr(_pure, name), name
-    assert engine.EXACT_MAX_GPUS == _topo.EXACT_MAX_GPUS == 16
+    assert kernel.EXACT_MAX_GPUS == _topo.EXACT_MAX_GPUS == 16
 
 
 def _node(n, seed=0):
@@ -398,14 +398,14 @@ def test_a_stale_extension_is_not_used(monkeypatch, caplog):
     import types
 
     import agent
-    from agent.topology import engine as engine_module
+    from agent.topology import kernel as kernel_module
 
     stale = types.ModuleType("agent._topo")
     stale.nvlink_islands = lambda adjacency: []  # type: ignore[attr-defined]
     monkeypatch.setattr(agent, "_topo", stale, raising=False)
     monkeypatch.setitem(__import__("sys").modules, "agent._topo", stale)
     monkeypatch.delenv("AGENT_PUREPYTHON", raising=False)
-    with caplog.at_level("WARNING", logger="agent.topology.engine"):
-        module, name = engine_module._select()
+    with caplog.at_level("WARNING", logger="agent.topology.kernel"):
+        module, name = kernel_module._select()
     assert name == "python" and module.__name__ == "agent.topology._pure"
     assert "stale" in caplog.text and "AllocationSolver" in caplog.text

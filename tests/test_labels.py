@@ -12,16 +12,11 @@ from hypothesis import strategies as st
 from label_rules import is_valid_label_key
 
 from agent.config import Config, TimeSlicingResource
-from agent.labels import (
-    arch_family,
-    compute_labels,
-    format_labels,
-    is_valid_label_value,
-    nvlink_fabric_kind,
-    sanitize_value,
-)
+from agent.labels import compute_labels, format_labels
+from agent.labels.gfd import arch_family, is_valid_label_value, sanitize_value
 from agent.labels.publisher import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
+from agent.labels.topology_labels import nvlink_fabric_kind
 from agent.topology.model import Gpu, Link, MigDevice, Nic, PcieLevel, Topology
 
 H100 = "NVIDIA H100 80GB HBM3"

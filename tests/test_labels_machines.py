@@ -14,12 +14,9 @@ from agent.cli import main
 from agent.config import Config
 from agent.discovery import load_topology as read_topo_matrix  # the one path
 from agent.hw.sim import machines
-from agent.labels import (
-    TOPOLOGY_PREFIX,
-    compute_labels,
-    format_labels,
-    is_valid_label_value,
-)
+from agent.labels import compute_labels, format_labels
+from agent.labels.gfd import is_valid_label_value
+from agent.labels.topology_labels import TOPOLOGY_PREFIX
 
 FIXTURES = Path(__file__).parent / "fixtures" / "labels"
 TOPO = FIXTURES / "topo"

@@ -56,7 +56,8 @@ def plugins(kubelet_dir):
         stub = KubeletStub(kubelet_dir, refuse_reason=refuse_reason).start() if kubelet else None
         topology = hgx8_topology()
         metrics = AgentMetrics(CollectorRegistry())
-        manager = DevicePluginManager(topology, replace(Config(), kubelet_dir=kubelet_dir),
+        manager = DevicePluginManager(topology, replace(Config(), kubelet_dir=kubelet_dir,
+                                                          nccl_host_dir=os.path.join(kubelet_dir, "nccl")),
                                       HealthState(topology.gpu_count), events=metrics, poll_s=0.02,
                                       max_backoff_s=0.05)
         made.append((manager, stub))
@@ -186,7 +187,8 @@ def test_a_100_claim_prepare_with_the_api_server_down_logs_one_line_and_counts_1
         assert len(response.claims) == 100
         new = agent.log().splitlines()[before:]
         about_claims = [line for line in new if "ResourceClaim" in line or "urllib3" in line or "Retrying" in line]
-        assert len(about_claims) == 1 and "cannot read ResourceClaims: API server unreachable" in about_claims[0], (
+        assert len(about_claims) == 1 and "cannot read ResourceClaims: " in about_claims[0] \
+            and "API server unreachable" in about_claims[0], (
             len(about_claims), about_claims[:4])
         assert _metric(port, "gpu_agent_claim_read_errors_total") == 100
         node.api.come_up()

@@ -75,6 +75,7 @@ def box2():
 # ------------------------------------------------------------------ names, types, help
 def test_every_exported_default_counter_has_dcgm_exporters_type_and_help():
     defaults = dcgm_default_counters()
+    assert len(defaults) > 10  # the fixture CSV was read: the loop below checks something
     ours = {m.name: m for m in DCGM_METRICS}
     for name, (kind, help_text) in defaults.items():
         if kind == "label" or name == "DCGM_FI_DEV_VGPU_LICENSE_STATUS":

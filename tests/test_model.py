@@ -15,7 +15,7 @@ def gpus(n, numa=None):
     return [Gpu(index=i, uuid=f"GPU-{i}", name="T", numa_node=None if numa is None else numa[i]) for i in range(n)]
 
 
-def test_pair_score_matches_the_anchor_scale():
+def test_pair_score_matches_the_go_gpuallocator_scale():
     assert pair_score(0, PcieLevel.SYS) == 10
     assert pair_score(0, PcieLevel.BOARD) == 60
     assert pair_score(2, PcieLevel.NODE) == 220

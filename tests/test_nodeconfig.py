@@ -184,8 +184,8 @@ def test_a_watch_that_ends_is_resumed_and_an_expired_one_lists_again(node) -> No
     assert eventually(lambda: agent.offered() == 32, 20.0), agent.log_text()[-2000:]
     assert _list_count(api) > lists
     log = agent.log_text()
-    assert "listing it again" in log and "cannot follow the label nvidia.com/device-plugin.config" in log
-    assert "following the label nvidia.com/device-plugin.config of node gpu-node-1 again" in log
+    assert "listing it again" in log and "following the label nvidia.com/device-plugin.config of node gpu-node-1 failed" in log
+    assert "following the label nvidia.com/device-plugin.config of node gpu-node-1 works again" in log
 
 
 def _watch_queries(api: ApiServerStub) -> list[str]:

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from agent.errors import InputFormatError
 from agent.hw.topo_matrix import (
     TopoMatrixError,
-    cpu_affinity_groups,
     matrix_name,
 )
 from agent.hw.topo_matrix import parse_topo_matrix as parse_facts
@@ -117,7 +116,7 @@ def test_dgx1_hybrid_cube_mesh_is_one_island_of_two_quads_and_four_cross_pairs()
     assert topo.nvlink_cliques == ((0, 1, 2, 3), (0, 4), (1, 5), (2, 6), (3, 7), (4, 5, 6, 7))
 
 
-def test_dgx1_nvlinks_and_pcie_match_the_anchors_own_dgx1_volta_test_node():
+def test_dgx1_nvlinks_and_pcie_match_go_gpuallocators_own_dgx1_volta_test_node():
     # go-gpuallocator's NewDGX1VoltaNode, as data (tests/fixtures/gpuallocator_cases.json,
     # owned by the allocator tests): an independent account of the same machine.
     cases = json.loads((FIXTURES.parent / "gpuallocator_cases.json").read_text())
@@ -168,7 +167,7 @@ def test_nvlinked_pairs_get_node_on_the_same_numa_node_and_sys_across():
 
 def test_without_numa_column_gpus_are_grouped_by_cpu_affinity():
     topo = read("dgx1-v100-8gpu-4nic.txt")
-    assert cpu_affinity_groups(topo) == {"0-19,40-59": (0, 1, 2, 3), "20-39,60-79": (4, 5, 6, 7)}
+    assert [g.cpu_affinity for g in topo.gpus] == ["0-19,40-59"] * 4 + ["20-39,60-79"] * 4
     assert topo.link(0, 3).pcie is PcieLevel.NODE  # NV2, same affinity
     assert topo.link(0, 4).pcie is PcieLevel.SYS  # NV2, other socket
     assert topo.numa_groups == {None: tuple(range(8))}
@@ -257,7 +256,7 @@ def test_legacy_output_with_soc_indented_rows_and_a_header_named_nic():
         ("mlx5_0", ["PHB", "PHB", "SYS", "SYS"])
     ]
     assert all(g.numa_node is None for g in topo.gpus)
-    assert cpu_affinity_groups(topo) == {"0-13,28-41": (0, 1), "14-27,42-55": (2, 3)}
+    assert [g.cpu_affinity for g in topo.gpus] == ["0-13,28-41"] * 2 + ["14-27,42-55"] * 2
 
 
 def test_one_gpu_machine():

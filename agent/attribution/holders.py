@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from agent.attribution import ContainerRef
 from agent.kubelet.podresources import PodResourcesClient, PodResourcesError
+from agent.retry import Outage
 from agent.topology.model import Topology
 from agent.worker import Worker
 
@@ -117,9 +118,9 @@ class PodResourcesCache(Worker):
         self.on_error = on_error
         self.on_refresh = on_refresh
         self.current: Attribution = EMPTY_ATTRIBUTION
-        # No lock: refreshes run on the cache's one thread, which owns ``_logged_failure``
-        # and publishes ``current`` by a single assignment, which scrapes read as it is.
-        self._logged_failure = False
+        # No lock: refreshes run on the cache's one thread, which owns ``_outage`` and
+        # publishes ``current`` by a single assignment, which scrapes read as it is.
+        self._outage = Outage(log, f"pod-resources List on {client.socket_path}", retrying="keeping the last answer")
         super().__init__()
 
     def map_ids(self, topology: Topology, *, index_ids: bool) -> None:
@@ -143,16 +144,11 @@ class PodResourcesCache(Worker):
         try:
             response = self.client.list()
         except PodResourcesError as exc:
-            if not self._logged_failure:
-                self._logged_failure = True
-                log.warning("pod-resources List on %s failed: %s (keeping the last answer)",
-                            self.client.socket_path, exc)
+            self._outage.failed(str(exc))
             if self.on_error is not None:
                 self.on_error()
             return None
-        if self._logged_failure:
-            log.info("pod-resources List on %s works again", self.client.socket_path)
-        self._logged_failure = False
+        self._outage.recovered()
         return response
 
     def _publish(self, response: Any) -> None:

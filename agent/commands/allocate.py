@@ -4,8 +4,9 @@
 [--format table|json] [--explain]``. LIST is comma-separated GPU indices or UUIDs (mixed is
 fine); ``--available`` defaults to every GPU that is not lost. Without ``--simulate`` the
 command asks this node's GPUs through NVML, as every subcommand does. JSON output is
-``{"devices": [...uuids...], "indices": [...], "score": N}`` (plus ``"explanation"`` with
-``--explain``).
+``{"devices": [...uuids...], "indices": [...], "score": N}`` (plus ``"explanation"`` and
+``"nccl"`` with ``--explain``: the nearest NICs and the NCCL topology file Allocate would
+mount, with its text).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, ResourceKind, build_resources
 from agent.errors import UsageError
 from agent.formats import GPU_RESOURCE
+from agent.ncclfiles import NcclFiles, allocation_key
 from agent.records import REPLICA_POLICIES
 from agent.topology.allocator import CRITERIA, Explanation
 from agent.topology.model import Topology
+from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,7 +88,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--explain",
         action="store_true",
-        help="also show the runners-up and the criterion that separated them (default: off)",
+        help="also show the runners-up and the criterion that separated them, the nearest NICs and"
+             " the NCCL topology file Allocate would mount (default: off)",
     )
     add_wide_flag(p)
     p.set_defaults(func=run)
@@ -110,7 +114,7 @@ def explanation_to_json(e: Explanation) -> dict[str, Any]:
     def cand(c: Any) -> dict[str, Any]:
         return {
             "indices": list(c.indices),
-            "anchor_criterion": c.anchor_score,
+            "gpuallocator_criterion": c.gpuallocator_score,
             "score": c.score,
             "numa_nodes": c.numa_nodes,
             "cut": c.cut,
@@ -223,10 +227,12 @@ def run(args: argparse.Namespace) -> int:
         return _print_devices(args, topology, handler, devices, indices, len(available), must_include)
     explanation = handler.engine.explain(handler.table, request) if args.explain else None
     score = topology.set_score(indices)
+    nccl = _nccl_plan(topology, config, resource.name, devices, indices) if args.explain else None
     if args.format == "json":
         doc: dict[str, Any] = {"devices": devices, "indices": indices, "score": score}
         if explanation is not None:
             doc["explanation"] = explanation_to_json(explanation)
+            doc["nccl"] = nccl
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -240,11 +246,30 @@ def run(args: argparse.Namespace) -> int:
         f"devices   {', '.join(devices)}",
         f"score     {score} (best possible for {args.size} GPUs on this machine: {best})",
     ]
-    if explanation is not None:
+    if explanation is not None and nccl is not None:
+        lines.append(f"nics      {', '.join(nccl['nics']) or 'none known near these GPUs'}")
+        if nccl["file"]:
+            lines.append(f"nccl      {nccl['file']} mounted read-only at {nccl['mount_path']} (NCCL_TOPO_FILE)")
+        else:
+            lines.append("nccl      no file (nccl.topologyFile: off)")
         lines.append("")
         lines.extend(explanation.lines())
     _write(args, lines)
     return 0
+
+
+def _nccl_plan(topology: Topology, config: Config, resource: str, devices: list[str],
+               indices: list[int]) -> dict[str, Any]:
+    """What Allocate would hand NCCL for these devices: the nearest NICs, the host file
+    (named by the allocation) and where it is mounted, and its text; nothing is written."""
+    nics = nearest_nics(topology, indices)
+    files = NcclFiles.from_config(config)
+    return {
+        "nics": [n.name for n in nics],
+        "file": files.path(allocation_key(resource, devices)) if files is not None else None,
+        "mount_path": config.nccl_mount_path if files is not None else None,
+        "topology": nccl_topology_xml(topology, indices, nics) if files is not None else None,
+    }
 
 
 def _write(args: argparse.Namespace, lines: list[str]) -> None:

@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run the agent on a simulated machine against a stand-in kubelet and show the story",
         description=(
             "Run the real agent on a simulated machine against an in-process stand-in kubelet: "
-            "topology, labels, a busy node's allocations (ours vs the anchor, NVIDIA's go-gpuallocator, "
+            "topology, labels, a busy node's allocations (ours vs NVIDIA's go-gpuallocator, "
             "vs naive, the lowest free indices) and a "
             "/metrics excerpt with pod attribution. Everything lives in a temporary directory."
         ),

@@ -44,6 +44,7 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
     _add_serving_flags(p)
     _add_dra_flags(p)
     _add_node_config_flags(p)
+    _add_nccl_flags(p)
     p.add_argument("--no-timestamp", action="store_true", dest="no_timestamp", default=None,
                    help="leave out GFD's nvidia.com/gfd.timestamp label (default: include it;"
                         " env GFD_NO_TIMESTAMP, file flags.gfd.noTimestamp)")
@@ -156,6 +157,26 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                           f" (default: {_DEFAULTS.gpu_sets}; env DRA_GPU_SETS)")
 
 
+def _add_nccl_flags(p: argparse.ArgumentParser) -> None:
+    """NCCL topology files: the node's (in) and each container's (out)."""
+    g = p.add_argument_group("NCCL topology files")
+    g.add_argument("--nccl-topology-file", metavar="FILE", dest="nccl_topology_file", default=None,
+                   help="the node's topology as an NCCL topology file (VMs that hide the PCIe tree), laid"
+                        " over NVML's GPUs by bus ID (default: none; env NCCL_TOPOLOGY_FILE, file"
+                        " topology.ncclTopologyFile)")
+    g.add_argument("--nccl-pod-files", choices=("auto", "off"), dest="nccl_pod_files", default=None,
+                   help="give each container with GPUs its own NCCL topology file (default: auto;"
+                        " env NCCL_POD_FILES, file nccl.topologyFile)")
+    g.add_argument("--nccl-host-dir", metavar="DIR", dest="nccl_host_dir", default=None,
+                   help="host directory of those files (default: <kubelet-dir>/../gpu-topology-agent/nccl,"
+                        " in DRA mode <plugins-dir>/<driver>/nccl; env NCCL_HOST_DIR)")
+    g.add_argument("--nccl-mount-path", metavar="PATH", dest="nccl_mount_path", default=None,
+                   help=f"the file's path in the container (default: {_DEFAULTS.nccl_mount_path};"
+                        " env NCCL_MOUNT_PATH)")
+    g.add_argument("--nccl-ib-hca", action="store_true", dest="nccl_ib_hca", default=None,
+                   help="also set NCCL_IB_HCA to the nearest NICs (default: off; env NCCL_SET_IB_HCA)")
+
+
 def _add_node_config_flags(p: argparse.ArgumentParser) -> None:
     """Per-node configs (NVIDIA's config-manager's flags) and IMEX channels."""
     g = p.add_argument_group("per-node configs and IMEX")
@@ -187,7 +208,7 @@ FLAG_FIELDS = (
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
-    "imex_required",
+    "imex_required", "nccl_topology_file", "nccl_pod_files", "nccl_host_dir", "nccl_mount_path", "nccl_ib_hca",
 )
 
 

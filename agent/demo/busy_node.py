@@ -1,6 +1,6 @@
 """The busy node of the demo: a seeded trace of pods arriving and leaving, played against the
 agent over gRPC (GetPreferredAllocation, then Allocate) as the kubelet would, with the
-anchor's and a naive choice on the same free GPUs scored beside each answer.
+go-gpuallocator's and a naive choice on the same free GPUs scored beside each answer.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from agent.demo.comparisons import AnchorChoice, naive_choice
+from agent.demo.comparisons import GpuallocatorChoice, naive_choice
 from agent.formats import format_cpulist
 from agent.topology.model import Topology
 
@@ -66,7 +66,7 @@ class BusyNode:
         self.client = client
         self.say = say
         self.progress = progress
-        self.anchor = AnchorChoice(topology)
+        self.gpuallocator = GpuallocatorChoice(topology)
         self.index_of = {g.uuid: g.index for g in topology.gpus}
         self.id_of = {g.index: g.uuid for g in topology.gpus}
         self.free = [d.ID for d in devices if d.health == "Healthy"]
@@ -122,7 +122,7 @@ class BusyNode:
         response = self.client.allocate(chosen_ids)
         ours = sorted(self.index_of[d] for d in chosen_ids)
         free_idx = [self.index_of[d] for d in self.free]
-        anchor = self.anchor.choose(free_idx, step.size)
+        theirs = self.gpuallocator.choose(free_idx, step.size)
         naive = naive_choice(free_idx, step.size)
         score = self.topology.set_score
         row = {
@@ -133,7 +133,7 @@ class BusyNode:
             "gpus": ours,
             "score": score(ours),
             "numa_nodes": self._numa_count(ours),
-            "anchor": {"gpus": anchor, "score": score(anchor), "numa_nodes": self._numa_count(anchor)},
+            "gpuallocator": {"gpus": theirs, "score": score(theirs), "numa_nodes": self._numa_count(theirs)},
             "naive": {"gpus": naive, "score": score(naive), "numa_nodes": self._numa_count(naive)},
             "visible_devices": response.container_responses[0].envs.get("NVIDIA_VISIBLE_DEVICES", ""),
         }
@@ -144,7 +144,7 @@ class BusyNode:
         self._line(
             f"{'*' if waited else '+'} {step.pod + f' ({step.size})':<18}{_gpus(ours):<18}{row['score']:>7}"
             f"{_or_unknown(row['numa_nodes']):>5}"
-            f"{_gpus(anchor):>18}{score(anchor):>7}{_gpus(naive):>18}{score(naive):>7}"
+            f"{_gpus(theirs):>20}{score(theirs):>7}{_gpus(naive):>16}{score(naive):>7}"
         )
 
     def _numa_count(self, indices: list[int]) -> int | None:

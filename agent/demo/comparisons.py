@@ -8,33 +8,33 @@ import itertools
 from typing import Sequence
 
 from agent.errors import AllocationError
-from agent.topology import engine
+from agent.topology import kernel
 from agent.topology.model import Topology
 
 
-class AnchorChoice:
-    """What the anchor (NVIDIA's go-gpuallocator, best-effort policy) would choose.
+class GpuallocatorChoice:
+    """What NVIDIA's go-gpuallocator (its best-effort policy) would choose.
 
-    The anchor keeps the first best partition of the available GPUs into groups of the
+    go-gpuallocator keeps the first best partition of the available GPUs into groups of the
     request size that its enumeration finds (groups hold the lowest remaining GPU, partners
     in index order), then the best-scoring group of that partition. Where the size divides
     the available count this is reproduced exactly, without enumerating: walk the groups in
-    the anchor's order and keep the first one that still completes a best partition.
-    Otherwise (the anchor pads the last group) the set with the best criterion 1, then
+    go-gpuallocator's order and keep the first one that still completes a best partition.
+    Otherwise (go-gpuallocator pads the last group) the set with the best criterion 1, then
     criterion 2, then the lowest indices stands in for it. Exact for at most
-    ``engine.EXACT_MAX_GPUS`` available GPUs."""
+    ``kernel.EXACT_MAX_GPUS`` available GPUs."""
 
     def __init__(self, topology: Topology) -> None:
         scores = [list(row) for row in topology.scores]
         # set scores and partition values only: the NUMA ids play no part
-        self._solver = engine.allocation_solver(scores, [0] * topology.gpu_count)
+        self._solver = kernel.allocation_solver(scores, [0] * topology.gpu_count)
 
     def choose(self, available: Sequence[int], size: int) -> list[int]:
-        """The anchor's ``size`` GPUs out of ``available`` (distinct GPU indices), sorted."""
-        if not 1 <= size <= len(available) <= engine.EXACT_MAX_GPUS:
+        """go-gpuallocator's ``size`` GPUs out of ``available`` (distinct GPU indices), sorted."""
+        if not 1 <= size <= len(available) <= kernel.EXACT_MAX_GPUS:
             raise AllocationError(
-                f"the anchor's choice is computed for 1 <= size <= available <= "
-                f"{engine.EXACT_MAX_GPUS}, got size {size} of {len(available)}"
+                f"go-gpuallocator's choice is computed for 1 <= size <= available <= "
+                f"{kernel.EXACT_MAX_GPUS}, got size {size} of {len(available)}"
             )
         solver = self._solver
         free = sorted(available)
@@ -43,7 +43,7 @@ class AnchorChoice:
         best_group, best_score, mask = 0, -1, sum(1 << i for i in free)
         while mask:
             target = solver.partition_value(mask, size)
-            members = engine.mask_indices(mask)
+            members = kernel.mask_indices(mask)
             for combo in itertools.combinations(members[1:], size - 1):
                 g = (1 << members[0]) | sum(1 << i for i in combo)
                 score = solver.set_score(g)
@@ -52,7 +52,7 @@ class AnchorChoice:
             if score > best_score:  # the first best group of the partition
                 best_group, best_score = g, score
             mask ^= g
-        return engine.mask_indices(best_group)
+        return kernel.mask_indices(best_group)
 
     def _best_by_criteria(self, free: list[int], size: int) -> list[int]:
         solver = self._solver

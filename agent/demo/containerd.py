@@ -11,18 +11,19 @@ request's filter is applied as containerd's ``filterCRIContainers`` does (exact 
 exact sandbox ID, state, every ``label_selector`` pair; the resolution of a short ID prefix
 is not modelled). ``RuntimeService``'s other methods are absent from the agent's definition
 (``proto/cri_runtime_v1.proto``), so they answer UNIMPLEMENTED, as a server without them would.
+It serves through the agent's :class:`agent.kubelet.unix_server.UnixGrpcServer`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
 from agent._proto import cri_runtime_v1_pb2 as cri
 from agent._proto import cri_runtime_v1_pb2_grpc as cri_grpc
+from agent.kubelet.unix_server import UnixGrpcServer
 
 
 @dataclass(frozen=True)
@@ -86,20 +87,15 @@ class ContainerdStub:
     def __init__(self, socket_path: str, containers: Sequence[PodContainer]) -> None:
         self.socket_path = socket_path
         self.containers = tuple(containers)
-        self._server: grpc.Server | None = None
+        servicer = _RuntimeServicer([c.listed() for c in self.containers])
+        self._server = UnixGrpcServer(
+            socket_path, lambda server: cri_grpc.add_RuntimeServiceServicer_to_server(servicer, server),
+            name="containerd-stub", max_workers=2, in_use="a container runtime is serving on this socket",
+        )
 
     def start(self) -> ContainerdStub:
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="containerd-stub")
-        )
-        servicer = _RuntimeServicer([c.listed() for c in self.containers])
-        cri_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
-        server.add_insecure_port(f"unix:{self.socket_path}")
-        server.start()
-        self._server = server
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait(5)
-            self._server = None
+        self._server.stop(0)

@@ -6,6 +6,10 @@
   opens ListAndWatch in the background and keeps the latest device list per resource.
 * :class:`PluginClient` is a client of one plugin socket.
 * :class:`PodResourcesStub` serves ``/v1.PodResourcesLister/*`` with a canned answer.
+
+Both serve through the agent's own :class:`agent.kubelet.unix_server.UnixGrpcServer` (a
+stale socket file is replaced, a live server's never taken; stop removes only ours), as the
+kubelet's ``grpc.NewServer`` on a ``net.Listen("unix", ...)`` after removing a stale file.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -23,6 +26,7 @@ from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent._proto import podresources_v1_pb2 as pr
 from agent._proto import podresources_v1_pb2_grpc as pr_grpc
+from agent.kubelet.unix_server import UnixGrpcServer
 
 
 class PluginClient:
@@ -102,17 +106,17 @@ class KubeletStub:
         self.cond = threading.Condition()
         self.registrations: list[Registration] = []
         self.device_lists: dict[str, list[pb.ListAndWatchResponse]] = {}
-        self._server: grpc.Server | None = None
+        servicer = _RegistrationServicer(self)
+        self._server = UnixGrpcServer(
+            self.socket_path, lambda server: pb_grpc.add_RegistrationServicer_to_server(servicer, server),
+            name="kubelet-stub", max_workers=8, in_use="a kubelet is serving on this socket",
+        )
         self._streams: list[tuple[PluginClient, grpc.Call, threading.Thread]] = []
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> "KubeletStub":
-        os.makedirs(self.kubelet_dir, exist_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubelet-stub"))
-        pb_grpc.add_RegistrationServicer_to_server(_RegistrationServicer(self), server)
-        server.add_insecure_port(f"unix:{self.socket_path}")
-        server.start()
-        self._server = server
+        """Listen on ``kubelet.sock`` (making the directory, as the kubelet's ``MkdirAll``)."""
+        self._server.start()
         return self
 
     def stop(self) -> None:
@@ -121,13 +125,7 @@ class KubeletStub:
             thread.join(5)
             client.close()
         self._streams = []
-        if self._server is not None:
-            self._server.stop(0).wait(5)
-            self._server = None
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        self._server.stop(0)  # and removes kubelet.sock
 
     # -------------------------------------------------------------- streams
     def _start_watch(self, resource: str, client: PluginClient) -> None:
@@ -202,17 +200,15 @@ class PodResourcesStub:
         self.list_response = list_response or pr.ListPodResourcesResponse()
         self.allocatable_response = pr.AllocatableResourcesResponse()
         self.list_gate: threading.Event | None = None
-        self._server: grpc.Server | None = None
+        servicer = _PodResourcesServicer(self)
+        self._server = UnixGrpcServer(
+            socket_path, lambda server: pr_grpc.add_PodResourcesListerServicer_to_server(servicer, server),
+            name="podres-stub", max_workers=4, in_use="a pod-resources server is serving on this socket",
+        )
 
     def start(self) -> "PodResourcesStub":
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="podres-stub"))
-        pr_grpc.add_PodResourcesListerServicer_to_server(_PodResourcesServicer(self), server)
-        server.add_insecure_port(f"unix:{self.socket_path}")
-        server.start()
-        self._server = server
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait(5)
-            self._server = None
+        self._server.stop(0)

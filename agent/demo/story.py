@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
 from agent.demo.mps_gpu import show_mps
+from agent.demo.nccl_files import show_nccl
 from agent.demo.node import demo_node
 from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError
@@ -121,6 +122,8 @@ class Story:
                 endpoint, devices = self.show_registration(node.kubelet, table)
                 running = self.replay(topology, devices, node.client(endpoint), table)
                 self.report_pods(node.pod_resources, running)
+                if (nccl := show_nccl(self, topology, config, running, table)) is not None:
+                    self.facts["nccl"] = nccl
                 self.progress("waiting for the metrics to attribute GPUs to pods")
                 self.show_metrics(node.daemon, running, table)
         finally:
@@ -137,7 +140,8 @@ class Story:
         for key, section in (("shared_gpu", show_shared_gpu), ("mps", show_mps)):
             workdir = tempfile.mkdtemp(prefix="gta-demo-shared-")
             try:
-                self.facts[key] = section(self, demo_config(workdir), workdir, model, table)
+                config = replace(demo_config(workdir), nccl_pod_files="off")  # NCCL: shown above
+                self.facts[key] = section(self, config, workdir, model, table)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
 
@@ -214,14 +218,14 @@ class Story:
         self, topology: Topology, devices: list[Device], client: PluginClient, table: bool
     ) -> dict[str, list[str]]:
         """The busy node: each arriving pod asks the agent over gRPC (GetPreferredAllocation
-        then Allocate); the anchor's and a naive choice on the same free GPUs are scored
+        then Allocate); go-gpuallocator's and a naive choice on the same free GPUs are scored
         beside it. Returns the running pods' device IDs."""
         if table:
             self.heading("A busy node: pods arrive and leave")
             self.explain(
                 "Pods arrive (+) and leave (-); one that does not fit waits, and is placed (*) "
                 "once GPUs free up, oldest first, as the kubelet would. For each pod: ours = the "
-                "agent's answer to GetPreferredAllocation; anchor = NVIDIA's go-gpuallocator, "
+                "agent's answer to GetPreferredAllocation; gpuallocator = NVIDIA's go-gpuallocator, "
                 "the allocator of NVIDIA's device plugin, which we compare against, on the same "
                 "free GPUs; naive = the lowest free indices. score = the sum over every two GPUs "
                 "of the set of 100 per NVLink plus 10 (PCIe SYS: across sockets) .. 60 (BOARD); "
@@ -230,7 +234,7 @@ class Story:
             self.say()
             self.say(
                 f"{'event':<20}{'ours: GPUs':<18}{'score':>7}{'NUMA':>5}"
-                f"{'anchor: GPUs':>18}{'score':>7}{'naive: GPUs':>18}{'score':>7}"
+                f"{'gpuallocator: GPUs':>20}{'score':>7}{'naive: GPUs':>16}{'score':>7}"
             )
         node = BusyNode(topology, devices, client, self.say if table else None, self.progress)
         for step in busy_node_trace(len(node.free)):  # the sizes fit the GPUs advertised
@@ -239,11 +243,11 @@ class Story:
         arrived = [r for r in node.rows if r["event"] == "arrive" and r["size"] > 1]
         score_totals: dict[str, int] = {
             k: sum((r[k]["score"] if k != "ours" else r["score"]) for r in arrived)
-            for k in ("ours", "anchor", "naive")
+            for k in ("ours", "gpuallocator", "naive")
         }
         one_numa_node: dict[str, int] = {
             k: sum((r[k]["numa_nodes"] if k != "ours" else r["numa_nodes"]) == 1 for r in arrived)
-            for k in ("ours", "anchor", "naive")
+            for k in ("ours", "gpuallocator", "naive")
         }
         self.facts["allocations"] = node.rows
         self.facts["allocation_summary"] = {
@@ -261,10 +265,10 @@ class Story:
             if arrived:
                 s, n = score_totals, one_numa_node
                 self.say(
-                    f"{len(arrived)} multi-GPU pods: total score ours {s['ours']}, anchor "
-                    f"{s['anchor']}, naive {s['naive']};"
+                    f"{len(arrived)} multi-GPU pods: total score ours {s['ours']}, go-gpuallocator "
+                    f"{s['gpuallocator']}, naive {s['naive']};"
                 )
-                self.say(f"on one NUMA node: ours {n['ours']}, anchor {n['anchor']}, naive {n['naive']}")
+                self.say(f"on one NUMA node: ours {n['ours']}, go-gpuallocator {n['gpuallocator']}, naive {n['naive']}")
         return node.running
 
     def report_pods(self, pod_resources: PodResourcesStub, running: dict[str, list[str]]) -> None:

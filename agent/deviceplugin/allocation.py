@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NoReturn, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerAdditions, ContainerDevice, container_facts
+from agent.containers import ContainerAdditions, ContainerDevice, container_facts, nccl_additions
 from agent.deviceplugin.device_lists import ContainerResponse, render
 from agent.deviceplugin.resources import (
     PluginDevice,
@@ -25,7 +25,8 @@ from agent.deviceplugin.resources import (
     ResourceKind,
     physical_devices,
 )
-from agent.errors import AllocationError
+from agent.errors import AgentError, AllocationError
+from agent.ncclfiles import NcclFile, NcclFiles, allocation_key
 from agent.sharing.base import Share, replicas_per_gpu
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable
@@ -41,35 +42,28 @@ class RequestHandler:
         resource: PluginResource,
         topology: Topology,
         config: Config,
+        nccl_files: NcclFiles | None = None,
     ) -> None:
         self.resource = resource
+        self.nccl_files = nccl_files  # where Allocate writes the containers' NCCL files
         self.topology = topology
         self.config = config
-        self._engine: AllocationEngine | None = None
-        self._table: DeviceTable | None = None
+        # built once, before the first request: the resource's devices never change while
+        # it is served, and the engine only reads the frozen topology (safe to share)
+        self.engine = AllocationEngine(topology)
+        self.table = DeviceTable(
+            [(d.id, d.gpu_index) for d in resource.devices], topology.gpu_count, resource.name
+        )
         self._one_at_most = config.fail_requests_greater_than_one and resource.shared
         self._packed = config.shared_devices_allocation_policy == "packed"
-
-    @property
-    def engine(self) -> AllocationEngine:
-        """The allocation engine, built on first use (one per handler; it only reads the
-        frozen topology, so sharing it between threads is safe)."""
-        if self._engine is None:
-            self._engine = AllocationEngine(self.topology)
-        return self._engine
-
-    @property
-    def table(self) -> DeviceTable:
-        """The resource's device IDs ranked for the engine (built on first use, like the
-        engine: the resource's devices never change while it is served)."""
-        if self._table is None:
-            devices = [(d.id, d.gpu_index) for d in self.resource.devices]
-            self._table = DeviceTable(devices, self.topology.gpu_count, self.resource.name)
-        return self._table
 
     # ------------------------------------------------------------------ preferred
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """The device IDs to prefer; raises AllocationError on any invalid input."""
+        if self.resource.kind is ResourceKind.GPU:  # whole GPUs: checked and answered as GPU bitmasks
+            table = self.table
+            gpus = self.engine.gpu_set(*table.gpu_masks(available, must_include, size), size)
+            return list(map(table.id_of_gpu.__getitem__, gpus))
         return self.answer(self.request(available, must_include, size))
 
     def request(self, available: Sequence[str], must_include: Sequence[str], size: int) -> DeviceRequest:
@@ -108,9 +102,41 @@ class RequestHandler:
         requested = [self.resource.by_id[table.ids[r]] for r in ranks]
         gpus = self.topology.gpus
         devices = [ContainerDevice(gpus[d.gpu_index], d.mig) for d in physical_devices(requested)]
+        nccl = nccl_additions(self._nccl_file(device_ids, devices), self.config)
+        additions = [*self._share(requested, devices), *nccl]
         facts = container_facts(self.topology, devices, self.config, nodes=self.config.pass_device_specs,
-                                additions=self._share(requested, devices))
+                                additions=additions)
         return render(facts, self.config)
+
+    def _nccl_file(self, device_ids: Sequence[str], devices: Sequence[ContainerDevice]) -> NcclFile | None:
+        """The container's NCCL topology file (README "NCCL topology files"): for whole
+        GPUs and for the GPUs behind replicas, none for MIG devices. Allocate only names it;
+        the writer thread writes it and :meth:`pre_start` makes sure it is in place before
+        the container starts."""
+        if self.nccl_files is None or any(d.mig is not None for d in devices):
+            return None
+        key = allocation_key(self.resource.name, device_ids)
+        return self.nccl_files.write_later(key, self.topology, sorted({d.gpu.index for d in devices}))
+
+    def pre_start(self, device_ids: Sequence[str]) -> None:
+        """PreStartContainer: the kubelet starts the container with ``device_ids`` next;
+        its NCCL topology file is in place when this returns (written now if the deferred
+        write failed or a restarted agent never queued it). AgentError when it cannot be
+        written: the kubelet does not start a container whose mount has no source."""
+        files = self.nccl_files
+        if files is None or not device_ids:
+            return
+        key = allocation_key(self.resource.name, device_ids)
+        if files.wait(key):
+            return
+        ranks = self.table.lookup(device_ids, "devices")
+        requested = [self.resource.by_id[self.table.ids[r]] for r in ranks]
+        if any(d.mig is not None for d in requested):
+            return
+        try:
+            files.write(key, self.topology, sorted({d.gpu_index for d in requested}))
+        except OSError as exc:
+            raise AgentError(f"cannot write the NCCL topology file {files.path(key)}: {exc.strerror or exc}") from None
 
     def _share(self, requested: Sequence[PluginDevice], devices: Sequence[ContainerDevice]) -> list[ContainerAdditions]:
         """What the resource's sharing adds for the replicas the container holds."""

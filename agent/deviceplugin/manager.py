@@ -1,39 +1,35 @@
 """All the node's device-plugin servers, their registration, and the kubelet watch.
 
 The kubelet clears its device-plugin directory when it starts, so a restarted kubelet knows
-nothing of us: a watch thread notices ``kubelet.sock`` being re-created (its inode changes)
-or our own socket vanishing, serves again and re-registers (well within 2 s: it polls every
-``poll_s``). A kubelet that appears after the agent started is handled the same way;
-anything but a socket at ``kubelet.sock`` is no kubelet, said once for what it is.
-Registration that fails is retried with capped exponential backoff: logged when it starts
-failing, each failure counted (``events.registration_failure``).
+nothing of us: the :class:`agent.kubelet.plugin_socket.SocketKeeper` (the DRA plugin's too)
+notices ``kubelet.sock`` being re-created (its inode changes) or our own socket vanishing
+and serves again (well within 2 s: it polls every ``poll_s``); this module then registers
+again. A kubelet that appears after the agent started is handled the same way; anything
+but a socket at ``kubelet.sock`` is no kubelet, said once for what it is. Registration
+that fails is retried with capped exponential backoff: said when it starts failing, each
+failure counted (``events.registration_failure``).
 
 The manager is the device-plugin mode's servers as the daemon runs them (start, ready,
 set_topology, stop; the DRA mode's :class:`agent.dra.servers.DraServers` has the same shape).
 
 Threads: the daemon's main thread calls :meth:`DevicePluginManager.start`,
 :meth:`~DevicePluginManager.set_topology` and :meth:`~DevicePluginManager.stop`; the
-kubelet-watch thread registers and re-serves; the metrics HTTP server calls
+keeper's thread (``kubelet-watch``) re-serves and registers; the metrics HTTP server calls
 :meth:`~DevicePluginManager.ready`. What the kubelet is offered (each device with its health) is
 reported to ``events.devices_offered`` whenever it changes, on the thread that changed it: the
 servers replaced, a GPU's health (a listener of the health state), a sharing supervisor's readiness.
-Once started, the watch thread alone starts, stops and registers servers (all of that is
+Once started, the keeper's thread alone starts, stops and registers servers (all of that is
 I/O); ``set_topology`` hands it the new (topology, config) and waits for the outcome.
 
 A shared resource whose sharing needs a supervisor (:mod:`agent.sharing`: a daemon that
-keeps the replicas servable) has one, synced with the servers; the watch thread registers such a
-resource once its sharing is ready.
-
-Size: above 400 lines because it is one lifecycle: the servers per resource, their
-registration, the kubelet-socket watch and the sharing supervisors' sync all share the one watch
-thread and its state; splitting them would spread that state over modules.
+keeps the replicas servable) has one, synced with the servers; such a resource is registered
+once its sharing is ready.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,13 +39,17 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.ncclsweep import NcclSweeper
+from agent.deviceplugin.reporting import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource, build_resources
-from agent.deviceplugin.server import PLUGIN_OPTIONS, DeviceListChanges, PluginServer
+from agent.deviceplugin.server import DeviceListChanges, PluginServer, plugin_options
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
+from agent.kubelet.plugin_socket import Served, SocketKeeper
+from agent.kubelet.podresources import rpc_message
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
-from agent.kubelet.unix_server import SocketInUseError
+from agent.ncclfiles import NcclFiles
+from agent.retry import Backoff, Outage
 from agent.sharing.base import PROBE_INTERVAL_S, Supervisor, Supervisors
 from agent.topology.model import Topology
 
@@ -59,14 +59,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     server: PluginServer
+    register_backoff: Backoff  # the keeper's thread only
+    register_outage: Outage  # the keeper's thread only
     supervisor: Supervisor | None = None  # its sharing's supervisor, when it has one
     registered: bool = False  # written under the manager's lock (ready() reads it)
-    next_try_s: float = 0.0  # watch thread only
-    backoff_s: float = 0.0  # watch thread only
-    serve_failing: bool = False  # watch thread only: serving again failed, being retried
-    next_serve_s: float = 0.0  # watch thread only
-    serve_backoff_s: float = 0.0  # watch thread only
-    register_failing: bool = False  # watch thread only: registration failed, being retried
+    next_try_s: float = 0.0  # the keeper's thread only
 
 
 def _sharing_ready(slot: _Slot) -> bool:
@@ -114,9 +111,10 @@ class DevicePluginManager:
         self.max_backoff_s = max_backoff_s
         # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
         # slots list and their ``registered`` flags, topology, config, resources, the
-        # pending reload) and is held only to read or assign them: never across I/O (a
-        # Register call, starting or stopping a server), an event or a callback, and no
-        # other lock (the health state's condition included) is taken while it is held.
+        # pending reload, whether the keeper runs) and is held only to read or assign them:
+        # never across I/O (a Register call, starting or stopping a server), an event or a
+        # callback, and no other lock (the health state's condition included) is taken
+        # while it is held.
         self._lock = threading.Lock()
         # Held while the offered devices are computed and reported, so that two threads'
         # reports cannot land out of order; taken before ``_lock`` and the health state's.
@@ -129,18 +127,17 @@ class DevicePluginManager:
         self._supervisors = Supervisors(self._sharing_changed, supervisor_probe_s)  # the servers' owner only
         self._changes = DeviceListChanges().follow(health)  # what the device-list streams wait on
         self._pending: _Reload | None = None
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # a reload is pending, or stop
-        self._thread: threading.Thread | None = None
-        # watch thread only
-        self._kubelet_inode: tuple[int, int, int] | None = None
-        self._kubelet_oddity: str | None = None  # what stands at kubelet.sock if not a socket
-        self._seen_kubelet = False
-        self._taken: set[str] = set()  # our socket paths another live server holds now
-        self._dir_missing = False  # the kubelet directory is gone (said once)
-        self._round_error: str | None = None  # the last failed round's error (said once)
-        self._round_backoff_s = 0.0
+        self._stopping = threading.Event()
+        self._keeper = SocketKeeper(
+            log, "kubelet watch", thread_name="kubelet-watch", poll_s=poll_s, max_backoff_s=max_backoff_s,
+            kubelet_dir=config.kubelet_dir, before_round=self._apply_pending_reload,
+            on_kubelet=self._kubelet_changed, on_vanished=self._unregister, on_served=self._served_again,
+            after_round=self._register_all,
+        )
+        self._keeping = False
         self.resources: tuple[PluginResource, ...] = ()
+        # removes the NCCL topology files of containers the kubelet no longer lists
+        self._nccl_sweeper = NcclSweeper(lambda: (self.config, [r.name for r in self.resources]))
         health.add_listener(self._report_offers)
 
     @property
@@ -150,26 +147,25 @@ class DevicePluginManager:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._replace_servers(self.topology, self.config)
-        self._stop.clear()
-        self._wake.clear()
-        thread = threading.Thread(target=self._watch, name="kubelet-watch", daemon=True)
+        self._stopping.clear()
         with self._lock:
-            self._thread = thread
-        thread.start()
+            self._keeping = True
+        self._keeper.start()
+        self._nccl_sweeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop watching, close streams, stop servers, remove our sockets."""
-        self._stop.set()
-        self._wake.set()
+        self._stopping.set()
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(self.register_timeout_s + 2.0)
+            self._keeping = False
+        self._keeper.stop(self.register_timeout_s + 2.0)
+        self._apply_pending_reload()  # never leave a reload waiting
         with self._lock:
             slots, self._slots = self._slots, []
         for slot in slots:
             slot.server.stop(grace_s)
         self._supervisors.stop()
+        self._nccl_sweeper.stop()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Serve (topology, config) instead: new servers, then registration again. On a
@@ -177,15 +173,15 @@ class DevicePluginManager:
         build_resources(topology, config)  # validate before tearing anything down
         request = _Reload(topology, config)
         with self._lock:
-            thread = self._thread
-            if thread is not None:
+            keeping = self._keeping
+            if keeping:
                 self._pending = request
-        if thread is None:  # not started (or stopped): nobody else touches the servers
+        if not keeping:  # not started (or stopped): nobody else touches the servers
             self._replace_servers(topology, config)
             return
-        self._wake.set()
+        self._keeper.wake()
         while not request.done.wait(0.2):
-            if not thread.is_alive():
+            if not self._keeper.alive():
                 raise AgentError("the device plugins stopped while reloading")
         if request.error is not None:
             raise request.error
@@ -212,7 +208,8 @@ class DevicePluginManager:
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         server = PluginServer(
-            RequestHandler(resource, topology, config), self.health, config.kubelet_dir, events=self.events,
+            RequestHandler(resource, topology, config, NcclFiles.from_config(config)),
+            self.health, config.kubelet_dir, events=self.events,
             supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
         server.start()
@@ -225,18 +222,35 @@ class DevicePluginManager:
 
     def _sharing_changed(self) -> None:
         """A sharing supervisor became ready or stopped being ready: report the offers, re-send
-        the device lists and let the watch thread register a resource whose sharing is now ready."""
+        the device lists and let the keeper's thread register a resource whose sharing is now
+        ready."""
         self._report_offers()
         self._changes.changed()
-        self._wake.set()
+        self._keeper.wake()
 
     def _replace_servers(self, topology: Topology, config: Config) -> None:
         """Stop the servers, serve (topology, config). Runs on the thread that owns the
-        servers (the caller before start, the watch thread after)."""
+        servers (the caller before start, the keeper's thread after)."""
         resources = build_resources(topology, config)
         with self._lock:
             old, self._slots = self._slots, []
             self.topology, self.config, self.resources = topology, config, resources
+        self._keeper.follow_kubelet(config.kubelet_dir)
+        try:
+            self._serve(resources, old, topology, config)
+        finally:  # the servers that serve now are the ones kept, even after a failure
+            with self._lock:
+                slots = list(self._slots)
+            self._keeper.keep([s.server for s in slots], [s.server.resource.name for s in slots])
+        if resources and not os.path.exists(self.kubelet_socket):
+            log.warning(
+                "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
+                self.kubelet_socket,
+            )
+
+    def _serve(
+        self, resources: tuple[PluginResource, ...], old: list[_Slot], topology: Topology, config: Config
+    ) -> None:
         for slot in old:
             slot.server.stop(0.5)
         self._supervisors.sync(
@@ -245,52 +259,17 @@ class DevicePluginManager:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
-            slot = _Slot(self._new_server(resource, topology, config), self._supervisors.get(resource.name))
+            slot = _Slot(
+                self._new_server(resource, topology, config), Backoff(min(0.2, self.max_backoff_s), self.max_backoff_s),
+                Outage(log, f"registering {resource.name} with the kubelet", recovered_level=None, retrying=(
+                    f"retrying with backoff up to {self.max_backoff_s:g} s; failures are counted in"
+                    " gpu_agent_registration_failures_total")),
+                self._supervisors.get(resource.name),
+            )
             with self._lock:
                 self._slots.append(slot)
             log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
         self._report_offers()
-        if resources and not os.path.exists(self.kubelet_socket):
-            log.warning(
-                "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
-                self.kubelet_socket,
-            )
-
-    def _kubelet_inode_now(self) -> tuple[tuple[int, int, int] | None, str | None]:
-        """The kubelet socket's identity (None: no socket there) and, when something else
-        stands at its path, what it is."""
-        # The inode number alone is not enough: tmpfs and ext4 hand a freed inode number
-        # to the next file, so a re-created kubelet.sock can get the same one. The change
-        # time (ns) tells the new file apart.
-        try:
-            st = os.stat(self.kubelet_socket)
-        except OSError:
-            return None, None
-        if not stat.S_ISSOCK(st.st_mode):  # no kubelet listens on a file: nothing to register with
-            kinds = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
-            return None, kinds.get(stat.S_IFMT(st.st_mode), "not a socket")
-        return (st.st_dev, st.st_ino, st.st_ctime_ns), None
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            wait_s = self.poll_s
-            try:
-                self._apply_pending_reload()
-                self._watch_once()
-                if self._round_error is not None:
-                    log.info("kubelet watch works again")
-                self._round_error, self._round_backoff_s = None, 0.0
-            except Exception as exc:  # keep watching whatever happens; the next round retries
-                # said once per distinct failure (with its traceback), then retried with backoff
-                message = f"{type(exc).__name__}: {exc}"
-                if message != self._round_error:
-                    log.exception("kubelet watch round failed (retrying with backoff)")
-                self._round_error = message
-                self._round_backoff_s = min(self.max_backoff_s, max(self.poll_s, self._round_backoff_s * 2))
-                wait_s = self._round_backoff_s
-            self._wake.wait(wait_s)
-            self._wake.clear()
-        self._apply_pending_reload()  # never leave a reload waiting
 
     def _apply_pending_reload(self) -> None:
         with self._lock:
@@ -298,7 +277,7 @@ class DevicePluginManager:
         if request is None:
             return
         try:
-            if self._stop.is_set():
+            if self._stopping.is_set():
                 raise AgentError("the device plugins stopped while reloading")
             self._replace_servers(request.topology, request.config)
         except BaseException as exc:  # handed to the thread that asked for the reload
@@ -306,137 +285,69 @@ class DevicePluginManager:
         finally:
             request.done.set()
 
-    def _watch_once(self) -> None:
-        now = time.monotonic()
-        inode, oddity = self._kubelet_inode_now()
+    def _kubelet_changed(self, restarted: bool) -> None:
+        """A new kubelet socket (or none): every resource registers again, at once."""
         with self._lock:
             slots = list(self._slots)
-        restarted = False
-        if oddity != self._kubelet_oddity:
-            self._kubelet_oddity = oddity
-            if oddity is not None:
-                log.warning(
-                    "%s is %s, not the kubelet's socket: registering once the kubelet creates its socket there",
-                    self.kubelet_socket, oddity,
-                )
-        if inode != self._kubelet_inode:
-            if inode is not None:
-                if self._seen_kubelet:
-                    restarted = True
-                    log.warning("kubelet restarted (kubelet.sock re-created): serving and registering again")
-                else:
-                    log.info("kubelet socket %s found", self.kubelet_socket)
-                self._seen_kubelet = True
-            elif oddity is None:  # else said above
-                log.warning("kubelet socket %s is gone; waiting for the kubelet", self.kubelet_socket)
-            self._kubelet_inode = inode
-            with self._lock:
-                for slot in slots:
-                    slot.registered = False
             for slot in slots:
-                slot.next_try_s = now
-                slot.backoff_s = 0.0
+                slot.registered = False
+        for slot in slots:
+            slot.next_try_s = 0.0
+            slot.register_backoff.reset()
         if restarted:
             self.events.kubelet_restart()
             if self._on_kubelet_restart is not None:
                 self._on_kubelet_restart()
-        if not self._kubelet_dir_present(inode is not None):
-            return  # nothing can be served there; the kubelet re-creates it
+
+    def _slot_of(self, server: Served) -> _Slot | None:
+        with self._lock:
+            return next((s for s in self._slots if s.server is server), None)
+
+    def _unregister(self, server: Served) -> None:
+        """Our socket vanished: the kubelet forgot it; registered again once served."""
+        slot = self._slot_of(server)
+        if slot is not None:
+            with self._lock:
+                slot.registered = False
+
+    def _served_again(self, server: Served) -> None:
+        slot = self._slot_of(server)
+        if slot is not None:
+            slot.next_try_s = 0.0
+            slot.register_backoff.reset()
+
+    def _register_all(self, kubelet_present: bool) -> None:
+        """Register every served, unregistered resource whose retry is due (shared replicas
+        once their sharing is ready)."""
+        if not kubelet_present:
+            return
+        with self._lock:
+            slots = list(self._slots)
         for slot in slots:
-            if self._stop.is_set():
+            if self._stopping.is_set():
                 return
-            if not slot.server.socket_present():
-                if now < slot.next_serve_s:
-                    continue
-                fresh = self._serve_again(slot, now)
-                if fresh is None:
-                    continue
-                slot = fresh
-            if inode is None or slot.registered or now < slot.next_try_s:
+            if slot.registered or time.monotonic() < slot.next_try_s or not slot.server.socket_present():
                 continue
             if not _sharing_ready(slot):
                 continue  # shared replicas are advertised once their sharing is ready
-            self._register(slot, now)
+            self._register(slot)
 
-    def _kubelet_dir_present(self, kubelet_present: bool) -> bool:
-        """Whether the kubelet directory exists; its disappearance and return are logged
-        once each (not once per round)."""
-        present = kubelet_present or os.path.isdir(self.config.kubelet_dir)
-        if present == (not self._dir_missing):
-            return present
-        self._dir_missing = not present
-        if present:
-            log.warning("kubelet directory %s is back: serving again", self.config.kubelet_dir)
-        else:
-            log.warning(
-                "kubelet directory %s does not exist any more: waiting for the kubelet to create it",
-                self.config.kubelet_dir,
-            )
-        return present
-
-    def _serve_again(self, slot: _Slot, now: float) -> _Slot | None:
-        """Serve a vanished socket again; None while another live server holds its name
-        (never delete it, never fight: logged once until it is gone) or while serving
-        fails (logged once, retried with capped exponential backoff)."""
-        path = slot.server.path
-        if path not in self._taken and not slot.serve_failing:
-            log.warning("socket %s vanished: serving it again", path)
-        slot.server.stop(0)
-        with self._lock:
-            topology, config = self.topology, self.config
-        try:
-            server = self._new_server(slot.server.resource, topology, config)
-        except SocketInUseError as exc:
-            if path not in self._taken:
-                log.error("%s; not serving %s until it is gone", exc, slot.server.resource.name)
-                self._taken.add(path)
-            with self._lock:
-                slot.registered = False
-            return None
-        except AgentError as exc:
-            slot.serve_backoff_s = min(self.max_backoff_s, max(self.poll_s, slot.serve_backoff_s * 2))
-            slot.next_serve_s = now + slot.serve_backoff_s
-            if not slot.serve_failing:
-                log.error("cannot serve %s again: %s (retrying with backoff)", slot.server.resource.name, exc)
-            else:
-                log.debug("cannot serve %s again: %s (retry in %.1f s)", slot.server.resource.name, exc,
-                          slot.serve_backoff_s)
-            slot.serve_failing = True
-            with self._lock:
-                slot.registered = False
-            return None
-        if slot.serve_failing:
-            log.warning("serving %s again on %s", slot.server.resource.name, path)
-        self._taken.discard(path)
-        fresh = _Slot(server, slot.supervisor, next_try_s=now)
-        with self._lock:
-            self._slots = [fresh if s is slot else s for s in self._slots]
-        return fresh
-
-    def _register(self, slot: _Slot, now: float) -> None:
+    def _register(self, slot: _Slot) -> None:
         resource = slot.server.resource
         try:
             register_device_plugin(
                 self.kubelet_socket, resource_name=resource.name, endpoint=resource.socket_name,
-                options=PLUGIN_OPTIONS, timeout_s=self.register_timeout_s,
+                options=plugin_options(slot.server.servicer.handler), timeout_s=self.register_timeout_s,
             )
         except grpc.RpcError as exc:
-            slot.backoff_s = min(self.max_backoff_s, max(0.2, slot.backoff_s * 2))
-            slot.next_try_s = now + slot.backoff_s
-            details = exc.details() if hasattr(exc, "details") else str(exc)
+            slot.next_try_s = time.monotonic() + slot.register_backoff.next()
             self.events.registration_failure(resource.name)
             # one line when registering starts failing; the retries are counted, not logged
-            log.log(
-                logging.DEBUG if slot.register_failing else logging.WARNING,
-                "registering %s with the kubelet failed: %s (retrying with backoff up to %g s; failures"
-                " are counted in gpu_agent_registration_failures_total)",
-                resource.name, shorten(details, 300), self.max_backoff_s,
-            )
-            slot.register_failing = True
+            slot.register_outage.failed(shorten(rpc_message(exc), 300))
             return
-        slot.register_failing = False
+        slot.register_outage.recovered()
+        slot.register_backoff.reset()
         with self._lock:
             slot.registered = True
         log.info("registered %s with the kubelet (endpoint %s)", resource.name, resource.socket_name)
         self.events.registration(resource.name)
-

@@ -3,7 +3,7 @@
 A pure function of (Topology, Config): MIG strategy ``none`` / ``single`` / ``mixed``,
 the sharing sections' replicas (:mod:`agent.sharing`) as NVIDIA's device plugin
 defines them, except that per-GPU sharing (``devices``) and ``rename`` really take effect.
-Device IDs are the anchor's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
+Device IDs are NVIDIA's device plugin's: the GPU UUID, the MIG device UUID, and ``<uuid>::<n>`` for the
 n-th replica, however shared (the resource's :mod:`agent.sharing` instance checks the node
 and says what a share adds).
 """
@@ -25,7 +25,7 @@ from agent.topology.model import Gpu, MigDevice, Topology
 log = logging.getLogger(__name__)
 
 REPLICA_SEPARATOR = "::"
-#: The anchor's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
+#: NVIDIA's device plugin's socket names: ``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``
 DEFAULT_SOCKET_NAME = "nvidia-{resource}.sock"
 #: The largest message the kubelet's gRPC client accepts (grpc-go's default receive limit):
 #: a ListAndWatch device list above it never reaches the kubelet.
@@ -40,7 +40,8 @@ MAX_ADVERTISED_BYTES = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class PluginDevice:
-    """One device ID advertised to the kubelet."""
+    """One device ID advertised to the kubelet. Models the device plugin API's
+    ``v1beta1.Device`` (ListAndWatch: ID, health, TopologyInfo) plus what stands behind the ID."""
 
     id: str  # what the kubelet sees: GPU UUID, MIG UUID, or "<uuid>::<n>"
     gpu_index: int  # the physical GPU it lives on (a MIG device's parent)
@@ -93,7 +94,7 @@ class PluginResource:
 
     @property
     def socket_name(self) -> str:
-        """The socket file's base name in the kubelet's directory: by default as the anchor
+        """The socket file's base name in the kubelet's directory: by default as NVIDIA's device plugin
         names it (``nvidia-gpu.sock``, ``nvidia-mig-1g.10gb.sock``)."""
         return self.socket_template.replace("{resource}", self.name.split("/", 1)[-1])
 
@@ -209,7 +210,7 @@ def build_resources(topology: Topology, config: Config) -> tuple[PluginResource,
     """The resources to serve, sorted by name, each with its devices in a stable order.
 
     Raises :class:`ConfigError` when the MIG layout does not fit ``mig_strategy`` (the
-    anchor's checks), time-slicing names a device that does not exist, or the device lists
+    NVIDIA's device plugin's checks), time-slicing names a device that does not exist, or the device lists
     would be too large (:func:`_check_sizes`, from arithmetic, before any replica is built).
     """
     plan = _plan(topology, config)

@@ -9,22 +9,24 @@ readiness, shutdown), then sends the whole list again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb
 from agent._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.events import DevicePluginEvents
+from agent.deviceplugin.reporting import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource
 from agent.errors import AgentError, AllocationError, shorten
 from agent.health import HealthState
 from agent.kubelet.unix_server import UnixGrpcServer
+from agent.retry import Outage
 from agent.sharing.base import Supervisor
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,15 @@ MAX_STATUS_MESSAGE = 1000
 MAX_STREAMS = 4
 #: What every plugin tells the kubelet, in Register and in GetDevicePluginOptions.
 PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+def plugin_options(handler: RequestHandler) -> pb.DevicePluginOptions:
+    """:data:`PLUGIN_OPTIONS`, asking for PreStartContainer where Allocate hands containers
+    NCCL topology files: the kubelet calls it before each container starts, and it returns
+    once the container's file is written."""
+    if handler.nccl_files is None:
+        return PLUGIN_OPTIONS
+    return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
 
 def device_list(
@@ -108,10 +119,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         # stream is refused, so the rest of the pool always serves the unary calls.
         self.max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
-        # True from a refused stream until one is accepted again: the refusals in between
-        # are one state, logged once
-        self._refusing = False
+        # From a refused stream until one is accepted again: the refusals in between are one
+        # outage, said once (the lock: gRPC workers refuse and accept concurrently)
+        self._refusing = Outage(
+            log, f"{self.resource.name}: opening a ListAndWatch stream", recovered_level=None,
+            retrying="refusals are counted in gpu_agent_list_and_watch_refused_total",
+        )
         self._refusing_lock = threading.Lock()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
     def stop(self) -> None:
         """End every open ListAndWatch stream."""
@@ -119,25 +137,21 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.changes.changed()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
-        return PLUGIN_OPTIONS
+        return plugin_options(self.handler)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         if not self._streams.acquire(blocking=False):
             self.events.stream_refused(self.resource.name)
-            with self._refusing_lock:
-                first, self._refusing = not self._refusing, True
-            if first:  # one line per change of state: a client retrying in a loop is counted
-                log.warning(
-                    "%s: refusing ListAndWatch streams: %d are open already (the kubelet needs one);"
-                    " refusals are counted in gpu_agent_list_and_watch_refused_total",
-                    self.resource.name, self.max_streams,
+            with self._refusing_lock:  # a client retrying in a loop is counted, not logged
+                self._refusing.failed(
+                    f"refusing ListAndWatch streams: {self.max_streams} are open already (the kubelet needs one)"
                 )
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.resource.name}: at most {self.max_streams} ListAndWatch streams at a time",
             )
         with self._refusing_lock:
-            self._refusing = False
+            self._refusing.recovered()
         try:
             context.add_callback(self.changes.changed)  # a cancelled stream stops waiting at once
             sent: tuple[int, int] | None = None
@@ -192,6 +206,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        try:
+            self.handler.pre_start(list(request.devices_ids))
+        except AgentError as exc:
+            self._abort(context, exc)
         return pb.PreStartContainerResponse()
 
     def _abort(self, context: grpc.ServicerContext, exc: AgentError) -> None:
@@ -227,8 +245,11 @@ class PluginServer:
             raise ValueError(f"max_streams must be 1 to {max_workers - 1} (below max_workers), got {max_streams}")
         self.resource = handler.resource
         self.path = os.path.join(socket_dir, self.resource.socket_name)
-        self.servicer = DevicePluginServicer(handler, health, events, max_streams=max_streams,
-                                             supervisor=supervisor, changes=changes)
+        self._new_servicer: Callable[[], DevicePluginServicer] = functools.partial(
+            DevicePluginServicer, handler, health, events, max_streams=max_streams, supervisor=supervisor,
+            changes=changes,
+        )
+        self.servicer = self._new_servicer()
         self.max_workers = max_workers
         self._unix = UnixGrpcServer(
             self.path,
@@ -242,8 +263,11 @@ class PluginServer:
         )
 
     def start(self) -> None:
-        """Remove a stale socket file, then serve. Raises SocketInUseError when a live
-        server holds the socket (it is never removed), AgentError if it cannot bind."""
+        """Remove a stale socket file, then serve (again after :meth:`stop`, with a new
+        servicer: the old one's streams have ended). Raises SocketInUseError when a live
+        server holds the socket (it is never removed), AgentError if it cannot serve there."""
+        if self.servicer.stopped:
+            self.servicer = self._new_servicer()
         self._unix.start()
 
     def socket_present(self) -> bool:

@@ -22,11 +22,10 @@ from typing import Any
 
 from agent.doctor.context import DoctorContext, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
-from agent.dra.publisher import pick_version
 from agent.dra.readback import PARTITIONABLE_DEVICES, dropped_features
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, render_slices
 from agent.errors import AgentError, shorten
-from agent.kube import own_namespace
+from agent.kube import own_namespace, pick_version
 
 __all__ = ["CHECKS", "REQUEST_TIMEOUT_S", "required_access"]
 

@@ -10,7 +10,9 @@ Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
 - spec-wide container edits, applied whenever any device of the claim is injected: the
   control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ... where they exist),
   ``NVIDIA_VISIBLE_DEVICES`` (and ``NVIDIA_IMEX_CHANNELS`` with the channels' nodes) and
-  the agent's ``GPU_TOPOLOGY_*`` variables for the claim's whole device set.
+  the agent's ``GPU_TOPOLOGY_*`` variables for the claim's whole device set; and the
+  claim's NCCL topology file (``<nccl.hostDir>/claim-<uid>.xml``, its GPUs and their nearest
+  NICs) mounted read-only with ``NCCL_TOPO_FILE`` naming it, removed with the spec.
 
 The facts come from :func:`agent.containers.container_facts`, which the device plugin's
 Allocate renders too, so both modes hand a container the same device nodes and environment
@@ -30,10 +32,13 @@ from agent.containers import (
     VISIBLE_DEVICES_ENV,
     ContainerFacts,
     DeviceNode,
+    Mount,
     container_facts,
+    nccl_additions,
 )
 from agent.dra.devices import DeviceRef
 from agent.files import remove_file, write_json_atomic
+from agent.ncclfiles import NcclFile, NcclFiles, claim_key
 from agent.topology.model import Topology
 
 #: The CDI spec version written: 0.6.0 is read by containerd >= 1.7 and CRI-O >= 1.28 and
@@ -72,14 +77,17 @@ class CdiSpecWriter:
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
         self.config = config
+        self.nccl_files = NcclFiles.from_config(config)
 
-    def build(self, claim_uid: str, devices: Sequence[DeviceRef]) -> dict[str, Any]:
-        """The CDI spec for a claim's devices (at least one; no GPU in two of them)."""
+    def build(self, claim_uid: str, devices: Sequence[DeviceRef], nccl_file: NcclFile | None = None) -> dict[str, Any]:
+        """The CDI spec for a claim's devices (at least one; no GPU in two of them), with
+        the claim's NCCL topology file mounted where there is one."""
         for d in devices:
             name = cdi_device_name(claim_uid, d.name)
             if not _CDI_NAME.match(name):
                 raise ValueError(f"CDI device name {name!r} is not valid")
-        facts = container_facts(self.topology, [p for d in devices for p in d.parts], self.config)
+        facts = container_facts(self.topology, [p for d in devices for p in d.parts], self.config,
+                                additions=nccl_additions(nccl_file, self.config))
         own = facts.own_nodes()
         nodes_of = {h.device.uuid: {n.path for n in h.nodes} for h in facts.devices}
         return {
@@ -97,12 +105,22 @@ class CdiSpecWriter:
             "containerEdits": {
                 "env": [f"{k}={v}" for k, v in _envs(facts).items()],
                 "deviceNodes": [_node(n) for n in (*facts.common_nodes, *(c.node for c in facts.imex_channels))],
+                **({"mounts": [_mount(m) for m in facts.mounts]} if facts.mounts else {}),
             },
         }
 
-    def write(self, claim_uid: str, devices: Sequence[DeviceRef]) -> str:
-        """Write the claim's spec atomically; returns its path."""
-        spec = self.build(claim_uid, devices)
+    def write(self, claim_uid: str, devices: Sequence[DeviceRef], other_devices: Sequence[str] = ()) -> str:
+        """Write the claim's NCCL topology file and its spec, each atomically; returns the
+        spec's path. OSError when either cannot be written. ``other_devices``: the names of
+        the claim's devices from other drivers; a NIC of the node among them (by its name,
+        or its bus ID spelt with dashes) goes into the NCCL file besides the nearest."""
+        parts = [p for d in devices for p in d.parts]
+        nccl = None
+        if self.nccl_files is not None and all(p.mig is None for p in parts):  # MIG: no file
+            gpus = sorted({p.gpu.index for p in parts})
+            extra = [n for n in self.topology.nics if _names_nic(other_devices, n.name, n.pci_bus_id)]
+            nccl = self.nccl_files.write(claim_key(claim_uid), self.topology, gpus, extra)
+        spec = self.build(claim_uid, devices, nccl)
         path = spec_path(self.cdi_dir, self.driver_name, claim_uid)
         # No fsync: the CDI directory is a tmpfs on nodes (/var/run/cdi), and after a power
         # loss the kubelet prepares its claims again anyway; the rename alone keeps the
@@ -110,11 +128,12 @@ class CdiSpecWriter:
         write_json_atomic(path, spec, fsync=False)
         return path
 
-    @staticmethod
-    def remove(path: str) -> None:
-        """Remove a claim's spec written at ``path`` (none there is fine); OSError when it
-        cannot be removed."""
+    def remove(self, path: str, claim_uid: str | None = None) -> None:
+        """Remove a claim's spec written at ``path`` (none there is fine), and with
+        ``claim_uid`` its NCCL topology file; OSError when either cannot be removed."""
         remove_file(path)
+        if claim_uid is not None and self.nccl_files is not None:
+            self.nccl_files.remove(claim_key(claim_uid))
 
 
 def _envs(facts: ContainerFacts) -> dict[str, str]:
@@ -125,6 +144,18 @@ def _envs(facts: ContainerFacts) -> dict[str, str]:
         envs[IMEX_CHANNELS_ENV] = ",".join(str(c.id) for c in facts.imex_channels)
     envs.update(facts.envs)
     return envs
+
+
+def _names_nic(names: Sequence[str], nic_name: str, bus_id: str | None) -> bool:
+    """Whether a device name of another driver names this NIC: its RDMA device name
+    (``mlx5_0``) or its bus ID with ':' and '.' as '-' (``pci-0000-19-00-0``)."""
+    dashed = re.sub(r"[:.]", "-", bus_id or "").lower()
+    return any(n == nic_name or (dashed and n.lower().endswith(dashed)) for n in names)
+
+
+def _mount(mount: Mount) -> dict[str, Any]:
+    return {"hostPath": mount.host_path, "containerPath": mount.container_path,
+            "options": ["ro" if mount.read_only else "rw", "nosuid", "nodev", "bind"]}
 
 
 def _node(node: DeviceNode) -> dict[str, str]:

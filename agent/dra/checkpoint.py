@@ -32,7 +32,8 @@ SUFFIX = ".json"
 
 @dataclass(frozen=True)
 class PreparedDevice:
-    """One entry of a NodePrepareResourceResponse."""
+    """One entry of a NodePrepareResourceResponse: models the DRA gRPC API's ``Device``
+    (request names, pool, device name, CDI device IDs), as checkpointed."""
 
     request: str
     pool: str

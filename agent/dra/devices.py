@@ -21,7 +21,8 @@ from agent.topology.model import Gpu, MigDevice, Topology
 @dataclass(frozen=True)
 class DeviceRef:
     """One device of the node as DRA names it, and what a container gets for it: one GPU,
-    one MIG device, or every member GPU of a set (``parts``, in index order)."""
+    one MIG device, or every member GPU of a set (``parts``, in index order).
+    Models a ResourceSlice device's name (``gpu-0``) joined to what it stands for."""
 
     name: str
     parts: tuple[ContainerDevice, ...]

@@ -162,7 +162,8 @@ def parse_set_name(name: str) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class GpuSet:
-    """One set device: its GPU indices, ascending."""
+    """One set device: its GPU indices, ascending. Models no upstream API: our GPU set,
+    published as one ResourceSlice device."""
 
     members: tuple[int, ...]
 

@@ -10,11 +10,13 @@
   ``k8s.io.kubelet.pkg.apis.dra.v1`` and ``...v1beta1``, through thin servicers over one
   :class:`ClaimPreparer`, and the device-health stream ``DRAResourceHealth`` in ``v1alpha1``
   and ``v1beta1`` (:mod:`agent.dra.health_stream`); the registration lists all four.
-- A watch thread re-creates either socket when it vanishes (a kubelet restart can clear its
-  directories; the watcher then registers us again from the new socket). Only that thread
-  starts and stops the servers once started; the lock guards the registration flag and is
-  never held across I/O (serving, stopping, logging), so :meth:`DraPlugin.ready` (the
-  readiness probe) never waits for a socket being created again.
+- A :class:`agent.kubelet.plugin_socket.SocketKeeper` (the device plugin's too) serves
+  either socket again when it vanishes (a kubelet restart can clear its directories; the
+  watcher then registers us again from the new socket), never over another live server,
+  with backoff and one log line per outage. Only its thread starts and stops the servers
+  once started; the lock guards the registration flag and is never held across I/O
+  (serving, stopping, logging), so :meth:`DraPlugin.ready` (the readiness probe) never
+  waits for a socket being created again.
 
 Nothing here calls NVML: answers come from the frozen topology and the health state.
 """
@@ -35,8 +37,10 @@ from agent.dra.claims import ClaimReader
 from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
 from agent.errors import AgentError, shorten
+from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
 from agent.kubelet.unix_server import UnixGrpcServer
+from agent.retry import Outage
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -162,14 +166,23 @@ class DraPlugin:
             self.registration_socket, self._add_registration, name="dra-reg", max_workers=2
         )
         self._on_kubelet_restart = on_kubelet_restart
-        # Lock order: a leaf guarding ``_registered`` and ``_last_refusal`` (written by the
-        # gRPC worker of NotifyRegistrationStatus and by the watch thread); held only to
-        # read or assign them, never across I/O.
+        self._keeper = SocketKeeper(
+            log, "DRA socket watch", thread_name="dra-socket-watch", poll_s=poll_s,
+            on_vanished=self._vanished, on_served=self._served,
+        )
+        self._keeper.keep([self._dra_server, self._reg_server], ["the DRA service", "the DRA registration"])
+        # Lock order: ``_lock`` is a leaf guarding ``_registered`` (written by the gRPC worker
+        # of NotifyRegistrationStatus and by the keeper's thread), held only to read or
+        # assign it, never across I/O. ``_refusal_lock`` serialises the refusals' log lines
+        # (NotifyRegistrationStatus only); nothing else waits on it.
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._registered = False
-        self._last_refusal: str | None = None
+        self._refusal_lock = threading.Lock()
+        self._refused = Outage(
+            log, f"registering DRA driver {self.driver_name}", level=logging.ERROR, recovered_level=None,
+            per_reason=True,
+            retrying="still serving; the kubelet retries when it restarts or the registration socket is re-created",
+        )
 
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
@@ -205,17 +218,12 @@ class DraPlugin:
             "DRA plugin %s: serving %s, registration on %s (%d prepared claims checkpointed)",
             self.driver_name, self.endpoint, self.registration_socket, len(self.checkpoint),
         )
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, name="dra-socket-watch", daemon=True)
-        self._thread.start()
+        self._keeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop watching, stop registration first (the kubelet stops sending us claims),
         then the DRA service; remove our sockets. Prepared claims stay checkpointed."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.poll_s + 2.0)
-            self._thread = None
+        self._keeper.stop(self.poll_s + 2.0)
         with self._lock:
             self._registered = False
         self._reg_server.stop(grace_s)
@@ -238,41 +246,20 @@ class DraPlugin:
     def _registration_status(self, registered: bool, error: str) -> None:
         with self._lock:
             self._registered = registered
-            repeated = not registered and error == self._last_refusal
-            self._last_refusal = None if registered else error
-        if registered:
-            log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
-        elif not repeated:
-            log.error(
-                "kubelet refused DRA driver %s: %s (still serving; the kubelet retries when it"
-                " restarts or the registration socket is re-created)", self.driver_name,
-                shorten(error, 400) if error else "no reason given",
-            )
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self._check_sockets()
-            except Exception:  # keep watching whatever happens; the next round retries
-                log.exception("DRA socket watch round failed")
-
-    def _check_sockets(self) -> None:
-        """Serve again on any socket that vanished (one watch round, on the watch thread:
-        the only one that starts and stops the servers once started)."""
-        restarted = False
-        for server in (self._dra_server, self._reg_server):
-            if self._stop.is_set():
+        with self._refusal_lock:  # said once per reason
+            if not registered:
+                self._refused.failed(f"the kubelet refused it: {shorten(error, 400) if error else 'no reason given'}")
                 return
-            if server.socket_present():
-                continue
-            if server is self._reg_server:
-                # before serving again: the kubelet's registration of the new socket, which
-                # may come at once, must not be overwritten
-                with self._lock:
-                    self._registered = False
-                restarted = True
-            log.warning("socket %s vanished: serving it again", server.path)
-            server.stop(0)
-            server.start()
-        if restarted and self._on_kubelet_restart is not None:
-            self._on_kubelet_restart()
+            self._refused.recovered()
+        log.info("kubelet registered DRA driver %s (endpoint %s)", self.driver_name, self.endpoint)
+
+    def _vanished(self, server: Served) -> None:
+        if server is self._reg_server:
+            # before serving again: the kubelet's registration of the new socket, which may
+            # come at once, must not be overwritten
+            with self._lock:
+                self._registered = False
+
+    def _served(self, server: Served) -> None:
+        if server is self._reg_server and self._on_kubelet_restart is not None:
+            self._on_kubelet_restart()  # the kubelet cleared its registry: it restarted

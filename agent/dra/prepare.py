@@ -143,7 +143,7 @@ class ClaimPreparer:
             if conflicts := self._held_elsewhere(chosen):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
             try:
-                path = self.cdi.write(ref.uid, [d for _, d in chosen])
+                path = self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name))
             except OSError as exc:
                 path = spec_path(self.cdi_dir, self.driver_name, ref.uid)
                 return self._failed(ref, "write its CDI spec", path, exc)
@@ -200,11 +200,12 @@ class ClaimPreparer:
         return PrepareResult(error=error)
 
     def _remove_spec(self, ref: ClaimRef, path: str) -> str:
-        """Remove the claim's spec (none there is fine); "" or the error."""
+        """Remove the claim's spec and NCCL topology file (none there is fine); "" or the
+        error."""
         try:
-            self.cdi.remove(path)
+            self.cdi.remove(path, ref.uid)
         except OSError as exc:
-            return f"{ref}: cannot remove its CDI spec {path}: {exc.strerror or exc}"
+            return f"{ref}: cannot remove its CDI spec {path} or its NCCL topology file: {exc.strerror or exc}"
         return ""
 
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
@@ -292,6 +293,16 @@ class ClaimPreparer:
         if done is not None:
             log.info("unprepared %s", ref)
         return ""
+
+
+def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
+    """The names of the claim's devices from other drivers (a NIC of a network DRA driver
+    allocated beside the GPUs): the claim's NCCL file names those the node knows."""
+    results = _get(obj, "status", "allocation", "devices", "results") or []
+    if not isinstance(results, Sequence):
+        return []
+    return [str(r.get("device", "")) for r in results
+            if isinstance(r, Mapping) and r.get("driver") != driver_name and r.get("device")]
 
 
 def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:

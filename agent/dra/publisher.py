@@ -80,6 +80,7 @@ from agent.kube import (
     resource_versions,
     server_version,
 )
+from agent.retry import Backoff
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class SlicePublisher:
         self.update()  # the order and the sets follow what prepared claims hold
 
     def _run(self) -> None:
-        backoff = self.settings.backoff_initial_s
+        backoff = Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s)
         next_resync = time.monotonic() + self.settings.resync_s
         while True:
             with self._cond:
@@ -258,21 +259,19 @@ class SlicePublisher:
                 self._log_failure(exc)
                 with self._cond:
                     self._dirty = True
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.settings.backoff_max_s)
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.next())
                 continue
             except Exception as exc:  # a bug must not kill the thread: log, back off, retry
                 log.exception("ResourceSlice publisher failed unexpectedly")
                 self._last_reason = f"unexpected {type(exc).__name__}"
                 with self._cond:
                     self._dirty = True
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
-                backoff = min(backoff * 2, self.settings.backoff_max_s)
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.next())
                 continue
             if self._last_reason is not None:
                 log.info("ResourceSlices of node %s published again (after: %s)", self.node_name, self._last_reason)
                 self._last_reason = None
-            backoff = self.settings.backoff_initial_s
+            backoff.reset()
             next_resync = time.monotonic() + self.settings.resync_s
             self._ready.set()
 

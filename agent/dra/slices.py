@@ -132,7 +132,7 @@ class Device:
     """One device of the slice, version-neutral: ``attributes`` maps a qualified name to one
     typed value (``{"int": 3}``, ``{"string": ...}``, ``{"version": ...}``); ``consumes``:
     the GPU indices whose counters the device consumes (empty: none); ``taints``: its device
-    taints (:mod:`agent.dra.taints`)."""
+    taints (:mod:`agent.dra.taints`). Models ``resource.k8s.io`` ``Device`` of a ResourceSlice."""
 
     name: str
     attributes: Mapping[str, Mapping[str, Any]]

@@ -9,7 +9,6 @@ Public API::
     read_topo_matrix(path) -> NodeFacts
     class TopoMatrixError(InputFormatError)        # .source, .line (1-based or None), .reason
     matrix_name(source: str) -> str
-    cpu_affinity_groups(facts: NodeFacts) -> dict[str, tuple[int, ...]]
 
 What the text must hold: a header line whose first column is ``GPU0`` (then ``GPU1`` ...
 ``GPU<n-1>``, then NIC/other device columns, then any of ``CPU Affinity``, ``NUMA Affinity``,
@@ -38,8 +37,8 @@ What is inferred rather than read is said in ``NodeFacts.notes``:
   lowest node (0) and the raw list is kept in a note. Without a ``NUMA Affinity`` column
   (older drivers) ``numa_node`` stays ``None`` - we do not invent node ids - and the GPUs
   are grouped by identical ``CPU Affinity`` instead: the groups are listed in a note
-  (numbered in order of first appearance) and returned by :func:`cpu_affinity_groups`;
-  they also decide the inferred PCIe level below.
+  (numbered in order of first appearance, each GPU keeps its ``cpu_affinity``); they also
+  decide the inferred PCIe level below.
 - nvidia-smi prints ``NV#`` instead of the PCIe level for NVLinked pairs. We infer ``NODE``
   when both GPUs are on the same NUMA node (or, without NUMA data, have the same CPU
   affinity) and ``SYS`` otherwise (different or unknown), and list those pairs in a note.
@@ -67,7 +66,6 @@ from agent.records import Gpu, Link, Nic, NodeFacts, PcieLevel, synthetic_gpu_uu
 
 __all__ = [
     "TopoMatrixError",
-    "cpu_affinity_groups",
     "matrix_name",
     "parse_topo_matrix",
     "read_topo_matrix",
@@ -79,13 +77,6 @@ def matrix_name(source: str) -> str:
     """The machine name of a matrix read from ``source``: the file name without its
     extension (``"pasted"`` for text without one). Synthetic GPU UUIDs are made from it."""
     return os.path.splitext(os.path.basename(source))[0] or "pasted"
-
-
-def cpu_affinity_groups(topology: NodeFacts) -> dict[str, tuple[int, ...]]:
-    """GPUs grouped by identical ``cpu_affinity``, in order of first appearance (GPUs
-    without one are left out). For a matrix without a NUMA column this is the NUMA
-    grouping we can honestly give; group k of the note is the k-th entry here."""
-    return _affinity_groups(topology.gpus)
 
 
 def _affinity_groups(gpus: Sequence[Gpu]) -> dict[str, tuple[int, ...]]:

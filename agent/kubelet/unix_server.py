@@ -5,10 +5,19 @@ Never takes a socket a live server holds (a second agent, or NVIDIA's plugin, on
 directory): :class:`SocketInUseError`, and the file is left alone. On stop only our own
 socket file is removed (identified by inode and change time: tmpfs and ext4 hand a freed
 inode number to the next file).
+
+A socket is bound under a hidden staging name in the same directory and renamed into place
+once it listens: the name appears atomically, already accepting (a kubelet that dials as
+soon as it sees the file is never refused; the plugin watcher ignores names that start with
+``.``, as its ``handleCreateEvent`` does), and a stale file is replaced in the same step.
+It also keeps gRPC's own clean-up off the real name: its listener unlinks the path it bound
+when it stops, whoever's file stands there by then (another server's, after it took the
+name), and that path is the staging name, long renamed away.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -20,6 +29,10 @@ import grpc
 from agent.errors import AgentError
 
 log = logging.getLogger(__name__)
+
+#: sun_path's size on Linux: a socket path must be shorter (its NUL included).
+MAX_SOCKET_PATH = 108
+_STAGED = itertools.count()
 
 
 class SocketInUseError(AgentError):
@@ -71,26 +84,36 @@ class UnixGrpcServer:
         self._identity: tuple[int, int] | None = None
 
     def start(self) -> None:
-        """Remove a stale socket file, then serve. SocketInUseError when a live server holds
-        the socket (it is never removed), AgentError if it cannot bind."""
+        """Serve (again, after :meth:`stop`) on ``path``, replacing a stale socket file.
+        SocketInUseError when a live server holds the socket (it is never removed),
+        AgentError if the path is too long, its directory cannot be made, something else
+        stands at it (a directory), or it cannot bind."""
+        if len(os.fsencode(self.path)) >= MAX_SOCKET_PATH:
+            raise AgentError(f"cannot listen on {self.path}: socket paths must be shorter than {MAX_SOCKET_PATH} bytes")
         if socket_in_use(self.path):
             raise SocketInUseError(f"{self.path}: {self._in_use}")
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        directory = os.path.dirname(self.path) or "."
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:  # a regular file in its place, a read-only mount
+            raise AgentError(f"cannot make the directory {directory}: {exc.strerror}") from exc
+        staged = os.path.join(directory, f".{os.getpid()}-{next(_STAGED)}.sock")
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name))
         self._add(server)
         try:
-            bound = server.add_insecure_port(f"unix:{self.path}")
+            bound = server.add_insecure_port(f"unix:{staged}")
         except RuntimeError as exc:
             bound = 0
-            log.debug("bind %s: %s", self.path, exc)
+            log.debug("bind %s: %s", staged, exc)
         if not bound:
             server.stop(0)
-            raise AgentError(f"cannot listen on {self.path} (socket paths must be shorter than 108 bytes)")
+            raise AgentError(f"cannot listen on {self.path}")
         server.start()
+        try:  # the name appears at once, already listening, and replaces a stale file
+            os.rename(staged, self.path)
+        except OSError as exc:  # a directory in its place: not ours to delete
+            server.stop(0)
+            raise AgentError(f"cannot serve on {self.path}: {exc.strerror}") from exc
         self._server = server
         self._identity = _identity(self.path)
 
@@ -100,7 +123,7 @@ class UnixGrpcServer:
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving and remove our socket file (never another process's)."""
-        if self._server is not None:
+        if self._server is not None:  # gRPC unlinks the staged name, long renamed away
             self._server.stop(grace_s).wait(grace_s + 1.0)
             self._server = None
         if self.socket_present():
@@ -108,3 +131,4 @@ class UnixGrpcServer:
                 os.unlink(self.path)
             except OSError:
                 pass
+

@@ -17,7 +17,8 @@ from typing import Callable
 
 from agent.config import Config
 from agent.errors import LabelWriteError
-from agent.labels import TIMESTAMP_LABEL, compute_labels
+from agent.labels import compute_labels
+from agent.labels.gfd import TIMESTAMP_LABEL
 from agent.labels.sinks import LabelSink
 from agent.topology.model import Topology
 

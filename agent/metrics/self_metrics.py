@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-#: GetPreferredAllocation answers from memory: buckets from 50 us to 1 s (the anchor's
+#: GetPreferredAllocation answers from memory: buckets from 50 us to 1 s (go-gpuallocator's
 #: 16-30 s calls would land in +Inf).
 PREFERRED_ALLOCATION_BUCKETS_S = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,

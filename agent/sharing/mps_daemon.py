@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from agent.errors import AgentError
+from agent.retry import Backoff, Outage
 from agent.sharing.base import PROBE_INTERVAL_S
 from agent.sharing.mps_paths import (
     mps_memory_limit_mib,
@@ -149,29 +150,30 @@ class MpsControlDaemon(Worker):
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        backoff_s, last_error, up_since = 0.0, "", 0.0
+        backoff = Backoff(min(FIRST_BACKOFF_S, self.max_backoff_s), self.max_backoff_s)
+        starting = Outage(log, f"MPS control daemon for {self.spec.resource}", level=logging.ERROR,
+                          recovered_level=None, per_reason=True)
+        up_since = 0.0
         while not self._stop.is_set():
             if not self.ready:
                 try:
                     self._start_daemon()
                 except AgentError as exc:
-                    backoff_s = min(self.max_backoff_s, max(FIRST_BACKOFF_S, backoff_s * 2))
-                    if str(exc) != last_error:
-                        log.error("MPS control daemon for %s: %s (retrying with backoff)", self.spec.resource, exc)
-                    last_error = str(exc)
-                    self._stop.wait(backoff_s)
+                    starting.failed(str(exc))
+                    self._stop.wait(backoff.next())
                     continue
                 log.info(
                     "MPS control daemon for %s answers (GPUs %s, %d%% of the threads and %s per replica)",
                     self.spec.resource, ",".join(self.spec.uuids), self.spec.thread_percentage,
                     ", ".join(f"{m}M" for m in self.spec.memory_limits_mib if m) or "no memory limit",
                 )
-                last_error, up_since = "", time.monotonic()
+                starting.recovered()
+                up_since = time.monotonic()
                 self._set_answering(True)
             if self._stop.wait(self.probe_s):
                 break
             if time.monotonic() - up_since >= self.max_backoff_s:
-                backoff_s = 0.0  # up long enough: the next restart is immediate again
+                backoff.reset()  # up long enough: the next restart is immediate again
             try:
                 self._control("get_default_active_thread_percentage")
             except AgentError as exc:
@@ -180,9 +182,9 @@ class MpsControlDaemon(Worker):
                     " restarting it", self.spec.resource, exc,
                 )
                 self._set_answering(False)
-                if backoff_s and self._stop.wait(backoff_s):
+                if backoff.last_s and self._stop.wait(backoff.last_s):  # the first restart is at once
                     break
-                backoff_s = min(self.max_backoff_s, max(FIRST_BACKOFF_S, backoff_s * 2))
+                backoff.next()
         self._quit()
         self._set_answering(False)
 

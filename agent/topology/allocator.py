@@ -3,7 +3,7 @@
 The policy (``best-effort``, issue 3) chooses k GPUs G with R ⊆ G ⊆ A (A available,
 R must-include) maximising, in this order:
 
-1. the anchor's criterion, computed exactly: ``score(G) + P_k(A \\ G)``, where ``P_k(S)`` is
+1. go-gpuallocator's criterion, computed exactly: ``score(G) + P_k(A \\ G)``, where ``P_k(S)`` is
    the best total set score of splitting S into ``|S| // k`` groups of k GPUs plus, when
    ``r = |S| mod k`` is not 0, exactly one group of the remaining r GPUs. (go-gpuallocator
    pads A with empty slots to a multiple of k; a padded group holds either no padding or
@@ -15,7 +15,7 @@ R must-include) maximising, in this order:
    partners are gone, leave intact pairs and cliques for later);
 5. the lexicographically smallest sorted index list.
 
-Pair and set scores are the anchor's (``agent.topology.model.pair_score``). The result is
+Pair and set scores are go-gpuallocator's (``agent.topology.model.pair_score``). The result is
 always k distinct real GPUs. Exact when at most 16 GPUs are available; above that (up to 64)
 a bounded greedy search (one candidate grown from each available GPU, the rest partitioned
 greedily) answers in O(n^3) pair look-ups: well under 100 ms compiled, but not exact.
@@ -36,17 +36,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from agent.errors import AllocationError
 from agent.records import MAX_GPUS
-from agent.topology import engine
+from agent.topology import kernel
 from agent.topology.deviceids import DeviceRequest, DeviceTable
 from agent.topology.mig import place_mig
 from agent.topology.model import Topology
 
 #: What separated a runner-up from the winner, by the index of the first differing criterion.
 CRITERIA: tuple[str, ...] = (
-    "anchor criterion (set score + best split of the rest into groups of the same size)",
+    "go-gpuallocator criterion (set score + best split of the rest into groups of the same size)",
     "set score",
     "NUMA nodes spanned",
     "cut to the GPUs left free",
@@ -58,13 +59,13 @@ class Candidate:
     """One candidate set and its values under criteria 1-4 (5 is ``indices`` itself)."""
 
     indices: tuple[int, ...]
-    anchor_score: int  # criterion 1: score + best partition of the rest
+    gpuallocator_score: int  # criterion 1: score + best partition of the rest
     score: int  # criterion 2
     numa_nodes: int  # criterion 3
     cut: int  # criterion 4
 
     def key(self) -> tuple[int, int, int, int]:
-        return (self.anchor_score, self.score, -self.numa_nodes, -self.cut)
+        return (self.gpuallocator_score, self.score, -self.numa_nodes, -self.cut)
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,16 @@ class Explanation:
         """A human-readable account, one line per item."""
         c = self.chosen
         out = [
-            f"chosen {list(c.indices)}: anchor criterion {c.anchor_score}, set score {c.score}, "
+            f"chosen {list(c.indices)}: go-gpuallocator criterion {c.gpuallocator_score}, set score {c.score}, "
             f"NUMA nodes {c.numa_nodes}, cut {c.cut}",
-            f"search: {'exact' if self.exact else f'bounded (not exact, more than {engine.EXACT_MAX_GPUS} available)'}"
+            f"search: {'exact' if self.exact else f'bounded (not exact, more than {kernel.EXACT_MAX_GPUS} available)'}"
             f", engine {self.implementation}",
         ]
         if not self.runners_up:
             out.append("no other candidate: the request fixes the set")
         for r, criterion in self.runners_up:
             out.append(
-                f"runner-up {list(r.indices)}: anchor criterion {r.anchor_score}, set score "
+                f"runner-up {list(r.indices)}: go-gpuallocator criterion {r.gpuallocator_score}, set score "
                 f"{r.score}, NUMA nodes {r.numa_nodes}, cut {r.cut}; lost on {CRITERIA[criterion]}"
             )
         return out
@@ -123,11 +124,11 @@ class AllocationEngine:
             for g in topology.gpus
         ]
         scores = [list(row) for row in topology.scores] if self._n else []
-        self._solver = engine.allocation_solver(scores, self._numa) if self._n else None
-        self._mask_indices = engine.impl.mask_indices
+        self._solver = kernel.allocation_solver(scores, self._numa) if self._n else None
+        self._mask_indices: Callable[[int], list[int]] = kernel.impl.mask_indices
         # the extension's solver serialises its own calls; the twin's needs our lock
         self._solver_locks = bool(getattr(self._solver, "thread_safe", False))
-        self.implementation = engine.IMPLEMENTATION
+        self.implementation = kernel.IMPLEMENTATION
         self._lock = threading.Lock()
         self._best_by_size: dict[int, int] = {}
 
@@ -143,17 +144,21 @@ class AllocationEngine:
     def gpus(self, table: DeviceTable, request: DeviceRequest) -> list[int]:
         """The ranks to allocate, ascending, from a table of whole GPUs (one device per GPU):
         the set of ``request.size`` GPUs the policy chooses."""
-        bit = table.gpu_bit
-        available = sum(map(bit.__getitem__, request.available))
-        required = sum(map(bit.__getitem__, request.required)) if request.required else 0
+        available, required = self._masks(table, request)
+        return list(map(table.start.__getitem__, self.gpu_set(available, required, request.size)))
+
+    def gpu_set(self, available: int, required: int, size: int) -> list[int]:
+        """The GPU indices to allocate, ascending, from checked GPU bitmasks
+        (:meth:`agent.topology.deviceids.DeviceTable.gpu_masks`): the set of ``size`` GPUs
+        the policy chooses."""
         solver = self._solver
         assert solver is not None  # a node without GPUs has no devices to request
         if self._solver_locks:
-            best = solver.best_mask(available, required, request.size)
+            best = solver.best_mask(available, required, size)
         else:
             with self._lock:
-                best = solver.best_mask(available, required, request.size)
-        return list(map(table.start.__getitem__, self._mask_indices(best)))
+                best = solver.best_mask(available, required, size)
+        return self._mask_indices(best)
 
     def explain(
         self, table: DeviceTable, request: DeviceRequest, runners_up: int = 5
@@ -169,7 +174,7 @@ class AllocationEngine:
         return Explanation(
             chosen=winner,
             runners_up=tuple((c, _separating_criterion(winner, c)) for c in cands[1:]),
-            exact=available.bit_count() <= engine.EXACT_MAX_GPUS,
+            exact=available.bit_count() <= kernel.EXACT_MAX_GPUS,
             implementation=self.implementation,
         )
 

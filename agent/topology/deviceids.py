@@ -7,7 +7,10 @@ it is served) and gives every ID a *rank*, its position in the order (GPU index,
 order). :meth:`DeviceTable.request` checks a preferred-allocation request once and maps it to
 ranks (a :class:`DeviceRequest`); :meth:`DeviceTable.lookup` does the same for an Allocate
 list. Below this edge the engine works on ranks and never checks them again (the compiled
-kernel keeps its own argument guards, which a valid request never trips).
+kernel keeps its own argument guards, which a valid request never trips). On a table of whole
+GPUs (one device per GPU), :meth:`DeviceTable.gpu_masks` is the same check with the answer as
+GPU bitmasks: what the engine's search takes, without the rank lists in between (the
+device plugin's GetPreferredAllocation for ``nvidia.com/gpu`` takes this path).
 
 Each kind of mistake has one message, whichever call makes it (GetPreferredAllocation,
 Allocate, the ``allocate`` command); ``LIST`` names the list (``available``,
@@ -60,7 +63,9 @@ class DeviceTable:
 
     ``ids[r]`` is the ID of rank r, ``gpu[r]`` its GPU and ``gpu_bit[r]`` that GPU's bit,
     ``rank[id]`` the rank of an ID, and the ranks of GPU g are ``start[g]`` up to
-    ``start[g + 1]`` (so on a resource of whole GPUs, GPU g's device has rank ``start[g]``)."""
+    ``start[g + 1]`` (so on a resource of whole GPUs, GPU g's device has rank ``start[g]``).
+    On a table of whole GPUs (one device per GPU) ``id_of_gpu[g]`` is GPU g's device ID (""
+    for a GPU the table does not hold)."""
 
     def __init__(self, devices: Sequence[tuple[str, int]], gpu_count: int, resource: str) -> None:
         """``devices`` pairs each device ID (distinct) with its GPU index (0 to
@@ -74,6 +79,10 @@ class DeviceTable:
         self.start: list[int] = [bisect_left(self.gpu, g) for g in range(gpu_count + 1)]
         if len(self.rank) != len(self.ids):
             raise ValueError(f"{resource}: the device table lists an ID twice")
+        self._bit = dict(zip(self.ids, self.gpu_bit))
+        self.id_of_gpu: list[str] = [""] * gpu_count
+        for device_id, g in zip(self.ids, self.gpu):
+            self.id_of_gpu[g] = device_id
 
     def request(
         self, available: Sequence[str], must_include: Sequence[str], size: int
@@ -96,6 +105,28 @@ class DeviceTable:
             and (not required or (len(set(required)) == len(required) and distinct.issuperset(required)))
         ):
             return DeviceRequest(ranks, required, size)
+        self._explain(available, must_include, size)
+
+    def gpu_masks(
+        self, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> tuple[int, int]:
+        """:meth:`request` for a table of whole GPUs (one device per GPU): the same checks and
+        messages, answered as the (available, must-include) GPU bitmasks. Two integers
+        carry the checks: a sum of distinct bits has one bit per ID, a repeated ID carries."""
+        bit = self._bit
+        try:
+            avail = sum(map(bit.__getitem__, available))
+            required = sum(map(bit.__getitem__, must_include)) if must_include else 0
+        except (KeyError, TypeError):  # an ID not in the table (or not a str)
+            self._explain(available, must_include, size)
+        n = len(available)
+        if (
+            avail.bit_count() == n
+            and 1 <= size <= n
+            and required.bit_count() == len(must_include) <= size
+            and not required & ~avail
+        ):
+            return avail, required
         self._explain(available, must_include, size)
 
     def lookup(self, ids: Sequence[str], what: str) -> list[int]:

@@ -21,6 +21,7 @@ from agent.records import (
     Nic,
     NodeFacts,
     PcieLevel,
+    XmlElement,
     pair_score,
 )
 
@@ -64,6 +65,7 @@ class Topology(NodeFacts):
             machine=facts.machine,
             source=facts.source,
             notes=facts.notes,
+            nccl_topology=facts.nccl_topology,
         )
 
     @classmethod
@@ -80,10 +82,11 @@ class Topology(NodeFacts):
         machine: str | None = None,
         source: str = "",
         notes: Iterable[str] = (),
+        nccl_topology: XmlElement | None = None,
     ) -> Topology:
         """Validate inputs, fill missing pairs with an unknown link, derive islands,
         cliques, NUMA groups and pair scores. Collections are copied (the model is frozen)."""
-        from agent.topology import engine
+        from agent.topology import kernel
 
         gpus = tuple(sorted(gpus, key=lambda g: g.index))
         n = len(gpus)
@@ -109,8 +112,9 @@ class Topology(NodeFacts):
             machine=machine,
             source=source,
             notes=tuple(notes),
-            nvlink_islands=tuple(tuple(c) for c in engine.nvlink_islands(adjacency)),
-            nvlink_cliques=tuple(tuple(c) for c in engine.maximal_cliques(adjacency)),
+            nccl_topology=nccl_topology,
+            nvlink_islands=tuple(tuple(c) for c in kernel.nvlink_islands(adjacency)),
+            nvlink_cliques=tuple(tuple(c) for c in kernel.maximal_cliques(adjacency)),
             # NUMA nodes in order, the unknown (None) group last
             numa_groups={k: tuple(v) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
             scores=tuple(tuple(r) for r in scores),

@@ -160,7 +160,7 @@ def test_envvar_strategy_lists_exactly_the_allocated_devices(harness, case):
         visible = pod["envs"]["NVIDIA_VISIBLE_DEVICES"]
         if case == "strategy/envvar":
             assert sorted(visible.split(",")) == sorted(pod["devices"]), pod
-        else:  # volume-mounts is also on: the anchor points the variable at the mounts
+        else:  # volume-mounts is also on: NVIDIA's device plugin points the variable at the mounts
             assert visible == "/var/run/nvidia-container-devices", pod
 
 

@@ -16,7 +16,7 @@ Errors other than NotSupported are counted per function in
 
 NVML missing (no driver, no ``libnvidia-ml.so.1`` in the container): :meth:`NvmlCalls.init`
 raises :class:`NvmlUnavailable` with one clear line. What the agent does then is the
-``fail_on_init_error`` setting (the anchor's ``failOnInitError``): exit 1 (True, default), or
+``fail_on_init_error`` setting (NVIDIA's device plugin's ``failOnInitError``): exit 1 (True, default), or
 log and retry until NVML comes up (False): the daemon's loop (``agent.daemon``) does that.
 
 Discovery (:mod:`agent.hw.nvml.facts`), health events (:mod:`agent.hw.nvml.events`) and

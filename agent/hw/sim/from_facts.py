@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from agent.errors import InputFormatError
-from agent.formats import parse_cpulist, sysfs_to_nvml_bus_id
+from agent.formats import nvml_to_sysfs_bus_id, parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.sim.catalogue import GPU_MODELS, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS
 from agent.hw.sim.spec_model import GpuSpec, MachineSpec, NicSpec, NvSwitchSpec
@@ -79,9 +79,10 @@ def spec_from_facts(facts: NodeFacts, name: str = "pasted") -> MachineSpec:
         description=f"synthesised from {where}",
         notes=(
             *facts.notes,
-            "PCI bus IDs and the PCIe tree are synthetic (simulated machine)",
+            "PCI bus IDs the input does not give and the PCIe tree are synthetic (simulated machine)",
             *cpu_notes,
         ),
+        nccl_topology=facts.nccl_topology,
     )
 
 
@@ -173,6 +174,7 @@ def _pcie_tree(
     """Bus ids and places (host bridge, switches) of every device: devices closer than
     NODE share a host bridge, PXB or closer an outer switch, PIX or closer an inner one."""
     total = len(numa)
+    given = _given_bus_ids(facts)
     hb, outer, inner = _UnionFind(total), _UnionFind(total), _UnionFind(total)
     for a, b, level in _pair_levels(facts):
         if numa[a] != numa[b]:
@@ -191,15 +193,34 @@ def _pcie_tree(
     for h, members in enumerate(groups):
         if len(members) > 15:
             raise InputFormatError(f"{where}: too many devices under one host bridge")
-        host_bridge = f"pci0000:{0x10 * h:02x}"
+        # the bus IDs the input gives where the host bridge's domain (its GPUs') holds them;
+        # synthetic ones for the others, in that domain
+        gpus = [m for m in members if m < len(facts.gpus)] or members
+        domains = {given[m].split(":")[0] for m in gpus if m in given}
+        domain = domains.pop() if len(domains) == 1 else "0000"
+        host_bridge = f"pci{domain}:{0x10 * h:02x}"
         for pos, m in enumerate(members):
-            bus_of[m] = f"0000:{0x10 * h + 1 + pos:02x}:00.0"
+            mine = given.get(m, "")
+            synthetic = f"{domain}:{0x10 * h + 1 + pos:02x}:00.0"
+            bus_of[m] = mine if mine.startswith(domain + ":") else synthetic
             switch = f"hb{h}-sw{outer.find(m)}"
             place[m] = (
                 host_bridge,
                 () if len(members) == 1 else (switch, f"{switch}-{inner.find(m)}"),
             )
     return bus_of, place
+
+
+def _given_bus_ids(facts: NodeFacts) -> dict[int, str]:
+    """The bus IDs the input gives (an NCCL topology file does; devices 0..n-1 are GPUs,
+    n.. NICs), kept when none of them can collide with a synthetic one (domain 0)."""
+    n = len(facts.gpus)
+    given = {i: g.pci_bus_id for i, g in enumerate(facts.gpus) if g.pci_bus_id}
+    given.update({n + k: nic.pci_bus_id for k, nic in enumerate(facts.nics) if nic.pci_bus_id})
+    out = {m: nvml_to_sysfs_bus_id(b) for m, b in given.items()}
+    if len(set(out.values())) != len(out):
+        return {}
+    return out
 
 
 def _islands(n: int, pairs: Sequence[tuple[int, int, int]]) -> list[list[int]]:

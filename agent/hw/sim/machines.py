@@ -8,7 +8,9 @@ output, opened as a fake NVML plus a fake sysfs tree.
 * a machine spec file (``.yaml``/``.yml``/``.json``, or any file holding a YAML mapping);
 * a file holding ``nvidia-smi topo -m`` output as a user pasted it (recognised by its
   ``GPU0`` header): read by :mod:`agent.hw.topo_matrix` and turned into a spec by
-  :func:`agent.hw.sim.from_facts.spec_from_facts`.
+  :func:`agent.hw.sim.from_facts.spec_from_facts`;
+* an NCCL topology file (recognised by content: its first character that is not blank is
+  ``<``): read by :mod:`agent.hw.nccl_topo`, then the same way as a pasted matrix.
 
 Every one of them becomes a :class:`MachineSpec`, then a :class:`SimulatedMachine` whose
 backend is the real :class:`agent.hw.nvml.backend.NvmlBackend` on the fake: one path for all
@@ -25,6 +27,7 @@ import tempfile
 import weakref
 
 from agent.errors import InputFormatError
+from agent.hw.nccl_topo import is_nccl_topology_text, read_nccl_topology
 from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.processes import write_proc_tree
@@ -60,17 +63,19 @@ def _unknown(machine: str) -> InputFormatError:
     )
 
 
-def is_topo_matrix(path: str) -> bool:
-    """Whether the file ``path`` holds pasted ``nvidia-smi topo -m`` output (a ``GPU0``
-    header) rather than a machine spec."""
-    if path.lower().endswith(_SPEC_SUFFIXES):
-        return False
+def _file_kind(path: str) -> str:
+    """``"nccl"`` for an NCCL topology file, ``"matrix"`` for pasted ``nvidia-smi topo -m``
+    output (a ``GPU0`` header), ``"spec"`` otherwise."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError as exc:
         raise InputFormatError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return _TOPO_HEADER.search(text) is not None
+    if is_nccl_topology_text(text):
+        return "nccl"
+    if path.lower().endswith(_SPEC_SUFFIXES):
+        return "spec"
+    return "matrix" if _TOPO_HEADER.search(text) is not None else "spec"
 
 
 def load_spec(machine: str) -> MachineSpec:
@@ -80,12 +85,13 @@ def load_spec(machine: str) -> MachineSpec:
         return load_machine_spec(os.path.join(_SPECS, f"{machine}.yaml"))
     if not machine or not os.path.isfile(machine):
         raise _unknown(machine)
-    if is_topo_matrix(machine):
+    kind = _file_kind(machine)
+    if kind != "spec":
         from agent.hw.sim.from_facts import spec_from_facts
         from agent.hw.topo_matrix import read_topo_matrix
 
         name = os.path.splitext(os.path.basename(machine))[0] or "pasted"
-        facts = read_topo_matrix(machine)
+        facts = read_nccl_topology(machine) if kind == "nccl" else read_topo_matrix(machine)
         _check_gpu_count(len(facts.gpus), machine)
         return spec_from_facts(facts, name=name)
     spec = load_machine_spec(machine)
@@ -218,6 +224,6 @@ def _safe(name: str) -> str:
 
 
 def open_simulated(machine: str) -> SimulatedMachine:
-    """Open ``machine`` (built-in name, spec file or pasted topo matrix file) as a
+    """Open ``machine`` (built-in name, spec file, pasted topo matrix or NCCL topology file) as a
     :class:`SimulatedMachine`."""
     return SimulatedMachine(load_spec(machine))

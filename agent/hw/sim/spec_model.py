@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from agent.hw.sim.catalogue import GpuModel
 from agent.hw.sim.processes import ProcessSpec
+from agent.records import XmlElement
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,4 @@ class MachineSpec:
     faults: FaultSpec = FaultSpec()
     description: str = ""
     notes: tuple[str, ...] = ()  # what the simulation inferred or synthesised (a pasted matrix)
+    nccl_topology: XmlElement | None = None  # the NCCL topology file the spec was read from

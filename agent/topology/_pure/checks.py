@@ -7,7 +7,7 @@ from bisect import bisect_left
 from typing import Sequence
 
 from agent.records import (
-    MAX_GPUS as MAX_GPUS,  # re-exported: the engine API (agent.topology.engine)
+    MAX_GPUS as MAX_GPUS,  # re-exported: the engine API (agent.topology.kernel)
 )
 
 #: Largest number of GPUs solved exactly (bitmask tables of 2**n entries). The extension

@@ -36,7 +36,7 @@ class AllocationSolver:
 
     1. ``score(G) + P_k(A \\ G)`` where ``P_k(S)`` is the best total set score of a partition of
        S into ``|S| // k`` groups of size k plus, when ``r = |S| mod k`` is not 0, exactly one
-       group of the r remaining GPUs (the anchor's padded group, padding scoring 0);
+       group of the r remaining GPUs (go-gpuallocator's padded group, padding scoring 0);
     2. ``score(G)``;
     3. fewer distinct NUMA ids in G;
     4. smaller cut: sum of pair scores between G and A \\ G;

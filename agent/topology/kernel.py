@@ -51,22 +51,6 @@ impl, IMPLEMENTATION = _select()
 EXACT_MAX_GPUS: int = impl.EXACT_MAX_GPUS
 
 
-def use(name: str) -> None:
-    """Switch implementation at run time ("cython" or "python"); for tests and benchmarks."""
-    global impl, IMPLEMENTATION, EXACT_MAX_GPUS
-    from agent.topology import _pure
-
-    if name == "python":
-        impl, IMPLEMENTATION = _pure, "python"
-    elif name == "cython":
-        from agent import _topo  # type: ignore[attr-defined]
-
-        impl, IMPLEMENTATION = _topo, "cython"
-    else:
-        raise ValueError(f"unknown engine {name!r}: expected 'cython' or 'python'")
-    EXACT_MAX_GPUS = impl.EXACT_MAX_GPUS
-
-
 def nvlink_islands(adjacency: list[int]) -> list[list[int]]:
     return cast("list[list[int]]", impl.nvlink_islands(adjacency))
 

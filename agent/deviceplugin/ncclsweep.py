@@ -1,0 +1,73 @@
+"""Removes the NCCL topology files of device-plugin allocations whose container the kubelet
+no longer lists (pod-resources ``List``), every ``pod_resources_refresh_s``.
+
+The kubelet records a container's devices when it calls Allocate, before the container
+starts, and lists them until the pod is gone; a file is named by the same resource and
+device IDs (:func:`agent.ncclfiles.allocation_key`). A file younger than
+:data:`MIN_AGE_S` is left alone (its Allocate may be a moment ahead of the listing), and
+nothing is removed while the kubelet cannot be asked. After an agent restart the first
+sweep removes the files of containers that went while it was down; the others stay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from agent.config import Config
+from agent.kubelet.podresources import PodResourcesClient, PodResourcesError
+from agent.ncclfiles import NcclFiles, live_allocation_keys
+from agent.worker import Worker
+
+log = logging.getLogger(__name__)
+
+#: How old a file must be before a sweep may remove it (s).
+MIN_AGE_S = 60.0
+
+
+class NcclSweeper(Worker):
+    """Sweeps on its own thread; ``settings()`` gives the running config and the names of
+    the resources served (they change with a reload)."""
+
+    thread_name = "nccl-sweep"
+
+    def __init__(self, settings: Callable[[], tuple[Config, list[str]]]) -> None:
+        self.settings = settings
+        self._client: PodResourcesClient | None = None
+        self._failed = False
+        super().__init__()
+
+    def sweep_once(self) -> list[str] | None:
+        """One sweep: the removed keys, None when the kubelet could not be asked."""
+        config, resources = self.settings()
+        files = NcclFiles.from_config(config)
+        if files is None or not files.keys():
+            return []
+        if self._client is None or self._client.socket_path != config.pod_resources_socket:
+            if self._client is not None:
+                self._client.close()
+            self._client = PodResourcesClient(config.pod_resources_socket)
+        try:
+            response = self._client.list()
+        except PodResourcesError as exc:
+            if not self._failed:
+                log.warning("NCCL topology files: pod-resources List on %s failed: %s (none removed"
+                            " until it answers)", config.pod_resources_socket, exc)
+            self._failed = True
+            return None
+        self._failed = False
+        return files.sweep(live_allocation_keys(response.pod_resources, resources), MIN_AGE_S)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sweep_once()
+            except Exception:  # keep sweeping after any unexpected answer
+                log.exception("NCCL topology file sweep failed")
+            self._stop.wait(self.settings()[0].pod_resources_refresh_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        super().stop(timeout_s)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
