@@ -1,7 +1,8 @@
 """NodePrepareResources / NodeUnprepareResources of claims that name GPU-set devices, over the
 real unix socket (the plugin of test_dra_plugin.py, claims from the stand-in API server): one
 CDI spec with every member's device nodes and the whole set's environment, several requests
-in one claim, an unhealthy member, a restart between prepare and unprepare."""
+in one claim, an unhealthy member, a restart between prepare and unprepare, and a GPU held by
+another prepared claim (refused until that claim is unprepared; MIG devices of one GPU apart)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ then) can reach the scheduler only after that claim ended and after the schedule
 the set from the pool it still saw; the set's counters then go uncounted and a member can be
 handed out again (``tests/test_dra_safety.py``, RACE). No rule on what the agent knows closes
 this under unbounded lag; the window is the scheduler's slice-informer lag when the other
-claim is deallocated (normally well under a second). NodePrepareResources refuses a claim
+claim is deallocated (its watch's delay; not measured here). NodePrepareResources refuses a claim
 while another prepared claim holds one of its GPUs (:mod:`agent.dra.prepare`), so at worst a
 pod fails to start (the kubelet retries it until the other claim is unprepared), never two
 pods on one GPU. A grace period (a set whose withdrawal is due stays published a few seconds)
