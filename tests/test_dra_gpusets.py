@@ -145,12 +145,12 @@ def test_every_rendered_slice_passes_the_api_rules_and_forms_one_valid_pool(name
         assert {o["spec"]["pool"]["resourceSliceCount"] for o in objs} == {len(objs)}
         (pool,) = gather_pools(objs, NODE)
         assert not pool.invalid and not pool.incomplete
-        # publication order: singles first, then sets by size, best first
+        # publication order: sets first, largest size first (best first within a size), then singles
         order = [d.view.attributes[D] for d in pool.devices]
         sets = [a["gpuCount"] for a in order if a["type"] == "gpuset"]
-        assert sets == sorted(sets)
+        assert sets == sorted(sets, reverse=True)
         assert all(set(a) == {"type", "gpuCount", "healthy"} for a in order if a["type"] == "gpuset")
-        assert all(a["type"] != "gpuset" for a in order[: len(order) - len(sets)])
+        assert all(a["type"] == "gpuset" for a in order[: len(sets)])
 
 
 @pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
@@ -493,7 +493,8 @@ def test_slices_in_use_takes_indices_uuids_and_device_names_alike(capsys):
         assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--in-use", held]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
-    assert [d["name"] for s in yaml.safe_load_all(outputs[0]) for d in s["spec"].get("devices", [])][0] == "gpu-0"
+    assert [d["name"] for s in yaml.safe_load_all(outputs[0]) for d in s["spec"].get("devices", [])
+            if not d["name"].startswith("gpuset-")][0] == "gpu-0"
     assert "gpuset-2-mc" in outputs[2] and "gpuset-2-mc\n" not in outputs[0]  # a held set stays published
     assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, "--server-version", "1.36"]) == 0
     out = capsys.readouterr()

@@ -301,6 +301,7 @@ def test_the_v1beta1_service_answers_as_v1_does(node):
     node.start()
     c1, c2 = node.put_claim("a", ["gpu-0"]), node.put_claim("b", ["gpu-0"])
     a = node.prepare(c1).claims[c1["metadata"]["uid"]]
+    node.unprepare(c1)  # GPU 0 serves one prepared claim at a time
     b = node.prepare(c2, api=node.v1beta1()).claims[c2["metadata"]["uid"]]
     assert isinstance(b, dra_v1beta1_pb2.NodePrepareResourceResponse)
     assert b.error == "" and [d.device_name for d in b.devices] == [d.device_name for d in a.devices] == ["gpu-0"]
@@ -533,7 +534,8 @@ def test_concurrent_prepares_and_unprepares_of_many_claims_all_succeed(node):
     import threading
 
     node.start()
-    claims = [node.put_claim(f"c{i}", [f"gpu-{i % 8}", f"gpu-{(i + 1) % 8}"]) for i in range(40)]
+    # each thread its own pair of GPUs (two prepared claims never share one: test_dra_prepare_sets)
+    claims = [node.put_claim(f"c{i}", [f"gpu-{2 * (i % 4)}", f"gpu-{2 * (i % 4) + 1}"]) for i in range(40)]
     errors: list[str] = []
 
     def worker(part: list[dict]) -> None:
@@ -543,7 +545,7 @@ def test_concurrent_prepares_and_unprepares_of_many_claims_all_succeed(node):
                 errors.extend(e for e in [resp.claims[uid].error] if e)
             errors.extend(e for e in [node.unprepare(c).claims[uid].error] if e)
 
-    threads = [threading.Thread(target=worker, args=(claims[i::8],)) for i in range(8)]
+    threads = [threading.Thread(target=worker, args=(claims[i::4],)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -604,7 +606,7 @@ def test_a_new_topology_serves_new_claims_and_keeps_prepared_ones(node):
     assert node.prepare(old) == first
     new = node.put_claim("new", ["gpu-7"])
     assert "device 'gpu-7' of pool 'node-1' (request 'gpus'): unknown" in node.prepare(new).claims[new["metadata"]["uid"]].error
-    mig = node.put_claim("mig", ["gpu-7-mig-1"])
+    mig = node.put_claim("mig", ["gpu-6-mig-1"])  # GPU 7's wait for "old" (test_dra_prepare_sets)
     assert node.prepare(mig).claims[mig["metadata"]["uid"]].error == ""
 
 

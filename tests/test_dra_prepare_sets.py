@@ -1,13 +1,15 @@
 """NodePrepareResources / NodeUnprepareResources of claims that name GPU-set devices, over the
 real unix socket (the plugin of test_dra_plugin.py, claims from the stand-in API server): one
 CDI spec with every member's device nodes and the whole set's environment, several requests
-in one claim, an unhealthy member, a restart between prepare and unprepare."""
+in one claim, an unhealthy member, a restart between prepare and unprepare, and a GPU held by
+another prepared claim (refused until that claim is unprepared; MIG devices of one GPU apart)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from kubelet_stub import hgx8_topology
 from test_dra_plugin import DRIVER, NODE, Node, claim_object, env_of, spec_of
 
 from agent.dra.cdi import spec_path
@@ -132,3 +134,89 @@ def test_a_set_name_that_is_no_set_of_this_node_is_refused(node, device):
     c = node.put_claim("c", [device])
     err = node.prepare(c).claims[c["metadata"]["uid"]].error
     assert f"device {device!r} of pool 'node-1' (request 'gpus'): unknown, this node has gpu-0" in err
+
+
+# ---------------------------------------------------------------------- one GPU, two claims
+def test_a_claim_on_a_gpu_another_prepared_claim_holds_is_refused_until_that_claim_is_unprepared(node):
+    """The defence for the scheduler's residual race (agent.dra.gpusets, "What remains"): a
+    set claim holds GPUs 0..; a claim allocated one of them as a single GPU is refused, naming
+    both claims and the devices, while another claim in the same call is served; once the
+    set claim is unprepared it goes through."""
+    node.start()
+    pair = members(node, 2)
+    held = node.put_claim("pair", [name(node, 2)])
+    assert node.prepare(held).claims[held["metadata"]["uid"]].error == ""
+    second = node.put_claim("second", [f"gpu-{pair[0]}"])
+    other = next(i for i in range(8) if i not in pair)
+    fine = node.put_claim("fine", [f"gpu-{other}"])
+    resp = node.prepare(second, fine)
+    uid = second["metadata"]["uid"]
+    gpu = node.topology.gpus[pair[0]]
+    assert resp.claims[uid].error == (
+        f"ResourceClaim default/second (uid {uid}): cannot prepare device 'gpu-{pair[0]}' (request 'gpus'):"
+        f" GPU {pair[0]} ({gpu.uuid}) is held by ResourceClaim default/pair (uid {held['metadata']['uid']})"
+        f" through device '{name(node, 2)}' (prepared again once that claim is unprepared)")
+    assert not os.path.exists(spec_path(node.config.cdi_dir, DRIVER, uid))
+    assert resp.claims[fine["metadata"]["uid"]].error == ""
+    assert len(node.plugin.checkpoint) == 2
+    # the kubelet retries: refused again while the pair is prepared
+    assert "is held by ResourceClaim default/pair" in node.prepare(second).claims[uid].error
+    assert node.unprepare(held).claims[held["metadata"]["uid"]].error == ""
+    assert node.prepare(second).claims[uid].error == ""
+
+
+def test_a_set_overlapping_a_prepared_single_gpu_is_refused_also_after_a_restart(node):
+    node.start()
+    pair = members(node, 2)
+    single = node.put_claim("single", [f"gpu-{pair[1]}"])
+    assert node.prepare(single).claims[single["metadata"]["uid"]].error == ""
+    node.restart()  # the checkpoint is what the agent knows
+    c = node.put_claim("set", [name(node, 2)])
+    err = node.prepare(c).claims[c["metadata"]["uid"]].error
+    assert (f"device '{name(node, 2)}' (request 'gpus'): GPU {pair[1]} ({node.topology.gpus[pair[1]].uuid}) is held"
+            f" by ResourceClaim default/single (uid {single['metadata']['uid']}) through device 'gpu-{pair[1]}'") in err
+
+
+def test_two_mig_devices_of_one_gpu_serve_two_claims_but_one_mig_device_serves_one(node):
+    node.start(hgx8_topology(mig=True))
+    a, b, again = (node.put_claim(n, [d])
+                   for n, d in (("a", "gpu-7-mig-0"), ("b", "gpu-7-mig-1"), ("again", "gpu-7-mig-1")))
+    resp = node.prepare(a, b)
+    assert [resp.claims[c["metadata"]["uid"]].error for c in (a, b)] == ["", ""]
+    err = node.prepare(again).claims[again["metadata"]["uid"]].error
+    assert f"is held by ResourceClaim default/b (uid {b['metadata']['uid']}) through device 'gpu-7-mig-1'" in err
+
+
+def test_a_mig_device_of_a_gpu_a_claim_holds_whole_is_refused_after_mig_was_enabled(node):
+    """A claim prepared on GPU 7 whole; the agent restarts with MIG enabled on GPU 7 (the
+    claim's pod still runs): a MIG device of GPU 7 is refused while that claim is prepared."""
+    node.start()
+    whole = node.put_claim("whole", ["gpu-7"])
+    assert node.prepare(whole).claims[whole["metadata"]["uid"]].error == ""
+    node.plugin.stop()
+    node.start(hgx8_topology(mig=True))
+    c = node.put_claim("mig", ["gpu-7-mig-0"])
+    err = node.prepare(c).claims[c["metadata"]["uid"]].error
+    assert f"is held by ResourceClaim default/whole (uid {whole['metadata']['uid']}) through device 'gpu-7'" in err
+
+
+def test_of_claims_racing_for_one_gpu_exactly_one_is_prepared(node):
+    """Eight calls at once, each a claim on GPU 3 (alone or in a set): one wins, seven are refused."""
+    import threading
+
+    node.start()
+    claims = [node.put_claim(f"c{i}", ["gpu-3" if i % 2 else name(node, 8)]) for i in range(8)]
+    errors: dict[str, str] = {}
+
+    def prepare(c: dict) -> None:
+        uid = c["metadata"]["uid"]
+        errors[uid] = node.prepare(c).claims[uid].error
+
+    threads = [threading.Thread(target=prepare, args=(c,)) for c in claims]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 8 and sorted(e == "" for e in errors.values()) == [False] * 7 + [True]
+    assert all("is held by ResourceClaim default/c" in e for e in errors.values() if e)
+    assert len(node.plugin.checkpoint) == 1

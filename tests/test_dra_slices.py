@@ -61,7 +61,7 @@ def test_unknown_facts_are_left_out():
 
 
 def test_versions_and_architecture_from_a_simulated_machine():
-    a = devices(load_topology("dgx-h100"))[0]["attributes"]
+    a = by_name(devices(load_topology("dgx-h100")))["gpu-0"]["attributes"]
     assert a[D + "cudaComputeCapability"] == {"version": "9.0.0"}
     assert a[D + "cudaDriverVersion"] == {"version": "12.4.0"}
     assert a[D + "driverVersion"] == {"version": "550.54.15"}
@@ -71,7 +71,7 @@ def test_versions_and_architecture_from_a_simulated_machine():
 
 
 def test_brand_comes_from_nvml_and_is_left_out_where_the_input_does_not_say():
-    assert devices(load_topology("dgx1-v100"))[0]["attributes"][D + "brand"] == {"string": "Tesla"}
+    assert by_name(devices(load_topology("dgx1-v100")))["gpu-0"]["attributes"][D + "brand"] == {"string": "Tesla"}
     pasted = load_topology(str(Path(__file__).parent / "fixtures" / "topo" / "dgx1-v100-8gpu-4nic.txt"))
     assert all(D + "brand" not in d["attributes"] for d in devices(pasted))
 

@@ -4,26 +4,36 @@ implementation for every DRA API version, on plain records.
 For each claim: read the ResourceClaim (namespace, name; the UID must match), take the
 allocation results of this driver (one or several requests: GPU sets, single GPUs, MIG
 devices), check that every device is ours (this node's pool, a device name we publish, every
-GPU behind it healthy, no GPU twice), write one CDI spec for the claim (a set's device holds
-every member's device nodes; the environment covers every GPU of the claim) and checkpoint
-the answer. Problems are reported per claim (the rest of the call is still served), each
-naming the claim and the device. Idempotent: a claim already prepared answers from the
-checkpoint without reading the API server again, also after an agent restart.
+GPU behind it healthy, no GPU twice, no GPU another prepared claim holds), write one CDI
+spec for the claim (a set's device holds every member's device nodes; the environment
+covers every GPU of the claim) and checkpoint the answer. Problems are reported per claim
+(the rest of the call is still served), each naming the claim and the device. Idempotent:
+a claim already prepared answers from the checkpoint without reading the API server again,
+also after an agent restart.
+
+**No GPU is prepared for two claims.** A claim is refused while any GPU it would hold is held
+by another prepared claim of the checkpoint (a GPU set holds every member; a whole GPU and a
+MIG device of it conflict, two different MIG devices of one GPU do not). The scheduler's
+counters normally forbid such an allocation; this is the defence for the window they cannot
+cover (:mod:`agent.dra.gpusets`, "What remains"): at worst a pod fails to start, retried by
+the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Collection, Mapping, Protocol, Sequence
 
 from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef, DeviceRefs
+from agent.dra.gpusets import parse_set_name
 from agent.errors import shorten
 from agent.topology.model import Topology
 
@@ -129,6 +139,9 @@ class ClaimPreparer:
             done = self.checkpoint.get(ref.uid)
             if done is not None:  # a concurrent call prepared it meanwhile
                 return self._answer_again(done)
+            # under the lock: two claims racing for one GPU are decided one after the other
+            if conflicts := self._held_elsewhere(chosen):
+                return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
             try:
                 path = self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name))
             except OSError as exc:
@@ -152,6 +165,28 @@ class ClaimPreparer:
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
         return PrepareResult(devices=prepared.devices)
+
+    def _held_elsewhere(self, chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
+        """A problem for each device holding a GPU (or MIG device) that another prepared claim
+        holds, naming that claim and its device."""
+        holders: dict[tuple[int, int | None], tuple[PreparedClaim, str]] = {}
+        for claim in self.checkpoint:
+            for d in claim.devices:
+                for key in _parts_of(self.devices, d.device):
+                    holders.setdefault(key, (claim, d.device))
+        problems = []
+        for request, device in chosen:
+            for p in device.parts:
+                mine = (p.gpu.index, p.mig.index if p.mig is not None else None)
+                clash = next((holders[k] for k in _clashing(mine, holders)), None)
+                if clash is not None:
+                    other, theirs = clash
+                    problems.append(
+                        f"device {device.name!r} (request {shorten(repr(request))}): GPU {p.gpu.index} ({p.gpu.uuid})"
+                        f" is held by {ClaimRef(other.namespace, other.uid, other.name)} through device {theirs!r}"
+                        " (prepared again once that claim is unprepared)")
+                    break
+        return problems
 
     @staticmethod
     def _failed(ref: ClaimRef, what: str, path: str, exc: OSError) -> PrepareResult:
@@ -284,6 +319,29 @@ def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
         for k in keys:
             seen.setdefault(k, device.name)
     return problems
+
+
+_NAME = re.compile(r"^gpu-(\d+)(?:-mig-(\d+))?$")
+
+
+def _parts_of(devices: Mapping[str, DeviceRef], name: str) -> list[tuple[int, int | None]]:
+    """(GPU index, MIG index or None for the whole GPU) of every part device ``name`` holds;
+    a name the node no longer offers (its GPU's MIG mode changed since) read from the name."""
+    found = devices.get(name)
+    if found is not None:
+        return [(p.gpu.index, p.mig.index if p.mig is not None else None) for p in found.parts]
+    if (members := parse_set_name(name)) is not None:
+        return [(i, None) for i in members]
+    if (m := _NAME.match(name)) is not None:
+        return [(int(m.group(1)), int(m.group(2)) if m.group(2) is not None else None)]
+    return []
+
+
+def _clashing(part: tuple[int, int | None], held: Collection[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """The held parts ``part`` cannot share its GPU with: the same part; the whole GPU for a
+    MIG device; any part of the GPU for the whole GPU."""
+    gpu, mig = part
+    return [k for k in held if k[0] == gpu and (mig is None or k[1] is None or k[1] == mig)]
 
 
 def _get(obj: Any, *keys: str) -> Any:

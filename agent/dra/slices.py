@@ -63,10 +63,10 @@ classes select on; the name says the members, ``gpuset-4-mf`` is GPUs 0-3):
 why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints`).
 
 **Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
-given): the single GPUs (MIG devices in their parent's place), then the sets by size; at
-most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit for
-slices using partitionable devices or taints); above one slice, the sets start a slice of
-their own, so a re-publication moves no device between slices. Slice names are
+given): the sets, largest first, then the single GPUs (MIG devices in their parent's place);
+at most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit
+for slices using partitionable devices or taints); above one slice, the singles start a
+slice of their own, so a re-publication moves no single GPU between slices. Slice names are
 ``<node>-<driver>-<nnn>`` with a zero-padded number, so they sort in publication order (the
 allocator walks slices by name); the counter slice is number 0. ``v1beta1`` and ``v1beta2``
 render single GPUs only (no counters, no sets).
@@ -342,7 +342,7 @@ def render_slices(
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
     after the node, owned by the Node when its UID is known. With ``with_sets`` (the default)
     and an ``api_version`` of :data:`SETS_API_VERSIONS`, and at least one set to publish: a
-    counter slice, then the single GPUs and the sets consuming counters; otherwise the single
+    counter slice, then the sets and the single GPUs consuming counters; otherwise the single
     GPUs only. 64 devices a slice where any device consumes counters or has a taint, else 128
     (module docstring). Devices of ``unhealthy`` GPUs (index -> reason) are tainted with
     ``taint_effect``, or, where it is None, left out but those named in ``keep``
@@ -357,17 +357,17 @@ def render_slices(
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
-    devices = render_devices(topology, driver, marks, policy.single_order(free), counters=bool(sets)) + sets
+    # sets first: a multi-GPU claim tries its set before the singles (agent.dra.gpusets)
+    devices = sets + (singles := render_devices(topology, driver, marks, policy.single_order(free), bool(sets)))
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
-    # more than one slice of devices: the sets start a slice of their own, so that a
-    # re-publication moves no device between slices (the publisher rewrites in place then)
-    groups = [devices] if len(devices) <= per_slice else [devices[: len(devices) - len(sets)], sets]
+    # above one slice, the singles start a slice of their own: a re-publication with as many
+    # slices of sets moves no device between slices (the publisher rewrites in place then)
+    groups = [devices] if len(devices) <= per_slice else [sets, singles]
     specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
               for group in groups for i in range(0, len(group), per_slice)]
-    if not devices:
-        specs.append({"devices": []})  # an empty pool is published too: "no devices here now"
+    specs += [] if devices else [{"devices": []}]  # an empty pool is published too: "no devices here now"
     width = max(3, len(str(len(specs) - 1)))
     out = []
     for number, body in enumerate(specs):
