@@ -7,9 +7,11 @@ the plugin that registered last wins, and the other's pods lose their devices on
 restart. The node shows it only as sockets in the device-plugin directory (the resource name
 is said in the Register call, which leaves no trace there), so the check reads the sockets:
 every socket the agent would serve on (``--socket-name`` per resource, by default NVIDIA's
-own names, ``nvidia-gpu.sock``...) that a live server holds is looked up in ``/proc`` (the
-listening unix socket's inode in ``<proc>/net/unix``, then the process holding that inode
-among ``<proc>/<pid>/fd``): the agent itself (a ``gpu-topology-agent run`` process) PASSes,
+own names, ``nvidia-gpu.sock``...) that a live server holds is told by its server's process: the
+peer credentials of a connection to it (``SO_PEERCRED``: the listener's pid, as this
+process's PID namespace sees it; the agent binds under a hidden name and renames the socket
+into place, so ``<proc>/net/unix``, which keeps the bound name, cannot be matched by path),
+then ``<proc>/<pid>/cmdline``: the agent itself (a ``gpu-topology-agent run`` process) PASSes,
 anything else (NVIDIA's ``nvidia-device-plugin``, a second agent under another name) FAILs,
 and an owner this process cannot see (no host PID namespace, no permission) WARNs. Live
 sockets in the directory with other names are listed: they serve other resources.
@@ -21,7 +23,9 @@ check): doctor changes nothing.
 from __future__ import annotations
 
 import os
+import socket
 import stat
+import struct
 from collections.abc import Sequence
 
 from agent.doctor.context import DoctorContext, Unavailable
@@ -34,7 +38,6 @@ from agent.kubelet.unix_server import socket_in_use
 __all__ = ["CHECKS", "socket_owner"]
 
 KUBELET_SOCKET = "kubelet.sock"
-_LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's Flags
 
 
 def _nearest_existing(path: str) -> str:
@@ -94,37 +97,25 @@ def kubelet_socket(context: DoctorContext) -> Result:
 
 
 def socket_owner(path: str, proc_root: str) -> tuple[int, list[str]] | None:
-    """(pid, argv) of the process listening on the unix socket ``path``, from ``proc_root``;
-    None when it cannot be told (not listed, or no access to the processes' descriptors)."""
-    real = os.path.realpath(path)
-    inodes = set()
-    try:
-        with open(os.path.join(proc_root, "net", "unix"), encoding="utf-8", errors="replace") as f:
-            next(f, None)
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 8 and int(parts[3], 16) & _LISTENING and os.path.realpath(parts[7]) == real:
-                    inodes.add(parts[6])
-    except (OSError, ValueError):
-        return None
-    targets = {f"socket:[{inode}]" for inode in inodes}
-    if not targets:
-        return None
-    for pid in (p for p in os.listdir(proc_root) if p.isdigit()):
-        fd_dir = os.path.join(proc_root, pid, "fd")
+    """(pid, argv) of the process serving the unix socket ``path`` (its ``SO_PEERCRED``,
+    argv from ``proc_root``); None when it cannot be told (no answer, a pid outside this
+    PID namespace, or no access to its command line)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(0.5)
         try:
-            fds = os.listdir(fd_dir)
+            conn.connect(path)
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(os.path.join(fd_dir, fd)) in targets:
-                    with open(os.path.join(proc_root, pid, "cmdline"), "rb") as f:
-                        argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
-                    return int(pid), argv
-            except OSError:
-                continue
-    return None
+            return None
+    pid = struct.unpack("3i", creds)[0]
+    if pid <= 0:  # the server's PID namespace is not visible from here
+        return None
+    try:
+        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as f:
+            argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+    return pid, argv
 
 
 def is_agent(argv: Sequence[str]) -> bool:
