@@ -47,7 +47,7 @@ from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.http.endpoints import WaitingEndpoint
 from agent.hw.protocols import EventSource, Lifecycle
-from agent.labels.publisher import LabelPublisher
+from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import label_sink
 from agent.logs import setup_logging
 from agent.metrics.self_metrics import AgentMetrics

@@ -23,7 +23,7 @@ from waiting import eventually
 from agent.config import Config, TimeSlicingResource
 from agent.daemon import Daemon
 from agent.errors import ConfigError
-from agent.labels.publisher import LabelPublisher
+from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
 from agent.modes import servers_for

@@ -35,7 +35,7 @@ from agent.dra.plugin import DraPlugin
 from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
 from agent.dra.servers import DraServers
-from agent.labels.publisher import LabelPublisher
+from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
 

@@ -14,7 +14,7 @@ from label_rules import is_valid_label_key
 from agent.config import Config, TimeSlicingResource
 from agent.labels import compute_labels, format_labels
 from agent.labels.gfd import arch_family, is_valid_label_value, sanitize_value
-from agent.labels.publisher import LabelPublisher
+from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.labels.topology_labels import nvlink_fabric_kind
 from agent.topology.model import Gpu, Link, MigDevice, Nic, PcieLevel, Topology
@@ -383,7 +383,7 @@ def test_publisher_reasserts_a_deleted_file_after_the_interval_and_says_written_
                                clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall)
     config = Config(features_dir=str(tmp_path), label_interval_s=60)
     topology = pcie_pairs([H100] * 4)
-    with caplog.at_level(logging.INFO, logger="agent.labels.publisher"):
+    with caplog.at_level(logging.INFO, logger="agent.labels.publishing"):
         publisher.publish(topology, config)
         os.unlink(sink.path)
         clocks.tick(30)
@@ -392,7 +392,7 @@ def test_publisher_reasserts_a_deleted_file_after_the_interval_and_says_written_
         clocks.tick(31)
         publisher.maintain()  # back, with a new timestamp only
     assert os.path.exists(sink.path) and publisher.ready() and errors == []
-    said = [r.getMessage() for r in caplog.records if r.name == "agent.labels.publisher"]
+    said = [r.getMessage() for r in caplog.records if r.name == "agent.labels.publishing"]
     assert said == [f"labels written to {tmp_path}"]
     publisher.withdraw()
     assert os.listdir(tmp_path) == []
@@ -405,12 +405,12 @@ def test_publisher_counts_each_failed_write_and_is_not_ready_until_one_works(tmp
     publisher = LabelPublisher(FeatureFileSink(str(features)), count_error=lambda: errors.append(1),
                                clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall)
     config = Config(features_dir=str(features), label_interval_s=5)
-    with caplog.at_level(logging.ERROR, logger="agent.labels.publisher"):
+    with caplog.at_level(logging.ERROR, logger="agent.labels.publishing"):
         publisher.publish(pcie_pairs([H100] * 2), config)
         clocks.tick(5)
         publisher.maintain()
     assert errors == [1, 1] and not publisher.ready()
-    said = [r.getMessage().split(":")[0] for r in caplog.records if r.name == "agent.labels.publisher"]
+    said = [r.getMessage().split(":")[0] for r in caplog.records if r.name == "agent.labels.publishing"]
     assert said == [f"writing labels to {features} failed"], "said once, the retry counted"
     features.unlink()
     clocks.tick(5)

@@ -23,7 +23,7 @@ from kubelet_stub import KubeletStub, pcie4_topology
 from waiting import eventually
 
 from agent.config import Config
-from agent.labels.publisher import LabelPublisher
+from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 
 FILENAME = "gpu-topology-agent"

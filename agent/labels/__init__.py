@@ -6,7 +6,7 @@ formats, so existing ``nodeSelector``/``nodeAffinity`` terms keep working) and o
 labels (:mod:`agent.labels.topology_labels`, ``topology.gpu-agent.io/``). Every key and value
 is a valid Kubernetes label (values are checked by
 :func:`agent.labels.gfd.is_valid_label_value`; the keys are constants). Where they go:
-:mod:`agent.labels.publisher` and its sinks.
+:mod:`agent.labels.publishing` and its sinks.
 """
 
 from __future__ import annotations
