@@ -42,6 +42,17 @@ def write_text_atomic(path: str, text: str, *, fsync: bool = True) -> None:
         raise
 
 
+def nearest_existing(path: str) -> str:
+    """``path``, or its nearest ancestor that exists (a link counts, dangling or not): where a
+    directory that is still to be made would be made."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
 def remove_file(path: str) -> bool:
     """Remove ``path``; False when there was none (OSError for any other failure)."""
     try:

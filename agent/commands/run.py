@@ -16,6 +16,7 @@ from agent.config import Config, default_environ, load_config
 from agent.config_values import GPU_SETS_MODES, TAINT_EFFECTS
 from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
+from agent.files import nearest_existing
 from agent.nodeconfig import NamedConfigs
 
 _DEFAULTS = Config()
@@ -212,15 +213,6 @@ FLAG_FIELDS = (
 )
 
 
-def _nearest_existing(path: str) -> str:
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
 def _probe_write(path: str, what: str) -> None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".gta-probe-", dir=path)
@@ -236,7 +228,7 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
     (exit 1). A kubelet directory that does not exist yet is fine: the kubelet creates it.
     The features directory is created when missing, as the label sink would."""
     kubelet_what = "--kubelet-dir" if args.kubelet_dir else "kubelet directory"
-    existing = _nearest_existing(config.kubelet_dir)
+    existing = nearest_existing(config.kubelet_dir)
     if not os.path.isdir(existing):
         raise UsageError(
             f"{kubelet_what} {config.kubelet_dir}: {existing} is not a directory "
@@ -247,7 +239,7 @@ def check_directories(config: Config, args: argparse.Namespace) -> None:
     if config.labels_sink != "file":  # labels go through the API server: no directory needed
         return
     features_what = "--features-dir" if args.features_dir else "features directory"
-    existing = _nearest_existing(config.features_dir)
+    existing = nearest_existing(config.features_dir)
     if not os.path.isdir(existing):
         raise UsageError(
             f"{features_what} {config.features_dir}: {existing} is not a directory "

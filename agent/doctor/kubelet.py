@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from agent.doctor.context import DoctorContext, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.errors import AgentError, shorten
+from agent.files import nearest_existing
 from agent.formats import read_document
 from agent.kubelet.podresources import PodResourcesClient
 from agent.kubelet.unix_server import socket_in_use
@@ -40,19 +41,10 @@ __all__ = ["CHECKS", "socket_owner"]
 KUBELET_SOCKET = "kubelet.sock"
 
 
-def _nearest_existing(path: str) -> str:
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
 def writable_dir(path: str, what: str, *, may_be_missing: bool) -> Result | None:
     """None when ``path`` is (or could be created as) a directory this process may write,
     else the FAIL saying why."""
-    existing = _nearest_existing(path)
+    existing = nearest_existing(path)
     if existing != path and not may_be_missing:
         return failed(f"{what} {path} does not exist", "create it, or point the flag at the right place")
     if not os.path.isdir(existing):
