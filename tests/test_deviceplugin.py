@@ -55,6 +55,8 @@ class Node:
         from dataclasses import replace
 
         config = replace(config, kubelet_dir=self.kubelet_dir)
+        if not config.nccl_host_dir:  # the default beside a /tmp kubelet dir is /tmp's, shared by every test
+            config = replace(config, nccl_host_dir=os.path.join(self.kubelet_dir, "nccl"))
         if kubelet:
             self.kubelet = KubeletStub(self.kubelet_dir).start()
         self.health = HealthState(topology.gpu_count)

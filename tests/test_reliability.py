@@ -40,7 +40,8 @@ def plugins(kubelet_dir):
     made: list[tuple[DevicePluginManager, KubeletStub | None]] = []
 
     def start(config: Config | None = None, *, kubelet: bool = True, **kwargs):
-        config = replace(config or Config(), kubelet_dir=kubelet_dir)
+        config = replace(config or Config(), kubelet_dir=kubelet_dir,
+                         nccl_host_dir=os.path.join(kubelet_dir, "nccl"))  # not /tmp's default
         stub = KubeletStub(kubelet_dir).start() if kubelet else None
         topology = hgx8_topology()
         manager = DevicePluginManager(topology, config, HealthState(topology.gpu_count),
