@@ -207,3 +207,20 @@ def test_the_file_writer_leaves_no_thread_behind_once_its_files_are_written(node
     assert len(os.listdir(tmp_path / "nccl")) == 4
     assert eventually(lambda: not [t for t in threading.enumerate() if t.name == "nccl-files"], 5.0), \
         [t.name for t in threading.enumerate()]
+
+
+def test_a_kubelet_that_cannot_be_asked_is_said_once_and_files_stay(node, tmp_path, caplog):
+    """The sweeper asks pod-resources every refresh: an unreachable socket is one line, and
+    nothing is removed meanwhile."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="agent")
+    topo = load_topology("dgx-h100")
+    node.start(topo, config(tmp_path, pod_resources_socket=str(tmp_path / "absent.sock"),
+                            pod_resources_refresh_s=0.05))
+    allocate(node, [topo.gpus[0].uuid])
+    assert eventually(lambda: sum("pod-resources List" in r.getMessage() for r in caplog.records) >= 4, 5.0)
+    said = [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "pod-resources List" in r.getMessage()]
+    assert len(said) == 1 and "none removed until it answers" in said[0], said
+    assert len(os.listdir(tmp_path / "nccl")) == 1

@@ -17,6 +17,7 @@ from typing import Callable
 from agent.config import Config
 from agent.kubelet.podresources import PodResourcesClient, PodResourcesError
 from agent.ncclfiles import NcclFiles, live_allocation_keys
+from agent.retry import Outage
 from agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,10 @@ class NcclSweeper(Worker):
     def __init__(self, settings: Callable[[], tuple[Config, list[str]]]) -> None:
         self.settings = settings
         self._client: PodResourcesClient | None = None
-        self._failed = False
+        self._outage = Outage(log, "NCCL topology files: pod-resources List")  # named by socket once asked
+        # an unexpected error is said once per kind with its traceback, not every round
+        self._sweep_outage = Outage(log, "NCCL topology file sweep", level=logging.ERROR, per_reason=True,
+                                    retrying="retrying every pod-resources refresh")
         super().__init__()
 
     def sweep_once(self) -> list[str] | None:
@@ -47,23 +51,24 @@ class NcclSweeper(Worker):
             if self._client is not None:
                 self._client.close()
             self._client = PodResourcesClient(config.pod_resources_socket)
+            self._outage = Outage(log, f"NCCL topology files: pod-resources List on {config.pod_resources_socket}",
+                                  retrying="none removed until it answers")
         try:
             response = self._client.list()
         except PodResourcesError as exc:
-            if not self._failed:
-                log.warning("NCCL topology files: pod-resources List on %s failed: %s (none removed"
-                            " until it answers)", config.pod_resources_socket, exc)
-            self._failed = True
+            self._outage.failed(str(exc))
             return None
-        self._failed = False
+        self._outage.recovered()
         return files.sweep(live_allocation_keys(response.pod_resources, resources), MIN_AGE_S)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.sweep_once()
-            except Exception:  # keep sweeping after any unexpected answer
-                log.exception("NCCL topology file sweep failed")
+            except Exception as exc:  # keep sweeping after any unexpected answer
+                self._sweep_outage.failed(f"{type(exc).__name__}: {exc}", key=type(exc).__name__, exc_info=True)
+            else:
+                self._sweep_outage.recovered()
             self._stop.wait(self.settings()[0].pod_resources_refresh_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
