@@ -145,12 +145,13 @@ def test_the_demo_explains_each_term_the_first_time_it_uses_it():
 
 
 class FakeClient:
-    """GetPreferredAllocation and Allocate as the lowest free IDs, for the replay alone."""
+    """GetPreferredAllocation and a container's start (Allocate) as the lowest free IDs, for
+    the replay alone."""
 
     def preferred(self, available, must, size):
         return list(available[:size])
 
-    def allocate(self, ids):
+    def start_containers(self, ids):
         class Response:
             container_responses = [type("C", (), {"envs": {"NVIDIA_VISIBLE_DEVICES": ",".join(ids)}})()]
 

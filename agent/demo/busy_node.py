@@ -119,7 +119,7 @@ class BusyNode:
     def _arrive(self, step: Step, waited: bool = False) -> None:
         self.progress(f"{step.pod} asks for {step.size} GPU(s)")
         chosen_ids = self.client.preferred(self.free, [], step.size)
-        response = self.client.allocate(chosen_ids)
+        response = self.client.start_containers(chosen_ids)
         ours = sorted(self.index_of[d] for d in chosen_ids)
         free_idx = [self.index_of[d] for d in self.free]
         theirs = self.gpuallocator.choose(free_idx, step.size)

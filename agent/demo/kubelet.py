@@ -56,6 +56,16 @@ class PluginClient:
         response: pb.AllocateResponse = self.stub.Allocate(req, timeout=timeout_s)
         return response
 
+    def start_containers(self, *containers: Iterable[str], timeout_s: float = 5.0) -> pb.AllocateResponse:
+        """What the kubelet does for a pod's containers: Allocate at admission, then, before
+        each container starts, PreStartContainer where the plugin's options ask for it (the
+        device manager's ``GetDeviceRunContainerOptions`` -> ``callPreStartContainerIfNeeded``)."""
+        response = self.allocate(*containers, timeout_s=timeout_s)
+        if self.options(timeout_s).pre_start_required:
+            for ids in containers:
+                self.stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=list(ids)), timeout=timeout_s)
+        return response
+
     def close(self) -> None:
         self.channel.close()
 

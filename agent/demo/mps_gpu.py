@@ -100,7 +100,7 @@ def _serve(config: Config, spec_path: str) -> dict[str, Any]:
         pods = []
         for p in PODS:
             chosen = client.preferred(free, [], 1)
-            response = client.allocate(chosen).container_responses[0]
+            response = client.start_containers(chosen).container_responses[0]
             free.remove(chosen[0])
             pods.append({"namespace": p.namespace, "pod": p.pod, "container": p.container,
                          "device": chosen[0], **_allocation(response)})

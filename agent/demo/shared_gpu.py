@@ -167,7 +167,7 @@ def _allocate(client: PluginClient, kubelet: KubeletStub) -> dict[str, str]:
     held: dict[str, str] = {}
     for p in PODS:
         chosen = client.preferred(free, [], 1)
-        client.allocate(chosen)
+        client.start_containers(chosen)
         held[p.pod] = chosen[0]
         free.remove(chosen[0])
     return held
