@@ -384,9 +384,15 @@ AGENTS = {
 }
 
 
+#: A rule that keeps only the sets a prepared claim holds fails here (found by mutating the
+#: rule; 60 random examples missed it 3 times in 4), so it is always tried.
+KEEP_ONLY_HELD = [("schedule", 1), ("schedule", 1), ("schedule", 2), ("prepare", 0), ("publish", 0), ("schedule", 1)]
+
+
 @pytest.mark.parametrize("name", sorted(AGENTS))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
+@example(ops=KEEP_ONLY_HELD)
 def test_no_gpu_is_ever_allocated_to_two_claims(name: str, ops: list[tuple[str, int]]) -> None:
     assert first_violation(AGENTS[name], ops) is None
 
@@ -399,7 +405,7 @@ RACE = [("schedule", 1), ("prepare", 0), ("publish", 0), ("unprepare", 0), ("dea
         ("land", 0), ("schedule", 1)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "issue 25, found here: a withdrawal the agent decides while a member GPU is held (safe then) can "
     "land after that claim ended and the scheduler allocated the set from the pool it still saw (its "
     "ResourceSlice and ResourceClaim informers are not ordered): the set's counters then go "

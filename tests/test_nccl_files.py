@@ -69,6 +69,7 @@ def test_a_written_file_read_back_gives_the_same_facts_for_those_gpus(machine):
             nccl_bus_id(topo.gpus[i].pci_bus_id) for i in gpus)
         order = sorted(gpus, key=lambda i: nccl_bus_id(topo.gpus[i].pci_bus_id))  # NVML's order
         assert [g.numa_node for g in back.gpus] == [topo.gpus[i].numa_node for i in order]
+        assert len(back.links) == len(gpus) * (len(gpus) - 1) // 2, (machine, gpus)  # every pair
         for link in back.links:
             mine = topo.link(order[link.a], order[link.b])
             assert (link.nvlinks, link.pcie) == (mine.nvlinks, fold(mine.pcie)), (machine, gpus, link)
