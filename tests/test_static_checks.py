@@ -92,6 +92,18 @@ def _module_level_uses(trees: dict[str, tuple[Path, ast.Module]]) -> set[tuple[s
     return used
 
 
+def test_the_module_level_use_check_tells_a_used_definition_from_one_that_only_shares_its_name():
+    # the check's point: a same-named attribute elsewhere (``other.use``) is not a use
+    sources = {
+        "pkg.a": ("pkg/a.py", "def used(): pass\ndef use(): pass\ndef helper(): pass\nhelper()\n"),
+        "pkg.b": ("pkg/b.py", "from pkg.a import used\nimport pkg.a as a\nused(); something.use()\n"),
+    }
+    trees = {mod: (Path(path), ast.parse(src)) for mod, (path, src) in sources.items()}
+    uses = _module_level_uses(trees)
+    assert ("pkg.a", "used") in uses and ("pkg.a", "helper") in uses
+    assert ("pkg.a", "use") not in uses
+
+
 def test_every_module_level_function_and_class_of_the_agent_is_used_by_the_agent():
     # vulture matches names, not modules: a function is "used" when any attribute anywhere
     # has its name (a test-only kernel.use went unseen because other objects have a .use).
