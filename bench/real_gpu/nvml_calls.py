@@ -19,6 +19,7 @@ Nothing is changed on the GPU: these are the reads the agent makes in ``run`` mo
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -46,6 +47,19 @@ def describe(result: Any) -> str:
     if result is None:
         return "None"
     return type(result).__name__
+
+
+def filled(args: tuple[Any, ...]) -> str:
+    """The integer fields of the structs a call filled through its arguments (``byref``),
+    e.g. the fabric state ``nvmlDeviceGetGpuFabricInfoV`` writes; empty when none."""
+    out = []
+    for arg in args:
+        target = getattr(arg, "_obj", arg)
+        if isinstance(target, ctypes.Structure):
+            fields = [f"{name}={getattr(target, name)}" for name, *_ in target._fields_
+                      if isinstance(getattr(target, name), int)]
+            out.append(f"{type(target).__name__}({', '.join(fields)})")
+    return "; ".join(out)
 
 
 class RecordingNvml:
@@ -77,7 +91,8 @@ class RecordingNvml:
             except Exception as exc:  # a broken binding: recorded, then raised as it came
                 self._note(name, f"raised {type(exc).__name__}: {str(exc)[:_MAX_VALUE]}")
                 raise
-            self._note(name, f"ok {describe(result)}")
+            into = filled(args)
+            self._note(name, f"ok {describe(result)}" + (f" into {into}" if into else ""))
             return result
 
         return call
@@ -141,7 +156,11 @@ def record_calls(simulate: str | None) -> dict[str, Any]:
 def _kind(outcome: str) -> str:
     """An outcome without its value: ``ok int``, ``error NVMLError_NotSupported``."""
     head, _, rest = outcome.partition(" ")
-    return f"{head} {rest.split(' ')[0]}" if head == "ok" else outcome.split(":")[0]
+    if head != "ok":
+        return outcome.split(":")[0]
+    kind = rest.split(" ")[0]
+    # handles are opaque: ctypes pointers in pynvml (LP_struct_...), objects of the fake's own
+    return "ok handle" if kind.startswith(("LP_", "_")) else f"ok {kind}"
 
 
 def compare_records(real: Mapping[str, Any], fake: Mapping[str, Any]) -> list[str]:
