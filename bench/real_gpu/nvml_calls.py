@@ -104,7 +104,6 @@ def record_calls(simulate: str | None) -> dict[str, Any]:
     from agent.discovery import open_backend
     from agent.hw.nvml.backend import NvmlBackend
     from agent.hw.nvml.status import read_gpu_status
-
     from agent.hw.sysfs import SysfsReader
 
     sim = None

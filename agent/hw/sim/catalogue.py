@@ -44,6 +44,18 @@ class GpuModel:
             "blackwell": _C["NVML_NVLINK_VERSION_5_0"],
         }.get(self.architecture, _C["NVML_NVLINK_VERSION_INVALID"])
 
+    @property
+    def supported_event_types(self) -> int:
+        """``nvmlDeviceGetSupportedEventTypes``: every type on Hopper and newer (seen: an
+        H200, driver 580.159.04, 0xff9f); the five classic ones before (not seen on a real
+        GPU here)."""
+        if self.architecture in ("hopper", "blackwell"):
+            return int(_C["nvmlEventTypeAll"])
+        return int(
+            _C["nvmlEventTypeSingleBitEccError"] | _C["nvmlEventTypeDoubleBitEccError"]
+            | _C["nvmlEventTypePState"] | _C["nvmlEventTypeXidCriticalError"] | _C["nvmlEventTypeClock"]
+        )
+
 
 #: Real product names and what NVML reports for them (memory as nvidia-smi shows it).
 GPU_MODELS: dict[str, GpuModel] = {

@@ -433,7 +433,7 @@ class FakeNvml(TelemetryApi):
             if not isinstance(target, (c_nvmlGpuFabricInfo_t, c_nvmlGpuFabricInfoV_t)):
                 raise _err("NVML_ERROR_INVALID_ARGUMENT")
             target.state = _C["NVML_GPU_FABRIC_STATE_NOT_SUPPORTED"]
-            target.status = _C["NVML_ERROR_NOT_SUPPORTED"]
+            target.status = _C["NVML_SUCCESS"]
             return
         if not isinstance(target, (c_nvmlGpuFabricInfo_t, c_nvmlGpuFabricInfoV_t)):
             raise _err("NVML_ERROR_INVALID_ARGUMENT")

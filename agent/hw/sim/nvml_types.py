@@ -355,8 +355,9 @@ class c_nvmlGpuFabricInfo_t(ctypes.Structure):
     ]
 
 
-class c_nvmlGpuFabricInfoV_t(ctypes.Structure):
-    """pynvml's layout: callers set ``version = nvmlGpuFabricInfo_v2`` and pass ``byref``."""
+class c_nvmlGpuFabricInfo_v2_t(ctypes.Structure):
+    """pynvml's layout: callers set ``version = nvmlGpuFabricInfo_v2`` and pass ``byref``.
+    pynvml names it ``c_nvmlGpuFabricInfo_v2_t`` and aliases ``c_nvmlGpuFabricInfoV_t``."""
 
     _fields_ = [
         ("version", ctypes.c_uint),
@@ -409,6 +410,8 @@ class c_nvmlProcessUtilizationSample_t(ctypes.Structure):
     ]
 
 
+c_nvmlGpuFabricInfoV_t = c_nvmlGpuFabricInfo_v2_t  # pynvml's alias
+
 #: Struct classes the fake exposes under pynvml's names (checked against pynvml by a test).
 STRUCTS: dict[str, type] = {
     cls.__name__: cls
@@ -424,12 +427,13 @@ STRUCTS: dict[str, type] = {
         c_nvmlGpmMetric_t,
         c_nvmlGpmMetricsGet_t,
         c_nvmlGpuFabricInfo_t,
-        c_nvmlGpuFabricInfoV_t,
+        c_nvmlGpuFabricInfo_v2_t,
         c_nvmlValue_t,
         c_nvmlFieldValue_t,
         c_metricInfo_t,
         c_nvmlProcessUtilizationSample_t,
     )
 }
+STRUCTS["c_nvmlGpuFabricInfoV_t"] = c_nvmlGpuFabricInfoV_t
 
 
