@@ -503,8 +503,9 @@ def test_a_single_allocated_without_a_counter_is_counted_when_its_counter_comes_
         before = set(world.claims)
         world.step(op, arg)
         for n in set(world.claims) - before:
-            bare |= {n: d for d in world.claims[n].devices
-                     if d.startswith("gpu-") and _consumes(world.published, d) is False}
+            for d in world.claims[n].devices:
+                if d.startswith("gpu-") and _consumes(world.published, d) is False:
+                    bare[n] = d
         counted += [(n, d) for n, d in bare.items()
                     if n in world.claims and world.claims[n].state == "allocated" and _consumes(world.published, d)]
         assert world.violation() is None, (op, arg)
