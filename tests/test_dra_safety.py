@@ -389,10 +389,18 @@ AGENTS = {
 KEEP_ONLY_HELD = [("schedule", 1), ("schedule", 1), ("schedule", 2), ("prepare", 0), ("publish", 0), ("schedule", 1)]
 
 
+#: A single GPU is allocated while it consumes no counter (no published set holds its GPU),
+#: then, still allocated and unknown to the agent, its GPU is in a set published again (found
+#: by hypothesis's ``find``); the sets scheduled after must count the single's counter.
+BARE_SINGLE = [("schedule", 1), ("schedule", 2), ("prepare", 0), ("prepare", 0), ("publish", 0), ("schedule", 1),
+               ("unprepare", 0), ("publish", 0), ("schedule", 8), ("schedule", 4), ("schedule", 2), ("schedule", 2)]
+
+
 @pytest.mark.parametrize("name", sorted(AGENTS))
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
 @example(ops=KEEP_ONLY_HELD)
+@example(ops=BARE_SINGLE)
 def test_no_gpu_is_ever_allocated_to_two_claims(name: str, ops: list[tuple[str, int]]) -> None:
     assert first_violation(AGENTS[name], ops) is None
 
@@ -473,3 +481,35 @@ def test_the_publisher_the_benches_replay_is_what_slices_in_use_prints(in_use: s
     assert proc.returncode == 0, proc.stderr
     held = single_gpus([int(i) for i in in_use.split(",") if i])
     assert list(yaml.safe_load_all(proc.stdout)) == PUBLISH(TOPO, NODE, held, (), server)
+
+
+def _consumes(slices: list[dict[str, Any]], name: str) -> bool | None:
+    for s in slices:
+        for d in s["spec"].get("devices", []):
+            if d["name"] == name:
+                return bool(d.get("consumesCounters"))
+    return None
+
+
+def test_a_single_allocated_without_a_counter_is_counted_when_its_counter_comes_back() -> None:
+    """A single GPU consumes its counter only while a published set holds its GPU. BARE_SINGLE
+    reaches the case that rule adds: a single allocated while it consumed nothing, its GPU
+    then in a published set again while the claim is still allocated; the scheduler (model)
+    finds the single's counter in the slices it sees now, so no set holding it is given."""
+    world = World(AGENTS["the agent's rendering and rule"])
+    bare: dict[int, str] = {}
+    counted: list[tuple[int, str]] = []
+    for op, arg in BARE_SINGLE:
+        before = set(world.claims)
+        world.step(op, arg)
+        for n in set(world.claims) - before:
+            for d in world.claims[n].devices:
+                if d.startswith("gpu-") and _consumes(world.published, d) is False:
+                    bare[n] = d
+        counted += [(n, d) for n, d in bare.items()
+                    if n in world.claims and world.claims[n].state == "allocated" and _consumes(world.published, d)]
+        assert world.violation() is None, (op, arg)
+    assert counted, "the sequence no longer reaches a bare single whose counter comes back"
+    n, device = counted[0]
+    later = [c for m, c in world.claims.items() if m > n and any(d.startswith("gpuset-") for d in c.devices)]
+    assert later and all(world.claims[n].gpus.isdisjoint(c.gpus) for c in later), device

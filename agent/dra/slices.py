@@ -43,7 +43,16 @@ of their own, with partitionable devices (KEP-4815). One counter per GPU (``gpu-
 value 1) in counter sets of at most 32 (``gpus-<n>`` holds GPUs 32n..32n+31), published in a
 slice of their own (``sharedCounters``, no devices); every full GPU consumes its own counter
 and every set device its members' counters, so allocating a set blocks its members and every
-overlapping set, and allocating a single blocks every set that contains it. MIG-enabled GPUs
+overlapping set, and allocating a single blocks every set that contains it. A single GPU
+consumes its counter only while a published set (chosen or kept) holds it: nothing else
+competes with it, and each counter consumed costs the scheduler a look-up per device on
+every Filter. That is safe when the counter comes and goes: the scheduler counts an allocated
+device's counters by looking it up in the slices it sees *now* (``checkAvailableCounters``),
+so a single allocated while it consumed nothing is counted once a set holding its GPU is
+published, as long as both change in one write: the rule holds where the sets and the single
+GPUs share one slice (up to 64 devices). Above, every single GPU consumes its counter (the
+sets' and the singles' slices are written one after the other, and a view with a new set and
+an old single, or an old set and a new single, would count neither). MIG-enabled GPUs
 are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
 counter and a MIG device never competes with a set. Which sets, in what order, and when a
 published set may go: :mod:`agent.dra.gpusets`. Set device attributes (only what the device
@@ -201,11 +210,11 @@ def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, s
 
 def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
                    marks: HealthMarks | None = None, order: Sequence[int] | None = None,
-                   counters: bool = False) -> list[Device]:
+                   counters: Collection[int] = ()) -> list[Device]:
     """The node's single devices (full GPUs, MIG devices) in slice order (``order``: GPU
     indices, default :func:`agent.dra.gpusets.device_order`); a device of an unhealthy GPU
     is tainted, or left out, as ``marks`` says (default: the lost GPUs tainted
-    ``NoSchedule``). ``counters``: every full GPU consumes its own counter."""
+    ``NoSchedule``). ``counters``: the GPU indices whose full GPU consumes its own counter."""
     marks = marks if marks is not None else health_marks(topology)
     islands = island_ids(topology)
     cliques = clique_ids(topology)
@@ -225,7 +234,7 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
             own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": _string(gpu.uuid)}
             if shown:
                 out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib,
-                                   (index,) if counters else (), taints))
+                                   (index,) if index in counters else (), taints))
     return out
 
 
@@ -357,8 +366,14 @@ def render_slices(
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
-    # sets first: a multi-GPU claim tries its set before the singles (agent.dra.gpusets)
-    devices = sets + (singles := render_devices(topology, driver, marks, policy.single_order(free), bool(sets)))
+    order = policy.single_order(free)
+    # a single consumes its counter only while a published set holds its GPU (the module
+    # docstring says why that is safe), where the sets and the singles share one slice
+    covered = {g for d in sets for g in d.consumes}
+    singles = render_devices(topology, driver, marks, order, covered)
+    if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:
+        singles = render_devices(topology, driver, marks, order, range(topology.gpu_count))
+    devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
