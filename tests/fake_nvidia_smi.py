@@ -103,7 +103,9 @@ class Smi:
         names = [f"GPU{i}" for i in range(gpus)] + [f"NIC{i}" for i in range(nics)]
         places = self._places()
         numa_count = len(self.spec.numa_nodes)
-        lines = ["\t" + "\t".join(names) + "\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
+        # the real one underlines its header (ESC[4m ... ESC[0m), to a pipe as well (seen on
+        # driver 580.159.04: tests/fixtures/topo/h200-1gpu-vm-ansi-header.txt)
+        lines = ["\t\x1b[4m" + "\t".join(names) + "\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m"]
         for r, row in enumerate(names):
             cells = []
             for c in range(len(names)):

@@ -601,3 +601,23 @@ def test_the_library_mismatch_error_the_wrapper_recognises_is_pynvmls():
     # driver lacks): it must exist under that name and not be an NVMLError
     assert pynvml.NVMLLibraryMismatchError.__name__ == "NVMLLibraryMismatchError"
     assert not issubclass(pynvml.NVMLLibraryMismatchError, pynvml.NVMLError)
+
+
+def test_the_fake_answers_every_call_as_a_real_h200_did(tmp_path):
+    """The agent's NVML calls on the fake of the lent H200 VM give the same kinds of outcome
+    (success and its type, or the NVMLError class) as on the real GPU
+    (tests/fixtures/real_gpu/README.md). The real one differed three ways before: NVLink
+    ports NotSupported, not disabled, on a GPU with none wired; fabric info answered with
+    state NOT_SUPPORTED, not refused; every event type supported."""
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    fixtures = root / "tests" / "fixtures" / "real_gpu"
+    tool = root / "bench" / "real_gpu" / "nvml_calls.py"
+    fake = tmp_path / "fake.json"
+    subprocess.run([sys.executable, str(tool), "--simulate", str(fixtures / "h200-vm.yaml"), "--out", str(fake)],
+                   check=True, timeout=120, cwd=root)
+    result = subprocess.run([sys.executable, str(tool), "--compare", str(fixtures / "h200-vm-nvml-calls.json"),
+                             str(fake)], capture_output=True, text=True, timeout=60, cwd=root)
+    assert (result.returncode, result.stdout) == (0, "no differences\n")

@@ -57,12 +57,47 @@ def test_the_kit_finds_no_difference_between_the_agent_and_nvidia_smi_on_a_simul
     assert report["differences"] == [], text
     assert rc == 0, text
     assert {name: s["status"] for name, s in steps.items()} == {
-        "doctor": "ok", "topology": "ok", "labels": "ok", "allocate": "ok", "soak": "ok", "processes": "ok"}, text
+        "doctor": "ok", "topology": "ok", "labels": "ok", "allocate": "ok", "soak": "ok", "nvml": "ok",
+        "processes": "ok"}, text
     assert steps["topology"]["details"] == {"gpus": 4, "nics": 2}
     assert steps["allocate"]["details"] == {"sizes": 4}
     assert steps["soak"]["details"]["devices"] == 4
     assert steps["processes"]["details"] == {"processes": 2}
     assert text.startswith("real-GPU kit: ") and "0 differences" in text.splitlines()[0]
+    # the NVML record: every path of the agent ran, and what each call gave is written down
+    nvml = steps["nvml"]["details"]
+    assert nvml["paths_failed"] == {} and nvml["library"] == f"simulated:{tmp_path / 'kit-node.yaml'}"
+    with open(tmp_path / "report" / "nvml_calls.json", encoding="utf-8") as f:
+        record = json.load(f)
+    assert record["calls"]["nvmlDeviceGetCount"]["outcomes"] == ["ok int 4"]
+    assert record["calls"]["nvmlDeviceGetName"]["outcomes"] == ["ok str 'NVIDIA A100-SXM4-80GB'"]
+    assert "error NVMLError_Timeout" in record["calls"]["nvmlEventSetWait_v2"]["outcomes"]
+    assert nvml["functions"] == len(record["calls"]) > 30
+
+
+def test_nvml_records_are_compared_call_by_call(tmp_path):
+    """``nvml_calls.py --compare REAL FAKE``: a function one side alone called, or a kind of
+    outcome one side alone gave, is a difference; values alone (another GPU's name) are not."""
+    tool = os.path.join(ROOT, "bench", "real_gpu", "nvml_calls.py")
+    real = {"library": "pynvml", "calls": {
+        "nvmlDeviceGetName": {"calls": 1, "outcomes": ["ok str 'NVIDIA H200'"]},
+        "nvmlDeviceGetMigMode": {"calls": 1, "outcomes": ["ok list[2] of int"]},
+        "nvmlDeviceGetSerial": {"calls": 1, "outcomes": ["ok str '1650'"]}}}
+    fake = {"library": "simulated:x", "calls": {
+        "nvmlDeviceGetName": {"calls": 1, "outcomes": ["ok str 'NVIDIA A10'"]},
+        "nvmlDeviceGetMigMode": {"calls": 1, "outcomes": ["error NVMLError_NotSupported"]}}}
+    (tmp_path / "real.json").write_text(json.dumps(real))
+    (tmp_path / "fake.json").write_text(json.dumps(fake))
+    result = subprocess.run([sys.executable, tool, "--compare", str(tmp_path / "real.json"), str(tmp_path / "fake.json")],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == [
+        "nvmlDeviceGetMigMode: real ['ok list[2]'], fake ['error NVMLError_NotSupported']",
+        "nvmlDeviceGetSerial: called on the real GPU ([\"ok str '1650'\"]), not by the fake's run"]
+    (tmp_path / "fake.json").write_text(json.dumps(real))
+    same = subprocess.run([sys.executable, tool, "--compare", str(tmp_path / "real.json"), str(tmp_path / "fake.json")],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (same.returncode, same.stdout) == (0, "no differences\n")
 
 
 def test_the_kit_reports_where_nvidia_smi_and_the_agent_disagree(tmp_path):

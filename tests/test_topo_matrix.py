@@ -266,6 +266,16 @@ def test_one_gpu_machine():
     assert topo.nvlink_islands == ()
 
 
+def test_real_output_whose_header_nvidia_smi_underlined():
+    """Read on a lent H200 VM (driver 580.159.04): nvidia-smi wraps the header line in
+    ESC[4m ... ESC[0m even into a pipe; the reader took that line for a row before."""
+    path = FIXTURES / "h200-1gpu-vm-ansi-header.txt"
+    assert b"\x1b[4mGPU0" in path.read_bytes()
+    topo = read("h200-1gpu-vm-ansi-header.txt")
+    assert topo.gpu_count == 1 and topo.links == () and topo.nics == ()
+    assert (topo.gpus[0].numa_node, topo.gpus[0].cpu_affinity) == (0, "0-15")
+
+
 def test_sixteen_gpus_on_nvswitch_with_eight_legend_nics():
     topo = read("variant-16gpu-nvswitch-tabs.txt")
     assert topo.gpu_count == 16

@@ -176,11 +176,11 @@ def resource_api(context: DoctorContext) -> Result:
 
 def partitionable_devices(context: DoctorContext) -> Result:
     """DRA mode: whether the API server keeps the counters of GPU sets (module docstring)."""
+    config = context.config
+    if config.mode != "dra":  # before the client is imported: a node without it needs none
+        return passed("not needed (device-plugin mode)")
     from kubernetes import client
 
-    config = context.config
-    if config.mode != "dra":
-        return passed("not needed (device-plugin mode)")
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]

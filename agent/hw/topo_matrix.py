@@ -15,7 +15,9 @@ What the text must hold: a header line whose first column is ``GPU0`` (then ``GP
 ``GPU NUMA ID``), followed by one row per GPU (NIC rows optional). Lines before the header
 (a shell prompt, driver warnings) are ignored. The matrix ends at ``Legend:`` or at the
 first line that is not a row; after it only ``NICn: <name>`` entries (the ``NIC Legend``)
-are read, everything else is ignored. Blank lines between rows are allowed.
+are read, everything else is ignored. Blank lines between rows are allowed. Terminal control
+sequences are dropped first (nvidia-smi underlines the header with ``ESC[4m`` even into a
+file).
 
 Columns may be tab-separated (what nvidia-smi writes), space-aligned (the same text after a
 terminal expanded its tabs), or separated by any run of spaces; rows may be indented.

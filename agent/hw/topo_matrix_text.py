@@ -28,6 +28,9 @@ _GPU_NAME = re.compile(r"GPU(\d+)")
 _ROWLIKE_LABEL = re.compile(r"(?:GPU|NIC)\d+")
 _NV_CELL = re.compile(r"NV([1-9]\d{0,3})", re.IGNORECASE)
 _CPULIST = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
+# Terminal control sequences (ECMA-48 CSI): nvidia-smi underlines the header line
+# (ESC[4m ... ESC[0m) even when its output goes to a pipe or a file; they take no columns.
+_CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 _LEGEND_ENTRY = re.compile(r"\s*([A-Za-z][\w.-]*)\s*:\s*(\S+)\s*")
 _UNKNOWN_CELLS = frozenset({"", "N/A"})
 _TAB_STOP = 8  # terminals expand nvidia-smi's tabs to 8-column stops
@@ -157,7 +160,8 @@ class MatrixReader:
 
     def __init__(self, text: str, source: str) -> None:
         self.source = source
-        self.lines = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        text = _CSI.sub("", text.lstrip("\ufeff"))
+        self.lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
         self.rows: dict[str, Row] = {}
         self.legend: dict[str, str] = {}
 

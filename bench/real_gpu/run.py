@@ -17,7 +17,11 @@ Steps (each recorded in the report, a failing one does not stop the others):
    discovered is advertised, all Healthy throughout), Allocate of each GPU, and one
    ``/metrics`` scrape against ``--query-gpu`` (utilisation, memory, temperature, power,
    within the tolerances of ``compare.py``);
-6. ``processes``: while a process uses GPU 0, the agent's per-process memory and SM
+6. ``nvml``: every NVML call the agent makes (discovery, telemetry, events, the doctor's
+   per-GPU status) and each call's outcome, recorded by ``nvml_calls.py`` into
+   ``nvml_calls.json`` in ``--out``: compare it with the fake's record of a like machine
+   (``nvml_calls.py --compare``) to see where the simulator differs from this driver;
+7. ``processes``: while a process uses GPU 0, the agent's per-process memory and SM
    utilisation against ``--query-compute-apps`` and ``pmon``. The process is a matrix
    multiply loop in PyTorch or CuPy, whichever is installed (``nvidia-smi`` holds no CUDA
    context); without either the step is skipped and says so.
@@ -60,6 +64,7 @@ from compare import (  # noqa: E402
     parse_pmon,
     parse_smi_query,
 )
+from nvml_calls import record_calls  # noqa: E402
 
 #: The whole kit stays within this (the issue's 8 minutes, less a margin).
 BUDGET_S = 450.0
@@ -185,6 +190,17 @@ class Kit:
                                                 "devices": len(advertised), "list_updates": len(
                                                     kubelet.device_lists.get(resource, []))}}
 
+    def nvml(self) -> dict[str, Any]:
+        record = record_calls(self.args.simulate)
+        os.makedirs(self.args.out, exist_ok=True)
+        with open(os.path.join(self.args.out, "nvml_calls.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        failed = {k: v for k, v in record["steps"].items() if v != "ok" and k != "sample fields"}
+        errors = sorted(name for name, entry in record["calls"].items()
+                        if any(o.startswith(("error", "raised")) for o in entry["outcomes"]))
+        return {"details": {"library": record["library"], "functions": len(record["calls"]),
+                            "functions_with_errors": errors, "paths_failed": failed}}
+
     def processes(self) -> dict[str, Any]:
         worker = None
         if not self.args.simulate:
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     kit = Kit(args)
     steps: dict[str, dict[str, Any]] = {}
     differences: list[dict[str, Any]] = []
-    for name in ("doctor", "topology", "labels", "allocate", "soak", "processes"):
+    for name in ("doctor", "topology", "labels", "allocate", "soak", "nvml", "processes"):
         started = time.monotonic()
         try:
             result = getattr(kit, name)()

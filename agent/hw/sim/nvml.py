@@ -64,6 +64,8 @@ from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
 from agent.hw.sim.sysfs_tree import placement_path
 
 _C = CONSTANTS
+#: GPU generations whose driver answers the fabric-info query (NVSwitch fabric, GB200 NVL)
+_FABRIC_ARCHITECTURES = frozenset({"hopper", "blackwell"})
 
 
 def _mig_uuid(gpu_uuid: str, slot: int) -> str:
@@ -421,9 +423,18 @@ class FakeNvml(TelemetryApi):
 
     def _fill_fabric(self, device: _Handle, info: Any) -> None:
         g, _ = self._dev(device, mig_ok=False)
-        if g.fabric_clique_id is None:
-            raise _err("NVML_ERROR_NOT_SUPPORTED")
         target = getattr(info, "_obj", info)  # byref(struct) or the struct itself
+        if g.fabric_clique_id is None:
+            # A Hopper or newer GPU outside any fabric answers SUCCESS with state
+            # NOT_SUPPORTED (seen: an H200 in a VM, driver 580.159.04); older ones have no
+            # fabric info at all
+            if g.model.architecture not in _FABRIC_ARCHITECTURES:
+                raise _err("NVML_ERROR_NOT_SUPPORTED")
+            if not isinstance(target, (c_nvmlGpuFabricInfo_t, c_nvmlGpuFabricInfoV_t)):
+                raise _err("NVML_ERROR_INVALID_ARGUMENT")
+            target.state = _C["NVML_GPU_FABRIC_STATE_NOT_SUPPORTED"]
+            target.status = _C["NVML_ERROR_NOT_SUPPORTED"]
+            return
         if not isinstance(target, (c_nvmlGpuFabricInfo_t, c_nvmlGpuFabricInfoV_t)):
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
         raw = uuid_mod.UUID(g.fabric_cluster_uuid).bytes if g.fabric_cluster_uuid else bytes(16)

@@ -180,7 +180,9 @@ class FakeNvmlCore:
                 for k in range(spec.nvswitch.links_per_gpu):
                     bus = spec.nvswitch.bus_ids[k % len(spec.nvswitch.bus_ids)]
                     links[i][take(i)] = _Link(switch_type, None, bus)
-        return links
+        # a GPU with no NVLink wired answers NotSupported on every port, not "disabled"
+        # (seen: an H200 in a VM, driver 580.159.04, all 18 ports)
+        return [ports if any(port is not None for port in ports) else [] for ports in links]
 
     def _default_telemetry(self, g: GpuSpec) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.spec.name}:{g.index}".encode())

@@ -334,7 +334,9 @@ class TelemetryApi(FakeNvmlCore):
 
     @api
     def nvmlDeviceGetSupportedEventTypes(self, handle: _Handle) -> int:
-        self._dev(handle, mig_ok=False)
+        g, _ = self._dev(handle, mig_ok=False)
+        if g.model.architecture in ("hopper", "blackwell"):
+            return _C["nvmlEventTypeAll"]  # seen: an H200, driver 580.159.04 (0xff9f)
         return (
             _C["nvmlEventTypeSingleBitEccError"]
             | _C["nvmlEventTypeDoubleBitEccError"]
