@@ -188,7 +188,8 @@ class DraPolicy:
         self.members = members(slices)
         self.largest_island = max(collections_count(island_ids(topo).values()))
         self.engine = AllocationEngine(topo)
-        self.n = self.claims = self.fallbacks = self.pruned = self.below = 0
+        self.n = self.claims = self.fallbacks = self.pruned = self.below = self.matched = 0
+        self.set_devices: list[int] = []  # set devices in each rendering the scheduler saw
         self.pruned_loss: list[float] = []
 
     def _republish(self, free: list[int]) -> None:
@@ -205,6 +206,7 @@ class DraPolicy:
         self.renderings.append(rendered)
         self.members.update(members(rendered))
         self.model, self.seen = AllocatorModel(rendered, CLASSES, CEL), rendered
+        self.set_devices.append(len(set_names(rendered)))
         self.model.allocated = {(DRIVER, NODE, name) for devices, _, _ in self.running for name in devices}
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
@@ -240,6 +242,7 @@ class DraPolicy:
         best = self.engine.best_score_for_size(k) or 1
         loss = (self.topo.set_score(dp) - self.topo.set_score(gpus)) / best
         self.below += loss > 0
+        self.matched += sorted(dp) == sorted(gpus)
         names = {d["name"] for s in self.seen for d in s["spec"].get("devices", ()) if d["name"].startswith("gpuset-")}
         if tuple(dp) not in {tuple(self.members[n]) for n in names}:  # the sets the scheduler saw
             self.pruned += 1
@@ -294,6 +297,7 @@ def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher)
         policy = DraPolicy(topo, slices, path, publisher if path in RERENDER else None, lag)
         r: dict[str, Any] = dict(quality.replay(topo, policy, events))
         r.update(claims=policy.claims, fallbacks=policy.fallbacks, pruned=policy.pruned, below=policy.below,
+                 matched=policy.matched, set_devices=policy.set_devices,
                  leak_unschedulable=policy.leak_unschedulable,
                  pruned_loss=statistics.mean(policy.pruned_loss) if policy.pruned_loss else 0.0)
         rows[path] = r
@@ -324,6 +328,22 @@ def verdict(name: str, rows: dict[str, dict[str, Any]]) -> str:
             f"{sets['pruned']} (mean loss {100 * sets['pruned_loss']:.1f} points), below its score {sets['below']}"
             f"; [set -> island -> singles] unschedulable in v0.36.2 (counter leak): "
             f"{rows['DRA sets+island']['leak_unschedulable']}/{rows['DRA sets+island']['claims']}")
+
+
+def first_fit_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, ...]]:
+    """Per machine and lag: of the set claims, how many got exactly the device plugin's choice
+    for the free GPUs (``dp``), landed below its score, fell back to singles; and the set devices
+    of each rendering the scheduler saw (mean, max: what the scheduler pays for on every Filter)."""
+    out = [("machine", *(f"lag {lag}: dp / below / fallback of claims; sets mean (max)" for lag in LAGS))]
+    for name, rows in results.items():
+        cells = []
+        for path in RERENDER:
+            r = rows[path]
+            n = r["set_devices"] or [0]
+            cells.append(f"{r['matched']} / {r['below']} / {r['fallbacks']} of {r['claims']}; "
+                         f"{statistics.mean(n):.1f} ({max(n)})")
+        out.append((name, *cells))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                              .replace("1 NUMA ", "").replace("score ", "").replace(", ", " / ")
                              for p in ("DRA sets", *RERENDER))))
     print_table(goal, args.markdown)
+    print()
+    print_table(first_fit_table(results), args.markdown)
     print(f"\n== goals (seed {args.seed}, {args.events} events, {seconds:.0f} s) ==")
     print("\n".join(verdict(name, rows) for name, rows in results.items()))
     return 0

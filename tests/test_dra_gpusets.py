@@ -294,10 +294,13 @@ def test_sizes_and_how_many_sets_each_machine_publishes(machine, sizes, counts):
 def test_large_synthetic_nodes_publish_a_few_sets_a_size(islands):
     topology = synthetic_islands_topology(islands, 8)
     slices = render_slices(topology, node_name=NODE)
-    for k in set_sizes(topology):
+    sizes = set_sizes(topology)
+    for k in sizes:
         sets = published_sets(slices, k)
-        assert 1 <= len(sets) <= SETS_PER_SIZE
-        assert sum(len(m) for m in sets) == len({g for m in sets for g in m})  # disjoint
+        assert 1 <= len(sets) <= SETS_PER_SIZE and len(set(sets)) == len(sets)
+    # no more sets in all than the disjoint choices per size, at most 4 a size, would be
+    assert sum(len(published_sets(slices, k)) for k in sizes) <= sum(min(SETS_PER_SIZE, 8 * islands // k)
+                                                                      for k in sizes)
     if islands == 8:  # 64 GPUs: 64 singles and 16 sets, in two device slices
         assert len(slices) == 3 and sum(len(s["spec"].get("devices", [])) for s in slices) == 64 + 16
 
@@ -314,14 +317,48 @@ def test_the_first_set_of_each_size_is_what_allocate_available_gives_on_the_free
         if k > len(free):
             assert sets == []
             continue
-        assert main(["allocate", "--simulate", machine, "--size", str(k), "--available", ",".join(map(str, free))]) == 0
-        chosen = [int(i) for i in capsys.readouterr().out.split("indices")[1].split("\n")[0].strip(" []").split(",")]
-        assert list(sets[0]) == chosen, (machine, held, k)
-        # the next ones: the policy's choice among the free GPUs the earlier ones left
-        left = set(free) - set(chosen)
-        for members in sets[1:]:
-            assert set(members) <= left and members == SetPolicy(topology).choose(sorted(left), k)
-            left -= set(members)
+        chosen = allocate_available(machine, free, k, capsys)
+        assert sets[0] == chosen, (machine, held, k)
+        # the next ones: the policy's choice on the free GPUs less a set or GPU a claim may have
+        # taken first, or its next disjoint choices
+        policy = SetPolicy(topology)
+        taken = [(policy.choose(free, 1), *(policy.choose(free, j) for j in set_sizes(topology) if j <= len(free)))]
+        conditional = {policy.choose([g for g in free if g not in t], k) for t in taken[0]
+                       if len(free) - len(t) >= k}
+        assert set(sets[1:]) <= conditional | set(policy.sequence(free, k, SETS_PER_SIZE)), (machine, held, k)
+
+
+def allocate_available(machine, free, k, capsys):
+    """``allocate --available FREE --size k``: the device plugin's choice, ascending indices."""
+    assert main(["allocate", "--simulate", machine, "--size", str(k), "--available", ",".join(map(str, free))]) == 0
+    out = capsys.readouterr().out
+    return tuple(sorted(int(i) for i in out.split("indices")[1].split("\n")[0].strip(" []").split(",")))
+
+
+@pytest.mark.parametrize("machine,held", [("dgx-h100", []), ("dgx2", []), ("dgx-h100", [1]),
+                                          ("dgx1-v100", [0, 2, 4]), ("pcie-pairs", [3])])
+def test_after_a_claim_the_agent_has_not_heard_of_the_next_first_fit_is_allocate_available_on_the_rest(
+        machine, held, capsys):
+    """The scheduler allocates before the agent re-renders: a claim took the first single GPU or
+    the first set of its size; the next claim's first free set of each size is then the device
+    plugin's choice on the GPUs left (where the sets a size may have allow it: not on every
+    occupancy, e.g. dgx1-v100 empty, a pair after a set of 4)."""
+    topology = load_topology(machine)
+    free = [i for i in range(topology.gpu_count) if i not in held]
+    assert main(["slices", "--simulate", machine, "--node-name", NODE, "--in-use", ",".join(map(str, held))]) == 0
+    slices = list(yaml.safe_load_all(capsys.readouterr().out))
+    singles = [d["attributes"][f"{D}/index"]["int"] for s in slices for d in s["spec"].get("devices", [])
+               if d["attributes"][f"{D}/type"]["string"] == "gpu"]
+    sizes = set_sizes(topology)
+    firsts = [(singles[0],), *(published_sets(slices, j)[0] for j in sizes if j <= len(free))]
+    checked = 0
+    for taken in firsts:
+        left = [g for g in free if g not in taken]
+        for k in (k for k in sizes if k <= len(left)):
+            first_fit = next(s for s in published_sets(slices, k) if set(s).isdisjoint(taken))
+            assert first_fit == allocate_available(machine, left, k, capsys), (machine, held, taken, k)
+            checked += 1
+    assert checked >= 3
 
 
 def test_a_published_set_stays_until_a_member_is_held_through_another_device():
@@ -359,7 +396,7 @@ def test_sets_published_before_a_gpu_went_unhealthy_stay_tainted():
     sick = sets(unhealthy={2: "XID 79"}, occupancy=Occupancy(published=list(names)))
     assert set(names) <= set(sick)
     holding = {n for n in names if 2 in parse_set_name(n)}
-    assert len(holding) == 3  # a pair, a quad, the eight
+    assert len(holding) == 4  # two pairs (sets of a size may overlap), a quad, the eight
     for n, d in sick.items():
         assert d.get("taints") == ([{"key": f"{D}/xid", "value": "79", "effect": "NoSchedule"}] if n in holding else None)
     gone = sets(unhealthy={2: "XID 79"}, taint_effect=None, keep={"gpuset-4-mf"},

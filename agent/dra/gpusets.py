@@ -32,12 +32,19 @@ between classes changes: each claim still gets the first free device of its clas
 placement is the same.
 
 **Sets.** Sizes 2, 4, 8 and 16, and the size of every NVLink island and maximal NVLink clique
-of two or more GPUs, as far as the node has GPUs (:func:`set_sizes`). Per size, the policy's
-choice of k free GPUs, then its choice among the free GPUs left, and so on, at most
-:data:`SETS_PER_SIZE` disjoint sets (:meth:`SetPolicy.sequence`): the first free set of each size
-is exactly the device plugin's answer, and claims allocated before the agent re-publishes
-(the scheduler runs ahead of the kubelet) still find the next answers. A claim that finds no
-set free falls back to single GPUs (the example claims' prioritized list).
+of two or more GPUs, as far as the node has GPUs (:func:`set_sizes`). Per size first the
+policy's choice of k free GPUs: the first free set of each size is exactly the device plugin's
+answer. Then for claims allocated before the agent re-publishes (the scheduler runs ahead of the
+kubelet; such a claim most likely took the first single GPU or the first set of its size, P):
+the policy's choices on the free GPUs less P, one P of each size, added one at a time where they
+make the first set not overlapping P the policy's choice without P for the most P
+(:meth:`SetPolicy.sets_by_size`); then its disjoint next choices (:meth:`SetPolicy.sequence`).
+At most :data:`SETS_PER_SIZE` a size, and in all no more than the disjoint choices would be.
+Sets of one size may overlap: their counters make them exclusive, names are unique per member
+set, and the keep rule below does not assume disjoint sets. Where the device plugin's choice
+changes although the first set stays free (it packs next to a GPU that became busy), first fit
+cannot follow it. A claim that finds no set free falls back to single GPUs (the example
+claims' prioritized list).
 
 **Never withdraw what a claim may hold** (:func:`sets_to_keep`). The scheduler allocates
 before the agent hears of it (the kubelet prepares after the pod is bound), and counts an
@@ -99,7 +106,7 @@ whole group so far, then by the lower index.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping
+from typing import Collection, Iterable, Mapping, Sequence
 
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceTable
@@ -260,6 +267,43 @@ class SetPolicy:
             left -= set(chosen)
         return out
 
+    def sets_by_size(self, free: Sequence[int]) -> dict[int, list[tuple[int, ...]]]:
+        """Size -> the sets of that size to publish for ``free``, in order (module docstring,
+        "Sets"): the policy's choice on ``free``; then, one at a time, the conditional choice
+        (:meth:`conditional`) that adds the most cases where a claim finds it as its first free
+        set; then the next disjoint choices of :meth:`sequence`. Per size at most
+        :data:`SETS_PER_SIZE`; in all no more sets than the disjoint choices of :meth:`sequence`
+        (at most :data:`SETS_PER_SIZE` a size) would be."""
+        firsts = {k: self.choose(free, k) for k in (1, *self.sizes) if k <= len(free)}
+        room = {k: min(SETS_PER_SIZE, len(free) // k) for k in self.sizes if k in firsts}
+        budget = sum(room.values())
+        cases = {k: self.conditional(free, k, firsts.values()) for k in room}
+        lists = {k: [firsts[k]] for k in room}
+        while sum(map(len, lists.values())) < budget:
+            gains = [(_hits(cases[k], [*lists[k], c]) - _hits(cases[k], lists[k]), k, -i, c) for k in room
+                     if len(lists[k]) < SETS_PER_SIZE
+                     for i, c in enumerate(dict.fromkeys(want for _, want in cases[k])) if c not in lists[k]]
+            if not gains or max(gains)[0] <= 0:
+                break
+            _, k, _, chosen = max(gains)
+            lists[k].append(chosen)
+        for k in sorted(room, reverse=True):
+            for chosen in self.sequence(free, k, room[k]):
+                if len(lists[k]) < room[k] and sum(map(len, lists.values())) < budget and chosen not in lists[k]:
+                    lists[k].append(chosen)
+        return lists
+
+    def conditional(self, free: Sequence[int], size: int,
+                    taken: Iterable[tuple[int, ...]]) -> list[tuple[frozenset[int], tuple[int, ...]]]:
+        """For each of the sets ``taken`` (GPUs a claim the agent has not heard of may hold)
+        that leaves ``size`` GPUs of ``free``: those GPUs and the policy's choice on the rest."""
+        out = []
+        for gone in map(frozenset, taken):
+            left = [g for g in free if g not in gone]
+            if len(left) >= size:
+                out.append((gone, self.choose(left, size)))
+        return out
+
     def free_gpus(self, held: Collection[int], unhealthy: Collection[int] = ()) -> list[int]:
         """The GPUs a set may hold: whole, healthy, not lost, not in ``held``."""
         return [g.index for g in self.topology.gpus
@@ -279,12 +323,19 @@ class SetPolicy:
         for s in kept:
             kept_by_size.setdefault(s.size, {})[s.name] = s
         out: list[GpuSet] = []
+        lists = self.sets_by_size(sorted(free))
         for k in sorted(set(self.sizes) | set(kept_by_size), reverse=True):
-            chosen = [GpuSet(m) for m in self.sequence(free, k, SETS_PER_SIZE)] if k in self.sizes else []
+            chosen = [GpuSet(m) for m in lists.get(k, ())]
             names = {s.name for s in chosen}
             out += chosen + sorted((s for s in kept_by_size.get(k, {}).values() if s.name not in names),
                                    key=lambda s: s.members)
         return out
+
+
+def _hits(cases: list[tuple[frozenset[int], tuple[int, ...]]], order: list[tuple[int, ...]]) -> int:
+    """Of ``cases`` (GPUs taken, the policy's choice on the rest), those where the first set of
+    ``order`` that avoids the GPUs taken is that choice (the scheduler's first fit)."""
+    return sum(next((c == want for c in order if gone.isdisjoint(c)), False) for gone, want in cases)
 
 
 def sets_to_keep(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
