@@ -136,6 +136,10 @@ class Config:
     #: Kubernetes 1.37, whose scheduler gathers a node's counters for that node only; off
     #: before, where every counter slice costs every node's Filter), on, off (env DRA_GPU_SETS)
     gpu_sets: str = "auto"
+    #: a published GPU set one of whose GPUs is held through another device stays this long,
+    #: tainted (no new claim gets it), before it is withdrawn; 0: at once (the rule before
+    #: the grace, unsafe when the scheduler's view of the slices lags) (env DRA_GPU_SET_WITHDRAWAL_GRACE_S)
+    gpu_set_withdrawal_grace_s: float = 60.0
     # --- NCCL (issue 24; README "NCCL topology files")
     #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""
@@ -187,6 +191,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "DELETE_SLICES_ON_SHUTDOWN": "delete_slices_on_shutdown",
     "DRA_TAINT_EFFECT": "taint_effect",
     "DRA_GPU_SETS": "gpu_sets",
+    "DRA_GPU_SET_WITHDRAWAL_GRACE_S": "gpu_set_withdrawal_grace_s",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
@@ -342,7 +347,8 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 #: Everything else follows a reload.
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
-    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "metrics_address", "probe_address", "web_config_file",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
+    "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
     "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",

@@ -340,6 +340,7 @@ DRA_FILE_KEYS: Mapping[str, str] = {
     "deleteSlicesOnShutdown": "delete_slices_on_shutdown",
     "taintEffect": "taint_effect",
     "gpuSets": "gpu_sets",
+    "gpuSetWithdrawalGraceSeconds": "gpu_set_withdrawal_grace_s",
 }
 
 

@@ -235,6 +235,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "delete_slices_on_shutdown": expect_bool,
     "taint_effect": _taint_effect,
     "gpu_sets": lambda v, w: expect_choice(v, GPU_SETS_MODES, w),
+    "gpu_set_withdrawal_grace_s": expect_number,
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too

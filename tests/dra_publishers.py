@@ -6,9 +6,13 @@ A publisher is ``publish(topology, node_name, held, published, server_version) -
 ResourceSlice objects (v1)``: ``held`` maps each device a prepared claim of the node holds
 (its name) to its GPU indices; ``published`` names the set devices in the pool now (the
 previous publication; a rule that keeps what a claim may hold reads it); ``server_version``
-is the API server's ``major.minor`` (``"1.36"``, ``"1.37"``). :func:`agent_publisher` is the
-agent's own rendering (``agent.dra.slices.render_slices``, as ``gpu-topology-agent slices``
-prints it), given whichever of these it takes.
+is the API server's ``major.minor`` (``"1.36"``, ``"1.37"``); the keyword ``expired`` (default
+None) names the published sets whose withdrawal taint has been out for the grace period
+(:func:`withdrawing` of the previous publication models "at least the grace period" as "at the
+next publication"), None for no grace (a set that must go goes at once: the agent where the API
+server keeps no taints, or the grace is 0). :func:`agent_publisher` is the agent's own rendering
+(``agent.dra.slices.render_slices``, as ``gpu-topology-agent slices`` prints it), given
+whichever of these it takes; the others ignore ``expired``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
 Held = Mapping[str, Collection[int]]
-Publisher = Callable[[Topology, str, Held, Collection[str], str], list[dict[str, Any]]]
+Publisher = Callable[..., list[dict[str, Any]]]  # (topology, node, held, published, server_version, expired=None)
 
 
 def gpus_of(held: Held) -> list[int]:
@@ -50,11 +54,12 @@ def agent_publisher() -> Publisher:
     policies: dict[int, tuple[Topology, Any]] = {}  # the agent builds its SetPolicy once per topology
 
     def publish(topo: Topology, node: str, held: Held, published: Collection[str],
-                server_version: str) -> list[dict[str, Any]]:
+                server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
         extra: dict[str, Any] = {}
         if "occupancy" in params:
+            grace = {"expired": expired} if "expired" in inspect.signature(_slices.Occupancy).parameters else {}
             extra["occupancy"] = _slices.Occupancy(  # type: ignore[attr-defined]
-                {name: tuple(gpus) for name, gpus in held.items()}, tuple(published))
+                {name: tuple(gpus) for name, gpus in held.items()}, tuple(published), **grace)
         elif "in_use" in params:
             extra["in_use"] = gpus_of(held)
         if "policy" in params and hasattr(gpusets, "SetPolicy"):
@@ -81,13 +86,13 @@ def _decide_sets(decide: Callable[..., Any], server_version: str) -> bool:
 
 
 def static_publisher(topo: Topology, node: str, held: Held, published: Collection[str],
-                     server_version: str) -> list[dict[str, Any]]:
+                     server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
     """The order of an empty node, whatever is held (the static order of before issue 25)."""
     return agent_publisher()(topo, node, {}, (), server_version)
 
 
 def singles_publisher(topo: Topology, node: str, held: Held, published: Collection[str],
-                      server_version: str) -> list[dict[str, Any]]:
+                      server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
     """Single GPUs only (no counters, no sets)."""
     return _slices.render_slices(topo, node_name=node, with_sets=False)
 
@@ -95,6 +100,12 @@ def singles_publisher(topo: Topology, node: str, held: Held, published: Collecti
 def set_names(slices: list[dict[str, Any]]) -> list[str]:
     """The set devices of ``slices`` (what the next publication reads as ``published``)."""
     return [d["name"] for s in slices for d in s["spec"].get("devices", ()) if d["name"].startswith("gpuset-")]
+
+
+def withdrawing(slices: list[dict[str, Any]]) -> list[str]:
+    """The devices of ``slices`` carrying the withdrawal taint (``<driver>/withdrawn``)."""
+    return [d["name"] for s in slices for d in s["spec"].get("devices", ())
+            if any(t.get("key") == f"{DRIVER}/withdrawn" for t in d.get("taints") or ())]
 
 
 def load_publisher(spec: str) -> Publisher:
@@ -243,7 +254,7 @@ def earlier_publisher() -> Publisher:
         return out
 
     def publish(topo: Topology, node: str, held: Held, published: Collection[str],
-                server_version: str) -> list[dict[str, Any]]:
+                server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
         if id(topo) not in cache:
             cache[id(topo)] = (topo, devices(topo))
         devs = cache[id(topo)][1]

@@ -156,6 +156,12 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                      help="publish GPU sets: auto (on where the API server is Kubernetes 1.37 or newer,"
                           " whose scheduler reads a node's counters for that node only), on, off"
                           f" (default: {_DEFAULTS.gpu_sets}; env DRA_GPU_SETS)")
+    dra.add_argument("--gpu-set-withdrawal-grace-s", metavar="SECONDS", type=float,
+                     dest="gpu_set_withdrawal_grace_s", default=None,
+                     help="a published GPU set one of whose GPUs is held through another device stays this"
+                          " long, tainted, before it is withdrawn; 0: at once, unsafe while the scheduler's"
+                          f" view of the slices lags (default: {_DEFAULTS.gpu_set_withdrawal_grace_s:g};"
+                          " env DRA_GPU_SET_WITHDRAWAL_GRACE_S)")
 
 
 def _add_nccl_flags(p: argparse.ArgumentParser) -> None:
@@ -206,7 +212,7 @@ FLAG_FIELDS = (
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
-    "delete_slices_on_shutdown", "taint_effect", "gpu_sets",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
     "imex_required", "nccl_topology_file", "nccl_pod_files", "nccl_host_dir", "nccl_mount_path", "nccl_ib_hca",

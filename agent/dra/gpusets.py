@@ -114,7 +114,7 @@ from agent.topology.model import Topology
 
 __all__ = ["NEWEST_KNOWN", "SETS_FROM", "SETS_PER_SIZE", "SET_SIZES", "GpuSet", "SetPolicy", "clique_ids",
            "device_order", "gpu_sets_decision", "island_ids", "parse_set_name", "set_name", "set_sizes",
-           "sets_to_keep"]
+           "sets_to_keep", "sets_to_withdraw"]
 
 #: Sizes every node is offered in (besides its NVLink island and clique sizes).
 SET_SIZES = (2, 4, 8, 16)
@@ -342,17 +342,26 @@ def sets_to_keep(published: Iterable[str], held: Mapping[str, Collection[int]]) 
     """The rule (module docstring): of the set devices ``published`` (names), those that must
     stay published, given ``held``: every device a prepared claim of this node holds, name ->
     GPU indices. A set stays unless one of its members is held through another device."""
+    return _split(published, held)[0]
+
+
+def sets_to_withdraw(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
+    """Of the set devices ``published``, those :func:`sets_to_keep` does not keep: one of their
+    members is held through another device (published tainted for the grace period first,
+    module docstring)."""
+    return _split(published, held)[1]
+
+
+def _split(published: Iterable[str], held: Mapping[str, Collection[int]]) -> tuple[list[GpuSet], list[GpuSet]]:
     through: dict[int, set[str]] = {}
     for device, gpus in held.items():
         for g in gpus:
             through.setdefault(g, set()).add(device)
-    out = []
+    keep, withdraw = [], []
     for name in sorted(set(published)):
         members = parse_set_name(name)
         if members is None:
             continue  # not a set of ours (a stored slice of another agent version): nothing to keep
-        if not any(through.get(g, set()) - {name} for g in members):
-            out.append(GpuSet(members))
-    return out
-
-
+        blocked = any(through.get(g, set()) - {name} for g in members)
+        (withdraw if blocked else keep).append(GpuSet(members))
+    return keep, withdraw

@@ -54,14 +54,17 @@ class PublishSettings:
     """What the publisher publishes and how it retries: the node (and pool) name, the
     driver, the taint effect on unhealthy GPUs, whether :meth:`SlicePublisher.stop` deletes
     the slices (default keep: a restarting agent must not make running pods' devices
-    vanish), ``dra.gpuSets`` (:func:`agent.dra.gpusets.gpu_sets_decision`), the capped
-    exponential backoff after a failure and the period of a full resync."""
+    vanish), ``dra.gpuSets`` (:func:`agent.dra.gpusets.gpu_sets_decision`), the grace period
+    of a set's withdrawal (``dra.gpuSetWithdrawalGraceSeconds``, :mod:`agent.dra.withdrawal`;
+    0: withdrawn at once), the capped exponential backoff after a failure and the period of a
+    full resync."""
 
     node_name: str
     driver_name: str = DEFAULT_DRIVER_NAME
     taint_effect: str = "NoSchedule"
     delete_on_stop: bool = False
     gpu_sets: str = "auto"
+    withdrawal_grace_s: float = 60.0
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     resync_s: float = 300.0
@@ -69,4 +72,4 @@ class PublishSettings:
     @classmethod
     def from_config(cls, config: Config) -> PublishSettings:
         return cls(config.node_name, config.driver_name, config.taint_effect, config.delete_slices_on_shutdown,
-                   config.gpu_sets)
+                   config.gpu_sets, config.gpu_set_withdrawal_grace_s)

@@ -72,6 +72,7 @@ from agent.dra.readback import (
     same_content,
 )
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, Occupancy, render_slices
+from agent.dra.withdrawal import expired, stamp_withdrawals, withdrawal_times
 from agent.errors import AgentError
 from agent.kube import (
     RESOURCE_GROUP,
@@ -96,7 +97,8 @@ _WITHOUT = {
                            " single GPUs only, no GPU sets (restart the agent once the gate is on)",
     DEVICE_TAINTS: "the device taints: the API server does not keep them (feature gate DRADeviceTaints off?);"
                    " devices of unhealthy GPUs are left out instead, but those a prepared claim of this node"
-                   " uses, which stay untainted until it is unprepared",
+                   " uses, which stay untainted until it is unprepared; GPU sets are withdrawn at once, without"
+                   " the grace period",
 }
 
 
@@ -164,6 +166,7 @@ class SlicePublisher(Worker):
         self.node_uid: str | None = None
         self._node_read = False
         self.generation = 0  # the pool generation last published
+        self._withdrawal_due = float("inf")  # wall time the next withdrawal grace runs out
         if health is not None:
             self._unhealthy = dict(health.snapshot())
             health.add_listener(self._on_health_change)
@@ -220,8 +223,11 @@ class SlicePublisher(Worker):
                     if self._prepared is not None else set())
         published = {d.get("name", "") for o in existing.values()
                      for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
+        grace, now = self.settings.withdrawal_grace_s, time.time()
         occupancy = Occupancy({name: gpus_of(refs, name) for name in sorted(prepared)},
-                              sorted(n for n in published if parse_set_name(n) is not None))
+                              sorted(n for n in published if parse_set_name(n) is not None),
+                              expired(withdrawal_times(existing.values(), self.driver_name, now), now, grace)
+                              if grace > 0 else None)
         taints = self.kept[DEVICE_TAINTS]
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=self.api_version or "v1",
@@ -244,8 +250,11 @@ class SlicePublisher(Worker):
         next_resync = time.monotonic() + self.settings.resync_s
         while True:
             with self._cond:
-                while not self._stop.is_set() and not self._dirty and time.monotonic() < next_resync:
-                    self._cond.wait(max(0.0, next_resync - time.monotonic()))
+                # a set's withdrawal grace running out wakes the thread too (wall clock: see
+                # agent.dra.withdrawal)
+                due = min(next_resync, time.monotonic() + self._withdrawal_due - time.time())
+                while not self._stop.is_set() and not self._dirty and time.monotonic() < due:
+                    self._cond.wait(max(0.0, due - time.monotonic()))
                 if self._stop.is_set():
                     return
                 self._dirty = False
@@ -327,6 +336,12 @@ class SlicePublisher(Worker):
         on, why = gpu_sets_decision(setting, server)
         self.gpu_sets = on
         log.info("GPU sets %s: %s", "published" if on else "not published", why)
+        grace = self.settings.withdrawal_grace_s
+        if on:
+            log.info("withdrawing a GPU set one of whose GPUs is held through another device: %s", (
+                f"tainted {self.driver_name}/withdrawn, withdrawn after {grace:g} s" if grace > 0 else
+                "withdrawn at once, untainted (safe only while the scheduler's view of the slices does not lag)")
+                + f" (dra.gpuSetWithdrawalGraceSeconds {grace:g})")
         if self._events is not None:
             self._events.dra_gpu_sets(on, setting)
 
@@ -372,6 +387,10 @@ class SlicePublisher(Worker):
         seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
                                for o in existing.values()] + [self.generation])
         want = self._desired(existing)
+        for w in want:
+            keep_taint_times(w, existing.get(w["metadata"]["name"]))
+        first = stamp_withdrawals(want, self.driver_name, time.time())
+        self._withdrawal_due = float("inf") if first is None else first + self.settings.withdrawal_grace_s
         changed = [w for w in want if w["metadata"]["name"] not in existing
                    or not same_content(w, existing[w["metadata"]["name"]])]
         if not changed and len(want) == len(existing):
@@ -390,9 +409,7 @@ class SlicePublisher(Worker):
         for w in want:
             w["spec"]["pool"]["generation"] = generation
         for w in changed if in_place else want:
-            current = existing.get(w["metadata"]["name"])
-            keep_taint_times(w, current)
-            stored = self._put(api, w, current)
+            stored = self._put(api, w, existing.get(w["metadata"]["name"]))
             self.generation = generation
             if self._dropped(w, stored):
                 return False

@@ -95,8 +95,9 @@ import yaml
 
 from agent.config import DEFAULT_DRIVER_NAME
 from agent.dra.devices import device_name
-from agent.dra.gpusets import GpuSet, SetPolicy, clique_ids, device_order, island_ids, sets_to_keep
-from agent.dra.taints import HealthMarks
+from agent.dra.gpusets import GpuSet, SetPolicy, clique_ids, device_order, island_ids, sets_to_keep, sets_to_withdraw
+from agent.dra.taints import MAX_TAINTS, HealthMarks
+from agent.dra.withdrawal import withdrawal_taint
 from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.health import LOST_REASON
 from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS
@@ -239,16 +240,19 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
 
 
 def render_set_devices(topology: Topology, sets: Iterable[GpuSet], driver: str = DEFAULT_DRIVER_NAME,
-                       marks: HealthMarks | None = None) -> list[Device]:
+                       marks: HealthMarks | None = None, withdrawing: Collection[str] = ()) -> list[Device]:
     """``sets`` as devices, in the given order, with only the attributes the device classes
     select on (``type``, ``gpuCount``, ``healthy``); a set with an unhealthy member is
-    tainted (or left out) as ``marks`` says, one with a MIG-enabled member left out."""
+    tainted (or left out) as ``marks`` says, one with a MIG-enabled member left out; a set
+    named in ``withdrawing`` carries the withdrawal taint (:mod:`agent.dra.withdrawal`)."""
     marks = marks if marks is not None else health_marks(topology)
     out: list[Device] = []
     for s in sets:
         shown, taints = marks.device(driver, s.name, s.members)
         if not shown or any(topology.gpus[i].mig_enabled for i in s.members):
             continue
+        if s.name in withdrawing:
+            taints = [withdrawal_taint(driver), *taints][:MAX_TAINTS]
         attributes = {
             "type": {"string": "gpuset"},
             "gpuCount": {"int": s.size},
@@ -263,10 +267,14 @@ class Occupancy:
     """What the publication follows: ``held``, every device a prepared claim of this node
     holds (name -> GPU indices); ``published``, the set devices in the pool now (names, as
     the API server has them; the rule of :func:`agent.dra.gpusets.sets_to_keep` keeps them
-    while a claim may hold them)."""
+    while a claim may hold them); ``expired``, of those, the ones whose withdrawal taint has
+    been published for the grace period (:mod:`agent.dra.withdrawal`), or None for no grace:
+    a published set that must go (:func:`agent.dra.gpusets.sets_to_withdraw`) stays, tainted,
+    until named here; with None (or where the API server keeps no taints) it goes at once."""
 
     held: Mapping[str, Collection[int]] = field(default_factory=dict)
     published: Collection[str] = ()
+    expired: Collection[str] | None = None
 
     @property
     def held_gpus(self) -> set[int]:
@@ -365,7 +373,8 @@ def render_slices(
     free = policy.free_gpus(occupancy.held_gpus, marks.reasons)
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
-        sets = render_set_devices(topology, _sets_for(policy, occupancy, free), driver, marks)
+        chosen, withdrawing = _sets_for(policy, occupancy, free, graced=taint_effect is not None)
+        sets = render_set_devices(topology, chosen, driver, marks, withdrawing)
     order = policy.single_order(free)
     # a single consumes its counter only while a published set holds its GPU (the module
     # docstring says why that is safe), where the sets and the singles share one slice
@@ -401,12 +410,18 @@ def render_slices(
     return out
 
 
-def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int]) -> list[GpuSet]:
+def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int],
+              graced: bool) -> tuple[list[GpuSet], set[str]]:
     """The policy's sets on ``free``, then those a claim may hold: the published ones the rule
-    keeps and the ones prepared claims hold."""
+    keeps and the ones prepared claims hold; then (``graced``: the server keeps taints) the
+    published ones being withdrawn whose grace has not run out, and their names."""
     kept = sets_to_keep(occupancy.published, occupancy.held)
     held = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
-    return policy.sets(free, [*kept, *held])
+    withdrawing: list[GpuSet] = []
+    if graced and occupancy.expired is not None:
+        gone = set(occupancy.expired) | {s.name for s in held}
+        withdrawing = [s for s in sets_to_withdraw(occupancy.published, occupancy.held) if s.name not in gone]
+    return policy.sets(free, [*kept, *held, *withdrawing]), {s.name for s in withdrawing}
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
