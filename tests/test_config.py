@@ -358,3 +358,19 @@ def test_per_node_config_settings_come_from_config_managers_variables():
         load_config(None, {"NODE_LABEL": "not a/label/key"}, {})
     with pytest.raises(ConfigError, match=r"--default-config: expected a config name"):
         load_config(None, {}, {"default_config": "../etc/passwd"})
+
+
+def test_the_gpu_set_withdrawal_grace_is_a_flag_an_environment_variable_and_a_file_key(tmp_path):
+    path = write(tmp_path, "c.yaml", "version: v1\ndra:\n  gpuSetWithdrawalGraceSeconds: 90\n")
+    assert Config().gpu_set_withdrawal_grace_s == 60.0
+    assert load_config(path, {}, {}).gpu_set_withdrawal_grace_s == 90.0
+    env = {"DRA_GPU_SET_WITHDRAWAL_GRACE_S": "0"}
+    assert load_config(path, env, {}).gpu_set_withdrawal_grace_s == 0.0
+    assert load_config(path, env, {"gpu_set_withdrawal_grace_s": 30.0}).gpu_set_withdrawal_grace_s == 30.0
+    bad = write(tmp_path, "bad.yaml", "version: v1\ndra:\n  gpuSetWithdrawalGraceSeconds: soon\n")
+    with pytest.raises(ConfigError, match=r"dra.gpuSetWithdrawalGraceSeconds: expected a number, got 'soon'"):
+        load_config(bad, {}, {})
+    with pytest.raises(ConfigError, match=r"environment DRA_GPU_SET_WITHDRAWAL_GRACE_S: expected a number >= 0"):
+        load_config(None, {"DRA_GPU_SET_WITHDRAWAL_GRACE_S": "-1"}, {})
+    with pytest.raises(ConfigError, match=r"--gpu-set-withdrawal-grace-s: expected a number >= 0"):
+        load_config(None, {}, {"gpu_set_withdrawal_grace_s": -5.0})

@@ -620,7 +620,8 @@ def test_the_config_file_sets_the_dra_settings_and_names_a_bad_key(tmp_path):
     assert (c.mode, c.driver_name, c.cdi_dir, c.kubeconfig) == ("dra", "gpu.example.com", "/run/cdi", "")
     path.write_text("version: v1\ndra:\n  driver: gpu.example.com\n")
     with pytest.raises(ConfigError, match=r"config.yaml: dra.driver: unknown key \(expected one of driverName, "
-                                          r"pluginsRegistryDir, pluginsDir, cdiDir, kubeconfig, deleteSlicesOnShutdown, taintEffect, gpuSets\)"):
+                                          r"pluginsRegistryDir, pluginsDir, cdiDir, kubeconfig, deleteSlicesOnShutdown, taintEffect, gpuSets,"
+                                          r" gpuSetWithdrawalGraceSeconds\)"):
         load_config(str(path), {}, {})
     path.write_text("version: v1\nmode: DRA-please\n")
     with pytest.raises(ConfigError, match=r"config.yaml: mode: expected one of device-plugin, dra, got 'DRA-please'"):

@@ -435,3 +435,103 @@ def test_gpu_sets_follow_the_api_servers_version_said_in_one_line_and_the_metric
         assert f"Kubernetes {version}" in said[0] and ("before 1.37" in said[0]) == (not sets)
     mode = "on" if sets else "off"
     assert registry.get_sample_value("gpu_agent_dra_gpu_sets_mode", {"mode": mode, "setting": setting}) == 1.0
+
+
+# ----------------------------------------------------------------------- withdrawing a set
+WITHDRAWN = (f"{DRIVER}/withdrawn", "member-in-use", "NoSchedule")
+
+
+def sets_holding(slices, gpu):
+    """The set devices published with GPU ``gpu`` among their members (by their counters)."""
+    return sorted(d["name"] for o in slices for d in o["spec"].get("devices", []) if d["name"].startswith("gpuset-")
+                  and any(f"gpu-{gpu}" in u["counters"] for u in d.get("consumesCounters") or ()))
+
+
+def withdrawal(slices, name):
+    """The withdrawal taint of device ``name``: ((key, value, effect), timeAdded as a datetime), or None."""
+    for t in taints(slices, name) or ():
+        if t["key"] == WITHDRAWN[0]:
+            return (t["key"], t["value"], t["effect"]), datetime.fromisoformat(t["timeAdded"].replace("Z", "+00:00"))
+    return None
+
+
+def hold(checkpoint, tmp_path, uid, device):
+    checkpoint.add(PreparedClaim(uid, "default", uid, (PreparedDevice("gpus", "node-1", device, ("x",)),),
+                                 str(tmp_path / f"{uid}.json")))
+
+
+def test_a_set_whose_gpu_is_held_through_another_device_is_tainted_then_withdrawn_after_the_grace(
+        server, tmp_path, caplog):
+    server.add_node("node-1")
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    pub = make(server, prepared=checkpoint, withdrawal_grace_s=2.0)
+    with caplog.at_level(logging.INFO, logger="agent.dra.publisher"):
+        pub.start()
+        try:
+            assert eventually(pub.ready, 30)
+            due = sets_holding(server.slices(), 0)
+            assert due and not any(tainted(server.slices(), n) for n in due)
+            hold(checkpoint, tmp_path, "uid-1", "gpu-0")  # GPU 0 held as a single: every set holding it is due
+            assert server.wait_for(lambda s: all(withdrawal(s, n) for n in due), 2.0)
+            marks = {n: withdrawal(server.slices(), n) for n in due}
+            assert {m[0] for m in marks.values()} == {WITHDRAWN}
+            added = min(m[1] for m in marks.values())
+            time.sleep(max(0.0, (added - datetime.now(timezone.utc)).total_seconds() + 1.5))
+            assert set(due) <= set(device_names(server.slices()))  # not before the grace ran out
+            assert server.wait_for(lambda s: not set(due) & set(device_names(s)), 10.0)
+            assert "gpu-0" in device_names(server.slices())
+        finally:
+            pub.stop()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("withdrawing a GPU set")]
+    assert len(said) == 1 and f"tainted {DRIVER}/withdrawn, withdrawn after 2 s" in said[0]
+
+
+def test_a_withdrawal_is_called_off_when_the_gpu_is_free_again_and_its_time_survives_a_restart(server, tmp_path):
+    server.add_node("node-1")
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    pub = make(server, prepared=checkpoint)  # the default grace: 60 s
+    pub.start()
+    try:
+        assert eventually(pub.ready, 30)
+        due = sets_holding(server.slices(), 3)
+        hold(checkpoint, tmp_path, "uid-1", "gpu-3")
+        assert server.wait_for(lambda s: all(withdrawal(s, n) for n in due), 2.0)
+        checkpoint.remove("uid-1")  # the claim ended before the grace ran out: the sets stay, untainted
+        assert server.wait_for(lambda s: not any(tainted(s, n) for n in due), 2.0)
+        assert set(due) <= set(device_names(server.slices()))
+        hold(checkpoint, tmp_path, "uid-2", "gpu-3")
+        assert server.wait_for(lambda s: all(withdrawal(s, n) for n in due), 2.0)
+        added = {n: withdrawal(server.slices(), n)[1] for n in due}
+    finally:
+        pub.stop()
+    pub = make(server, prepared=checkpoint)
+    pub.start()  # a restart neither withdraws at once nor starts the grace again
+    try:
+        assert eventually(pub.ready, 30)
+        assert {n: withdrawal(server.slices(), n)[1] for n in due} == added
+
+        def backdate(obj):
+            for d in obj["spec"]["devices"]:
+                for t in d.get("taints", []):
+                    t["timeAdded"] = "2020-01-01T00:00:00Z"
+        for name in {o["metadata"]["name"] for o in server.slices() if any(withdrawal([o], n) for n in due)}:
+            server.modify_slice(name, backdate)
+        pub.update()  # the grace is read from the stored taint: it ran out long ago
+        assert server.wait_for(lambda s: not set(due) & set(device_names(s)), 2.0)
+    finally:
+        pub.stop()
+
+
+def test_without_device_taints_a_set_is_withdrawn_at_once(tmp_path):
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    with ApiServerStub(disabled_features={"DRADeviceTaints"}) as server:
+        server.add_node("node-1")
+        pub = make(server, prepared=checkpoint)
+        pub.start()
+        try:
+            assert eventually(pub.ready, 30)
+            due = sets_holding(server.slices(), 5)
+            hold(checkpoint, tmp_path, "uid-1", "gpu-5")
+            assert server.wait_for(lambda s: not set(due) & set(device_names(s)), 2.0)
+        finally:
+            pub.stop()

@@ -290,6 +290,7 @@ def test_a_stale_plain_manifest_is_reported(tmp_path: Path) -> None:
     ("migStrategy=auto", "migStrategy"),
     ("dra.taintEffect=PreferNoSchedule", "dra.taintEffect"),
     ("dra.gpuSets=maybe", "dra.gpuSets"),
+    ("dra.gpuSetWithdrawalGraceSeconds=-1", "dra.gpuSetWithdrawalGraceSeconds"),
 ])
 def test_schema_refuses_a_misspelt_or_wrong_value(setting: str, complaint: str) -> None:
     result = template_text({}, extra=("--set", setting))
@@ -451,6 +452,13 @@ def test_the_taint_effect_value_reaches_the_agent_and_a_bad_one_is_refused() -> 
 def test_the_gpu_sets_value_reaches_the_agent_and_auto_is_its_own_default(setting: str) -> None:
     assert f"--gpu-sets={setting}" in container(render({"mode": "dra", "dra": {"gpuSets": setting}}))["args"]
     assert not [a for a in container(render({"mode": "dra"}))["args"] if a.startswith("--gpu-sets")]
+
+
+@pytest.mark.parametrize("grace", [0, 90, 1.5])
+def test_the_withdrawal_grace_value_reaches_the_agent_and_60_is_its_own_default(grace: float) -> None:
+    args = container(render({"mode": "dra", "dra": {"gpuSetWithdrawalGraceSeconds": grace}}))["args"]
+    assert f"--gpu-set-withdrawal-grace-s={grace}" in args
+    assert not [a for a in container(render({"mode": "dra"}))["args"] if a.startswith("--gpu-set-withdrawal")]
 
 
 def test_monitoring_objects_only_where_the_cluster_serves_their_crds() -> None:
