@@ -21,7 +21,10 @@ counters are its members', so this is the same state for the counters). Paths:
   the devices the agent's prepared claims hold) re-rendered after every prepare and
   unprepare, as the agent does, but the agent has not yet prepared the last L claims
   allocated (the kubelet prepares after the pod is bound): they are allocated in the
-  scheduler's state (their real devices, sets or singles) and unknown to the rendering. A
+  scheduler's state (their real devices, sets or singles) and unknown to the rendering. A set
+  that must go (a GPU of it held through another device) is published tainted for one
+  rendering and dropped at the next (the grace, at least G, modelled as "at the next rendering
+  after the taint"; ``--withdrawal at-once``: dropped at once, the rule without the grace). A
   double allocation would stop the run (``replay`` checks every choice against the free GPUs);
   ``tests/test_dra_safety.py`` explores the orders this replay does not;
 * ``DRA sets+island``: the same slices, the list ``[set -> k singles with matchAttribute
@@ -73,7 +76,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the allocator model, beside the other
 import quality  # noqa: E402
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel  # noqa: E402
-from dra_publishers import Publisher, agent_publisher, load_publisher, set_names  # noqa: E402
+from dra_publishers import Publisher, agent_publisher, load_publisher, set_names, withdrawing  # noqa: E402
 
 from agent.dra.gpusets import island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, render_slices  # noqa: E402
@@ -177,8 +180,8 @@ class DraPolicy:
     or singles, as allocated). A claim has left when its GPUs are free again."""
 
     def __init__(self, topo: Topology, slices: list[dict[str, Any]], path: str,
-                 publisher: Publisher | None = None, lag: int = 0) -> None:
-        self.topo, self.path, self.publisher, self.lag = topo, path, publisher, lag
+                 publisher: Publisher | None = None, lag: int = 0, grace: bool = True) -> None:
+        self.topo, self.path, self.publisher, self.lag, self.grace = topo, path, publisher, lag, grace
         self.renderings: list[list[dict[str, Any]]] = [slices]
         self.seen = slices
         self.running: list[tuple[tuple[str, ...], tuple[int, ...], int]] = []  # devices, GPUs, number per claim
@@ -202,7 +205,10 @@ class DraPolicy:
             return
         known = [c for c in self.running if c[2] <= self.n - self.lag]  # self.n: claims allocated so far
         held = {name: self.members[name] for devices, _, _ in known for name in devices}
-        rendered = self.publisher(self.topo, NODE, held, set_names(self.renderings[-1]), "1.37")
+        # the withdrawal grace (at least G) modelled as "at the next rendering after the taint"
+        last = self.renderings[-1]
+        rendered = self.publisher(self.topo, NODE, held, set_names(last), "1.37",
+                                  expired=withdrawing(last) if self.grace else None)
         self.renderings.append(rendered)
         self.members.update(members(rendered))
         self.model, self.seen = AllocatorModel(rendered, CLASSES, CEL), rendered
@@ -287,14 +293,15 @@ def published(topo: Topology) -> dict[str, Any]:
             "render_ms": 1000 * statistics.median(times), "yaml_kib": len(dump_yaml(objs)) / 1024}
 
 
-def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher) -> dict[str, dict[str, Any]]:
+def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher,
+            grace: bool = True) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {"device-plugin": dict(quality.replay(topo, quality.Ours(topo), events))}
     full = render_slices(topo, node_name=NODE)
     plain = render_slices(topo, node_name=NODE, with_sets=False)
     for path, slices in (("DRA sets", full), *((p, full) for p in RERENDER), ("DRA sets+island", full),
                          ("DRA singles", plain), ("DRA island", plain), ("naive slice", naive_slices(plain))):
         lag = LAGS[RERENDER.index(path)] if path in RERENDER else 0
-        policy = DraPolicy(topo, slices, path, publisher if path in RERENDER else None, lag)
+        policy = DraPolicy(topo, slices, path, publisher if path in RERENDER else None, lag, grace)
         r: dict[str, Any] = dict(quality.replay(topo, policy, events))
         r.update(claims=policy.claims, fallbacks=policy.fallbacks, pruned=policy.pruned, below=policy.below,
                  matched=policy.matched, set_devices=policy.set_devices,
@@ -354,11 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--publisher", default="", help="MODULE:FUNCTION for the re-rendering paths "
                         "(tests/dra_publishers.py; default: the agent's render_slices for the GPUs in use)")
+    parser.add_argument("--withdrawal", choices=("grace", "at-once"), default="grace",
+                        help="a due set: tainted, dropped at the next rendering (grace: the agent's default,"
+                             " at least G modelled as one rendering) or dropped at once (grace 0)")
     args = parser.parse_args(argv)
     publisher = load_publisher(args.publisher) if args.publisher else agent_publisher()
     machines = dra_machines([m for m in args.machines.split(",") if m])
     start = time.monotonic()
-    results = {name: measure(topo, quality.trace(topo.gpu_count, args.events, args.seed), publisher)
+    results = {name: measure(topo, quality.trace(topo.gpu_count, args.events, args.seed), publisher,
+                             args.withdrawal == "grace")
                for name, topo in machines}
     seconds = time.monotonic() - start
     head = ("machine", "path", "pods", "NVLink-complete", "single NUMA", "score / best", "fallback")

@@ -46,35 +46,52 @@ changes although the first set stays free (it packs next to a GPU that became bu
 cannot follow it. A claim that finds no set free falls back to single GPUs (the example
 claims' prioritized list).
 
-**Never withdraw what a claim may hold** (:func:`sets_to_keep`). The scheduler allocates
-before the agent hears of it (the kubelet prepares after the pod is bound), and counts an
-allocated device's counters by finding it in the published slices: a set withdrawn between
-allocation and prepare would let its GPUs be handed out again. The rule: *a set device
-published once stays published until one of its member GPUs is held by a prepared claim
-through another device.* Safe with what the agent knows, without watching ResourceClaims:
-if set D is left out while claim C2 may hold it, some member g of D is held by prepared claim
-C3 through device E != D. C3 was allocated before D was left out; if C2 got D before C3 got
-E, the scheduler counted D's counters (D was published, by the same rule, all along) and
-could not give E; if after, it counted E's (E was published and allocated), and could not
-give D. Either way C2 cannot hold D. Kept sets come after the policy's sets of their size,
-so first fit still finds the policy's answer first. The single GPUs are always published.
-The agent recovers what it published from its own slices in the API server after a restart.
+**Never withdraw what a claim may hold** (:func:`sets_to_keep`, :func:`sets_to_withdraw`). The
+scheduler allocates before the agent hears of it (the kubelet prepares after the pod is
+bound), and counts an allocated device's counters by finding it in the slices it sees now
+(``checkAvailableCounters``): a set withdrawn while a claim holds it would let its GPUs be
+handed out again. A set published once stays published until one of its member GPUs is held
+by a prepared claim through another device (it is *due*); then it goes **in two steps**: it
+stays published with the taint ``<driver>/withdrawn`` (``NoSchedule``, :mod:`agent.dra.withdrawal`),
+which makes the scheduler give it to no new claim (``taintPreventsAllocation``) while it still
+counts its counters for a claim that has it; it leaves at a re-publication at least the grace
+period G (``dra.gpuSetWithdrawalGraceSeconds``, 60 s) after the taint was first published, if
+still due then; no longer due before that (the other claim ended), it is an ordinary set again.
 
-**What remains, and the defence.** The argument above holds for the slices the scheduler
-counts with. Its ResourceSlice informer may lag the agent's writes, unordered with its view
-of the claims: a withdrawal decided while a member was held through another device (safe
-then) can reach the scheduler only after that claim ended and after the scheduler allocated
-the set from the pool it still saw; the set's counters then go uncounted and a member can be
-handed out again (``tests/test_dra_safety.py``, RACE). No rule on what the agent knows closes
-this under unbounded lag; the window is the scheduler's slice-informer lag when the other
-claim is deallocated (its watch's delay; not measured here). NodePrepareResources refuses a claim
-while another prepared claim holds one of its GPUs (:mod:`agent.dra.prepare`), so at worst a
-pod fails to start (the kubelet retries it until the other claim is unprepared), never two
-pods on one GPU. A grace period (a set whose withdrawal is due stays published a few seconds)
-was considered and not adopted: the race starts when the claim holding the member ends,
-which can be any time after the withdrawal is written, delayed or not, so it would not
-narrow the window, while the set kept would cost the scheduler's work on every Filter and
-keep a stale order meanwhile.
+*Why that is safe*, assuming the scheduler sees a write less than L after the agent stamps it
+(so L includes the write's own latency), a
+claim allocated is prepared (or deallocated) less than P after, and G > L + P. Let set D leave
+at write W2 while claim C may hold it. D carried the taint in every write from W1 to W2, W2 at
+least G after W1. C was allocated D from a view where D was published untainted (no claim
+tolerates the taint): a view older than W1, so C was allocated before W1 + L and prepared before
+W1 + L + P < W2. Rendering W2, the agent knew C held D (prepared, not unprepared: its pod may
+run), so D was held through itself and kept, not left out. A contradiction: no claim whose pod
+may run holds a set when it leaves. And no claim gets D after the scheduler sees W2: D is gone.
+The single GPUs are always published. Kept and tainted sets come after the policy's sets of
+their size, so first fit still finds the policy's answer first. The agent recovers what it
+published, and when each taint was added, from its own slices in the API server after a
+restart. The cost: a due set costs the scheduler its conversion and counters on every Filter
+for G more (``bench/quality_dra.py`` counts the set devices of each rendering, the grace
+modelled as "at the next rendering").
+
+**Where the sets go at once, and the defence.** Where the API server keeps no taints
+(``DRADeviceTaints`` off, found by reading back) or G is 0 (said in one log line at start), a
+due set leaves at once, the rule of before the grace. Its argument (if D is left out while C2
+may hold it, some member g is held by prepared C3 through E != D; whichever of D and E the
+scheduler allocated second, it counted the first's counters) holds for the slices the
+scheduler counts with, but its view may lag the agent's writes: a withdrawal decided while a
+member was held through another device (safe then) can reach the scheduler only after that
+claim ended and after the scheduler allocated the set from the pool it still saw; the set's
+counters then go uncounted and a member can be handed out again (``tests/test_dra_safety.py``,
+RACE, a strict xfail there; with the grace it passes). A claim that tolerates every taint (a
+toleration without a key) defeats the taint too: give none to GPU-set claims. Whatever the
+lag, NodePrepareResources refuses a claim while another prepared claim holds one of its GPUs
+(:mod:`agent.dra.prepare`), so at worst a pod fails to start (the kubelet retries it until
+the other claim is unprepared), never two pods on one GPU. Kubernetes 1.36.0-1.36.2 reserve a
+device's counters before checking its taints and keep them when a taint rejects it
+(kubernetes#140436): a due set whose counters are free (the other claim deallocated, the
+untainted write not yet seen) can block its members for the rest of one claim's search,
+which then fails and is retried: a delay, never a double allocation.
 Two cases fall outside the rule: an agent started with sets off (``dra.gpuSets``, or an API
 server that drops the counters) withdraws every set, and an upgrade from agents that named
 sets by rank (``gpuset-4-0``) withdraws those: change either on a node without pending set
