@@ -374,7 +374,8 @@ def _split(published: Iterable[str], held: Mapping[str, Collection[int]]) -> tup
     for device, gpus in held.items():
         for g in gpus:
             through.setdefault(g, set()).add(device)
-    keep, withdraw = [], []
+    keep: list[GpuSet] = []
+    withdraw: list[GpuSet] = []
     for name in sorted(set(published)):
         members = parse_set_name(name)
         if members is None:
