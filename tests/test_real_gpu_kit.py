@@ -62,6 +62,10 @@ def test_the_kit_finds_no_difference_between_the_agent_and_nvidia_smi_on_a_simul
     assert steps["topology"]["details"] == {"gpus": 4, "nics": 2}
     assert steps["allocate"]["details"] == {"sizes": 4}
     assert steps["soak"]["details"]["devices"] == 4
+    # GPU 0's scrape beside nvidia-smi's row, as compared (no busy round: no CUDA on a simulated machine)
+    compared = steps["soak"]["details"]["gpu0_util_mib_c_w"]
+    assert list(compared) == ["idle"] and len(compared["idle"]["agent"]) == len(compared["idle"]["nvidia_smi"]) == 4
+    assert None not in compared["idle"]["agent"]
     assert steps["processes"]["details"] == {"processes": 2}
     assert text.startswith("real-GPU kit: ") and "0 differences" in text.splitlines()[0]
     # the NVML record: every path of the agent ran, and what each call gave is written down

@@ -95,7 +95,15 @@ import yaml
 
 from agent.config import DEFAULT_DRIVER_NAME
 from agent.dra.devices import device_name
-from agent.dra.gpusets import GpuSet, SetPolicy, clique_ids, device_order, island_ids, sets_to_keep, sets_to_withdraw
+from agent.dra.gpusets import (
+    GpuSet,
+    SetPolicy,
+    clique_ids,
+    device_order,
+    island_ids,
+    sets_to_keep,
+    sets_to_withdraw,
+)
 from agent.dra.taints import MAX_TAINTS, HealthMarks
 from agent.dra.withdrawal import withdrawal_taint
 from agent.formats import BusIdError, nvml_to_sysfs_bus_id
@@ -375,13 +383,7 @@ def render_slices(
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         chosen, withdrawing = _sets_for(policy, occupancy, free, graced=taint_effect is not None)
         sets = render_set_devices(topology, chosen, driver, marks, withdrawing)
-    order = policy.single_order(free)
-    # a single consumes its counter only while a published set holds its GPU (the module
-    # docstring says why that is safe), where the sets and the singles share one slice
-    covered = {g for d in sets for g in d.consumes}
-    singles = render_devices(topology, driver, marks, order, covered)
-    if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:
-        singles = render_devices(topology, driver, marks, order, range(topology.gpu_count))
+    singles = _singles(topology, driver, marks, policy.single_order(free), sets)
     devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
@@ -408,6 +410,18 @@ def render_slices(
                      **body},
         })
     return out
+
+
+def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequence[int],
+             sets: Sequence[Device]) -> list[Device]:
+    """The single devices in ``order``; a whole GPU consumes its counter only while one of
+    ``sets`` holds it (the module docstring says why that is safe), where the sets and the
+    singles share one slice; above that every whole GPU consumes its counter."""
+    covered = {g for d in sets for g in d.consumes}
+    singles = render_devices(topology, driver, marks, order, covered)
+    if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:
+        singles = render_devices(topology, driver, marks, order, range(topology.gpu_count))
+    return singles
 
 
 def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int],

@@ -14,9 +14,10 @@ Steps (each recorded in the report, a failing one does not stop the others):
 4. ``allocate``: ``allocate --size K`` for every K from 1 to the GPU count;
 5. ``soak``: the agent in ``run`` mode against the stand-in kubelet
    (``agent.demo.kubelet``) for ``--soak-s``: registration, ListAndWatch (every GPU
-   discovered is advertised, all Healthy throughout), Allocate of each GPU, and one
+   discovered is advertised, all Healthy throughout), Allocate of each GPU, and a
    ``/metrics`` scrape against ``--query-gpu`` (utilisation, memory, temperature, power,
-   within the tolerances of ``compare.py``);
+   within the tolerances of ``compare.py``), idle and again with GPU 0 busy (the workload of
+   step 7, after one sampling round of the agent's);
 6. ``nvml``: every NVML call the agent makes (discovery, telemetry, events, the doctor's
    per-GPU status) and each call's outcome, recorded by ``nvml_calls.py`` into
    ``nvml_calls.json`` in ``--out``: compare it with the fake's record of a like machine
@@ -68,6 +69,8 @@ from nvml_calls import record_calls  # noqa: E402
 
 #: The whole kit stays within this (the issue's 8 minutes, less a margin).
 BUDGET_S = 450.0
+#: The agent's sampling interval in run mode (``sample_interval_s``'s default).
+_SAMPLE_INTERVAL_S = 10.0
 _WORKLOADS = {
     "torch": "import time, torch\nx = torch.randn(4096, 4096, device='cuda:0')\nend = time.time() + {s}\n"
              "while time.time() < end:\n    y = x @ x\n    torch.cuda.synchronize()\n",
@@ -85,6 +88,8 @@ class Kit:
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         self.started = time.monotonic()
         self.discovered: dict[str, Any] = {}
+        #: GPU 0's utilisation %, memory used MiB, temperature C, power W: agent and nvidia-smi
+        self.compared: dict[str, dict[str, list[Any]]] = {}
 
     def left_s(self) -> float:
         return BUDGET_S - (time.monotonic() - self.started)
@@ -173,11 +178,15 @@ class Kit:
         finally:
             client.close()
         time.sleep(1.0)  # the sampler's first round
-        metrics = parse_metrics(_scrape(port))
-        rows = [line.split(",") for line in self.smi(
-            "--query-gpu=index,utilization.gpu,memory.used,temperature.gpu,power.draw",
-            "--format=csv,noheader,nounits").splitlines() if line.strip()]
-        out += compare_metrics(metrics, rows)
+        out += self._compare_scrape(port, "idle")
+        worker = self._start_workload(40)
+        if worker is not None:  # the same comparison with GPU 0 busy (utilisation, power, memory up)
+            try:
+                time.sleep(_SAMPLE_INTERVAL_S + 4.0)  # a sampling round of the agent's with the load on
+                out += [dict(d, what=f"busy GPU0: {d['what']}") for d in self._compare_scrape(port, "busy")]
+            finally:
+                worker.kill()
+                worker.wait()
         soak_s = max(0.0, min(self.args.soak_s, self.left_s() - 60))
         unhealthy: set[str] = set()
         end = time.monotonic() + soak_s
@@ -187,6 +196,7 @@ class Kit:
         if unhealthy:
             out.append(difference("soak", "devices Unhealthy during the soak", sorted(unhealthy), []))
         return {"differences": out, "details": {"registered_s": round(registered_s, 2), "soak_s": round(soak_s, 1),
+                                                "gpu0_util_mib_c_w": self.compared,
                                                 "devices": len(advertised), "list_updates": len(
                                                     kubelet.device_lists.get(resource, []))}}
 
@@ -201,15 +211,34 @@ class Kit:
         return {"details": {"library": record["library"], "functions": len(record["calls"]),
                             "functions_with_errors": errors, "paths_failed": failed}}
 
+    def _compare_scrape(self, port: int, label: str) -> list[dict[str, Any]]:
+        """One ``/metrics`` scrape against ``nvidia-smi --query-gpu`` right after it; GPU 0's
+        values of both go into :attr:`compared` under ``label``."""
+        metrics = parse_metrics(_scrape(port))
+        rows = [line.split(",") for line in self.smi(
+            "--query-gpu=index,utilization.gpu,memory.used,temperature.gpu,power.draw",
+            "--format=csv,noheader,nounits").splitlines() if line.strip()]
+        if rows:
+            names = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE")
+            self.compared[label] = {"agent": [metrics.get(n, {}).get(rows[0][0].strip()) for n in names],
+                                    "nvidia_smi": [c.strip() for c in rows[0][1:]]}
+        return compare_metrics(metrics, rows)
+
+    def _start_workload(self, seconds: int) -> subprocess.Popen[bytes] | None:
+        """A matrix-multiply loop on GPU 0 for ``seconds`` (PyTorch or CuPy), after its CUDA
+        context is up; None on a simulated machine or with neither library."""
+        library = next((m for m in _WORKLOADS if importlib.util.find_spec(m) is not None), None)
+        if self.args.simulate or library is None:
+            return None
+        worker = subprocess.Popen([sys.executable, "-c", _WORKLOADS[library].format(s=seconds)])
+        time.sleep(8.0)  # context creation and the first driver samples
+        return worker
+
     def processes(self) -> dict[str, Any]:
-        worker = None
-        if not self.args.simulate:
-            library = next((m for m in _WORKLOADS if importlib.util.find_spec(m) is not None), None)
-            if library is None:
-                return {"skipped": "no way to start a CUDA process here: neither torch nor cupy is installed"
-                                   " (nvidia-smi holds no context)"}
-            worker = subprocess.Popen([sys.executable, "-c", _WORKLOADS[library].format(s=30)])
-            time.sleep(8.0)  # context creation and the first driver samples
+        worker = self._start_workload(30)
+        if worker is None and not self.args.simulate:
+            return {"skipped": "no way to start a CUDA process here: neither torch nor cupy is installed"
+                               " (nvidia-smi holds no context)"}
         try:
             mine = self._agent_processes()
             if not mine and self.args.simulate:
