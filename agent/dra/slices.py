@@ -381,8 +381,7 @@ def render_slices(
     free = policy.free_gpus(occupancy.held_gpus, marks.reasons)
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
-        chosen, withdrawing = _sets_for(policy, occupancy, free, graced=taint_effect is not None)
-        sets = render_set_devices(topology, chosen, driver, marks, withdrawing)
+        sets = _set_devices(topology, policy, occupancy, free, driver, marks, graced=taint_effect is not None)
     singles = _singles(topology, driver, marks, policy.single_order(free), sets)
     devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles
     advanced = bool(sets) or any(d.taints for d in devices)
@@ -424,18 +423,20 @@ def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequenc
     return singles
 
 
-def _sets_for(policy: SetPolicy, occupancy: Occupancy, free: Collection[int],
-              graced: bool) -> tuple[list[GpuSet], set[str]]:
-    """The policy's sets on ``free``, then those a claim may hold: the published ones the rule
-    keeps and the ones prepared claims hold; then (``graced``: the server keeps taints) the
-    published ones being withdrawn whose grace has not run out, and their names."""
+def _set_devices(topology: Topology, policy: SetPolicy, occupancy: Occupancy, free: Collection[int],
+                 driver: str, marks: HealthMarks, graced: bool) -> list[Device]:
+    """The set devices: the policy's sets on ``free``, then those a claim may hold: the
+    published ones the rule keeps and the ones prepared claims hold; then (``graced``: the
+    server keeps taints) the published ones being withdrawn whose grace has not run out,
+    with the withdrawal taint."""
     kept = sets_to_keep(occupancy.published, occupancy.held)
     held = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
     withdrawing: list[GpuSet] = []
     if graced and occupancy.expired is not None:
         gone = set(occupancy.expired) | {s.name for s in held}
         withdrawing = [s for s in sets_to_withdraw(occupancy.published, occupancy.held) if s.name not in gone]
-    return policy.sets(free, [*kept, *held, *withdrawing]), {s.name for s in withdrawing}
+    sets = policy.sets(free, [*kept, *held, *withdrawing])
+    return render_set_devices(topology, sets, driver, marks, {s.name for s in withdrawing})
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
