@@ -79,7 +79,8 @@ from dra_allocator_model import AllocatorModel  # noqa: E402
 from dra_publishers import Publisher, agent_publisher, load_publisher, set_names, withdrawing  # noqa: E402
 
 from agent.dra.gpusets import island_ids  # noqa: E402
-from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, dump_yaml, render_slices  # noqa: E402
+from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, render_slices  # noqa: E402
+from agent.dra.yaml_stream import dump_yaml  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
@@ -208,7 +209,8 @@ class DraPolicy:
         # the withdrawal grace (at least G) modelled as "at the next rendering after the taint"
         last = self.renderings[-1]
         rendered = self.publisher(self.topo, NODE, held, set_names(last), "1.37",
-                                  expired=withdrawing(last) if self.grace else None)
+                                  expired=withdrawing(last) if self.grace else None,
+                                  **({"tainted": withdrawing(last)} if self.grace else {}))
         self.renderings.append(rendered)
         self.members.update(members(rendered))
         self.model, self.seen = AllocatorModel(rendered, CLASSES, CEL), rendered

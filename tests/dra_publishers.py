@@ -10,9 +10,10 @@ is the API server's ``major.minor`` (``"1.36"``, ``"1.37"``); the keyword ``expi
 None) names the published sets whose withdrawal taint has been out for the grace period
 (:func:`withdrawing` of the previous publication models "at least the grace period" as "at the
 next publication"), None for no grace (a set that must go goes at once: the agent where the API
-server keeps no taints, or the grace is 0). :func:`agent_publisher` is the agent's own rendering
+server keeps no taints, or the grace is 0); ``tainted`` (default none) the published sets that
+carry the withdrawal taint now. :func:`agent_publisher` is the agent's own rendering
 (``agent.dra.slices.render_slices``, as ``gpu-topology-agent slices`` prints it), given
-whichever of these it takes; the others ignore ``expired``.
+whichever of these it takes; the others ignore ``expired`` and ``tainted``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
 Held = Mapping[str, Collection[int]]
-Publisher = Callable[..., list[dict[str, Any]]]  # (topology, node, held, published, server_version, expired=None)
+Publisher = Callable[..., list[dict[str, Any]]]  # (topology, node, held, published, server_version, expired=None,
+#                                                   tainted=(): the sets carrying the withdrawal taint now)
 
 
 def gpus_of(held: Held) -> list[int]:
@@ -54,10 +56,13 @@ def agent_publisher() -> Publisher:
     policies: dict[int, tuple[Topology, Any]] = {}  # the agent builds its SetPolicy once per topology
 
     def publish(topo: Topology, node: str, held: Held, published: Collection[str],
-                server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
+                server_version: str, expired: Collection[str] | None = None,
+                tainted: Collection[str] = ()) -> list[dict[str, Any]]:
         extra: dict[str, Any] = {}
         if "occupancy" in params:
-            grace = {"expired": expired} if "expired" in inspect.signature(_slices.Occupancy).parameters else {}
+            fields = inspect.signature(_slices.Occupancy).parameters
+            grace = {"expired": expired} if "expired" in fields else {}
+            grace |= {"withdrawing": tuple(tainted)} if "withdrawing" in fields else {}
             extra["occupancy"] = _slices.Occupancy(  # type: ignore[attr-defined]
                 {name: tuple(gpus) for name, gpus in held.items()}, tuple(published), **grace)
         elif "in_use" in params:
@@ -86,13 +91,15 @@ def _decide_sets(decide: Callable[..., Any], server_version: str) -> bool:
 
 
 def static_publisher(topo: Topology, node: str, held: Held, published: Collection[str],
-                     server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
+                     server_version: str, expired: Collection[str] | None = None,
+                     tainted: Collection[str] = ()) -> list[dict[str, Any]]:
     """The order of an empty node, whatever is held (the static order of before issue 25)."""
     return agent_publisher()(topo, node, {}, (), server_version)
 
 
 def singles_publisher(topo: Topology, node: str, held: Held, published: Collection[str],
-                      server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
+                      server_version: str, expired: Collection[str] | None = None,
+                     tainted: Collection[str] = ()) -> list[dict[str, Any]]:
     """Single GPUs only (no counters, no sets)."""
     return _slices.render_slices(topo, node_name=node, with_sets=False)
 
@@ -254,7 +261,8 @@ def earlier_publisher() -> Publisher:
         return out
 
     def publish(topo: Topology, node: str, held: Held, published: Collection[str],
-                server_version: str, expired: Collection[str] | None = None) -> list[dict[str, Any]]:
+                server_version: str, expired: Collection[str] | None = None,
+                tainted: Collection[str] = ()) -> list[dict[str, Any]]:
         if id(topo) not in cache:
             cache[id(topo)] = (topo, devices(topo))
         devs = cache[id(topo)][1]

@@ -14,7 +14,8 @@ import yaml
 from k8s_binaries import k8s_binary, missing_reason
 
 from agent.discovery import load_topology
-from agent.dra.slices import SETS_API_VERSIONS, dump_yaml, render_slices
+from agent.dra.slices import SETS_API_VERSIONS, render_slices
+from agent.dra.yaml_stream import dump_yaml
 from agent.hw.sim.machines import BUILTIN_MACHINES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -377,6 +377,43 @@ def test_a_published_set_stays_until_a_member_is_held_through_another_device():
     assert names.index("gpuset-4-mf0") < names.index("gpuset-4-mf")  # the free set first
 
 
+def test_a_set_tainted_for_withdrawal_stays_tainted_once_free_unless_chosen_again_then_goes_after_its_grace():
+    """A due set (a member held through another device) is published tainted; once its GPUs are
+    free again it stays tainted while the policy does not choose it (what a lagging claim finds
+    is what withdrawing at once leaves), until its grace runs out; chosen again, it is an
+    ordinary set."""
+    topology = load_topology("dgx-h100")
+
+    def render(held, published, expired=(), tainted=()):
+        slices = render_slices(topology, node_name=NODE, occupancy=Occupancy(held, published, expired, tainted))
+        devices = {d["name"]: d for s in slices for d in s["spec"].get("devices", [])}
+        return devices, {n for n, d in devices.items()
+                         if any(t["key"] == f"{D}/withdrawn" for t in d.get("taints") or ())}
+
+    empty, _ = render({}, [])
+    published = [n for n in empty if n.startswith("gpuset-")]
+    cases = 0
+    for name in published:
+        members = parse_set_name(name)
+        other = {f"gpu-{g}": (g,) for g in range(8) if g not in members}
+        for device, gpus in other.items():
+            devices, withdrawn = render({f"gpu-{members[0]}": (members[0],)}, published)
+            assert name in withdrawn  # held through another device: tainted, still published
+            chosen, _ = render({device: gpus}, [])  # what the policy publishes with its GPUs free
+            if name in chosen:
+                continue
+            cases += 1
+            devices, withdrawn = render({device: gpus}, published, (), [name])
+            assert name in devices and name in withdrawn  # free, not chosen: stays tainted
+            devices, _ = render({device: gpus}, published, [name], [name])
+            assert name not in devices  # its grace ran out
+            break
+    assert cases >= 2  # on dgx-h100, two of the empty node's sets are free but not chosen with one GPU held
+    # chosen again (nothing held, the empty node's choices): an ordinary set
+    devices, withdrawn = render({}, published, (), published)
+    assert set(published) <= set(devices) and not withdrawn & set(published)
+
+
 def test_set_names_say_their_members():
     assert [set_name(m) for m in [(0, 1), (4, 5), (0, 1, 2, 3), tuple(range(64))]] == [
         "gpuset-2-m3", "gpuset-2-m30", "gpuset-4-mf", "gpuset-64-mffffffffffffffff"]

@@ -157,23 +157,23 @@ PUBLISH = agent_publisher()
 
 
 def the_agents_rendering(held: dict[str, frozenset[int]], published: list[str],
-                         expired: frozenset[str] | None) -> list[dict[str, Any]]:
+                         expired: frozenset[str] | None, tainted: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """What the agent publishes (``tests/dra_publishers.py``: ``render_slices`` with the
     devices its prepared claims hold, the sets it published before and those whose
     withdrawal grace ran out; its own rule decides what stays), against a 1.37 API server
     (where it publishes sets)."""
-    return PUBLISH(TOPO, NODE, held, published, "1.37", expired=expired)
+    return PUBLISH(TOPO, NODE, held, published, "1.37", expired=expired, tainted=tainted)
 
 
 def the_agent_without_taints(held: dict[str, frozenset[int]], published: list[str],
-                             expired: frozenset[str] | None) -> list[dict[str, Any]]:
+                             expired: frozenset[str] | None, tainted: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """The agent where the API server keeps no taints (or the grace is 0): a set that must go
     goes at once, the rule of before the grace."""
     return PUBLISH(TOPO, NODE, held, published, "1.37", expired=None)
 
 
 def few_best_free_sets(held: dict[str, frozenset[int]], published: list[str], expired: frozenset[str] | None,
-                       few: int = 2) -> list[dict[str, Any]]:
+                       tainted: frozenset[str] = frozenset(), few: int = 2) -> list[dict[str, Any]]:
     in_use = frozenset(g for gpus in held.values() for g in gpus)
     """A toy of issue 25's design that withdraws sets: every single GPU, and per size the first
     ``few`` candidate sets (:func:`toy_slices`) whose GPUs are all free; every other set withdrawn."""
@@ -294,7 +294,8 @@ class World:
 
     def publish(self) -> None:
         held = {d: gpus for c in self.claims.values() if c.state == "prepared" for d, gpus in c.meaning.items()}
-        rendered = self.agent.render(held, set_names(self.written), frozenset(self.expired))
+        rendered = self.agent.render(held, set_names(self.written), frozenset(self.expired),
+                                     frozenset(withdrawing(self.written)))
         new = self.agent.rule(self.written, rendered, self.held, self.in_use) if self.agent.rule else rendered
         self.generation += 1
         for s in new:

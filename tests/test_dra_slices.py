@@ -15,11 +15,11 @@ from agent.dra.slices import (
     MAX_DEVICES_PER_SLICE,
     clique_ids,
     device_order,
-    dump_yaml,
     island_ids,
     render_slices,
     semver,
 )
+from agent.dra.yaml_stream import dump_yaml
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.model import Gpu, Link, MigDevice, Topology
 

@@ -114,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
         API_VERSIONS,
         SETS_API_VERSIONS,
         Occupancy,
-        dump_yaml,
         render_slices,
     )
+    from agent.dra.yaml_stream import dump_yaml
 
     if args.simulate == "list":
         from agent.hw.sim.machines import BUILTIN_MACHINES

@@ -55,8 +55,10 @@ by a prepared claim through another device (it is *due*); then it goes **in two 
 stays published with the taint ``<driver>/withdrawn`` (``NoSchedule``, :mod:`agent.dra.withdrawal`),
 which makes the scheduler give it to no new claim (``taintPreventsAllocation``) while it still
 counts its counters for a claim that has it; it leaves at a re-publication at least the grace
-period G (``dra.gpuSetWithdrawalGraceSeconds``, 60 s) after the taint was first published, if
-still due then; no longer due before that (the other claim ended), it is an ordinary set again.
+period G (``dra.gpuSetWithdrawalGraceSeconds``, 60 s) after the taint was first published,
+unless a prepared claim holds it then. Once tainted it stays tainted until it goes, even with
+its GPUs free again (the other claim ended), unless the policy chooses it again (then it is an
+ordinary set): what lagging claims find is what withdrawing at once would leave.
 
 *Why that is safe*, assuming the scheduler sees a write less than L after the agent stamps it
 (so L includes the write's own latency), a
@@ -334,19 +336,26 @@ class SetPolicy:
         first = [c[0] for c in self.sequence(free, 1, len(free))]
         return first + [i for i in self.static_order if i not in set(first)]
 
-    def sets(self, free: Collection[int], kept: Iterable[GpuSet] = ()) -> list[GpuSet]:
+    def sets(self, free: Collection[int], kept: Iterable[GpuSet] = (),
+             chosen: Iterable[GpuSet] | None = None) -> list[GpuSet]:
         """The set devices to publish, largest size first (module docstring, "Order"): per
-        size the policy's :meth:`sequence` over ``free``, then the ``kept`` sets of that size
-        not among them."""
+        size the policy's choices over ``free`` (:meth:`sets_by_size`; ``chosen``: what this
+        gave with no ``kept`` for the same ``free``, to save computing it again), then the
+        ``kept`` sets of that size not among them."""
         kept_by_size: dict[int, dict[str, GpuSet]] = {}
         for s in kept:
             kept_by_size.setdefault(s.size, {})[s.name] = s
         out: list[GpuSet] = []
-        lists = self.sets_by_size(sorted(free))
+        lists: dict[int, list[tuple[int, ...]]] = {}
+        if chosen is None:
+            lists = self.sets_by_size(sorted(free))
+        else:
+            for s in chosen:
+                lists.setdefault(s.size, []).append(s.members)
         for k in sorted(set(self.sizes) | set(kept_by_size), reverse=True):
-            chosen = [GpuSet(m) for m in lists.get(k, ())]
-            names = {s.name for s in chosen}
-            out += chosen + sorted((s for s in kept_by_size.get(k, {}).values() if s.name not in names),
+            chosen_k = [GpuSet(m) for m in lists.get(k, ())]
+            names = {s.name for s in chosen_k}
+            out += chosen_k + sorted((s for s in kept_by_size.get(k, {}).values() if s.name not in names),
                                    key=lambda s: s.members)
         return out
 

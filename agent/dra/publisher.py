@@ -224,10 +224,10 @@ class SlicePublisher(Worker):
         published = {d.get("name", "") for o in existing.values()
                      for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
         grace, now = self.settings.withdrawal_grace_s, time.time()
+        times = withdrawal_times(existing.values(), self.driver_name, now)
         occupancy = Occupancy({name: gpus_of(refs, name) for name in sorted(prepared)},
                               sorted(n for n in published if parse_set_name(n) is not None),
-                              expired(withdrawal_times(existing.values(), self.driver_name, now), now, grace)
-                              if grace > 0 else None)
+                              expired(times, now, grace) if grace > 0 else None, sorted(times))
         taints = self.kept[DEVICE_TAINTS]
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=self.api_version or "v1",

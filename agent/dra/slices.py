@@ -87,11 +87,8 @@ hundred lines of tables); the code is one rendering pass, attributes to devices 
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable, Mapping, Sequence
-
-import yaml
 
 from agent.config import DEFAULT_DRIVER_NAME
 from agent.dra.devices import device_name
@@ -114,7 +111,7 @@ from agent.topology.model import Gpu, MigDevice, Topology
 __all__ = [
     "API_VERSIONS", "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_WITH_COUNTERS",
     "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "Occupancy",
-    "dump_yaml", "render_devices", "render_set_devices", "health_marks", "render_slices", "semver",
+    "render_devices", "render_set_devices", "health_marks", "render_slices", "semver",
 ]
 
 API_VERSIONS = RESOURCE_VERSIONS
@@ -278,11 +275,15 @@ class Occupancy:
     while a claim may hold them); ``expired``, of those, the ones whose withdrawal taint has
     been published for the grace period (:mod:`agent.dra.withdrawal`), or None for no grace:
     a published set that must go (:func:`agent.dra.gpusets.sets_to_withdraw`) stays, tainted,
-    until named here; with None (or where the API server keeps no taints) it goes at once."""
+    until named here; with None (or where the API server keeps no taints) it goes at once.
+    ``withdrawing``: the published sets carrying the withdrawal taint now; one stays tainted
+    until it goes, even once its GPUs are free again, unless it is the policy's choice again or
+    a prepared claim holds it (so what lagging claims find is what withdrawing at once leaves)."""
 
     held: Mapping[str, Collection[int]] = field(default_factory=dict)
     published: Collection[str] = ()
     expired: Collection[str] | None = None
+    withdrawing: Collection[str] = ()
 
     @property
     def held_gpus(self) -> set[int]:
@@ -434,9 +435,14 @@ def _set_devices(topology: Topology, policy: SetPolicy, occupancy: Occupancy, fr
     withdrawing: list[GpuSet] = []
     if graced and occupancy.expired is not None:
         gone = set(occupancy.expired) | {s.name for s in held}
-        withdrawing = [s for s in sets_to_withdraw(occupancy.published, occupancy.held) if s.name not in gone]
-    sets = policy.sets(free, [*kept, *held, *withdrawing])
-    return render_set_devices(topology, sets, driver, marks, {s.name for s in withdrawing})
+        tainted = set(occupancy.withdrawing)
+        withdrawing = [s for s in [*sets_to_withdraw(occupancy.published, occupancy.held),
+                                   *(k for k in kept if k.name in tainted)] if s.name not in gone]
+        kept = [k for k in kept if k.name not in tainted]
+    chosen = policy.sets(free)
+    sets = policy.sets(free, [*kept, *held, *withdrawing], chosen)
+    untainted = {s.name for s in chosen}  # the policy's choice again: an ordinary set
+    return render_set_devices(topology, sets, driver, marks, {s.name for s in withdrawing} - untainted)
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
@@ -464,31 +470,3 @@ def _render_device(device: Device, api_version: str) -> dict[str, Any]:
     if api_version == "v1beta1":
         return {"name": device.name, "basic": body}
     return {"name": device.name, **body}
-
-
-# ----------------------------------------------------------------------- YAML
-class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML has no stubs here
-    pass
-
-
-_YAML11_SPECIAL = re.compile(
-    r"^(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF"
-    r"|~|null|Null|NULL|[-+]?[0-9][0-9_:.eE+-]*|[-+]?\.(?:inf|Inf|INF|nan|NaN|NAN)|<<|=)$"
-)
-
-
-def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    # PyYAML resolves booleans the YAML 1.1 way, but not every 1.1 parser agrees with it on
-    # y/n or sexagesimal numbers: quote every scalar that any of them could read as non-string
-    style = "'" if _YAML11_SPECIAL.match(value) else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _str_representer)
-
-
-def dump_yaml(objects: Iterable[Mapping[str, Any]]) -> str:
-    """The objects as a multi-document YAML stream that reads the same in YAML 1.1 and 1.2
-    parsers (strings that look like booleans, numbers or null are quoted)."""
-    return str(yaml.dump_all([dict(o) for o in objects], Dumper=_Dumper, sort_keys=False,
-                             default_flow_style=False, explicit_start=True))

@@ -5,7 +5,8 @@ through another device) first stays published with the taint ``<driver>/withdraw
 (value ``member-in-use``, effect ``NoSchedule``, never ``NoExecute``: the pods already using
 the set keep it), so the scheduler gives it to no new claim while it still counts its counters
 for a claim it allocated the set to; it leaves at a re-publication at least the grace period
-(``dra.gpuSetWithdrawalGraceSeconds``) after the taint was first published, if still due then
+(``dra.gpuSetWithdrawalGraceSeconds``) after the taint was first published, unless a prepared
+claim holds it then; chosen again by the policy before that, it is an ordinary set again
 (:mod:`agent.dra.gpusets` says why that is safe).
 
 **The clock.** The taint's ``timeAdded`` says when it was first published: the agent sets it
