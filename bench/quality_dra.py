@@ -194,6 +194,9 @@ class DraPolicy:
         self.engine = AllocationEngine(topo)
         self.n = self.claims = self.fallbacks = self.pruned = self.below = self.matched = 0
         self.set_devices: list[int] = []  # set devices in each rendering the scheduler saw
+        # ... and in the same rendering with nothing published before (no kept or tainted sets:
+        # what bench_dra_scheduler.py's node states publish)
+        self.fresh_set_devices: list[int] = []
         self.pruned_loss: list[float] = []
 
     def _republish(self, free: list[int]) -> None:
@@ -215,6 +218,7 @@ class DraPolicy:
         self.members.update(members(rendered))
         self.model, self.seen = AllocatorModel(rendered, CLASSES, CEL), rendered
         self.set_devices.append(len(set_names(rendered)))
+        self.fresh_set_devices.append(len(set_names(self.publisher(self.topo, NODE, held, (), "1.37"))))
         self.model.allocated = {(DRIVER, NODE, name) for devices, _, _ in self.running for name in devices}
 
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
@@ -306,7 +310,7 @@ def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher,
         policy = DraPolicy(topo, slices, path, publisher if path in RERENDER else None, lag, grace)
         r: dict[str, Any] = dict(quality.replay(topo, policy, events))
         r.update(claims=policy.claims, fallbacks=policy.fallbacks, pruned=policy.pruned, below=policy.below,
-                 matched=policy.matched, set_devices=policy.set_devices,
+                 matched=policy.matched, set_devices=policy.set_devices, fresh_set_devices=policy.fresh_set_devices,
                  leak_unschedulable=policy.leak_unschedulable,
                  pruned_loss=statistics.mean(policy.pruned_loss) if policy.pruned_loss else 0.0)
         rows[path] = r
@@ -342,15 +346,16 @@ def verdict(name: str, rows: dict[str, dict[str, Any]]) -> str:
 def first_fit_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, ...]]:
     """Per machine and lag: of the set claims, how many got exactly the device plugin's choice
     for the free GPUs (``dp``), landed below its score, fell back to singles; and the set devices
-    of each rendering the scheduler saw (mean, max: what the scheduler pays for on every Filter)."""
-    out = [("machine", *(f"lag {lag}: dp / below / fallback of claims; sets mean (max)" for lag in LAGS))]
+    of each rendering the scheduler saw (mean, max: what the scheduler pays for on every Filter),
+    and the mean of the same renderings with nothing published before (no kept or tainted sets)."""
+    out = [("machine", *(f"lag {lag}: dp / below / fallback of claims; sets mean (max); fresh" for lag in LAGS))]
     for name, rows in results.items():
         cells = []
         for path in RERENDER:
             r = rows[path]
-            n = r["set_devices"] or [0]
+            n, fresh = r["set_devices"] or [0], r["fresh_set_devices"] or [0]
             cells.append(f"{r['matched']} / {r['below']} / {r['fallbacks']} of {r['claims']}; "
-                         f"{statistics.mean(n):.1f} ({max(n)})")
+                         f"{statistics.mean(n):.1f} ({max(n)}); {statistics.mean(fresh):.1f}")
         out.append((name, *cells))
     return out
 
