@@ -405,6 +405,8 @@ def test_a_set_tainted_for_withdrawal_stays_tainted_once_free_unless_chosen_agai
             cases += 1
             devices, withdrawn = render({device: gpus}, published, (), [name])
             assert name in devices and name in withdrawn  # free, not chosen: stays tainted
+            # ... and unhealthy: no shipped class selects it, so no allocator reserves its counters
+            assert devices[name]["attributes"][f"{D}/healthy"] == {"bool": False}
             devices, _ = render({device: gpus}, published, [name], [name])
             assert name not in devices  # its grace ran out
             break
@@ -412,6 +414,7 @@ def test_a_set_tainted_for_withdrawal_stays_tainted_once_free_unless_chosen_agai
     # chosen again (nothing held, the empty node's choices): an ordinary set
     devices, withdrawn = render({}, published, (), published)
     assert set(published) <= set(devices) and not withdrawn & set(published)
+    assert all(devices[n]["attributes"][f"{D}/healthy"] == {"bool": True} for n in published)
 
 
 def test_set_names_say_their_members():

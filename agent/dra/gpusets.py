@@ -91,11 +91,13 @@ scheduler run without the ``DRADeviceTaints`` gate (its allocator checks taints 
 ``allocator_incubating.go``; reading back shows the API server's gate, not the scheduler's). Whatever the
 lag, NodePrepareResources refuses a claim while another prepared claim holds one of its GPUs
 (:mod:`agent.dra.prepare`), so at worst a pod fails to start (the kubelet retries it until
-the other claim is unprepared), never two pods on one GPU. Kubernetes 1.36.0-1.36.2 reserve a
-device's counters before checking its taints and keep them when a taint rejects it
-(kubernetes#140436): a due set whose counters are free (the other claim deallocated, the
-untainted write not yet seen) can block its members for the rest of one claim's search,
-which then fails and is retried: a delay, never a double allocation.
+the other claim is unprepared), never two pods on one GPU. The allocator (v0.36.2 and
+v0.37.0-alpha.2) reserves a device's counters before checking its taints and keeps them when
+a taint rejects it (kubernetes#140436): a tainted set whose counters are free (freed within
+the grace) would block its members for the rest of a claim's search. So a set being withdrawn
+also shows ``healthy: false``: the shipped classes select healthy sets only (selectors come
+before counters), so none of them ever reserves its counters; a class of one's own should
+select on ``healthy`` too.
 Two cases fall outside the rule: an agent started with sets off (``dra.gpuSets``, or an API
 server that drops the counters) withdraws every set, and an upgrade from agents that named
 sets by rank (``gpuset-4-0``) withdraws those: change either on a node without pending set

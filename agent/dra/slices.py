@@ -249,7 +249,8 @@ def render_set_devices(topology: Topology, sets: Iterable[GpuSet], driver: str =
     """``sets`` as devices, in the given order, with only the attributes the device classes
     select on (``type``, ``gpuCount``, ``healthy``); a set with an unhealthy member is
     tainted (or left out) as ``marks`` says, one with a MIG-enabled member left out; a set
-    named in ``withdrawing`` carries the withdrawal taint (:mod:`agent.dra.withdrawal`)."""
+    named in ``withdrawing`` carries the withdrawal taint (:mod:`agent.dra.withdrawal`) and
+    ``healthy: false``."""
     marks = marks if marks is not None else health_marks(topology)
     out: list[Device] = []
     for s in sets:
@@ -261,7 +262,9 @@ def render_set_devices(topology: Topology, sets: Iterable[GpuSet], driver: str =
         attributes = {
             "type": {"string": "gpuset"},
             "gpuCount": {"int": s.size},
-            "healthy": {"bool": not any(i in marks.reasons for i in s.members)},
+            # a set being withdrawn shows unhealthy too: the shipped classes then never select
+            # it, so no allocator reserves (and, kubernetes#140436, keeps) its counters
+            "healthy": {"bool": not any(i in marks.reasons for i in s.members) and s.name not in withdrawing},
         }
         out.append(_device(driver, s.name, attributes, None, s.members, taints))
     return out
