@@ -86,9 +86,10 @@ member was held through another device (safe then) can reach the scheduler only 
 claim ended and after the scheduler allocated the set from the pool it still saw; the set's
 counters then go uncounted and a member can be handed out again (``tests/test_dra_safety.py``,
 RACE, a strict xfail there; with the grace it passes). A claim that tolerates every taint (a
-toleration without a key) defeats the taint too: give none to GPU-set claims; so does a
-scheduler run without the ``DRADeviceTaints`` gate (its allocator checks taints only with it,
-``allocator_incubating.go``; reading back shows the API server's gate, not the scheduler's). Whatever the
+toleration without a key) defeats the taint, and so does a scheduler run without the
+``DRADeviceTaints`` gate (its allocator checks taints only with it, ``allocator_incubating.go``;
+reading back shows the API server's gate, not the scheduler's); the ``healthy: false`` a set
+being withdrawn shows (below) still keeps the shipped classes off it. Whatever the
 lag, NodePrepareResources refuses a claim while another prepared claim holds one of its GPUs
 (:mod:`agent.dra.prepare`), so at worst a pod fails to start (the kubelet retries it until
 the other claim is unprepared), never two pods on one GPU. The allocator (v0.36.2 and
