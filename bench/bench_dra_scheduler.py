@@ -2,7 +2,13 @@
 
 Run: ``.venv/bin/python bench/bench_dra_scheduler.py`` (``--nodes 100,500,1000``,
 ``--gpus 8,16,64``, ``--pods N``, ``--states S``, ``--seed S``, ``--markdown``,
-``--publisher MODULE:FUNCTION``).
+``--publisher MODULE:FUNCTION``, ``--history EVENTS``).
+
+``--history EVENTS`` reaches each node state through EVENTS pods arriving and leaving
+(:func:`churned_states`), so that the agent's slices hold what a node in use publishes: the sets
+its pods hold, sets kept because a claim may hold them, sets being withdrawn; every path is then
+measured on the GPUs that history ended with. Without it (the default) a state's GPUs are held
+one by one with nothing published before.
 
 What is counted is the work of ``tests/dra_allocator_model.py`` (:class:`Work`), the model of
 the scheduler's structured allocator, per Filter as upstream does it: pools gathered, devices
@@ -64,7 +70,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -76,10 +82,13 @@ from dra_publishers import (  # noqa: E402
     Publisher,
     agent_publisher,
     load_publisher,
+    set_names,
     single_gpus,
     singles_publisher,
+    withdrawing,
 )
 
+from agent.dra.gpusets import set_name  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
@@ -170,6 +179,49 @@ def occupancy_states(topo: Topology, count: int, rng: random.Random) -> list[fro
 
 
 @dataclass
+class History:
+    """A node state reached through a history of pods arriving and leaving: the devices its
+    pods hold (a multi-GPU pod its set where the agent published it, else single GPUs) and what
+    the agent published after the last of them (kept sets and sets being withdrawn included)."""
+
+    held: dict[str, tuple[int, ...]]
+    published: tuple[str, ...]  # the set devices published before the last rendering
+    tainted: tuple[str, ...]  # of those, the ones carrying the withdrawal taint
+
+
+def churned_states(topo: Topology, states: Sequence[frozenset[int]], rng: random.Random, publisher: Publisher,
+                   events: int) -> list[History]:
+    """Per state, ``events`` pods arriving and leaving around its occupancy (the device plugin's
+    choice, which is the first free set of its size in the agent's rendering at lag 0), the agent
+    re-rendering after each with what it published before (a set being withdrawn goes at the next
+    rendering, as in ``quality_dra.py``); then pods arrive or leave until about as many GPUs are
+    held as in the state (every path is then measured on the GPUs the history ended with)."""
+    engine, sizes, out = AllocationEngine(topo), pod_sizes(topo.gpu_count), []
+    for target in states:
+        pods: list[dict[str, tuple[int, ...]]] = []
+        last = publisher(topo, "n", {}, (), "1.37")
+        for step in range(events + 4 * topo.gpu_count):
+            busy = {g for pod in pods for gpus in pod.values() for g in gpus}
+            if step >= events and len(busy) >= len(target):
+                break
+            if pods and (len(busy) > len(target) or (step < events and rng.random() < 0.5)):
+                pods.pop(rng.randrange(len(pods)))
+            else:
+                k = rng.choices([k for k, _ in sizes], [w for _, w in sizes])[0]
+                free = [i for i in range(topo.gpu_count) if i not in busy]
+                if len(free) < k:
+                    continue
+                members = tuple(sorted(best_set(engine, free, [], k)))
+                name = set_name(members) if k >= 2 else ""
+                pods.append({name: members} if name in set_names(last) else single_gpus(members))
+            held = {name: gpus for pod in pods for name, gpus in pod.items()}
+            inputs = (tuple(set_names(last)), tuple(withdrawing(last)))
+            last = publisher(topo, "n", held, inputs[0], "1.37", expired=inputs[1], tainted=inputs[1])
+        out.append(History({name: gpus for pod in pods for name, gpus in pod.items()}, *inputs))
+    return out
+
+
+@dataclass
 class PathSpec:
     name: str
     publisher: Publisher
@@ -186,15 +238,16 @@ class Result:
     own_devices: int  # devices of the Filtered node's own pool, over all Filters
 
 
-def search_costs(states: Sequence[frozenset[int]], published: Sequence[list[dict[str, Any]]], path: PathSpec,
+def search_costs(allocated: Sequence[Collection[str]], published: Sequence[list[dict[str, Any]]], path: PathSpec,
                  shape: str, sizes: Sequence[int]) -> dict[tuple[int, int], tuple[Work, bool]]:
     """Per (state, pod size): the search's work (``allocate``'s less its gathering, which
-    :class:`ClusterGather` charges) and whether the pod fits."""
+    :class:`ClusterGather` charges) and whether the pod fits; ``allocated``: each state's
+    allocated devices."""
     search: dict[tuple[int, int], tuple[Work, bool]] = {}
-    for s, (held, slices) in enumerate(zip(states, published)):
+    for s, (held, slices) in enumerate(zip(allocated, published)):
         node = f"state-{s}"
         model = AllocatorModel(slices, CLASSES, CEL, version=path.gather,
-                               allocated={(DRIVER, node, f"gpu-{i}") for i in held})
+                               allocated={(DRIVER, node, name) for name in held})
         own = Work()
         gather_pools(slices, node, version=path.gather, work=own)
         for k in sizes:
@@ -204,10 +257,19 @@ def search_costs(states: Sequence[frozenset[int]], published: Sequence[list[dict
 
 
 def run_path(topo: Topology, nodes: int, states: Sequence[frozenset[int]], path: PathSpec, shape: str,
-             pods: Sequence[int]) -> Result:
-    published = [path.publisher(topo, f"state-{s}", single_gpus(held), (), path.server_version)
-                 for s, held in enumerate(states)]
-    search = search_costs(states, published, path, shape, sorted(set(pods)))
+             pods: Sequence[int], history: Sequence[History] = ()) -> Result:
+    """``history``: node states reached through pods arriving and leaving, for a path whose
+    publisher publishes sets (server version 1.37); else each state's GPUs held one by one with
+    nothing published before."""
+    if history and path.server_version == "1.37" and path.publisher is not singles_publisher:
+        published = [path.publisher(topo, f"state-{s}", h.held, h.published, "1.37", expired=h.tainted,
+                                    tainted=h.tainted) for s, h in enumerate(history)]
+        allocated: list[Collection[str]] = [set(h.held) for h in history]
+    else:
+        published = [path.publisher(topo, f"state-{s}", single_gpus(held), (), path.server_version)
+                     for s, held in enumerate(states)]
+        allocated = [{f"gpu-{i}" for i in held} for held in states]
+    search = search_costs(allocated, published, path, shape, sorted(set(pods)))
     cluster = ClusterGather(path.gather)
     node_state = [i % len(states) for i in range(nodes)]
     for s, slices in enumerate(published):
@@ -240,12 +302,16 @@ def items(w: Work) -> int:
     return w.devices_converted + w.consumptions_validated + w.cel_evaluations + w.counter_checks
 
 
-def measure(nodes: int, gpus: int, n_pods: int, n_states: int, seed: int, publisher: Publisher) -> dict[str, Result]:
+def measure(nodes: int, gpus: int, n_pods: int, n_states: int, seed: int, publisher: Publisher,
+            events: int = 0) -> dict[str, Result]:
     topo = synthetic_islands_topology(max(gpus // 8, 1), min(gpus, 8))
     rng = random.Random(seed * 1_000_003 + gpus)
     states = occupancy_states(topo, n_states, rng)
     sizes = pod_sizes(gpus)
     pods = rng.choices([k for k, _ in sizes], [w for _, w in sizes], k=n_pods)
+    history = churned_states(topo, states, random.Random(seed), publisher, events) if events else []
+    if history:  # every path sees the same GPUs held: those the history ended with
+        states = [frozenset(g for gpus in h.held.values() for g in gpus) for h in history]
     paths = {
         "agent": (PathSpec("agent", publisher, "1.37", "1.37"), "list"),
         "agent set-of-k": (PathSpec("agent", publisher, "1.37", "1.37"), "set-of-k"),
@@ -254,7 +320,7 @@ def measure(nodes: int, gpus: int, n_pods: int, n_states: int, seed: int, publis
         "sets forced@1.36": (PathSpec("sets forced@1.36", publisher, "1.37", "1.36"), "list"),
         "singles": (PathSpec("singles", singles_publisher, "1.37", "1.37"), "singles"),
     }
-    return {name: run_path(topo, nodes, states, spec, shape, pods) for name, (spec, shape) in paths.items()}
+    return {name: run_path(topo, nodes, states, spec, shape, pods, history) for name, (spec, shape) in paths.items()}
 
 
 def ratio(a: int, b: int) -> str:
@@ -269,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--states", type=int, default=24)
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--publisher", default="", help="MODULE:FUNCTION (default: the agent's render_slices)")
+    parser.add_argument("--history", type=int, default=0, metavar="EVENTS",
+                        help="reach each node state through EVENTS pods arriving and leaving, so that what the "
+                             "agent publishes holds kept sets and sets being withdrawn (default 0: nothing "
+                             "published before)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
     publisher = load_publisher(args.publisher) if args.publisher else agent_publisher()
@@ -289,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     for gpus in (int(g) for g in args.gpus.split(",")):
         per_filter: dict[str, list[float]] = {}
         for nodes in (int(n) for n in args.nodes.split(",")):
-            results = measure(nodes, gpus, args.pods, args.states, args.seed, publisher)
+            results = measure(nodes, gpus, args.pods, args.states, args.seed, publisher, args.history)
             base = results["singles"]
             for name, r in results.items():
                 w, b = r.work, base.work
