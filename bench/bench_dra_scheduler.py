@@ -87,6 +87,7 @@ from dra_publishers import (  # noqa: E402
     singles_publisher,
     withdrawing,
 )
+from tables import print_table  # noqa: E402
 
 from agent.dra.gpusets import set_name  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
@@ -379,23 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"{args.nodes.split(',')[0]} to {args.nodes.split(',')[-1]} nodes "
                             f"({f[-1] / f[0]:.1f}x; grows with the node count: "
                             f"{'yes, quadratic per pod' if f[-1] / f[0] > 2 else 'no'})")
-    print_table(rows, args.markdown)
+    print_table(rows, args.markdown, 3)
     print(f"\n== goals (seed {args.seed}, {args.pods} pods, {args.states} node states, "
           f"{time.monotonic() - started:.0f} s) ==")
     print("\n".join(verdicts))
     return 0
-
-
-def print_table(rows: list[tuple[str, ...]], markdown: bool) -> None:
-    if markdown:
-        print("| " + " | ".join(rows[0]) + " |")
-        print("|" + "|".join("---" if i < 3 else "---:" for i in range(len(rows[0]))) + "|")
-        for r in rows[1:]:
-            print("| " + " | ".join(r) + " |")
-        return
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
 if __name__ == "__main__":

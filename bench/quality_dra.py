@@ -77,6 +77,7 @@ import quality  # noqa: E402
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel  # noqa: E402
 from dra_publishers import Publisher, agent_publisher, load_publisher, set_names, withdrawing  # noqa: E402
+from tables import print_table  # noqa: E402
 
 from agent.dra.gpusets import island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, render_slices  # noqa: E402
@@ -387,38 +388,26 @@ def main(argv: list[str] | None = None) -> int:
             fb = f"{r['fallbacks']}/{r['claims']}" if path in PRIORITIZED else ""
             table.append((name, path, str(r["pods"]), quality.pct(r["nvlink_share"]).strip(),
                           quality.pct(r["numa_share"]).strip(), quality.pct(r["score_ratio"]).strip(), fb))
-    print_table(table, args.markdown)
+    print_table(table, args.markdown, 2)
     print()
     pub = [("machine", "GPUs", "slices", "single devices", "set devices", "render ms", "YAML KiB")]
     for name, topo in machines:
         p = published(topo)
         pub.append((name, str(topo.gpu_count), str(p["slices"]), str(p["singles"]), str(p["sets"]),
                     f"{p['render_ms']:.1f}", f"{p['yaml_kib']:.0f}"))
-    print_table(pub, args.markdown)
+    print_table(pub, args.markdown, 2)
     print()
     goal = [("machine", *(f"{p.removeprefix('DRA ')}: NVLink / 1 NUMA / score" for p in ("DRA sets", *RERENDER)))]
     for name, rows in results.items():
         goal.append((name, *(("" if gaps(rows, p)[0] else "OUT ") + gaps(rows, p)[1].replace("NVLink ", "")
                              .replace("1 NUMA ", "").replace("score ", "").replace(", ", " / ")
                              for p in ("DRA sets", *RERENDER))))
-    print_table(goal, args.markdown)
+    print_table(goal, args.markdown, 2)
     print()
-    print_table(first_fit_table(results), args.markdown)
+    print_table(first_fit_table(results), args.markdown, 2)
     print(f"\n== goals (seed {args.seed}, {args.events} events, {seconds:.0f} s) ==")
     print("\n".join(verdict(name, rows) for name, rows in results.items()))
     return 0
-
-
-def print_table(rows: list[tuple[str, ...]], markdown: bool) -> None:
-    if markdown:
-        print("| " + " | ".join(rows[0]) + " |")
-        print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(rows[0]))) + "|")
-        for r in rows[1:]:
-            print("| " + " | ".join(r) + " |")
-        return
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
 if __name__ == "__main__":
