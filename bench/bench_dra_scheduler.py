@@ -70,7 +70,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Collection, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -81,12 +81,16 @@ from dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pool
 from dra_publishers import (  # noqa: E402
     Publisher,
     agent_publisher,
+    device_names,
     load_publisher,
     set_names,
     single_gpus,
     singles_publisher,
     withdrawing,
 )
+from dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
+from dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
+from dra_shipped_classes import count_expr  # noqa: E402
 from tables import print_table  # noqa: E402
 
 from agent.dra.gpusets import set_name  # noqa: E402
@@ -96,35 +100,8 @@ from agent.topology.model import Topology  # noqa: E402
 DRIVER = "gpu.gpu-agent.io"
 MIX = ((1, 0.4), (2, 0.3), (4, 0.2), (8, 0.1))
 
-GPU_EXPR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
-SET_EXPR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpuset"'
-
-
-def count_expr(k: int) -> str:
-    return f'device.attributes["{DRIVER}"].gpuCount == {k}'
-
-
-def set_of_expr(k: int) -> str:
-    return f"{SET_EXPR} && {count_expr(k)}"
-
-
-def _attr(d: Any, name: str) -> Any:
-    return d.attributes.get(DRIVER, {}).get(name)
-
-
-CLASSES = [
-    {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
-     "spec": {"selectors": [{"cel": {"expression": expr}}]}}
-    for name, expr in ((DRIVER, GPU_EXPR), (f"gpuset.{DRIVER}", SET_EXPR),
-                       *((f"set-of-{k}.{DRIVER}", set_of_expr(k)) for k in (2, 4, 8, 16, 32, 64)))
-]
-CEL: dict[str, Callable[[Any], bool]] = {
-    GPU_EXPR: lambda d: d.driver == DRIVER and _attr(d, "type") == "gpu",
-    SET_EXPR: lambda d: d.driver == DRIVER and _attr(d, "type") == "gpuset",
-    **{count_expr(k): (lambda d, k=k: _attr(d, "gpuCount") == k) for k in range(2, 65)},
-    **{set_of_expr(k): (lambda d, k=k: d.driver == DRIVER and _attr(d, "type") == "gpuset"
-                        and _attr(d, "gpuCount") == k) for k in (2, 4, 8, 16, 32, 64)},
-}
+# the shipped DeviceClasses (daemonset/dra/deviceclass.yaml) and their CEL as predicates
+CLASSES, CEL = SHIPPED_CLASSES, SHIPPED_CEL
 
 
 def pod_claim(k: int, shape: str) -> dict[str, Any]:
@@ -186,7 +163,7 @@ class History:
     the agent published after the last of them (kept sets and sets being withdrawn included)."""
 
     held: dict[str, tuple[int, ...]]
-    published: tuple[str, ...]  # the set devices published before the last rendering
+    published: tuple[str, ...]  # the devices published before the last rendering
     tainted: tuple[str, ...]  # of those, the ones carrying the withdrawal taint
 
 
@@ -216,7 +193,7 @@ def churned_states(topo: Topology, states: Sequence[frozenset[int]], rng: random
                 name = set_name(members) if k >= 2 else ""
                 pods.append({name: members} if name in set_names(last) else single_gpus(members))
             held = {name: gpus for pod in pods for name, gpus in pod.items()}
-            inputs = (tuple(set_names(last)), tuple(withdrawing(last)))
+            inputs = (tuple(device_names(last)), tuple(withdrawing(last)))
             last = publisher(topo, "n", held, inputs[0], "1.37", expired=inputs[1], tainted=inputs[1])
         out.append(History({name: gpus for pod in pods for name, gpus in pod.items()}, *inputs))
     return out

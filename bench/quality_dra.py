@@ -76,7 +76,17 @@ sys.path.insert(0, str(ROOT / "tests"))  # the allocator model, beside the other
 import quality  # noqa: E402
 from allocation_support import best_set, synthetic_islands_topology  # noqa: E402
 from dra_allocator_model import AllocatorModel  # noqa: E402
-from dra_publishers import Publisher, agent_publisher, load_publisher, set_names, withdrawing  # noqa: E402
+from dra_publishers import (  # noqa: E402
+    Publisher,
+    agent_publisher,
+    device_names,
+    load_publisher,
+    set_names,
+    withdrawing,
+)
+from dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
+from dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
+from dra_shipped_classes import count_expr  # noqa: E402
 from tables import print_table  # noqa: E402
 
 from agent.dra.gpusets import island_ids  # noqa: E402
@@ -93,24 +103,7 @@ PATHS = ("device-plugin", "DRA sets", *RERENDER, "DRA sets+island", "DRA singles
 SET_PATHS = ("DRA sets", *RERENDER, "DRA sets+island")
 PRIORITIZED = (*SET_PATHS, "DRA island")
 TOPOLOGY_ATTRIBUTES = ("numaNode", "nvlinkIsland", "nvlinkClique")
-GPU_EXPR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
-SET_EXPR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpuset"'
-CLASSES = [
-    {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
-     "spec": {"selectors": [{"cel": {"expression": expr}}]}}
-    for name, expr in ((DRIVER, GPU_EXPR), (f"gpuset.{DRIVER}", SET_EXPR))
-]
-
-
-def count_expr(k: int) -> str:
-    return f'device.attributes["{DRIVER}"].gpuCount == {k}'
-
-
-CEL = {
-    GPU_EXPR: lambda d: d.driver == DRIVER and d.attributes[DRIVER]["type"] == "gpu",
-    SET_EXPR: lambda d: d.driver == DRIVER and d.attributes[DRIVER]["type"] == "gpuset",
-    **{count_expr(k): (lambda d, k=k: d.attributes[DRIVER]["gpuCount"] == k) for k in range(2, 65)},
-}
+CLASSES, CEL = SHIPPED_CLASSES, SHIPPED_CEL  # daemonset/dra/deviceclass.yaml, as predicates
 
 
 # ----------------------------------------------------------------------- claims
@@ -168,8 +161,9 @@ def members(slices: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
                     counters[(use["counterSet"], c)] = index
     for d in devices:
         if d["attributes"][f"{DRIVER}/type"]["string"] == "gpuset":
-            out[d["name"]] = tuple(sorted({counters[(u["counterSet"], c)] for u in d["consumesCounters"]
-                                           for c in u["counters"] if (u["counterSet"], c) in counters}))
+            uses = [(u["counterSet"], c) for u in d["consumesCounters"] for c in u["counters"]]
+            if all(use in counters for use in uses):  # else a member's single is withdrawn: known from before
+                out[d["name"]] = tuple(sorted({counters[use] for use in uses}))
     return out
 
 
@@ -212,7 +206,7 @@ class DraPolicy:
         held = {name: self.members[name] for devices, _, _ in known for name in devices}
         # the withdrawal grace (at least G) modelled as "at the next rendering after the taint"
         last = self.renderings[-1]
-        rendered = self.publisher(self.topo, NODE, held, set_names(last), "1.37",
+        rendered = self.publisher(self.topo, NODE, held, device_names(last), "1.37",
                                   expired=withdrawing(last) if self.grace else None,
                                   **({"tainted": withdrawing(last)} if self.grace else {}))
         self.renderings.append(rendered)

@@ -4,14 +4,15 @@ as they import ``allocation_support``) and ``test_dra_safety.py`` checks.
 
 A publisher is ``publish(topology, node_name, held, published, server_version) ->
 ResourceSlice objects (v1)``: ``held`` maps each device a prepared claim of the node holds
-(its name) to its GPU indices; ``published`` names the set devices in the pool now (the
-previous publication; a rule that keeps what a claim may hold reads it); ``server_version``
+(its name) to its GPU indices; ``published`` names the devices in the pool now, sets and
+single GPUs (:func:`device_names` of the previous publication; a rule that keeps what a claim
+may hold reads it); ``server_version``
 is the API server's ``major.minor`` (``"1.36"``, ``"1.37"``); the keyword ``expired`` (default
-None) names the published sets whose withdrawal taint has been out for the grace period
+None) names the published devices whose withdrawal taint has been out for the grace period
 (:func:`withdrawing` of the previous publication models "at least the grace period" as "at the
 next publication"), None for no grace (a set that must go goes at once: the agent where the API
-server keeps no taints, or the grace is 0); ``tainted`` (default none) the published sets that
-carry the withdrawal taint now. :func:`agent_publisher` is the agent's own rendering
+server keeps no taints, or the grace is 0); ``tainted`` (default none) the published devices
+that carry the withdrawal taint now. :func:`agent_publisher` is the agent's own rendering
 (``agent.dra.slices.render_slices``, as ``gpu-topology-agent slices`` prints it), given
 whichever of these it takes; the others ignore ``expired`` and ``tainted``.
 """
@@ -63,8 +64,10 @@ def agent_publisher() -> Publisher:
             fields = inspect.signature(_slices.Occupancy).parameters
             grace = {"expired": expired} if "expired" in fields else {}
             grace |= {"withdrawing": tuple(tainted)} if "withdrawing" in fields else {}
+            sets = tuple(n for n in published if n.startswith("gpuset-"))
+            grace |= {"singles": tuple(n for n in published if n not in sets)} if "singles" in fields else {}
             extra["occupancy"] = _slices.Occupancy(  # type: ignore[attr-defined]
-                {name: tuple(gpus) for name, gpus in held.items()}, tuple(published), **grace)
+                {name: tuple(gpus) for name, gpus in held.items()}, sets, **grace)
         elif "in_use" in params:
             extra["in_use"] = gpus_of(held)
         if "policy" in params and hasattr(gpusets, "SetPolicy"):
@@ -104,8 +107,13 @@ def singles_publisher(topo: Topology, node: str, held: Held, published: Collecti
     return _slices.render_slices(topo, node_name=node, with_sets=False)
 
 
+def device_names(slices: list[dict[str, Any]]) -> list[str]:
+    """The devices of ``slices`` (what the next publication reads as ``published``)."""
+    return [d["name"] for s in slices for d in s["spec"].get("devices", ())]
+
+
 def set_names(slices: list[dict[str, Any]]) -> list[str]:
-    """The set devices of ``slices`` (what the next publication reads as ``published``)."""
+    """The set devices of ``slices``."""
     return [d["name"] for s in slices for d in s["spec"].get("devices", ()) if d["name"].startswith("gpuset-")]
 
 

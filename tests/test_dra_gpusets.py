@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import copy
 import random
-from pathlib import Path
 
 import pytest
 import yaml
 from allocation_support import best_set, synthetic_islands_topology
 from dra_allocator_model import AllocatorModel, gather_pools
 from dra_api_validation import default_claim, validate_claim, validate_slice
+from dra_shipped_classes import BY_NAME, CEL, CLASSES_FILE, GPU_CLASS, check_expressions, count_expr
 
 from agent.cli import main
 from agent.discovery import load_topology
@@ -22,42 +22,18 @@ from agent.dra.gpusets import (
     parse_set_name,
     set_name,
     set_sizes,
-    sets_to_keep,
 )
 from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices
+from agent.dra.withdrawal import sets_to_keep
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
 
 D = "gpu.gpu-agent.io"
 NODE = "node-1"
-CLASSES_FILE = Path(__file__).resolve().parents[1] / "daemonset" / "dra" / "deviceclass.yaml"
 TEMPLATES_FILE = CLASSES_FILE.parent / "examples" / "gpuset-claim-templates.yaml"
-CLASSES = {c["metadata"]["name"]: c for c in yaml.safe_load_all(CLASSES_FILE.read_text())}
-GPU_CLASS = CLASSES[D]
+CLASSES = BY_NAME
 SET_CLASSES = {n: c for n, c in CLASSES.items() if n == f"gpuset.{D}" or n.startswith("set-of-")}
-SET_CLASS = SET_CLASSES[f"gpuset.{D}"]
 
-
-def count_expr(k):
-    return f'device.attributes["{D}"].gpuCount == {k}'
-
-
-def expression(device_class):
-    (selector,) = device_class["spec"]["selectors"]
-    return selector["cel"]["expression"]
-
-
-def is_set(d, k=None):
-    """The shipped set classes: healthy GPU sets (of ``k`` GPUs)."""
-    return (d.driver == D and d.attributes[D]["type"] == "gpuset" and d.attributes[D]["healthy"]
-            and k in (None, d.attributes[D]["gpuCount"]))
-
-
-# the CEL of the shipped classes and of the tests' and templates' selectors, as predicates
-CEL = {expression(GPU_CLASS): lambda d: d.driver == D and d.attributes[D]["type"] == "gpu",
-       expression(SET_CLASS): is_set,
-       **{expression(SET_CLASSES[f"set-of-{k}.{D}"]): (lambda d, k=k: is_set(d, k)) for k in (2, 4, 8)},
-       **{count_expr(k): (lambda d, k=k: d.attributes[D]["gpuCount"] == k) for k in range(2, 65)}}
 
 MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if set_sizes(load_topology(m))
                       and not any(g.mig_enabled for g in load_topology(m).gpus)]
@@ -415,6 +391,87 @@ def test_a_set_tainted_for_withdrawal_stays_tainted_once_free_unless_chosen_agai
     devices, withdrawn = render({}, published, (), published)
     assert set(published) <= set(devices) and not withdrawn & set(published)
     assert all(devices[n]["attributes"][f"{D}/healthy"] == {"bool": True} for n in published)
+
+
+def test_every_expression_of_the_shipped_classes_has_its_predicate_in_the_tests():
+    assert check_expressions() == []
+
+
+def _devices(slices):
+    return [d for s in slices for d in s["spec"].get("devices", [])]
+
+
+def test_a_gpu_held_through_a_set_says_so_and_the_gpu_class_skips_it_before_any_counter_is_compared():
+    """GPUs 0-3 held through their set, 4-7 held one by one: no GPU is free. A one-GPU claim
+    fails either way (the set's counters block 0-3); the shipped class refuses 0-3 by
+    ``heldBySet`` before the allocator compares counters for them, where a class without that
+    clause compares every counter of the node for each."""
+    topology = load_topology("dgx-h100")
+    held = {"gpuset-4-mf": (0, 1, 2, 3), **{f"gpu-{g}": (g,) for g in range(4, 8)}}
+    slices = render_slices(topology, node_name=NODE, occupancy=Occupancy(held, ["gpuset-4-mf"]))
+    marks = {d["name"]: d["attributes"][f"{D}/heldBySet"] for d in _devices(slices) if d["name"].startswith("gpu-")}
+    assert marks == {f"gpu-{g}": {"bool": g < 4} for g in range(8)}
+    allocated = [(D, NODE, name) for name in held]
+    plain = 'device.driver == "gpu.gpu-agent.io" && device.attributes["gpu.gpu-agent.io"].type == "gpu"'
+    old_class = {**GPU_CLASS, "spec": {"selectors": [{"cel": {"expression": plain}}]}}
+    cel = {**CEL, plain: lambda d: d.driver == D and d.attributes[D]["type"] == "gpu"}
+    work = {}
+    for label, cls in (("shipped", GPU_CLASS), ("without heldBySet", old_class)):
+        model = AllocatorModel(slices, [cls], cel, allocated)
+        assert model.allocate([claim("one", singles_request(1))], NODE) is None
+        work[label] = model.work.counter_checks
+    assert work == {"shipped": 0, "without heldBySet": 4 * topology.gpu_count}
+    # freed: the marks go with the claim, and the GPU class selects the GPUs again
+    slices = render_slices(topology, node_name=NODE, occupancy=Occupancy({}, ["gpuset-4-mf"]))
+    assert all(d["attributes"][f"{D}/heldBySet"] == {"bool": False} for d in _devices(slices)
+               if d["name"].startswith("gpu-"))
+    (result,) = Node(topology, slices).allocate(claim("one", singles_request(1)))
+    assert len(result) == 1
+    # without sets (single GPUs only) the attribute is left out: the class's has() takes it as false
+    singles_only = render_slices(topology, node_name=NODE, with_sets=False)
+    assert all(f"{D}/heldBySet" not in d["attributes"] for d in _devices(singles_only))
+
+
+def test_a_single_gpu_held_through_a_set_goes_in_two_steps_and_one_already_out_stays_out():
+    topology = load_topology("dgx-h100")
+    held = {"gpuset-4-mf": (0, 1, 2, 3)}
+    everything = [d["name"] for d in _devices(render_slices(topology, node_name=NODE))]
+    singles = [n for n in everything if n.startswith("gpu-")]
+    sets = [n for n in everything if n.startswith("gpuset-")]
+
+    def render(expired=(), published_singles=tuple(singles), **kwargs):
+        occupancy = Occupancy(held, sets, expired, (), published_singles)
+        found = {d["name"]: d for d in _devices(render_slices(topology, node_name=NODE, occupancy=occupancy, **kwargs))}
+        return {n: bool(found[n].get("taints")) for n in found if n.startswith("gpu-")}
+
+    members = {f"gpu-{g}" for g in range(4)}
+    first = render()  # published now: tainted (the grace starts)
+    assert set(first) == set(singles) and {n for n, t in first.items() if t} == members
+    later = render(expired=["gpu-0", "gpu-1"])  # their grace ran out: out; the others still tainted
+    assert set(later) == set(singles) - {"gpu-0", "gpu-1"} and {n for n, t in later.items() if t} == {"gpu-2", "gpu-3"}
+    out = render(published_singles=[n for n in singles if n not in members])  # out already: stays out
+    assert set(out) == set(singles) - members and not any(out.values())
+    # no grace (None), the pool's singles unknown, or no taints kept: every single stays published
+    assert set(render(expired=None)) == set(singles)
+    assert set(render(published_singles=None)) == set(singles)
+    assert set(render(published_singles=(), taint_effect=None)) == set(singles)
+
+
+def test_sets_being_withdrawn_come_after_the_single_gpus_so_a_claim_that_finds_a_gpu_never_walks_them():
+    topology = load_topology("dgx-h100")
+    empty = [d["name"] for d in _devices(render_slices(topology, node_name=NODE))]
+    published = [n for n in empty if n.startswith("gpuset-")]
+    held = {"gpu-0": (0,)}
+    slices = render_slices(topology, node_name=NODE, occupancy=Occupancy(held, published, (), ()))
+    devices = _devices(slices)
+    tainted = [i for i, d in enumerate(devices) if d.get("taints")]
+    singles = [i for i, d in enumerate(devices) if d["name"].startswith("gpu-")]
+    assert tainted and min(tainted) > max(singles)  # every set with GPU 0 is due, and last
+    assert tainted == list(range(len(devices) - len(tainted), len(devices)))
+    model = AllocatorModel(slices, [GPU_CLASS], CEL, [(D, NODE, "gpu-0")])
+    (result,) = model.allocate([claim("one", singles_request(1))], NODE)
+    untainted_sets = sum(1 for d in devices if d["name"].startswith("gpuset-") and not d.get("taints"))
+    assert model.work.cel_evaluations == untainted_sets + 1  # the sets before the singles, then one GPU
 
 
 def test_set_names_say_their_members():

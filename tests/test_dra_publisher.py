@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from waiting import eventually
 
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from agent.dra.gpusets import parse_set_name
 from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
 from agent.dra.slices import render_slices
@@ -485,6 +486,35 @@ def test_a_set_whose_gpu_is_held_through_another_device_is_tainted_then_withdraw
             pub.stop()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("withdrawing a GPU set")]
     assert len(said) == 1 and f"tainted {DRIVER}/withdrawn, withdrawn after 3 s" in said[0]
+
+
+def test_the_single_gpus_of_a_held_set_are_tainted_then_withdrawn_after_the_grace_and_return_when_it_ends(
+        server, tmp_path):
+    server.add_node("node-1")
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    pub = make(server, prepared=checkpoint, withdrawal_grace_s=3.0)
+    pub.start()
+    try:
+        assert eventually(pub.ready, 30)
+        (pair, *_) = [n for n in device_names(server.slices()) if n.startswith("gpuset-2-")]
+        members = [f"gpu-{g}" for g in parse_set_name(pair)]
+        hold(checkpoint, tmp_path, "uid-1", pair)  # the pair's GPUs held through it
+        assert server.wait_for(lambda s: all(withdrawal(s, n) for n in members), 2.0)
+        devices = {d["name"]: d for o in server.slices() for d in o["spec"].get("devices", [])}
+        assert all(devices[n]["attributes"][f"{DRIVER}/heldBySet"] == {"bool": True} for n in members)
+        assert pair in devices and not withdrawal(server.slices(), pair)  # the held set stays, untainted
+        added = min(withdrawal(server.slices(), n)[1] for n in members)
+        time.sleep(max(0.0, (added - datetime.now(timezone.utc)).total_seconds() + 1.5))
+        assert set(members) <= set(device_names(server.slices()))  # not before the grace ran out
+        assert server.wait_for(lambda s: not set(members) & set(device_names(s)), 10.0)
+        assert pair in device_names(server.slices())
+        checkpoint.remove("uid-1")  # the claim ended: the singles come back, ordinary devices
+        assert server.wait_for(lambda s: set(members) <= set(device_names(s)), 2.0)
+        devices = {d["name"]: d for o in server.slices() for d in o["spec"].get("devices", [])}
+        assert all(devices[n]["attributes"][f"{DRIVER}/heldBySet"] == {"bool": False} and not devices[n].get("taints")
+                   for n in members)
+    finally:
+        pub.stop()
 
 
 def test_a_withdrawal_is_called_off_when_the_gpu_is_free_again_and_its_time_survives_a_restart(server, tmp_path):

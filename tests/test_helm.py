@@ -430,8 +430,11 @@ def test_device_classes_use_the_newest_dra_api_the_cluster_serves(
         assert classes[name]["apiVersion"] == expected
         (selector,) = classes[name]["spec"]["selectors"]
         expression = " ".join(selector["cel"]["expression"].split())
+        held = (' && !(has(device.attributes["gpu.example.com"].heldBySet) &&'
+                ' device.attributes["gpu.example.com"].heldBySet)')  # GPUs held through a set (v1: sets)
         assert expression == (f'device.driver == "gpu.example.com" && '
-                              f'device.attributes["gpu.example.com"].type == "{kind}"')
+                              f'device.attributes["gpu.example.com"].type == "{kind}"'
+                              + (held if kind == "gpu" and expected == "resource.k8s.io/v1" else ""))
     for name in sets:
         (selector,) = classes[name]["spec"]["selectors"]
         expression = " ".join(selector["cel"]["expression"].split())

@@ -46,7 +46,8 @@ changes although the first set stays free (it packs next to a GPU that became bu
 cannot follow it. A claim that finds no set free falls back to single GPUs (the example
 claims' prioritized list).
 
-**Never withdraw what a claim may hold** (:func:`sets_to_keep`, :func:`sets_to_withdraw`). The
+**Never withdraw what a claim may hold** (:func:`agent.dra.withdrawal.sets_to_keep`,
+:func:`agent.dra.withdrawal.sets_to_withdraw`). The
 scheduler allocates before the agent hears of it (the kubelet prepares after the pod is
 bound), and counts an allocated device's counters by finding it in the slices it sees now
 (``checkAvailableCounters``): a set withdrawn while a claim holds it would let its GPUs be
@@ -69,8 +70,17 @@ tolerates the taint): a view older than W1, so C was allocated before W1 + L and
 W1 + L + P < W2. Rendering W2, the agent knew C held D (prepared, not unprepared: its pod may
 run), so D was held through itself and kept, not left out. A contradiction: no claim whose pod
 may run holds a set when it leaves. And no claim gets D after the scheduler sees W2: D is gone.
-The single GPUs are always published. Kept and tainted sets come after the policy's sets of
-their size, so first fit still finds the policy's answer first. The agent recovers what it
+**A single GPU held through a set** goes the same way (:func:`agent.dra.withdrawal.singles_to_withdraw`):
+the set's counters keep it from being allocated while the set is held, so no claim holds it,
+but a write leaving it out may reach the scheduler after the set's claim ended and after it
+handed the single out from the pool it still saw (``tests/test_dra_safety.py``, RACE_SINGLE);
+so it is published tainted (and ``heldBySet: true``, which the shipped GPU class refuses before
+any counter is compared) for the grace, then left out while its GPU stays held through a set,
+and published again, an ordinary device, once the GPU is free. The argument above holds with
+the single for D. Every other single GPU is always published. Kept and tainted sets come after
+the policy's sets of their size, so first fit still finds the policy's answer first; in one
+slice, the sets being withdrawn go after the single GPUs (no class selects them: a claim that
+finds its device first never walks them). The agent recovers what it
 published, and when each taint was added, from its own slices in the API server after a
 restart. The cost: a due set costs the scheduler its conversion and counters on every Filter
 for G more (``bench/quality_dra.py`` counts the set devices of each rendering, the grace
@@ -130,15 +140,14 @@ whole group so far, then by the lower index.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Sequence
 
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
 __all__ = ["NEWEST_KNOWN", "SETS_FROM", "SETS_PER_SIZE", "SET_SIZES", "GpuSet", "SetPolicy", "clique_ids",
-           "device_order", "gpu_sets_decision", "island_ids", "parse_set_name", "set_name", "set_sizes",
-           "sets_to_keep", "sets_to_withdraw"]
+           "device_order", "gpu_sets_decision", "island_ids", "parse_set_name", "set_name", "set_sizes"]
 
 #: Sizes every node is offered in (besides its NVLink island and clique sizes).
 SET_SIZES = (2, 4, 8, 16)
@@ -367,33 +376,3 @@ def _hits(cases: list[tuple[frozenset[int], tuple[int, ...]]], order: list[tuple
     """Of ``cases`` (GPUs taken, the policy's choice on the rest), those where the first set of
     ``order`` that avoids the GPUs taken is that choice (the scheduler's first fit)."""
     return sum(next((c == want for c in order if gone.isdisjoint(c)), False) for gone, want in cases)
-
-
-def sets_to_keep(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
-    """The rule (module docstring): of the set devices ``published`` (names), those that must
-    stay published, given ``held``: every device a prepared claim of this node holds, name ->
-    GPU indices. A set stays unless one of its members is held through another device."""
-    return _split(published, held)[0]
-
-
-def sets_to_withdraw(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
-    """Of the set devices ``published``, those :func:`sets_to_keep` does not keep: one of their
-    members is held through another device (published tainted for the grace period first,
-    module docstring)."""
-    return _split(published, held)[1]
-
-
-def _split(published: Iterable[str], held: Mapping[str, Collection[int]]) -> tuple[list[GpuSet], list[GpuSet]]:
-    through: dict[int, set[str]] = {}
-    for device, gpus in held.items():
-        for g in gpus:
-            through.setdefault(g, set()).add(device)
-    keep: list[GpuSet] = []
-    withdraw: list[GpuSet] = []
-    for name in sorted(set(published)):
-        members = parse_set_name(name)
-        if members is None:
-            continue  # not a set of ours (a stored slice of another agent version): nothing to keep
-        blocked = any(through.get(g, set()) - {name} for g in members)
-        (withdraw if blocked else keep).append(GpuSet(members))
-    return keep, withdraw

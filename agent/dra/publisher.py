@@ -215,7 +215,7 @@ class SlicePublisher(Worker):
     def _desired(self, existing: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The slices as they would be published now, for generation :attr:`generation`,
         given the pool as the API server has it (``existing``: the set devices in it stay
-        while a claim may hold them, :func:`agent.dra.gpusets.sets_to_keep`)."""
+        while a claim may hold them, :func:`agent.dra.withdrawal.sets_to_keep`)."""
         with self._cond:
             topology, unhealthy = self._topology, dict(self._unhealthy)
             policy, refs = self._policy, self._refs
@@ -227,7 +227,8 @@ class SlicePublisher(Worker):
         times = withdrawal_times(existing.values(), self.driver_name, now)
         occupancy = Occupancy({name: gpus_of(refs, name) for name in sorted(prepared)},
                               sorted(n for n in published if parse_set_name(n) is not None),
-                              expired(times, now, grace) if grace > 0 else None, sorted(times))
+                              expired(times, now, grace) if grace > 0 else None, sorted(times),
+                              sorted(n for n in published if parse_set_name(n) is None))
         taints = self.kept[DEVICE_TAINTS]
         return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=self.api_version or "v1",
@@ -341,7 +342,9 @@ class SlicePublisher(Worker):
             log.info("withdrawing a GPU set one of whose GPUs is held through another device: %s", (
                 f"tainted {self.driver_name}/withdrawn, withdrawn after {grace:g} s" if grace > 0 else
                 "withdrawn at once, untainted (safe only while the scheduler's view of the slices does not lag)")
-                + f" (dra.gpuSetWithdrawalGraceSeconds {grace:g})")
+                + f" (dra.gpuSetWithdrawalGraceSeconds {grace:g}); the single device of a GPU held through a set: "
+                + ("the same where the API server keeps taints, else it stays published" if grace > 0
+                   else "stays published"))
         if self._events is not None:
             self._events.dra_gpu_sets(on, setting)
 

@@ -29,6 +29,9 @@ Attributes (``<driver>/`` omitted):
                                       cliques of one). A GPU in several maximal cliques gets
                                       the largest, then the first in that list; so every GPU
                                       sharing a value is NVLinked to every other.
+``heldBySet``               bool      full GPUs, with sets: true while a prepared claim holds
+                                      the GPU through a set (the GPU class refuses it before
+                                      any counter is compared; withdrawn after the grace)
 ``profile``, ``parentUUID``,
 ``parentIndex``             MIG only  ``1g.10gb``, the parent GPU's UUID and index
 ==========================  ========  =====================================================
@@ -72,10 +75,11 @@ classes select on; the name says the members, ``gpuset-4-mf`` is GPUs 0-3):
 why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints`).
 
 **Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
-given): the sets, largest first, then the single GPUs (MIG devices in their parent's place);
-at most 128 devices a slice, 64 when any consumes counters or has a taint (the API's limit
-for slices using partitionable devices or taints); above one slice, the singles start a
-slice of their own, so a re-publication moves no single GPU between slices. Slice names are
+given): the sets, largest first, then the single GPUs (MIG devices in their parent's place),
+then, in one slice, the sets being withdrawn; at most 128 devices a slice, 64 when any
+consumes counters or has a taint (the API's limit for slices using partitionable devices or
+taints); above one slice, the singles start a slice of their own, so a re-publication moves
+no single GPU between slices. Slice names are
 ``<node>-<driver>-<nnn>`` with a zero-padded number, so they sort in publication order (the
 allocator walks slices by name); the counter slice is number 0. ``v1beta1`` and ``v1beta2``
 render single GPUs only (no counters, no sets).
@@ -87,7 +91,7 @@ hundred lines of tables); the code is one rendering pass, attributes to devices 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from agent.config import DEFAULT_DRIVER_NAME
@@ -98,11 +102,12 @@ from agent.dra.gpusets import (
     clique_ids,
     device_order,
     island_ids,
-    sets_to_keep,
-    sets_to_withdraw,
 )
+from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
-from agent.dra.withdrawal import withdrawal_taint
+from agent.dra.withdrawal import (
+    withdrawal_taint,
+)
 from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.health import LOST_REASON
 from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS
@@ -216,11 +221,13 @@ def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, s
 
 def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
                    marks: HealthMarks | None = None, order: Sequence[int] | None = None,
-                   counters: Collection[int] = ()) -> list[Device]:
+                   counters: Collection[int] = (), held_by_set: Collection[int] | None = None) -> list[Device]:
     """The node's single devices (full GPUs, MIG devices) in slice order (``order``: GPU
     indices, default :func:`agent.dra.gpusets.device_order`); a device of an unhealthy GPU
     is tainted, or left out, as ``marks`` says (default: the lost GPUs tainted
-    ``NoSchedule``). ``counters``: the GPU indices whose full GPU consumes its own counter."""
+    ``NoSchedule``). ``counters``: the GPU indices whose full GPU consumes its own counter.
+    ``held_by_set``: where given (a rendering with sets), every full GPU carries ``heldBySet``,
+    true for the GPU indices named."""
     marks = marks if marks is not None else health_marks(topology)
     islands = island_ids(topology)
     cliques = clique_ids(topology)
@@ -238,6 +245,8 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
         else:
             shown, taints = marks.device(driver, device_name(gpu), (index,))
             own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": _string(gpu.uuid)}
+            if held_by_set is not None:
+                own["heldBySet"] = {"bool": index in held_by_set}
             if shown:
                 out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib,
                                    (index,) if index in counters else (), taints))
@@ -268,29 +277,6 @@ def render_set_devices(topology: Topology, sets: Iterable[GpuSet], driver: str =
         }
         out.append(_device(driver, s.name, attributes, None, s.members, taints))
     return out
-
-
-@dataclass(frozen=True)
-class Occupancy:
-    """What the publication follows: ``held``, every device a prepared claim of this node
-    holds (name -> GPU indices); ``published``, the set devices in the pool now (names, as
-    the API server has them; the rule of :func:`agent.dra.gpusets.sets_to_keep` keeps them
-    while a claim may hold them); ``expired``, of those, the ones whose withdrawal taint has
-    been published for the grace period (:mod:`agent.dra.withdrawal`), or None for no grace:
-    a published set that must go (:func:`agent.dra.gpusets.sets_to_withdraw`) stays, tainted,
-    until named here; with None (or where the API server keeps no taints) it goes at once.
-    ``withdrawing``: the published sets carrying the withdrawal taint now; one stays tainted
-    until it goes, even once its GPUs are free again, unless it is the policy's choice again or
-    a prepared claim holds it (so what lagging claims find is what withdrawing at once leaves)."""
-
-    held: Mapping[str, Collection[int]] = field(default_factory=dict)
-    published: Collection[str] = ()
-    expired: Collection[str] | None = None
-    withdrawing: Collection[str] = ()
-
-    @property
-    def held_gpus(self) -> set[int]:
-        return {g for gpus in self.held.values() for g in gpus}
 
 
 def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
@@ -362,7 +348,7 @@ def render_slices(
     generation: int = 1,
     node_uid: str | None = None,
     unhealthy: Collection[int] | Mapping[int, str] = (),
-    occupancy: Occupancy = Occupancy(),
+    occupancy: Occupancy = NOTHING_HELD,
     with_sets: bool = True,
     taint_effect: str | None = "NoSchedule",
     keep: Collection[str] = (),
@@ -386,17 +372,27 @@ def render_slices(
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = _set_devices(topology, policy, occupancy, free, driver, marks, graced=taint_effect is not None)
-    singles = _singles(topology, driver, marks, policy.single_order(free), sets)
+    singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None)
     devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
     specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
-    # above one slice, the singles start a slice of their own: a re-publication with as many
-    # slices of sets moves no device between slices (the publisher rewrites in place then)
-    groups = [devices] if len(devices) <= per_slice else [sets, singles]
+    # above one slice, the singles start a slice of their own: a re-publication with as many slices of
+    # sets moves no device between slices (the publisher rewrites in place then); in one slice, the sets
+    # being withdrawn go last: no class selects them, and a claim that finds a device first never walks them
+    key = withdrawal_taint(driver)["key"]
+    withdrawn = [d for d in sets if any(t.get("key") == key for t in d.taints)]
+    groups = ([[*(d for d in sets if d not in withdrawn), *singles, *withdrawn]] if len(devices) <= per_slice
+              else [sets, singles])
     specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
               for group in groups for i in range(0, len(group), per_slice)]
     specs += [] if devices else [{"devices": []}]  # an empty pool is published too: "no devices here now"
+    return _slice_objects(specs, node_name, driver, api_version, generation, node_uid)
+
+
+def _slice_objects(specs: list[dict[str, Any]], node_name: str, driver: str, api_version: str, generation: int,
+                   node_uid: str | None) -> list[dict[str, Any]]:
+    """The pool's ResourceSlice objects, one per spec body (counters or devices), in order."""
     width = max(3, len(str(len(specs) - 1)))
     out = []
     for number, body in enumerate(specs):
@@ -415,37 +411,30 @@ def render_slices(
     return out
 
 
-def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequence[int],
-             sets: Sequence[Device]) -> list[Device]:
+def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequence[int], sets: Sequence[Device],
+             occupancy: Occupancy, graced: bool) -> list[Device]:
     """The single devices in ``order``; a whole GPU consumes its counter only while one of
     ``sets`` holds it (the module docstring says why that is safe), where the sets and the
-    singles share one slice; above that every whole GPU consumes its counter."""
+    singles share one slice; above that every whole GPU consumes its counter. With sets, every
+    whole GPU says whether a prepared claim holds it through a set, and (``graced``: the server
+    keeps taints) such a single is withdrawn as :class:`Occupancy` says."""
     covered = {g for d in sets for g in d.consumes}
-    singles = render_devices(topology, driver, marks, order, covered)
+    held = occupancy.via_sets if sets else None
+    singles = render_devices(topology, driver, marks, order, covered, held)
     if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:
-        singles = render_devices(topology, driver, marks, order, range(topology.gpu_count))
-    return singles
+        singles = render_devices(topology, driver, marks, order, range(topology.gpu_count), held)
+    if not sets or not graced:
+        return singles
+    tainted, gone = occupancy.single_withdrawals(topology)
+    return [replace(d, taints=tuple([withdrawal_taint(driver), *d.taints][:MAX_TAINTS])) if d.name in tainted else d
+            for d in singles if d.name not in gone]
 
 
 def _set_devices(topology: Topology, policy: SetPolicy, occupancy: Occupancy, free: Collection[int],
                  driver: str, marks: HealthMarks, graced: bool) -> list[Device]:
-    """The set devices: the policy's sets on ``free``, then those a claim may hold: the
-    published ones the rule keeps and the ones prepared claims hold; then (``graced``: the
-    server keeps taints) the published ones being withdrawn whose grace has not run out,
-    with the withdrawal taint."""
-    kept = sets_to_keep(occupancy.published, occupancy.held)
-    held = [GpuSet(tuple(sorted(g))) for name, g in occupancy.held.items() if name.startswith("gpuset-")]
-    withdrawing: list[GpuSet] = []
-    if graced and occupancy.expired is not None:
-        gone = set(occupancy.expired) | {s.name for s in held}
-        tainted = set(occupancy.withdrawing)
-        withdrawing = [s for s in [*sets_to_withdraw(occupancy.published, occupancy.held),
-                                   *(k for k in kept if k.name in tainted)] if s.name not in gone]
-        kept = [k for k in kept if k.name not in tainted]
-    chosen = policy.sets(free)
-    sets = policy.sets(free, [*kept, *held, *withdrawing], chosen)
-    untainted = {s.name for s in chosen}  # the policy's choice again: an ordinary set
-    return render_set_devices(topology, sets, driver, marks, {s.name for s in withdrawing} - untainted)
+    """The set devices :meth:`Occupancy.sets` gives, the ones being withdrawn tainted."""
+    sets, withdrawing = occupancy.sets(policy, free, graced)
+    return render_set_devices(topology, sets, driver, marks, withdrawing)
 
 
 def _counter_sets(topology: Topology) -> list[dict[str, Any]]:

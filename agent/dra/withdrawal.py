@@ -1,6 +1,8 @@
-"""The first step of withdrawing a GPU set: the withdrawal taint, and the clock of its grace.
+"""Withdrawing published devices: which must go (:func:`sets_to_withdraw`,
+:func:`singles_to_withdraw`; the rule and why it is safe: :mod:`agent.dra.gpusets`), the
+withdrawal taint of the first step, and the clock of its grace.
 
-A published set that must go (:func:`agent.dra.gpusets.sets_to_withdraw`: a member is held
+A published set that must go (:func:`sets_to_withdraw`: a member is held
 through another device) first stays published with the taint ``<driver>/withdrawn``
 (value ``member-in-use``, effect ``NoSchedule``, never ``NoExecute``: the pods already using
 the set keep it), so the scheduler gives it to no new claim while it still counts its counters
@@ -21,9 +23,12 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
-__all__ = ["WITHDRAWN_KEY", "expired", "stamp_withdrawals", "withdrawal_taint", "withdrawal_times"]
+from agent.dra.gpusets import GpuSet, parse_set_name
+
+__all__ = ["WITHDRAWN_KEY", "expired", "sets_to_keep", "sets_to_withdraw", "singles_to_withdraw", "stamp_withdrawals",
+           "withdrawal_taint", "withdrawal_times"]
 
 #: The taint key under the driver's domain: ``<driver>/withdrawn``.
 WITHDRAWN_KEY = "withdrawn"
@@ -82,3 +87,46 @@ def stamp_withdrawals(slices: Iterable[dict[str, Any]], driver: str, now: float)
         when = math.ceil(now) if when is None else when
         earliest = when if earliest is None else min(earliest, when)
     return earliest
+
+
+def sets_to_keep(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
+    """The rule (:mod:`agent.dra.gpusets`): of the set devices ``published`` (names), those that must
+    stay published, given ``held``: every device a prepared claim of this node holds, name ->
+    GPU indices. A set stays unless one of its members is held through another device."""
+    return _split(published, held)[0]
+
+
+def sets_to_withdraw(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
+    """Of the set devices ``published``, those :func:`sets_to_keep` does not keep: one of their
+    members is held through another device (published tainted for the grace period first,
+    module docstring)."""
+    return _split(published, held)[1]
+
+
+def singles_to_withdraw(held: Mapping[str, Collection[int]], whole: Mapping[int, str], published: Collection[str],
+                        expired: Collection[str]) -> tuple[set[str], set[str]]:
+    """The whole GPUs' single devices (``whole``: GPU index -> its device name) to publish with
+    the withdrawal taint, and those to leave out: of the GPUs held through a set (``held``, and
+    not through their single device), a single in the pool now (``published``) stays, tainted,
+    until its taint has been out for the grace period (``expired``); one not in the pool stays
+    out (:mod:`agent.dra.gpusets`, "A single GPU held through a set")."""
+    via_sets = {g for name, gpus in held.items() if parse_set_name(name) is not None for g in gpus}
+    due = {whole[g] for g in via_sets if g in whole and whole[g] not in held}
+    gone = {n for n in due if n not in published or n in expired}
+    return due - gone, gone
+
+
+def _split(published: Iterable[str], held: Mapping[str, Collection[int]]) -> tuple[list[GpuSet], list[GpuSet]]:
+    through: dict[int, set[str]] = {}
+    for device, gpus in held.items():
+        for g in gpus:
+            through.setdefault(g, set()).add(device)
+    keep: list[GpuSet] = []
+    withdraw: list[GpuSet] = []
+    for name in sorted(set(published)):
+        members = parse_set_name(name)
+        if members is None:
+            continue  # not a set of ours (a stored slice of another agent version): nothing to keep
+        blocked = any(through.get(g, set()) - {name} for g in members)
+        (withdraw if blocked else keep).append(GpuSet(members))
+    return keep, withdraw
