@@ -2,12 +2,14 @@
 
 Run: ``.venv/bin/python bench/bench_dra_scheduler.py`` (``--nodes 100,500,1000``,
 ``--gpus 8,16,64``, ``--pods N``, ``--states S``, ``--seed S``, ``--markdown``,
-``--publisher MODULE:FUNCTION``, ``--history EVENTS``).
+``--publisher MODULE:FUNCTION``, ``--history EVENTS``, ``--settled``).
 
 ``--history EVENTS`` reaches each node state through EVENTS pods arriving and leaving
 (:func:`churned_states`), so that the agent's slices hold what a node in use publishes: the sets
 its pods hold, sets kept because a claim may hold them, sets being withdrawn; every path is then
-measured on the GPUs that history ended with. Without it (the default) a state's GPUs are held
+measured on the GPUs that history ended with, right after the last pod (what it made due still
+tainted), or with ``--settled`` once the node was quiet for longer than the withdrawal grace.
+Without it (the default) a state's GPUs are held
 one by one with nothing published before.
 
 What is counted is the work of ``tests/dra_allocator_model.py`` (:class:`Work`), the model of
@@ -168,12 +170,14 @@ class History:
 
 
 def churned_states(topo: Topology, states: Sequence[frozenset[int]], rng: random.Random, publisher: Publisher,
-                   events: int) -> list[History]:
+                   events: int, settled: bool = False) -> list[History]:
     """Per state, ``events`` pods arriving and leaving around its occupancy (the device plugin's
     choice, which is the first free set of its size in the agent's rendering at lag 0), the agent
     re-rendering after each with what it published before (a set being withdrawn goes at the next
     rendering, as in ``quality_dra.py``); then pods arrive or leave until about as many GPUs are
-    held as in the state (every path is then measured on the GPUs the history ended with)."""
+    held as in the state (every path is then measured on the GPUs the history ended with).
+    ``settled``: measured once the node was quiet for longer than the grace (what the last pod
+    made due is gone); else right after the last pod (still tainted)."""
     engine, sizes, out = AllocationEngine(topo), pod_sizes(topo.gpu_count), []
     for target in states:
         pods: list[dict[str, tuple[int, ...]]] = []
@@ -195,6 +199,8 @@ def churned_states(topo: Topology, states: Sequence[frozenset[int]], rng: random
             held = {name: gpus for pod in pods for name, gpus in pod.items()}
             inputs = (tuple(device_names(last)), tuple(withdrawing(last)))
             last = publisher(topo, "n", held, inputs[0], "1.37", expired=inputs[1], tainted=inputs[1])
+        if settled:  # quiet for longer than the grace: the last withdrawals are done
+            inputs = (tuple(device_names(last)), tuple(withdrawing(last)))
         out.append(History({name: gpus for pod in pods for name, gpus in pod.items()}, *inputs))
     return out
 
@@ -281,13 +287,13 @@ def items(w: Work) -> int:
 
 
 def measure(nodes: int, gpus: int, n_pods: int, n_states: int, seed: int, publisher: Publisher,
-            events: int = 0) -> dict[str, Result]:
+            events: int = 0, settled: bool = False) -> dict[str, Result]:
     topo = synthetic_islands_topology(max(gpus // 8, 1), min(gpus, 8))
     rng = random.Random(seed * 1_000_003 + gpus)
     states = occupancy_states(topo, n_states, rng)
     sizes = pod_sizes(gpus)
     pods = rng.choices([k for k, _ in sizes], [w for _, w in sizes], k=n_pods)
-    history = churned_states(topo, states, random.Random(seed), publisher, events) if events else []
+    history = churned_states(topo, states, random.Random(seed), publisher, events, settled) if events else []
     if history:  # every path sees the same GPUs held: those the history ended with
         states = [frozenset(g for gpus in h.held.values() for g in gpus) for h in history]
     paths = {
@@ -317,8 +323,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="reach each node state through EVENTS pods arriving and leaving, so that what the "
                              "agent publishes holds kept sets and sets being withdrawn (default 0: nothing "
                              "published before)")
+    parser.add_argument("--settled", action="store_true",
+                        help="with --history: measure each state once the node was quiet for longer than the "
+                             "withdrawal grace (default: right after the last pod, its withdrawals still tainted)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
+    if args.settled and not args.history:
+        parser.error("--settled needs --history EVENTS")
     publisher = load_publisher(args.publisher) if args.publisher else agent_publisher()
     import dra_cost_model  # imports this module: here, not at the top
 
@@ -337,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     for gpus in (int(g) for g in args.gpus.split(",")):
         per_filter: dict[str, list[float]] = {}
         for nodes in (int(n) for n in args.nodes.split(",")):
-            results = measure(nodes, gpus, args.pods, args.states, args.seed, publisher, args.history)
+            results = measure(nodes, gpus, args.pods, args.states, args.seed, publisher, args.history, args.settled)
             base = results["singles"]
             for name, r in results.items():
                 w, b = r.work, base.work

@@ -158,9 +158,10 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                           f" (default: {_DEFAULTS.gpu_sets}; env DRA_GPU_SETS)")
     dra.add_argument("--gpu-set-withdrawal-grace-s", metavar="SECONDS", type=float,
                      dest="gpu_set_withdrawal_grace_s", default=None,
-                     help="a published GPU set one of whose GPUs is held through another device stays this"
-                          " long, tainted, before it is withdrawn; 0: at once, unsafe while the scheduler's"
-                          f" view of the slices lags (default: {_DEFAULTS.gpu_set_withdrawal_grace_s:g};"
+                     help="a published GPU set one of whose GPUs is held through another device (and the"
+                          " single device of a GPU held through a set) stays this long, tainted, before it is"
+                          " withdrawn; 0: sets at once, unsafe while the scheduler's view of the slices lags,"
+                          f" singles kept (default: {_DEFAULTS.gpu_set_withdrawal_grace_s:g};"
                           " env DRA_GPU_SET_WITHDRAWAL_GRACE_S)")
 
 
