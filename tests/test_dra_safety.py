@@ -570,17 +570,23 @@ def test_the_check_catches_a_rule_that_withdraws_a_held_set() -> None:
     assert first_violation(AGENTS["the agent's rendering and rule"], shortest) is None
 
 
-@pytest.mark.parametrize(("in_use", "server"), [("0,3", "1.37"), ("1,2,5", "1.36"), ("", "1.37")])
+@pytest.mark.parametrize(("in_use", "server"), [("0,3", "1.37"), ("1,2,5", "1.36"), ("", "1.37"),
+                                                ("gpuset-2-mc,5", "1.37")])
 def test_the_publisher_the_benches_replay_is_what_slices_in_use_prints(in_use: str, server: str) -> None:
     """``tests/dra_publishers.py``'s agent publisher (what ``bench_dra_scheduler.py`` and
     ``quality_dra.py`` measure and this module checks) renders what users preview with
-    ``gpu-topology-agent slices --in-use LIST --server-version V``."""
+    ``gpu-topology-agent slices --in-use LIST --server-version V``: nothing published before
+    (the grace on: a GPU held through a set has no single device)."""
     argv = [sys.executable, "-m", "agent", "slices", "--simulate", "dgx-h100", "--node-name", NODE,
             "--server-version", server, *(["--in-use", in_use] if in_use else [])]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    held = single_gpus([int(i) for i in in_use.split(",") if i])
-    assert list(yaml.safe_load_all(proc.stdout)) == PUBLISH(TOPO, NODE, held, (), server)
+    held = {n: tuple(members(PUBLISH(TOPO, NODE, {}, [], "1.37"), OWNERS).get(n, ())) for n in in_use.split(",") if
+            n.startswith("gpuset-")} | single_gpus([int(i) for i in in_use.split(",") if i.isdigit()])
+    assert list(yaml.safe_load_all(proc.stdout)) == PUBLISH(TOPO, NODE, held, (), server, expired=())
+    if "gpuset-2-mc" in in_use:
+        assert {"gpu-2", "gpu-3"}.isdisjoint(d["name"] for s in yaml.safe_load_all(proc.stdout)
+                                             for d in s["spec"].get("devices", []))
 
 
 def _consumes(slices: list[dict[str, Any]], name: str) -> bool | None:

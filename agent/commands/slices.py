@@ -12,8 +12,10 @@ off) gets the single GPUs only from the agent, which logs it and reports it as
 
 ``--in-use LIST`` renders what the agent publishes while prepared claims hold those devices
 (GPU indices or UUIDs, MIG UUIDs, or DRA device names such as ``gpu-3`` and ``gpuset-4-mf``;
-as a freshly started agent would, with no sets published before): the single GPUs and the
-sets then follow the device plugin's choices on the free GPUs (:mod:`agent.dra.gpusets`).
+as a freshly started agent would, with nothing published before): the single GPUs and the
+sets then follow the device plugin's choices on the free GPUs (:mod:`agent.dra.gpusets`); a GPU
+held through a set has no single device then (the agent withdraws one it had published after
+``dra.gpuSetWithdrawalGraceSeconds``; with 0 it keeps it).
 ``--server-version 1.36|1.37|...`` says which Kubernetes the API server runs (default: the
 newest the agent knows); with the config's ``dra.gpuSets: auto`` it decides whether sets are
 published, as the agent does, and the decision is said on stderr. A bad list or version
@@ -131,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
     topology = load_topology(args.simulate)
     held = parse_in_use(args.in_use, topology)
     with_sets, why = gpu_sets_decision(config.gpu_sets, server)
+    # as a freshly started agent renders: nothing in its pool yet, so (with a grace) a GPU held
+    # through a set has no single device to withdraw and gets none
+    fresh = () if config.gpu_set_withdrawal_grace_s > 0 else None
     slices = render_slices(topology, node_name=node, driver=config.driver_name, api_version=args.api_version,
-                           occupancy=Occupancy(held), with_sets=with_sets)
+                           occupancy=Occupancy(held, (), fresh, (), fresh), with_sets=with_sets)
     sys.stdout.write(dump_yaml(slices))
     if args.api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         print(f"note: GPU sets {'published' if with_sets else 'not published'}: {why}", file=sys.stderr)
