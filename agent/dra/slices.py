@@ -105,9 +105,7 @@ from agent.dra.gpusets import (
 )
 from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
-from agent.dra.withdrawal import (
-    withdrawal_taint,
-)
+from agent.dra.withdrawal import withdrawal_taint
 from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.health import LOST_REASON
 from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS
