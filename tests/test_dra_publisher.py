@@ -517,6 +517,47 @@ def test_the_single_gpus_of_a_held_set_are_tainted_then_withdrawn_after_the_grac
         pub.stop()
 
 
+def test_a_restart_keeps_the_singles_withdrawal_times_and_one_withdrawn_stays_out(server, tmp_path):
+    server.add_node("node-1")
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    pub = make(server, prepared=checkpoint)  # the default grace: 60 s
+    pub.start()
+    try:
+        assert eventually(pub.ready, 30)
+        (pair, *_) = [n for n in device_names(server.slices()) if n.startswith("gpuset-2-")]
+        members = [f"gpu-{g}" for g in parse_set_name(pair)]
+        hold(checkpoint, tmp_path, "uid-1", pair)
+        assert server.wait_for(lambda s: all(withdrawal(s, n) for n in members), 2.0)
+        added = {n: withdrawal(server.slices(), n)[1] for n in members}
+    finally:
+        pub.stop()
+    pub = make(server, prepared=checkpoint)
+    pub.start()  # neither withdrawn at once nor the grace started again
+    try:
+        assert eventually(pub.ready, 30)
+        assert {n: withdrawal(server.slices(), n)[1] for n in members} == added
+
+        def backdate(obj):
+            for d in obj["spec"]["devices"]:
+                for t in d.get("taints", []):
+                    t["timeAdded"] = "2020-01-01T00:00:00Z"
+        for name in {o["metadata"]["name"] for o in server.slices() if any(withdrawal([o], n) for n in members)}:
+            server.modify_slice(name, backdate)
+        pub.update()
+        assert server.wait_for(lambda s: not set(members) & set(device_names(s)), 2.0)
+    finally:
+        pub.stop()
+    pub = make(server, prepared=checkpoint)
+    pub.start()  # withdrawn before: a restart does not publish them again while the set is held
+    try:
+        assert eventually(pub.ready, 30)
+        pub.update()
+        time.sleep(0.5)
+        assert not set(members) & set(device_names(server.slices())) and pair in device_names(server.slices())
+    finally:
+        pub.stop()
+
+
 def test_a_withdrawal_is_called_off_when_the_gpu_is_free_again_and_its_time_survives_a_restart(server, tmp_path):
     server.add_node("node-1")
     checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
