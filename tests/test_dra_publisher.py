@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 
 import pytest
 from apiserver_stub import ApiServerStub
+from dra_allocator_model import gather_pools
 from kubelet_stub import hgx8_topology
 from prometheus_client import CollectorRegistry
 from waiting import eventually
@@ -515,6 +516,11 @@ def test_the_single_gpus_of_a_held_set_are_tainted_then_withdrawn_after_the_grac
                    for n in members)
     finally:
         pub.stop()
+    # every pool the stand-in held on the way, tainting, withdrawing, publishing again, was usable
+    # (after the first complete one: the first publication creates its slices one by one)
+    usable = [len(p) == 1 and not p[0].incomplete and not p[0].invalid
+              for p in (gather_pools(state, "node-1") for state in server.slice_history())]
+    assert len(usable) >= 4 and all(usable[usable.index(True):])
 
 
 def test_a_restart_keeps_the_singles_withdrawal_times_and_one_withdrawn_stays_out(server, tmp_path):
