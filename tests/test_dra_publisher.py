@@ -493,14 +493,23 @@ def test_the_single_gpus_of_a_held_set_are_tainted_then_withdrawn_after_the_grac
         server, tmp_path):
     server.add_node("node-1")
     checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
-    pub = make(server, prepared=checkpoint, withdrawal_grace_s=3.0)
+    registry = CollectorRegistry()
+    pub = make(server, prepared=checkpoint, withdrawal_grace_s=3.0, events=AgentMetrics(registry))
+
+    def published(kind, state):
+        return registry.get_sample_value("gpu_agent_dra_published_devices", {"kind": kind, "state": state})
     pub.start()
     try:
         assert eventually(pub.ready, 30)
+        assert published("gpu", "ordinary") == 8 and published("gpu", "withdrawing") == 0
         (pair, *_) = [n for n in device_names(server.slices()) if n.startswith("gpuset-2-")]
         members = [f"gpu-{g}" for g in parse_set_name(pair)]
         hold(checkpoint, tmp_path, "uid-1", pair)  # the pair's GPUs held through it
         assert server.wait_for(lambda s: all(withdrawal(s, n) for n in members), 2.0)
+        assert eventually(lambda: published("gpu", "withdrawing") == 2 and published("gpu", "ordinary") == 6, 2.0)
+        assert published("gpuset", "withdrawing") == sum(
+            1 for o in server.slices() for d in o["spec"].get("devices", [])
+            if d["name"].startswith("gpuset-") and withdrawal([o], d["name"]))
         devices = {d["name"]: d for o in server.slices() for d in o["spec"].get("devices", [])}
         assert all(devices[n]["attributes"][f"{DRIVER}/heldBySet"] == {"bool": True} for n in members)
         assert pair in devices and not withdrawal(server.slices(), pair)  # the held set stays, untainted
@@ -509,6 +518,7 @@ def test_the_single_gpus_of_a_held_set_are_tainted_then_withdrawn_after_the_grac
         assert set(members) <= set(device_names(server.slices()))  # not before the grace ran out
         assert server.wait_for(lambda s: not set(members) & set(device_names(s)), 10.0)
         assert pair in device_names(server.slices())
+        assert eventually(lambda: published("gpu", "withdrawing") == 0 and published("gpu", "ordinary") == 6, 2.0)
         checkpoint.remove("uid-1")  # the claim ended: the singles come back, ordinary devices
         assert server.wait_for(lambda s: set(members) <= set(device_names(s)), 2.0)
         devices = {d["name"]: d for o in server.slices() for d in o["spec"].get("devices", [])}

@@ -24,6 +24,11 @@ class PublisherEvents(Protocol):
         """Whether GPU sets are published, decided from ``setting`` (dra.gpuSets)."""
         ...
 
+    def dra_published_devices(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """The devices in the pool as last published: (kind, state) -> how many; kind ``gpu``,
+        ``mig`` or ``gpuset``, state ``ordinary`` or ``withdrawing`` (tainted for the grace)."""
+        ...
+
 
 class PreparedDevices(Protocol):
     """The devices prepared claims of this node use (:class:`agent.dra.checkpoint.Checkpoint`)."""

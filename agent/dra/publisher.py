@@ -72,7 +72,7 @@ from agent.dra.readback import (
     same_content,
 )
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, Occupancy, render_slices
-from agent.dra.withdrawal import expired, stamp_withdrawals, withdrawal_times
+from agent.dra.withdrawal import expired, stamp_withdrawals, withdrawal_taint, withdrawal_times
 from agent.errors import AgentError
 from agent.kube import (
     RESOURCE_GROUP,
@@ -398,6 +398,7 @@ class SlicePublisher(Worker):
                    or not same_content(w, existing[w["metadata"]["name"]])]
         if not changed and len(want) == len(existing):
             self.generation = seen_generation
+            self._report(want)
             return True
         generations = {((o.get("spec") or {}).get("pool") or {}).get("generation") for o in existing.values()}
         in_place = (generations == {seen_generation} and {w["metadata"]["name"] for w in want} == set(existing)
@@ -420,7 +421,22 @@ class SlicePublisher(Worker):
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         log.info("published %d ResourceSlice(s) of node %s, pool generation %d",
                  len(want), self.node_name, generation)
+        self._report(want)
         return True
+
+    def _report(self, want: list[dict[str, Any]]) -> None:
+        """``gpu_agent_dra_published_devices``: the pool's devices by kind and state."""
+        if self._events is None:
+            return
+        key = withdrawal_taint(self.driver_name)["key"]
+        counts: dict[tuple[str, str], int] = {}
+        for obj in want:
+            for d in obj["spec"].get("devices") or ():
+                body = d.get("basic", d)  # v1beta1 nests the device
+                kind = ((body.get("attributes") or {}).get(f"{self.driver_name}/type") or {}).get("string", "gpu")
+                state = "withdrawing" if any(t.get("key") == key for t in body.get("taints") or ()) else "ordinary"
+                counts[(kind, state)] = counts.get((kind, state), 0) + 1
+        self._events.dra_published_devices(counts)
 
     def _dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> bool:
         """Whether the server dropped a feature still in use from ``sent`` (said once)."""

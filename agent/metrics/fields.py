@@ -78,6 +78,8 @@ gpu_agent_dra_api_feature{feature}             gauge    1 while the API server k
                                                         0 once it dropped them
 gpu_agent_dra_gpu_sets_mode{mode,setting}      gauge    1 for the GPU-set publishing chosen (DRA): mode on/off
                                                         from dra.gpuSets auto/on/off
+gpu_agent_dra_published_devices{kind,state}    gauge    devices in the node's pool as last published (DRA):
+                                                        kind gpu/mig/gpuset, state ordinary/withdrawing
 =============================================  =======  ====================================================
 
 Per pod (container) and GPU, from the GPU's processes (:class:`~agent.hw.protocols.ProcessSample`,

@@ -20,7 +20,7 @@ scrape never calls into the device plugin and a device no longer offered has no 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -125,6 +125,13 @@ class AgentMetrics:
             " GPUs only) from dra.gpuSets (setting auto, on, off) and the API server's version.",
             ["mode", "setting"], registry=registry,
         )
+        self._dra_published = Gauge(
+            "gpu_agent_dra_published_devices",
+            "Devices in the node's ResourceSlice pool as last published (DRA), by kind (gpu, mig, gpuset)"
+            " and state (ordinary; withdrawing: tainted for dra.gpuSetWithdrawalGraceSeconds): what the"
+            " scheduler reads for this node on every Filter.",
+            ["kind", "state"], registry=registry,
+        )
 
     def observe_preferred_allocation(self, seconds: float) -> None:
         self._preferred.observe(seconds)
@@ -158,6 +165,11 @@ class AgentMetrics:
     def dra_gpu_sets(self, on: bool, setting: str) -> None:
         self._dra_gpu_sets.clear()
         self._dra_gpu_sets.labels(mode="on" if on else "off", setting=setting).set(1.0)
+
+    def dra_published_devices(self, counts: Mapping[tuple[str, str], int]) -> None:
+        for kind in ("gpu", "mig", "gpuset"):
+            for state in ("ordinary", "withdrawing"):
+                self._dra_published.labels(kind=kind, state=state).set(counts.get((kind, state), 0))
 
     def devices_offered(self, offers: Sequence[tuple[str, str, bool]]) -> None:
         """The devices offered to the kubelet now, the whole table: (resource, device ID,
