@@ -526,6 +526,28 @@ def test_the_race_meets_a_tainted_set_whose_counters_still_count() -> None:
     assert world.violation() is None
 
 
+def test_race_single_meets_a_tainted_single_whose_counter_still_counts() -> None:
+    """RACE_SINGLE with the grace: the singles of the pair's GPUs are published tainted, not
+    withdrawn, at the first write; the scheduler hands GPU 0 out as a single from the older view,
+    and once it sees the tainted single that single's counter still counts for that claim, so
+    the pair (or any set holding GPU 0) goes to no second claim. With the pair's claim gone,
+    the singles are ordinary devices again."""
+    world = World(AGENTS["the agent's rendering and rule"], lagging_view=True)
+    for op, arg in RACE_SINGLE[:3]:
+        world.step(op, arg)
+    assert {"gpu-0", "gpu-1"} <= set(world.tainted_since)  # the pair's GPUs' singles, tainted
+    for op, arg in RACE_SINGLE[3:]:
+        world.step(op, arg)
+        assert world.violation() is None, (op, arg)
+    assert {"gpu-0", "gpu-1"} <= set(withdrawing(world.published))  # what the scheduler saw: tainted, counted
+    holders = [c.devices for c in world.claims.values()]
+    assert ("gpu-0",) in holders and ("gpuset-2-m3",) not in holders
+    for op in ("prepare",) * 5 + ("publish", "land", "land"):
+        world.step(op, 0)
+    assert not {"gpu-0", "gpu-1"} & set(withdrawing(world.published))
+    assert {"gpu-0", "gpu-1"} <= set(device_names(world.published)) and world.violation() is None
+
+
 @pytest.mark.parametrize("name", sorted(AGENTS))
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=LAGGING_OPS)
