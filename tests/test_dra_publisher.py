@@ -457,6 +457,16 @@ def withdrawal(slices, name):
     return None
 
 
+def backdate_withdrawals(server, names):
+    """Move the withdrawal taints of the slices holding ``names`` to 2020: their grace ran out."""
+    def backdate(obj):
+        for d in obj["spec"]["devices"]:
+            for t in d.get("taints", []):
+                t["timeAdded"] = "2020-01-01T00:00:00Z"
+    for name in {o["metadata"]["name"] for o in server.slices() if any(withdrawal([o], n) for n in names)}:
+        server.modify_slice(name, backdate)
+
+
 def hold(checkpoint, tmp_path, uid, device):
     checkpoint.add(PreparedClaim(uid, "default", uid, (PreparedDevice("gpus", "node-1", device, ("x",)),),
                                  str(tmp_path / f"{uid}.json")))
@@ -552,13 +562,7 @@ def test_a_restart_keeps_the_singles_withdrawal_times_and_one_withdrawn_stays_ou
     try:
         assert eventually(pub.ready, 30)
         assert {n: withdrawal(server.slices(), n)[1] for n in members} == added
-
-        def backdate(obj):
-            for d in obj["spec"]["devices"]:
-                for t in d.get("taints", []):
-                    t["timeAdded"] = "2020-01-01T00:00:00Z"
-        for name in {o["metadata"]["name"] for o in server.slices() if any(withdrawal([o], n) for n in members)}:
-            server.modify_slice(name, backdate)
+        backdate_withdrawals(server, members)
         pub.update()
         assert server.wait_for(lambda s: not set(members) & set(device_names(s)), 2.0)
     finally:
@@ -597,13 +601,7 @@ def test_a_withdrawal_is_called_off_when_the_gpu_is_free_again_and_its_time_surv
     try:
         assert eventually(pub.ready, 30)
         assert {n: withdrawal(server.slices(), n)[1] for n in due} == added
-
-        def backdate(obj):
-            for d in obj["spec"]["devices"]:
-                for t in d.get("taints", []):
-                    t["timeAdded"] = "2020-01-01T00:00:00Z"
-        for name in {o["metadata"]["name"] for o in server.slices() if any(withdrawal([o], n) for n in due)}:
-            server.modify_slice(name, backdate)
+        backdate_withdrawals(server, due)
         pub.update()  # the grace is read from the stored taint: it ran out long ago
         assert server.wait_for(lambda s: not set(due) & set(device_names(s)), 2.0)
     finally:

@@ -10,7 +10,12 @@ from typing import Collection, Mapping
 
 from agent.dra.devices import device_name
 from agent.dra.gpusets import GpuSet, SetPolicy
-from agent.dra.withdrawal import sets_to_keep, sets_to_withdraw, singles_to_withdraw
+from agent.dra.withdrawal import (
+    held_through_sets,
+    sets_to_keep,
+    sets_to_withdraw,
+    singles_to_withdraw,
+)
 from agent.topology.model import Topology
 
 __all__ = ["NOTHING_HELD", "Occupancy"]
@@ -45,7 +50,7 @@ class Occupancy:
     @property
     def via_sets(self) -> set[int]:
         """The GPUs prepared claims hold through a set device."""
-        return {g for name, gpus in self.held.items() if name.startswith("gpuset-") for g in gpus}
+        return held_through_sets(self.held)
 
     def sets(self, policy: SetPolicy, free: Collection[int], graced: bool) -> tuple[list[GpuSet], set[str]]:
         """The sets to publish, in order, and those of them being withdrawn (to carry the

@@ -379,9 +379,9 @@ def render_slices(
     # sets moves no device between slices (the publisher rewrites in place then); in one slice, the sets
     # being withdrawn go last: no class selects them, and a claim that finds a device first never walks them
     key = withdrawal_taint(driver)["key"]
-    withdrawn = [d for d in sets if any(t.get("key") == key for t in d.taints)]
-    groups = ([[*(d for d in sets if d not in withdrawn), *singles, *withdrawn]] if len(devices) <= per_slice
-              else [sets, singles])
+    going = [any(t.get("key") == key for t in d.taints) for d in sets]
+    groups = ([[*(d for d, g in zip(sets, going) if not g), *singles, *(d for d, g in zip(sets, going) if g)]]
+              if len(devices) <= per_slice else [sets, singles])
     specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
               for group in groups for i in range(0, len(group), per_slice)]
     specs += [] if devices else [{"devices": []}]  # an empty pool is published too: "no devices here now"

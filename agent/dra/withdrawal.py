@@ -27,8 +27,8 @@ from typing import Any, Collection, Iterable, Mapping
 
 from agent.dra.gpusets import GpuSet, parse_set_name
 
-__all__ = ["WITHDRAWN_KEY", "expired", "sets_to_keep", "sets_to_withdraw", "singles_to_withdraw", "stamp_withdrawals",
-           "withdrawal_taint", "withdrawal_times"]
+__all__ = ["WITHDRAWN_KEY", "expired", "held_through_sets", "sets_to_keep", "sets_to_withdraw", "singles_to_withdraw",
+           "stamp_withdrawals", "withdrawal_taint", "withdrawal_times"]
 
 #: The taint key under the driver's domain: ``<driver>/withdrawn``.
 WITHDRAWN_KEY = "withdrawn"
@@ -110,10 +110,14 @@ def singles_to_withdraw(held: Mapping[str, Collection[int]], whole: Mapping[int,
     not through their single device), a single in the pool now (``published``) stays, tainted,
     until its taint has been out for the grace period (``expired``); one not in the pool stays
     out (:mod:`agent.dra.gpusets`, "A single GPU held through a set")."""
-    via_sets = {g for name, gpus in held.items() if parse_set_name(name) is not None for g in gpus}
-    due = {whole[g] for g in via_sets if g in whole and whole[g] not in held}
+    due = {whole[g] for g in held_through_sets(held) if g in whole and whole[g] not in held}
     gone = {n for n in due if n not in published or n in expired}
     return due - gone, gone
+
+
+def held_through_sets(held: Mapping[str, Collection[int]]) -> set[int]:
+    """The GPUs of ``held`` (device name -> GPU indices) held through a set device."""
+    return {g for name, gpus in held.items() if parse_set_name(name) is not None for g in gpus}
 
 
 def _split(published: Iterable[str], held: Mapping[str, Collection[int]]) -> tuple[list[GpuSet], list[GpuSet]]:
