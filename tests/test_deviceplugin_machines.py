@@ -69,6 +69,8 @@ def test_preferred_allocation_matches_the_engine_on_builtin_machines(serve, name
         got = client.preferred([uuids[i] for i in available], [uuids[i] for i in must], size)
         assert got == [uuids[i] for i in best_set(engine, available, must, size)], (available, must, size)
     # the kubelet sees every GPU, with a NUMA node when the machine reports one for all
+    # (ready = registered; the first device list comes on the kubelet's ListAndWatch)
+    assert kubelet.wait_for(lambda: kubelet.latest("nvidia.com/gpu") is not None, 5.0)
     devices = kubelet.latest("nvidia.com/gpu").devices
     assert [d.ID for d in devices] == uuids
     if all(g.numa_node is not None for g in topo.gpus):

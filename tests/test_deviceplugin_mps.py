@@ -303,6 +303,8 @@ def test_preferred_allocation_spreads_or_packs_mps_replicas_by_policy(node, poli
     node.start(node.config(replicas=4, fail_requests_greater_than_one=False,
                            shared_devices_allocation_policy=policy))
     assert node.wait_ready(10.0)
+    # ready = registered; the first device list reaches the kubelet on its ListAndWatch
+    assert eventually(lambda: node.kubelet.latest(RESOURCE) is not None, 10.0)
     devices = [d.ID for d in node.kubelet.latest(RESOURCE).devices]
     chosen = node.client().preferred(devices, [], 2)
     assert len({c.split("::")[0] for c in chosen}) == gpus_used
