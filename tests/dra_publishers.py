@@ -26,6 +26,7 @@ from math import comb
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from agent.config import DEFAULT_DRIVER_NAME as DRIVER
+from agent.dra import counters as _counters
 from agent.dra import gpusets as _gpusets
 from agent.dra import slices as _slices
 from agent.formats import format_cpulist
@@ -237,7 +238,7 @@ def earlier_publisher() -> Publisher:
         # the static order: rendered as if every GPU were held (no free GPU to order by)
         everything = _slices.Occupancy({"all": tuple(range(topo.gpu_count))})
         singles = _slices.render_slices(topo, node_name="n", with_sets=False, occupancy=everything)
-        out = [dict(d, consumesCounters=[{"counterSet": _slices.counter_set_name(d["attributes"][f"{DRIVER}/index"]["int"]),
+        out = [dict(d, consumesCounters=[{"counterSet": _counters.counter_set_name(d["attributes"][f"{DRIVER}/index"]["int"]),
                                           "counters": {f"gpu-{d['attributes'][f'{DRIVER}/index']['int']}": {"value": "1"}}}])
                for s in singles for d in s["spec"]["devices"]]
         islands, cliques = _gpusets.island_ids(topo), _gpusets.clique_ids(topo)
@@ -258,7 +259,7 @@ def earlier_publisher() -> Publisher:
                     attrs[_slices.PCIE_ROOT_ATTRIBUTE] = {"string": root}
                 uses: dict[str, dict[str, Any]] = {}
                 for i in members:
-                    uses.setdefault(_slices.counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
+                    uses.setdefault(_counters.counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
                 device: dict[str, Any] = {
                     "name": f"gpuset-{k}-{rank}",
                     "attributes": dict(sorted((n if "/" in n else f"{DRIVER}/{n}", v) for n, v in attrs.items())),
@@ -276,7 +277,7 @@ def earlier_publisher() -> Publisher:
         devs = cache[id(topo)][1]
         counters: dict[str, dict[str, Any]] = {}
         for g in topo.gpus:
-            counters.setdefault(_slices.counter_set_name(g.index), {})[f"gpu-{g.index}"] = {"value": "1"}
+            counters.setdefault(_counters.counter_set_name(g.index), {})[f"gpu-{g.index}"] = {"value": "1"}
         per = _slices.MAX_DEVICES_WITH_COUNTERS
         specs = [{"sharedCounters": [{"name": n, "counters": c} for n, c in counters.items()]}]
         specs += [{"devices": devs[i : i + per]} for i in range(0, len(devs), per)]

@@ -405,7 +405,7 @@ def test_a_gpu_held_through_a_set_says_so_and_the_gpu_class_skips_it_before_any_
     """GPUs 0-3 held through their set, 4-7 held one by one: no GPU is free. A one-GPU claim
     fails either way (the set's counters block 0-3); the shipped class refuses 0-3 by
     ``heldBySet`` before the allocator compares counters for them, where a class without that
-    clause compares every counter of the node for each."""
+    clause compares every counter the node declares for each."""
     topology = load_topology("dgx-h100")
     held = {"gpuset-4-mf": (0, 1, 2, 3), **{f"gpu-{g}": (g,) for g in range(4, 8)}}
     slices = render_slices(topology, node_name=NODE, occupancy=Occupancy(held, ["gpuset-4-mf"]))
@@ -420,7 +420,10 @@ def test_a_gpu_held_through_a_set_says_so_and_the_gpu_class_skips_it_before_any_
         model = AllocatorModel(slices, [cls], cel, allocated)
         assert model.allocate([claim("one", singles_request(1))], NODE) is None
         work[label] = model.work.counter_checks
-    assert work == {"shipped": 0, "without heldBySet": 4 * topology.gpu_count}
+    # the node declares the counters of GPUs 0-3 only, where the set and its singles meet
+    declared = [c for s in slices for cs in s["spec"].get("sharedCounters", []) for c in cs["counters"]]
+    assert declared == [f"gpu-{g}" for g in range(4)]
+    assert work == {"shipped": 0, "without heldBySet": 4 * len(declared)}
     # freed: the marks go with the claim, and the GPU class selects the GPUs again
     slices = render_slices(topology, node_name=NODE, occupancy=Occupancy({}, ["gpuset-4-mf"]))
     assert all(d["attributes"][f"{D}/heldBySet"] == {"bool": False} for d in _devices(slices)

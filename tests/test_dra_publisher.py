@@ -444,9 +444,20 @@ WITHDRAWN = (f"{DRIVER}/withdrawn", "member-in-use", "NoSchedule")
 
 
 def sets_holding(slices, gpu):
-    """The set devices published with GPU ``gpu`` among their members (by their counters)."""
-    return sorted(d["name"] for o in slices for d in o["spec"].get("devices", []) if d["name"].startswith("gpuset-")
-                  and any(f"gpu-{gpu}" in u["counters"] for u in d.get("consumesCounters") or ()))
+    """The set devices published with GPU ``gpu`` among their members (by their names)."""
+    return sorted(d["name"] for o in slices for d in o["spec"].get("devices", [])
+                  if gpu in (parse_set_name(d["name"]) or ()))
+
+
+def declared(slices):
+    """The counters the pool's counter slice declares."""
+    return {c for o in slices for cs in o["spec"].get("sharedCounters", []) for c in cs["counters"]}
+
+
+def consumed(slices):
+    """The counters the pool's devices consume."""
+    return {c for o in slices for d in o["spec"].get("devices", []) for u in d.get("consumesCounters") or ()
+            for c in u["counters"]}
 
 
 def withdrawal(slices, name):
@@ -621,3 +632,33 @@ def test_without_device_taints_a_set_is_withdrawn_at_once(tmp_path):
             assert server.wait_for(lambda s: not set(due) & set(device_names(s)), 2.0)
         finally:
             pub.stop()
+
+
+def test_the_counter_slice_declares_what_two_devices_share_and_follows_them_through_valid_pools(server, tmp_path):
+    """The scheduler compares every declared counter for each device it reserves, so the agent
+    declares a GPU's counter only while two published devices stand for that GPU. A pair held
+    through its set: once its singles and the other sets holding its GPUs are withdrawn (after
+    the grace), the pair alone stands for them and their counters go; when its claim ends they
+    come back. Every pool the stand-in stored on the way was valid: the counter slice is widened
+    before the devices consume a counter it lacks and narrowed only after they stop."""
+    server.add_node("node-1")
+    checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+    pub = make(server, prepared=checkpoint, withdrawal_grace_s=1.0)
+    everything = {f"gpu-{g}" for g in range(8)}
+    pub.start()
+    try:
+        assert eventually(pub.ready, 30)
+        assert declared(server.slices()) == consumed(server.slices()) == everything
+        (pair, *_) = [n for n in device_names(server.slices()) if n.startswith("gpuset-2-")]
+        gpus = {f"gpu-{g}" for g in parse_set_name(pair)}
+        hold(checkpoint, tmp_path, "uid-1", pair)
+        assert server.wait_for(lambda s: not gpus & declared(s), 10.0)
+        assert declared(server.slices()) == consumed(server.slices()) == everything - gpus
+        assert pair in device_names(server.slices()) and not set(device_names(server.slices())) & gpus
+        checkpoint.remove("uid-1")
+        assert server.wait_for(lambda s: declared(s) == consumed(s) == everything, 5.0)
+    finally:
+        pub.stop()
+    pools = [gather_pools(state, "node-1") for state in server.slice_history()]
+    usable = [len(p) == 1 and not p[0].incomplete and not p[0].invalid for p in pools]
+    assert all(usable[usable.index(True):]), [p[0].invalid for p in pools if p]

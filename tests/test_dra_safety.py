@@ -17,8 +17,11 @@ agent re-renders from what it knows and writes; the write reaches the scheduler 
 where the scheduler's view lags the agent's writes, at a later ``land``), ``expire`` (the grace
 of the withdrawal taints runs out, see below).
 Checked after every event: the GPUs of the claims whose pods may run (allocated or prepared,
-not unprepared) are disjoint, and a device a claim holds still means the GPUs it meant when
-it was allocated wherever it is published.
+not unprepared) are disjoint (a device stands for the GPUs its name says, as the kubelet
+plugin prepares it), and in what the scheduler sees, every device consumes only counters of
+GPUs it stands for and two devices standing for one GPU both consume its counter
+(:func:`miscounted`; the agent declares a GPU's counter only where two devices meet,
+``agent.dra.counters``).
 
 **The two-step withdrawal** (:mod:`agent.dra.gpusets`): a published set one of whose GPUs is
 held through another device is first published with the taint ``<driver>/withdrawn``
@@ -73,6 +76,8 @@ from hypothesis import strategies as st
 from agent.config import Config
 from agent.discovery import load_topology
 from agent.dra.checkpoint import Checkpoint
+from agent.dra.counters import consumes_counters
+from agent.dra.gpusets import parse_set_name
 from agent.dra.prepare import ClaimPreparer, ClaimRef
 from agent.dra.slices import render_slices
 
@@ -133,33 +138,44 @@ def pod_claim(name: str, k: int) -> dict[str, Any]:
             "spec": {"devices": {"requests": [request], "constraints": []}}}
 
 
-def members(slices: list[dict[str, Any]], owner: dict[tuple[str, str], int] | None = None) -> dict[str, frozenset[int]]:
-    """Device name -> its GPUs: a single's index; a set's, the GPUs whose singles consume the
-    counters it consumes (what the scheduler's counters make it exclusive with), in ``slices``
-    or, for a GPU whose single is withdrawn there (held through a set), in ``owner``'s."""
-    devices = [d for s in slices for d in s["spec"].get("devices", [])]
-    owner = dict(owner or {})
+def members(slices: list[dict[str, Any]]) -> dict[str, frozenset[int]]:
+    """Device name -> the GPUs it stands for, what the kubelet plugin prepares for it
+    (``agent.dra.devices``): a single's index, a set's members as its name says."""
     out: dict[str, frozenset[int]] = {}
-    for d in devices:
+    for d in (d for s in slices for d in s["spec"].get("devices", [])):
         if d["attributes"][f"{DRIVER}/type"]["string"] == "gpu":
-            i = d["attributes"][f"{DRIVER}/index"]["int"]
-            out[d["name"]] = frozenset([i])
-            owner.update({(u["counterSet"], c): i for u in d.get("consumesCounters") or () for c in u["counters"]})
-    for d in devices:
-        if d["attributes"][f"{DRIVER}/type"]["string"] == "gpuset":
-            out[d["name"]] = frozenset(owner[(u["counterSet"], c)] for u in d["consumesCounters"] for c in u["counters"])
+            out[d["name"]] = frozenset([d["attributes"][f"{DRIVER}/index"]["int"]])
+        elif (gpus := parse_set_name(d["name"])) is not None:
+            out[d["name"]] = frozenset(gpus)
     return out
+
+
+def miscounted(slices: list[dict[str, Any]]) -> str | None:
+    """What the scheduler's counters get wrong in ``slices``: a device consuming the counter of
+    a GPU it does not stand for, or two devices standing for one GPU and not both consuming its
+    counter (then both can be allocated at once); None when the counters are right."""
+    consumed = {d["name"]: {OWNERS[(u["counterSet"], c)] for u in d.get("consumesCounters") or ()
+                            for c in u["counters"]}
+                for s in slices for d in s["spec"].get("devices", [])}
+    standing: dict[int, list[str]] = {}
+    for name, gpus in members(slices).items():
+        if not consumed[name] <= gpus:
+            return f"{name} (GPUs {sorted(gpus)}) consumes the counters of GPUs {sorted(consumed[name] - gpus)}"
+        for g in gpus:
+            standing.setdefault(g, []).append(name)
+    for g, names in sorted(standing.items()):
+        if len(names) > 1 and (short := [n for n in names if g not in consumed[n]]):
+            return f"{', '.join(names)} stand for GPU {g}; {', '.join(short)} do(es) not consume its counter"
+    return None
 
 
 # ----------------------------------------------------------------------- what publishes
 Render = Callable[[dict[str, frozenset[int]], list[str], "frozenset[str] | None"], list[dict[str, Any]]]
 Rule = Callable[[list[dict[str, Any]], list[dict[str, Any]], frozenset[str], frozenset[int]], list[dict[str, Any]]]
 PUBLISH = agent_publisher()
-#: Counter -> GPU as the singles of an empty node consume them (each consumes its own).
-OWNERS = {(u["counterSet"], c): d["attributes"][f"{DRIVER}/index"]["int"]
-          for s in PUBLISH(TOPO, NODE, {}, [], "1.37") for d in s["spec"].get("devices", [])
-          if d["attributes"][f"{DRIVER}/type"]["string"] == "gpu"
-          for u in d.get("consumesCounters") or () for c in u["counters"]}
+#: Counter -> GPU: the counter each GPU's single consumes where sets are published (the agent
+#: and the toy name counters alike: ``agent.dra.counters``).
+OWNERS = {(u["counterSet"], c): g.index for g in TOPO.gpus for u in consumes_counters([g.index]) for c in u["counters"]}
 
 
 def the_agents_rendering(held: dict[str, frozenset[int]], published: list[str],
@@ -337,7 +353,7 @@ class World:
         got = self._model.allocate([pod_claim(f"c{self.serial}", k)], NODE)
         if got is None:
             return
-        meaning = members(self.published, OWNERS)
+        meaning = members(self.published)
         devices = tuple(dev[2] for _, dev in got[0])
         gpus = frozenset(g for d in devices for g in meaning[d])
         self.claims[self.serial] = Claim(devices, gpus, {d: meaning[d] for d in devices}, self.view())
@@ -376,12 +392,7 @@ class World:
             for b, cb in running[i + 1:]:
                 if ca.gpus & cb.gpus:
                     return f"GPUs {sorted(ca.gpus & cb.gpus)} allocated to claims c{a} {ca.devices} and c{b} {cb.devices}"
-        now = members(self.published, OWNERS)
-        for n, c in self.claims.items():
-            for d, gpus in c.meaning.items():
-                if d in now and now[d] != gpus:
-                    return f"claim c{n} holds {d} = GPUs {sorted(gpus)}, now published as {sorted(now[d])}"
-        return None
+        return miscounted(self.published)
 
     def prepared_twice(self) -> str | None:
         """The agent's guarantee: the GPUs of the prepared claims are disjoint."""
@@ -603,7 +614,7 @@ def test_the_publisher_the_benches_replay_is_what_slices_in_use_prints(in_use: s
             "--server-version", server, *(["--in-use", in_use] if in_use else [])]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    held = {n: tuple(members(PUBLISH(TOPO, NODE, {}, [], "1.37"), OWNERS).get(n, ())) for n in in_use.split(",") if
+    held = {n: tuple(sorted(parse_set_name(n))) for n in in_use.split(",") if
             n.startswith("gpuset-")} | single_gpus([int(i) for i in in_use.split(",") if i.isdigit()])
     assert list(yaml.safe_load_all(proc.stdout)) == PUBLISH(TOPO, NODE, held, (), server, expired=())
     if "gpuset-2-mc" in in_use:

@@ -15,12 +15,14 @@ the thread at once (re-published well within a second).
 
 **Generations.** The scheduler's allocator skips a pool with fewer slices of its newest
 generation than ``resourceSliceCount`` (incomplete) or with a device name twice (invalid). A
-re-publication that moves no device from one slice to another (the counter slice never
-changes; up to 64 devices are one device slice; above, the single GPUs and the sets have
-slices of their own) rewrites the changed slices under the same pool generation: any view
-the scheduler can have holds each slice once, each device at most once, and every device a
-claim may hold (the single GPUs always, a set kept by the rule of :mod:`agent.dra.gpusets`
-in both publications), so the pool is never incomplete nor invalid. The API reference asks
+re-publication that moves no device from one slice to another (up to 64 devices are one
+device slice; above, the single GPUs and the sets have slices of their own) rewrites the
+changed slices under the same pool generation: any view the scheduler can have holds each
+slice once, each device at most once, and every device a claim may hold (the single GPUs
+always, a set kept by the rule of :mod:`agent.dra.gpusets` in both publications), so the
+pool is never incomplete. Nor invalid: the counter slice, which declares only the counters
+devices consume (:mod:`agent.dra.counters`), is first widened where the devices will consume
+a counter it lacks, and narrowed after them (:mod:`agent.dra.pool_writes` plans the writes). The API reference asks
 for a new generation on every change so that consumers never mix two versions of a pool;
 mixing is harmless when no device moves, and a new generation would make the pool
 incomplete from its first write to its last. Any other change raises the generation above
@@ -58,6 +60,7 @@ from typing import Any, Callable, Collection, Mapping
 
 from agent.dra.devices import DeviceRefs, gpus_of
 from agent.dra.gpusets import SetPolicy, gpu_sets_decision, parse_set_name
+from agent.dra.pool_writes import plan_writes
 from agent.dra.publish_settings import (
     HealthSource,
     PreparedDevices,
@@ -69,7 +72,6 @@ from agent.dra.readback import (
     PARTITIONABLE_DEVICES,
     dropped_features,
     keep_taint_times,
-    same_content,
 )
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, Occupancy, render_slices
 from agent.dra.withdrawal import expired, stamp_withdrawals, withdrawal_taint, withdrawal_times
@@ -387,40 +389,26 @@ class SlicePublisher(Worker):
     def _publish(self, api: Any, existing: dict[str, dict[str, Any]]) -> bool:
         """Make the pool what :meth:`desired` says; False when the server dropped a feature's
         fields on a write (the round stopped there, :attr:`kept` says which)."""
-        seen_generation = max([((o.get("spec") or {}).get("pool") or {}).get("generation", 0)
-                               for o in existing.values()] + [self.generation])
         want = self._desired(existing)
         for w in want:
             keep_taint_times(w, existing.get(w["metadata"]["name"]))
         first = stamp_withdrawals(want, self.driver_name, time.time())
         self._withdrawal_due = float("inf") if first is None else first + self.settings.withdrawal_grace_s
-        changed = [w for w in want if w["metadata"]["name"] not in existing
-                   or not same_content(w, existing[w["metadata"]["name"]])]
-        if not changed and len(want) == len(existing):
-            self.generation = seen_generation
+        plan = plan_writes(existing, want, self.generation)
+        if not plan.writes and not plan.deletes:
+            self.generation = plan.generation
             self._report(want)
             return True
-        generations = {((o.get("spec") or {}).get("pool") or {}).get("generation") for o in existing.values()}
-        in_place = (generations == {seen_generation} and {w["metadata"]["name"] for w in want} == set(existing)
-                    and _stays_in_its_slice(existing, want))
-        # No device moves between slices (the device slice of a node of up to 64 devices after
-        # a prepare, or the single GPUs' and the sets' slices of a larger one): rewrite the
-        # changed slices under the same generation, so the pool is never incomplete; any view
-        # the scheduler can have mixes whole slices of two publications, each device once.
-        # Otherwise a new generation in every slice, which the scheduler treats as incomplete
-        # until the last is written.
-        generation = seen_generation if in_place else seen_generation + 1
-        for w in want:
-            w["spec"]["pool"]["generation"] = generation
-        for w in changed if in_place else want:
-            stored = self._put(api, w, existing.get(w["metadata"]["name"]))
-            self.generation = generation
+        now = dict(existing)
+        for w in plan.writes:
+            stored = now[w["metadata"]["name"]] = self._put(api, w, now.get(w["metadata"]["name"]))
+            self.generation = plan.generation
             if self._dropped(w, stored):
                 return False
-        for name in sorted(set(existing) - {w["metadata"]["name"] for w in want}):
+        for name in plan.deletes:
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         log.info("published %d ResourceSlice(s) of node %s, pool generation %d",
-                 len(want), self.node_name, generation)
+                 len(want), self.node_name, plan.generation)
         self._report(want)
         return True
 
@@ -483,11 +471,3 @@ class SlicePublisher(Worker):
         for name in sorted(self._ours(api)):
             self._call(f"delete ResourceSlice {name}", api.delete_resource_slice, name)
         log.info("deleted the ResourceSlices of node %s", self.node_name)
-
-
-def _stays_in_its_slice(existing: Mapping[str, Mapping[str, Any]], want: list[dict[str, Any]]) -> bool:
-    """Whether every device name of ``want`` that ``existing`` has is in the same slice there."""
-    where = {d.get("name"): name for name, o in existing.items()
-             for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
-    return all(where.get(d["name"], w["metadata"]["name"]) == w["metadata"]["name"]
-               for w in want for d in w["spec"].get("devices") or ())

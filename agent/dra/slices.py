@@ -42,20 +42,16 @@ standard ``resource.kubernetes.io/numaNode`` (KEP-6072, an int, left out where u
 MIG device carries its parent's topology attributes; its capacity ``memory`` is the slice's.
 
 **GPU sets** (``resource.k8s.io/v1`` only): the sets of :mod:`agent.dra.gpusets` as devices
-of their own, with partitionable devices (KEP-4815). One counter per GPU (``gpu-<index>``,
-value 1) in counter sets of at most 32 (``gpus-<n>`` holds GPUs 32n..32n+31), published in a
-slice of their own (``sharedCounters``, no devices); every full GPU consumes its own counter
-and every set device its members' counters, so allocating a set blocks its members and every
-overlapping set, and allocating a single blocks every set that contains it. A single GPU
-consumes its counter only while a published set (chosen or kept) holds it: nothing else
-competes with it, and each counter consumed costs the scheduler a look-up per device on
-every Filter. That is safe when the counter comes and goes: the scheduler counts an allocated
-device's counters by looking it up in the slices it sees *now* (``checkAvailableCounters``),
-so a single allocated while it consumed nothing is counted once a set holding its GPU is
-published, as long as both change in one write: the rule holds where the sets and the single
-GPUs share one slice (up to 64 devices). Above, every single GPU consumes its counter (the
-sets' and the singles' slices are written one after the other, and a view with a new set and
-an old single, or an old set and a new single, would count neither). MIG-enabled GPUs
+of their own, with partitionable devices (KEP-4815), and a counter per GPU
+(:mod:`agent.dra.counters`): two devices standing for the same GPU consume its counter, so
+allocating a set blocks its members and every overlapping set, and allocating a single
+blocks every set that contains it. Where the sets and the single GPUs share one slice (up
+to 64 devices), a device consumes a GPU's counter only while another published device
+stands for that GPU too (a single GPU while a set holds it, a set's member while a single
+or another set holds it), and the counter slice declares only the counters consumed: the
+scheduler compares every declared counter for every device it reserves, on every Filter.
+:mod:`agent.dra.counters` says why that is safe and how the publisher orders its writes.
+Above one slice, every device consumes all its GPUs' counters and all are declared. MIG-enabled GPUs
 are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
 counter and a MIG device never competes with a set. Which sets, in what order, and when a
 published set may go: :mod:`agent.dra.gpusets`. Set device attributes (only what the device
@@ -91,10 +87,12 @@ hundred lines of tables); the code is one rendering pass, attributes to devices 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from agent.config import DEFAULT_DRIVER_NAME
+from agent.dra.counters import consumes_counters, declared_counter_sets, meeting_gpus
 from agent.dra.devices import device_name
 from agent.dra.gpusets import (
     GpuSet,
@@ -125,12 +123,11 @@ NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 # API limits (k8s.io/api/resource/v1/types.go, v0.36)
 MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
 MAX_DEVICES_WITH_COUNTERS = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures
-MAX_COUNTERS_PER_SET = 32  # ResourceSliceMaxCountersPerCounterSet
-MAX_COUNTER_SETS_PER_SLICE = 8  # ResourceSliceMaxCounterSets
 MAX_ATTRIBUTES_AND_CAPACITIES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
 MAX_ATTRIBUTE_STRING = 64  # DeviceAttributeMaxValueLength
 MAX_NAME = 253  # object names are DNS subdomains
 
+_WHOLE_GPU = re.compile(r"gpu-(\d+)")  # agent.dra.devices.device_name of a whole GPU
 _ARCHITECTURE = {7: "Volta", 8: "Ampere", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
 
 
@@ -332,11 +329,6 @@ def slice_name(node_name: str, driver: str, number: int, width: int = 3) -> str:
     return f"{node_name[:keep]}-{digest}-{driver}-{number:0{width}d}".replace("..", ".")
 
 
-def counter_set_name(gpu_index: int) -> str:
-    """The counter set holding GPU ``gpu_index``'s counter (32 counters a set)."""
-    return f"gpus-{gpu_index // MAX_COUNTERS_PER_SET}"
-
-
 def render_slices(
     topology: Topology,
     *,
@@ -374,7 +366,13 @@ def render_slices(
     devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles
     advanced = bool(sets) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
-    specs: list[dict[str, Any]] = [{"sharedCounters": _counter_sets(topology)}] if sets else []
+    if sets and len(devices) <= per_slice:  # one device slice: counters only where two devices meet
+        meet = meeting_gpus([*(d.consumes for d in sets), *(_gpu_of(d) for d in singles)])
+        sets = [replace(d, consumes=tuple(g for g in d.consumes if g in meet)) for d in sets]
+        consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
+    else:
+        consumed = {g.index for g in topology.gpus}
+    specs: list[dict[str, Any]] = [{"sharedCounters": declared_counter_sets(consumed)}] if sets else []
     # above one slice, the singles start a slice of their own: a re-publication with as many slices of
     # sets moves no device between slices (the publisher rewrites in place then); in one slice, the sets
     # being withdrawn go last: no class selects them, and a claim that finds a device first never walks them
@@ -435,15 +433,11 @@ def _set_devices(topology: Topology, policy: SetPolicy, occupancy: Occupancy, fr
     return render_set_devices(topology, sets, driver, marks, withdrawing)
 
 
-def _counter_sets(topology: Topology) -> list[dict[str, Any]]:
-    """One counter per GPU, value 1, in sets of 32 (at most 8 sets: 256 GPUs, four times
-    the most a node may have)."""
-    sets: dict[str, dict[str, Any]] = {}
-    for g in topology.gpus:
-        sets.setdefault(counter_set_name(g.index), {})[f"gpu-{g.index}"] = {"value": "1"}
-    if len(sets) > MAX_COUNTER_SETS_PER_SLICE:
-        raise ValueError(f"{topology.gpu_count} GPUs need more than {MAX_COUNTER_SETS_PER_SLICE} counter sets")
-    return [{"name": name, "counters": counters} for name, counters in sets.items()]
+def _gpu_of(device: Device) -> tuple[int, ...]:
+    """The whole GPU a single device stands for (none for a MIG device: no set holds a GPU in
+    MIG mode, so a MIG device never meets another device)."""
+    found = _WHOLE_GPU.fullmatch(device.name)
+    return (int(found.group(1)),) if found else ()
 
 
 def _render_device(device: Device, api_version: str) -> dict[str, Any]:
@@ -451,10 +445,7 @@ def _render_device(device: Device, api_version: str) -> dict[str, Any]:
     if device.capacity:
         body["capacity"] = {k: {"value": v} for k, v in device.capacity.items()}
     if device.consumes:
-        uses: dict[str, dict[str, Any]] = {}
-        for i in device.consumes:
-            uses.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
-        body["consumesCounters"] = [{"counterSet": name, "counters": c} for name, c in uses.items()]
+        body["consumesCounters"] = consumes_counters(device.consumes)
     if device.taints:
         body["taints"] = [dict(t) for t in device.taints]
     if api_version == "v1beta1":
