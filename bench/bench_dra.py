@@ -152,6 +152,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.daemon import Daemon
     from agent.discovery import open_backend, read_topology
     from agent.dra.claims import KubernetesClaimReader
+    from agent.dra.gpusets import parse_set_name
     from agent.dra.plugin import DraPlugin
     from agent.dra.publish_settings import PublishSettings
     from agent.dra.publisher import SlicePublisher
@@ -182,7 +183,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 
     def holding(index: int) -> set[str]:  # the GPU's own device and every set holding it
         return {f"gpu-{index}"} | {d["name"] for s in api.slices() for d in s["spec"].get("devices", [])
-                                   if d["name"].startswith("gpuset-") and f"gpu-{index}" in d["consumesCounters"][0]["counters"]}
+                                   if index in (parse_set_name(d["name"]) or ())}
 
     gone, back = [], []
     try:

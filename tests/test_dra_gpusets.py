@@ -91,14 +91,10 @@ class Node:
         for _, (_, _, name) in result:
             attrs = self.devices[name]["attributes"]
             if attrs[f"{D}/type"]["string"] == "gpuset":
-                out += [g for g in range(self.topology.gpu_count) if f"gpu-{g}" in self._members(name)]
+                out += parse_set_name(name)
             else:
                 out.append(attrs[f"{D}/index"]["int"])
         return sorted(out)
-
-    def _members(self, name):
-        uses = self.devices[name]["consumesCounters"]
-        return {c for u in uses for c in u["counters"]}
 
 
 def topologies():

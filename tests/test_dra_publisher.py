@@ -390,7 +390,7 @@ def test_without_device_taints_unhealthy_devices_leave_but_those_of_prepared_cla
                 assert eventually(pub.ready, 30)
                 pair = next(d for o in server.slices() for d in o["spec"].get("devices", [])
                             if d["name"].startswith("gpuset-2-"))  # the first pair
-                (bad, other) = sorted(int(c.split("-")[1]) for c in pair["consumesCounters"][0]["counters"])
+                (bad, other) = parse_set_name(pair["name"])
                 checkpoint.add(PreparedClaim("uid-1", "default", "train",
                                              (PreparedDevice("gpus", "node-1", pair["name"], ("x",)),),
                                              str(tmp_path / "spec.json")))
