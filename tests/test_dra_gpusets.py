@@ -117,12 +117,15 @@ def test_every_rendered_slice_passes_the_api_rules_and_forms_one_valid_pool(name
         assert {o["spec"]["pool"]["resourceSliceCount"] for o in objs} == {len(objs)}
         (pool,) = gather_pools(objs, NODE)
         assert not pool.invalid and not pool.incomplete
-        # publication order: sets first, largest size first (best first within a size), then singles
+        # publication order: sets first, largest size first (best first within a size), then singles;
+        # in one device slice the first single GPU leads (a one-GPU claim takes it at once)
         order = [d.view.attributes[D] for d in pool.devices]
         sets = [a["gpuCount"] for a in order if a["type"] == "gpuset"]
         assert sets == sorted(sets, reverse=True)
         assert all(set(a) == {"type", "gpuCount", "healthy"} for a in order if a["type"] == "gpuset")
-        assert all(a["type"] == "gpuset" for a in order[: len(sets)])
+        lead = 1 if sum(1 for o in objs if "devices" in o["spec"]) == 1 else 0
+        assert all(a["type"] != "gpuset" for a in order[:lead])
+        assert all(a["type"] == "gpuset" for a in order[lead : lead + len(sets)])
 
 
 @pytest.mark.parametrize("machine", MACHINES_WITH_SETS)
@@ -469,8 +472,17 @@ def test_sets_being_withdrawn_come_after_the_single_gpus_so_a_claim_that_finds_a
     assert tainted == list(range(len(devices) - len(tainted), len(devices)))
     model = AllocatorModel(slices, [GPU_CLASS], CEL, [(D, NODE, "gpu-0")])
     (result,) = model.allocate([claim("one", singles_request(1))], NODE)
-    untainted_sets = sum(1 for d in devices if d["name"].startswith("gpuset-") and not d.get("taints"))
-    assert model.work.cel_evaluations == untainted_sets + 1  # the sets before the singles, then one GPU
+    assert result == [("gpus", (D, NODE, devices[0]["name"]))] and devices[0]["name"] == "gpu-1"
+    assert model.work.cel_evaluations == 1  # the first single GPU leads: the claim walks nothing else
+    # taken by a claim the agent has not heard of, the next claim walks the sets, then the next single
+    model = AllocatorModel(slices, [GPU_CLASS], CEL, [(D, NODE, "gpu-0"), (D, NODE, "gpu-1")])
+    (result,) = model.allocate([claim("one", singles_request(1))], NODE)
+    assert result == [("gpus", (D, NODE, devices[1 + untainted(devices)]["name"]))]
+    assert model.work.cel_evaluations == untainted(devices) + 1
+
+
+def untainted(devices):
+    return sum(1 for d in devices if d["name"].startswith("gpuset-") and not d.get("taints"))
 
 
 def test_set_names_say_their_members():

@@ -27,9 +27,12 @@ GPUs first, every such claim evaluated its class on every single GPU before reac
 Sets first moves that cost to the one-GPU claims (one evaluation per published set), and
 largest first suits the pod mix the bench replays (a claim of k walks the sets larger than
 k; the larger sizes have the fewest sets): at 100 and 500 nodes CEL 2.2x (8 GPUs), 2.3-2.5x
-(16), 6.4x (64), against 2.4x, 2.7-2.8x, 4.0x smallest first (bench/README.md). Only the order
-between classes changes: each claim still gets the first free device of its class, so the
-placement is the same.
+(16), 6.4x (64), against 2.4x, 2.7-2.8x, 4.0x smallest first (bench/README.md). Where all
+devices share one slice, the first single GPU (the device plugin's answer for one GPU) leads,
+before the sets: a one-GPU claim takes it at the first device it walks, and a multi-GPU claim
+walks one device more (est. CPU 1.41-2.17x -> 1.33-2.09x at 100 x 8, bench/README.md). Only
+the order between classes changes: each claim still gets the first free device of its class,
+so the placement is the same.
 
 **Sets.** Sizes 2, 4, 8 and 16, and the size of every NVLink island and maximal NVLink clique
 of two or more GPUs, as far as the node has GPUs (:func:`set_sizes`). Per size first the

@@ -72,7 +72,8 @@ why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints
 
 **Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
 given): the sets, largest first, then the single GPUs (MIG devices in their parent's place),
-then, in one slice, the sets being withdrawn; at most 128 devices a slice, 64 when any
+then, in one slice, the sets being withdrawn; in one slice the first single GPU leads, before
+the sets; at most 128 devices a slice, 64 when any
 consumes counters or has a taint (the API's limit for slices using partitionable devices or
 taints); above one slice, the singles start a slice of their own, so a re-publication moves
 no single GPU between slices. Slice names are
@@ -374,11 +375,13 @@ def render_slices(
         consumed = {g.index for g in topology.gpus}
     specs: list[dict[str, Any]] = [{"sharedCounters": declared_counter_sets(consumed)}] if sets else []
     # above one slice, the singles start a slice of their own: a re-publication with as many slices of
-    # sets moves no device between slices (the publisher rewrites in place then); in one slice, the sets
-    # being withdrawn go last: no class selects them, and a claim that finds a device first never walks them
+    # sets moves no device between slices (the publisher rewrites in place then); in one slice, the first
+    # single GPU leads (a one-GPU claim takes it without walking the sets) and the sets being withdrawn
+    # go last: no class selects them, and a claim that finds a device first never walks them
     key = withdrawal_taint(driver)["key"]
     going = [any(t.get("key") == key for t in d.taints) for d in sets]
-    groups = ([[*(d for d, g in zip(sets, going) if not g), *singles, *(d for d, g in zip(sets, going) if g)]]
+    groups = ([[*singles[:1], *(d for d, g in zip(sets, going) if not g), *singles[1:],
+                *(d for d, g in zip(sets, going) if g)]]
               if len(devices) <= per_slice else [sets, singles])
     specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
               for group in groups for i in range(0, len(group), per_slice)]
