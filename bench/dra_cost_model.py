@@ -233,7 +233,7 @@ MEASURED = {  # ms of scheduler CPU per pod, issue 25
 CEL_SHARE = 0.59  # of the 1.37-fix run's CPU with the earlier publication
 SET_OF_K_SAVING = 0.35  # per pod, set-of-k claims against gpuset + gpuCount
 PROFILE_136 = {"devices_converted": 0.37, "consumptions_validated": 0.35}  # 1.36, 100 nodes
-FILTER_OUTSIDE_GATHER_136 = 0.88 - 0.80  # the same profile: the Filter's share less GatherPools' 
+FILTER_OUTSIDE_GATHER_136 = 0.88 - 0.80  # the same profile: the Filter's share less GatherPools'
 RATIO_136_10 = 3.2 / 0.3
 
 
