@@ -224,7 +224,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from agent.dra.publisher import SlicePublisher
     from agent.dra.slices import render_slices
     from agent.hw.sim.machines import BUILTIN_MACHINES
-    from agent.topology.synthetic import synthetic_islands_topology
+    from allocation_support import synthetic_islands_topology
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
