@@ -217,6 +217,7 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     """Slices, devices, build and publish time per machine (see the module docstring)."""
     import apiserver_stub
+    from allocation_support import synthetic_islands_topology
     from apiserver_stub import ApiServerStub
 
     from agent.discovery import load_topology
@@ -224,7 +225,6 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from agent.dra.publisher import SlicePublisher
     from agent.dra.slices import render_slices
     from agent.hw.sim.machines import BUILTIN_MACHINES
-    from allocation_support import synthetic_islands_topology
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
