@@ -16,9 +16,12 @@ device of the same rendering stands for that GPU too (:func:`meeting_gpus`), and
 slice declares only the counters some device consumes (:func:`declared_counter_sets`; one
 counter where none is: a counter set may not be empty). A held set whose members nothing else
 stands for then consumes nothing, and a busy node declares the counters of its free GPUs.
-Above one device slice every device consumes the counters of all its GPUs and every GPU's
-counter is declared: the slices are written one after the other, and a view mixing a new set
-with an old single could otherwise count neither.
+Above one device slice (the sets' slices, then the singles' slice) the slices are written one
+after the other, so a view may join the singles of one publication to the sets of the one
+before: there every set consumes all its members' counters, and a single GPU its own while a set
+of its publication or of the one before holds it; the singles' slice is written before the
+sets' (:mod:`agent.dra.pool_writes`). Any view then has the singles of publication N + 1 and
+sets of N or N + 1, or the singles and the sets of N: each set's members' singles consume.
 
 **Why that is safe.** The scheduler counts an allocated device's counters by looking the device
 up in the slices it sees *now*. Within one device slice, any two devices standing for a GPU

@@ -9,8 +9,9 @@ scheduler can have mixes whole slices of two publications, each device once, so 
 never incomplete. The counter slice declares only the counters devices consume
 (:mod:`agent.dra.counters`), so a view joining the new device slice to the old counter slice
 could lack a counter (invalid): a counter slice that must declare a counter the stored one
-lacks is first written widened by what the stored one declares, then the device slices, then
-the counter slice as rendered where that narrows it. Each view is then valid: the scheduler's
+lacks is first written widened by what the stored one declares, then the device slices (the
+single GPUs' slice before the sets' slices, where they have slices of their own), then the
+counter slice as rendered where that narrows it. Each view is then valid: the scheduler's
 informer applies one watch's events in order, so it sees the writes' prefixes.
 
 **A new generation** in every slice otherwise (a slice added or gone, a device moving between
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from agent.dra.counters import counters_of, widened
+from agent.dra.gpusets import parse_set_name
 from agent.dra.readback import same_content
 
 __all__ = ["WritePlan", "plan_writes"]
@@ -74,7 +76,12 @@ def _in_place_order(changed: list[dict[str, Any]], existing: Mapping[str, Mappin
         wide = widened(w, existing.get(w["metadata"]["name"]))
         first += [wide] if wide is not None else []
         last += [w] if wide is None or counters_of(wide["spec"]) != counters_of(w["spec"]) else []
+    devices.sort(key=_holds_sets)  # stable: the single GPUs' slice first
     return first + devices + last
+
+
+def _holds_sets(slice_obj: Mapping[str, Any]) -> bool:
+    return any(parse_set_name(str(d.get("name"))) is not None for d in slice_obj["spec"].get("devices") or ())
 
 
 def _stays_in_its_slice(existing: Mapping[str, Mapping[str, Any]], want: list[dict[str, Any]]) -> bool:

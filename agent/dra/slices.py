@@ -51,7 +51,8 @@ stands for that GPU too (a single GPU while a set holds it, a set's member while
 or another set holds it), and the counter slice declares only the counters consumed: the
 scheduler compares every declared counter for every device it reserves, on every Filter.
 :mod:`agent.dra.counters` says why that is safe and how the publisher orders its writes.
-Above one slice, every device consumes all its GPUs' counters and all are declared. MIG-enabled GPUs
+Above one slice, every set consumes all its members' counters, and a single GPU its own while
+a set of this publication or of the one before holds it. MIG-enabled GPUs
 are in no set (a GPU in MIG mode cannot serve as a whole GPU), so MIG devices consume no
 counter and a MIG device never competes with a set. Which sets, in what order, and when a
 published set may go: :mod:`agent.dra.gpusets`. Set device attributes (only what the device
@@ -101,6 +102,7 @@ from agent.dra.gpusets import (
     clique_ids,
     device_order,
     island_ids,
+    parse_set_name,
 )
 from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
@@ -371,8 +373,8 @@ def render_slices(
         meet = meeting_gpus([*(d.consumes for d in sets), *(_gpu_of(d) for d in singles)])
         sets = [replace(d, consumes=tuple(g for g in d.consumes if g in meet)) for d in sets]
         consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
-    else:
-        consumed = {g.index for g in topology.gpus}
+    else:  # every set consumes all its members' counters
+        consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
     specs: list[dict[str, Any]] = [{"sharedCounters": declared_counter_sets(consumed)}] if sets else []
     # above one slice, the singles start a slice of their own: a re-publication with as many slices of
     # sets moves no device between slices (the publisher rewrites in place then); in one slice, the first
@@ -413,15 +415,17 @@ def _slice_objects(specs: list[dict[str, Any]], node_name: str, driver: str, api
 def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequence[int], sets: Sequence[Device],
              occupancy: Occupancy, graced: bool) -> list[Device]:
     """The single devices in ``order``; a whole GPU consumes its counter only while one of
-    ``sets`` holds it (the module docstring says why that is safe), where the sets and the
-    singles share one slice; above that every whole GPU consumes its counter. With sets, every
+    ``sets`` holds it, or, where the sets and the singles have slices of their own, one of the
+    sets published now (``occupancy.published``: the singles' slice is written first, so the
+    scheduler may see it beside the sets of the publication before; :mod:`agent.dra.counters`). With sets, every
     whole GPU says whether a prepared claim holds it through a set, and (``graced``: the server
     keeps taints) such a single is withdrawn as :class:`Occupancy` says."""
     covered = {g for d in sets for g in d.consumes}
     held = occupancy.via_sets if sets else None
     singles = render_devices(topology, driver, marks, order, covered, held)
-    if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:
-        singles = render_devices(topology, driver, marks, order, range(topology.gpu_count), held)
+    if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:  # the singles' slice is written first
+        covered |= {g for name in occupancy.published for g in parse_set_name(name) or () if g < topology.gpu_count}
+        singles = render_devices(topology, driver, marks, order, covered, held)
     if not sets or not graced:
         return singles
     tainted, gone = occupancy.single_withdrawals(topology)
