@@ -87,9 +87,10 @@ from dra_publishers import (  # noqa: E402
 from dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
 from dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
 from dra_shipped_classes import count_expr  # noqa: E402
+from dra_views import stands_for  # noqa: E402
 from tables import print_table  # noqa: E402
 
-from agent.dra.gpusets import island_ids, parse_set_name  # noqa: E402
+from agent.dra.gpusets import island_ids  # noqa: E402
 from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, render_slices  # noqa: E402
 from agent.dra.yaml_stream import dump_yaml  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
@@ -147,17 +148,10 @@ def naive_slices(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------- policies
 def members(slices: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
-    """Device name -> the GPU indices it holds: a single's index; a set's members as its name
-    says (what the kubelet plugin prepares for it; the agent's sets consume the counters of
-    their members only where another device stands for them too)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for d in (d for s in slices for d in s["spec"].get("devices", [])):
-        kind = d["attributes"][f"{DRIVER}/type"]["string"]
-        if kind == "gpu":
-            out[d["name"]] = (d["attributes"][f"{DRIVER}/index"]["int"],)
-        elif kind == "gpuset" and (gpus := parse_set_name(d["name"])) is not None:
-            out[d["name"]] = tuple(sorted(gpus))
-    return out
+    """Device name -> the GPU indices it holds (``tests/dra_views.py``'s ``stands_for``: a
+    single's index, a set's members as its name says)."""
+    return {d["name"]: tuple(sorted(stands_for(d["name"]))) for s in slices for d in s["spec"].get("devices", [])
+            if stands_for(d["name"])}
 
 
 class DraPolicy:

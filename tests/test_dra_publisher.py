@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from datetime import datetime, timezone
@@ -59,6 +60,18 @@ def make(server, topology=None, *, health=None, prepared=None, events=None, **se
     settings.setdefault("backoff_max_s", 0.2)
     return SlicePublisher(server.api_client, topology or hgx8_topology(), PublishSettings("node-1", DRIVER, **settings),
                           health=health, prepared=prepared, events=events)
+
+
+@contextlib.contextmanager
+def running(server, **kwargs):
+    """A publisher (:func:`make`'s arguments) started, ready, and stopped on the way out."""
+    pub = make(server, **kwargs)
+    pub.start()
+    try:
+        assert eventually(pub.ready, 30)
+        yield pub
+    finally:
+        pub.stop()
 
 
 def test_pick_version_prefers_v1_then_v1beta2_then_v1beta1():
@@ -557,45 +570,27 @@ def test_the_single_gpus_of_a_held_set_are_tainted_then_withdrawn_after_the_grac
 def test_a_restart_keeps_the_singles_withdrawal_times_and_one_withdrawn_stays_out(server, tmp_path):
     server.add_node("node-1")
     checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
-    pub = make(server, prepared=checkpoint)  # the default grace: 60 s
-    pub.start()
-    try:
-        assert eventually(pub.ready, 30)
+    with running(server, prepared=checkpoint):  # the default grace: 60 s
         (pair, *_) = [n for n in device_names(server.slices()) if n.startswith("gpuset-2-")]
         members = [f"gpu-{g}" for g in parse_set_name(pair)]
         hold(checkpoint, tmp_path, "uid-1", pair)
         assert server.wait_for(lambda s: all(withdrawal(s, n) for n in members), 2.0)
         added = {n: withdrawal(server.slices(), n)[1] for n in members}
-    finally:
-        pub.stop()
-    pub = make(server, prepared=checkpoint)
-    pub.start()  # neither withdrawn at once nor the grace started again
-    try:
-        assert eventually(pub.ready, 30)
+    with running(server, prepared=checkpoint) as pub:  # neither withdrawn at once nor the grace started again
         assert {n: withdrawal(server.slices(), n)[1] for n in members} == added
         backdate_withdrawals(server, members)
         pub.update()
         assert server.wait_for(lambda s: not set(members) & set(device_names(s)), 2.0)
-    finally:
-        pub.stop()
-    pub = make(server, prepared=checkpoint)
-    pub.start()  # withdrawn before: a restart does not publish them again while the set is held
-    try:
-        assert eventually(pub.ready, 30)
+    with running(server, prepared=checkpoint) as pub:  # withdrawn before: not published again while the set is held
         pub.update()
         time.sleep(0.5)
         assert not set(members) & set(device_names(server.slices())) and pair in device_names(server.slices())
-    finally:
-        pub.stop()
 
 
 def test_a_withdrawal_is_called_off_when_the_gpu_is_free_again_and_its_time_survives_a_restart(server, tmp_path):
     server.add_node("node-1")
     checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
-    pub = make(server, prepared=checkpoint)  # the default grace: 60 s
-    pub.start()
-    try:
-        assert eventually(pub.ready, 30)
+    with running(server, prepared=checkpoint):  # the default grace: 60 s
         due = sets_holding(server.slices(), 3)
         hold(checkpoint, tmp_path, "uid-1", "gpu-3")
         assert server.wait_for(lambda s: all(withdrawal(s, n) for n in due), 2.0)
@@ -605,18 +600,11 @@ def test_a_withdrawal_is_called_off_when_the_gpu_is_free_again_and_its_time_surv
         hold(checkpoint, tmp_path, "uid-2", "gpu-3")
         assert server.wait_for(lambda s: all(withdrawal(s, n) for n in due), 2.0)
         added = {n: withdrawal(server.slices(), n)[1] for n in due}
-    finally:
-        pub.stop()
-    pub = make(server, prepared=checkpoint)
-    pub.start()  # a restart neither withdraws at once nor starts the grace again
-    try:
-        assert eventually(pub.ready, 30)
+    with running(server, prepared=checkpoint) as pub:  # a restart neither withdraws at once nor starts the grace again
         assert {n: withdrawal(server.slices(), n)[1] for n in due} == added
         backdate_withdrawals(server, due)
         pub.update()  # the grace is read from the stored taint: it ran out long ago
         assert server.wait_for(lambda s: not set(due) & set(device_names(s)), 2.0)
-    finally:
-        pub.stop()
 
 
 def test_without_device_taints_a_set_is_withdrawn_at_once(tmp_path):
@@ -643,11 +631,8 @@ def test_the_counter_slice_declares_what_two_devices_share_and_follows_them_thro
     before the devices consume a counter it lacks and narrowed only after they stop."""
     server.add_node("node-1")
     checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
-    pub = make(server, prepared=checkpoint, withdrawal_grace_s=1.0)
     everything = {f"gpu-{g}" for g in range(8)}
-    pub.start()
-    try:
-        assert eventually(pub.ready, 30)
+    with running(server, prepared=checkpoint, withdrawal_grace_s=1.0):
         assert declared(server.slices()) == consumed(server.slices()) == everything
         (pair, *_) = [n for n in device_names(server.slices()) if n.startswith("gpuset-2-")]
         gpus = {f"gpu-{g}" for g in parse_set_name(pair)}
@@ -657,8 +642,6 @@ def test_the_counter_slice_declares_what_two_devices_share_and_follows_them_thro
         assert pair in device_names(server.slices()) and not set(device_names(server.slices())) & gpus
         checkpoint.remove("uid-1")
         assert server.wait_for(lambda s: declared(s) == consumed(s) == everything, 5.0)
-    finally:
-        pub.stop()
     pools = [gather_pools(state, "node-1") for state in server.slice_history()]
     usable = [len(p) == 1 and not p[0].incomplete and not p[0].invalid for p in pools]
     assert all(usable[usable.index(True):]), [p[0].invalid for p in pools if p]

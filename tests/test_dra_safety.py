@@ -21,7 +21,7 @@ Checked after every event: the GPUs of the claims whose pods may run (allocated 
 not unprepared) are disjoint (a device stands for the GPUs its name says, as the kubelet
 plugin prepares it); the pool the scheduler sees is never invalid; and in it every device
 consumes only counters of GPUs it stands for and two devices standing for one GPU both consume
-its counter (:func:`miscounted`; the agent declares a GPU's counter only where two devices
+its counter (``dra_views.miscounted``; the agent declares a GPU's counter only where two devices
 meet, ``agent.dra.counters``).
 
 **The two-step withdrawal** (:mod:`agent.dra.gpusets`): a published set one of whose GPUs is
@@ -69,17 +69,16 @@ from typing import Any, Callable
 
 import pytest
 import yaml
-from dra_allocator_model import AllocatorModel, gather_pools
+from dra_allocator_model import AllocatorModel
 from dra_publishers import agent_publisher, device_names, set_names, single_gpus, withdrawing
+from dra_views import miscounted, planned_views, stands_for
 from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 
 from agent.config import Config
 from agent.discovery import load_topology
 from agent.dra.checkpoint import Checkpoint
-from agent.dra.counters import consumes_counters
 from agent.dra.gpusets import parse_set_name
-from agent.dra.pool_writes import plan_writes
 from agent.dra.prepare import ClaimPreparer, ClaimRef
 from agent.dra.slices import render_slices
 
@@ -141,43 +140,15 @@ def pod_claim(name: str, k: int) -> dict[str, Any]:
 
 
 def members(slices: list[dict[str, Any]]) -> dict[str, frozenset[int]]:
-    """Device name -> the GPUs it stands for, what the kubelet plugin prepares for it
-    (``agent.dra.devices``): a single's index, a set's members as its name says."""
-    out: dict[str, frozenset[int]] = {}
-    for d in (d for s in slices for d in s["spec"].get("devices", [])):
-        if d["attributes"][f"{DRIVER}/type"]["string"] == "gpu":
-            out[d["name"]] = frozenset([d["attributes"][f"{DRIVER}/index"]["int"]])
-        elif (gpus := parse_set_name(d["name"])) is not None:
-            out[d["name"]] = frozenset(gpus)
-    return out
-
-
-def miscounted(slices: list[dict[str, Any]]) -> str | None:
-    """What the scheduler's counters get wrong in ``slices``: a device consuming the counter of
-    a GPU it does not stand for, or two devices standing for one GPU and not both consuming its
-    counter (then both can be allocated at once); None when the counters are right."""
-    consumed = {d["name"]: {OWNERS[(u["counterSet"], c)] for u in d.get("consumesCounters") or ()
-                            for c in u["counters"]}
-                for s in slices for d in s["spec"].get("devices", [])}
-    standing: dict[int, list[str]] = {}
-    for name, gpus in members(slices).items():
-        if not consumed[name] <= gpus:
-            return f"{name} (GPUs {sorted(gpus)}) consumes the counters of GPUs {sorted(consumed[name] - gpus)}"
-        for g in gpus:
-            standing.setdefault(g, []).append(name)
-    for g, names in sorted(standing.items()):
-        if len(names) > 1 and (short := [n for n in names if g not in consumed[n]]):
-            return f"{', '.join(names)} stand for GPU {g}; {', '.join(short)} do(es) not consume its counter"
-    return None
+    """Device name -> the GPUs it stands for (``dra_views.stands_for``)."""
+    return {d["name"]: stands_for(d["name"]) for s in slices for d in s["spec"].get("devices", [])
+            if stands_for(d["name"])}
 
 
 # ----------------------------------------------------------------------- what publishes
 Render = Callable[[dict[str, frozenset[int]], list[str], "frozenset[str] | None"], list[dict[str, Any]]]
 Rule = Callable[[list[dict[str, Any]], list[dict[str, Any]], frozenset[str], frozenset[int]], list[dict[str, Any]]]
 PUBLISH = agent_publisher()
-#: Counter -> GPU: the counter each GPU's single consumes where sets are published (the agent
-#: and the toy name counters alike: ``agent.dra.counters``).
-OWNERS = {(u["counterSet"], c): g.index for g in TOPO.gpus for u in consumes_counters([g.index]) for c in u["counters"]}
 
 
 def the_agents_rendering(held: dict[str, frozenset[int]], published: list[str],
@@ -329,13 +300,8 @@ class World:
                                      frozenset(withdrawing(self.written)))
         new = self.agent.rule(self.written, rendered, self.held, self.in_use) if self.agent.rule else rendered
         self.generation += 1
-        existing = {o["metadata"]["name"]: o for o in self.written}
-        plan = plan_writes(existing, new, self.pool_generation)
-        self.pool_generation = plan.generation
-        view = dict(existing)
-        for w in plan.writes:  # the pool after each write, as the scheduler may see it
-            view[w["metadata"]["name"]] = copy.deepcopy(w)
-            self.pending.append((sorted(view.values(), key=lambda o: o["metadata"]["name"]), None))
+        self.pool_generation, views = planned_views(self.written, new, self.pool_generation)
+        self.pending += [(view, None) for view in views]  # the pool after each write
         self.pending.append((new, self.generation))
         self.written = new
         tainted = set(withdrawing(new))
@@ -417,9 +383,7 @@ class World:
             for b, cb in running[i + 1:]:
                 if ca.gpus & cb.gpus:
                     return f"GPUs {sorted(ca.gpus & cb.gpus)} allocated to claims c{a} {ca.devices} and c{b} {cb.devices}"
-        if any(pool.invalid for pool in gather_pools(self.published, NODE)):  # never the agent's writes
-            return f"the scheduler sees the pool invalid: {[p.invalid for p in gather_pools(self.published, NODE)]}"
-        return miscounted(self.published)
+        return miscounted(self.published, NODE)  # an invalid pool too: never the agent's writes
 
     def prepared_twice(self) -> str | None:
         """The agent's guarantee: the GPUs of the prepared claims are disjoint."""
