@@ -424,8 +424,8 @@ def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequenc
     held = occupancy.via_sets if sets else None
     singles = render_devices(topology, driver, marks, order, covered, held)
     if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:  # the singles' slice is written first
-        covered |= {g for name in occupancy.published for g in parse_set_name(name) or () if g < topology.gpu_count}
-        singles = render_devices(topology, driver, marks, order, covered, held)
+        covered |= {g for name in occupancy.published for g in parse_set_name(name) or ()}
+        singles = [replace(d, consumes=tuple(g for g in _gpu_of(d) if g in covered)) for d in singles]
     if not sets or not graced:
         return singles
     tainted, gone = occupancy.single_withdrawals(topology)
