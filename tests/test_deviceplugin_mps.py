@@ -180,8 +180,11 @@ def test_mps_resource_is_not_advertised_while_the_control_daemon_cannot_start(no
     node.start(node.config(replicas=2, mps_control_binary=failing))
     time.sleep(0.5)
     assert node.kubelet.registered(RESOURCE) == [] and not node.manager.ready()
-    # the program comes back (a driver container finished installing it): retried with backoff
-    shutil.copy(node.program, failing)
+    # the program comes back (a driver container finished installing it): retried with backoff.
+    # Installed as installers do, by renaming a finished copy over it: writing into the file
+    # in place races the agent's retry executing it (ETXTBSY, seen in CI)
+    shutil.copy(node.program, failing + ".new")
+    os.replace(failing + ".new", failing)
     assert node.kubelet.wait_for(lambda: node.kubelet.registered(RESOURCE), 10.0)
     assert node.kubelet.wait_for(lambda: node.device_health() == ["Healthy"] * 16, 5.0)
 
