@@ -33,7 +33,15 @@ occupancy and server version, as ``slices --in-use LIST --server-version V`` pri
 A pod: 40 % 1 GPU, 30 % 2, 20 % 4, 10 % 8 (sizes above the node's GPUs are left out), one
 ResourceClaim. Claim shapes: ``list`` = a multi-GPU pod asks ``[one set (gpuset class +
 gpuCount selector) -> k singles]``; ``set-of-k`` = ``[one set of the set-of-k class (one
-selector) -> k singles]``; single GPUs only: k singles. A pod's Filters follow
+selector) -> k singles]``; ``set alone`` = one set of the set-of-k class, no fallback
+(``daemonset/dra/examples``' ``best-set-of-4``, or ``gpu.gpu-agent.io/set-of-k: 1`` in a pod's
+limits); single GPUs only: k singles. The agent publishes a free set of every size in
+``set_sizes`` (2, 4, 8, ...: the mix's sizes) wherever that many GPUs are free, so a node
+where the set alone does not fit is one where k singles do not fit either (the bench checks
+that: ``unschedulable``, the pods that fit no node, must equal the single GPUs'), and the
+singles tier of the lists serves only while the scheduler's view of the slices lags the
+claims it allocated (``bench/quality_dra.py`` measures what the set alone then costs in
+placement). A pod's Filters follow
 kube-scheduler's ``findNodesThatPassFilters``: from the rotating start index
 (``nextStartNodeIndex``), node after node, until ``numFeasibleNodesToFind`` feasible ones
 (adaptive: all below 100 nodes, else ``N * max(50 - N/125, 5) %``, at least 100); pods are
@@ -107,10 +115,13 @@ CLASSES, CEL = SHIPPED_CLASSES, SHIPPED_CEL
 
 
 def pod_claim(k: int, shape: str) -> dict[str, Any]:
-    """One pod's ResourceClaim: ``shape`` is ``list``, ``set-of-k`` or ``singles``."""
+    """One pod's ResourceClaim: ``shape`` is ``list``, ``set-of-k``, ``set alone`` or ``singles``."""
     singles = {"deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": k}
     if k == 1 or shape == "singles":
         request: dict[str, Any] = {"name": "gpus", "exactly": singles}
+    elif shape == "set alone":
+        request = {"name": "gpus", "exactly": {"deviceClassName": f"set-of-{k}.{DRIVER}", "allocationMode": "ExactCount",
+                                               "count": 1}}
     elif shape == "list":
         request = {"name": "gpus", "firstAvailable": [
             {"name": "set", "deviceClassName": f"gpuset.{DRIVER}", "allocationMode": "ExactCount", "count": 1,
@@ -220,6 +231,7 @@ class Result:
     pods: int
     unschedulable: int
     own_devices: int  # devices of the Filtered node's own pool, over all Filters
+    fits: frozenset[tuple[int, int]]  # the (node state, pod size) pairs where the pod fits the node
 
 
 def search_costs(allocated: Sequence[Collection[str]], published: Sequence[list[dict[str, Any]]], path: PathSpec,
@@ -278,7 +290,7 @@ def run_path(topo: Topology, nodes: int, states: Sequence[frozenset[int]], path:
     for (s, k), n in visits.items():
         total = total + (gather[s] + search[(s, k)][0]).times(n)
         mine += own[s].devices_converted * n
-    return Result(total, filters, len(pods), unschedulable, mine)
+    return Result(total, filters, len(pods), unschedulable, mine, frozenset(key for key, (_, fit) in search.items() if fit))
 
 
 def items(w: Work) -> int:
@@ -299,6 +311,7 @@ def measure(nodes: int, gpus: int, n_pods: int, n_states: int, seed: int, publis
     paths = {
         "agent": (PathSpec("agent", publisher, "1.37", "1.37"), "list"),
         "agent set-of-k": (PathSpec("agent", publisher, "1.37", "1.37"), "set-of-k"),
+        "agent set alone": (PathSpec("agent", publisher, "1.37", "1.37"), "set alone"),
         "agent@1.36": (PathSpec("agent@1.36", publisher, "1.36", "1.36"), "list"),
         "agent@1.36 set-of-k": (PathSpec("agent@1.36", publisher, "1.36", "1.36"), "set-of-k"),
         "sets forced@1.36": (PathSpec("sets forced@1.36", publisher, "1.37", "1.36"), "list"),
@@ -358,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                              ratio(w.cel_evaluations, b.cel_evaluations),
                              *(f"{v / r.pods:,.0f}" for v in (w.consumptions_validated, w.counter_checks, w.slices_scanned)),
                              f"{items(w) / r.filters:,.0f}", cpu(r, base)))
-                if name == "agent" and nodes in (100, 500) and gpus in (8, 16):
+                if name in ("agent", "agent set alone") and nodes in (100, 500) and gpus in (8, 16):
                     x = items(r.work) / items(base.work)
-                    verdicts.append(f"{nodes} x {gpus} GPUs, 1.37: agent {x:.2f}x single GPUs' items per pod, "
-                                    f"estimated CPU {cpu(r, base)}x (dra_cost_model.py; goal: at most 2x)")
+                    verdicts.append(f"{nodes} x {gpus} GPUs, 1.37: {name} {x:.2f}x single GPUs' items per pod, "
+                                    f"estimated CPU {cpu(r, base)}x (dra_cost_model.py; goal: at most 2x); "
+                                    f"pods no node fits {r.unschedulable} (single GPUs: {base.unschedulable}), "
+                                    f"fits a node where single GPUs do not, or the reverse, in {len(r.fits ^ base.fits)} "
+                                    f"of {args.states * len(pod_sizes(gpus))} (node state, pod size) pairs")
         for name in ("agent@1.36", "sets forced@1.36", "agent"):
             f = per_filter[name]
             verdicts.append(f"{gpus} GPUs, {name}: work per Filter {f[0]:,.0f} -> {f[-1]:,.0f} items from "

@@ -27,6 +27,14 @@ counters are its members', so this is the same state for the counters). Paths:
   after the taint"; ``--withdrawal at-once``: dropped at once, the rule without the grace). A
   double allocation would stop the run (``replay`` checks every choice against the free GPUs);
   ``tests/test_dra_safety.py`` explores the orders this replay does not;
+* ``DRA set alone lag L``: the same re-rendering, but a pod of k >= 2 GPUs is one device of the
+  ``set-of-k`` class alone (``daemonset/dra/examples``' ``best-set-of-4``; ``fallback`` counts
+  the claims that waited). Where the scheduler's view has no free set of k, the pod waits,
+  unschedulable, until a ResourceSlice update requeues it (the DynamicResources plugin registers
+  slice adds and updates); by then the kubelet has prepared the claims allocated before it, so
+  the agent renders for all of them and the pod is allocated from that rendering (the agent
+  publishes a free set of every size of ``set_sizes`` wherever that many GPUs are free, so it
+  then fits: a miss stops the run). The claims after it count their lag from there;
 * ``DRA sets+island``: the same slices, the list ``[set -> k singles with matchAttribute
   nvlinkIsland -> k singles]`` where the size fits the largest NVLink island (``fallback``:
   claims that got singles, on one island or not). Allocated as upstream's fix
@@ -62,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -100,9 +109,13 @@ DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"
 LAGS = (0, 1, 4)
 RERENDER = tuple(f"DRA re-render lag {lag}" for lag in LAGS)
-PATHS = ("device-plugin", "DRA sets", *RERENDER, "DRA sets+island", "DRA singles", "DRA island", "naive slice")
-SET_PATHS = ("DRA sets", *RERENDER, "DRA sets+island")
+SET_ALONE = tuple(f"DRA set alone lag {lag}" for lag in LAGS)
+PATHS = ("device-plugin", "DRA sets", *RERENDER, *SET_ALONE, "DRA sets+island", "DRA singles", "DRA island",
+         "naive slice")
+SET_PATHS = ("DRA sets", *RERENDER, *SET_ALONE, "DRA sets+island")
 PRIORITIZED = (*SET_PATHS, "DRA island")
+#: the paths whose slices are re-rendered as the agent does (the others keep the first rendering)
+RENDERED = (*RERENDER, *SET_ALONE)
 TOPOLOGY_ATTRIBUTES = ("numaNode", "nvlinkIsland", "nvlinkClique")
 CLASSES, CEL = SHIPPED_CLASSES, SHIPPED_CEL  # daemonset/dra/deviceclass.yaml, as predicates
 
@@ -123,6 +136,13 @@ def set_or_singles(k: int) -> dict[str, Any]:
         {"name": "set", "deviceClassName": f"gpuset.{DRIVER}", "allocationMode": "ExactCount", "count": 1,
          "selectors": [{"cel": {"expression": count_expr(k)}}]},
         {"name": "singles", "deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": k}]}
+
+
+def set_alone(k: int) -> dict[str, Any]:
+    """One device of the ``set-of-k`` class and nothing else (``daemonset/dra/examples``'
+    ``best-set-of-4``; what ``gpu.gpu-agent.io/set-of-k: 1`` in a pod's limits asks for)."""
+    return {"name": "gpus", "exactly": {"deviceClassName": f"set-of-{k}.{DRIVER}", "allocationMode": "ExactCount",
+                                        "count": 1}}
 
 
 def island_or_singles(k: int, gpu_set: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -175,6 +195,7 @@ class DraPolicy:
         self.largest_island = max(collections_count(island_ids(topo).values()))
         self.engine = AllocationEngine(topo)
         self.n = self.claims = self.fallbacks = self.pruned = self.below = self.matched = 0
+        self.known_through = 0  # claims up to this number are prepared whatever the lag (a pod waited)
         self.set_devices: list[int] = []  # set devices in each rendering the scheduler saw
         # ... and in the same rendering with nothing published before (no kept or tainted sets:
         # what bench_dra_scheduler.py's node states publish)
@@ -189,7 +210,7 @@ class DraPolicy:
         if self.publisher is None:
             self.model.allocated = {(DRIVER, NODE, f"gpu-{i}") for i in range(self.topo.gpu_count) if i not in free}
             return
-        known = [c for c in self.running if c[2] <= self.n - self.lag]  # self.n: claims allocated so far
+        known = [c for c in self.running if c[2] <= max(self.n - self.lag, self.known_through)]  # self.n: claims so far
         held = {name: self.members[name] for devices, _, _ in known for name in devices}
         # the withdrawal grace (at least G) modelled as "at the next rendering after the taint"
         last = self.renderings[-1]
@@ -207,7 +228,9 @@ class DraPolicy:
         self._republish(free)
         self.n += 1
         constraints: list[dict[str, Any]] = []
-        if (self.path == "DRA sets" or self.path in RERENDER) and k > 1:
+        if self.path in SET_ALONE and k > 1:
+            request = set_alone(k)
+        elif (self.path == "DRA sets" or self.path in RERENDER) and k > 1:
             request = set_or_singles(k)
         elif self.path in ("DRA island", "DRA sets+island") and 1 < k <= self.largest_island:
             request, constraints = island_or_singles(k, gpu_set=self.path == "DRA sets+island")
@@ -219,6 +242,16 @@ class DraPolicy:
         if self.model.leak != self.leaky.leak:
             self.leaky.allocated = self.model.allocated
             self.leak_unschedulable += self.leaky.allocate([claim(f"c{self.n}", [request], constraints)], NODE) is None
+        if got is None and self.path in SET_ALONE:
+            # No free set in the scheduler's view (claims it allocated took them, and the agent
+            # has not heard of those yet). The pod stays unschedulable until a ResourceSlice
+            # update requeues it (the DynamicResources plugin registers slice adds and updates);
+            # by then the kubelet has prepared the claims allocated before it and the agent has
+            # re-rendered for them. Counted in ``fallbacks`` for these paths.
+            self.fallbacks += 1
+            self.known_through = self.n - 1
+            self._republish(free)
+            got = self.model.allocate([claim(f"c{self.n}", [request], constraints)], NODE)
         if got is None:
             raise RuntimeError(f"{self.path}: {k} of {len(free)} free GPUs unschedulable")
         (result,) = got
@@ -226,7 +259,7 @@ class DraPolicy:
         self.running.append((tuple(name for _, (_, _, name) in result), tuple(gpus), self.n))
         if k > 1 and self.path in PRIORITIZED and (self.path != "DRA island" or constraints):
             self.claims += 1
-            self.fallbacks += result[0][0] != "gpus/set" and (self.path != "DRA island" or result[0][0] != "gpus/island")
+            self.fallbacks += self.path not in SET_ALONE and result[0][0] != "gpus/set" and (self.path != "DRA island" or result[0][0] != "gpus/island")
         if k > 1 and self.path in SET_PATHS:
             self._against_device_plugin(free, k, gpus)
         return gpus
@@ -286,10 +319,10 @@ def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher,
     rows: dict[str, dict[str, Any]] = {"device-plugin": dict(quality.replay(topo, quality.Ours(topo), events))}
     full = render_slices(topo, node_name=NODE)
     plain = render_slices(topo, node_name=NODE, with_sets=False)
-    for path, slices in (("DRA sets", full), *((p, full) for p in RERENDER), ("DRA sets+island", full),
+    for path, slices in (("DRA sets", full), *((p, full) for p in RENDERED), ("DRA sets+island", full),
                          ("DRA singles", plain), ("DRA island", plain), ("naive slice", naive_slices(plain))):
-        lag = LAGS[RERENDER.index(path)] if path in RERENDER else 0
-        policy = DraPolicy(topo, slices, path, publisher if path in RERENDER else None, lag, grace)
+        lag = LAGS[(RERENDER if path in RERENDER else SET_ALONE).index(path)] if path in RENDERED else 0
+        policy = DraPolicy(topo, slices, path, publisher if path in RENDERED else None, lag, grace)
         r: dict[str, Any] = dict(quality.replay(topo, policy, events))
         r.update(claims=policy.claims, fallbacks=policy.fallbacks, pruned=policy.pruned, below=policy.below,
                  matched=policy.matched, set_devices=policy.set_devices, fresh_set_devices=policy.fresh_set_devices,
@@ -315,7 +348,7 @@ def gaps(rows: dict[str, dict[str, Any]], path: str) -> tuple[bool, str]:
 def verdict(name: str, rows: dict[str, dict[str, Any]]) -> str:
     sets = rows["DRA sets"]
     lines = []
-    for path in ("DRA sets", *RERENDER):
+    for path in ("DRA sets", *RENDERED):
         ok, words = gaps(rows, path)
         lines.append(f"{path} {'within' if ok else 'OUTSIDE'} ({words})")
     return (f"{name}: vs device-plugin: " + "; ".join(lines)
@@ -326,14 +359,16 @@ def verdict(name: str, rows: dict[str, dict[str, Any]]) -> str:
 
 
 def first_fit_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, ...]]:
-    """Per machine and lag: of the set claims, how many got exactly the device plugin's choice
-    for the free GPUs (``dp``), landed below its score, fell back to singles; and the set devices
+    """Per machine, claim shape and lag: of the set claims, how many got exactly the device
+    plugin's choice for the free GPUs (``dp``), landed below its score, fell back to singles (the
+    set alone: waited for the re-render); and the set devices
     of each rendering the scheduler saw (mean, max: what the scheduler pays for on every Filter),
     and the mean of the same renderings with nothing published before (no kept or tainted sets)."""
-    out = [("machine", *(f"lag {lag}: dp / below / fallback of claims; sets mean (max); fresh" for lag in LAGS))]
-    for name, rows in results.items():
-        cells = []
-        for path in RERENDER:
+    out = [("machine", "claims", *(f"lag {lag}: dp / below / fallback (waited) of claims; sets mean (max); fresh"
+                                   for lag in LAGS))]
+    for (name, rows), kind in itertools.product(results.items(), (RERENDER, SET_ALONE)):
+        cells = ["[set -> singles]" if kind == RERENDER else "set alone"]
+        for path in kind:
             r = rows[path]
             n, fresh = r["set_devices"] or [0], r["fresh_set_devices"] or [0]
             cells.append(f"{r['matched']} / {r['below']} / {r['fallbacks']} of {r['claims']}; "
@@ -378,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"{p['render_ms']:.1f}", f"{p['yaml_kib']:.0f}"))
     print_table(pub, args.markdown, 2)
     print()
-    goal = [("machine", *(f"{p.removeprefix('DRA ')}: NVLink / 1 NUMA / score" for p in ("DRA sets", *RERENDER)))]
+    goal = [("machine", *(f"{p.removeprefix('DRA ')}: NVLink / 1 NUMA / score" for p in ("DRA sets", *RENDERED)))]
     for name, rows in results.items():
         goal.append((name, *(("" if gaps(rows, p)[0] else "OUT ") + gaps(rows, p)[1].replace("NVLink ", "")
                              .replace("1 NUMA ", "").replace("score ", "").replace(", ", " / ")
-                             for p in ("DRA sets", *RERENDER))))
+                             for p in ("DRA sets", *RENDERED))))
     print_table(goal, args.markdown, 2)
     print()
     print_table(first_fit_table(results), args.markdown, 2)
