@@ -46,8 +46,11 @@ At most :data:`SETS_PER_SIZE` a size, and in all no more than the disjoint choic
 Sets of one size may overlap: their counters make them exclusive, names are unique per member
 set, and the keep rule below does not assume disjoint sets. Where the device plugin's choice
 changes although the first set stays free (it packs next to a GPU that became busy), first fit
-cannot follow it. A claim that finds no set free falls back to single GPUs (the example
-claims' prioritized list).
+cannot follow it. Since the first set of each size is there wherever that many GPUs are free,
+a claim for one set alone fits exactly the nodes its k single GPUs fit, once the agent has
+re-rendered (``tests/test_dra_set_alone.py``); only while the scheduler's view lags does it find
+no set where singles would fit: a prioritized list then falls back to single GPUs, a set alone
+waits for the next rendering.
 
 **Never withdraw what a claim may hold** (:func:`agent.dra.withdrawal.sets_to_keep`,
 :func:`agent.dra.withdrawal.sets_to_withdraw`). The
