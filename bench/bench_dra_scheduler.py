@@ -55,7 +55,8 @@ depends only on the node's state and the claim, so each (state, claim shape, siz
 through ``AllocatorModel.allocate`` and charged to every Filter of a node in that state; on 1.36
 the other nodes' pools add no device to the search (their devices do not target the node).
 
-Paths (columns): ``agent`` = the publisher with server version 1.37 under 1.37's gathering;
+Paths (columns): ``agent`` = the publisher with server version 1.37 under 1.37's gathering
+(``agent set-of-k``, ``agent set alone``: the same with those claim shapes);
 ``agent@1.36`` = the publisher with server version 1.36 under 1.36's; ``sets forced@1.36`` = what
 it publishes for 1.37 (sets, counters) under 1.36's gathering (``dra.gpuSets: on`` on a 1.36
 cluster); ``singles`` = single GPUs
