@@ -1,5 +1,6 @@
 """What the scheduler can see of a node's pool while the agent re-publishes, and whether its
-counters are right there; shared by ``test_dra_safety.py`` and ``test_dra_counters.py``.
+counters are right there; shared by ``test_dra_safety.py`` and ``test_dra_counters.py``; and a node's random history of
+claims (:func:`node_history`), shared by ``test_dra_counters.py`` and ``test_dra_set_alone.py``.
 
 A publication is written slice by slice as ``agent.dra.pool_writes`` plans it, and the
 scheduler's ResourceSlice informer applies one watch's events in order, so it sees any prefix
@@ -12,9 +13,11 @@ marks an invalid one (a device consuming a counter the pool does not declare);
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from dra_allocator_model import gather_pools
+from dra_publishers import Publisher, device_names, withdrawing
+from hypothesis import strategies as st
 
 from agent.dra.gpusets import parse_set_name
 from agent.dra.pool_writes import plan_writes
@@ -70,3 +73,36 @@ def miscounted(view: list[dict[str, Any]], node: str) -> str | None:
             short = [n for n, c in devices if not c]
             return f"{', '.join(n for n, _ in devices)} stand for GPU {g}; {', '.join(short)} do(es) not consume its counter"
     return None
+
+
+#: A node's history for :func:`node_history`: (operation, argument) steps.
+HISTORY_STEPS = st.lists(st.tuples(st.sampled_from(["take", "take", "take", "end", "expire"]), st.integers(0, 63)),
+                         min_size=1, max_size=14)
+
+
+def node_history(publish: Publisher, topo: Any, node: str,
+                 steps: Iterable[tuple[str, int]]) -> Iterator[tuple[dict[str, frozenset[int]], list[dict[str, Any]],
+                                                                    list[dict[str, Any]]]]:
+    """The occupancy changing as on a node, one step at a time: ``take`` (a claim takes a free
+    device the scheduler sees, a set or a single GPU, the argument choosing which), ``end`` (a
+    claim ends), ``expire`` (the withdrawal grace of what is tainted now runs out); after each,
+    the agent re-renders from what it holds and what it published (``publish``, version 1.37).
+    Yields (held devices -> GPUs, the publication before, the new one); the first publication
+    is the empty node's."""
+    stored = publish(topo, node, {}, (), "1.37")
+    held: dict[str, frozenset[int]] = {}
+    expired: list[str] = []
+    for op, arg in steps:
+        busy = {g for gpus in held.values() for g in gpus}
+        free = [n for n in device_names(stored) if not stands_for(n) & busy and n not in withdrawing(stored)]
+        if op == "take" and free:
+            name = free[arg % len(free)]
+            held[name] = stands_for(name)
+        elif op == "end" and held:
+            del held[sorted(held)[arg % len(held)]]
+        elif op == "expire":
+            expired = withdrawing(stored)
+        new = publish(topo, node, held, device_names(stored), "1.37", expired=expired, tainted=withdrawing(stored))
+        yield held, stored, new
+        stored = new
+

@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 from allocation_support import synthetic_islands_topology
-from dra_publishers import agent_publisher, device_names, withdrawing
-from dra_views import miscounted, planned_views, stands_for
+from dra_publishers import agent_publisher, device_names
+from dra_views import HISTORY_STEPS, miscounted, node_history, planned_views
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from agent.discovery import load_topology
 
@@ -37,33 +36,15 @@ def views(stored: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[list[
     return planned_views(stored, new, max(o["spec"]["pool"]["generation"] for o in stored))[1]
 
 
-STEPS = st.lists(st.tuples(st.sampled_from(["take", "take", "take", "end", "expire"]), st.integers(0, 63)),
-                 min_size=1, max_size=14)
-
-
 @pytest.mark.parametrize("machine", sorted(MACHINES))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(steps=STEPS)
+@given(steps=HISTORY_STEPS)
 def test_every_view_of_a_re_publication_counts_every_shared_gpu_and_is_valid(machine: str, steps) -> None:
-    topo = MACHINES[machine]
-    stored = PUBLISH(topo, NODE, {}, (), "1.37")
+    stored = PUBLISH(MACHINES[machine], NODE, {}, (), "1.37")
     assert miscounted(stored, NODE) is None
-    held: dict[str, frozenset[int]] = {}
-    expired: list[str] = []
-    for op, arg in steps:
-        busy = {g for gpus in held.values() for g in gpus}
-        free = [n for n in device_names(stored) if not stands_for(n) & busy and n not in withdrawing(stored)]
-        if op == "take" and free:
-            name = free[arg % len(free)]
-            held[name] = stands_for(name)
-        elif op == "end" and held:
-            del held[sorted(held)[arg % len(held)]]
-        elif op == "expire":
-            expired = withdrawing(stored)
-        new = PUBLISH(topo, NODE, held, device_names(stored), "1.37", expired=expired, tainted=withdrawing(stored))
+    for step, (held, stored, new) in enumerate(node_history(PUBLISH, MACHINES[machine], NODE, steps)):
         for i, view in enumerate(views(stored, new)):
-            assert miscounted(view, NODE) is None, (op, arg, sorted(held), f"view {i}")
-        stored = new
+            assert miscounted(view, NODE) is None, (steps[: step + 1], sorted(held), f"view {i}")
 
 
 def test_the_64_gpu_node_has_slices_of_its_own_and_declares_only_what_is_consumed() -> None:

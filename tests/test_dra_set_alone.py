@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import pytest
 from dra_allocator_model import AllocatorModel
-from dra_publishers import agent_publisher, device_names, withdrawing
+from dra_publishers import agent_publisher
 from dra_shipped_classes import CEL, CLASSES, SET_OF_SIZES, count_expr
-from dra_views import stands_for
+from dra_views import HISTORY_STEPS, node_history
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from agent.discovery import load_topology
 from agent.dra.gpusets import set_sizes
@@ -31,8 +30,6 @@ D = "gpu.gpu-agent.io"
 NODE = "node-1"
 PUBLISH = agent_publisher()
 MACHINES = {name: load_topology(name) for name in ("dgx-h100", "dgx1-v100", "dgx2", "pcie-pairs")}
-STEPS = st.lists(st.tuples(st.sampled_from(["take", "take", "take", "end", "expire"]), st.integers(0, 63)),
-                 min_size=1, max_size=12)
 
 
 def claim(request):
@@ -56,24 +53,11 @@ def singles(k):
 
 @pytest.mark.parametrize("machine", sorted(MACHINES))
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(steps=STEPS)
+@given(steps=HISTORY_STEPS)
 def test_a_set_alone_fits_exactly_where_k_single_gpus_fit_once_the_agent_re_rendered(machine, steps):
     topo = MACHINES[machine]
-    stored = PUBLISH(topo, NODE, {}, (), "1.37")
-    held: dict[str, frozenset[int]] = {}
-    expired: list[str] = []
     checked = 0
-    for op, arg in steps:
-        busy = {g for gpus in held.values() for g in gpus}
-        free = [n for n in device_names(stored) if not stands_for(n) & busy and n not in withdrawing(stored)]
-        if op == "take" and free:
-            name = free[arg % len(free)]
-            held[name] = stands_for(name)
-        elif op == "end" and held:
-            del held[sorted(held)[arg % len(held)]]
-        elif op == "expire":
-            expired = withdrawing(stored)
-        stored = PUBLISH(topo, NODE, held, device_names(stored), "1.37", expired=expired, tainted=withdrawing(stored))
+    for held, _, stored in node_history(PUBLISH, topo, NODE, steps):
         gpus_free = topo.gpu_count - len({g for gpus in held.values() for g in gpus})
         allocated = [(D, NODE, name) for name in held]
         for k in set_sizes(topo):
