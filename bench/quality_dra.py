@@ -1,7 +1,7 @@
 """Allocation quality through the scheduler's DRA allocator, beside the device plugin's.
 
 Run: ``.venv/bin/python bench/quality_dra.py`` (``--events N``, ``--seed S``, ``--markdown``,
-``--machines a,b``).
+``--machines a,b``, ``--oracle-singles``).
 
 The scheduler's allocator is ``tests/dra_allocator_model.py``, a model of Kubernetes 1.36's
 ``k8s.io/dynamic-resource-allocation/structured`` (the ``incubating`` allocator, v0.36.2),
@@ -49,13 +49,22 @@ counters are its members', so this is the same state for the counters). Paths:
   (``fallback``: the constrained claims that got the unconstrained singles);
 * ``naive slice``: the same GPUs in index order without topology attributes.
 
+``--oracle-singles`` (a diagnostic, not a path anyone can run): on the re-rendering paths a
+one-GPU claim gets the device plugin's choice on the GPUs free in the scheduler's state,
+where it would get the first free single of a rendering that may lag. What the gaps under lag
+shrink by is what first fit over the single GPUs costs them: the agent renders the singles
+for what it knows, and a claim it has not heard of (a set, most often) can move the device
+plugin's choice for one GPU to a GPU after the first free single.
+
 Measures, over multi-GPU pods (as ``quality.py``): share entirely on NVLink (every pair
 linked), share on one NUMA node, mean set score / best possible score for that size. For
 ``DRA sets`` and the re-rendering paths also what the order and the pruning cost: on each set claim the device
 plugin's choice for the same free GPUs is computed; ``pruned`` counts the claims where that
 choice is no published set (and the mean score lost on them, points of the best score),
-``below`` the claims that landed on a lower-scoring set than it for any reason. Per machine,
-what is published: slices, devices (single GPUs + sets) and the time to render them.
+``below`` the claims that landed on a lower-scoring set than it for any reason. On the
+set-alone paths under lag, the one-GPU claims too: how many got the device plugin's choice,
+and how many of the others got the rendering's first single GPU (:func:`singles_table`). Per
+machine, what is published: slices, devices (single GPUs + sets) and the time to render them.
 
 Machines: every built-in machine with two or more GPUs (``a100-mig`` with MIG off: full GPUs,
 as ``quality.py`` sees it) and synthetic 16, 32 and 64-GPU nodes (NVSwitch islands of 8 on two
@@ -183,8 +192,10 @@ class DraPolicy:
     or singles, as allocated). A claim has left when its GPUs are free again."""
 
     def __init__(self, topo: Topology, slices: list[dict[str, Any]], path: str,
-                 publisher: Publisher | None = None, lag: int = 0, grace: bool = True) -> None:
+                 publisher: Publisher | None = None, lag: int = 0, grace: bool = True,
+                 oracle_singles: bool = False) -> None:
         self.topo, self.path, self.publisher, self.lag, self.grace = topo, path, publisher, lag, grace
+        self.oracle_singles = oracle_singles and publisher is not None
         self.renderings: list[list[dict[str, Any]]] = [slices]
         self.seen = slices
         self.running: list[tuple[tuple[str, ...], tuple[int, ...], int]] = []  # devices, GPUs, number per claim
@@ -195,6 +206,7 @@ class DraPolicy:
         self.largest_island = max(collections_count(island_ids(topo).values()))
         self.engine = AllocationEngine(topo)
         self.n = self.claims = self.fallbacks = self.pruned = self.below = self.matched = 0
+        self.single_claims = self.single_matched = self.single_lead_missed = 0
         self.known_through = 0  # claims up to this number are prepared whatever the lag (a pod waited)
         self.set_devices: list[int] = []  # set devices in each rendering the scheduler saw
         # ... and in the same rendering with nothing published before (no kept or tainted sets:
@@ -227,6 +239,10 @@ class DraPolicy:
     def best_set(self, free: list[int], must: list[int], k: int) -> list[int]:
         self._republish(free)
         self.n += 1
+        if k == 1 and self.oracle_singles:  # --oracle-singles: the device plugin's choice
+            (gpu,) = best_set(self.engine, free, [], 1)
+            self.running.append(((f"gpu-{gpu}",), (gpu,), self.n))
+            return [gpu]
         constraints: list[dict[str, Any]] = []
         if self.path in SET_ALONE and k > 1:
             request = set_alone(k)
@@ -256,6 +272,8 @@ class DraPolicy:
             raise RuntimeError(f"{self.path}: {k} of {len(free)} free GPUs unschedulable")
         (result,) = got
         gpus = sorted(g for _, (_, _, name) in result for g in self.members[name])
+        if k == 1 and self.publisher is not None:
+            self._single_against_device_plugin(free, gpus[0])
         self.running.append((tuple(name for _, (_, _, name) in result), tuple(gpus), self.n))
         if k > 1 and self.path in PRIORITIZED and (self.path != "DRA island" or constraints):
             self.claims += 1
@@ -263,6 +281,18 @@ class DraPolicy:
         if k > 1 and self.path in SET_PATHS:
             self._against_device_plugin(free, k, gpus)
         return gpus
+
+    def _single_against_device_plugin(self, free: list[int], gpu: int) -> None:
+        """A one-GPU claim: did it get the device plugin's choice, and if not, was what it got
+        the first single GPU of the rendering (free in the scheduler's state, so no order that
+        keeps the lag-0 answer first could have given it another)?"""
+        self.single_claims += 1
+        if [gpu] == best_set(self.engine, free, [], 1):
+            self.single_matched += 1
+            return
+        lead = next((stands_for(d["name"]) for s in self.seen for d in s["spec"].get("devices", ())
+                     if d["name"].startswith("gpu-") and stands_for(d["name"]) and not d.get("taints")), frozenset())
+        self.single_lead_missed += lead == {gpu}
 
     def _against_device_plugin(self, free: list[int], k: int, gpus: list[int]) -> None:
         dp = best_set(self.engine, free, [], k)
@@ -315,18 +345,20 @@ def published(topo: Topology) -> dict[str, Any]:
 
 
 def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher,
-            grace: bool = True) -> dict[str, dict[str, Any]]:
+            grace: bool = True, oracle_singles: bool = False) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {"device-plugin": dict(quality.replay(topo, quality.Ours(topo), events))}
     full = render_slices(topo, node_name=NODE)
     plain = render_slices(topo, node_name=NODE, with_sets=False)
     for path, slices in (("DRA sets", full), *((p, full) for p in RENDERED), ("DRA sets+island", full),
                          ("DRA singles", plain), ("DRA island", plain), ("naive slice", naive_slices(plain))):
         lag = LAGS[(RERENDER if path in RERENDER else SET_ALONE).index(path)] if path in RENDERED else 0
-        policy = DraPolicy(topo, slices, path, publisher if path in RENDERED else None, lag, grace)
+        policy = DraPolicy(topo, slices, path, publisher if path in RENDERED else None, lag, grace,
+                           oracle_singles)
         r: dict[str, Any] = dict(quality.replay(topo, policy, events))
         r.update(claims=policy.claims, fallbacks=policy.fallbacks, pruned=policy.pruned, below=policy.below,
                  matched=policy.matched, set_devices=policy.set_devices, fresh_set_devices=policy.fresh_set_devices,
-                 leak_unschedulable=policy.leak_unschedulable,
+                 leak_unschedulable=policy.leak_unschedulable, single_claims=policy.single_claims,
+                 single_matched=policy.single_matched, single_lead_missed=policy.single_lead_missed,
                  pruned_loss=statistics.mean(policy.pruned_loss) if policy.pruned_loss else 0.0)
         rows[path] = r
     return rows
@@ -377,6 +409,20 @@ def first_fit_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple
     return out
 
 
+def singles_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, ...]]:
+    """Per machine and lag (the set-alone paths): of the one-GPU claims, how many got the
+    device plugin's choice for the free GPUs, and of those that did not, how many got the
+    rendering's first single GPU (free in the scheduler's state: a claim the agent has not
+    heard of moved the device plugin's choice, and first fit over any order that keeps the
+    lag-0 answer first takes the same GPU)."""
+    out = [("machine", *(f"lag {lag}: one-GPU claims dp / of; missed on the first single" for lag in LAGS[1:]))]
+    for name, rows in results.items():
+        out.append((name, *(f"{rows[p]['single_matched']} / {rows[p]['single_claims']}; "
+                            f"{rows[p]['single_lead_missed']} of {rows[p]['single_claims'] - rows[p]['single_matched']}"
+                            for p in SET_ALONE[1:])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=600)
@@ -388,12 +434,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--withdrawal", choices=("grace", "at-once"), default="grace",
                         help="a due set: tainted, dropped at the next rendering (grace: the agent's default,"
                              " at least G modelled as one rendering) or dropped at once (grace 0)")
+    parser.add_argument("--oracle-singles", action="store_true",
+                        help="diagnostic: on the re-rendering paths a one-GPU claim gets the device plugin's"
+                             " choice instead of the first free single (what first fit over the singles costs)")
     args = parser.parse_args(argv)
     publisher = load_publisher(args.publisher) if args.publisher else agent_publisher()
     machines = dra_machines([m for m in args.machines.split(",") if m])
     start = time.monotonic()
     results = {name: measure(topo, quality.trace(topo.gpu_count, args.events, args.seed), publisher,
-                             args.withdrawal == "grace")
+                             args.withdrawal == "grace", args.oracle_singles)
                for name, topo in machines}
     seconds = time.monotonic() - start
     head = ("machine", "path", "pods", "NVLink-complete", "single NUMA", "score / best", "fallback")
@@ -421,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(goal, args.markdown, 2)
     print()
     print_table(first_fit_table(results), args.markdown, 2)
-    print(f"\n== goals (seed {args.seed}, {args.events} events, {seconds:.0f} s) ==")
+    print()
+    print_table(singles_table(results), args.markdown, 2)
+    oracle = ", one-GPU claims: the device plugin's choice (--oracle-singles)" if args.oracle_singles else ""
+    print(f"\n== goals (seed {args.seed}, {args.events} events, {seconds:.0f} s{oracle}) ==")
     print("\n".join(verdict(name, rows) for name, rows in results.items()))
     return 0
 
