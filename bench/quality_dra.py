@@ -1,7 +1,7 @@
 """Allocation quality through the scheduler's DRA allocator, beside the device plugin's.
 
 Run: ``.venv/bin/python bench/quality_dra.py`` (``--events N``, ``--seed S``, ``--markdown``,
-``--machines a,b``, ``--oracle-singles``).
+``--machines a,b``, ``--oracle-singles``, ``--lag-probability P``).
 
 The scheduler's allocator is ``tests/dra_allocator_model.py``, a model of Kubernetes 1.36's
 ``k8s.io/dynamic-resource-allocation/structured`` (the ``incubating`` allocator, v0.36.2),
@@ -49,6 +49,11 @@ counters are its members', so this is the same state for the counters). Paths:
   (``fallback``: the constrained claims that got the unconstrained singles);
 * ``naive slice``: the same GPUs in index order without topology attributes.
 
+``--lag-probability P``: the lag-L paths lag by L claims only before a claim drawn with
+probability P (seeded from ``--seed``), and by none before the others: how the gaps under lag
+scale with how often a node is given a claim within one allocation-to-prepare window of the
+claims before it (the default, 1, is every claim).
+
 ``--oracle-singles`` (a diagnostic, not a path anyone can run): on the re-rendering paths a
 one-GPU claim gets the device plugin's choice on the GPUs free in the scheduler's state,
 where it would get the first free single of a rendering that may lag. What the gaps under lag
@@ -80,6 +85,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import random
 import statistics
 import sys
 import time
@@ -193,8 +199,9 @@ class DraPolicy:
 
     def __init__(self, topo: Topology, slices: list[dict[str, Any]], path: str,
                  publisher: Publisher | None = None, lag: int = 0, grace: bool = True,
-                 oracle_singles: bool = False) -> None:
+                 oracle_singles: bool = False, lag_probability: float = 1.0, seed: int = 0) -> None:
         self.topo, self.path, self.publisher, self.lag, self.grace = topo, path, publisher, lag, grace
+        self.lag_probability, self.draws = lag_probability, random.Random(f"{seed}/{path}")
         self.oracle_singles = oracle_singles and publisher is not None
         self.renderings: list[list[dict[str, Any]]] = [slices]
         self.seen = slices
@@ -222,7 +229,8 @@ class DraPolicy:
         if self.publisher is None:
             self.model.allocated = {(DRIVER, NODE, f"gpu-{i}") for i in range(self.topo.gpu_count) if i not in free}
             return
-        known = [c for c in self.running if c[2] <= max(self.n - self.lag, self.known_through)]  # self.n: claims so far
+        lag = self.lag if self.lag_probability >= 1 or self.draws.random() < self.lag_probability else 0
+        known = [c for c in self.running if c[2] <= max(self.n - lag, self.known_through)]  # self.n: claims so far
         held = {name: self.members[name] for devices, _, _ in known for name in devices}
         # the withdrawal grace (at least G) modelled as "at the next rendering after the taint"
         last = self.renderings[-1]
@@ -345,7 +353,8 @@ def published(topo: Topology) -> dict[str, Any]:
 
 
 def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher,
-            grace: bool = True, oracle_singles: bool = False) -> dict[str, dict[str, Any]]:
+            grace: bool = True, oracle_singles: bool = False, lag_probability: float = 1.0,
+            seed: int = 0) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {"device-plugin": dict(quality.replay(topo, quality.Ours(topo), events))}
     full = render_slices(topo, node_name=NODE)
     plain = render_slices(topo, node_name=NODE, with_sets=False)
@@ -353,7 +362,7 @@ def measure(topo: Topology, events: list[tuple[str, int]], publisher: Publisher,
                          ("DRA singles", plain), ("DRA island", plain), ("naive slice", naive_slices(plain))):
         lag = LAGS[(RERENDER if path in RERENDER else SET_ALONE).index(path)] if path in RENDERED else 0
         policy = DraPolicy(topo, slices, path, publisher if path in RENDERED else None, lag, grace,
-                           oracle_singles)
+                           oracle_singles, lag_probability, seed)
         r: dict[str, Any] = dict(quality.replay(topo, policy, events))
         r.update(claims=policy.claims, fallbacks=policy.fallbacks, pruned=policy.pruned, below=policy.below,
                  matched=policy.matched, set_devices=policy.set_devices, fresh_set_devices=policy.fresh_set_devices,
@@ -437,12 +446,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--oracle-singles", action="store_true",
                         help="diagnostic: on the re-rendering paths a one-GPU claim gets the device plugin's"
                              " choice instead of the first free single (what first fit over the singles costs)")
+    parser.add_argument("--lag-probability", type=float, default=1.0, metavar="P",
+                        help="the lag-L paths lag by L claims only before a claim drawn with probability P"
+                             " (seeded), else by none (default 1: every claim)")
     args = parser.parse_args(argv)
+    if not 0 <= args.lag_probability <= 1:
+        parser.error(f"--lag-probability {args.lag_probability}: expected a probability from 0 to 1")
     publisher = load_publisher(args.publisher) if args.publisher else agent_publisher()
     machines = dra_machines([m for m in args.machines.split(",") if m])
     start = time.monotonic()
     results = {name: measure(topo, quality.trace(topo.gpu_count, args.events, args.seed), publisher,
-                             args.withdrawal == "grace", args.oracle_singles)
+                             args.withdrawal == "grace", args.oracle_singles, args.lag_probability, args.seed)
                for name, topo in machines}
     seconds = time.monotonic() - start
     head = ("machine", "path", "pods", "NVLink-complete", "single NUMA", "score / best", "fallback")
@@ -473,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(singles_table(results), args.markdown, 2)
     oracle = ", one-GPU claims: the device plugin's choice (--oracle-singles)" if args.oracle_singles else ""
+    oracle += f", lag before {args.lag_probability:.0%} of the claims" if args.lag_probability < 1 else ""
     print(f"\n== goals (seed {args.seed}, {args.events} events, {seconds:.0f} s{oracle}) ==")
     print("\n".join(verdict(name, rows) for name, rows in results.items()))
     return 0
