@@ -50,7 +50,8 @@ counters are its members', so this is the same state for the counters). Paths:
 * ``naive slice``: the same GPUs in index order without topology attributes.
 
 ``--lag-probability P``: the lag-L paths lag by L claims only before a claim drawn with
-probability P (seeded from ``--seed``), and by none before the others: how the gaps under lag
+probability P (seeded from ``--seed`` and the claim's number, so both claim shapes lag before
+the same claims), and by none before the others: how the gaps under lag
 scale with how often a node is given a claim within one allocation-to-prepare window of the
 claims before it (the default, 1, is every claim).
 
@@ -201,7 +202,7 @@ class DraPolicy:
                  publisher: Publisher | None = None, lag: int = 0, grace: bool = True,
                  oracle_singles: bool = False, lag_probability: float = 1.0, seed: int = 0) -> None:
         self.topo, self.path, self.publisher, self.lag, self.grace = topo, path, publisher, lag, grace
-        self.lag_probability, self.draws = lag_probability, random.Random(f"{seed}/{path}")
+        self.lag_probability, self.seed = lag_probability, seed
         self.oracle_singles = oracle_singles and publisher is not None
         self.renderings: list[list[dict[str, Any]]] = [slices]
         self.seen = slices
@@ -229,7 +230,9 @@ class DraPolicy:
         if self.publisher is None:
             self.model.allocated = {(DRIVER, NODE, f"gpu-{i}") for i in range(self.topo.gpu_count) if i not in free}
             return
-        lag = self.lag if self.lag_probability >= 1 or self.draws.random() < self.lag_probability else 0
+        # drawn per claim number: both claim shapes lag before the same claims
+        draw = random.Random(f"{self.seed}/{self.lag}/{self.n}").random() if self.lag_probability < 1 else 0.0
+        lag = self.lag if draw < self.lag_probability else 0
         known = [c for c in self.running if c[2] <= max(self.n - lag, self.known_through)]  # self.n: claims so far
         held = {name: self.members[name] for devices, _, _ in known for name in devices}
         # the withdrawal grace (at least G) modelled as "at the next rendering after the taint"
