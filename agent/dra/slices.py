@@ -372,9 +372,8 @@ def render_slices(
     if sets and len(devices) <= per_slice:  # one device slice: counters only where two devices meet
         meet = meeting_gpus([*(d.consumes for d in sets), *(_gpu_of(d) for d in singles)])
         sets = [replace(d, consumes=tuple(g for g in d.consumes if g in meet)) for d in sets]
-        consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
-    else:  # every set consumes all its members' counters
-        consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
+    # above one slice every set consumes all its members' counters (_singles says the singles')
+    consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
     specs: list[dict[str, Any]] = [{"sharedCounters": declared_counter_sets(consumed)}] if sets else []
     # above one slice, the singles start a slice of their own: a re-publication with as many slices of
     # sets moves no device between slices (the publisher rewrites in place then); in one slice, the first
