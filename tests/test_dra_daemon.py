@@ -254,6 +254,14 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         assert "DCGM_FI_DEV_GPU_TEMP" in metrics, "metrics are served in dra mode too"
         assert 'gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} 1.0' in metrics
         assert 'gpu_agent_dra_api_feature{feature="DRADeviceTaints"} 1.0' in metrics
+        # GPUs 0 and 1 are the device plugin's pair on the empty dgx-h100 (`allocate --simulate
+        # dgx-h100 --available 0,1,...,7 --size 2`); on the six left it gives 2 and 3, not 4 and 6
+        assert 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0' in metrics
+        other = node.put_claim("lagged", ["gpu-4", "gpu-6"])
+        assert node.prepare(other).claims[other["metadata"]["uid"]].error == ""
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'gpu_agent_dra_claim_placements_total{placement="other"} 1.0' in metrics
+        assert 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0' in metrics
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:

@@ -322,6 +322,35 @@ def test_mig_devices_get_their_parent_node_and_only_their_own_uuid(node):
     assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == topo.gpus[7].mig_devices[1].uuid
 
 
+def test_each_prepare_logs_whether_the_claim_got_the_device_plugins_choice_on_the_gpus_free(node, caplog):
+    from agent.dra.gpusets import SetPolicy, set_name
+
+    node.start()
+    policy = SetPolicy(node.topology)  # the device plugin's policy, as allocate --available asks it
+    first = policy.choose(range(8), 2)
+    free = [i for i in range(8) if i not in first]
+    best = policy.choose(free, 2)
+    worse = next((a, b) for a in free for b in free if a < b and (a, b) != best)
+    claims = [node.put_claim("first", [set_name(first)]), node.put_claim("lagged", [f"gpu-{i}" for i in worse])]
+    with caplog.at_level(logging.INFO, logger="agent.dra.prepare"):
+        for c in claims:
+            assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
+        assert node.prepare(claims[0]).claims[claims[0]["metadata"]["uid"]].error == ""  # answered again
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
+    assert len(lines) == 2, lines  # a claim answered again from the checkpoint is not ranked again
+    assert "the device plugin's choice for 2 GPU(s) on the GPUs free" in lines[0]
+    assert (f"GPUs {worse[0]}, {worse[1]}, where the device plugin would have given GPUs {best[0]}, {best[1]}"
+            in lines[1]), lines[1]
+
+
+def test_a_mig_claim_is_prepared_and_said_to_be_unranked(node, caplog):
+    node.start(hgx8_topology(mig=True))
+    c = node.put_claim("mig", ["gpu-7-mig-1"])
+    with caplog.at_level(logging.INFO, logger="agent.dra.prepare"):
+        assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
+    assert any("gpu-7-mig-1; not ranked (a MIG device" in r.getMessage() for r in caplog.records)
+
+
 def test_results_of_other_drivers_in_the_claim_are_left_to_them(node):
     node.start()
     c = claim_object("mixed", ["gpu-3"])

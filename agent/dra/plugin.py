@@ -121,7 +121,9 @@ class DraPlugin:
     both sockets serve and the kubelet has confirmed the registration.
     ``on_kubelet_restart`` is called (on the watch thread, no lock held) after the
     registration socket was found gone and served again: the kubelet restarted, and the
-    daemon reads the topology again.
+    daemon reads the topology again. ``on_placement`` is told the placement of each claim
+    prepared anew (:mod:`agent.dra.placement`: ``device_plugin_choice``, ``other`` or
+    ``unranked``; on a gRPC worker, no lock held).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class DraPlugin:
         claim_reader: ClaimReader,
         *,
         on_kubelet_restart: Callable[[], None] | None = None,
+        on_placement: Callable[[str], None] | None = None,
         node_name: str | None = None,
         poll_s: float = 0.5,
         max_workers: int = 8,
@@ -151,7 +154,7 @@ class DraPlugin:
         self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR), fsync=False)
         self.preparer = ClaimPreparer(
             topology, config, health, claim_reader, self.checkpoint,
-            node_name=self.node_name,
+            node_name=self.node_name, on_placement=on_placement,
         )
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)

@@ -6,10 +6,11 @@ allocation results of this driver (one or several requests: GPU sets, single GPU
 devices), check that every device is ours (this node's pool, a device name we publish, every
 GPU behind it healthy, no GPU twice, no GPU another prepared claim holds), write one CDI
 spec for the claim (a set's device holds every member's device nodes; the environment
-covers every GPU of the claim) and checkpoint the answer. Problems are reported per claim
-(the rest of the call is still served), each naming the claim and the device. Idempotent:
-a claim already prepared answers from the checkpoint without reading the API server again,
-also after an agent restart.
+covers every GPU of the claim) and checkpoint the answer; log and report how the claim was
+placed against the device plugin's choice (:mod:`agent.dra.placement`). Problems are
+reported per claim (the rest of the call is still served), each naming the claim and the
+device. Idempotent: a claim already prepared answers from the checkpoint without reading the
+API server again (nor ranks it again), also after an agent restart.
 
 **No GPU is prepared for two claims.** A claim is refused while any GPU it would hold is held
 by another prepared claim of the checkpoint (a GPU set holds every member; a whole GPU and a
@@ -26,15 +27,16 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef, DeviceRefs
-from agent.dra.gpusets import parse_set_name
-from agent.errors import shorten
+from agent.dra.gpusets import SetPolicy, parse_set_name
+from agent.dra.placement import UNRANKED, Placement, rank
+from agent.errors import AgentError, shorten
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class ClaimPreparer:
         checkpoint: Checkpoint,
         *,
         node_name: str,
+        on_placement: Callable[[str], None] | None = None,
     ) -> None:
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
@@ -99,6 +102,9 @@ class ClaimPreparer:
         self.checkpoint = checkpoint
         self.devices: Mapping[str, DeviceRef] = DeviceRefs(topology)
         self.cdi = CdiSpecWriter(topology, config)
+        self.policy = SetPolicy(topology)
+        #: told each newly prepared claim's placement (:mod:`agent.dra.placement`)
+        self.on_placement = on_placement
         self._lock = threading.Lock()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
@@ -107,8 +113,9 @@ class ClaimPreparer:
         prepared keep their checkpointed answer."""
         devices = DeviceRefs(topology)
         cdi = CdiSpecWriter(topology, config)
+        policy = SetPolicy(topology)
         with self._lock:
-            self.devices, self.cdi = devices, cdi
+            self.devices, self.cdi, self.policy = devices, cdi, policy
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, ref: ClaimRef) -> PrepareResult:
@@ -140,7 +147,8 @@ class ClaimPreparer:
             if done is not None:  # a concurrent call prepared it meanwhile
                 return self._answer_again(done)
             # under the lock: two claims racing for one GPU are decided one after the other
-            if conflicts := self._held_elsewhere(chosen):
+            holders = self._holders()
+            if conflicts := _held_elsewhere(chosen, holders):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
             try:
                 path = self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name))
@@ -163,30 +171,33 @@ class ClaimPreparer:
                 if error := self._remove_spec(ref, path):
                     log.error("%s", error)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
-        log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
+        placement = self._placement(ref, chosen, {gpu for gpu, _ in holders})
+        log.info("prepared %s: %s; %s", ref, ", ".join(d.device for d in prepared.devices), placement.describe())
+        if self.on_placement is not None:
+            self.on_placement(placement.kind)
         return PrepareResult(devices=prepared.devices)
 
-    def _held_elsewhere(self, chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
-        """A problem for each device holding a GPU (or MIG device) that another prepared claim
-        holds, naming that claim and its device."""
+    def _placement(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef]], held: set[int]) -> Placement:
+        """How the claim was placed (:mod:`agent.dra.placement`); a ranking that fails leaves
+        it unranked and never fails the prepare."""
+        policy = self.policy
+        parts = [p for _, d in chosen for p in d.parts]
+        unhealthy = [g.index for g in policy.topology.gpus if not self.health.is_healthy(g.index)]
+        try:
+            return rank(policy, [p.gpu.index for p in parts], all(p.mig is None for p in parts),
+                        held, unhealthy)
+        except (AgentError, ValueError) as exc:
+            log.warning("%s: prepared, but its placement could not be ranked: %s", ref, exc)
+            return Placement(UNRANKED)
+
+    def _holders(self) -> dict[tuple[int, int | None], tuple[PreparedClaim, str]]:
+        """(GPU index, MIG index or None) -> the prepared claim holding it and its device."""
         holders: dict[tuple[int, int | None], tuple[PreparedClaim, str]] = {}
         for claim in self.checkpoint:
             for d in claim.devices:
                 for key in _parts_of(self.devices, d.device):
                     holders.setdefault(key, (claim, d.device))
-        problems = []
-        for request, device in chosen:
-            for p in device.parts:
-                mine = (p.gpu.index, p.mig.index if p.mig is not None else None)
-                clash = next((holders[k] for k in _clashing(mine, holders)), None)
-                if clash is not None:
-                    other, theirs = clash
-                    problems.append(
-                        f"device {device.name!r} (request {shorten(repr(request))}): GPU {p.gpu.index} ({p.gpu.uuid})"
-                        f" is held by {ClaimRef(other.namespace, other.uid, other.name)} through device {theirs!r}"
-                        " (prepared again once that claim is unprepared)")
-                    break
-        return problems
+        return holders
 
     @staticmethod
     def _failed(ref: ClaimRef, what: str, path: str, exc: OSError) -> PrepareResult:
@@ -303,6 +314,25 @@ def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
         return []
     return [str(r.get("device", "")) for r in results
             if isinstance(r, Mapping) and r.get("driver") != driver_name and r.get("device")]
+
+
+def _held_elsewhere(chosen: Sequence[tuple[str, DeviceRef]],
+                    holders: Mapping[tuple[int, int | None], tuple[PreparedClaim, str]]) -> list[str]:
+    """A problem for each device holding a GPU (or MIG device) that another prepared claim
+    holds (``holders``: :meth:`ClaimPreparer._holders`), naming that claim and its device."""
+    problems = []
+    for request, device in chosen:
+        for p in device.parts:
+            mine = (p.gpu.index, p.mig.index if p.mig is not None else None)
+            clash = next((holders[k] for k in _clashing(mine, holders)), None)
+            if clash is not None:
+                other, theirs = clash
+                problems.append(
+                    f"device {device.name!r} (request {shorten(repr(request))}): GPU {p.gpu.index} ({p.gpu.uuid})"
+                    f" is held by {ClaimRef(other.namespace, other.uid, other.name)} through device {theirs!r}"
+                    " (prepared again once that claim is unprepared)")
+                break
+    return problems
 
 
 def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:

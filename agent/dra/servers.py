@@ -34,6 +34,11 @@ class DraEvents(PublisherEvents, Protocol):
         """A ResourceClaim could not be read from the API server (its prepare fails)."""
         ...
 
+    def dra_claim_placement(self, placement: str) -> None:
+        """A claim was prepared anew, placed as ``placement`` says
+        (:mod:`agent.dra.placement`)."""
+        ...
+
 
 class DraServers:
     """``plugin`` and ``publisher`` (not yet started), served from ``config``."""
@@ -55,12 +60,12 @@ class DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
         configuration); ConfigError when neither can be loaded. Each claim that could not be
-        read, and which DRA features the API server keeps, are reported to ``events`` (the
-        agent's self-metrics); the publisher keeps the devices of prepared claims while the
+        read, each claim's placement, and which DRA features the API server keeps, are reported
+        to ``events`` (the agent's self-metrics); the publisher keeps the devices of prepared claims while the
         API server keeps no taints."""
         plugin = DraPlugin(
             config, topology, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
-            on_kubelet_restart=on_kubelet_restart,
+            on_kubelet_restart=on_kubelet_restart, on_placement=events.dra_claim_placement,
         )
         publisher = SlicePublisher(lambda: api_client(config), topology, PublishSettings.from_config(config),
                                    health=health, prepared=plugin.checkpoint, events=events)

@@ -72,6 +72,9 @@ gpu_agent_pod_resources_errors_total           counter  failed pod-resources Lis
 gpu_agent_label_write_errors_total             counter  failed writes of the node's labels (feature file
                                                         or NodeFeature object)
 gpu_agent_claim_read_errors_total              counter  ResourceClaims the API server could not give (DRA)
+gpu_agent_dra_claim_placements_total           counter  claims prepared (DRA), by how they were placed:
+  {placement}                                           device_plugin_choice/other/unranked
+                                                        (agent.dra.placement)
 gpu_agent_active_config{name}                  gauge    1 for the per-node config applied
 gpu_agent_config_refused{label,reason}         gauge    1 while the node label's config is not applied
 gpu_agent_dra_api_feature{feature}             gauge    1 while the API server keeps a DRA feature's fields,

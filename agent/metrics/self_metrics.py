@@ -90,6 +90,13 @@ class AgentMetrics:
             "ResourceClaims that could not be read from the API server (their NodePrepareResources"
             " fails; the kubelet retries).", registry=registry,
         )
+        self._claim_placements = Counter(
+            "gpu_agent_dra_claim_placements",
+            "Claims prepared (DRA) by how the scheduler placed them (placement device_plugin_choice:"
+            " the GPUs the device plugin would have given for that many on the GPUs free when the"
+            " claim was prepared; other: not those; unranked: a MIG device).",
+            ["placement"], registry=registry,
+        )
         self._state_gauges(registry)
         if backend is not None:
             registry.register(NvmlErrorCollector(lambda: backend.error_counts))
@@ -192,6 +199,10 @@ class AgentMetrics:
     def claim_read_error(self) -> None:
         """A ResourceClaim could not be read from the API server."""
         self._claim_read_errors.inc()
+
+    def dra_claim_placement(self, placement: str) -> None:
+        """A claim was prepared anew, placed as ``placement`` (:mod:`agent.dra.placement`)."""
+        self._claim_placements.labels(placement=placement).inc()
 
 
 class NvmlErrorCollector(Collector):
