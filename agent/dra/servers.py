@@ -60,9 +60,9 @@ class DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
         configuration); ConfigError when neither can be loaded. Each claim that could not be
-        read, each claim's placement, and which DRA features the API server keeps, are reported
-        to ``events`` (the agent's self-metrics); the publisher keeps the devices of prepared claims while the
-        API server keeps no taints."""
+        read, each claim's placement, and which DRA features the API server keeps, are
+        reported to ``events`` (the agent's self-metrics); the publisher keeps the devices of
+        prepared claims while the API server keeps no taints."""
         plugin = DraPlugin(
             config, topology, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
             on_kubelet_restart=on_kubelet_restart, on_placement=events.dra_claim_placement,
