@@ -10,7 +10,8 @@ plugin's choice for that many GPUs (what ``GetPreferredAllocation`` and ``gpu-to
 allocate --available`` give) on the GPUs free then: whole, healthy, held by no other prepared
 claim, the claim's own included. ``device_plugin_choice``: the same GPUs; ``other``: not (the
 claim was allocated from an older publication, or single GPUs only are published and the
-first free ones were not that choice, or a claim allocated before it is prepared after it);
+first free ones were not that choice, or a claim allocated before it is prepared after it, or
+one ended between its allocation and its prepare);
 ``unranked``: a claim holding a MIG device, or a GPU the policy does not offer.
 """
 
