@@ -214,7 +214,8 @@ def test_every_alert_has_a_promtool_unit_test():
     fired = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"]
              if t["exp_alerts"]}
     assert alerts == fired == {"GpuAllocatedIdle", "GpuTemperatureHigh", "GpuDoubleBitEccError",
-                               "GpuCriticalXid", "GpuDeviceUnhealthy", "GpuPodMisplaced"}
+                               "GpuCriticalXid", "GpuDeviceUnhealthy", "GpuPodMisplaced",
+                               "GpuDraFeatureDropped"}
 
 
 def test_prometheus_rule_object_wraps_exactly_the_plain_rule_file():
