@@ -101,7 +101,7 @@ from dra_publishers import (  # noqa: E402
 )
 from dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
 from dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
-from dra_shipped_classes import count_expr  # noqa: E402
+from dra_shipped_classes import count_expr, set_alone  # noqa: E402
 from tables import print_table  # noqa: E402
 
 from agent.dra.gpusets import set_name  # noqa: E402
@@ -121,8 +121,7 @@ def pod_claim(k: int, shape: str) -> dict[str, Any]:
     if k == 1 or shape == "singles":
         request: dict[str, Any] = {"name": "gpus", "exactly": singles}
     elif shape == "set alone":
-        request = {"name": "gpus", "exactly": {"deviceClassName": f"set-of-{k}.{DRIVER}", "allocationMode": "ExactCount",
-                                               "count": 1}}
+        request = set_alone(k)
     elif shape == "list":
         request = {"name": "gpus", "firstAvailable": [
             {"name": "set", "deviceClassName": f"gpuset.{DRIVER}", "allocationMode": "ExactCount", "count": 1,

@@ -111,7 +111,7 @@ from dra_publishers import (  # noqa: E402
 )
 from dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
 from dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
-from dra_shipped_classes import count_expr  # noqa: E402
+from dra_shipped_classes import count_expr, set_alone  # noqa: E402
 from dra_views import stands_for  # noqa: E402
 from tables import print_table  # noqa: E402
 
@@ -152,13 +152,6 @@ def set_or_singles(k: int) -> dict[str, Any]:
         {"name": "set", "deviceClassName": f"gpuset.{DRIVER}", "allocationMode": "ExactCount", "count": 1,
          "selectors": [{"cel": {"expression": count_expr(k)}}]},
         {"name": "singles", "deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": k}]}
-
-
-def set_alone(k: int) -> dict[str, Any]:
-    """One device of the ``set-of-k`` class and nothing else (``daemonset/dra/examples``'
-    ``best-set-of-4``; what ``gpu.gpu-agent.io/set-of-k: 1`` in a pod's limits asks for)."""
-    return {"name": "gpus", "exactly": {"deviceClassName": f"set-of-{k}.{DRIVER}", "allocationMode": "ExactCount",
-                                        "count": 1}}
 
 
 def island_or_singles(k: int, gpu_set: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -40,6 +40,18 @@ def count_expr(k: int) -> str:
     return f'device.attributes["{D}"].gpuCount == {k}'
 
 
+def set_alone(k: int) -> dict[str, Any]:
+    """A request for one GPU set of k and nothing else (``daemonset/dra/examples``'
+    ``best-set-of-4``; ``gpu.gpu-agent.io/set-of-k: 1`` in a pod's limits): the shipped
+    ``set-of-k`` class where the chart has one, else the general set class with a ``gpuCount``
+    selector (dgx2's sets of 16)."""
+    if k in SET_OF_SIZES:
+        return {"name": "gpus", "exactly": {"deviceClassName": f"set-of-{k}.{D}", "allocationMode": "ExactCount",
+                                            "count": 1}}
+    return {"name": "gpus", "exactly": {"deviceClassName": f"gpuset.{D}", "allocationMode": "ExactCount", "count": 1,
+                                        "selectors": [{"cel": {"expression": count_expr(k)}}]}}
+
+
 def _attrs(d: Any) -> dict[str, Any]:
     return d.attributes.get(D, {}) if d.driver == D else {}
 

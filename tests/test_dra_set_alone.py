@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from dra_allocator_model import AllocatorModel
 from dra_publishers import agent_publisher
-from dra_shipped_classes import CEL, CLASSES, SET_OF_SIZES, count_expr
+from dra_shipped_classes import CEL, CLASSES, set_alone
 from dra_views import HISTORY_STEPS, node_history
 from hypothesis import HealthCheck, given, settings
 
@@ -36,15 +36,6 @@ def claim(request):
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": "c", "namespace": "default"},
             "spec": {"devices": {"requests": [request], "constraints": []}}}
-
-
-def set_alone(k):
-    """The chart's set-of-k class where it ships one, else the general set class and a
-    gpuCount selector (dgx2's sets of 16)."""
-    if k in SET_OF_SIZES:
-        return {"name": "gpus", "exactly": {"deviceClassName": f"set-of-{k}.{D}", "count": 1}}
-    return {"name": "gpus", "exactly": {"deviceClassName": f"gpuset.{D}", "count": 1,
-                                        "selectors": [{"cel": {"expression": count_expr(k)}}]}}
 
 
 def singles(k):
