@@ -273,19 +273,69 @@ def test_a_bad_config_file_is_a_finding_not_a_usage_error(capsys, node, tmp_path
     assert by_check(report)["nvml.gpus"]["status"] == "PASS"  # the rest still ran
 
 
-def test_a_shared_gpu_in_exclusive_compute_mode_fails(capsys, node, tmp_path):
+TIME_SLICED = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - {{name: nvidia.com/gpu, replicas: {replicas}{rename}}}\n"
+
+
+def gpu_in_compute_mode(tmp_path, mode: str) -> str:
+    """The 4-GPU machine with GPU 1 in compute ``mode``."""
     with open(spec_file(tmp_path), encoding="utf-8") as f:
         spec = yaml.safe_load(f)
-    spec["gpus"][1]["compute_mode"] = "Exclusive_Process"
-    path = tmp_path / "exclusive.yaml"
+    spec["gpus"][1]["compute_mode"] = mode
+    path = tmp_path / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    config = tmp_path / "config.yaml"
-    config.write_text("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
-                      "      - {name: nvidia.com/gpu, replicas: 4}\n")
-    rc, report = doctor(capsys, "--simulate", str(path), *node, "--config", str(config))
+    return str(path)
+
+
+def time_sliced(tmp_path, replicas: int, rename: str = "") -> str:
+    config = tmp_path / f"time-sliced-{replicas}{rename}.yaml"
+    config.write_text(TIME_SLICED.format(replicas=replicas, rename=f", rename: {rename}" if rename else ""))
+    return str(config)
+
+
+def agent_error(stderr: str, command: str) -> str:
+    """The one error line of a refusing agent command, without its prefix."""
+    prefix = f"gpu-topology-agent {command}: error: "
+    [line] = [line for line in stderr.splitlines() if line.startswith(prefix)]
+    return line[len(prefix):]
+
+
+def test_a_time_sliced_gpu_in_exclusive_compute_mode_stops_the_agent_and_doctor_fails_with_its_words(
+        capsys, node, tmp_path):
+    machine, config = gpu_in_compute_mode(tmp_path, "Exclusive_Process"), time_sliced(tmp_path, 4)
+    at = node.index("--kubelet-config")  # doctor's own flag
+    agent = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--simulate", machine, "--config", config, *node[:at], *node[at + 2:],
+         "--metrics-address", "127.0.0.1:0", "--log-level", "error"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30)
+    refused = agent_error(agent.stderr, "run")
+    assert agent.returncode == 2, agent.stderr
+    assert "sharing.timeSlicing.resources[0]: GPU 1 is shared but its compute mode is Exclusive_Process" in refused
+    rc, report = doctor(capsys, "--simulate", machine, *node, "--config", config)
     check = by_check(report)["config.sharing"]
     assert rc == 1 and check["status"] == "FAIL"
-    assert "GPU 1 is shared but its compute mode is Exclusive_Process" in check["found"]
+    assert check["found"] == f"the agent refuses the sharing settings: {refused}"
+
+
+def test_doctor_and_the_agent_agree_on_the_compute_modes_time_slicing_refuses(capsys, node, tmp_path):
+    answers = {}
+    for mode, replicas, rename in (("Default", 4, ""), ("Exclusive_Process", 4, ""), ("Prohibited", 4, ""),
+                                   ("Exclusive_Thread", 1, "gpu-whole")):
+        machine, config = gpu_in_compute_mode(tmp_path, mode), time_sliced(tmp_path, replicas, rename)
+        resource = f"nvidia.com/{rename}" if rename else "nvidia.com/gpu"
+        served = main(["allocate", "--simulate", machine, "--config", config, "--resource", resource,
+                       "--size", "1"])
+        err = capsys.readouterr().err
+        _, report = doctor(capsys, "--simulate", machine, *node, "--config", config)
+        check = by_check(report)["config.sharing"]
+        if served == 0:
+            assert check["status"] == "PASS", (mode, check)
+        else:
+            assert check == {**check, "status": "FAIL",
+                             "found": f"the agent refuses the sharing settings: {agent_error(err, 'allocate')}"}
+        answers[mode] = check["status"]
+    # one replica is one container at a time: any compute mode serves it
+    assert answers == {"Default": "PASS", "Exclusive_Process": "FAIL", "Prohibited": "FAIL",
+                       "Exclusive_Thread": "PASS"}
 
 
 def test_mps_without_its_control_program_fails(capsys, node, tmp_path):

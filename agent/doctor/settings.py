@@ -1,6 +1,8 @@
 """Configuration checks: the config file and the per-node config resolve and load, the
-sharing settings are valid for these GPUs (the resources the agent would build, each GPU's
-compute mode, the MPS control program), and the IMEX channels exist where required.
+sharing settings are valid for these GPUs (the resources the agent would build, with its
+sharing's check of the node: each shared GPU's compute mode, MPS's limits; the MPS control
+program), and the IMEX channels exist where required. Each rule is the agent's own, called
+here: doctor and the agent cannot disagree.
 
 The other checks run with the configuration the agent would start with: ``--config`` (or
 ``CONFIG_FILE``), or with per-node configs (``--config-file-srcdir``) the config a node
@@ -71,28 +73,20 @@ def config_file(context: DoctorContext, load: Callable[[str], Config]) -> Result
 
 
 def sharing(context: DoctorContext) -> Result:
-    """Sharing valid for these GPUs: the resources build (MPS's own limits included), no
-    shared GPU is in an exclusive or prohibited compute mode (time-slicing), the MPS control
-    program is there (MPS)."""
+    """Sharing valid for these GPUs: the resources the agent would build, with the sharing's
+    own check of the node (:meth:`agent.sharing.base.Sharing.check`: compute modes, MPS's
+    limits), and the MPS control program there (MPS)."""
     config = context.config
     section = sharing_for(config).section
     if not sharing_for(config).entries(config):
         return passed("no sharing configured")
     try:
         resources = context.resources()
-        gpus = context.node().topology.gpus
     except Unavailable:
         return warned("not run: NVML did not load (see nvml.library)", "fix nvml.library first")
     except ConfigError as exc:
         return failed(f"the agent refuses the sharing settings: {exc}", f"fix {section}")
     shared = sorted({d.gpu_index for r in resources for d in r.devices if d.replica is not None})
-    # MPS runs one server process per GPU (exclusive modes suit it); time-slicing needs many
-    refused = ("Prohibited",) if config.mps else ("Prohibited", "Exclusive_Process", "Exclusive_Thread")
-    bad_mode = [(i, gpus[i].compute_mode) for i in shared if gpus[i].compute_mode in refused]
-    if bad_mode:
-        return failed(", ".join(f"GPU {i} is shared but its compute mode is {m}" for i, m in bad_mode),
-                      "set the compute mode to Default (nvidia-smi -c DEFAULT -i <index>): one process at a"
-                      " time (or none) can use it otherwise")
     found = f"{section}: {len(shared)} GPUs shared as " + ", ".join(
         f"{r.name} x{len(r.devices)}" for r in resources if r.shared)
     if config.mps:

@@ -32,7 +32,7 @@ from agent.sharing.mps_paths import (
     mps_shm_dir,
     mps_thread_percentage,
 )
-from agent.topology.model import Topology
+from agent.topology.model import Gpu, Topology
 
 MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -61,18 +61,10 @@ class Mps:
                     f"{at}: MPS cannot share MIG devices: GPU {gpu.index} is in MIG mode and"
                     f" migStrategy {config.mig_strategy} serves its MIG devices as {GPU_RESOURCE}"
                 )
-            if gpu.compute_mode == "Prohibited":
-                raise ConfigError(
-                    f"{at}: GPU {gpu.index} cannot run MPS: NVML reports its compute mode Prohibited"
-                    " (no CUDA context can be made on it); set it to Default or Exclusive_Process"
-                    " (nvidia-smi -c) or leave it out of the devices"
-                )
+            why = _cannot_run(gpu)
+            if why is not None:
+                raise ConfigError(f"{at}: GPU {gpu.index} cannot run MPS: {why}")
             cc = gpu.compute_capability
-            if cc is not None and cc < MPS_MIN_COMPUTE_CAPABILITY:
-                raise ConfigError(
-                    f"{at}: GPU {gpu.index} cannot run MPS: compute capability {cc[0]}.{cc[1]},"
-                    " MPS needs 3.5 or newer"
-                )
             newer, many, few = MPS_MAX_CLIENTS
             limit = many if cc is None or cc >= newer else few
             if p.replicas > limit:
@@ -84,11 +76,7 @@ class Mps:
     def capable(self, topology: Topology) -> bool:
         """GFD's ``mps.capable`` rule (no GPU in MIG mode) and NVML's word on the others: no
         GPU in compute mode Prohibited or below compute capability 3.5."""
-        return not any(
-            g.mig_enabled or g.compute_mode == "Prohibited"
-            or (g.compute_capability is not None and g.compute_capability < MPS_MIN_COMPUTE_CAPABILITY)
-            for g in topology.gpus
-        )
+        return not any(g.mig_enabled or _cannot_run(g) is not None for g in topology.gpus)
 
     def additions(self, share: Share, topology: Topology, devices: Sequence[ContainerDevice],
                   config: Config) -> ContainerAdditions | None:
@@ -126,6 +114,18 @@ class Mps:
         """The same GPUs, limits, root and program: its pods keep their MPS server."""
         return (isinstance(running, MpsControlDaemon) and isinstance(wanted, MpsControlDaemon)
                 and (running.spec, running.mps_root, running.program) == (wanted.spec, wanted.mps_root, wanted.program))
+
+
+def _cannot_run(gpu: Gpu) -> str | None:
+    """Why NVML's word on ``gpu`` rules MPS out (compute mode Prohibited, compute capability
+    below 3.5), or None."""
+    if gpu.compute_mode == "Prohibited":
+        return ("NVML reports its compute mode Prohibited (no CUDA context can be made on it); set it to Default"
+                " or Exclusive_Process (nvidia-smi -c) or leave it out of the devices")
+    cc = gpu.compute_capability
+    if cc is not None and cc < MPS_MIN_COMPUTE_CAPABILITY:
+        return f"compute capability {cc[0]}.{cc[1]}, MPS needs 3.5 or newer"
+    return None
 
 
 MPS = Mps()
