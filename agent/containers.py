@@ -153,10 +153,10 @@ def container_facts(
         HandedDevice(d, _visible_id(d, config), tuple(_node(p, root) for p in _device_nodes(d, root)) if nodes else ())
         for d in devices
     )
-    common = tuple(_node(n, root) for n in CONTROL_DEVICE_NODES if os.path.exists(_host_path(n, root))) if nodes else ()
+    common = tuple(_node(n, root) for n in CONTROL_DEVICE_NODES if os.path.exists(host_path(n, root))) if nodes else ()
     channels = tuple(
         ImexChannel(c, _node(_imex_path(c), root))
-        for c in config.imex_channel_ids if config.imex_required or _imex_node_exists(c, config)
+        for c in config.imex_channel_ids if config.imex_required or imex_channel_present(c, config)
     )
     envs = _topology_envs(topology, devices)
     if not any(NICS_ENV in a.envs for a in additions):  # an NCCL file names its NICs itself
@@ -179,18 +179,18 @@ def nccl_additions(nccl_file: NcclFile | None, config: Config) -> tuple[Containe
 
 
 def _node(path: str, driver_root: str) -> DeviceNode:
-    return DeviceNode(path, _host_path(path, driver_root))
+    return DeviceNode(path, host_path(path, driver_root))
 
 
 def _imex_path(channel: int) -> str:
     return f"{IMEX_CHANNELS_DIR}/channel{channel}"
 
 
-def _imex_node_exists(channel: int, config: Config) -> bool:
+def imex_channel_present(channel: int, config: Config) -> bool:
     """The channel's node is a character device under the driver root, or (an agent given
     the host's device nodes by CDI) at its own path: where NVIDIA's plugin looks."""
     path = _imex_path(channel)
-    for candidate in dict.fromkeys((_host_path(path, config.nvidia_driver_root), path)):
+    for candidate in dict.fromkeys((host_path(path, config.nvidia_driver_root), path)):
         try:
             if stat.S_ISCHR(os.stat(candidate).st_mode):
                 return True
@@ -206,8 +206,8 @@ def check_imex_channels(config: Config) -> None:
     configuration); an optional one is logged and left out of containers until its node
     exists."""
     for channel in config.imex_channel_ids:
-        path = _host_path(_imex_path(channel), config.nvidia_driver_root)
-        if _imex_node_exists(channel, config):
+        path = host_path(_imex_path(channel), config.nvidia_driver_root)
+        if imex_channel_present(channel, config):
             log.info("IMEX channel channel%d (%s) goes to every container given GPUs", channel, path)
         elif config.imex_required:
             raise ConfigError(
@@ -227,7 +227,8 @@ def _visible_id(device: ContainerDevice, config: Config) -> str:
     return device.uuid
 
 
-def _host_path(path: str, driver_root: str) -> str:
+def host_path(path: str, driver_root: str) -> str:
+    """Where the host's ``path`` is seen from here: under ``driver_root`` (``nvidiaDriverRoot``)."""
     root = driver_root.rstrip("/")
     return f"{root}{path}" if root else path
 
@@ -256,7 +257,7 @@ def _mig_cap_nodes(minor: int, mig: MigDevice, driver_root: str) -> list[str]:
     out = []
     for f in files:
         try:
-            with open(_host_path(f, driver_root), encoding="ascii") as fh:
+            with open(host_path(f, driver_root), encoding="ascii") as fh:
                 for line in fh:
                     if line.startswith("DeviceFileMinor:"):
                         out.append(f"/dev/nvidia-caps/nvidia-cap{int(line.split(':', 1)[1])}")

@@ -15,7 +15,7 @@ import os
 import shutil
 import stat
 
-from agent.containers import CONTROL_DEVICE_NODES
+from agent.containers import CONTROL_DEVICE_NODES, host_path
 from agent.deviceplugin.device_lists import CDI_KIND
 from agent.doctor.context import DoctorContext, NodeRead
 from agent.doctor.nvml import needs_node
@@ -31,11 +31,6 @@ CDI_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 #: operator installs it on the host.
 _TOOLKIT_BINARIES = ("nvidia-container-runtime", "nvidia-container-runtime-hook", "nvidia-ctk")
 _TOOLKIT_DIRS = ("/usr/local/nvidia/toolkit", "/usr/bin", "/usr/local/bin")
-
-
-def _host_path(path: str, driver_root: str) -> str:
-    root = driver_root.rstrip("/")
-    return f"{root}{path}" if root else path
 
 
 @needs_node
@@ -75,7 +70,7 @@ def device_nodes(context: DoctorContext, node: NodeRead) -> Result:
     missing = []
     for path in wanted:
         try:
-            if not stat.S_ISCHR(os.stat(_host_path(path, root)).st_mode):
+            if not stat.S_ISCHR(os.stat(host_path(path, root)).st_mode):
                 missing.append(path)
         except OSError:
             missing.append(path)
@@ -126,7 +121,7 @@ def container_toolkit(context: DoctorContext) -> Result:
     if [s for s in strategies if not s.startswith("cdi")]:
         runtimes = [b for b in _TOOLKIT_BINARIES if shutil.which(b)] + [
             os.path.join(d, b) for d in _TOOLKIT_DIRS for b in _TOOLKIT_BINARIES
-            if os.access(_host_path(os.path.join(d, b), config.nvidia_driver_root), os.X_OK)]
+            if os.access(host_path(os.path.join(d, b), config.nvidia_driver_root), os.X_OK)]
         if not runtimes:
             why = "simulated machine: none expected" if context.simulate else "it may live on the host, out of sight"
             return warned(f"device-list strategy {','.join(strategies)}: no NVIDIA container runtime found"

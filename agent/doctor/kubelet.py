@@ -34,11 +34,10 @@ from agent.errors import AgentError, shorten
 from agent.files import nearest_existing
 from agent.formats import read_document
 from agent.kubelet.podresources import PodResourcesClient
+from agent.kubelet.registration import KUBELET_SOCKET
 from agent.kubelet.unix_server import socket_in_use
 
 __all__ = ["CHECKS", "socket_owner"]
-
-KUBELET_SOCKET = "kubelet.sock"
 
 
 def writable_dir(path: str, what: str, *, may_be_missing: bool) -> Result | None:

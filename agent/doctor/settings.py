@@ -12,17 +12,15 @@ node's label through the API server, when it can, and says which config that sel
 
 from __future__ import annotations
 
-import os
-import shutil
-import stat
 from collections.abc import Callable
 
 from agent.config import Config
-from agent.containers import IMEX_CHANNELS_DIR
+from agent.containers import IMEX_CHANNELS_DIR, check_imex_channels, host_path, imex_channel_present
 from agent.doctor.context import DoctorContext, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.errors import ConfigError
 from agent.sharing import sharing_for, strategy_label
+from agent.sharing.mps_daemon import control_program
 
 __all__ = ["checks", "node_label"]
 
@@ -91,8 +89,7 @@ def sharing(context: DoctorContext) -> Result:
         f"{r.name} x{len(r.devices)}" for r in resources if r.shared)
     if config.mps:
         binary = config.mps_control_binary
-        present = os.access(binary, os.X_OK) if "/" in binary else shutil.which(binary) is not None
-        if not present:
+        if control_program(binary) is None:
             return failed(f"{found}; the MPS control program {binary} is not there",
                           "install the driver's nvidia-cuda-mps-control where the agent runs, or set"
                           " --mps-control-binary; without it no MPS replica is served")
@@ -100,27 +97,20 @@ def sharing(context: DoctorContext) -> Result:
     return passed(found)
 
 
-def _char_device(path: str) -> bool:
-    try:
-        return stat.S_ISCHR(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
 def imex(context: DoctorContext) -> Result:
-    """The configured IMEX channels exist (``/dev/nvidia-caps-imex-channels/channel<N>``)."""
+    """The configured IMEX channels exist (``/dev/nvidia-caps-imex-channels/channel<N>``), as
+    the agent finds them; a missing one FAILs where the agent refuses to start for it."""
     config = context.config
     if not config.imex_channel_ids:
         return passed("no IMEX channels configured")
-    root = config.nvidia_driver_root.rstrip("/")
-    missing = [c for c in config.imex_channel_ids
-               if not any(_char_device(p) for p in (f"{root}{IMEX_CHANNELS_DIR}/channel{c}",
-                                                    f"{IMEX_CHANNELS_DIR}/channel{c}"))]
+    missing = [c for c in config.imex_channel_ids if not imex_channel_present(c, config)]
     if not missing:
         return passed(f"IMEX channels {list(config.imex_channel_ids)} present")
-    what = f"IMEX channels {missing}: no character device in {root}{IMEX_CHANNELS_DIR}"
+    what = f"IMEX channels {missing}: no character device in {host_path(IMEX_CHANNELS_DIR, config.nvidia_driver_root)}"
     action = "create them with the IMEX driver (nvidia-imex, nvidia-modprobe -i <N>)"
-    if config.imex_required:
+    try:
+        check_imex_channels(config)
+    except ConfigError:
         return failed(f"{what} (imex.required: the agent does not start)", action)
     return warned(f"{what} (left out of containers until they exist)", action)
 

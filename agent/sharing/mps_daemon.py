@@ -62,6 +62,14 @@ MAX_BACKOFF_S = 60.0
 FIRST_BACKOFF_S = 0.5
 
 
+def control_program(program: str) -> str | None:
+    """The MPS control program the daemons run: ``program`` itself when it names a path (an
+    executable file), else found on the PATH; None when it is not there."""
+    if "/" in program:
+        return program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    return shutil.which(program)
+
+
 @dataclass(frozen=True)
 class MpsDaemonSpec:
     """What one resource's control daemon serves: its GPUs and their default limits."""
@@ -218,9 +226,10 @@ class MpsControlDaemon(Worker):
         return self._run_program([], command)
 
     def _run_program(self, args: list[str], command: str | None) -> str:
-        program = self.program if "/" in self.program else shutil.which(self.program)
+        program = control_program(self.program)
         if program is None:
-            raise AgentError(f"MPS control program {self.program} not found on the PATH (--mps-control-binary)")
+            raise AgentError(f"MPS control program {self.program} is not there: not an executable file, or not on"
+                             " the PATH (--mps-control-binary)")
         env = {
             "CUDA_VISIBLE_DEVICES": ",".join(self.spec.uuids),
             "CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir,
