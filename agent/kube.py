@@ -83,12 +83,13 @@ def own_namespace(config: Config, namespace_file: str = SERVICE_ACCOUNT_NAMESPAC
 
 class ApiCallError(AgentError):
     """An API request that did not succeed. ``status`` is the HTTP status (None: the server
-    was not reached); ``state`` is stable across retries of the same failure (for logging
-    once per change)."""
+    was not reached); ``reason`` and ``detail`` what the server (or the connection) said;
+    ``state`` is stable across retries of the same failure (for logging once per change)."""
 
     def __init__(self, what: str, status: int | None, reason: str, message: str) -> None:
         where = f"HTTP {status} {reason}" if status is not None else f"API server unreachable ({reason})"
-        super().__init__(f"{what}: {where}: {shorten(message, 600)}")
+        self.detail = shorten(message, 600)
+        super().__init__(f"{what}: {where}: {self.detail}")
         self.status = status
         self.reason = reason
         self.state = f"{status} {reason}" if status is not None else f"unreachable {reason}"

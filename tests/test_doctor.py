@@ -469,6 +469,7 @@ def test_dra_mode_reads_back_partitionable_devices_with_a_dry_run(capsys, node, 
     assert checks["cluster.access"] == ("PASS", "all 8 verbs the agent needs are allowed")
     assert checks["cluster.resource_api"][0] == "PASS" and "publishes v1" in checks["cluster.resource_api"][1]
     assert api.count("POST", "/resourceslices") == 1 and not api.slices()  # a dry run: nothing stored
+    assert api.count("GET", "/apis/resource.k8s.io") == 1  # the served versions: discovered once per run
     if gate_off:
         assert rc == 1 and checks["cluster.partitionable_devices"][0] == "FAIL"
         assert "DRAPartitionableDevices is off" in checks["cluster.partitionable_devices"][1]

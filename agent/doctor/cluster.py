@@ -1,5 +1,7 @@
 """Cluster checks, through the agent's one API client (:func:`agent.kube.api_client`, from
-``--kubeconfig`` or the in-cluster service account): the API server reachable, the agent's
+``--kubeconfig`` or the in-cluster service account) and its one call idiom
+(:func:`agent.kube.call`; ``resource.k8s.io`` discovered once per run, as the agent
+discovers it: :meth:`DoctorContext.resource_versions`): the API server reachable, the agent's
 identity allowed each verb it needs (``SelfSubjectAccessReview``), NFD's NodeFeature API
 where the label sink needs it, the ``resource.k8s.io`` versions served and whether the API
 server keeps partitionable devices (DRA mode).
@@ -12,7 +14,7 @@ without changing anything: it sends the agent's counter slice as a *dry-run* cre
 would store it, and stores nothing; the answer is compared with what was sent by the
 agent's own :func:`~agent.dra.readback.dropped_features`.
 
-Each request waits at most :data:`REQUEST_TIMEOUT_S`.
+Each request waits at most :data:`agent.doctor.context.API_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agent.doctor.context import DoctorContext, Unavailable
+from agent.doctor.context import API_TIMEOUT_S, DoctorContext, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.dra.readback import PARTITIONABLE_DEVICES, dropped_features
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, render_slices
 from agent.errors import AgentError, shorten
-from agent.kube import own_namespace, pick_version
+from agent.kube import ApiCallError, call, own_namespace, pick_version
 
-__all__ = ["CHECKS", "REQUEST_TIMEOUT_S", "required_access"]
+__all__ = ["CHECKS", "required_access"]
 
-REQUEST_TIMEOUT_S = 3.0
 NFD_GROUP, NFD_VERSION = "nfd.k8s-sigs.io", "v1alpha1"
 
 #: What the agent does with the API server, per need: (verb, API group, resource). The rules
@@ -71,24 +72,6 @@ def _needed_api(context: DoctorContext) -> tuple[Any, Result | None]:
         return None, passed("not needed (device-plugin mode, file label sink, no per-node configs)")
 
 
-def _get(api: Any, what: str, *args: str) -> Any:
-    """``what`` (``version``, ``resource_group`` or ``resources`` of a group and version) as
-    JSON, through the client's typed calls; None on 404."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    call: Any = {"version": client.VersionApi(api).get_code,
-            "resource_group": client.ResourceApi(api).get_api_group,
-            "resources": client.CustomObjectsApi(api).get_api_resources}[what]
-    try:
-        resp = call(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return json.loads(resp.data)
-
-
 def api_server(context: DoctorContext) -> Result:
     """The API server answers, when the agent needs it (or one is configured)."""
     needs = context.cluster_needed
@@ -99,10 +82,13 @@ def api_server(context: DoctorContext) -> Result:
             return failed(f"the agent needs the API server for {', '.join(needs)}: {exc}",
                           "run in the DaemonSet's pod (its service account) or pass --kubeconfig")
         return passed("not needed (device-plugin mode, file label sink, no per-node configs) and not configured")
+    from kubernetes import client
+
     try:
-        version = _get(api, "version") or {}
-    except Exception as exc:
-        found = f"API server not reachable: {shorten(f'{type(exc).__name__}: {exc}', 200)}"
+        version = call("read /version", client.VersionApi(api).get_code, timeout_s=API_TIMEOUT_S) or {}
+    except ApiCallError as exc:
+        said = f"{exc.reason}: {exc.detail}" if exc.status is None else f"HTTP {exc.status} {exc.reason}: {exc.detail}"
+        found = f"API server not reachable: {shorten(said, 200)}"
         action = "check the network path to the API server and the kubeconfig's server address"
         return failed(found, action) if needs else warned(found, action)
     return passed(f"API server {version.get('gitVersion', '?')} reachable"
@@ -123,13 +109,15 @@ def access(context: DoctorContext) -> Result:
     if not wanted:
         return passed("the agent needs no API permission with these settings")
     denied = []
-    reviews = client.AuthorizationV1Api(api)
+    review = client.AuthorizationV1Api(api).create_self_subject_access_review
     for verb, group, resource, namespace in wanted:
-        body = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
-            resource_attributes=client.V1ResourceAttributes(verb=verb, group=group, resource=resource,
-                                                            namespace=namespace or None)))
-        answer = reviews.create_self_subject_access_review(body, _request_timeout=REQUEST_TIMEOUT_S)
-        if not (answer.status and answer.status.allowed):
+        attributes = {"verb": verb, "group": group, "resource": resource}
+        if namespace:
+            attributes["namespace"] = namespace
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attributes}}
+        answer = call(f"review {verb} {resource}", review, body, missing_ok=False, timeout_s=API_TIMEOUT_S) or {}
+        if not (answer.get("status") or {}).get("allowed"):
             where = f" in {namespace}" if namespace else ""
             denied.append(f"{verb} {resource}{'.' + group if group else ''}{where}")
     if denied:
@@ -147,7 +135,10 @@ def nodefeature_crd(context: DoctorContext) -> Result:
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]
-    listed = _get(api, "resources", NFD_GROUP, NFD_VERSION)
+    from kubernetes import client
+
+    listed = call(f"discovery of {NFD_GROUP}/{NFD_VERSION}", client.CustomObjectsApi(api).get_api_resources,
+                  NFD_GROUP, NFD_VERSION, timeout_s=API_TIMEOUT_S)
     names = {r.get("name") for r in (listed or {}).get("resources", [])}
     if "nodefeatures" not in names:
         return failed(f"{NFD_GROUP}/{NFD_VERSION} nodefeatures is not served (NFD's CRD is not installed)",
@@ -162,8 +153,7 @@ def resource_api(context: DoctorContext) -> Result:
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]
-    group = _get(api, "resource_group") or {}
-    served = [v.get("version") for v in group.get("versions", [])]
+    served = context.resource_versions()
     version = pick_version(served)
     if version is None:
         return failed(f"resource.k8s.io served: {served or 'none'}; the agent publishes {', '.join(API_VERSIONS)}",
@@ -184,8 +174,7 @@ def partitionable_devices(context: DoctorContext) -> Result:
     api, skipped = _needed_api(context)
     if api is None:
         return skipped  # type: ignore[return-value]
-    served = [v.get("version") for v in (_get(api, "resource_group") or {}).get("versions", [])]
-    version = pick_version(served)
+    version = pick_version(context.resource_versions())
     if version not in SETS_API_VERSIONS:
         return warned(f"not asked: resource.k8s.io/{version or 'none'} has no partitionable devices",
                       "see cluster.resource_api")
@@ -201,9 +190,8 @@ def partitionable_devices(context: DoctorContext) -> Result:
     body = json.loads(json.dumps(sent))
     body["metadata"] = {"generateName": f"{config.node_name or 'doctor'}-doctor-"}
     cls: Any = {"v1": client.ResourceV1Api, "v1beta2": client.ResourceV1beta2Api}[version]
-    resp = cls(api).create_resource_slice(body, dry_run="All", _preload_content=False,
-                                          _request_timeout=REQUEST_TIMEOUT_S)
-    stored = json.loads(resp.data)
+    stored = call("dry-run create of a ResourceSlice", cls(api).create_resource_slice, body, dry_run="All",
+                  missing_ok=False, timeout_s=API_TIMEOUT_S) or {}
     if PARTITIONABLE_DEVICES in dropped_features(sent, stored):
         return failed("the API server drops sharedCounters and consumesCounters (a dry-run create, read back):"
                       " feature gate DRAPartitionableDevices is off",

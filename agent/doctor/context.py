@@ -1,7 +1,7 @@
 """What the checks share: the settings the agent would run with, and the node as read once
-(NVML and sysfs, or a simulated machine), the resources the agent would serve and the
-API-server client, each opened on first use by whichever check needs it first and kept for
-the others (thread-safe: the checks run at once).
+(NVML and sysfs, or a simulated machine), the resources the agent would serve, the
+API-server client and the DRA versions it serves, each opened on first use by whichever
+check needs it first and kept for the others (thread-safe: the checks run at once).
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.sim.machines import SimulatedMachine
     from agent.topology.model import Topology
 
-__all__ = ["DoctorContext", "NodeRead", "Unavailable"]
+__all__ = ["API_TIMEOUT_S", "DoctorContext", "NodeRead", "Unavailable"]
+
+#: How long each API-server request of a check waits at most (s).
+API_TIMEOUT_S = 3.0
 
 _T = TypeVar("_T")
 
@@ -86,6 +89,7 @@ class DoctorContext:
         self._node: _Once[NodeRead] = _Once(self._read_node)
         self._resources: _Once[tuple[PluginResource, ...]] = _Once(self._build_resources)
         self._api: _Once[Any] = _Once(self._api_client)
+        self._resource_versions: _Once[list[str]] = _Once(self._discover_resource_versions)
 
     # ------------------------------------------------------------------ the node
     def node(self) -> NodeRead:
@@ -163,6 +167,17 @@ class DoctorContext:
             return api_client(self.config)
         except AgentError as exc:
             raise Unavailable(str(exc)) from None
+
+    def resource_versions(self) -> list[str]:
+        """The ``resource.k8s.io`` versions the API server serves, discovered once as the
+        agent discovers them (:func:`agent.kube.resource_versions`); :class:`Unavailable`
+        when there is no client, :class:`agent.kube.ApiCallError` when it cannot be asked."""
+        return self._resource_versions.get()
+
+    def _discover_resource_versions(self) -> list[str]:
+        from agent.kube import resource_versions
+
+        return resource_versions(self.api(), API_TIMEOUT_S)
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:

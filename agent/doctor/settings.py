@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 from agent.config import Config
 from agent.containers import IMEX_CHANNELS_DIR, check_imex_channels, host_path, imex_channel_present
-from agent.doctor.context import DoctorContext, Unavailable
+from agent.doctor.context import API_TIMEOUT_S, DoctorContext, Unavailable
 from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.errors import ConfigError
+from agent.kube import ApiCallError, call
 from agent.sharing import sharing_for, strategy_label
 from agent.sharing.mps_daemon import control_program
 
@@ -35,14 +36,13 @@ def node_label(context: DoctorContext) -> str | None:
         return None
     try:
         api = context.api()
-    except Unavailable:
+        node = call(f"read Node {config.node_name}", client.CoreV1Api(api).read_node, config.node_name,
+                    timeout_s=API_TIMEOUT_S)
+    except (Unavailable, ApiCallError):
         return None
-    try:
-        node = client.CoreV1Api(api).read_node(config.node_name, _request_timeout=3.0)
-    except Exception:
+    if node is None:
         return None
-    labels = (node.metadata.labels if node.metadata is not None else None) or {}
-    return str(labels.get(config.node_label, ""))
+    return str(((node.get("metadata") or {}).get("labels") or {}).get(config.node_label, ""))
 
 
 def config_file(context: DoctorContext, load: Callable[[str], Config]) -> Result:
