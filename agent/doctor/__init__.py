@@ -10,7 +10,9 @@ and answers PASS, WARN or FAIL, what it found and what to do.
 
 It sits just below the commands (``agent/commands/doctor.py`` parses the flags) and above
 everything it checks, reaching NVML through ``agent.hw.nvml``, the kubelet through
-``agent.kubelet`` and the API server through ``agent.kube``'s client.
+``agent.kubelet`` and the API server through ``agent.kube`` (its client, ``call`` and
+discovery). A rule the agent applies (a sharing's check of the node, the IMEX channels, the
+MPS control program) is asked of the agent's own code, never written again here.
 """
 
 from __future__ import annotations
