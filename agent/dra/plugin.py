@@ -239,6 +239,11 @@ class DraPlugin:
             registered = self._registered
         return registered and self._dra_server.socket_present() and self._reg_server.socket_present()
 
+    def live(self) -> bool:
+        """False once a socket could not be served for
+        :data:`agent.kubelet.plugin_socket.UNSERVED_LIMIT_S` (the keeper's liveness)."""
+        return self._keeper.serving()
+
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Prepare new claims from ``topology`` (the daemon read it again) and ``config``
         (its DRA settings unchanged); sockets, the registration and the prepared claims stay
