@@ -4,14 +4,15 @@ The collaborators are built first and passed in (:meth:`Daemon.from_config` buil
 ones): the agent's own metrics before anything that reports to them, then factories for what
 needs the topology read at start: the mode's servers, the metrics service, the health
 watcher. The daemon runs "the servers" through one small interface
-(:class:`agent.modes.Servers`: start, ready, set_topology, stop) without knowing which mode
+(:class:`agent.modes.Servers`: start, ready, live, set_topology, stop) without knowing which mode
 they serve.
 
 Start order: the effective configuration; NVML (real or simulated); topology; the servers
 (registration in the background); labels; metrics service; health watcher. Readiness
 (``/ready``) = the topology is read, the servers are ready (every resource registered with
 the running kubelet; in DRA mode the plugin registered and the slices published) and the
-last label write worked.
+last label write worked. Liveness (``/health``) = the servers can serve: a socket that could
+not be served for a while is a pod to restart, not one to leave unready forever.
 
 Signals only set flags; the main thread does the work. SIGHUP and a kubelet restart take one
 path (:meth:`Daemon.reread`): read the topology again and hand it to the servers, the
@@ -167,7 +168,8 @@ class Daemon:
         def metrics(topology: Topology, cfg: Config, ready: Callable[[], bool]) -> MetricsService:
             if sim is not None:  # the simulated machine's /proc holds its GPU processes
                 cfg = dataclasses.replace(cfg, proc_root=sim.proc_root)
-            return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready, agent_metrics=agent_metrics)
+            return MetricsService(backend, topology, cfg, hostname=hostname, ready=ready, agent_metrics=agent_metrics,
+                                  live=daemon.live)
 
         node_config = None
         if config.config_file_srcdir and load_file is not None:
@@ -213,6 +215,12 @@ class Daemon:
         servers, labels = self.servers, self.labels
         labelled = labels is None or labels.ready()
         return labelled and self.topology is not None and servers is not None and servers.ready()
+
+    def live(self) -> bool:
+        """``/health``: False only when the servers cannot serve and will not recover by
+        themselves (:meth:`agent.modes.Servers.live`): the kubelet restarts the pod."""
+        servers = self.servers
+        return servers is None or servers.live()
 
     # ------------------------------------------------------------------ start
     def _init_nvml(self) -> bool:

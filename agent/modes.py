@@ -2,7 +2,7 @@
 that picks them by ``config.mode``.
 
 Device-plugin mode serves :class:`agent.deviceplugin.manager.DevicePluginManager`, DRA mode
-:class:`agent.dra.servers.DraServers`; both have the four calls of :class:`Servers`, so the
+:class:`agent.dra.servers.DraServers`; both have the five calls of :class:`Servers`, so the
 daemon runs "the servers" without knowing which (mypy checks both against it here).
 """
 
@@ -27,6 +27,12 @@ class Servers(Protocol):
 
     def ready(self) -> bool:
         """The kubelet can use us now. Never waits on I/O (the readiness probe calls it)."""
+        ...
+
+    def live(self) -> bool:
+        """False when the servers cannot serve and will not recover by themselves (a socket
+        that could not be served for a while): the pod should be restarted. Never waits on I/O
+        (the liveness probe calls it)."""
         ...
 
     def set_topology(self, topology: Topology, config: Config) -> None:

@@ -16,6 +16,7 @@ from dataclasses import replace
 import grpc
 import pytest
 from apiserver_stub import ApiServerStub
+from killed_write import killed_write
 from kubelet_stub import hgx8_topology
 from waiting import eventually
 
@@ -472,6 +473,38 @@ def test_a_prepare_after_an_agent_restart_answers_from_the_checkpoint(node):
     os.unlink(spec_path(node.config.cdi_dir, DRIVER, uid))  # and a lost spec is written again
     assert node.prepare(c) == first
     assert spec_of(node, uid)["devices"][0]["name"] == f"{uid}-gpu-6"
+
+
+def test_a_restart_removes_the_temp_files_of_killed_writes_and_leaves_other_tools_files(node, caplog):
+    node.start()
+    c = node.put_claim("c", ["gpu-6"])
+    uid = c["metadata"]["uid"]
+    first = node.prepare(c)
+    node.plugin.stop()
+    cdi, claims = node.config.cdi_dir, os.path.join(node.plugin.plugin_dir, "claims")
+    ours = {  # an agent killed while writing a claim's spec and its checkpoint
+        (cdi, killed_write(f"from agent.files import write_json_atomic; write_json_atomic({spec_path(cdi, DRIVER, uid)!r},"
+                           " {})", cdi)),
+        (claims, killed_write(f"from agent.files import write_json_atomic; write_json_atomic({claims!r} + '/{uid}.json',"
+                              " {})", claims)),
+        (claims, ".k3j4h5g6.tmp"),  # an older version's temp file: the directory is the checkpoint's alone
+    }
+    theirs = {  # the CDI directory is shared: another vendor's specs and temp files stay
+        (cdi, "nvidia.com-gpu.json"), (cdi, ".nvidia.com-gpu.json.k3j4h5g6.tmp"), (cdi, ".k3j4h5g6.tmp"),
+        (cdi, ".other.io-claim_x.json.k3j4h5g6.tmp"),
+    }
+    for directory, name in ours | theirs:
+        with open(os.path.join(directory, name), "a", encoding="utf-8") as fh:
+            fh.write("{")
+    assert all(name.endswith(".tmp") for _, name in ours)
+    with caplog.at_level(logging.INFO, logger="agent.dra"):
+        node.start(node.topology)
+    assert not any(os.path.exists(os.path.join(d, n)) for d, n in ours)
+    assert all(os.path.exists(os.path.join(d, n)) for d, n in theirs)
+    said = [r.getMessage() for r in caplog.records if "temp file(s) of interrupted writes" in r.getMessage()]
+    assert said == [f"checkpoint {claims}: removed 2 temp file(s) of interrupted writes",
+                    f"CDI directory {cdi}: removed 1 temp file(s) of interrupted writes"], said
+    assert node.prepare(c) == first  # the claim's checkpoint and spec are untouched
 
 
 def test_an_unprepare_after_an_agent_restart_removes_the_spec_and_forgets_the_claim(node):

@@ -156,6 +156,21 @@ def test_readiness_on_the_probe_port_follows_the_agent():
         endpoints.stop()
 
 
+def test_health_on_both_ports_follows_whether_the_agent_can_serve():
+    state = {"live": True}
+    endpoints = HttpEndpoints(Config(metrics_address="127.0.0.1:0"), lambda: BODY, lambda: True,
+                              lambda: state["live"])
+    endpoints.start()
+    try:
+        assert (get(endpoints.probe_port, "/health"), get(endpoints.port, "/health")) == (200, 200)
+        state["live"] = False  # a socket that could not be served for a while: restart the pod
+        assert (get(endpoints.probe_port, "/health"), get(endpoints.port, "/health")) == (503, 503)
+        state["live"] = True
+        assert (get(endpoints.probe_port, "/health"), get(endpoints.port, "/health")) == (200, 200)
+    finally:
+        endpoints.stop()
+
+
 def test_while_waiting_for_nvml_the_probe_port_says_alive_and_not_ready():
     waiting = WaitingEndpoint(Config(metrics_address="127.0.0.1:0"))
     waiting.start()

@@ -19,6 +19,7 @@ import tempfile
 
 import pytest
 from agent_run import AgentRun
+from killed_write import killed_write
 from kubelet_stub import KubeletStub, pcie4_topology
 from waiting import eventually
 
@@ -95,6 +96,20 @@ def test_a_label_file_that_is_not_utf8_at_start_is_written_over_and_removed_on_a
     assert agent.stop() == 0, agent.log()[-2000:]
     assert "Traceback" not in agent.log()
     assert os.listdir(agent.features) == [], "the file is the agent's now: a clean stop removes it"
+
+
+def test_at_start_the_temp_files_of_killed_label_writes_are_removed_and_other_files_kept(base):
+    path, start = base
+    features = os.path.join(path, "features")
+    ours = killed_write(f"from agent.labels.sinks import FeatureFileSink; FeatureFileSink({features!r}).write({{'a': 'b'}})",
+                        features)  # an agent killed while writing the labels
+    theirs = {"gfd", ".gfd.k3j4h5g6.tmp", ".k3j4h5g6.tmp", ".gpu-topology-agent-old.k3j4h5g6.tmp"}
+    for name in theirs:
+        _put(os.path.join(features, name), b"x=y\n")
+    agent = start()
+    assert eventually(agent.labelled, 20.0), agent.log()[-2000:]
+    assert set(os.listdir(features)) == theirs | {FILENAME}, ours
+    assert len(agent.lines(f"{features}: removed 1 temp file(s) of interrupted writes")) == 1, agent.log()[-2000:]
 
 
 def test_a_label_file_made_not_utf8_mid_run_is_written_over_and_the_agent_keeps_running(base):

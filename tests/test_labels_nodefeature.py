@@ -283,6 +283,36 @@ def test_api_server_failures_are_counted_and_keep_the_agent_unready_until_a_writ
     assert len(errors) == 1 and "HTTP 500 InternalError: injected: etcd is sad" in errors[0], stderr
 
 
+def test_a_failed_write_is_retried_with_backoff_so_the_node_is_ready_seconds_after_the_api_server_heals(cluster):
+    kubelet = KubeletStub(cluster.kubelet_dir).start()
+    metrics_port, probe_port = free_port(), free_port()
+    cluster.api.fail(500, path_contains="/nodefeatures", message="injected: etcd is sad")
+    proc = agent(sink_flags(cluster, "--label-interval-s", "60", "--metrics-address", f"127.0.0.1:{metrics_port}",
+                            "--probe-address", f"127.0.0.1:{probe_port}"))
+    try:
+        deadline = time.monotonic() + 30
+        while label_write_errors(metrics_port) < 2:  # the write at start and a retry, long before the interval
+            assert time.monotonic() < deadline and proc.poll() is None, "a failed write was not tried again"
+            time.sleep(0.1)
+        assert kubelet.wait_for(lambda: len(kubelet.registered("nvidia.com/gpu")) >= 1, 10.0)
+        assert http_get(probe_port, "/ready")[0] == 503
+        cluster.api.clear_failures()  # the API server is healthy again
+        healed = time.monotonic()
+        assert cluster.api.wait_for_nodefeatures(lambda objs: len(objs) == 1, 10), "not published within seconds"
+        while http_get(probe_port, "/ready")[0] != 200:
+            assert time.monotonic() - healed < 10, "not ready within seconds of the API server healing"
+            time.sleep(0.1)
+        counted, reads = label_write_errors(metrics_port), cluster.api.count("GET", "/nodefeatures")
+        time.sleep(2.5)  # the backoff is over: the next write is an interval away
+        assert (label_write_errors(metrics_port), cluster.api.count("GET", "/nodefeatures")) == (counted, reads)
+    finally:
+        stderr = stop(proc)
+        kubelet.stop()
+    errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
+    assert len(errors) == 1 and "retrying with backoff" in errors[0], stderr
+    assert stderr.count(f"publishing the labels as NodeFeature {NAMESPACE}/{OBJECT} works again") == 1
+
+
 def test_without_the_nodefeature_rbac_the_agent_logs_the_forbidden_request_once():
     base = Cluster("base")  # the plain manifests' device-plugin variant: no RBAC at all
     try:

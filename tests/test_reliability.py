@@ -211,6 +211,33 @@ def test_a_socket_path_that_cannot_be_served_is_said_once_and_retried_with_backo
     assert any("works again" in r.getMessage() for r in caplog.records)
 
 
+def test_a_socket_that_cannot_be_served_for_the_limit_makes_the_plugins_not_alive_until_it_is(
+    plugins, kubelet_dir
+):
+    manager, kubelet = plugins(max_backoff_s=0.2, unserved_limit_s=1.0)
+    assert eventually(manager.ready, 3.0) and manager.live()
+    path = _socket(manager, kubelet_dir)
+    os.unlink(path)
+    os.mkdir(path)  # in the way, not ours to delete: serving fails round after round
+    time.sleep(0.5)
+    assert manager.live(), "not before the limit"
+    assert eventually(lambda: not manager.live(), 3.0), "still alive long after the limit"
+    os.rmdir(path)
+    assert eventually(manager.ready, 3.0) and manager.live()
+
+
+def test_a_kubelet_away_leaves_the_plugins_alive_however_long(plugins, kubelet_dir):
+    manager, kubelet = plugins(max_backoff_s=0.2, unserved_limit_s=0.5)
+    assert eventually(manager.ready, 3.0)
+    kubelet.stop()
+    shutil.rmtree(kubelet_dir)  # the kubelet is away: waiting for it is no failure to serve
+    time.sleep(1.5)
+    assert manager.live()
+    os.makedirs(kubelet_dir)
+    kubelet.start()
+    assert eventually(manager.ready, 3.0) and manager.live()
+
+
 # ---------------------------------------------------------------------- a GPU lost mid-run
 @pytest.fixture
 def agent(kubelet_dir):

@@ -45,7 +45,7 @@ from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import DeviceListChanges, PluginServer, plugin_options
 from agent.errors import AgentError, shorten
 from agent.health import HealthState
-from agent.kubelet.plugin_socket import Served, SocketKeeper
+from agent.kubelet.plugin_socket import UNSERVED_LIMIT_S, Served, SocketKeeper
 from agent.kubelet.podresources import rpc_message
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
 from agent.ncclfiles import NcclFiles
@@ -103,12 +103,14 @@ class DevicePluginManager:
         poll_s: float = 0.1,
         register_timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
+        unserved_limit_s: float = UNSERVED_LIMIT_S,
         supervisor_probe_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.health = health
         self.poll_s = poll_s
         self.register_timeout_s = register_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.unserved_limit_s = unserved_limit_s
         # Lock order: ``_lock`` is a leaf. It guards the fields other threads read (the
         # slots list and their ``registered`` flags, topology, config, resources, the
         # pending reload, whether the keeper runs) and is held only to read or assign them:
@@ -193,6 +195,11 @@ class DevicePluginManager:
             slots = list(self._slots)
         return bool(slots) and all(s.registered and _sharing_ready(s) for s in slots)
 
+    def live(self) -> bool:
+        """False once a resource's socket could not be served for ``unserved_limit_s``
+        (:meth:`agent.kubelet.plugin_socket.SocketKeeper.serving`). Never waits on I/O."""
+        return self._keeper.serving(self.unserved_limit_s)
+
     def advertised(self) -> list[tuple[str, str, bool]]:
         """(resource, device ID, healthy) for every device offered to the kubelet now. Never
         waits on I/O."""
@@ -207,13 +214,11 @@ class DevicePluginManager:
 
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
-        server = PluginServer(
+        return PluginServer(
             RequestHandler(resource, topology, config, NcclFiles.from_config(config)),
             self.health, config.kubelet_dir, events=self.events,
             supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
-        server.start()
-        return server
 
     def _report_offers(self) -> None:
         """Report what the kubelet is offered now (``events.devices_offered``)."""
@@ -228,20 +233,26 @@ class DevicePluginManager:
         self._changes.changed()
         self._keeper.wake()
 
-    def _replace_servers(self, topology: Topology, config: Config) -> None:
+    def _replace_servers(self, topology: Topology, config: Config, *, keeping: bool = False) -> None:
         """Stop the servers, serve (topology, config). Runs on the thread that owns the
-        servers (the caller before start, the keeper's thread after)."""
+        servers (the caller before start, the keeper's thread after: ``keeping``). Before
+        start a server that cannot start fails the start (AgentError); after it, the
+        keeper serves that one with backoff (a kubelet restart may have cleared the
+        directory under it), so a reload always ends with every resource kept."""
         resources = build_resources(topology, config)
         with self._lock:
             old, self._slots = self._slots, []
             self.topology, self.config, self.resources = topology, config, resources
         self._keeper.follow_kubelet(config.kubelet_dir)
+        unserved: list[tuple[PluginServer, str]] = []
         try:
-            self._serve(resources, old, topology, config)
+            self._serve(resources, old, topology, config, unserved if keeping else None)
         finally:  # the servers that serve now are the ones kept, even after a failure
             with self._lock:
                 slots = list(self._slots)
             self._keeper.keep([s.server for s in slots], [s.server.resource.name for s in slots])
+        for server, reason in unserved:
+            self._keeper.unserved(server, reason)
         if resources and not os.path.exists(self.kubelet_socket):
             log.warning(
                 "no kubelet socket at %s yet: registering as soon as the kubelet creates it",
@@ -249,8 +260,11 @@ class DevicePluginManager:
             )
 
     def _serve(
-        self, resources: tuple[PluginResource, ...], old: list[_Slot], topology: Topology, config: Config
+        self, resources: tuple[PluginResource, ...], old: list[_Slot], topology: Topology, config: Config,
+        unserved: list[tuple[PluginServer, str]] | None,
     ) -> None:
+        """Stop ``old``, serve ``resources``. A server that cannot start raises, unless
+        ``unserved`` collects it (with why) and its slot stays."""
         for slot in old:
             slot.server.stop(0.5)
         self._supervisors.sync(
@@ -259,8 +273,15 @@ class DevicePluginManager:
             log.warning("no GPU resources to advertise on this node")
         os.makedirs(config.kubelet_dir, exist_ok=True)
         for resource in resources:  # a new slot is unregistered: the next round registers it
+            server = self._new_server(resource, topology, config)
+            try:
+                server.start()
+            except AgentError as exc:
+                if unserved is None:
+                    raise
+                unserved.append((server, str(exc)))
             slot = _Slot(
-                self._new_server(resource, topology, config), Backoff(min(0.2, self.max_backoff_s), self.max_backoff_s),
+                server, Backoff(min(0.2, self.max_backoff_s), self.max_backoff_s),
                 Outage(log, f"registering {resource.name} with the kubelet", recovered_level=None, retrying=(
                     f"retrying with backoff up to {self.max_backoff_s:g} s; failures are counted in"
                     " gpu_agent_registration_failures_total")),
@@ -268,7 +289,8 @@ class DevicePluginManager:
             )
             with self._lock:
                 self._slots.append(slot)
-            log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), slot.server.path)
+            if server.socket_present():
+                log.info("serving %s (%d devices) on %s", resource.name, len(resource.devices), server.path)
         self._report_offers()
 
     def _apply_pending_reload(self) -> None:
@@ -279,7 +301,7 @@ class DevicePluginManager:
         try:
             if self._stopping.is_set():
                 raise AgentError("the device plugins stopped while reloading")
-            self._replace_servers(request.topology, request.config)
+            self._replace_servers(request.topology, request.config, keeping=True)
         except BaseException as exc:  # handed to the thread that asked for the reload
             request.error = exc
         finally:

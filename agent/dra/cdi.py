@@ -37,7 +37,7 @@ from agent.containers import (
     nccl_additions,
 )
 from agent.dra.devices import DeviceRef
-from agent.files import remove_file, write_json_atomic
+from agent.files import remove_file, remove_stale_temps, write_json_atomic
 from agent.ncclfiles import NcclFile, NcclFiles, claim_key
 from agent.topology.model import Topology
 
@@ -65,7 +65,19 @@ def cdi_device_id(driver_name: str, claim_uid: str, device_name: str) -> str:
 def spec_path(cdi_dir: str, driver_name: str, claim_uid: str) -> str:
     """Where a claim's spec lives; a pure function of the UID, so an unprepare finds it
     even without the checkpoint."""
-    return os.path.join(cdi_dir, f"{driver_name}-claim_{claim_uid}.json")
+    return os.path.join(cdi_dir, f"{_spec_prefix(driver_name)}{claim_uid}.json")
+
+
+def _spec_prefix(driver_name: str) -> str:
+    return f"{driver_name}-claim_"
+
+
+def remove_stale_spec_temps(cdi_dir: str, driver_name: str) -> int:
+    """Remove the temp files of this driver's claim specs that writes the agent was killed in
+    left in ``cdi_dir``; the number removed. The CDI directory is shared: every other file
+    (other tools' specs and temp files) is left."""
+    prefix = _spec_prefix(driver_name)
+    return remove_stale_temps(cdi_dir, lambda name: name.startswith(prefix))
 
 
 class CdiSpecWriter:

@@ -7,7 +7,9 @@ costs one small write (or one unlink) however many claims the node holds. Each f
 written atomically (temp file, rename; ``fsync`` optional) and carries a checksum, so a
 torn or hand-edited file is noticed: it is then set aside as
 ``<uid>.json.corrupt`` with one error logged, and that claim counts as not prepared (prepared
-again, it is recomputed from the API server and gets the same answer).
+again, it is recomputed from the API server and gets the same answer). The directory is the
+checkpoint's alone: the temp files of writes the agent was killed in are removed when it is
+loaded (at start), said with their number.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 from agent.errors import shorten
-from agent.files import write_json_atomic
+from agent.files import remove_stale_temps, write_json_atomic
 from agent.listeners import Listeners
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,9 @@ class Checkpoint:
         self.fsync = fsync
         # Lock order: a leaf; listeners run after it is released.
         self._lock = threading.Lock()
+        removed = remove_stale_temps(directory)
+        if removed:
+            log.info("checkpoint %s: removed %d temp file(s) of interrupted writes", directory, removed)
         self._claims: dict[str, PreparedClaim] = self._load()
         self._listeners = Listeners(log, "checkpoint")
 

@@ -32,6 +32,7 @@ import grpc
 
 from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from agent.config import Config
+from agent.dra.cdi import remove_stale_spec_temps
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
@@ -211,6 +212,9 @@ class DraPlugin:
         """Serve the DRA service, then the registration socket (the kubelet may dial the
         endpoint as soon as it sees the registration socket), then watch both."""
         os.makedirs(self.config.cdi_dir, exist_ok=True)
+        removed = remove_stale_spec_temps(self.config.cdi_dir, self.driver_name)
+        if removed:
+            log.info("CDI directory %s: removed %d temp file(s) of interrupted writes", self.config.cdi_dir, removed)
         self._dra_server.start()
         try:
             self._reg_server.start()
@@ -238,6 +242,11 @@ class DraPlugin:
         with self._lock:
             registered = self._registered
         return registered and self._dra_server.socket_present() and self._reg_server.socket_present()
+
+    def live(self) -> bool:
+        """False once a socket could not be served for
+        :data:`agent.kubelet.plugin_socket.UNSERVED_LIMIT_S` (the keeper's liveness)."""
+        return self._keeper.serving()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Prepare new claims from ``topology`` (the daemon read it again) and ``config``

@@ -1,6 +1,6 @@
 """The DRA mode's servers as the daemon runs them: the kubelet plugin and the ResourceSlice
-publisher behind the same four calls as the device-plugin mode's manager (start, ready,
-set_topology, stop), so the daemon runs "the servers" without knowing which.
+publisher behind the same five calls as the device-plugin mode's manager (start, ready,
+live, set_topology, stop), so the daemon runs "the servers" without knowing which.
 
 No device-plugin socket is served in this mode: a GPU is never handed out by both. The
 publisher follows health through its own subscription and the prepared claims through the
@@ -80,6 +80,10 @@ class DraServers:
     def ready(self) -> bool:
         """The kubelet registered the plugin and the scheduler can see our devices."""
         return self.plugin.ready() and self.publisher.ready()
+
+    def live(self) -> bool:
+        """The plugin's sockets are served (or failed to be for less than the keeper's limit)."""
+        return self.plugin.live()
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """Prepare new claims from (topology, config) and publish the topology; the sockets,

@@ -143,6 +143,9 @@ class _Handler(BaseHTTPRequestHandler):
     def is_ready(self) -> bool:
         return False
 
+    def is_live(self) -> bool:
+        return True
+
     def body(self) -> bytes:
         return b""
 
@@ -187,7 +190,12 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._metrics()
         elif path == "/health":
-            self._reply(200, b"ok\n")
+            try:
+                live = bool(self.is_live())
+            except Exception:
+                log.exception("liveness check failed")
+                live = False
+            self._reply(200 if live else 503, b"ok\n" if live else b"cannot serve\n")
         elif path == "/ready":
             try:
                 ok = bool(self.is_ready())
@@ -227,7 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _make_handler(
-    render: Callable[[], bytes] | None, ready: Callable[[], bool], web_watch: WebConfigWatch | None
+    render: Callable[[], bytes] | None, ready: Callable[[], bool], web_watch: WebConfigWatch | None,
+    live: Callable[[], bool],
 ) -> type[_Handler]:
     class Handler(_Handler):
         waiting = render is None
@@ -238,6 +247,9 @@ def _make_handler(
 
         def is_ready(self) -> bool:
             return ready()
+
+        def is_live(self) -> bool:
+            return live()
 
     return Handler
 
@@ -260,12 +272,15 @@ def _serve(address: str, handler: type[BaseHTTPRequestHandler]) -> tuple[_Metric
 
 class HttpEndpoints:
     """The metrics listener and the probe listener of ``config``. ``.port`` and
-    ``.probe_port`` are the bound ports once started."""
+    ``.probe_port`` are the bound ports once started. ``/ready`` answers ``ready()``,
+    ``/health`` ``live()`` (200 while True, else 503)."""
 
-    def __init__(self, config: Config, render: Callable[[], bytes] | None, ready: Callable[[], bool]) -> None:
+    def __init__(self, config: Config, render: Callable[[], bytes] | None, ready: Callable[[], bool],
+                 live: Callable[[], bool] = lambda: True) -> None:
         self.config = config
         self.render = render
         self.ready = ready
+        self.live = live
         self.port: int | None = None
         self.probe_port: int | None = None
         self.tls = False
@@ -279,11 +294,11 @@ class HttpEndpoints:
         web = WebConfigWatch(load_web_config(self.config.web_config_file)) if self.config.web_config_file else None
         self.tls = web is not None and web.current().context is not None
         try:
-            self._probes = ProbeServer(probe_address_of(self.config), self.ready)
+            self._probes = ProbeServer(probe_address_of(self.config), self.ready, self.live)
             self._probes.start()
             self.probe_port = self._probes.port
             self._server, self._thread = _serve(
-                self.config.metrics_address, _make_handler(self.render, self.ready, web)
+                self.config.metrics_address, _make_handler(self.render, self.ready, web, self.live)
             )
         except BaseException:
             self.stop()

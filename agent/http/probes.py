@@ -52,14 +52,24 @@ def _response(status: int, body: bytes, head_only: bool = False) -> bytes:
     return head if head_only else head + body
 
 
-class ProbeServer:
-    """Serves ``GET``/``HEAD`` ``/health`` (200 while the process serves) and ``/ready``
-    (200 when ``ready()`` is True, else 503) on ``address`` (``HOST:PORT``; port 0 picks a
-    free one, see ``.port``)."""
+def _answer(check: Callable[[], bool], what: str) -> bool:
+    """``check()``; False when it raises (logged with its traceback: a bug)."""
+    try:
+        return bool(check())
+    except Exception:
+        log.exception("%s check failed", what)
+        return False
 
-    def __init__(self, address: str, ready: Callable[[], bool]) -> None:
+
+class ProbeServer:
+    """Serves ``GET``/``HEAD`` ``/health`` (200 while ``live()`` is True, else 503) and
+    ``/ready`` (200 when ``ready()`` is True, else 503) on ``address`` (``HOST:PORT``; port 0
+    picks a free one, see ``.port``)."""
+
+    def __init__(self, address: str, ready: Callable[[], bool], live: Callable[[], bool] = lambda: True) -> None:
         self.address = address
         self.ready = ready
+        self.live = live
         self.port: int | None = None
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -167,20 +177,14 @@ class ProbeServer:
             return
         head_only = method == b"HEAD"
         if path == b"/health":
-            reply = _response(200, b"ok\n", head_only)
+            ok = _answer(self.live, "liveness")
+            reply = _response(200 if ok else 503, b"ok\n" if ok else b"cannot serve\n", head_only)
         elif path == b"/ready":
-            ok = self._is_ready()
+            ok = _answer(self.ready, "readiness")
             reply = _response(200 if ok else 503, b"ready\n" if ok else b"not ready\n", head_only)
         else:
             reply = _response(404, b"not found: the probe port serves /health and /ready\n", head_only)
         self._send_and_drop(conn, reply)
-
-    def _is_ready(self) -> bool:
-        try:
-            return bool(self.ready())
-        except Exception:
-            log.exception("readiness check failed")
-            return False
 
     def _send_and_drop(self, conn: socket.socket, reply: bytes) -> None:
         try:

@@ -30,6 +30,13 @@ retried with capped exponential backoff, and its end said once; a round that fai
 unexpectedly is said once per distinct error (with its traceback) and retried with backoff.
 Then the owner's ``after_round`` (the device plugin registers there).
 
+A socket the owner could not serve itself (a reload's new server whose start failed) is
+handed over with :meth:`SocketKeeper.unserved` and served the same way. :meth:`SocketKeeper.serving`
+is the owner's liveness: False once a kept socket has failed to be served for ``limit_s``
+(the kubelet's directory present; a socket another live server holds does not count: never
+fight), or once the keeper's thread is gone: a pod that cannot serve its GPUs is restarted
+instead of staying unready forever.
+
 Log lines go to the owner's logger (``log``): they are about the owner's sockets.
 """
 
@@ -49,7 +56,11 @@ from agent.kubelet.unix_server import SocketInUseError
 from agent.retry import Backoff, Outage
 from agent.worker import Worker
 
-__all__ = ["Served", "SocketKeeper"]
+__all__ = ["UNSERVED_LIMIT_S", "Served", "SocketKeeper"]
+
+#: Seconds a kept socket may fail to be served before the owner reports itself not alive
+#: (``/health`` 503, so the kubelet's liveness probe restarts the pod).
+UNSERVED_LIMIT_S = 30.0
 
 
 class Served(Protocol):
@@ -73,6 +84,7 @@ class _Kept:
     backoff: Backoff
     next_s: float = 0.0
     taken: bool = False  # another live server holds the path (said once until it is free)
+    failing_since: float | None = None  # monotonic seconds: serving it fails since then
 
 
 @dataclass
@@ -127,6 +139,10 @@ class SocketKeeper(Worker):
         self._kubelet = _KubeletWatch()  # the keeper's thread only
         self._round_outage = Outage(log, f"{name} round", level=logging.ERROR, per_reason=True)
         self._round_backoff = Backoff(poll_s, self.max_backoff_s)
+        # when the longest failure to serve a kept socket began (None: none fails); written
+        # by the keeper's thread at the end of each round, read by :meth:`serving`
+        self._unserved_since: float | None = None
+        self._started = False
 
     @property
     def kubelet_socket(self) -> str | None:
@@ -145,6 +161,28 @@ class SocketKeeper(Worker):
                   Backoff(self.poll_s, self.max_backoff_s))
             for s, name in zip(servers, names)
         ]
+
+    def unserved(self, server: Served, reason: str) -> None:
+        """``server`` (kept) could not be served by its owner: said once, served with backoff
+        from now on. Called on the keeper's thread (in ``before_round``)."""
+        now = time.monotonic()
+        for kept in self._kept:
+            if kept.server is server:
+                kept.outage.failed(reason)
+                kept.next_s = now + kept.backoff.next()
+                kept.failing_since = kept.failing_since or now
+
+    def serving(self, limit_s: float = UNSERVED_LIMIT_S) -> bool:
+        """False when the keeper's thread, once started, is gone, or a kept socket has
+        failed to be served for ``limit_s`` seconds or more (see the module). Never waits."""
+        if self._started and not self._stop.is_set() and not self.alive():
+            return False
+        since = self._unserved_since
+        return since is None or time.monotonic() - since < limit_s
+
+    def start(self) -> None:
+        self._started = True
+        super().start()
 
     def follow_kubelet(self, kubelet_dir: str | None) -> None:
         """Watch this kubelet directory from the next round (a reload moved it). Called
@@ -180,13 +218,20 @@ class SocketKeeper(Worker):
         if self._before_round is not None:
             self._before_round()
         present = self._watch_kubelet()
+        kept_now = list(self._kept)
         if self._kubelet_dir_present(present):
             now = time.monotonic()
-            for kept in list(self._kept):
+            for kept in kept_now:
                 if self._stop.is_set():
                     return
-                if not kept.server.socket_present() and now >= kept.next_s:
+                if kept.server.socket_present():
+                    kept.failing_since = None
+                elif now >= kept.next_s:
                     self._serve_again(kept, now)
+        else:  # waiting for the kubelet is no failure to serve
+            for kept in kept_now:
+                kept.failing_since = None
+        self._unserved_since = min((k.failing_since for k in kept_now if k.failing_since is not None), default=None)
         if self._after_round is not None and not self._stop.is_set():
             self._after_round(present)
 
@@ -273,13 +318,16 @@ class SocketKeeper(Worker):
             if not kept.taken:
                 self.log.error("%s; not serving it until it is gone", exc)
             kept.taken = True
+            kept.failing_since = None  # another owner serves it: never fought over
             return
         except AgentError as exc:
             kept.outage.failed(str(exc))
             kept.next_s = now + kept.backoff.next()
+            kept.failing_since = kept.failing_since or now
             return
         kept.outage.recovered()
         kept.backoff.reset()
         kept.taken = False
+        kept.failing_since = None
         if self._on_served is not None:
             self._on_served(server)

@@ -12,7 +12,9 @@ soon as it sees the file is never refused; the plugin watcher ignores names that
 ``.``, as its ``handleCreateEvent`` does), and a stale file is replaced in the same step.
 It also keeps gRPC's own clean-up off the real name: its listener unlinks the path it bound
 when it stops, whoever's file stands there by then (another server's, after it took the
-name), and that path is the staging name, long renamed away.
+name), and that path is the staging name, long renamed away. A kubelet restart that clears
+the directory between the bind and the rename takes the staged socket with it: the rename
+fails (ENOENT) and a new socket is bound, a few times, before the start fails.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 #: sun_path's size on Linux: a socket path must be shorter (its NUL included).
 MAX_SOCKET_PATH = 108
 _STAGED = itertools.count()
+#: Binds tried when the directory is cleared between a bind and its rename, before giving up
+#: (the owner's keeper tries again later).
+_STAGE_TRIES = 3
 
 
 class SocketInUseError(AgentError):
@@ -93,6 +98,23 @@ class UnixGrpcServer:
         if socket_in_use(self.path):
             raise SocketInUseError(f"{self.path}: {self._in_use}")
         directory = os.path.dirname(self.path) or "."
+        for attempt in range(1, _STAGE_TRIES + 1):
+            server = self._serve_staged(directory)
+            if server is not None:
+                break
+            # the directory was cleared between the bind and the rename (a kubelet restart
+            # removes every file in it): the staged socket is gone, bind a new one
+            log.debug("%s: the staged socket vanished before its rename (try %d)", self.path, attempt)
+        else:
+            raise AgentError(f"cannot serve on {self.path}: its directory was cleared {_STAGE_TRIES} times in a row"
+                             " while the socket was being bound")
+        self._server = server
+        self._identity = _identity(self.path)
+
+    def _serve_staged(self, directory: str) -> grpc.Server | None:
+        """Bind a new server under a staging name in ``directory``, start it and rename it to
+        ``path``; None when the staged socket vanished before the rename (the directory was
+        cleared meanwhile). AgentError when it cannot bind or the rename fails otherwise."""
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:  # a regular file in its place, a read-only mount
@@ -111,11 +133,13 @@ class UnixGrpcServer:
         server.start()
         try:  # the name appears at once, already listening, and replaces a stale file
             os.rename(staged, self.path)
+        except FileNotFoundError:
+            server.stop(0)
+            return None
         except OSError as exc:  # a directory in its place: not ours to delete
             server.stop(0)
             raise AgentError(f"cannot serve on {self.path}: {exc.strerror}") from exc
-        self._server = server
-        self._identity = _identity(self.path)
+        return server
 
     def socket_present(self) -> bool:
         """True while our socket file is still in place (the kubelet removes it on restart)."""

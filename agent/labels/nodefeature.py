@@ -25,8 +25,8 @@ works again (:class:`agent.retry.Outage`), and :meth:`NodeFeatureSink.write` rai
 with the feature file: a DaemonSet's rollout waits for its new pods to be ready, so an agent
 that cannot publish its labels (RBAC missing, NFD not installed, the API server away) holds
 the rollout instead of spreading over the nodes; labels published before an outage stay on
-the node meanwhile. The next write (the daemon re-asserts every ``label_interval_s``) tries
-again.
+the node meanwhile. The publisher tries again with backoff
+(:mod:`agent.labels.publishing`), then every ``label_interval_s`` once a write works.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class NodeFeatureSink:
         self.where = f"NodeFeature {namespace}/{self.name}"
         # said once per ApiCallError.state, the recovery once
         self._outage = Outage(log, f"publishing the labels as {self.where}", level=logging.ERROR, per_reason=True,
-                              retrying="retrying with every re-assertion")
+                              retrying="not ready; retrying with backoff")
 
     @classmethod
     def from_config(cls, config: Config) -> NodeFeatureSink:

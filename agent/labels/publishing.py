@@ -3,11 +3,14 @@ topology, re-asserted every ``config.label_interval_s`` (a file deleted or edite
 agent's back, or a removed features directory, comes back), withdrawn on a clean stop.
 
 A failed write, whichever the sink, is counted (``count_error``: the agent's
-``gpu_agent_label_write_errors_total``) and makes :meth:`LabelPublisher.ready` False until a
-write succeeds. A feature file that cannot be written is logged here once per outage and the
-recovery once (:class:`agent.retry.Outage`); the NodeFeature sink says its API-server failures
-itself, once per change of state, and raises :class:`agent.errors.LabelWriteError`. Called
-from the daemon's main thread only.
+``gpu_agent_label_write_errors_total``), makes :meth:`LabelPublisher.ready` False until a
+write succeeds, and is tried again with capped exponential backoff (``RETRY_INITIAL_S``
+doubling up to ``RETRY_MAX_S``, never later than the interval), so the node is ready again
+within seconds of the API server or the directory working again; after a write that works
+the interval resumes. A feature file that cannot be written is logged here once per outage
+and the recovery once (:class:`agent.retry.Outage`); the NodeFeature sink says its API-server
+failures itself, once per change of state, and raises :class:`agent.errors.LabelWriteError`.
+Called from the daemon's main thread only.
 """
 
 from __future__ import annotations
@@ -21,10 +24,19 @@ from agent.errors import LabelWriteError
 from agent.labels import compute_labels
 from agent.labels.gfd import TIMESTAMP_LABEL
 from agent.labels.sinks import LabelSink
-from agent.retry import Outage
+from agent.retry import Backoff, Outage
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
+
+#: Seconds before a failed label write is tried again the first time; doubled after each
+#: failure up to ``RETRY_MAX_S`` (and never more than the label interval).
+RETRY_INITIAL_S = 1.0
+RETRY_MAX_S = 16.0
+
+
+#: What the outage lines of a failed label write say about what happens next.
+RETRYING = f"not ready; retrying in {RETRY_INITIAL_S:g} s, doubling up to {RETRY_MAX_S:g} s"
 
 
 class LabelPublisher:
@@ -50,9 +62,10 @@ class LabelPublisher:
         self._served: tuple[Topology, Config] | None = None
         # a write this publisher failed: said once, the recovery once
         self._outage = Outage(log, f"writing labels to {sink.where}", level=logging.ERROR,
-                              recovered_level=logging.WARNING, retrying="not ready; retrying with every re-assertion")
+                              recovered_level=logging.WARNING, retrying=RETRYING)
         # the last write failed in the sink, which said why itself (readiness only, no log line)
         self._sink_failing = False
+        self._retry = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
         self._logged: dict[str, str] = {}  # the labels last reported in the log
         #: when the next re-assertion is due (``clock`` seconds); infinite before the first write
         self.due_s = float("inf")
@@ -60,18 +73,20 @@ class LabelPublisher:
     def publish(self, topology: Topology, config: Config) -> None:
         """Write the labels of (topology, config) now, and re-assert them from now on."""
         self._served = (topology, config)
-        self.due_s = self._clock() + config.label_interval_s
+        now = self._clock()
+        self.due_s = now + config.label_interval_s
         labels = compute_labels(topology, config, self._wall_clock())
         try:
             changed = self.sink.write(labels)
         except LabelWriteError:  # the sink said why
             self._sink_failing = True
-            self._count_error()
+            self._failed(now, config)
             return
         except OSError as exc:
             self._outage.failed(str(exc.strerror or exc))
-            self._count_error()
+            self._failed(now, config)
             return
+        self._retry.reset()
         if changed:
             # GFD's timestamp moves with every write: say so only when a label changed
             facts = {k: v for k, v in labels.items() if k != TIMESTAMP_LABEL}
@@ -81,8 +96,16 @@ class LabelPublisher:
         self._outage.recovered()
         self._sink_failing = False
 
+    def _failed(self, now: float, config: Config) -> None:
+        """Count a failed write and try again after the next backoff delay."""
+        self._count_error()
+        delay_s = min(self._retry.next(), config.label_interval_s)
+        self.due_s = now + delay_s
+        log.debug("labels: next write in %.1f s", delay_s)
+
     def maintain(self) -> None:
-        """Re-assert the labels last published once ``label_interval_s`` has passed."""
+        """Re-assert the labels last published once ``label_interval_s`` has passed (after a
+        failed write: once its backoff delay has)."""
         if self._served is not None and self._clock() >= self.due_s:
             self.publish(*self._served)
 

@@ -23,6 +23,7 @@ import tempfile
 from typing import Mapping, Protocol
 
 from agent.config import Config
+from agent.files import TEMP_SUFFIX, remove_stale_temps, temp_prefix
 from agent.labels import format_labels
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class FeatureFileSink:
         self.path = os.path.join(features_dir, filename)
         self.where = features_dir
         self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we wrote
+        self._swept = False  # the temp files of interrupted writes are removed before the first
 
     def _lstat(self) -> os.stat_result | None:
         try:
@@ -115,7 +117,12 @@ class FeatureFileSink:
                 self.path,
             )
         os.makedirs(self.features_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.filename}.", dir=self.features_dir)
+        if not self._swept:  # before this process writes one: only a killed one's are left
+            self._swept = True
+            removed = remove_stale_temps(self.features_dir, lambda name: name == self.filename)
+            if removed:
+                log.info("%s: removed %d temp file(s) of interrupted writes", self.features_dir, removed)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(self.filename), suffix=TEMP_SUFFIX, dir=self.features_dir)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

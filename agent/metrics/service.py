@@ -10,7 +10,7 @@ through :class:`agent.http.endpoints.HttpEndpoints`:
 and basic auth when one is given, and the probes on their own listener (``.probe_port``):
 
 - ``/metrics``: Prometheus text format of the latest snapshot; never calls NVML.
-- ``/health``: 200 while the process is alive (liveness).
+- ``/health``: 200 while ``live()`` is True (liveness: the daemon's servers can serve).
 - ``/ready``: 200 when ``ready()`` is True (registered with the kubelet, topology read),
   else 503 (readiness).
 """
@@ -54,12 +54,14 @@ class MetricsService:
         ready: Callable[[], bool],
         agent_metrics: AgentMetrics,
         clock: Callable[[], float] = time.time,
+        live: Callable[[], bool] = lambda: True,
     ) -> None:
         self.backend = backend
         self.topology = topology
         self.config = config
         self.hostname = hostname
         self.ready = ready
+        self.live = live
         self.agent_metrics = agent_metrics
         self.registry = agent_metrics.registry
         # GPU processes -> pods: the cgroups under the host's /proc, the runtime's CRI
@@ -122,7 +124,7 @@ class MetricsService:
         """Bind the metrics and probe listeners (raises ValueError for a bad address, OSError
         when a port is taken, ConfigError for a bad web configuration), then start sampling
         and pod attribution."""
-        self._http = HttpEndpoints(self.config, self.render, self.ready)
+        self._http = HttpEndpoints(self.config, self.render, self.ready, self.live)
         self._http.start()
         self.port, self.probe_port = self._http.port, self._http.probe_port
         self.sampler.start()
