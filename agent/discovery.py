@@ -43,9 +43,9 @@ def open_backend(
     """The backend for ``simulate`` (a simulated machine, returned too so the caller can
     close it) or for this node's NVML and sysfs under ``sysfs_root``; not yet initialised."""
     if simulate:
-        from agent.hw.sim.machines import SimulatedMachine
+        from agent.hw.sim.machines import open_simulated
 
-        sim = SimulatedMachine(load_spec(simulate))
+        sim = open_simulated(load_spec(simulate))
         return sim.backend(), sim
     from agent.hw.nvml.backend import NvmlBackend
     from agent.hw.sysfs import SysfsReader

@@ -236,7 +236,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
 
 
-def open_simulated(machine: str) -> SimulatedMachine:
-    """Open ``machine`` (built-in name, spec file or pasted topo matrix) as a
-    :class:`SimulatedMachine`."""
-    return SimulatedMachine(load_spec(machine))
+def open_simulated(machine: str | MachineSpec) -> SimulatedMachine:
+    """Open ``machine`` (built-in name, spec file or pasted topo matrix, or a spec read
+    elsewhere: :func:`agent.discovery.load_spec`) as a :class:`SimulatedMachine`."""
+    return SimulatedMachine(load_spec(machine) if isinstance(machine, str) else machine)
