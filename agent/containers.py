@@ -38,9 +38,9 @@ from typing import Mapping, Sequence
 
 from agent.config import Config
 from agent.errors import ConfigError
-from agent.ncclfiles import NCCL_TOPO_FILE_ENV, NICS_ENV, NcclFile, nic_envs
+from agent.nccl.container_file import nearest_nics
+from agent.nccl.host_dir import NCCL_TOPO_FILE_ENV, NICS_ENV, NcclFile, nic_envs
 from agent.topology.model import Gpu, MigDevice, Topology
-from agent.topology.nccl_file import nearest_nics
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.nvml.backend import NvmlBackend
     from agent.hw.protocols import FactsReader
     from agent.hw.sim.machines import SimulatedMachine
+    from agent.hw.sim.spec_model import MachineSpec
+
+
+def load_spec(machine: str) -> MachineSpec:
+    """The machine spec of ``MACHINE``: :func:`agent.hw.sim.machines.load_spec`'s, or for an
+    NCCL topology file the spec of the VM it describes (module docstring). InputFormatError
+    (exit 2) for an unknown name or an unreadable or invalid file."""
+    from agent.hw.sim import machines
+
+    if not machines.is_nccl_file(machine):
+        return machines.load_spec(machine)
+    from agent.hw.sim.from_facts import spec_from_facts
+    from agent.nccl.node_file import read_nccl_topology
+
+    facts = read_nccl_topology(machine).facts
+    machines.check_gpu_count(len(facts.gpus), machine)
+    return replace(spec_from_facts(facts, name=machines.machine_name(machine)), nccl_file=machine)
 
 
 def open_backend(
@@ -28,7 +45,7 @@ def open_backend(
     if simulate:
         from agent.hw.sim.machines import open_simulated
 
-        sim = open_simulated(simulate)
+        sim = open_simulated(load_spec(simulate))
         return sim.backend(), sim
     from agent.hw.nvml.backend import NvmlBackend
     from agent.hw.sysfs import SysfsReader
@@ -38,19 +55,18 @@ def open_backend(
 
 def read_topology(backend: FactsReader, sim: SimulatedMachine | None, nccl_file: str = "") -> Topology:
     """The topology an initialised backend reads; a simulated machine adds the notes of
-    what its spec synthesised. With ``nccl_file`` (``topology.ncclTopologyFile``), that NCCL
-    topology file's placement is laid over the GPUs read, matched by bus ID
-    (:func:`agent.hw.nccl_topo.overlay_nccl_topology`; NcclTopologyError, exit 2, when
-    they are not the same GPUs)."""
+    what its spec synthesised. With ``nccl_file`` (``topology.ncclTopologyFile``; for a
+    simulated NCCL file, that file), that NCCL topology file's placement is laid over the
+    GPUs read, matched by bus ID (:func:`agent.nccl.node_file.overlay_nccl_topology`;
+    NcclTopologyError, exit 2, when they are not the same GPUs)."""
     facts = backend.read_facts(source=f"simulated:{sim.name}" if sim is not None else "nvml")
+    nccl_file = nccl_file or (sim.spec.nccl_file if sim is not None else "")
     if nccl_file:
-        from agent.hw.nccl_topo import overlay_nccl_topology, read_nccl_topology
+        from agent.nccl.node_file import overlay_nccl_topology, read_nccl_topology
 
         facts = overlay_nccl_topology(facts, read_nccl_topology(nccl_file))
     if sim is not None and sim.spec.notes:
         facts = replace(facts, notes=(*sim.spec.notes, *facts.notes))
-    if sim is not None and sim.spec.nccl_topology is not None:
-        facts = replace(facts, nccl_topology=sim.spec.nccl_topology)
     return Topology.from_facts(facts)
 
 

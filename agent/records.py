@@ -131,25 +131,6 @@ class Nic:
     pcie_root: str | None = None  # the PCIe root complex it hangs from, "pci0000:17" (sysfs)
 
 
-@dataclass(frozen=True)
-class XmlElement:
-    """One element of an NCCL topology file as read (``agent.hw.nccl_topo``): its tag, its
-    attributes in file order, its children and the 1-based line it starts on. Kept in
-    :class:`NodeFacts` so a file written for a pod can be the matching part of the node's."""
-
-    name: str
-    attrs: tuple[tuple[str, str], ...] = ()
-    children: tuple["XmlElement", ...] = ()
-    line: int = 0
-
-    def get(self, key: str) -> str | None:
-        """The value of attribute ``key`` (the first one, as NCCL looks it up), or None."""
-        for k, v in self.attrs:
-            if k == key:
-                return v
-        return None
-
-
 def synthetic_gpu_uuid(machine: str, index: int) -> str:
     """The stable, realistic-looking UUID given to GPU ``index`` of ``machine`` when the input
     names none (a machine spec without ``uuid``, a pasted ``nvidia-smi topo -m``): a UUIDv5
@@ -175,8 +156,6 @@ class NodeFacts:
     machine: str | None = None  # DMI product name, e.g. "DGX H100"
     source: str = ""  # "nvml", "simulated:dgx-h100", "topo-matrix:/path"
     notes: tuple[str, ...] = ()  # what was inferred rather than read
-    #: the NCCL topology file the node's topology came from (its ``<system>`` element), or None
-    nccl_topology: XmlElement | None = None
 
 
 #: How time-sliced replicas are placed (``flags.sharedDevicesAllocationPolicy``, the

@@ -39,10 +39,10 @@ from agent.config import Config  # noqa: E402
 from agent.deviceplugin.allocation import RequestHandler  # noqa: E402
 from agent.deviceplugin.resources import build_resources  # noqa: E402
 from agent.discovery import load_topology  # noqa: E402
-from agent.ncclfiles import NcclFiles, allocation_key  # noqa: E402
+from agent.nccl.container_file import nccl_topology_xml  # noqa: E402
+from agent.nccl.host_dir import NcclFiles, allocation_key  # noqa: E402
 from agent.records import Gpu, Link, Nic, PcieLevel  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from agent.topology.nccl_file import nccl_topology_xml  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -301,7 +301,7 @@ def _agent_shutdown_budget_s() -> float:
 
 
 def test_every_hostpath_the_agent_needs_is_mounted_where_its_defaults_look(rendered: Rendered) -> None:
-    from agent.ncclfiles import host_dir_of
+    from agent.nccl.host_dir import host_dir_of
 
     defaults = Config()
     needed = {
@@ -350,7 +350,7 @@ def test_only_tmp_and_the_agents_output_directories_are_writable(rendered: Rende
         path: volume for path, (mount, volume) in _mounts_by_path(rendered).items()
         if not mount.get("readOnly", False)
     }
-    from agent.ncclfiles import host_dir_of
+    from agent.nccl.host_dir import host_dir_of
 
     assert set(writable) == {defaults.kubelet_dir, defaults.features_dir, "/tmp", host_dir_of(defaults)}
     assert "emptyDir" in writable["/tmp"] and writable["/tmp"]["emptyDir"].get("sizeLimit")
@@ -565,7 +565,7 @@ def test_dra_deployment_mounts_the_kubelet_plugin_directories_and_the_cdi_direct
         assert volume["hostPath"] == {"path": path, "type": kind}
     # the base's mounts are all still there, but the NCCL files' directory: in DRA mode the
     # containers' NCCL topology files go under plugins/<driver>/nccl
-    from agent.ncclfiles import host_dir_of
+    from agent.nccl.host_dir import host_dir_of
 
     base = set(_mounts_by_path(rendered)) - {host_dir_of(defaults)}
     assert host_dir_of(dataclasses.replace(defaults, mode="dra")).startswith(defaults.plugins_dir + "/")

@@ -1,4 +1,4 @@
-"""The NCCL topology file a container gets (``agent.topology.nccl_file``): for every built-in
+"""The NCCL topology file a container gets (``agent.nccl.container_file``): for every built-in
 machine with NICs and every size, NCCL's reader (the stand-in ``nccl_standin``) takes it, it
 holds exactly the GPUs and their nearest NICs with the node's hierarchy, and read back as a
 topology it gives the same facts for those GPUs; on a node whose topology came from an NCCL
@@ -6,20 +6,24 @@ file it is the matching part of that file."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 from pathlib import Path
 
 import nccl_standin
 import pytest
 
 from agent.discovery import load_topology
-from agent.hw.nccl_topo import parse_nccl_topology
+from agent.formats import nvml_to_sysfs_bus_id as nccl_bus_id
 from agent.hw.sim.machines import BUILTIN_MACHINES
+from agent.nccl.container_file import nccl_topology_xml, nearest_nics
+from agent.nccl.node_file import parse_nccl_topology, read_nccl_topology
 from agent.records import PcieLevel
-from agent.topology.nccl_file import nccl_bus_id, nccl_topology_xml, nearest_nics
 
 NCCL = Path(__file__).parent / "fixtures" / "nccl"
 WITH_NICS = [m for m in BUILTIN_MACHINES if load_topology(m).nics]
-# what a file can say (module docstring of agent.hw.nccl_topo): a board is one switch, and a
+# what a file can say (module docstring of agent.nccl.node_file): a board is one switch, and a
 # host bridge is not told from the NUMA node
 FOLD = {PcieLevel.BOARD: PcieLevel.PIX, PcieLevel.PHB: PcieLevel.NODE}
 
@@ -64,7 +68,7 @@ def test_every_size_passes_ncclss_reader_with_exactly_the_gpus_and_nearest_nics(
 def test_a_written_file_read_back_gives_the_same_facts_for_those_gpus(machine):
     topo = load_topology(machine)
     for gpus in gpu_sets(topo.gpu_count):
-        back = parse_nccl_topology(nccl_topology_xml(topo, gpus), "pod.xml")
+        back = parse_nccl_topology(nccl_topology_xml(topo, gpus), "pod.xml").facts
         assert [nccl_bus_id(g.pci_bus_id) for g in back.gpus] == sorted(
             nccl_bus_id(topo.gpus[i].pci_bus_id) for i in gpus)
         order = sorted(gpus, key=lambda i: nccl_bus_id(topo.gpus[i].pci_bus_id))  # NVML's order
@@ -91,7 +95,7 @@ def test_nearest_nics_are_the_switch_then_root_complex_then_numa_node():
 
 def test_on_a_node_read_from_an_nccl_file_the_pods_file_is_its_matching_part():
     topo = load_topology(str(NCCL / "azure-ndv5-h100.xml"))
-    text = nccl_topology_xml(topo, [1, 5])
+    text = nccl_topology_xml(topo, [1, 5], node_file=read_nccl_topology(NCCL / "azure-ndv5-h100.xml"))
     system = nccl_standin.load(text)
     assert system.gpus == {"0002:00:00.0": ("0", ("ffff:ff:02.0",)), "000a:00:00.0": ("1", ("ffff:ff:06.0",))}
     assert system.nics == {"0102:00:00.0": ("0", ("ffff:ff:02.0",)), "0106:00:00.0": ("1", ("ffff:ff:06.0",))}
@@ -102,11 +106,12 @@ def test_on_a_node_read_from_an_nccl_file_the_pods_file_is_its_matching_part():
 
 def test_a_full_dump_loses_dev_and_rank_and_keeps_the_rest():
     topo = load_topology(str(NCCL / "azure-ncv4-a100.xml"))
-    text = nccl_topology_xml(topo, [2])
+    node_file = read_nccl_topology(NCCL / "azure-ncv4-a100.xml")
+    text = nccl_topology_xml(topo, [2], node_file=node_file)
     system = nccl_standin.load(text)  # refuses dev/rank
     assert list(system.gpus) == ["0003:00:00.0"] and system.nics == {}
     assert '<gpu sm="80" gdr="1">' in text and 'affinity="000000ff,ffff0000,00000000"' in text
-    with_nic = nccl_standin.load(nccl_topology_xml(topo, [0]))
+    with_nic = nccl_standin.load(nccl_topology_xml(topo, [0], node_file=node_file))
     assert with_nic.nics == {"eth0": ("0", ())}
 
 
@@ -148,3 +153,77 @@ def test_the_example_claim_pairs_a_gpu_with_a_nic_by_the_pcie_root_our_slices_pu
     roots = [d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
              for s in slices for d in s["spec"].get("devices", []) if "resource.kubernetes.io/pcieRoot" in d.get("attributes", {})]
     assert len(roots) == 8 and all(r.startswith("pci") for r in roots)
+
+
+# ----------------------------------------------------------------------------- cloud VM files
+SHARED_NCCL = Path(__file__).parent.parent.parent / "shared" / "data" / "nccl"
+NODE_FILES = sorted(NCCL.glob("*.xml")) + sorted(SHARED_NCCL.glob("*.xml") if SHARED_NCCL.is_dir() else [])
+
+
+def node_view(path: Path) -> nccl_standin.System:
+    """What NCCL builds from the node's own file (``dev`` and ``rank``, which a container's
+    file must not carry, taken out first)."""
+    return nccl_standin.load(re.sub(r' (dev|rank)="[^"]*"', "", path.read_text()))
+
+
+def test_there_are_node_files_with_gpus_of_several_domains_under_one_switch():
+    view = node_view(NCCL / "azure-ndv4-a100.xml")
+    assert view.gpus["0003:00:00.0"] == view.gpus["0004:00:00.0"] == ("0", ("ffff:ff:01.0",))
+    assert len(NODE_FILES) >= 4
+
+
+def test_discover_keeps_the_files_bus_ids_of_gpus_and_nics(capsys):
+    from agent import cli
+
+    assert cli.main(["discover", "--simulate", str(NCCL / "azure-ndv4-a100.xml"), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [g["pci_bus_id"] for g in doc["gpus"]] == [
+        f"0000000{d}:00:00.0" for d in "1234BCDE"]  # NVML's spelling and order of the file's IDs
+    nics = {n["pci_bus_id"]: n for n in doc["nics"]}
+    assert sorted(nics) == [f"010{k}:00:00.0" for k in range(1, 9)]
+    gpu = {g["pci_bus_id"]: g["index"] for g in doc["gpus"]}
+    # GPUs 0003 and 0004 share the switch ffff:ff:01.0 with NICs 0103 and 0104
+    assert {(k["a"], k["b"]): k["pcie"] for k in doc["links"]}[(gpu["00000003:00:00.0"], gpu["00000004:00:00.0"])] == "PIX"
+    for nic in ("0103:00:00.0", "0104:00:00.0"):
+        pix = [i for i, lv in enumerate(nics[nic]["levels"]) if lv == "PIX"]
+        assert pix == sorted([gpu["00000003:00:00.0"], gpu["00000004:00:00.0"]])
+    cli.main(["discover", "--simulate", str(NCCL / "azure-ndv4-a100.xml")])
+    table = capsys.readouterr().out
+    assert "00000003:00:00.0" in table and "0103:00:00.0" in table and "00000000:01:00.0" not in table
+
+
+def gpu_subsets(n: int):
+    for k in range(1, n + 1):
+        yield from itertools.combinations(range(n), k)
+
+
+@pytest.mark.parametrize("path", NODE_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_gpu_subsets_file_holds_exactly_its_gpus_and_their_nics_on_the_files_paths(path):
+    """On a node with this NCCL file (``topology.ncclTopologyFile``) the container's file is
+    the matching part of it; simulated (``--simulate FILE``), it is built from the facts:
+    either way NCCL finds exactly the container's GPUs and their nearest NICs, a GPU under
+    the file's switch with its NICs."""
+    topo = load_topology(str(path))
+    node_file = read_nccl_topology(path)
+    view = node_view(path)
+    bus = {g.index: nccl_bus_id(g.pci_bus_id) for g in topo.gpus}
+    for gpus in gpu_subsets(topo.gpu_count):
+        nics = nearest_nics(topo, gpus)
+        nic_keys = {nccl_bus_id(n.pci_bus_id) if n.pci_bus_id else n.name for n in nics}
+        echoed = nccl_standin.load(nccl_topology_xml(topo, gpus, node_file=node_file))
+        assert echoed.gpus == {bus[i]: view.gpus[bus[i]] for i in gpus}, (path.name, gpus)
+        assert echoed.nics == {k: view.nics[k] for k in nic_keys}, (path.name, gpus)
+        built = nccl_standin.load(nccl_topology_xml(topo, gpus))
+        assert set(built.gpus) == {bus[i] for i in gpus}, (path.name, gpus)
+        assert set(built.nics) == {k for k in nic_keys if ":" in k}  # a NIC without a bus ID: NCCL finds it
+        for g, (numa, switches) in built.gpus.items():
+            assert numa == view.gpus[g][0]
+            for n, (_, nic_switches) in built.nics.items():  # on the file's switch <=> on one here
+                assert (switches == nic_switches != ()) == (view.gpus[g][1] == view.nics[n][1] != ())
+
+
+def test_a_node_file_without_the_containers_gpus_is_not_echoed():
+    topo = load_topology(str(NCCL / "azure-ndv4-a100.xml"))
+    other = read_nccl_topology(NCCL / "azure-ndv5-h100.xml")  # no GPU 000d/000e
+    system = nccl_standin.load(nccl_topology_xml(topo, [6, 7], node_file=other))
+    assert set(system.gpus) == {"000d:00:00.0", "000e:00:00.0"}

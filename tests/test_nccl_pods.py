@@ -21,7 +21,7 @@ from agent._proto import podresources_v1_pb2 as pr
 from agent.config import Config, TimeSlicingResource
 from agent.demo.kubelet import PodResourcesStub
 from agent.discovery import load_topology
-from agent.topology.nccl_file import nccl_bus_id
+from agent.formats import nvml_to_sysfs_bus_id as nccl_bus_id
 
 MOUNT = "/etc/nccl/topology.xml"
 
@@ -196,8 +196,8 @@ def test_a_claims_nic_from_a_network_driver_goes_into_its_file(tmp_path):
 
 
 def test_the_file_writer_leaves_no_thread_behind_once_its_files_are_written(node, tmp_path):
-    """Each resource's handler (new on every reload) has its own writer: it must end when its
-    queue is empty, or every reload that allocates leaves a thread behind."""
+    """The files' writer thread ends when its queue is empty: nothing has to stop it when
+    the files' owner goes (a reload to another host directory, the agent stopping)."""
     import threading
 
     topo = load_topology("dgx-h100")
@@ -224,3 +224,41 @@ def test_a_kubelet_that_cannot_be_asked_is_said_once_and_files_stay(node, tmp_pa
             if r.levelno >= logging.WARNING and "pod-resources List" in r.getMessage()]
     assert len(said) == 1 and "none removed until it answers" in said[0], said
     assert len(os.listdir(tmp_path / "nccl")) == 1
+
+
+def test_a_sweep_leaves_alone_a_file_an_allocate_is_still_writing(node, tmp_path, monkeypatch):
+    """One owner of the host directory: the sweeper sees the writes the resources' request
+    handlers have pending. The same GPUs go to a new container while the old one's file is
+    still there, and the disk is slow: the kubelet no longer lists the old container and not
+    yet the new one, yet the file being written is not swept from under it."""
+    import threading
+
+    from agent.nccl import host_dir
+
+    topo = load_topology("dgx-a100")
+    ids = [topo.gpus[0].uuid, topo.gpus[1].uuid]
+    stub = PodResourcesStub(str(tmp_path / "podres.sock"), listing(("old", ids))).start()
+    disk = threading.Event()
+    write = host_dir.write_text_atomic
+
+    def slow_disk(path: str, text: str, **kw) -> None:
+        disk.wait(10.0)
+        write(path, text, **kw)
+
+    monkeypatch.setattr(host_dir, "write_text_atomic", slow_disk)
+    path = tmp_path / "nccl" / f"{host_dir.allocation_key('nvidia.com/gpu', ids)}.xml"
+    path.parent.mkdir()
+    path.write_text("<system version=\"1\"/>\n")  # the old container's
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    try:
+        node.start(topo, config(tmp_path, pod_resources_socket=stub.socket_path, pod_resources_refresh_s=0.05))
+        node.client().allocate(ids)  # the new container's: queued behind the slow disk
+        stub.list_response = listing()  # the old container gone, the new one not listed yet
+        time.sleep(0.6)  # a dozen sweeps
+        assert path.exists()
+    finally:
+        disk.set()
+        stub.stop()
+    pre_start(node, ids)
+    assert set(nccl_standin.load(path.read_text()).gpus) == {nccl_bus_id(topo.gpus[i].pci_bus_id) for i in (0, 1)}

@@ -31,11 +31,11 @@ from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import PluginResource, ResourceKind, build_resources
 from agent.errors import UsageError
 from agent.formats import GPU_RESOURCE
-from agent.ncclfiles import NcclFiles, allocation_key
+from agent.nccl.container_file import nccl_topology_xml, nearest_nics
+from agent.nccl.host_dir import NcclFiles, allocation_key
 from agent.records import REPLICA_POLICIES
 from agent.topology.allocator import CRITERIA, Explanation
 from agent.topology.model import Topology
-from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -268,7 +268,7 @@ def _nccl_plan(topology: Topology, config: Config, resource: str, devices: list[
         "nics": [n.name for n in nics],
         "file": files.path(allocation_key(resource, devices)) if files is not None else None,
         "mount_path": config.nccl_mount_path if files is not None else None,
-        "topology": nccl_topology_xml(topology, indices, nics) if files is not None else None,
+        "topology": nccl_topology_xml(topology, indices, nics, files.node_file) if files is not None else None,
     }
 
 

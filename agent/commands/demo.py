@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     from agent.demo.story import run_demo
-    from agent.hw.sim.machines import load_spec
+    from agent.discovery import load_spec
 
     load_spec(args.simulate)  # a bad machine name or file: one clear line, exit 2, before anything starts
     label = "-" if friendly_paths(args.simulate) == STDIN_LABEL else args.simulate

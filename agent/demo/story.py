@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import Config
 from agent.demo.busy_node import BusyNode, busy_node_trace, n_gpus
 from agent.demo.mps_gpu import show_mps
-from agent.demo.nccl_files import show_nccl
+from agent.demo.nccl_pod import show_nccl
 from agent.demo.node import demo_node
 from agent.demo.shared_gpu import show_shared_gpu
 from agent.errors import AgentError

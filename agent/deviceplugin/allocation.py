@@ -26,7 +26,7 @@ from agent.deviceplugin.resources import (
     physical_devices,
 )
 from agent.errors import AgentError, AllocationError
-from agent.ncclfiles import NcclFile, NcclFiles, allocation_key
+from agent.nccl.host_dir import NcclFile, NcclFiles, allocation_key
 from agent.sharing.base import Share, replicas_per_gpu
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceRequest, DeviceTable

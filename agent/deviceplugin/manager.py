@@ -39,7 +39,6 @@ import grpc
 
 from agent.config import Config
 from agent.deviceplugin.allocation import RequestHandler
-from agent.deviceplugin.ncclsweep import NcclSweeper
 from agent.deviceplugin.reporting import DevicePluginEvents
 from agent.deviceplugin.resources import PluginResource, build_resources
 from agent.deviceplugin.server import DeviceListChanges, PluginServer, plugin_options
@@ -48,7 +47,8 @@ from agent.health import HealthState
 from agent.kubelet.plugin_socket import UNSERVED_LIMIT_S, Served, SocketKeeper
 from agent.kubelet.podresources import rpc_message
 from agent.kubelet.registration import KUBELET_SOCKET, register_device_plugin
-from agent.ncclfiles import NcclFiles
+from agent.nccl.host_dir import NcclFiles, nccl_files_for
+from agent.nccl.sweep import NcclSweeper
 from agent.retry import Backoff, Outage
 from agent.sharing.base import PROBE_INTERVAL_S, Supervisor, Supervisors
 from agent.topology.model import Topology
@@ -138,8 +138,11 @@ class DevicePluginManager:
         )
         self._keeping = False
         self.resources: tuple[PluginResource, ...] = ()
+        # the containers' NCCL files: one owner of the host directory, shared by every
+        # resource's handler and the sweeper (which leaves a file being written alone)
+        self.nccl_files: NcclFiles | None = None
         # removes the NCCL topology files of containers the kubelet no longer lists
-        self._nccl_sweeper = NcclSweeper(lambda: (self.config, [r.name for r in self.resources]))
+        self._nccl_sweeper = NcclSweeper(lambda: (self.config, self.nccl_files, [r.name for r in self.resources]))
         health.add_listener(self._report_offers)
 
     @property
@@ -215,7 +218,7 @@ class DevicePluginManager:
     # ------------------------------------------------------------------ internals
     def _new_server(self, resource: PluginResource, topology: Topology, config: Config) -> PluginServer:
         return PluginServer(
-            RequestHandler(resource, topology, config, NcclFiles.from_config(config)),
+            RequestHandler(resource, topology, config, self.nccl_files),
             self.health, config.kubelet_dir, events=self.events,
             supervisor=self._supervisors.get(resource.name), changes=self._changes,
         )
@@ -240,9 +243,11 @@ class DevicePluginManager:
         keeper serves that one with backoff (a kubelet restart may have cleared the
         directory under it), so a reload always ends with every resource kept."""
         resources = build_resources(topology, config)
+        nccl_files = nccl_files_for(config, self.nccl_files)
         with self._lock:
             old, self._slots = self._slots, []
             self.topology, self.config, self.resources = topology, config, resources
+            self.nccl_files = nccl_files
         self._keeper.follow_kubelet(config.kubelet_dir)
         unserved: list[tuple[PluginServer, str]] = []
         try:

@@ -38,7 +38,7 @@ from agent.containers import (
 )
 from agent.dra.devices import DeviceRef
 from agent.files import remove_file, remove_stale_temps, write_json_atomic
-from agent.ncclfiles import NcclFile, NcclFiles, claim_key
+from agent.nccl.host_dir import NcclFile, NcclFiles, claim_key
 from agent.topology.model import Topology
 
 #: The CDI spec version written: 0.6.0 is read by containerd >= 1.7 and CRI-O >= 1.28 and
@@ -84,12 +84,12 @@ class CdiSpecWriter:
     """Builds, writes and removes the claim specs. Thread-safe: it only reads frozen state,
     and each claim has its own file."""
 
-    def __init__(self, topology: Topology, config: Config) -> None:
+    def __init__(self, topology: Topology, config: Config, nccl_files: NcclFiles | None = None) -> None:
         self.topology = topology
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
         self.config = config
-        self.nccl_files = NcclFiles.from_config(config)
+        self.nccl_files = nccl_files  # the DRA servers' (one per host directory), None: off
 
     def build(self, claim_uid: str, devices: Sequence[DeviceRef], nccl_file: NcclFile | None = None) -> dict[str, Any]:
         """The CDI spec for a claim's devices (at least one; no GPU in two of them), with

@@ -37,6 +37,7 @@ from agent.dra.devices import DeviceRef, DeviceRefs
 from agent.dra.gpusets import SetPolicy, parse_set_name
 from agent.dra.placement import UNRANKED, Placement, rank
 from agent.errors import AgentError, shorten
+from agent.nccl.host_dir import nccl_files_for
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ class ClaimPreparer:
         self.claims = claim_reader
         self.checkpoint = checkpoint
         self.devices: Mapping[str, DeviceRef] = DeviceRefs(topology)
-        self.cdi = CdiSpecWriter(topology, config)
+        # the claims' NCCL files: one owner of the host directory, kept across reloads
+        self.nccl_files = nccl_files_for(config, None)
+        self.cdi = CdiSpecWriter(topology, config, self.nccl_files)
         self.policy = SetPolicy(topology)
         #: told each newly prepared claim's placement (:mod:`agent.dra.placement`)
         self.on_placement = on_placement
@@ -112,7 +115,8 @@ class ClaimPreparer:
         or SIGHUP; its driver name and CDI directory are the running ones). Claims already
         prepared keep their checkpointed answer."""
         devices = DeviceRefs(topology)
-        cdi = CdiSpecWriter(topology, config)
+        self.nccl_files = nccl_files_for(config, self.nccl_files)
+        cdi = CdiSpecWriter(topology, config, self.nccl_files)
         policy = SetPolicy(topology)
         with self._lock:
             self.devices, self.cdi, self.policy = devices, cdi, policy

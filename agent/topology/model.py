@@ -1,16 +1,18 @@
 """The frozen topology model every other layer reads.
 
 A :class:`Topology` is built once from what a backend read (:class:`NodeFacts`; NVML +
-sysfs, or the simulator), never mutated, and shared between threads. It holds those facts
-as a ``NodeFacts`` subclass (the ten fields are declared once, in ``agent.records``) and adds
-the derived ones (NVLink islands, cliques, NUMA groups, pair scores), computed once at
-construction by the engine (``agent._topo`` or its pure-Python twin).
+sysfs, or the simulator), never mutated, and shared between threads. It is those facts
+(a ``NodeFacts`` subclass: each fact is declared once, in ``agent.records``, and carried
+over here without being named) plus the derived ones (NVLink islands, cliques, NUMA groups,
+pair scores), computed once at construction by the engine (``agent._topo`` or its
+pure-Python twin). What a file format needs beside the facts (the node's NCCL topology
+file) is kept beside the model, by the room that reads it (``agent.nccl``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
 
 from agent.records import (
     NVLINK_SCORE,
@@ -21,7 +23,6 @@ from agent.records import (
     Nic,
     NodeFacts,
     PcieLevel,
-    XmlElement,
     pair_score,
 )
 
@@ -31,6 +32,8 @@ __all__ = [
     "pair_score",
 ]
 
+_FACTS = tuple(f.name for f in fields(NodeFacts))
+
 
 @dataclass(frozen=True)
 class Topology(NodeFacts):
@@ -38,11 +41,11 @@ class Topology(NodeFacts):
     (normalised: GPUs in index order, one :class:`Link` per unordered pair ``a < b`` in
     (a, b) order, an unknown link where the input gave none) and the facts derived from them.
 
-    Build it with :meth:`Topology.from_facts` or :meth:`Topology.build`, which validate and
-    compute the derived facts.
+    Build it with :meth:`Topology.from_facts` (or :meth:`Topology.build`, the same from
+    the facts given as arguments), which validates and computes the derived facts.
     """
 
-    # derived, filled by build()
+    # derived, filled by from_facts()
     nvlink_islands: tuple[tuple[int, ...], ...] = ()
     nvlink_cliques: tuple[tuple[int, ...], ...] = ()
     numa_groups: Mapping[int | None, tuple[int, ...]] = field(default_factory=dict)
@@ -53,44 +56,14 @@ class Topology(NodeFacts):
     def from_facts(cls, facts: NodeFacts) -> Topology:
         """The topology of what a hardware reader found (:class:`NodeFacts`): the one way
         from any input (NVML + sysfs, a simulated machine, a pasted ``nvidia-smi topo -m``)
-        to the model."""
-        return cls.build(
-            facts.gpus,
-            facts.links,
-            nics=facts.nics,
-            numa_distances=facts.numa_distances,
-            numa_cpulists=facts.numa_cpulists,
-            driver_version=facts.driver_version,
-            cuda_driver_version=facts.cuda_driver_version,
-            machine=facts.machine,
-            source=facts.source,
-            notes=facts.notes,
-            nccl_topology=facts.nccl_topology,
-        )
-
-    @classmethod
-    def build(
-        cls,
-        gpus: Sequence[Gpu],
-        links: Iterable[Link],
-        *,
-        nics: Iterable[Nic] = (),
-        numa_distances: Mapping[int, Sequence[int]] | None = None,
-        numa_cpulists: Mapping[int, str] | None = None,
-        driver_version: str | None = None,
-        cuda_driver_version: str | None = None,
-        machine: str | None = None,
-        source: str = "",
-        notes: Iterable[str] = (),
-        nccl_topology: XmlElement | None = None,
-    ) -> Topology:
-        """Validate inputs, fill missing pairs with an unknown link, derive islands,
-        cliques, NUMA groups and pair scores. Collections are copied (the model is frozen)."""
+        to the model. Validates the GPUs and links, fills missing pairs with an unknown link,
+        derives islands, cliques, NUMA groups and pair scores; collections are copied (the
+        model is frozen), every other fact is carried over as it is."""
         from agent.topology import kernel
 
-        gpus = tuple(sorted(gpus, key=lambda g: g.index))
+        gpus = tuple(sorted(facts.gpus, key=lambda g: g.index))
         n = len(gpus)
-        all_links = _all_links(gpus, links)
+        all_links = _all_links(gpus, facts.links)
         scores = [[0] * n for _ in range(n)]
         adjacency = [0] * n
         for link in all_links:
@@ -101,24 +74,34 @@ class Topology(NodeFacts):
         groups: dict[int | None, list[int]] = {}
         for g in gpus:
             groups.setdefault(g.numa_node, []).append(g.index)
-        return cls(
+        carried: dict[str, Any] = {name: getattr(facts, name) for name in _FACTS}
+        carried.update(
             gpus=gpus,
             links=all_links,
-            nics=tuple(nics),
-            numa_distances={k: tuple(v) for k, v in (numa_distances or {}).items()},
-            numa_cpulists=dict(numa_cpulists or {}),
-            driver_version=driver_version,
-            cuda_driver_version=cuda_driver_version,
-            machine=machine,
-            source=source,
-            notes=tuple(notes),
-            nccl_topology=nccl_topology,
+            nics=tuple(facts.nics),
+            numa_distances={k: tuple(v) for k, v in (facts.numa_distances or {}).items()},
+            numa_cpulists=dict(facts.numa_cpulists or {}),
+            notes=tuple(facts.notes),
+        )
+        return cls(
+            **carried,
             nvlink_islands=tuple(tuple(c) for c in kernel.nvlink_islands(adjacency)),
             nvlink_cliques=tuple(tuple(c) for c in kernel.maximal_cliques(adjacency)),
             # NUMA nodes in order, the unknown (None) group last
             numa_groups={k: tuple(v) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
             scores=tuple(tuple(r) for r in scores),
         )
+
+    @classmethod
+    def build(cls, gpus: Iterable[Gpu], links: Iterable[Link], **facts: Any) -> Topology:
+        """:meth:`from_facts` of ``NodeFacts(gpus, links, **facts)`` (keyword arguments are
+        :class:`NodeFacts` fields)."""
+        return cls.from_facts(NodeFacts(gpus=tuple(gpus), links=tuple(links), **facts))
+
+    @property
+    def facts(self) -> NodeFacts:
+        """The facts this topology was built from (as normalised), without the derived ones."""
+        return NodeFacts(**{name: getattr(self, name) for name in _FACTS})
 
     # ---------------------------------------------------------------- queries
     @property
@@ -148,7 +131,7 @@ class Topology(NodeFacts):
         return None
 
 
-def _all_links(gpus: Sequence[Gpu], links: Iterable[Link]) -> tuple[Link, ...]:
+def _all_links(gpus: tuple[Gpu, ...], links: Iterable[Link]) -> tuple[Link, ...]:
     """One link per pair ``a < b`` in row-major order, an unknown link where none is given;
     ValueError for GPU indices other than 0..n-1, a link to a GPU not there or given twice."""
     n = len(gpus)

@@ -56,15 +56,15 @@ def merge_reread(previous: Topology, current: Topology) -> Topology:
             numa = nic.numa_node if nic.numa_node is not None else before.numa_node
             nic = replace(nic, levels=levels, numa_node=numa)
         nics.append(nic)
-    merged = Topology.build(
-        gpus, links,
+    merged = Topology.from_facts(replace(
+        current.facts,
+        gpus=tuple(gpus),
+        links=tuple(links),
         nics=tuple(nics),
         numa_distances=dict(current.numa_distances or previous.numa_distances),
         numa_cpulists=dict(current.numa_cpulists or previous.numa_cpulists),
         driver_version=current.driver_version or previous.driver_version,
         cuda_driver_version=current.cuda_driver_version or previous.cuda_driver_version,
         machine=current.machine or previous.machine,
-        source=current.source,
-        notes=current.notes,
-    )
+    ))
     return previous if replace(merged, notes=previous.notes) == previous else merged

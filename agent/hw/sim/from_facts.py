@@ -21,32 +21,11 @@ from agent.hw.sim.catalogue import GPU_MODELS, unknown_model
 from agent.hw.sim.nvml_types import CONSTANTS
 from agent.hw.sim.spec_model import GpuSpec, MachineSpec, NicSpec, NvSwitchSpec
 from agent.records import NodeFacts, PcieLevel
+from agent.unionfind import UnionFind
 
 _MAX_LINKS = CONSTANTS["NVML_NVLINK_MAX_LINKS"]
 _CLOSE = (PcieLevel.BOARD, PcieLevel.PIX, PcieLevel.PXB, PcieLevel.PHB)
 _Placement = tuple[str, tuple[str, ...]]  # host bridge, switches
-
-
-class _UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-    def groups(self, members: Sequence[int]) -> list[list[int]]:
-        out: dict[int, list[int]] = {}
-        for m in members:
-            out.setdefault(self.find(m), []).append(m)
-        return sorted(out.values())
 
 
 def spec_from_facts(facts: NodeFacts, name: str = "pasted") -> MachineSpec:
@@ -82,7 +61,6 @@ def spec_from_facts(facts: NodeFacts, name: str = "pasted") -> MachineSpec:
             "PCI bus IDs the input does not give and the PCIe tree are synthetic (simulated machine)",
             *cpu_notes,
         ),
-        nccl_topology=facts.nccl_topology,
     )
 
 
@@ -175,7 +153,7 @@ def _pcie_tree(
     NODE share a host bridge, PXB or closer an outer switch, PIX or closer an inner one."""
     total = len(numa)
     given = _given_bus_ids(facts)
-    hb, outer, inner = _UnionFind(total), _UnionFind(total), _UnionFind(total)
+    hb, outer, inner = UnionFind(total), UnionFind(total), UnionFind(total)
     for a, b, level in _pair_levels(facts):
         if numa[a] != numa[b]:
             continue
@@ -190,30 +168,58 @@ def _pcie_tree(
         raise InputFormatError(f"{where}: too many PCIe host bridges to simulate")
     bus_of: dict[int, str] = {}
     place: dict[int, _Placement] = {}
+    bridges: set[str] = set()
+    taken = set(given.values())
     for h, members in enumerate(groups):
         if len(members) > 15:
             raise InputFormatError(f"{where}: too many devices under one host bridge")
-        # the bus IDs the input gives where the host bridge's domain (its GPUs') holds them;
-        # synthetic ones for the others, in that domain
+        # a device keeps the bus ID the input gives; the others get synthetic ones in the
+        # domain of the group's GPUs. Devices of one group in different domains (a VM's
+        # virtual switch) cannot share a host bridge in sysfs: each domain gets its own, as
+        # the VM shows them, and the input's levels are laid over what sysfs then says
         gpus = [m for m in members if m < len(facts.gpus)] or members
         domains = {given[m].split(":")[0] for m in gpus if m in given}
-        domain = domains.pop() if len(domains) == 1 else "0000"
-        host_bridge = f"pci{domain}:{0x10 * h:02x}"
-        for pos, m in enumerate(members):
-            mine = given.get(m, "")
-            synthetic = f"{domain}:{0x10 * h + 1 + pos:02x}:00.0"
-            bus_of[m] = mine if mine.startswith(domain + ":") else synthetic
-            switch = f"hb{h}-sw{outer.find(m)}"
-            place[m] = (
-                host_bridge,
-                () if len(members) == 1 else (switch, f"{switch}-{inner.find(m)}"),
-            )
+        main = domains.pop() if len(domains) == 1 else "0000"
+        by_domain: dict[str, list[int]] = {}
+        for m in members:
+            by_domain.setdefault(given[m].split(":")[0] if m in given else main, []).append(m)
+        for domain, part in by_domain.items():
+            alone = len(part) == 1 and part[0] in given
+            host_bridge = _free_bridge(domain, [int(given[part[0]].split(":")[1], 16)] if alone else [], h, bridges)
+            for pos, m in enumerate(part):
+                bus_of[m] = given.get(m) or _free_bus_id(domain, 0x10 * h + 1 + pos, taken)
+                switch = f"hb{h}-{domain}-sw{outer.find(m)}"
+                place[m] = (
+                    host_bridge,
+                    () if len(part) == 1 else (switch, f"{switch}-{inner.find(m)}"),
+                )
     return bus_of, place
+
+
+def _free_bridge(domain: str, preferred: list[int], h: int, bridges: set[str]) -> str:
+    """A host bridge ``pciDDDD:BB`` no other group has: on the device's own bus for a device
+    alone in its domain (directly on the root bus, as in VMs), else ``0x10 * h``."""
+    for bus in [*preferred, *range(0x10 * h, 0x100), *range(0, 0x10 * h)]:
+        name = f"pci{domain}:{bus:02x}"
+        if name not in bridges:
+            bridges.add(name)
+            return name
+    raise InputFormatError(f"no PCI bus left for a host bridge in domain {domain}")
+
+
+def _free_bus_id(domain: str, bus: int, taken: set[str]) -> str:
+    """A synthetic bus ID in ``domain``, on ``bus`` or the next free one."""
+    for b in [*range(bus, 0x100), *range(1, bus)]:
+        bus_id = f"{domain}:{b:02x}:00.0"
+        if bus_id not in taken:
+            taken.add(bus_id)
+            return bus_id
+    raise InputFormatError(f"no PCI bus left in domain {domain}")
 
 
 def _given_bus_ids(facts: NodeFacts) -> dict[int, str]:
     """The bus IDs the input gives (an NCCL topology file does; devices 0..n-1 are GPUs,
-    n.. NICs), kept when none of them can collide with a synthetic one (domain 0)."""
+    n.. NICs), in sysfs spelling; none when two are the same."""
     n = len(facts.gpus)
     given = {i: g.pci_bus_id for i, g in enumerate(facts.gpus) if g.pci_bus_id}
     given.update({n + k: nic.pci_bus_id for k, nic in enumerate(facts.nics) if nic.pci_bus_id})
@@ -224,7 +230,7 @@ def _given_bus_ids(facts: NodeFacts) -> dict[int, str]:
 
 
 def _islands(n: int, pairs: Sequence[tuple[int, int, int]]) -> list[list[int]]:
-    uf = _UnionFind(n)
+    uf = UnionFind(n)
     for a, b, _ in pairs:
         uf.union(a, b)
     return [g for g in uf.groups(range(n)) if len(g) > 1]

@@ -10,7 +10,9 @@ output, opened as a fake NVML plus a fake sysfs tree.
   ``GPU0`` header): read by :mod:`agent.hw.topo_matrix` and turned into a spec by
   :func:`agent.hw.sim.from_facts.spec_from_facts`;
 * an NCCL topology file (recognised by content: its first character that is not blank is
-  ``<``): read by :mod:`agent.hw.nccl_topo`, then the same way as a pasted matrix.
+  ``<``): read by :mod:`agent.nccl.node_file` in :mod:`agent.discovery`, which turns its
+  facts into a spec the same way as a pasted matrix's and opens it here
+  (:class:`SimulatedMachine` of that spec).
 
 Every one of them becomes a :class:`MachineSpec`, then a :class:`SimulatedMachine` whose
 backend is the real :class:`agent.hw.nvml.backend.NvmlBackend` on the fake: one path for all
@@ -27,7 +29,6 @@ import tempfile
 import weakref
 
 from agent.errors import InputFormatError
-from agent.hw.nccl_topo import is_nccl_topology_text, read_nccl_topology
 from agent.hw.nvml.backend import NvmlBackend
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.processes import write_proc_tree
@@ -71,7 +72,7 @@ def _file_kind(path: str) -> str:
             text = f.read()
     except OSError as exc:
         raise InputFormatError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if is_nccl_topology_text(text):
+    if text.lstrip(" \t\r\n\ufeff").startswith("<"):  # NCCL's XML; a YAML/JSON spec starts otherwise
         return "nccl"
     if path.lower().endswith(_SPEC_SUFFIXES):
         return "spec"
@@ -80,26 +81,38 @@ def _file_kind(path: str) -> str:
 
 def load_spec(machine: str) -> MachineSpec:
     """The :class:`MachineSpec` of a built-in name, a spec file or a pasted topo matrix
-    file. InputFormatError (exit 2) for an unknown name or an unreadable/invalid file."""
+    file. InputFormatError (exit 2) for an unknown name or an unreadable/invalid file, and
+    for an NCCL topology file (read above the simulator: :func:`agent.discovery.load_spec`)."""
     if machine in BUILTIN_MACHINES:
         return load_machine_spec(os.path.join(_SPECS, f"{machine}.yaml"))
     if not machine or not os.path.isfile(machine):
         raise _unknown(machine)
     kind = _file_kind(machine)
+    if kind == "nccl":
+        raise InputFormatError(f"{machine}: an NCCL topology file; open it through agent.discovery")
     if kind != "spec":
         from agent.hw.sim.from_facts import spec_from_facts
         from agent.hw.topo_matrix import read_topo_matrix
 
-        name = os.path.splitext(os.path.basename(machine))[0] or "pasted"
-        facts = read_nccl_topology(machine) if kind == "nccl" else read_topo_matrix(machine)
-        _check_gpu_count(len(facts.gpus), machine)
-        return spec_from_facts(facts, name=name)
+        facts = read_topo_matrix(machine)
+        check_gpu_count(len(facts.gpus), machine)
+        return spec_from_facts(facts, name=machine_name(machine))
     spec = load_machine_spec(machine)
-    _check_gpu_count(len(spec.gpus), machine)
+    check_gpu_count(len(spec.gpus), machine)
     return spec
 
 
-def _check_gpu_count(count: int, machine: str) -> None:
+def machine_name(path: str) -> str:
+    """The name of a machine read from the file ``path``: its base name without suffix."""
+    return os.path.splitext(os.path.basename(path))[0] or "pasted"
+
+
+def is_nccl_file(machine: str) -> bool:
+    """Whether ``machine`` names an NCCL topology file (not a built-in name)."""
+    return machine not in BUILTIN_MACHINES and os.path.isfile(machine) and _file_kind(machine) == "nccl"
+
+
+def check_gpu_count(count: int, machine: str) -> None:
     if count > MAX_GPUS:
         raise InputFormatError(
             f"{machine}: {count} GPUs; gpu-topology-agent supports at most {MAX_GPUS} GPUs per node"
@@ -223,7 +236,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
 
 
-def open_simulated(machine: str) -> SimulatedMachine:
-    """Open ``machine`` (built-in name, spec file, pasted topo matrix or NCCL topology file) as a
-    :class:`SimulatedMachine`."""
-    return SimulatedMachine(load_spec(machine))
+def open_simulated(machine: str | MachineSpec) -> SimulatedMachine:
+    """Open ``machine`` (built-in name, spec file or pasted topo matrix, or a spec read
+    elsewhere: :func:`agent.discovery.load_spec`) as a :class:`SimulatedMachine`."""
+    return SimulatedMachine(load_spec(machine) if isinstance(machine, str) else machine)

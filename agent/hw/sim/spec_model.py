@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from agent.hw.sim.catalogue import GpuModel
 from agent.hw.sim.processes import ProcessSpec
-from agent.records import XmlElement
 
 
 @dataclass(frozen=True)
@@ -94,4 +93,6 @@ class MachineSpec:
     faults: FaultSpec = FaultSpec()
     description: str = ""
     notes: tuple[str, ...] = ()  # what the simulation inferred or synthesised (a pasted matrix)
-    nccl_topology: XmlElement | None = None  # the NCCL topology file the spec was read from
+    #: the NCCL topology file the spec was synthesised from ("" none): the reader lays it over
+    #: what the fake NVML and sysfs say, as on a VM whose node names the file
+    nccl_file: str = ""

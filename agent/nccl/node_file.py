@@ -1,16 +1,16 @@
-"""Reads an NCCL topology file (``NCCL_TOPO_FILE``, the format ``NCCL_TOPO_DUMP_FILE``
-writes) into the facts it states (:class:`NodeFacts`), and lays such a file over the facts
-NVML and sysfs read on a node whose hypervisor hides the real PCIe tree.
+"""The node's NCCL topology file (``NCCL_TOPO_FILE``, the format ``NCCL_TOPO_DUMP_FILE``
+writes): read into the facts it states, kept beside them as read (:class:`NodeFile`, whose
+tree a container's file echoes), and laid over the facts NVML and sysfs read on a node whose
+hypervisor hides the real PCIe tree.
 
 Public API::
 
-    read_nccl_topology(path) -> NodeFacts
-    parse_nccl_topology(text, source) -> NodeFacts
-    overlay_nccl_topology(node: NodeFacts, file: NodeFacts) -> NodeFacts
-    is_nccl_topology_text(text) -> bool
+    read_nccl_topology(path) -> NodeFile
+    parse_nccl_topology(text, source) -> NodeFile
+    overlay_nccl_topology(node: NodeFacts, file: NodeFile) -> NodeFacts
     class NcclTopologyError(InputFormatError)   # "<file>: line <n>: <reason>"
 
-The text is read by NCCL's own rules (:mod:`agent.hw.nccl_xml`). What the elements mean
+The text is read by NCCL's own rules (:mod:`agent.nccl.syntax`). What the elements mean
 follows NCCL's ``src/graph/topo.cc`` (``ncclTopoAddCpu``, ``ncclTopoAddPci``,
 ``ncclTopoAddNvLinks``; NVIDIA/nccl 5067397c):
 
@@ -20,7 +20,9 @@ follows NCCL's ``src/graph/topo.cc`` (``ncclTopoAddCpu``, ``ncclTopoAddPci``,
   ``0x03`` a GPU, ``0x02`` a NIC (``0x0207`` InfiniBand, ``0x0200`` Ethernet), ``0x068000``
   an NVSwitch, anything else (``0x0604`` bridges, ``0x080100``) a PCIe switch; a ``pci``
   holding a ``<nic>`` is a NIC whatever its class (NCCL: ``type = NIC``). A switch holding
-  nothing we read is dropped (NCCL trims it).
+  nothing we read is dropped (NCCL trims it). Devices under one switch may sit in different
+  PCI domains (Azure's virtual switches: ``0003:00:00.0`` and ``0103:00:00.0``): the file's
+  bus IDs are kept as they are.
 - ``<nic><net name>``: a NIC; directly under ``<cpu>`` it has no bus ID and sits on that
   NUMA node (NCCL attaches it to the CPU).
 - ``<gpu sm>`` gives the compute capability; ``<nvlink target count tclass>`` an NVLink:
@@ -46,6 +48,7 @@ matches a file to NVML's GPUs by bus ID; they share the device walk and its erro
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from agent.formats import (
@@ -55,21 +58,34 @@ from agent.formats import (
     parse_bus_id,
     sysfs_to_nvml_bus_id,
 )
-from agent.hw.nccl_xml import NcclTopologyError, c_int, parse_nccl_xml
-from agent.records import Gpu, Link, Nic, NodeFacts, PcieLevel, XmlElement, synthetic_gpu_uuid
+from agent.nccl.syntax import (
+    CPU_CLASS,
+    HIDDEN_PEER,
+    NVSWITCH_CLASS,
+    NcclTopologyError,
+    XmlElement,
+    c_int,
+    parse_nccl_xml,
+)
+from agent.records import Gpu, Link, Nic, NodeFacts, PcieLevel, synthetic_gpu_uuid
 
 __all__ = [
     "NcclTopologyError",
-    "is_nccl_topology_text",
+    "NodeFile",
     "overlay_nccl_topology",
     "parse_nccl_topology",
     "read_nccl_topology",
 ]
 
-NVSWITCH_CLASS = "0x068000"
-CPU_CLASS = "0x068001"
-#: NCCL's bus ID of an NVLink peer a VM cannot see (it assumes an NVSwitch)
-HIDDEN_PEER = "fffffff:ffff:ff"
+
+@dataclass(frozen=True)
+class NodeFile:
+    """The node's NCCL topology file as read: where it came from, its ``<system>`` element
+    (what a container's file echoes) and the facts it states."""
+
+    source: str
+    system: XmlElement
+    facts: NodeFacts
 
 
 @dataclass
@@ -218,7 +234,7 @@ def _compute_capability(gpu: _Device) -> tuple[int, int] | None:
     return None
 
 
-def facts_from_tree(system: XmlElement, source: str, ignored: list[tuple[str, int]] = ()) -> NodeFacts:  # type: ignore[assignment]
+def facts_from_tree(system: XmlElement, source: str, ignored: Sequence[tuple[str, int]] = ()) -> NodeFacts:
     """The :class:`NodeFacts` a parsed ``<system>`` element states (module docstring)."""
     walk = _Walk(system, source)
     gpus = sorted((d for d in walk.devices if d.kind == "gpu"), key=lambda d: parse_bus_id(d.bus_id or ""))
@@ -268,7 +284,6 @@ def facts_from_tree(system: XmlElement, source: str, ignored: list[tuple[str, in
         numa_cpulists=walk.cpulists,
         source=f"nccl-topology:{source}",
         notes=tuple(notes),
-        nccl_topology=system,
     )
 
 
@@ -283,20 +298,14 @@ def _class_int(element: XmlElement | None) -> int | None:
     return value if value is not None and value >= 0 else None
 
 
-def is_nccl_topology_text(text: str) -> bool:
-    """Whether a machine file is in NCCL's XML format rather than a spec or a pasted matrix:
-    its first character that is not blank is ``<`` (a YAML/JSON spec starts otherwise)."""
-    return text.lstrip(" \t\r\n\ufeff").startswith("<")
-
-
-def parse_nccl_topology(text: str, source: str = "<text>") -> NodeFacts:
-    """The facts of an NCCL topology file's text; :class:`NcclTopologyError` naming the
-    file and the line for anything NCCL would refuse or that states no topology."""
+def parse_nccl_topology(text: str, source: str = "<text>") -> NodeFile:
+    """An NCCL topology file's text, read; :class:`NcclTopologyError` naming the file and
+    the line for anything NCCL would refuse or that states no topology."""
     system, ignored = parse_nccl_xml(text, source)
-    return facts_from_tree(system, source, ignored)
+    return NodeFile(source, system, facts_from_tree(system, source, ignored))
 
 
-def read_nccl_topology(path: str | os.PathLike[str]) -> NodeFacts:
+def read_nccl_topology(path: str | os.PathLike[str]) -> NodeFile:
     """Read the NCCL topology file ``path``; see :func:`parse_nccl_topology`."""
     source = os.fspath(path)
     try:
@@ -311,13 +320,13 @@ def read_nccl_topology(path: str | os.PathLike[str]) -> NodeFacts:
     return parse_nccl_topology(text, source)
 
 
-def overlay_nccl_topology(node: NodeFacts, file: NodeFacts) -> NodeFacts:
+def overlay_nccl_topology(node: NodeFacts, nccl: NodeFile) -> NodeFacts:
     """``node`` (what NVML and sysfs read) with the placement ``file`` states: NUMA nodes,
     PCIe levels and NICs from the file, everything else (UUIDs, names, NVLinks NVML sees)
     from the node. GPUs are matched by PCI bus ID; NcclTopologyError naming the bus IDs
     when the file's GPUs are not the node's. NICs are matched by bus ID to the ones sysfs
     names; a NIC only the file knows keeps the file's name."""
-    where = file.source.removeprefix("nccl-topology:")
+    file, where = nccl.facts, nccl.source
     mine = {nvml_to_sysfs_bus_id(g.pci_bus_id): g for g in node.gpus if g.pci_bus_id}
     theirs = {nvml_to_sysfs_bus_id(g.pci_bus_id): g for g in file.gpus}
     if set(mine) != set(theirs) or len(mine) != len(node.gpus):
@@ -331,7 +340,8 @@ def overlay_nccl_topology(node: NodeFacts, file: NodeFacts) -> NodeFacts:
     to_file = {g.index: theirs[bus].index for bus, g in mine.items()}
     gpus = tuple(
         replace(g, numa_node=f.numa_node if f.numa_node is not None else g.numa_node,
-                cpu_affinity=f.cpu_affinity or g.cpu_affinity)
+                cpu_affinity=f.cpu_affinity or g.cpu_affinity,
+                pci_class=g.pci_class if g.pci_class is not None else f.pci_class)
         for g in node.gpus
         for f in (file.gpus[to_file[g.index]],)
     )
@@ -357,5 +367,4 @@ def overlay_nccl_topology(node: NodeFacts, file: NodeFacts) -> NodeFacts:
         nics=nics,
         numa_cpulists={**node.numa_cpulists, **file.numa_cpulists},
         notes=(*node.notes, f"PCIe placement, NUMA nodes and NICs from the NCCL topology file {where}"),
-        nccl_topology=file.nccl_topology,
     )

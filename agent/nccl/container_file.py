@@ -1,24 +1,27 @@
 """A container's NCCL topology file: the part of the node's topology a set of GPUs uses, in
-the XML NCCL reads (``NCCL_TOPO_FILE``), as a pure function of the :class:`Topology`.
+the XML NCCL reads (``NCCL_TOPO_FILE``), as a pure function of the :class:`Topology` and,
+where there is one, the node's own NCCL file (:class:`NodeFile`, kept beside the model).
 
 Public API::
 
     nearest_nics(topology, gpus) -> tuple[Nic, ...]
-    nccl_topology_xml(topology, gpus, nics=None) -> str
+    nccl_topology_xml(topology, gpus, nics=None, node_file=None) -> str
 
 What the file holds: exactly the given GPUs, their nearest NICs (:func:`nearest_nics`), the
 PCIe switches between them, the NVLinks among them, and their CPUs (NUMA nodes). Two ways:
 
-- The node's topology came from an NCCL topology file (``Topology.nccl_topology``): the
-  file is the matching part of that file (the same elements and attributes, in the same
-  order), less what does not belong to a container: the ``dev`` and ``rank`` of each
+- With the node's NCCL topology file (``node_file``) holding every one of the GPUs by bus
+  ID: the file is the matching part of that file (the same elements and attributes, in the
+  same order, the GPUs under the switch they share with their NICs whatever their PCI
+  domains), less what does not belong to a container: the ``dev`` and ``rank`` of each
   ``<gpu>`` (NCCL numbers the GPUs a container sees from 0 and fills ``dev`` from NVML when
   it is missing; a node-wide ``dev`` would name the wrong GPU) and NVLinks to GPUs the
   container does not hold.
-- Otherwise it is built from the facts: a ``<cpu numaid>`` per NUMA node (``affinity`` from
-  its cpulist where known); PCIe switches grouped from the levels (devices ``PIX`` to each
-  other share a switch, ``PXB`` an upper one), named ``ffff:SS:00.0`` because the facts
-  hold no switch bus IDs (Azure's files name their virtual switches the same way);
+- Otherwise (no node file, or one that does not hold these GPUs) it is built from the
+  facts: a ``<cpu numaid>`` per NUMA node (``affinity`` from its cpulist where known);
+  PCIe switches grouped from the levels (devices ``PIX`` to each other share a switch,
+  ``PXB`` an upper one), named ``ffff:SS:00.0`` because the facts hold no switch bus IDs
+  (Azure's files name their virtual switches the same way);
   ``<pci busid class>`` for each GPU and NIC; ``<gpu><nvlink .../></gpu>`` where the GPUs
   have NVLinks among them (through NVSwitches: NCCL's ``fffffff:ffff:ff`` target, class
   ``0x068000``).
@@ -36,29 +39,20 @@ detects the NVLinks through NVML (it does whenever a ``<gpu>`` has no ``<nvlink>
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-from agent.records import Nic, PcieLevel, XmlElement
+# NCCL spells bus IDs as sysfs does (int64ToBusId: lower case, a 4-digit domain)
+from agent.formats import BusIdError
+from agent.formats import nvml_to_sysfs_bus_id as nccl_bus_id
+from agent.nccl.node_file import NodeFile
+from agent.nccl.syntax import HIDDEN_PEER, MAX_NODES, NVSWITCH_CLASS, XmlElement
+from agent.records import Nic, PcieLevel
 from agent.topology.model import Topology
+from agent.unionfind import UnionFind
 
-__all__ = ["MAX_ELEMENTS", "nccl_bus_id", "nccl_topology_xml", "nearest_nics"]
+__all__ = ["nccl_topology_xml", "nearest_nics"]
 
-#: NCCL's limit of elements per file (NCCL_TOPO_XML_MAX_NODES)
-MAX_ELEMENTS = 256
-NVSWITCH_CLASS = "0x068000"
-HIDDEN_PEER = "fffffff:ffff:ff"
-_BUS_ID = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _SWITCH_LEVELS = (PcieLevel.BOARD, PcieLevel.PIX, PcieLevel.PXB)
-
-
-def nccl_bus_id(bus_id: str) -> str:
-    """A bus ID as NCCL spells it (``int64ToBusId``: lower case, the domain in at least 4
-    digits): ``"00000000:3B:00.0"`` -> ``"0000:3b:00.0"``; other text unchanged."""
-    m = _BUS_ID.match(bus_id.strip())
-    if m is None:
-        return bus_id
-    return f"{int(m[1], 16):04x}:{m[2].lower()}:{m[3].lower()}.{m[4]}"
 
 
 def nearest_nics(topology: Topology, gpus: Sequence[int]) -> tuple[Nic, ...]:
@@ -87,10 +81,19 @@ def nearest_nics(topology: Topology, gpus: Sequence[int]) -> tuple[Nic, ...]:
 
 
 # ----------------------------------------------------------------------------- from a file
+def _file_bus_id(text: str) -> str:
+    """A bus ID of the node's file as NCCL spells it; text the reader never looked at (under
+    an NVSwitch) and that is no bus ID, unchanged."""
+    try:
+        return nccl_bus_id(text)
+    except BusIdError:
+        return text
+
+
 def _prune(element: XmlElement, gpus: set[str], nics: set[str], nets: set[str]) -> XmlElement | None:
     """``element`` with only what leads to the chosen GPUs and NICs (bus IDs and names)."""
     if element.name == "pci":
-        bus = nccl_bus_id(element.get("busid") or "")
+        bus = _file_bus_id(element.get("busid") or "")
         named = {f"nic-{bus.replace(':', '-')}"} | {n.get("name") or "" for c in element.children for n in c.children}
         if bus in nics or named & nets:  # by bus ID, or by the name the reader gave it
             return element
@@ -115,30 +118,12 @@ def _gpu(element: XmlElement, gpus: set[str]) -> XmlElement:
     links = tuple(
         c for c in element.children
         if c.name != "nvlink" or not (c.get("tclass") or "").startswith("0x03")
-        or nccl_bus_id(c.get("target") or "") in gpus
+        or _file_bus_id(c.get("target") or "") in gpus
     )
     return XmlElement("gpu", attrs, links, element.line)
 
 
 # ----------------------------------------------------------------------------- from facts
-class _Groups:
-    """Union-find over device positions."""
-
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-
 def _mask(cpulist: str) -> str | None:
     """A cpulist (``0-3,8``) as NCCL's hex CPU mask (32-bit words, most significant first)."""
     value = 0
@@ -211,7 +196,7 @@ class _Builder:
         return XmlElement("pci", (("busid", f"ffff:{self.switches:02x}:00.0"), ("class", "0x060400")), tuple(children))
 
     def cpu(self, numa: int | None, members: list[int]) -> XmlElement:
-        outer, inner = _Groups(len(self.gpus) + len(self.nics)), _Groups(len(self.gpus) + len(self.nics))
+        outer, inner = UnionFind(len(self.gpus) + len(self.nics)), UnionFind(len(self.gpus) + len(self.nics))
         for i, a in enumerate(members):
             for b in members[i + 1:]:
                 lv = self.level(a, b)
@@ -248,24 +233,47 @@ def _count(element: XmlElement) -> int:
     return 1 + sum(_count(c) for c in element.children)
 
 
-def nccl_topology_xml(topology: Topology, gpus: Sequence[int], nics: Sequence[Nic] | None = None) -> str:
+def nccl_topology_xml(
+    topology: Topology, gpus: Sequence[int], nics: Sequence[Nic] | None = None, node_file: NodeFile | None = None
+) -> str:
     """The NCCL topology file of the GPUs ``gpus`` (indices) of ``topology``: those GPUs, the
     NICs ``nics`` (default: :func:`nearest_nics`), the path between them, their NVLinks and
-    CPUs (module docstring). A pure function of its arguments."""
+    CPUs; the matching part of ``node_file`` where it holds those GPUs (module docstring).
+    A pure function of its arguments."""
     chosen = nearest_nics(topology, gpus) if nics is None else tuple(nics)
-    tree: XmlElement | None = topology.nccl_topology
-    by_index = {g.index: g for g in topology.gpus}
-    if tree is not None:
-        gpu_ids = {nccl_bus_id(by_index[i].pci_bus_id) for i in gpus}
-        nic_ids = {nccl_bus_id(n.pci_bus_id) for n in chosen if n.pci_bus_id}
-        system = _prune(tree, gpu_ids, nic_ids, {n.name for n in chosen}) or XmlElement("system", tree.attrs)
-    else:
+    system = _from_node_file(node_file, topology, gpus, chosen) if node_file is not None else None
+    if system is None:
         builder = _Builder(topology, gpus, chosen)
         system = builder.system()
-        if _count(system) > MAX_ELEMENTS:
+        if _count(system) > MAX_NODES:
             builder.with_nvlinks, builder.switches = False, 0
             system = builder.system()
     return "".join(_lines(system, 0))
+
+
+def _from_node_file(
+    node_file: NodeFile, topology: Topology, gpus: Sequence[int], nics: Sequence[Nic]
+) -> XmlElement | None:
+    """The part of the node's file for ``gpus`` and ``nics``; None when the file does not
+    hold every one of those GPUs (it was not written for these bus IDs), so that a container
+    never gets a file without its GPUs (NCCL would place them from the flattened sysfs)."""
+    by_index = {g.index: g for g in topology.gpus}
+    gpu_ids = {nccl_bus_id(by_index[i].pci_bus_id) for i in gpus}
+    if not gpu_ids <= _gpu_bus_ids(node_file.system):
+        return None
+    nic_ids = {nccl_bus_id(n.pci_bus_id) for n in nics if n.pci_bus_id}
+    tree = node_file.system
+    return _prune(tree, gpu_ids, nic_ids, {n.name for n in nics}) or XmlElement("system", tree.attrs)
+
+
+def _gpu_bus_ids(element: XmlElement) -> set[str]:
+    """The bus IDs of the GPUs (``<pci class="0x03...">``) in ``element``, NCCL-spelled."""
+    out: set[str] = set()
+    for child in element.children:
+        if child.name == "pci" and (child.get("class") or "").startswith("0x03"):
+            out.add(_file_bus_id(child.get("busid") or ""))
+        out |= _gpu_bus_ids(child)
+    return out
 
 
 def _lines(element: XmlElement, depth: int) -> list[str]:

@@ -1,7 +1,7 @@
 """The text side of NCCL topology files: reads the XML dialect NCCL reads (``NCCL_TOPO_FILE``)
-into :class:`agent.records.XmlElement` trees, by NCCL's own rules, and the one error every
-unreadable file raises (:class:`NcclTopologyError`). What the tree states becomes
-:class:`NodeFacts` in :mod:`agent.hw.nccl_topo`.
+into :class:`XmlElement` trees, by NCCL's own rules, and the one error every unreadable file
+raises (:class:`NcclTopologyError`); the class and bus-ID values both the reader and the
+writer use. What the tree states becomes :class:`NodeFacts` in :mod:`agent.nccl.node_file`.
 
 NCCL's reader is not an XML parser; it is ``src/graph/xml.cc`` (``ncclTopoGetXmlFromFile``,
 ``xmlGetNode``, ``xmlLoadSub``, NCCL 2.29, read at NVIDIA/nccl 5067397c). This module follows
@@ -31,8 +31,15 @@ itself), more than one ``<system>``, and a stray closing tag at the top level.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from agent.errors import InputFormatError
-from agent.records import XmlElement
+
+#: NCCL's PCI class of an NVSwitch (``kvDictPciClass``) and of a CPU as an NVLink target
+NVSWITCH_CLASS = "0x068000"
+CPU_CLASS = "0x068001"
+#: NCCL's bus ID of an NVLink peer a VM cannot see (it assumes an NVSwitch)
+HIDDEN_PEER = "fffffff:ffff:ff"
 
 #: NCCL's limits (src/graph/xml.h, src/graph/topo.h)
 MAX_STR_LEN = 255
@@ -53,6 +60,24 @@ HANDLERS: dict[str, frozenset[str]] = {
 
 _BLANK = " \n\r"
 _NAME_END = " >/\n\r"
+
+
+@dataclass(frozen=True)
+class XmlElement:
+    """One element of an NCCL topology file as read: its tag, its attributes in file order,
+    its children and the 1-based line it starts on."""
+
+    name: str
+    attrs: tuple[tuple[str, str], ...] = ()
+    children: tuple["XmlElement", ...] = ()
+    line: int = 0
+
+    def get(self, key: str) -> str | None:
+        """The value of attribute ``key`` (the first one, as NCCL looks it up), or None."""
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return None
 
 
 class NcclTopologyError(InputFormatError):

@@ -4,6 +4,7 @@ mounted read-only into the container, removed when its allocation is gone.
 Public API::
 
     NcclFiles.from_config(config) -> NcclFiles | None
+    nccl_files_for(config, current) -> NcclFiles | None  # the owner's: one per host directory
     NcclFiles.write(key, topology, gpus) -> NcclFile
     NcclFiles.write_later(key, topology, gpus) -> NcclFile;  NcclFiles.wait(key) -> bool
     NcclFiles.remove(key) -> bool
@@ -19,6 +20,12 @@ which is how a file whose container is gone is found); a DRA claim's file is nam
 claim's UID. Files live on the host (``nccl.hostDir``, on disk by default): they survive an
 agent restart, and the kubelet, which keeps a container's Allocate answer in its checkpoint
 and mounts it again when the container restarts, finds them after a reboot too.
+
+One :class:`NcclFiles` per host directory per process: the mode's servers own it
+(:func:`nccl_files_for` keeps it across reloads while the directory stays) and hand it to
+their request handlers and the sweeper, so the sweep sees what the handlers are writing. It
+keeps the node's own NCCL topology file (``topology.ncclTopologyFile``, read as
+:class:`NodeFile`) beside the topology, for the containers' files to echo.
 
 What a container needs of NCCL (issue 24), by kind of device:
 
@@ -43,9 +50,10 @@ from typing import Any
 
 from agent.config import Config
 from agent.files import remove_file, write_text_atomic
+from agent.nccl.container_file import nccl_topology_xml, nearest_nics
+from agent.nccl.node_file import NcclTopologyError, NodeFile, read_nccl_topology
 from agent.records import Nic
 from agent.topology.model import Topology
-from agent.topology.nccl_file import nccl_topology_xml, nearest_nics
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +117,39 @@ class NcclFiles:
     container back until its file is in place. A file's text is kept per GPU set (a pure
     function of the frozen topology), so the same set costs one rendering."""
 
-    def __init__(self, host_dir: str) -> None:
+    def __init__(self, host_dir: str, node_file: NodeFile | None = None) -> None:
         self.host_dir = host_dir
+        #: the node's NCCL topology file the containers' files echo (None: built from the facts)
+        self.node_file = node_file
         self._lock = threading.Condition(threading.Lock())
         self._queue: list[tuple[str, str]] = []  # (key, text) to write
         self._pending: set[str] = set()  # queued or being written
         self._failed: dict[str, str] = {}  # key -> why its last deferred write failed
         self._writer: threading.Thread | None = None
-        self._texts: dict[tuple[int, tuple[int, ...], tuple[str, ...]], tuple[Topology, str, tuple[Nic, ...]]] = {}
+        self._texts: dict[
+            tuple[int, int, tuple[int, ...], tuple[str, ...]], tuple[Topology, NodeFile | None, str, tuple[Nic, ...]]
+        ] = {}
         self._written: dict[str, str] = {}  # key -> the text this process last wrote for it
 
     @classmethod
     def from_config(cls, config: Config) -> NcclFiles | None:
-        """The files of ``config`` (``nccl.topologyFile: auto``), or None (``off``)."""
-        return cls(host_dir_of(config)) if config.nccl_pod_files == "auto" else None
+        """The files of ``config`` (``nccl.topologyFile: auto``), or None (``off``), with the
+        node's NCCL topology file ``config`` names."""
+        return nccl_files_for(config, None)
+
+    def follow(self, config: Config) -> None:
+        """Read the node's NCCL topology file ``config`` names again (a reload). One the
+        topology was already read from; should it be unreadable now, the containers' files
+        are built from the facts (said once)."""
+        path = config.nccl_topology_file
+        if not path:
+            self.node_file = None
+            return
+        try:
+            self.node_file = read_nccl_topology(path)
+        except NcclTopologyError as exc:
+            log.error("containers' NCCL topology files are built from the topology, not from %s: %s", path, exc)
+            self.node_file = None
 
     def path(self, key: str) -> str:
         return os.path.join(self.host_dir, key + _SUFFIX)
@@ -131,16 +158,17 @@ class NcclFiles:
         self, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()
     ) -> tuple[str, tuple[Nic, ...]]:
         """The file's text and NICs for GPUs ``gpus`` (indices), rendered once per set."""
-        cache_key = (id(topology), tuple(sorted(gpus)), tuple(n.name for n in extra_nics))
+        node_file = self.node_file
+        cache_key = (id(topology), id(node_file), tuple(sorted(gpus)), tuple(n.name for n in extra_nics))
         hit = self._texts.get(cache_key)
-        if hit is not None and hit[0] is topology:
-            return hit[1], hit[2]
+        if hit is not None and hit[0] is topology and hit[1] is node_file:
+            return hit[2], hit[3]
         nics = nearest_nics(topology, gpus)
         nics += tuple(n for n in extra_nics if n not in nics)
-        text = nccl_topology_xml(topology, gpus, nics)
+        text = nccl_topology_xml(topology, gpus, nics, node_file)
         if len(self._texts) >= _MAX_CACHED:
             self._texts.clear()
-        self._texts[cache_key] = (topology, text, nics)
+        self._texts[cache_key] = (topology, node_file, text, nics)
         return text, nics
 
     def write(self, key: str, topology: Topology, gpus: Sequence[int], extra_nics: Sequence[Nic] = ()) -> NcclFile:
@@ -237,6 +265,18 @@ class NcclFiles:
         if removed:
             log.info("removed %d NCCL topology file(s) of containers the kubelet no longer lists", len(removed))
         return removed
+
+
+def nccl_files_for(config: Config, current: NcclFiles | None) -> NcclFiles | None:
+    """The files ``config`` asks for (None: ``nccl.topologyFile: off``): ``current`` while
+    its host directory stays the same (its writer and its pending writes with it), else new
+    ones; either way with the node's NCCL topology file ``config`` names read again."""
+    if config.nccl_pod_files != "auto":
+        return None
+    host_dir = host_dir_of(config)
+    files = current if current is not None and current.host_dir == host_dir else NcclFiles(host_dir)
+    files.follow(config)
+    return files
 
 
 def nic_envs(nics: Sequence[Nic], ib_hca: bool) -> dict[str, str]:

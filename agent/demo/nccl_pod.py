@@ -11,9 +11,9 @@ from typing import Any
 from agent.config import Config
 from agent.demo.shared_gpu import Teller
 from agent.formats import GPU_RESOURCE
-from agent.ncclfiles import NcclFiles, allocation_key
+from agent.nccl.container_file import nccl_topology_xml
+from agent.nccl.host_dir import NcclFiles, allocation_key
 from agent.topology.model import Topology
-from agent.topology.nccl_file import nccl_topology_xml
 
 
 def show_nccl(
@@ -29,7 +29,7 @@ def show_nccl(
     # in place: the demo's kubelet called PreStartContainer, which waits for the file
     with open(path, encoding="ascii") as fh:
         pod_text = fh.read()
-    node_lines = nccl_topology_xml(topology, range(topology.gpu_count)).count("\n")
+    node_lines = nccl_topology_xml(topology, range(topology.gpu_count), node_file=files.node_file).count("\n")
     if table:
         teller.heading("NCCL in a pod sees what the scheduler saw")
         teller.explain(

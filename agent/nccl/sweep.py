@@ -3,7 +3,9 @@ no longer lists (pod-resources ``List``), every ``pod_resources_refresh_s``.
 
 The kubelet records a container's devices when it calls Allocate, before the container
 starts, and lists them until the pod is gone; a file is named by the same resource and
-device IDs (:func:`agent.ncclfiles.allocation_key`). A file younger than
+device IDs (:func:`agent.nccl.host_dir.allocation_key`). The files are the owner's
+:class:`NcclFiles` (the one the request handlers write through), so a file whose deferred
+write is still pending is never swept. A file younger than
 :data:`MIN_AGE_S` is left alone (its Allocate may be a moment ahead of the listing), and
 nothing is removed while the kubelet cannot be asked. After an agent restart the first
 sweep removes the files of containers that went while it was down; the others stay.
@@ -16,7 +18,7 @@ from typing import Callable
 
 from agent.config import Config
 from agent.kubelet.podresources import PodResourcesClient, PodResourcesError
-from agent.ncclfiles import NcclFiles, live_allocation_keys
+from agent.nccl.host_dir import NcclFiles, live_allocation_keys
 from agent.retry import Outage
 from agent.worker import Worker
 
@@ -26,13 +28,17 @@ log = logging.getLogger(__name__)
 MIN_AGE_S = 60.0
 
 
+#: What the sweeper asks its owner each round: the running config, the owner's files (None:
+#: off) and the names of the resources served (they change with a reload).
+Settings = Callable[[], tuple[Config, "NcclFiles | None", list[str]]]
+
+
 class NcclSweeper(Worker):
-    """Sweeps on its own thread; ``settings()`` gives the running config and the names of
-    the resources served (they change with a reload)."""
+    """Sweeps on its own thread the files ``settings()`` names (:data:`Settings`)."""
 
     thread_name = "nccl-sweep"
 
-    def __init__(self, settings: Callable[[], tuple[Config, list[str]]]) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._client: PodResourcesClient | None = None
         self._outage = Outage(log, "NCCL topology files: pod-resources List")  # named by socket once asked
@@ -43,8 +49,7 @@ class NcclSweeper(Worker):
 
     def sweep_once(self) -> list[str] | None:
         """One sweep: the removed keys, None when the kubelet could not be asked."""
-        config, resources = self.settings()
-        files = NcclFiles.from_config(config)
+        config, files, resources = self.settings()
         if files is None or not files.keys():
             return []
         if self._client is None or self._client.socket_path != config.pod_resources_socket:
