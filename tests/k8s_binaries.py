@@ -3,7 +3,7 @@ one environment variable ``GPU_AGENT_K8S_BINARIES``.
 
 Both are built from Kubernetes v1.32 source, which nothing beside the project may carry
 (``../shared/tools/README.md``), so a contributor who has them points the variable at their
-directory (README.md, "Testing"):
+directory (docs/development.md, "Testing"):
 
 - ``dmharness``: the kubelet's own device manager and topology manager around a fake pod
   admission loop; it starts the agent it is given after ``--`` and writes a JSON summary
@@ -42,7 +42,7 @@ def missing_reason(name: str) -> str | None:
     if not folder:
         return (
             f"{ENV} is unset: this needs {name}, {_WHAT[name]}, built from Kubernetes source and "
-            f"never shipped; set {ENV} to the directory holding it (README.md, Testing)"
+            f"never shipped; set {ENV} to the directory holding it (docs/development.md, Testing)"
         )
     path = k8s_binary(name)
     if not path.is_file() or not os.access(path, os.X_OK):

@@ -758,11 +758,11 @@ def test_notes_warn_when_the_nodefeature_api_is_missing(tmp_path: Path) -> None:
     assert "serves no nfd.k8s-sigs.io/v1alpha1 NodeFeature" in _notes({}, tmp_path)
 
 
-# ----------------------------------------------------------------------------- the README
+# ----------------------------------------------------------------------------- the docs (install page)
 
 
 def _readme_table(header: str) -> list[list[str]]:
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    lines = (ROOT / "docs" / "install.md").read_text(encoding="utf-8").splitlines()
     start = lines.index(header)
     rows = []
     for row in lines[start + 2:]:
@@ -792,7 +792,7 @@ def test_readme_values_table_lists_every_value_with_its_default() -> None:
         for part in leaf.split("."):
             value = value[part]
         if not isinstance(value, (dict, list)):
-            assert shown == f"`{_shown(value)}`", f"{leaf}: README says {shown}, values.yaml {value!r}"
+            assert shown == f"`{_shown(value)}`", f"{leaf}: docs/install.md says {shown}, values.yaml {value!r}"
 
 
 def test_readme_maps_nvidias_chart_values_that_exist_here() -> None:

@@ -1,5 +1,5 @@
 """The layering DESIGN.md writes down, enforced by import-linter contracts
-(``pyproject.toml``, ``[tool.importlinter]``); README.md "Architecture" draws the same
+(``pyproject.toml``, ``[tool.importlinter]``); docs/development.md "Architecture" draws the same
 layers, row for row (compared below)."""
 
 from __future__ import annotations
@@ -60,28 +60,28 @@ def _layer(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def _readme_layers(readme: str) -> list[tuple[str, tuple[str, ...]]]:
-    """The rows of README.md's Architecture table, top to bottom, in the contract's notation:
+    """The rows of docs/development.md's Architecture table, top to bottom, in the contract's notation:
     the modules column's `agent/x/` and `agent/x.py` become ``agent.x``, ``\\|`` becomes ``|``."""
-    section = readme.split("### Architecture", 1)[1].split("\n### ", 1)[0]
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # header, rule
     layers = []
     for row in rows:
         modules = re.split(r"(?<!\\)\|", row)[2]
         text = re.sub(r"`agent/([\w/]+?)(?:/|\.py)`", lambda m: "agent." + m[1].replace("/", "."), modules)
         text = text.replace("\\|", "|")
-        assert "`" not in text, f"README.md Architecture: a module that is no agent/ path in row {row!r}"
+        assert "`" not in text, f"docs/development.md Architecture: a module that is no agent/ path in row {row!r}"
         layers.append(_layer(text))
     return layers
 
 
 def test_the_readme_architecture_map_and_the_layers_contract_say_the_same():
     layers = [_layer(layer) for layer in next(c for c in _contracts() if c["id"] == "layers")["layers"]]
-    assert _readme_layers((ROOT / "README.md").read_text()) == layers
+    assert _readme_layers((ROOT / "docs" / "development.md").read_text()) == layers
 
 
 def test_the_readme_comparison_sees_a_stack_drawn_as_siblings():
     # the comparison is not vacuous: the old map (DRA stacked on the device plugin) differs
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "development.md").read_text()
     stacked = readme.replace(
         "| kubelet sides | `agent/dra/` \\| `agent/deviceplugin/` |",
         "| kubelet sides | `agent/dra/` |\n| | `agent/deviceplugin/` |",

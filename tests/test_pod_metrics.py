@@ -384,7 +384,7 @@ def test_the_readmes_per_pod_table_lists_exactly_the_per_pod_series():
 
     from agent.metrics.fields import POD_METRICS
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
     table = readme.split("| Per-pod metric | Type | Unit | Meaning |", 1)[1].split("\n\n", 1)[0]
     rows = [line.split("|")[1:3] for line in table.strip().splitlines()[1:]]
     assert {name.strip().strip("`"): kind.strip() for name, kind in rows} == \

@@ -1,21 +1,24 @@
-"""The README is the operator's manual: everything it shows must be true of the code.
+"""README.md and the documentation site (docs/) are the operator's manual: everything they show
+must be true of the code. "The docs" below means README.md and every page under docs/.
 
-- Every command in a README code block is classified: run here (``gpu-topology-agent ...``
+- Every command in a code block of the docs is classified: run here (``gpu-topology-agent ...``
   through ``python -m agent``, ``python bench/...`` with its quickest flags, a ``pytest``
   run of one test file, ``kubectl kustomize daemonset/`` or ``daemonset/dra`` where kubectl
   exists, ``helm template`` or ``helm lint`` where helm exists), or listed
   in :data:`NOT_RUNNABLE` with the reason. A command that is neither fails the test, and so
-  does a listed command the README no longer shows.
+  does a listed command the docs no longer show.
 - Commands in ``sh`` blocks must exit 0. In ``console`` blocks (``$ command`` then its
   output) the shown lines must appear in the command's output (stdout and stderr), in
   order; ``...`` elides lines, a line ending in ``...`` matches by prefix, and a following
   ``$ echo $?`` gives the expected exit code (0 otherwise).
 - Inline ``gpu-topology-agent ...`` commands in the text are run too.
-- The two quick-start commands are checked against ``.ci/run``: the test command must be
-  exactly the line CI runs, the demo command must share its install part.
+- The README's two quick-start commands are checked against ``.ci/run``: the test command
+  must be exactly the line CI runs, the demo command must share its install part.
 - The configuration, label and metric tables are checked against the code (every ``run``
   flag, environment variable and config file key, with defaults; every label with its
-  example value; every metric with its type).
+  example value; every metric with its type), wherever in the docs they live.
+- Links between the docs resolve: to a file that exists and, with ``#anchor``, to a heading
+  of that page (GitHub's anchors, which ``mkdocs.yml`` makes the site's too).
 
 Code blocks may only be ``sh``, ``console``, ``yaml``, ``json`` or ``text``; commands live
 in the first two.
@@ -41,12 +44,17 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 TEXT = README.read_text(encoding="utf-8")
+#: README.md and the site's pages: path relative to the root -> text
+DOCS: dict[str, str] = {
+    p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
+    for p in [README, *sorted((ROOT / "docs").rglob("*.md"))]
+}
 
 COMMAND_TIMEOUT_S = 120
 BLOCK_LANGS = {"sh", "console", "yaml", "json", "text"}
 COMMAND_LANGS = {"sh", "console"}
 
-#: Commands the README shows that cannot run here, with the reason. Exact text.
+#: Commands the docs show that cannot run here, with the reason. Exact text.
 NOT_RUNNABLE: dict[str, str] = {
     ".venv/bin/python bench/real_gpu/run.py --out real-gpu-report": (
         "needs NVIDIA GPUs and nvidia-smi; tests/test_real_gpu_kit.py runs the same script on a"
@@ -87,6 +95,22 @@ NOT_RUNNABLE: dict[str, str] = {
     ".venv/bin/python -m pytest -q -n 0 -m image tests/test_image.py": (
         "the image tier: minutes of docker build (.ci/run runs it)"
     ),
+    ".venv/bin/mkdocs build --strict --site-dir /tmp/gpu-topology-agent-site": (
+        "tests/test_docs_site.py runs the same strict build into a temporary directory"
+    ),
+    ".venv/bin/mkdocs serve": "serves the site until stopped",
+    # the recipe of an old build beside this one (docs/benchmarks/device-plugin.md); its last
+    # step, bench_allocate.py --compare-old, runs with the quick flags like any bench
+    **dict.fromkeys(
+        [
+            "git archive HEAD | tar -x -C /tmp/old-src",
+            "git archive 184c7a4 ext/_topo.pyx agent/topology/allocator.py "
+            "agent/topology/engine.py agent/topology/_pure.py | tar -x -C /tmp/old-src",
+            ".venv/bin/pip wheel --no-deps /tmp/old-src -w /tmp/old-whl",
+            "mkdir /tmp/old-pkg && unzip -q /tmp/old-whl/*.whl -d /tmp/old-pkg",
+        ],
+        "builds the engine of commit 184c7a4, a recorded recipe for a past comparison",
+    ),
 }
 
 
@@ -95,6 +119,7 @@ BENCH_QUICK: dict[str, list[str]] = {
     "bench/bench_allocate.py": ["--quick", "--json", "{tmp}/allocate.json"],
     "bench/quality.py": ["--events", "60"],
     "bench/quality_dra.py": ["--events", "30"],
+    "bench/bench_dra_scheduler.py": ["--nodes", "10", "--gpus", "8", "--pods", "10", "--states", "2"],
     "bench/bench_deviceplugin.py": ["--machines", "dgx-h100", "--calls", "20", "--no-process"],
     "bench/bench_metrics.py": ["--scrapes", "10", "--duration-s", "1"],
     "bench/bench_nccl.py": ["--calls", "20", "--json", "{tmp}/nccl.json"],
@@ -107,29 +132,31 @@ AGENT_PREFIXES = ("gpu-topology-agent", ".venv/bin/gpu-topology-agent")
 PYTHON_PREFIXES = ("python", "python3", ".venv/bin/python")
 
 
-# --------------------------------------------------------------------------- README parsing
+# --------------------------------------------------------------------------- docs parsing
 @dataclasses.dataclass
 class Command:
     text: str  # as shown (continuations joined)
     lang: str  # "sh", "console" or "inline"
-    line: int  # README line number
+    line: int  # line number in its file
     output: list[str] | None = None  # console: the shown output lines
     exit_code: int = 0  # console: from a following `$ echo $?`
+    source: str = "README.md"  # the file showing it
 
     @property
     def id(self) -> str:
         short = self.text if len(self.text) <= 70 else self.text[:67] + "..."
-        return f"L{self.line}: {short}"
+        return f"{self.source}:L{self.line}: {short}"
 
 
 @dataclasses.dataclass
 class Block:
     lang: str
     lines: list[str]
-    line: int  # README line number of the first content line
+    line: int  # line number of the first content line
+    source: str = "README.md"
 
 
-def code_blocks(text: str) -> list[Block]:
+def code_blocks(text: str, source: str = "README.md") -> list[Block]:
     blocks: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -144,13 +171,13 @@ def code_blocks(text: str) -> list[Block]:
         while j < len(lines) and not re.match(r"^ *```\s*$", lines[j]):
             body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
             j += 1
-        assert j < len(lines), f"README line {i + 1}: code block never closed"
-        blocks.append(Block(lang, body, i + 2))
+        assert j < len(lines), f"{source} line {i + 1}: code block never closed"
+        blocks.append(Block(lang, body, i + 2, source))
         i = j + 1
     return blocks
 
 
-def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+def _join_continuations(lines: list[tuple[int, str]], source: str) -> list[tuple[int, str]]:
     out: list[tuple[int, str]] = []
     pending: tuple[int, str] | None = None
     for n, line in lines:
@@ -161,16 +188,17 @@ def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
             pending = (n, line.rstrip()[:-1].rstrip())
             continue
         out.append((n, line.strip()))
-    assert pending is None, f"README line {pending[0]}: continuation at the end of a block"
+    assert pending is None, f"{source} line {pending[0]}: continuation at the end of a block"
     return out
 
 
 def block_commands(block: Block) -> list[Command]:
     numbered = [(block.line + k, line) for k, line in enumerate(block.lines)]
+    where = block.source
     if block.lang == "sh":
         return [
-            Command(text, "sh", n)
-            for n, text in _join_continuations(numbered)
+            Command(text, "sh", n, source=where)
+            for n, text in _join_continuations(numbered, where)
             if text and not text.startswith("#")
         ]
     commands: list[Command] = []
@@ -178,21 +206,21 @@ def block_commands(block: Block) -> list[Command]:
         if line.startswith("$ "):
             text = line[2:].strip()
             if text == "echo $?":
-                commands.append(Command(text, "echo", n, output=[]))
+                commands.append(Command(text, "echo", n, output=[], source=where))
             else:
-                commands.append(Command(text, "console", n, output=[]))
+                commands.append(Command(text, "console", n, output=[], source=where))
         else:
-            assert commands, f"README line {n}: console output before any `$ ` command"
+            assert commands, f"{where} line {n}: console output before any `$ ` command"
             assert commands[-1].output is not None
             commands[-1].output.append(line.rstrip())
     # fold `$ echo $?` into the command before it
     folded: list[Command] = []
     for cmd in commands:
         if cmd.lang == "echo":
-            assert folded, f"README line {cmd.line}: `echo $?` with no command before it"
+            assert folded, f"{where} line {cmd.line}: `echo $?` with no command before it"
             shown = [x for x in cmd.output or [] if x.strip()]
             assert len(shown) == 1 and shown[0].strip().isdigit(), (
-                f"README line {cmd.line}: `echo $?` must be followed by one exit code"
+                f"{where} line {cmd.line}: `echo $?` must be followed by one exit code"
             )
             folded[-1].exit_code = int(shown[0])
         else:
@@ -200,7 +228,7 @@ def block_commands(block: Block) -> list[Command]:
     return folded
 
 
-def inline_agent_commands(text: str) -> list[Command]:
+def inline_agent_commands(text: str, source: str = "README.md") -> list[Command]:
     """``gpu-topology-agent ...`` in inline code outside code blocks that is a complete
     command (no synopsis placeholders)."""
     out: list[Command] = []
@@ -216,13 +244,13 @@ def inline_agent_commands(text: str) -> list[Command]:
                 continue
             if re.search(r"[\[\]{}|<>]|\.\.\.|\b(MACHINE|LIST|FILE|K)\b", span):
                 continue  # a synopsis, not a command
-            out.append(Command(span, "inline", n))
+            out.append(Command(span, "inline", n, source=source))
     return out
 
 
-BLOCKS = code_blocks(TEXT)
+BLOCKS = [b for source, text in DOCS.items() for b in code_blocks(text, source)]
 COMMANDS = [c for b in BLOCKS if b.lang in COMMAND_LANGS for c in block_commands(b)]
-INLINE = inline_agent_commands(TEXT)
+INLINE = [c for source, text in DOCS.items() for c in inline_agent_commands(text, source)]
 
 
 def _section(title: str) -> str:
@@ -295,23 +323,24 @@ def classify(text: str) -> tuple[str, object]:
     return "unknown", None
 
 
-def test_readme_has_commands_and_only_known_blocks() -> None:
+def test_the_docs_have_commands_and_only_known_blocks() -> None:
     assert len(COMMANDS) >= 10
+    assert {c.source for c in COMMANDS} > {"README.md"}, "the pages under docs/ show no command"
     for b in BLOCKS:
-        assert b.lang in BLOCK_LANGS, f"README line {b.line}: code block language {b.lang!r}"
+        assert b.lang in BLOCK_LANGS, f"{b.source} line {b.line}: code block language {b.lang!r}"
         if b.lang not in COMMAND_LANGS:
             for k, line in enumerate(b.lines):
                 assert not re.match(
                     r"^\s*(\$ |gpu-topology-agent |kubectl |docker |python|\.venv/)", line
-                ), f"README line {b.line + k}: a command in a {b.lang!r} block"
+                ), f"{b.source} line {b.line + k}: a command in a {b.lang!r} block"
 
 
 def test_every_command_is_run_or_listed() -> None:
     unknown = [c.id for c in COMMANDS + INLINE if classify(c.text)[0] == "unknown"]
-    assert not unknown, f"README commands neither run by this test nor listed: {unknown}"
+    assert not unknown, f"commands in the docs neither run by this test nor listed: {unknown}"
     shown = {c.text for c in COMMANDS}
     stale = [t for t in NOT_RUNNABLE if t not in shown]
-    assert not stale, f"NOT_RUNNABLE lists commands the README no longer shows: {stale}"
+    assert not stale, f"NOT_RUNNABLE lists commands the docs no longer show: {stale}"
 
 
 # --------------------------------------------------------------------------- running
@@ -327,8 +356,8 @@ def _run(argv: list[str], extra_env: dict[str, str]) -> subprocess.CompletedProc
     from agent.config import ENV_FIELDS
 
     env = dict(os.environ)
-    env.pop("AGENT_PUREPYTHON", None)  # the README's outputs are the default engine's
-    # the README's outputs are the defaults': no configuration from the caller's environment
+    env.pop("AGENT_PUREPYTHON", None)  # the docs' outputs are the default engine's
+    # the docs' outputs are the defaults': no configuration from the caller's environment
     for name in (*ENV_FIELDS, "CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"):
         env.pop(name, None)
     env.update(extra_env)
@@ -395,11 +424,11 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
             and cmd.exit_code != 0
             and _nvml_present()
         ):
-            pytest.skip("this machine has NVML: the README shows the driverless answer")
+            pytest.skip("this machine has NVML: the docs show the driverless answer")
     result = _run(argv, env)
     combined = result.stdout + result.stderr
     assert result.returncode == cmd.exit_code, (
-        f"{cmd.text}: exit {result.returncode}, README says {cmd.exit_code}\n{combined[-3000:]}"
+        f"{cmd.text}: exit {result.returncode}, {cmd.source} says {cmd.exit_code}\n{combined[-3000:]}"
     )
     if cmd.output:
         problem = _match_output(cmd.output, combined)
@@ -408,20 +437,21 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- tables
 def _tables(header: str) -> list[list[list[str]]]:
-    """Every markdown table whose header row is ``header``: rows of cells."""
+    """Every markdown table of the docs whose header row is ``header``: rows of cells."""
     tables: list[list[list[str]]] = []
-    lines = TEXT.splitlines()
-    for i, line in enumerate(lines):
-        if line.strip() != header:
-            continue
-        rows: list[list[str]] = []
-        for row in lines[i + 2 :]:
-            if not row.startswith("|"):
-                break
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
-            rows.append(cells)
-        tables.append(rows)
-    assert tables, f"README has no table with header {header!r}"
+    for text in DOCS.values():
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != header:
+                continue
+            rows: list[list[str]] = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+                rows.append(cells)
+            tables.append(rows)
+    assert tables, f"the docs have no table with header {header!r}"
     return tables
 
 
@@ -516,7 +546,7 @@ def test_settings_defaults_and_mappings() -> None:
                 assert "empty" in (row["default_cell"] or ""), f"{where}: default is empty"
             else:
                 assert row["default"] == expected, (
-                    f"{where}: README default {row['default']!r}, code {expected!r}"
+                    f"{where}: documented default {row['default']!r}, code {expected!r}"
                 )
         elif row["flag"] in ("--config", "--simulate"):
             assert row["default_cell"] == "none"
@@ -581,14 +611,14 @@ def _allowed_keys(section: str, tmp_path: Path) -> list[str]:
 
 
 def test_every_config_file_key_is_documented(tmp_path: Path) -> None:
-    tokens = set(re.findall(r"`([^`\s]+)`", TEXT))
+    tokens = {t for text in DOCS.values() for t in re.findall(r"`([^`\s]+)`", text)}
     for section in CONFIG_SECTIONS:
         if section == "sharing.timeSlicing.resources[]":
             continue
         for key in _allowed_keys(section, tmp_path):
             path = f"{section}.{key}" if section else key
             documented = any(t == path or t.startswith(path + ".") for t in tokens)
-            assert documented, f"config file key {path} is not in the README"
+            assert documented, f"config file key {path} is not in the docs"
     (entry_rows,) = _tables("| Key | Default | Meaning |")
     documented = {_first_tick(cells[0]) for cells in entry_rows}
     assert documented == set(_allowed_keys("sharing.timeSlicing.resources[]", tmp_path))
@@ -622,18 +652,18 @@ def test_labels_table_matches_the_code() -> None:
     rows = _label_rows()
     h100 = _labels("dgx-h100", {})
     for key, value in h100.items():
-        assert key in rows, f"label {key} (labels --simulate dgx-h100) is not in the README"
-        assert rows[key] == value, f"{key}: README example {rows[key]!r}, the code gives {value!r}"
+        assert key in rows, f"label {key} (labels --simulate dgx-h100) is not in the docs"
+        assert rows[key] == value, f"{key}: documented example {rows[key]!r}, the code gives {value!r}"
     others = {**_labels("a100-mig", {"MIG_STRATEGY": "mixed"}), **_labels("gb200-tray", {})}
     for key, example in rows.items():
         if key in h100:
             continue
         pattern = _pattern(key)
         values = [v for k, v in others.items() if pattern.match(k)]
-        assert values, f"README label {key} is produced by none of the example machines"
-        assert example in values, f"{key}: README example {example!r}, the code gives {values}"
+        assert values, f"documented label {key} is produced by none of the example machines"
+        assert example in values, f"{key}: documented example {example!r}, the code gives {values}"
     for key in others:
-        assert any(_pattern(k).match(key) for k in rows), f"label {key} is not in the README"
+        assert any(_pattern(k).match(key) for k in rows), f"label {key} is not in the docs"
 
 
 # --------------------------------------------------------------------------- metrics
@@ -671,27 +701,60 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def test_internal_links_resolve() -> None:
-    outside = "\n".join(
-        line for b in BLOCKS for line in b.lines
-    )  # headings inside code blocks are not headings
+def _anchors(text: str) -> set[str]:
+    # headings inside code blocks are not headings
+    outside = "\n".join(line for b in code_blocks(text) for line in b.lines)
     headings = [
-        m.group(1) for m in re.finditer(r"^#{1,6} (.+)$", TEXT, re.M) if m.group(0) not in outside
+        m.group(1) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M) if m.group(0) not in outside
     ]
-    anchors = {_slug(h) for h in headings}
-    for target in re.findall(r"\]\(#([^)]+)\)", TEXT):
-        assert target in anchors, f"README link to #{target}: no such heading"
-    for target in re.findall(r"\]\((?!#|https?://)([^)]+)\)", TEXT):
-        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+    return {_slug(h) for h in headings}
+
+
+def test_links_between_the_docs_resolve() -> None:
+    for source, text in DOCS.items():
+        here = (ROOT / source).parent
+        for target in re.findall(r"\]\((?!https?://)([^)]+)\)", text):
+            path, _, anchor = target.partition("#")
+            page = (here / path).resolve() if path else ROOT / source
+            assert page.exists(), f"{source} links to {target}: {path} does not exist"
+            if anchor:
+                assert page.suffix == ".md", f"{source} links to {target}: an anchor in no page"
+                assert anchor in _anchors(page.read_text(encoding="utf-8")), (
+                    f"{source} links to {target}: no such heading"
+                )
+
+
+def test_the_readme_links_into_the_docs_site() -> None:
+    linked = {t.split("#")[0] for t in re.findall(r"\]\((docs/[^)]+)\)", TEXT)}
+    assert "docs/index.md" in linked and len(linked) >= 10
+
+
+def _heading_section(text: str, title: str) -> str | None:
+    """The text under the heading ``title`` (any level) up to the next heading of the same or
+    a higher level outside code blocks; None without such a heading."""
+    lines = text.splitlines()
+    in_block, level, body = False, 0, []
+    for line in lines:
+        if re.match(r"^ *```", line):
+            in_block = not in_block
+        m = None if in_block else re.match(r"^(#{1,6}) (.+)$", line)
+        if level and m and len(m.group(1)) <= level:
+            break
+        if level:
+            body.append(line)
+        elif m and m.group(2).strip() == title:
+            level = len(m.group(1))
+    return "\n".join(body) if level else None
 
 
 def test_the_machine_spec_example_is_read_by_the_one_schema_and_runs(tmp_path: Path) -> None:
     from agent.discovery import load_topology
     from agent.hw.sim.spec import machine_spec_from_dict
 
-    m = re.search(r"^### Machine spec format\n(.*?)(?=^##)", TEXT, re.S | re.M)
-    assert m, "README has no section '### Machine spec format'"
-    blocks = [b for b in code_blocks(m.group(1)) if b.lang == "yaml"]
+    found = [s for text in DOCS.values() if (s := _heading_section(text, "Machine spec format"))]
+    assert len(found) == 1, "the docs have one section 'Machine spec format'"
+    section = found[0]
+    blocks = [b for b in code_blocks(section) if b.lang == "yaml"]
     assert len(blocks) == 1, "the Machine spec format section has one complete YAML example"
     text = "\n".join(blocks[0].lines) + "\n"
     doc = yaml.safe_load(text)
