@@ -482,28 +482,33 @@ def test_a_restart_removes_the_temp_files_of_killed_writes_and_leaves_other_tool
     first = node.prepare(c)
     node.plugin.stop()
     cdi, claims = node.config.cdi_dir, os.path.join(node.plugin.plugin_dir, "claims")
-    ours = {  # an agent killed while writing a claim's spec and its checkpoint
+    nccl = os.path.join(node.plugin.plugin_dir, "nccl")  # nccl.hostDir's default in DRA mode
+    ours = {  # an agent killed while writing a claim's spec, its checkpoint and its NCCL file
         (cdi, killed_write(f"from agent.files import write_json_atomic; write_json_atomic({spec_path(cdi, DRIVER, uid)!r},"
                            " {})", cdi)),
         (claims, killed_write(f"from agent.files import write_json_atomic; write_json_atomic({claims!r} + '/{uid}.json',"
                               " {})", claims)),
         (claims, ".k3j4h5g6.tmp"),  # an older version's temp file: the directory is the checkpoint's alone
+        (nccl, killed_write(f"from agent.files import write_text_atomic; write_text_atomic({nccl!r} + '/claim-{uid}.xml',"
+                            " '')", nccl)),
     }
     theirs = {  # the CDI directory is shared: another vendor's specs and temp files stay
         (cdi, "nvidia.com-gpu.json"), (cdi, ".nvidia.com-gpu.json.k3j4h5g6.tmp"), (cdi, ".k3j4h5g6.tmp"),
         (cdi, ".other.io-claim_x.json.k3j4h5g6.tmp"),
+        (nccl, ".notes.txt.k3j4h5g6.tmp"),  # not a file the agent writes there
     }
     for directory, name in ours | theirs:
         with open(os.path.join(directory, name), "a", encoding="utf-8") as fh:
             fh.write("{")
     assert all(name.endswith(".tmp") for _, name in ours)
-    with caplog.at_level(logging.INFO, logger="agent.dra"):
+    with caplog.at_level(logging.INFO):
         node.start(node.topology)
     assert not any(os.path.exists(os.path.join(d, n)) for d, n in ours)
     assert all(os.path.exists(os.path.join(d, n)) for d, n in theirs)
     said = [r.getMessage() for r in caplog.records if "temp file(s) of interrupted writes" in r.getMessage()]
-    assert said == [f"checkpoint {claims}: removed 2 temp file(s) of interrupted writes",
-                    f"CDI directory {cdi}: removed 1 temp file(s) of interrupted writes"], said
+    assert sorted(said) == sorted([f"checkpoint {claims}: removed 2 temp file(s) of interrupted writes",
+                                   f"CDI directory {cdi}: removed 1 temp file(s) of interrupted writes",
+                                   f"NCCL files {nccl}: removed 1 temp file(s) of interrupted writes"]), said
     assert node.prepare(c) == first  # the claim's checkpoint and spec are untouched
 
 

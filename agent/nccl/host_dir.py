@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.config import Config
-from agent.files import remove_file, write_text_atomic
+from agent.files import remove_file, remove_stale_temps, write_text_atomic
 from agent.nccl.container_file import nccl_topology_xml, nearest_nics
 from agent.nccl.node_file import NcclTopologyError, NodeFile, read_nccl_topology
 from agent.records import Nic
@@ -134,8 +134,14 @@ class NcclFiles:
     @classmethod
     def from_config(cls, config: Config) -> NcclFiles | None:
         """The files of ``config`` (``nccl.topologyFile: auto``), or None (``off``), with the
-        node's NCCL topology file ``config`` names."""
-        return nccl_files_for(config, None)
+        node's NCCL topology file ``config`` names. For a one-shot command: unlike
+        :func:`nccl_files_for`, it leaves the directory's temp files alone (the running
+        agent's writes may be in flight)."""
+        if config.nccl_pod_files != "auto":
+            return None
+        files = cls(host_dir_of(config))
+        files.follow(config)
+        return files
 
     def follow(self, config: Config) -> None:
         """Read the node's NCCL topology file ``config`` names again (a reload). One the
@@ -270,11 +276,20 @@ class NcclFiles:
 def nccl_files_for(config: Config, current: NcclFiles | None) -> NcclFiles | None:
     """The files ``config`` asks for (None: ``nccl.topologyFile: off``): ``current`` while
     its host directory stays the same (its writer and its pending writes with it), else new
-    ones; either way with the node's NCCL topology file ``config`` names read again."""
+    ones; either way with the node's NCCL topology file ``config`` names read again. New
+    ones are the owner's: the temp files its killed writes left there are removed."""
     if config.nccl_pod_files != "auto":
         return None
     host_dir = host_dir_of(config)
-    files = current if current is not None and current.host_dir == host_dir else NcclFiles(host_dir)
+    if current is not None and current.host_dir == host_dir:
+        files = current
+    else:
+        # a directory this process has not written in yet: no write of ours is in flight
+        # there, so a temp file of one of our files is a killed write's
+        removed = remove_stale_temps(host_dir, lambda name: name.startswith(("dp-", "claim-")))
+        if removed:
+            log.info("NCCL files %s: removed %d temp file(s) of interrupted writes", host_dir, removed)
+        files = NcclFiles(host_dir)
     files.follow(config)
     return files
 
