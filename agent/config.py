@@ -140,7 +140,7 @@ class Config:
     #: tainted (no new claim gets it), before it is withdrawn; 0: at once (the rule before
     #: the grace, unsafe when the scheduler's view of the slices lags) (env DRA_GPU_SET_WITHDRAWAL_GRACE_S)
     gpu_set_withdrawal_grace_s: float = 60.0
-    # --- NCCL (issue 24; README "NCCL topology files")
+    # --- NCCL (issue 24; docs/nccl.md)
     #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""
     nccl_pod_files: str = "auto"  # each container with GPUs gets its NCCL file (auto) or none (off)

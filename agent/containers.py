@@ -169,7 +169,7 @@ def container_facts(
 
 
 def nccl_additions(nccl_file: NcclFile | None, config: Config) -> tuple[ContainerAdditions, ...]:
-    """What a container's NCCL topology file adds (README "NCCL topology files"): the file
+    """What a container's NCCL topology file adds (docs/nccl.md): the file
     mounted read-only at ``nccl.mountPath``, ``NCCL_TOPO_FILE`` naming it, and the NICs it
     holds named (``GPU_TOPOLOGY_NICS``, with ``nccl.setIbHca`` ``NCCL_IB_HCA``)."""
     if nccl_file is None:

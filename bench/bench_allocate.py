@@ -26,7 +26,7 @@ machine and k, replicas, 64 GPUs) through each build's own ``RequestHandler.pref
 worker processes, old and new alternating for ``--rounds`` rounds, and prints new/old
 ratios per case (below 1: faster now). To build the old one: this tree with an older
 commit's request path (its engine files and its device-plugin request handler; the rest
-must match this bench, see bench/README.md)::
+must match this bench, see docs/benchmarks/device-plugin.md)::
 
     git archive HEAD | tar -x -C /tmp/old-src && rm -r /tmp/old-src/agent/topology/_pure
     git archive <commit> ext/_topo.pyx agent/topology/allocator.py agent/topology/engine.py \

@@ -76,7 +76,7 @@ Machines: every built-in machine with two or more GPUs (``a100-mig`` with MIG of
 as ``quality.py`` sees it) and synthetic 16, 32 and 64-GPU nodes (NVSwitch islands of 8 on two
 NUMA nodes, ``synthetic_islands_topology``). The occupancy-ordered paths of earlier versions
 (re-publishing the device order from the GPUs in use) were measured worse than the static
-order (bench/README.md) and were removed; the re-rendering paths are back to measure the
+order (docs/benchmarks/dra-scheduler.md) and were removed; the re-rendering paths are back to measure the
 agent's re-rendering at prepare (issue 25). Goal (issue 25): within 0.5 points of the device
 plugin's world on both shares, and mean set score >= 0.995x its world's.
 """

@@ -1,7 +1,7 @@
 """The demo's NCCL section: a running 2-GPU pod's NCCL topology file beside the node's.
 
 NCCL in the pod sees the GPUs it got, their nearest NICs and the path between them, as the
-scheduler saw them (issue 24; README "NCCL topology files").
+scheduler saw them (issue 24; docs/nccl.md).
 """
 
 from __future__ import annotations

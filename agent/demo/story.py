@@ -380,7 +380,7 @@ def _tell(machine: str, fmt: str, out: TextIO, err: TextIO, label: str | None) -
         story.say(f"Next: `{next_command(story.label, facts)}`" + ("" if story.label == "-" else ","))
         if story.label == "-":
             story.say("      (with the same input on standard input),")
-        story.say("or deploy it: `kubectl apply -k daemonset/` (see README).")
+        story.say("or deploy it: `kubectl apply -k daemonset/` (see docs/install.md).")
     return 0
 
 

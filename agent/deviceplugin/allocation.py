@@ -109,7 +109,7 @@ class RequestHandler:
         return render(facts, self.config)
 
     def _nccl_file(self, device_ids: Sequence[str], devices: Sequence[ContainerDevice]) -> NcclFile | None:
-        """The container's NCCL topology file (README "NCCL topology files"): for whole
+        """The container's NCCL topology file (docs/nccl.md): for whole
         GPUs and for the GPUs behind replicas, none for MIG devices. Allocate only names it;
         the writer thread writes it and :meth:`pre_start` makes sure it is in place before
         the container starts."""

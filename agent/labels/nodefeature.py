@@ -105,7 +105,7 @@ class NodeFeatureSink:
         try:
             changed = self._reconcile(dict(labels))
         except ApiCallError as exc:
-            hint = {403: " (the agent's RBAC must allow it: see the README)",
+            hint = {403: " (the agent's RBAC must allow it: see docs/labels.md, NodeFeature)",
                     404: f" (is NFD installed? no {PLURAL}.{GROUP}/{VERSION} API)"}.get(exc.status or 0, "")
             self._outage.failed(f"{exc}{hint}", key=exc.state)
             raise LabelWriteError(f"cannot publish the labels as {self.where}: {exc}") from exc

@@ -29,7 +29,7 @@ One :class:`AllocationEngine` per topology: it memoises partition tables across 
 serialises calls with a lock, so one instance may be shared by gRPC worker threads. Memory on
 a 16-GPU node: a 512 KiB set-score table plus 512 KiB per request size k seen. Without the
 compiled extension the pure-Python twin gives the same answers, 10x to 2000x slower
-(``bench/README.md``).
+(``docs/benchmarks/device-plugin.md``).
 """
 
 from __future__ import annotations

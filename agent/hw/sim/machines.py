@@ -4,7 +4,7 @@ output, opened as a fake NVML plus a fake sysfs tree.
 ``MACHINE`` (the ``--simulate`` argument) is one of:
 
 * a built-in name (:data:`BUILTIN_MACHINES`; the specs are ``specs/<name>.yaml`` next to
-  this module, format in README.md "Machine spec format");
+  this module, format in docs/getting-started.md, "Machine spec format");
 * a machine spec file (``.yaml``/``.yml``/``.json``, or any file holding a YAML mapping);
 * a file holding ``nvidia-smi topo -m`` output as a user pasted it (recognised by its
   ``GPU0`` header): read by :mod:`agent.hw.topo_matrix` and turned into a spec by

@@ -1,7 +1,7 @@
 """The machine spec's one schema: :func:`machine_spec_from_dict` reads a YAML/JSON mapping into
 the model of :mod:`agent.hw.sim.spec_model` (files through :func:`load_machine_spec`).
 
-The format is documented in README.md ("Machine spec format") and on
+The format is documented in docs/getting-started.md ("Machine spec format") and on
 :func:`machine_spec_from_dict`. A key not listed there is rejected; a fact a spec does not
 state stays unknown.
 """
@@ -61,7 +61,7 @@ _NIC_KEYS = frozenset({"name", "bus_id", "numa_node", "cpus", "host_bridge", "sw
 
 def machine_spec_from_dict(data: Mapping[str, Any], source: str = "<spec>") -> MachineSpec:
     """Build a :class:`MachineSpec` from a YAML/JSON mapping: the one schema of machine specs
-    (README.md, "Machine spec format"). Keys not listed there are rejected; a fact not given
+    (docs/getting-started.md, "Machine spec format"). Keys not listed there are rejected; a fact not given
     stays unknown. InputFormatError names the source, the key path and what was expected.
 
     Outline::
