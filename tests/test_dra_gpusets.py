@@ -16,11 +16,10 @@ from dra_shipped_classes import BY_NAME, CEL, CLASSES_FILE, GPU_CLASS, check_exp
 
 from agent.cli import main
 from agent.discovery import load_topology
+from agent.dra.devices import parse_set_name, set_name
 from agent.dra.gpusets import (
     SETS_PER_SIZE,
     SetPolicy,
-    parse_set_name,
-    set_name,
     set_sizes,
 )
 from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices

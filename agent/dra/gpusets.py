@@ -148,18 +148,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
+from agent.dra.devices import set_name
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceTable
 from agent.topology.model import Topology
 
 __all__ = ["NEWEST_KNOWN", "SETS_FROM", "SETS_PER_SIZE", "SET_SIZES", "GpuSet", "SetPolicy", "clique_ids",
-           "device_order", "gpu_sets_decision", "island_ids", "parse_set_name", "set_name", "set_sizes"]
+           "device_order", "gpu_sets_decision", "island_ids", "set_sizes"]
 
 #: Sizes every node is offered in (besides its NVLink island and clique sizes).
 SET_SIZES = (2, 4, 8, 16)
 #: The most sets of one size the policy publishes for the current occupancy (kept sets aside).
 SETS_PER_SIZE = 4
-_PREFIX = "gpuset-"
 #: The first Kubernetes version whose scheduler gathers a node's counter slices for that node only.
 SETS_FROM = (1, 37)
 #: The newest Kubernetes version this agent knows (``slices --server-version`` default).
@@ -185,27 +185,6 @@ def gpu_sets_decision(setting: str, server: tuple[int, int] | None) -> tuple[boo
                    " GPUs only; set dra.gpuSets=on to publish sets anyway")
 
 
-def set_name(members: Iterable[int]) -> str:
-    """The set device's name, a DNS label: ``gpuset-<k>-m<hex bitmask of the members>``."""
-    found = sorted(set(members))
-    return f"{_PREFIX}{len(found)}-m{sum(1 << i for i in found):x}"
-
-
-def parse_set_name(name: str) -> tuple[int, ...] | None:
-    """The members (ascending) a set name stands for; None when ``name`` is no canonical one."""
-    if not name.startswith(_PREFIX):
-        return None
-    size, _, mask = name[len(_PREFIX):].partition("-m")
-    if not size.isdigit() or not mask or mask != mask.lower() or mask.startswith("0") or len(mask) > 64:
-        return None
-    try:
-        bits = int(mask, 16)
-    except ValueError:
-        return None
-    members = tuple(i for i in range(bits.bit_length()) if bits >> i & 1)
-    return members if len(members) == int(size) >= 2 and set_name(members) == name else None
-
-
 @dataclass(frozen=True)
 class GpuSet:
     """One set device: its GPU indices, ascending. Models no upstream API: our GPU set,
@@ -219,7 +198,7 @@ class GpuSet:
 
     @property
     def name(self) -> str:
-        """The DRA device name (:func:`set_name`)."""
+        """The DRA device name (:func:`agent.dra.devices.set_name`)."""
         return set_name(self.members)
 
 

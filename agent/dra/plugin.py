@@ -35,13 +35,14 @@ from agent.config import Config
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
+from agent.dra.placement import PlacementRanker
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
+from agent.dra.view import DraView
 from agent.errors import AgentError, shorten
 from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
 from agent.kubelet.unix_server import UnixGrpcServer
 from agent.retry import Outage
-from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,13 @@ class DraPlugin:
     registration socket was found gone and served again: the kubelet restarted, and the
     daemon reads the topology again. ``on_placement`` is told the placement of each claim
     prepared anew (:mod:`agent.dra.placement`: ``device_plugin_choice``, ``other`` or
-    ``unranked``; on a gRPC worker, no lock held).
+    ``unranked``; on the ranking thread, after the prepare answered, no lock held).
     """
 
     def __init__(
         self,
         config: Config,
-        topology: Topology,
+        view: DraView,
         health: PluginHealth,
         claim_reader: ClaimReader,
         *,
@@ -152,9 +153,10 @@ class DraPlugin:
         # torn file fails its checksum and the claim is recomputed from the API server. An
         # fsync per prepare would cost 5-40 ms on a busy disk, the whole latency budget.
         self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR), fsync=False)
+        self.placements = PlacementRanker(on_placement)
         self.preparer = ClaimPreparer(
-            topology, config, health, claim_reader, self.checkpoint,
-            node_name=self.node_name, on_placement=on_placement,
+            view, config, health, claim_reader, self.checkpoint,
+            node_name=self.node_name, on_prepared=self.placements.submit,
         )
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
@@ -221,6 +223,7 @@ class DraPlugin:
             "DRA plugin %s: serving %s, registration on %s (%d prepared claims checkpointed)",
             self.driver_name, self.endpoint, self.registration_socket, len(self.checkpoint),
         )
+        self.placements.start()  # claims prepared before it starts wait for it
         self._keeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -232,6 +235,7 @@ class DraPlugin:
         self._reg_server.stop(grace_s)
         self.health_streams.close()
         self._dra_server.stop(grace_s)
+        self.placements.stop(grace_s)
 
     def ready(self) -> bool:
         """Both sockets serve and the kubelet has confirmed our registration."""
@@ -239,11 +243,11 @@ class DraPlugin:
             registered = self._registered
         return registered and self._dra_server.socket_present() and self._reg_server.socket_present()
 
-    def set_topology(self, topology: Topology, config: Config) -> None:
-        """Prepare new claims from ``topology`` (the daemon read it again) and ``config``
-        (its DRA settings unchanged); sockets, the registration and the prepared claims stay
-        as they are."""
-        self.preparer.set_topology(topology, config)
+    def set_topology(self, view: DraView, config: Config) -> None:
+        """Prepare new claims from ``view`` (of the topology the daemon read again) and
+        ``config`` (its DRA settings unchanged); sockets, the registration and the prepared
+        claims stay as they are."""
+        self.preparer.set_topology(view, config)
 
     # ------------------------------------------------------------------ internals
     def _registration_status(self, registered: bool, error: str) -> None:

@@ -25,7 +25,8 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Collection, Iterable, Mapping
 
-from agent.dra.gpusets import GpuSet, parse_set_name
+from agent.dra.devices import parse_set_name
+from agent.dra.gpusets import GpuSet
 
 __all__ = ["WITHDRAWN_KEY", "expired", "held_through_sets", "sets_to_keep", "sets_to_withdraw", "singles_to_withdraw",
            "stamp_withdrawals", "withdrawal_taint", "withdrawal_times"]
