@@ -17,7 +17,7 @@ API server again (nor ranks it again), also after an agent restart.
 by another prepared claim of the checkpoint (a GPU set holds every member; a whole GPU and a
 MIG device of it conflict, two different MIG devices of one GPU do not). The scheduler's
 counters normally forbid such an allocation; this is the defence for the window they cannot
-cover (:mod:`agent.dra.gpusets`, "What remains"): at worst a pod fails to start, retried by
+cover (docs/design/dra-gpu-sets.md): at worst a pod fails to start, retried by
 the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
 """
 

@@ -19,7 +19,7 @@ re-publication that moves no device from one slice to another (up to 64 devices 
 device slice; above, the single GPUs and the sets have slices of their own) rewrites the
 changed slices under the same pool generation: any view the scheduler can have holds each
 slice once, each device at most once, and every device a claim may hold (the single GPUs
-always, a set kept by the rule of :mod:`agent.dra.gpusets` in both publications), so the
+always, a set kept by the rule of :mod:`agent.dra.withdrawal` in both publications), so the
 pool is never incomplete. Nor invalid: the counter slice, which declares only the counters
 devices consume (:mod:`agent.dra.counters`), is first widened where the devices will consume
 a counter it lacks, and narrowed after them (:mod:`agent.dra.pool_writes` plans the writes). The API reference asks
