@@ -630,6 +630,23 @@ def test_slices_refuses_a_bad_in_use_list_or_server_version_with_exit_2_and_one_
     assert out.out == "" and len(out.err.strip().splitlines()) == 1 and says in out.err
 
 
+@pytest.mark.parametrize("command,twice,says", [
+    ("allocate --size 1 --available", "1,2,1", "--available: device ID '{uuid}' given twice"),
+    ("slices --in-use", "1,2,1", "--in-use: device 'gpu-1' given twice"),
+    ("allocate --size 1 --available", "{uuid},1", "--available: device ID '{uuid}' given twice ('{uuid}', '1')"),
+    ("slices --in-use", "{uuid},1", "--in-use: device 'gpu-1' given twice ('{uuid}', '1')"),
+    ("slices --in-use", "gpu-1,2,1", "--in-use: device 'gpu-1' given twice ('gpu-1', '1')"),
+])
+def test_slices_in_use_refuses_a_device_given_twice_as_allocate_available_does(command, twice, says, capsys):
+    uuid = load_topology("dgx-h100").gpus[1].uuid
+    argv = [*command.split(), twice.format(uuid=uuid), "--simulate", "dgx-h100", "--node-name", NODE][
+        :None if command.startswith("slices") else -2]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.splitlines() == [f"gpu-topology-agent {argv[0]}: error: {says.format(uuid=uuid)}"], out.err
+
+
 def test_slices_in_use_takes_indices_uuids_and_device_names_alike(capsys):
     topology = load_topology("dgx-h100")
     outputs = []
