@@ -162,20 +162,8 @@ class DraPlugin:
         self._v1 = DraV1Servicer(self.preparer)
         self._v1beta1 = DraV1beta1Servicer(self.preparer)
         self.health_streams = HealthStreams(health, self._served_devices, self.node_name)
-        self._registration = WatcherRegistrationServicer(
-            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS + HEALTH_SERVICES,
-            self._registration_status,
-        )
-        self._dra_server = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
-        self._reg_server = UnixGrpcServer(
-            self.registration_socket, self._add_registration, name="dra-reg", max_workers=2
-        )
         self._on_kubelet_restart = on_kubelet_restart
-        self._keeper = SocketKeeper(
-            log, "DRA socket watch", thread_name="dra-socket-watch", poll_s=poll_s,
-            on_vanished=self._vanished, on_served=self._served,
-        )
-        self._keeper.keep([self._dra_server, self._reg_server], ["the DRA service", "the DRA registration"])
+        self._dra_server, self._reg_server, self._keeper = self._sockets(max_workers)
         # Lock order: ``_lock`` is a leaf guarding ``_registered`` (written by the gRPC worker
         # of NotifyRegistrationStatus and by the keeper's thread), held only to read or
         # assign it, never across I/O. ``_refusal_lock`` serialises the refusals' log lines
@@ -188,6 +176,22 @@ class DraPlugin:
             per_reason=True,
             retrying="still serving; the kubelet retries when it restarts or the registration socket is re-created",
         )
+
+    def _sockets(self, max_workers: int) -> tuple[UnixGrpcServer, UnixGrpcServer, SocketKeeper]:
+        """The DRA service's server, the registration's, and the keeper serving both again
+        when they vanish (none started)."""
+        self._registration = WatcherRegistrationServicer(
+            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS + HEALTH_SERVICES,
+            self._registration_status,
+        )
+        dra = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
+        reg = UnixGrpcServer(self.registration_socket, self._add_registration, name="dra-reg", max_workers=2)
+        keeper = SocketKeeper(
+            log, "DRA socket watch", thread_name="dra-socket-watch", poll_s=self.poll_s,
+            on_vanished=self._vanished, on_served=self._served,
+        )
+        keeper.keep([dra, reg], ["the DRA service", "the DRA registration"])
+        return dra, reg, keeper
 
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)

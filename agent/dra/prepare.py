@@ -174,13 +174,19 @@ class ClaimPreparer:
                     log.error("%s", error)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
-        if self.on_prepared is not None:
-            parts = [p for _, d in chosen for p in d.parts]
-            self.on_prepared(Prepared(
-                str(ref), view.policy, tuple(p.gpu.index for p in parts), all(p.mig is None for p in parts),
-                frozenset(gpu for gpu, _ in holders),
-                frozenset(g.index for g in view.topology.gpus if not self.health.is_healthy(g.index))))
+        self._rank_later(ref, view, chosen, {gpu for gpu, _ in holders})
         return PrepareResult(devices=prepared.devices)
+
+    def _rank_later(self, ref: ClaimRef, view: DraView, chosen: Sequence[tuple[str, DeviceRef]],
+                    held: Collection[int]) -> None:
+        """Hand the claim prepared anew to :attr:`on_prepared` with the GPUs free now (other
+        claims held ``held``), to be ranked off the prepare path."""
+        if self.on_prepared is None:
+            return
+        parts = [p for _, d in chosen for p in d.parts]
+        unhealthy = frozenset(g.index for g in view.topology.gpus if not self.health.is_healthy(g.index))
+        self.on_prepared(Prepared(str(ref), view.policy, tuple(p.gpu.index for p in parts),
+                                  all(p.mig is None for p in parts), frozenset(held), unhealthy))
 
     def _holders(self) -> dict[tuple[int, int | None], tuple[PreparedClaim, str]]:
         """(GPU index, MIG index or None) -> the prepared claim holding it and its device."""
