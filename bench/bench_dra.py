@@ -70,9 +70,9 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     from agent.config import Config
     from agent.discovery import load_topology
     from agent.dra.claims import KubernetesClaimReader
-    from agent.dra.devices import DeviceRefs
-    from agent.dra.gpusets import set_name
+    from agent.dra.devices import DeviceRefs, set_name
     from agent.dra.plugin import DraPlugin
+    from agent.dra.view import DraView
     from agent.health import HealthState
 
     # The stand-in writes each answer in two sends (headers, body); without TCP_NODELAY every
@@ -90,7 +90,7 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
         plugins_dir=f"{root}/plugins", cdi_dir=cdi_root,
     )
     api = ApiServerStub(served_versions=("v1",)).start()
-    plugin = DraPlugin(config, topology, HealthState(topology.gpu_count),
+    plugin = DraPlugin(config, DraView(topology), HealthState(topology.gpu_count),
                        KubernetesClaimReader(api.api_client()))
     plugin.start()
     channel = grpc.insecure_channel(f"unix:{plugin.endpoint}")
@@ -154,11 +154,12 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.daemon import Daemon
     from agent.discovery import open_backend, read_topology
     from agent.dra.claims import KubernetesClaimReader
-    from agent.dra.gpusets import parse_set_name
+    from agent.dra.devices import parse_set_name
     from agent.dra.plugin import DraPlugin
     from agent.dra.publish_settings import PublishSettings
     from agent.dra.publisher import SlicePublisher
     from agent.dra.servers import DraServers
+    from agent.dra.view import DraView
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
@@ -171,8 +172,9 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     backend, sim = open_backend(machine, config.sysfs_root)
 
     def servers(t, c, h, on_kubelet_restart):  # DraServers.from_config, over the stand-in
-        plugin = DraPlugin(c, t, h, KubernetesClaimReader(api.api_client()), on_kubelet_restart=on_kubelet_restart)
-        return DraServers(plugin, SlicePublisher(api.api_client, t, PublishSettings.from_config(c), health=h))
+        view = DraView(t)
+        plugin = DraPlugin(c, view, h, KubernetesClaimReader(api.api_client()), on_kubelet_restart=on_kubelet_restart)
+        return DraServers(plugin, SlicePublisher(api.api_client, view, PublishSettings.from_config(c), health=h))
 
     daemon = Daemon(
         config, backend, servers=servers, read_topology=lambda: read_topology(backend, sim),
@@ -224,6 +226,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from agent.dra.publish_settings import PublishSettings
     from agent.dra.publisher import SlicePublisher
     from agent.dra.slices import render_slices
+    from agent.dra.view import DraView
     from agent.hw.sim.machines import BUILTIN_MACHINES
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
@@ -241,7 +244,7 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
             count = len(objs)
             with ApiServerStub(served_versions=("v1",)) as api:
                 api.add_node("node-1")
-                pub = SlicePublisher(api.api_client, topology, PublishSettings("node-1"))
+                pub = SlicePublisher(api.api_client, DraView(topology), PublishSettings("node-1"))
                 t0 = time.perf_counter()
                 pub.start()
                 try:

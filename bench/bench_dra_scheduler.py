@@ -104,7 +104,7 @@ from dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
 from dra_shipped_classes import count_expr, set_alone  # noqa: E402
 from tables import print_table  # noqa: E402
 
-from agent.dra.gpusets import set_name  # noqa: E402
+from agent.dra.devices import set_name  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 

@@ -52,6 +52,7 @@ from agent.dra.gpusets import SetPolicy  # noqa: E402
 from agent.dra.publish_settings import PublishSettings  # noqa: E402
 from agent.dra.publisher import SlicePublisher  # noqa: E402
 from agent.dra.slices import Occupancy, render_slices  # noqa: E402
+from agent.dra.view import DraView  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
 
 NODE = "node-1"
@@ -122,7 +123,7 @@ def run(name: str, topology: Topology, claims: int) -> dict[str, Any]:
         stamps = timestamped(server)
         checkpoint = Checkpoint(os.path.join(tmp, "claims"), fsync=False)
         syncs: list[float] = []
-        pub = SlicePublisher(server.api_client, topology, PublishSettings(NODE, backoff_initial_s=0.05),
+        pub = SlicePublisher(server.api_client, DraView(topology), PublishSettings(NODE, backoff_initial_s=0.05),
                              prepared=checkpoint)
         sync = pub._sync
 

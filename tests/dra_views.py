@@ -19,7 +19,7 @@ from dra_allocator_model import gather_pools
 from dra_publishers import Publisher, device_names, withdrawing
 from hypothesis import strategies as st
 
-from agent.dra.gpusets import parse_set_name
+from agent.dra.devices import parse_set_name
 from agent.dra.pool_writes import plan_writes
 
 _WHOLE_GPU = re.compile(r"gpu-(\d+)")  # a whole GPU's device, and its counter

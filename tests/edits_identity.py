@@ -148,8 +148,8 @@ def allocate_cases(machine: str, topology: Any) -> Iterator[tuple[str, bytes]]:
 def cdi_cases(machine: str, topology: Any, directory: str) -> Iterator[tuple[str, bytes]]:
     from agent.config import Config
     from agent.dra.cdi import CdiSpecWriter
-    from agent.dra.devices import DeviceRefs
-    from agent.dra.gpusets import SetPolicy, set_name
+    from agent.dra.devices import DeviceRefs, set_name
+    from agent.dra.gpusets import SetPolicy
 
     devices = DeviceRefs(topology)
     singles = list(devices.values())

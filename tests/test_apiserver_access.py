@@ -27,6 +27,7 @@ from waiting import eventually
 
 from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
+from agent.dra.view import DraView
 
 NS = "gpu-topology-agent"
 NFD = ("nfd.k8s-sigs.io", "v1alpha1")
@@ -105,14 +106,14 @@ def test_an_agent_cannot_publish_or_delete_another_nodes_resource_slices(caplog)
     try:
         api.add_node("node-1")
         api.add_node("node-2")
-        mine = SlicePublisher(lambda: connect(api, "node-1-agent"), hgx8_topology(),
+        mine = SlicePublisher(lambda: connect(api, "node-1-agent"), DraView(hgx8_topology()),
                               PublishSettings("node-1", DRIVER, backoff_initial_s=0.05, backoff_max_s=0.1))
         mine.start()
         assert eventually(lambda: len(api.slices()) > 0, 10), "the DRA overlay's RBAC lets the agent publish its own node's slices"
         mine.stop()
         # the same identity publishing as node-2 (a wrong --node-name, or a stolen token)
         with caplog.at_level(logging.WARNING, logger="agent.dra.publisher"):
-            theirs = SlicePublisher(lambda: connect(api, "node-1-agent"), hgx8_topology(),
+            theirs = SlicePublisher(lambda: connect(api, "node-1-agent"), DraView(hgx8_topology()),
                                     PublishSettings("node-2", DRIVER, backoff_initial_s=0.05, backoff_max_s=0.1))
             theirs.start()
             assert eventually(lambda: any("gpu-topology-agent-own-node-slices" in r.getMessage()

@@ -35,6 +35,7 @@ from agent.dra.plugin import DraPlugin
 from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
 from agent.dra.servers import DraServers
+from agent.dra.view import DraView
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
@@ -175,9 +176,10 @@ def simulated_daemon(node):
         agent_metrics = AgentMetrics(CollectorRegistry(), backend)
 
         def servers(topology, cfg, health, on_kubelet_restart):
-            plugin = DraPlugin(cfg, topology, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
+            view = DraView(topology)  # as DraServers.from_config: one view for both
+            plugin = DraPlugin(cfg, view, health, KubernetesClaimReader(node.api.api_client(), timeout_s=2.0),
                                on_kubelet_restart=on_kubelet_restart, poll_s=0.05)
-            publisher = SlicePublisher(node.api.api_client, topology, replace(
+            publisher = SlicePublisher(node.api.api_client, view, replace(
                 PublishSettings.from_config(cfg), backoff_initial_s=0.05, backoff_max_s=backoff_max_s), health=health,
                 prepared=plugin.checkpoint)
             return DraServers(plugin, publisher)
@@ -255,13 +257,17 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         assert 'gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} 1.0' in metrics
         assert 'gpu_agent_dra_api_feature{feature="DRADeviceTaints"} 1.0' in metrics
         # GPUs 0 and 1 are the device plugin's pair on the empty dgx-h100 (`allocate --simulate
-        # dgx-h100 --available 0,1,...,7 --size 2`); on the six left it gives 2 and 3, not 4 and 6
-        assert 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0' in metrics
+        # dgx-h100 --available 0,1,...,7 --size 2`); on the six left it gives 2 and 3, not 4 and 6.
+        # Ranked after the prepare answered, on its own thread: counted soon after.
+        def scraped() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+        assert eventually(lambda: 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0'
+                          in scraped(), 10.0)
         other = node.put_claim("lagged", ["gpu-4", "gpu-6"])
         assert node.prepare(other).claims[other["metadata"]["uid"]].error == ""
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'gpu_agent_dra_claim_placements_total{placement="other"} 1.0' in metrics
-        assert 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0' in metrics
+        assert eventually(lambda: 'gpu_agent_dra_claim_placements_total{placement="other"} 1.0' in scraped(), 10.0)
+        assert 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0' in scraped()
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
@@ -351,7 +357,8 @@ def test_a_prepare_re_publishes_the_order_within_a_second_and_the_pool_is_never_
     from dra_allocator_model import gather_pools
 
     from agent.discovery import load_topology
-    from agent.dra.gpusets import SetPolicy, parse_set_name, set_name
+    from agent.dra.devices import parse_set_name, set_name
+    from agent.dra.gpusets import SetPolicy
 
     simulated_daemon()
     node.kubelet_registers()

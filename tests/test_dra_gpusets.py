@@ -16,11 +16,10 @@ from dra_shipped_classes import BY_NAME, CEL, CLASSES_FILE, GPU_CLASS, check_exp
 
 from agent.cli import main
 from agent.discovery import load_topology
+from agent.dra.devices import parse_set_name, set_name
 from agent.dra.gpusets import (
     SETS_PER_SIZE,
     SetPolicy,
-    parse_set_name,
-    set_name,
     set_sizes,
 )
 from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices
@@ -629,6 +628,23 @@ def test_slices_refuses_a_bad_in_use_list_or_server_version_with_exit_2_and_one_
     assert main(["slices", "--simulate", "dgx-h100", "--node-name", NODE, *flags]) == 2
     out = capsys.readouterr()
     assert out.out == "" and len(out.err.strip().splitlines()) == 1 and says in out.err
+
+
+@pytest.mark.parametrize("command,twice,says", [
+    ("allocate --size 1 --available", "1,2,1", "--available: device ID '{uuid}' given twice"),
+    ("slices --in-use", "1,2,1", "--in-use: device 'gpu-1' given twice"),
+    ("allocate --size 1 --available", "{uuid},1", "--available: device ID '{uuid}' given twice ('{uuid}', '1')"),
+    ("slices --in-use", "{uuid},1", "--in-use: device 'gpu-1' given twice ('{uuid}', '1')"),
+    ("slices --in-use", "gpu-1,2,1", "--in-use: device 'gpu-1' given twice ('gpu-1', '1')"),
+])
+def test_slices_in_use_refuses_a_device_given_twice_as_allocate_available_does(command, twice, says, capsys):
+    uuid = load_topology("dgx-h100").gpus[1].uuid
+    argv = [*command.split(), twice.format(uuid=uuid), "--simulate", "dgx-h100", "--node-name", NODE][
+        :None if command.startswith("slices") else -2]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.splitlines() == [f"gpu-topology-agent {argv[0]}: error: {says.format(uuid=uuid)}"], out.err
 
 
 def test_slices_in_use_takes_indices_uuids_and_device_names_alike(capsys):

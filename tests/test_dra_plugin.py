@@ -27,6 +27,7 @@ from agent.config import Config
 from agent.dra.cdi import spec_path
 from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
+from agent.dra.view import DraView
 from agent.health import HealthState
 
 DRIVER = "gpu.gpu-agent.io"
@@ -48,14 +49,15 @@ class Node:
         self.api = ApiServerStub(served_versions=("v1",)).start()
         self.health = HealthState(8)
         self.plugin: DraPlugin | None = None
+        self.placements: list[str] = []  # what the plugin told on_placement, in order
         self._channels: list[grpc.Channel] = []
 
     def start(self, topology=None, config: Config | None = None, poll_s: float = 0.05,
               on_kubelet_restart=None) -> DraPlugin:
         self.topology = topology or hgx8_topology()
         reader = KubernetesClaimReader(self.api.api_client(), timeout_s=2.0)
-        self.plugin = DraPlugin(config or self.config, self.topology, self.health, reader, poll_s=poll_s,
-                                on_kubelet_restart=on_kubelet_restart)
+        self.plugin = DraPlugin(config or self.config, DraView(self.topology), self.health, reader, poll_s=poll_s,
+                                on_kubelet_restart=on_kubelet_restart, on_placement=self.placements.append)
         self.plugin.start()
         return self.plugin
 
@@ -323,8 +325,14 @@ def test_mig_devices_get_their_parent_node_and_only_their_own_uuid(node):
     assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == topo.gpus[7].mig_devices[1].uuid
 
 
+def _placed(caplog) -> list[str]:
+    """The placement lines logged so far (one per claim ranked, after its prepare)."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("placed ")]
+
+
 def test_each_prepare_logs_whether_the_claim_got_the_device_plugins_choice_on_the_gpus_free(node, caplog):
-    from agent.dra.gpusets import SetPolicy, set_name
+    from agent.dra.devices import set_name
+    from agent.dra.gpusets import SetPolicy
 
     node.start()
     policy = SetPolicy(node.topology)  # the device plugin's policy, as allocate --available asks it
@@ -333,23 +341,92 @@ def test_each_prepare_logs_whether_the_claim_got_the_device_plugins_choice_on_th
     best = policy.choose(free, 2)
     worse = next((a, b) for a in free for b in free if a < b and (a, b) != best)
     claims = [node.put_claim("first", [set_name(first)]), node.put_claim("lagged", [f"gpu-{i}" for i in worse])]
-    with caplog.at_level(logging.INFO, logger="agent.dra.prepare"):
+    single = node.put_claim("single", [f"gpu-{policy.choose([i for i in free if i not in worse], 1)[0]}"])
+    with caplog.at_level(logging.INFO):
         for c in claims:
             assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
         assert node.prepare(claims[0]).claims[claims[0]["metadata"]["uid"]].error == ""  # answered again
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
-    assert len(lines) == 2, lines  # a claim answered again from the checkpoint is not ranked again
-    assert "the device plugin's choice for 2 GPU(s) on the GPUs free" in lines[0]
+        # ranked in order: once the claim after it is ranked, the one answered again would be too
+        assert node.prepare(single).claims[single["metadata"]["uid"]].error == ""
+        assert eventually(lambda: len(_placed(caplog)) >= 3), _placed(caplog)
+    prepared = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
+    assert [line.split(":")[0] for line in prepared] == [
+        f"prepared ResourceClaim default/{n} (uid {c['metadata']['uid']})"
+        for n, c in [("first", claims[0]), ("lagged", claims[1]), ("single", single)]]
+    lines = _placed(caplog)
+    assert len(lines) == 3, lines  # a claim answered again from the checkpoint is not ranked again
+    assert lines[0] == (f"placed ResourceClaim default/first (uid {claims[0]['metadata']['uid']}): the device"
+                        " plugin's choice for 2 GPU(s) on the GPUs free")
     assert (f"GPUs {worse[0]}, {worse[1]}, where the device plugin would have given GPUs {best[0]}, {best[1]}"
             in lines[1]), lines[1]
+    assert "default/single" in lines[2] and "the device plugin's choice for 1 GPU(s)" in lines[2], lines[2]
+    assert node.placements == ["device_plugin_choice", "other", "device_plugin_choice"]
 
 
 def test_a_mig_claim_is_prepared_and_said_to_be_unranked(node, caplog):
     node.start(hgx8_topology(mig=True))
     c = node.put_claim("mig", ["gpu-7-mig-1"])
-    with caplog.at_level(logging.INFO, logger="agent.dra.prepare"):
+    with caplog.at_level(logging.INFO):
         assert node.prepare(c).claims[c["metadata"]["uid"]].error == ""
-    assert any("gpu-7-mig-1; not ranked (a MIG device" in r.getMessage() for r in caplog.records)
+        assert eventually(lambda: node.placements == ["unranked"]), node.placements
+    assert any("prepared ResourceClaim default/mig" in r.getMessage() and r.getMessage().endswith(": gpu-7-mig-1")
+               for r in caplog.records)
+    assert [line.split(": ", 1)[1] for line in _placed(caplog)] == [
+        "not ranked (a MIG device, or a GPU the device plugin does not offer)"]
+
+
+def test_prepare_answers_while_the_ranking_of_an_earlier_claim_is_still_running(node, caplog, monkeypatch):
+    import threading
+
+    from agent.dra import placement
+
+    release, ranking = threading.Event(), threading.Event()
+    real_rank = placement.rank
+
+    def slow_rank(*args, **kwargs):
+        ranking.set()
+        assert release.wait(30)
+        return real_rank(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "rank", slow_rank)
+    node.start()
+    a, b = node.put_claim("a", ["gpu-0"]), node.put_claim("b", ["gpu-1"])
+    with caplog.at_level(logging.INFO):
+        assert node.prepare(a).claims[a["metadata"]["uid"]].error == ""
+        assert ranking.wait(5)  # the ranking of a has begun and hangs
+        began = time.monotonic()
+        assert node.prepare(b).claims[b["metadata"]["uid"]].error == ""
+        assert time.monotonic() - began < 2.0
+        assert node.placements == [] and _placed(caplog) == []
+        release.set()
+        assert eventually(lambda: len(node.placements) == 2), node.placements
+    assert [line.split(" (uid")[0] for line in _placed(caplog)] == ["placed ResourceClaim default/a",
+                                                                  "placed ResourceClaim default/b"]
+
+
+def test_a_ranking_that_fails_leaves_the_claim_prepared_and_unranked_and_the_next_claims_ranked(
+        node, caplog, monkeypatch):
+    from agent.dra import placement
+
+    real_rank, calls = placement.rank, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("engine exploded")
+        return real_rank(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "rank", failing_once)
+    node.start()
+    a, b = node.put_claim("a", ["gpu-0"]), node.put_claim("b", ["gpu-1", "gpu-2"])
+    with caplog.at_level(logging.INFO):
+        assert node.prepare(a).claims[a["metadata"]["uid"]].error == ""
+        assert node.prepare(b).claims[b["metadata"]["uid"]].error == ""
+        assert eventually(lambda: len(node.placements) == 2), node.placements
+    assert node.placements[0] == "unranked" and node.placements[1] in ("device_plugin_choice", "other")
+    failed = _placed(caplog)[0]
+    assert "default/a" in failed and failed.endswith("not ranked, the ranking failed: RuntimeError: engine exploded")
+    assert os.path.exists(spec_path(node.config.cdi_dir, DRIVER, a["metadata"]["uid"]))
 
 
 def test_results_of_other_drivers_in_the_claim_are_left_to_them(node):
@@ -669,7 +746,7 @@ def test_a_new_topology_serves_new_claims_and_keeps_prepared_ones(node):
     plugin = node.start(hgx8_topology())
     old = node.put_claim("old", ["gpu-7"])
     first = node.prepare(old)
-    plugin.set_topology(hgx8_topology(mig=True), plugin.config)  # GPU 7 is now split into MIG devices
+    plugin.set_topology(DraView(hgx8_topology(mig=True)), plugin.config)  # GPU 7 is now split into MIG devices
     assert node.prepare(old) == first
     new = node.put_claim("new", ["gpu-7"])
     assert "device 'gpu-7' of pool 'node-1' (request 'gpus'): unknown" in node.prepare(new).claims[new["metadata"]["uid"]].error

@@ -13,7 +13,8 @@ from kubelet_stub import hgx8_topology
 from test_dra_plugin import DRIVER, NODE, Node, claim_object, env_of, spec_of
 
 from agent.dra.cdi import spec_path
-from agent.dra.gpusets import SetPolicy, set_name
+from agent.dra.devices import set_name
+from agent.dra.gpusets import SetPolicy
 
 
 @pytest.fixture

@@ -15,10 +15,11 @@ from prometheus_client import CollectorRegistry
 from waiting import eventually
 
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from agent.dra.gpusets import parse_set_name
+from agent.dra.devices import parse_set_name
 from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
 from agent.dra.slices import render_slices
+from agent.dra.view import DraView
 from agent.health import HealthState
 from agent.kube import pick_version
 from agent.metrics.self_metrics import AgentMetrics
@@ -58,7 +59,7 @@ def expected_slices(unhealthy=frozenset()) -> int:
 def make(server, topology=None, *, health=None, prepared=None, events=None, **settings):
     settings.setdefault("backoff_initial_s", 0.05)
     settings.setdefault("backoff_max_s", 0.2)
-    return SlicePublisher(server.api_client, topology or hgx8_topology(), PublishSettings("node-1", DRIVER, **settings),
+    return SlicePublisher(server.api_client, DraView(topology or hgx8_topology()), PublishSettings("node-1", DRIVER, **settings),
                           health=health, prepared=prepared, events=events)
 
 

@@ -78,9 +78,10 @@ from hypothesis import strategies as st
 from agent.config import Config
 from agent.discovery import load_topology
 from agent.dra.checkpoint import Checkpoint
-from agent.dra.gpusets import parse_set_name
+from agent.dra.devices import parse_set_name
 from agent.dra.prepare import ClaimPreparer, ClaimRef
 from agent.dra.slices import render_slices
+from agent.dra.view import DraView
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"
@@ -235,7 +236,7 @@ class Kubelet:
         self.root = tempfile.mkdtemp(prefix="dra-safety")
         config = Config(mode="dra", node_name=NODE, plugins_dir=self.root, cdi_dir=f"{self.root}/cdi")
         self.objects: dict[str, dict[str, Any]] = {}
-        self.preparer = ClaimPreparer(TOPO, config, _Healthy(), self, Checkpoint(f"{self.root}/claims", fsync=False),
+        self.preparer = ClaimPreparer(DraView(TOPO), config, _Healthy(), self, Checkpoint(f"{self.root}/claims", fsync=False),
                                       node_name=NODE)
         self.refused: list[str] = []
 

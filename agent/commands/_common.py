@@ -1,5 +1,6 @@
 """Helpers shared by the subcommands: the ``--simulate`` and ``--format`` flags, standard
-input as a machine (``--simulate -``) and the width rule for terminal output."""
+input as a machine (``--simulate -``), comma-separated device lists and the width rule for
+terminal output."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Callable, Iterable
 
 from agent.discovery import load_topology
-from agent.errors import InputFormatError
+from agent.errors import InputFormatError, UsageError
 from agent.formats import decode_text
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "add_simulate_flag",
     "friendly_paths",
     "load_topology",
+    "parse_list",
     "simulate_value",
 ]
 
@@ -104,3 +107,25 @@ def add_wide_flag(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"do not fit the table to {MAX_COLUMNS} columns (default: fit)",
     )
+
+
+def parse_list(text: str, flag: str, noun: str, resolve: Callable[[str], Iterable[str]]) -> dict[str, str]:
+    """``flag``'s comma-separated ``text`` (``allocate --available``, ``slices --in-use``), each
+    item resolved (``resolve``: an item -> the ``noun``s it names, or UsageError) -> each one
+    named -> the item that named it, in order. UsageError for an empty item, or one named
+    twice: by one item given twice, or by two that name it alike (``1`` and GPU 1's UUID).
+    An empty ``text`` names nothing."""
+    named: dict[str, str] = {}
+    if not text.strip():
+        return named
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            raise UsageError(f"{flag}: empty item in {text!r}")
+        for thing in resolve(item):
+            if thing in named:
+                first = named[thing]
+                raise UsageError(f"{flag}: {noun} {thing!r} given twice"
+                                 + ("" if first == item else f" ({first!r}, {item!r})"))
+            named[thing] = item
+    return named

@@ -24,6 +24,7 @@ from agent.commands._common import (
     add_simulate_flag,
     add_wide_flag,
     load_topology,
+    parse_list,
 )
 from agent.config import Config, TimeSlicingResource, default_environ, load_config
 from agent.config_values import MIG_STRATEGIES
@@ -177,17 +178,11 @@ def parse_device_list(text: str, topology: Topology, resource: PluginResource, f
     device of the resource on that GPU when ``whole_gpus`` (--available), else only where
     that GPU has exactly one device (--must-include); any other item is taken as a device ID,
     which the request's one check (the device plugin's) accepts or names."""
-    ids: list[str] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            if text.strip():
-                raise UsageError(f"{flag}: empty item in {text!r}")
-            continue
+
+    def resolve(item: str) -> list[str]:
         index = None if item in resource.by_id else _gpu_index(item, topology, flag)
         if index is None:
-            ids.append(item)
-            continue
+            return [item]
         on_gpu = [d.id for d in resource.devices if d.gpu_index == index]
         if not on_gpu:
             raise UsageError(
@@ -199,8 +194,9 @@ def parse_device_list(text: str, topology: Topology, resource: PluginResource, f
                 f"{flag}: GPU {item} has {len(on_gpu)} {resource.name} devices; name the device"
                 f" IDs (e.g. {on_gpu[0]})"
             )
-        ids.extend(on_gpu)
-    return ids
+        return on_gpu
+
+    return list(parse_list(text, flag, "device ID", resolve))
 
 
 def run(args: argparse.Namespace) -> int:

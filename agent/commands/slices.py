@@ -29,7 +29,7 @@ import re
 import socket
 import sys
 
-from agent.commands._common import add_simulate_flag, load_topology
+from agent.commands._common import add_simulate_flag, load_topology, parse_list
 from agent.config import default_environ, load_config
 from agent.errors import UsageError
 from agent.topology.model import Topology
@@ -79,32 +79,30 @@ def parse_server_version(text: str) -> tuple[int, int]:
 
 def parse_in_use(text: str, topology: Topology) -> dict[str, tuple[int, ...]]:
     """``--in-use``: device name -> its GPU indices, each GPU held once; UsageError naming the
-    first item that is none of this machine's GPUs or devices."""
+    first item that is none of this machine's GPUs or devices, or a device given twice (the
+    list rule ``allocate --available`` follows too)."""
     from agent.dra.devices import DeviceRefs, device_name, gpus_of
 
     refs = DeviceRefs(topology)
     migs = {m.uuid: (g, m) for g in topology.gpus for m in g.mig_devices}
-    held: dict[str, tuple[int, ...]] = {}
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            if text.strip():
-                raise UsageError(f"--in-use: empty item in {text!r}")
-            continue
+
+    def resolve(item: str) -> list[str]:
         gpu = topology.gpu_by_uuid(item) or (topology.gpus[int(item)] if item.isdigit()
                                             and int(item) < topology.gpu_count else None)
         if gpu is not None:
-            held.setdefault(device_name(gpu), (gpu.index,))
-        elif item in migs:
-            held.setdefault(device_name(*migs[item]), (migs[item][0].index,))
-        elif item in refs:
-            held.setdefault(item, gpus_of(refs, item))
-        else:
-            raise UsageError(f"--in-use: {item!r} is none of this machine's GPUs (indices 0-{topology.gpu_count - 1},"
-                             " GPU or MIG UUIDs) or DRA devices (gpu-3, gpuset-4-mf)")
+            return [device_name(gpu)]
+        if item in migs:
+            return [device_name(*migs[item])]
+        if item in refs:
+            return [item]
+        raise UsageError(f"--in-use: {item!r} is none of this machine's GPUs (indices 0-{topology.gpu_count - 1},"
+                         " GPU or MIG UUIDs) or DRA devices (gpu-3, gpuset-4-mf)")
+
+    held = {name: gpus_of(refs, name) for name in parse_list(text, "--in-use", "device", resolve)}
     owner: dict[int, str] = {}
     for name, gpus in held.items():
-        for g in gpus if "-mig-" not in name else ():  # MIG devices of one GPU: several claims
+        whole = all(p.mig is None for p in refs[name].parts)  # MIG devices of one GPU: several claims
+        for g in gpus if whole else ():
             if owner.setdefault(g, name) != name:
                 raise UsageError(f"--in-use: GPU {g} is held twice ({owner[g]}, {name}): no two claims hold one GPU")
     return held

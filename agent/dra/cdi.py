@@ -140,6 +140,11 @@ class CdiSpecWriter:
         write_json_atomic(path, spec, fsync=False)
         return path
 
+    @staticmethod
+    def has_spec(path: str) -> bool:
+        """Whether a claim's spec is at ``path`` (the runtime can inject its devices)."""
+        return os.path.isfile(path)
+
     def remove(self, path: str, claim_uid: str | None = None) -> None:
         """Remove a claim's spec written at ``path`` (none there is fine), and with
         ``claim_uid`` its NCCL topology file; OSError when either cannot be removed."""

@@ -1,21 +1,34 @@
 """DRA device names: the one mapping between a ResourceSlice device name and the GPUs behind
-it, shared by the slice publisher and the kubelet plugin.
+it, shared by the slice publisher, the kubelet plugin and ``gpu-topology-agent slices``.
 
 A full GPU is ``gpu-<index>``; with MIG enabled, the GPU itself is not a device and each MIG
 device is ``gpu-<parent index>-mig-<MIG device index>``; a GPU set is
-``gpuset-<size>-m<mask>`` (:func:`agent.dra.gpusets.set_name`) and stands for the member GPUs
-its name says, whole GPUs (MIG off). Names are DNS labels, as the API server requires, and
-stable for a given topology: a name never comes to mean other GPUs.
+``gpuset-<size>-m<mask>``, the members' bitmask in lowercase hex (``gpuset-4-mf`` is GPUs
+0-3, ``gpuset-2-m30`` GPUs 4 and 5; the ``m`` keeps them apart from the ``gpuset-<k>-<rank>``
+names of earlier agents, which stood for other GPUs), and stands for the member GPUs its name
+says, whole GPUs (MIG off). Names are DNS labels, as the API server requires, and stable: a
+name never comes to mean other GPUs, whatever the occupancy or the agent generation that
+published it, so the preparer needs no list of sets to resolve one. Every name is made here
+(:func:`device_name`, :func:`set_name`) and read here (:func:`parse_name`,
+:func:`parse_set_name`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from agent.containers import ContainerDevice
-from agent.dra.gpusets import parse_set_name
 from agent.topology.model import Gpu, MigDevice, Topology
+
+__all__ = ["DeviceRef", "DeviceRefs", "Part", "device_name", "gpus_of", "parse_name", "parse_set_name", "set_name"]
+
+#: One part of a device: (GPU index, MIG device index, or None for the whole GPU).
+Part = tuple[int, int | None]
+
+_SET_PREFIX = "gpuset-"
+_SINGLE = re.compile(r"gpu-(\d+)(?:-mig-(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -33,9 +46,43 @@ class DeviceRef:
 
 
 def device_name(gpu: Gpu, mig: MigDevice | None = None) -> str:
+    """A single GPU's or a MIG device's name."""
     if mig is None:
         return f"gpu-{gpu.index}"
     return f"gpu-{gpu.index}-mig-{mig.index}"
+
+
+def set_name(members: Iterable[int]) -> str:
+    """The set device's name, a DNS label: ``gpuset-<k>-m<hex bitmask of the members>``."""
+    found = sorted(set(members))
+    return f"{_SET_PREFIX}{len(found)}-m{sum(1 << i for i in found):x}"
+
+
+def parse_set_name(name: str) -> tuple[int, ...] | None:
+    """The members (ascending) a set name stands for; None when ``name`` is no canonical one."""
+    if not name.startswith(_SET_PREFIX):
+        return None
+    size, _, mask = name[len(_SET_PREFIX):].partition("-m")
+    if not size.isdigit() or not mask or mask != mask.lower() or mask.startswith("0") or len(mask) > 64:
+        return None
+    try:
+        bits = int(mask, 16)
+    except ValueError:
+        return None
+    members = tuple(i for i in range(bits.bit_length()) if bits >> i & 1)
+    return members if len(members) == int(size) >= 2 and set_name(members) == name else None
+
+
+def parse_name(name: str) -> tuple[Part, ...] | None:
+    """The parts a device name stands for, read from the name alone (whatever the node has
+    now): a set's members, whole; a single GPU; a MIG device. None for no name of ours."""
+    members = parse_set_name(name)
+    if members is not None:
+        return tuple((i, None) for i in members)
+    found = _SINGLE.fullmatch(name)
+    if found is None:
+        return None
+    return ((int(found.group(1)), int(found.group(2)) if found.group(2) is not None else None),)
 
 
 class DeviceRefs(Mapping[str, DeviceRef]):
@@ -69,6 +116,15 @@ class DeviceRefs(Mapping[str, DeviceRef]):
 
     def __len__(self) -> int:
         return len(self._singles)
+
+    def parts(self, name: str) -> tuple[Part, ...]:
+        """The parts device ``name`` holds: as this node offers it, else as its name says (a
+        device a claim was prepared with before its GPU's MIG mode changed); none for a name
+        not of ours."""
+        found = self.get(name)
+        if found is not None:
+            return tuple((p.gpu.index, p.mig.index if p.mig is not None else None) for p in found.parts)
+        return parse_name(name) or ()
 
 
 def gpus_of(refs: Mapping[str, DeviceRef], name: str) -> tuple[int, ...]:

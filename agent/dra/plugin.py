@@ -36,13 +36,14 @@ from agent.dra.cdi import remove_stale_spec_temps
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
+from agent.dra.placement import PlacementRanker
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
+from agent.dra.view import DraView
 from agent.errors import AgentError, shorten
 from agent.kubelet.plugin_socket import Served, SocketKeeper
 from agent.kubelet.registration import WatcherRegistrationServicer, add_watcher_registration
 from agent.kubelet.unix_server import UnixGrpcServer
 from agent.retry import Outage
-from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +125,13 @@ class DraPlugin:
     registration socket was found gone and served again: the kubelet restarted, and the
     daemon reads the topology again. ``on_placement`` is told the placement of each claim
     prepared anew (:mod:`agent.dra.placement`: ``device_plugin_choice``, ``other`` or
-    ``unranked``; on a gRPC worker, no lock held).
+    ``unranked``; on the ranking thread, after the prepare answered, no lock held).
     """
 
     def __init__(
         self,
         config: Config,
-        topology: Topology,
+        view: DraView,
         health: PluginHealth,
         claim_reader: ClaimReader,
         *,
@@ -153,28 +154,17 @@ class DraPlugin:
         # torn file fails its checksum and the claim is recomputed from the API server. An
         # fsync per prepare would cost 5-40 ms on a busy disk, the whole latency budget.
         self.checkpoint = Checkpoint(os.path.join(self.plugin_dir, CHECKPOINT_DIR), fsync=False)
+        self.placements = PlacementRanker(on_placement)
         self.preparer = ClaimPreparer(
-            topology, config, health, claim_reader, self.checkpoint,
-            node_name=self.node_name, on_placement=on_placement,
+            view, config, health, claim_reader, self.checkpoint,
+            node_name=self.node_name, on_prepared=self.placements.submit,
         )
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
         self._v1beta1 = DraV1beta1Servicer(self.preparer)
         self.health_streams = HealthStreams(health, self._served_devices, self.node_name)
-        self._registration = WatcherRegistrationServicer(
-            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS + HEALTH_SERVICES,
-            self._registration_status,
-        )
-        self._dra_server = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
-        self._reg_server = UnixGrpcServer(
-            self.registration_socket, self._add_registration, name="dra-reg", max_workers=2
-        )
         self._on_kubelet_restart = on_kubelet_restart
-        self._keeper = SocketKeeper(
-            log, "DRA socket watch", thread_name="dra-socket-watch", poll_s=poll_s,
-            on_vanished=self._vanished, on_served=self._served,
-        )
-        self._keeper.keep([self._dra_server, self._reg_server], ["the DRA service", "the DRA registration"])
+        self._dra_server, self._reg_server, self._keeper = self._sockets(max_workers)
         # Lock order: ``_lock`` is a leaf guarding ``_registered`` (written by the gRPC worker
         # of NotifyRegistrationStatus and by the keeper's thread), held only to read or
         # assign it, never across I/O. ``_refusal_lock`` serialises the refusals' log lines
@@ -187,6 +177,22 @@ class DraPlugin:
             per_reason=True,
             retrying="still serving; the kubelet retries when it restarts or the registration socket is re-created",
         )
+
+    def _sockets(self, max_workers: int) -> tuple[UnixGrpcServer, UnixGrpcServer, SocketKeeper]:
+        """The DRA service's server, the registration's, and the keeper serving both again
+        when they vanish (none started)."""
+        self._registration = WatcherRegistrationServicer(
+            PLUGIN_TYPE, self.driver_name, self.endpoint, SUPPORTED_VERSIONS + HEALTH_SERVICES,
+            self._registration_status,
+        )
+        dra = UnixGrpcServer(self.endpoint, self._add_dra, name="dra", max_workers=max_workers)
+        reg = UnixGrpcServer(self.registration_socket, self._add_registration, name="dra-reg", max_workers=2)
+        keeper = SocketKeeper(
+            log, "DRA socket watch", thread_name="dra-socket-watch", poll_s=self.poll_s,
+            on_vanished=self._vanished, on_served=self._served,
+        )
+        keeper.keep([dra, reg], ["the DRA service", "the DRA registration"])
+        return dra, reg, keeper
 
     def _add_dra(self, server: grpc.Server) -> None:
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(self._v1, server)
@@ -225,6 +231,7 @@ class DraPlugin:
             "DRA plugin %s: serving %s, registration on %s (%d prepared claims checkpointed)",
             self.driver_name, self.endpoint, self.registration_socket, len(self.checkpoint),
         )
+        self.placements.start()  # claims prepared before it starts wait for it
         self._keeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -236,6 +243,7 @@ class DraPlugin:
         self._reg_server.stop(grace_s)
         self.health_streams.close()
         self._dra_server.stop(grace_s)
+        self.placements.stop(grace_s)
 
     def ready(self) -> bool:
         """Both sockets serve and the kubelet has confirmed our registration."""
@@ -248,11 +256,11 @@ class DraPlugin:
         :data:`agent.kubelet.plugin_socket.UNSERVED_LIMIT_S` (the keeper's liveness)."""
         return self._keeper.serving()
 
-    def set_topology(self, topology: Topology, config: Config) -> None:
-        """Prepare new claims from ``topology`` (the daemon read it again) and ``config``
-        (its DRA settings unchanged); sockets, the registration and the prepared claims stay
-        as they are."""
-        self.preparer.set_topology(topology, config)
+    def set_topology(self, view: DraView, config: Config) -> None:
+        """Prepare new claims from ``view`` (of the topology the daemon read again) and
+        ``config`` (its DRA settings unchanged); sockets, the registration and the prepared
+        claims stay as they are."""
+        self.preparer.set_topology(view, config)
 
     # ------------------------------------------------------------------ internals
     def _registration_status(self, registered: bool, error: str) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from agent.dra.counters import counters_of, widened
-from agent.dra.gpusets import parse_set_name
+from agent.dra.devices import parse_set_name
 from agent.dra.readback import same_content
 
 __all__ = ["WritePlan", "plan_writes"]

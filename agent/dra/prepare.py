@@ -7,7 +7,8 @@ devices), check that every device is ours (this node's pool, a device name we pu
 GPU behind it healthy, no GPU twice, no GPU another prepared claim holds), write one CDI
 spec for the claim (a set's device holds every member's device nodes; the environment
 covers every GPU of the claim) and checkpoint the answer; log and report how the claim was
-placed against the device plugin's choice (:mod:`agent.dra.placement`). Problems are
+placed against the device plugin's choice (:mod:`agent.dra.placement`, ranked after the
+answer on its own thread). Problems are
 reported per claim (the rest of the call is still served), each naming the claim and the
 device. Idempotent: a claim already prepared answers from the checkpoint without reading the
 API server again (nor ranks it again), also after an agent restart.
@@ -16,15 +17,13 @@ API server again (nor ranks it again), also after an agent restart.
 by another prepared claim of the checkpoint (a GPU set holds every member; a whole GPU and a
 MIG device of it conflict, two different MIG devices of one GPU do not). The scheduler's
 counters normally forbid such an allocation; this is the defence for the window they cannot
-cover (:mod:`agent.dra.gpusets`, "What remains"): at worst a pod fails to start, retried by
+cover (docs/design/dra-gpu-sets.md): at worst a pod fails to start, retried by
 the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
@@ -33,12 +32,11 @@ from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
-from agent.dra.devices import DeviceRef, DeviceRefs
-from agent.dra.gpusets import SetPolicy, parse_set_name
-from agent.dra.placement import UNRANKED, Placement, rank
-from agent.errors import AgentError, shorten
+from agent.dra.devices import DeviceRef
+from agent.dra.placement import Prepared
+from agent.dra.view import DraView
+from agent.errors import shorten
 from agent.nccl.host_dir import nccl_files_for
-from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +84,14 @@ class ClaimPreparer:
 
     def __init__(
         self,
-        topology: Topology,
+        view: DraView,
         config: Config,
         health: HealthView,
         claim_reader: ClaimReader,
         checkpoint: Checkpoint,
         *,
         node_name: str,
-        on_placement: Callable[[str], None] | None = None,
+        on_prepared: Callable[[Prepared], None] | None = None,
     ) -> None:
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
@@ -101,25 +99,28 @@ class ClaimPreparer:
         self.health = health
         self.claims = claim_reader
         self.checkpoint = checkpoint
-        self.devices: Mapping[str, DeviceRef] = DeviceRefs(topology)
+        self.view = view
         # the claims' NCCL files: one owner of the host directory, kept across reloads
         self.nccl_files = nccl_files_for(config, None)
-        self.cdi = CdiSpecWriter(topology, config, self.nccl_files)
-        self.policy = SetPolicy(topology)
-        #: told each newly prepared claim's placement (:mod:`agent.dra.placement`)
-        self.on_placement = on_placement
+        self.cdi = CdiSpecWriter(view.topology, config, self.nccl_files)
+        #: handed each claim prepared anew, to rank its placement (:mod:`agent.dra.placement`);
+        #: must return at once
+        self.on_prepared = on_prepared
         self._lock = threading.Lock()
 
-    def set_topology(self, topology: Topology, config: Config) -> None:
-        """Serve ``topology`` with ``config`` from now on (read again after a kubelet restart
-        or SIGHUP; its driver name and CDI directory are the running ones). Claims already
+    @property
+    def devices(self) -> Mapping[str, DeviceRef]:
+        """The devices claims are prepared from now, by name."""
+        return self.view.devices
+
+    def set_topology(self, view: DraView, config: Config) -> None:
+        """Serve ``view`` with ``config`` from now on (read again after a kubelet restart or
+        SIGHUP; its driver name and CDI directory are the running ones). Claims already
         prepared keep their checkpointed answer."""
-        devices = DeviceRefs(topology)
         self.nccl_files = nccl_files_for(config, self.nccl_files)
-        cdi = CdiSpecWriter(topology, config, self.nccl_files)
-        policy = SetPolicy(topology)
+        cdi = CdiSpecWriter(view.topology, config, self.nccl_files)
         with self._lock:
-            self.devices, self.cdi, self.policy = devices, cdi, policy
+            self.view, self.cdi = view, cdi
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, ref: ClaimRef) -> PrepareResult:
@@ -142,8 +143,9 @@ class ClaimPreparer:
             return PrepareResult(error=f"{ref}: not found in the API server")
         except ClaimReadError as exc:
             return PrepareResult(error=f"{ref}: cannot be read: {exc}", logged=True)
+        view = self.view  # one view for the whole prepare, whatever set_topology does meanwhile
         try:
-            chosen = self._devices_of(ref, obj)
+            chosen = self._devices_of(ref, obj, view.devices)
         except ValueError as exc:
             return PrepareResult(error=str(exc))
         with self._lock:
@@ -175,31 +177,27 @@ class ClaimPreparer:
                 if error := self._remove_spec(ref, path):
                     log.error("%s", error)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
-        placement = self._placement(ref, chosen, {gpu for gpu, _ in holders})
-        log.info("prepared %s: %s; %s", ref, ", ".join(d.device for d in prepared.devices), placement.describe())
-        if self.on_placement is not None:
-            self.on_placement(placement.kind)
+        log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
+        self._rank_later(ref, view, chosen, {gpu for gpu, _ in holders})
         return PrepareResult(devices=prepared.devices)
 
-    def _placement(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef]], held: set[int]) -> Placement:
-        """How the claim was placed (:mod:`agent.dra.placement`); a ranking that fails leaves
-        it unranked and never fails the prepare."""
-        policy = self.policy
+    def _rank_later(self, ref: ClaimRef, view: DraView, chosen: Sequence[tuple[str, DeviceRef]],
+                    held: Collection[int]) -> None:
+        """Hand the claim prepared anew to :attr:`on_prepared` with the GPUs free now (other
+        claims held ``held``), to be ranked off the prepare path."""
+        if self.on_prepared is None:
+            return
         parts = [p for _, d in chosen for p in d.parts]
-        unhealthy = [g.index for g in policy.topology.gpus if not self.health.is_healthy(g.index)]
-        try:
-            return rank(policy, [p.gpu.index for p in parts], all(p.mig is None for p in parts),
-                        held, unhealthy)
-        except (AgentError, ValueError) as exc:
-            log.warning("%s: prepared, but its placement could not be ranked: %s", ref, exc)
-            return Placement(UNRANKED)
+        unhealthy = frozenset(g.index for g in view.topology.gpus if not self.health.is_healthy(g.index))
+        self.on_prepared(Prepared(str(ref), view.policy, tuple(p.gpu.index for p in parts),
+                                  all(p.mig is None for p in parts), frozenset(held), unhealthy))
 
     def _holders(self) -> dict[tuple[int, int | None], tuple[PreparedClaim, str]]:
         """(GPU index, MIG index or None) -> the prepared claim holding it and its device."""
         holders: dict[tuple[int, int | None], tuple[PreparedClaim, str]] = {}
         for claim in self.checkpoint:
             for d in claim.devices:
-                for key in _parts_of(self.devices, d.device):
+                for key in self.view.devices.parts(d.device):
                     holders.setdefault(key, (claim, d.device))
         return holders
 
@@ -225,7 +223,7 @@ class ClaimPreparer:
 
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
         """The checkpointed answer; the spec is written again if it went missing."""
-        if not os.path.exists(done.spec_path):
+        if not self.cdi.has_spec(done.spec_path):
             refs = [self.devices[d.device] for d in done.devices if d.device in self.devices]
             if len(refs) != len(done.devices):
                 return PrepareResult(
@@ -240,7 +238,8 @@ class ClaimPreparer:
                 return self._failed(ref, "write its CDI spec", done.spec_path, exc)
         return PrepareResult(devices=done.devices)
 
-    def _devices_of(self, ref: ClaimRef, obj: Mapping[str, Any]) -> list[tuple[str, DeviceRef]]:
+    def _devices_of(self, ref: ClaimRef, obj: Mapping[str, Any],
+                    devices: Mapping[str, DeviceRef]) -> list[tuple[str, DeviceRef]]:
         """(request name, device) for each of this driver's allocation results; raises
         ValueError naming every device that cannot be prepared."""
         uid = _get(obj, "metadata", "uid")
@@ -271,9 +270,9 @@ class ClaimPreparer:
             if pool != self.node_name:
                 problems.append(f"{what}: from another pool, this node serves pool {self.node_name!r}")
                 continue
-            device = self.devices.get(name)
+            device = devices.get(name)
             if device is None:
-                known = shorten(", ".join(self.devices), 200) or "no devices"
+                known = shorten(", ".join(devices), 200) or "no devices"
                 problems.append(f"{what}: unknown, this node has {known}")
                 continue
             sick = [g for g in device.gpus if not self.health.is_healthy(g.index)]
@@ -353,22 +352,6 @@ def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
         for k in keys:
             seen.setdefault(k, device.name)
     return problems
-
-
-_NAME = re.compile(r"^gpu-(\d+)(?:-mig-(\d+))?$")
-
-
-def _parts_of(devices: Mapping[str, DeviceRef], name: str) -> list[tuple[int, int | None]]:
-    """(GPU index, MIG index or None for the whole GPU) of every part device ``name`` holds;
-    a name the node no longer offers (its GPU's MIG mode changed since) read from the name."""
-    found = devices.get(name)
-    if found is not None:
-        return [(p.gpu.index, p.mig.index if p.mig is not None else None) for p in found.parts]
-    if (members := parse_set_name(name)) is not None:
-        return [(i, None) for i in members]
-    if (m := _NAME.match(name)) is not None:
-        return [(int(m.group(1)), int(m.group(2)) if m.group(2) is not None else None)]
-    return []
 
 
 def _clashing(part: tuple[int, int | None], held: Collection[tuple[int, int | None]]) -> list[tuple[int, int | None]]:

@@ -19,7 +19,7 @@ re-publication that moves no device from one slice to another (up to 64 devices 
 device slice; above, the single GPUs and the sets have slices of their own) rewrites the
 changed slices under the same pool generation: any view the scheduler can have holds each
 slice once, each device at most once, and every device a claim may hold (the single GPUs
-always, a set kept by the rule of :mod:`agent.dra.gpusets` in both publications), so the
+always, a set kept by the rule of :mod:`agent.dra.withdrawal` in both publications), so the
 pool is never incomplete. Nor invalid: the counter slice, which declares only the counters
 devices consume (:mod:`agent.dra.counters`), is first widened where the devices will consume
 a counter it lacks, and narrowed after them (:mod:`agent.dra.pool_writes` plans the writes). The API reference asks
@@ -58,8 +58,8 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping
 
-from agent.dra.devices import DeviceRefs, gpus_of
-from agent.dra.gpusets import SetPolicy, gpu_sets_decision, parse_set_name
+from agent.dra.devices import gpus_of, parse_set_name
+from agent.dra.gpusets import gpu_sets_decision
 from agent.dra.pool_writes import plan_writes
 from agent.dra.publish_settings import (
     HealthSource,
@@ -74,6 +74,7 @@ from agent.dra.readback import (
     keep_taint_times,
 )
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, Occupancy, render_slices
+from agent.dra.view import DraView
 from agent.dra.withdrawal import expired, stamp_withdrawals, withdrawal_taint, withdrawal_times
 from agent.errors import AgentError
 from agent.kube import (
@@ -85,7 +86,6 @@ from agent.kube import (
     server_version,
 )
 from agent.retry import Backoff, Outage
-from agent.topology.model import Topology
 from agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ class SlicePublisher(Worker):
 
     ``client_factory()`` returns a ``kubernetes.client.ApiClient`` (called in the publisher's
     thread, again after a failure to build one; production: :func:`agent.kube.api_client`,
-    which leaves retrying to the publisher's own loop). ``settings`` says for which node
+    which leaves retrying to the publisher's own loop). ``view`` is the node's devices and
+    the policy ordering them (:class:`agent.dra.view.DraView`, the plugin's). ``settings`` says for which node
     and driver, and how to retry. ``health`` (an :class:`agent.health.HealthState`,
     optional) is subscribed to: its unhealthy GPUs and every set holding one get a taint with
     the settings' effect saying why, removed on recovery. Without it, call :meth:`update`.
@@ -135,7 +136,7 @@ class SlicePublisher(Worker):
     def __init__(
         self,
         client_factory: Callable[[], Any],
-        topology: Topology,
+        view: DraView,
         settings: PublishSettings,
         *,
         health: HealthSource | None = None,
@@ -147,9 +148,7 @@ class SlicePublisher(Worker):
         self.settings = settings
         self.node_name = settings.node_name
         self.driver_name = settings.driver_name
-        self._topology = topology
-        self._policy = SetPolicy(topology)
-        self._refs = DeviceRefs(topology)
+        self._view = view
         self._unhealthy: dict[int, str] = {}
         self._health = health
         self._prepared = prepared
@@ -200,14 +199,13 @@ class SlicePublisher(Worker):
         what was published is still there for the scheduler)."""
         return self._ready.is_set()
 
-    def update(self, topology: Topology | None = None,
+    def update(self, view: DraView | None = None,
                unhealthy: Collection[int] | Mapping[int, str] | None = None) -> None:
-        """Publish a new topology and/or the unhealthy GPUs (indices, or index -> reason)
-        (returns at once)."""
-        policy, refs = (SetPolicy(topology), DeviceRefs(topology)) if topology is not None else (None, None)
+        """Publish a new topology's ``view`` and/or the unhealthy GPUs (indices, or index ->
+        reason) (returns at once)."""
         with self._cond:
-            if topology is not None and policy is not None and refs is not None:
-                self._topology, self._policy, self._refs = topology, policy, refs
+            if view is not None:
+                self._view = view
             if unhealthy is not None:
                 self._unhealthy = (dict(unhealthy) if isinstance(unhealthy, Mapping)
                                    else {i: "unhealthy" for i in unhealthy})
@@ -219,26 +217,25 @@ class SlicePublisher(Worker):
         given the pool as the API server has it (``existing``: the set devices in it stay
         while a claim may hold them, :func:`agent.dra.withdrawal.sets_to_keep`)."""
         with self._cond:
-            topology, unhealthy = self._topology, dict(self._unhealthy)
-            policy, refs = self._policy, self._refs
+            view, unhealthy = self._view, dict(self._unhealthy)
         prepared = ({device for pool, device in self._prepared.devices() if pool == self.node_name}
                     if self._prepared is not None else set())
         published = {d.get("name", "") for o in existing.values()
                      for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
         grace, now = self.settings.withdrawal_grace_s, time.time()
         times = withdrawal_times(existing.values(), self.driver_name, now)
-        occupancy = Occupancy({name: gpus_of(refs, name) for name in sorted(prepared)},
+        occupancy = Occupancy({name: gpus_of(view.devices, name) for name in sorted(prepared)},
                               sorted(n for n in published if parse_set_name(n) is not None),
                               expired(times, now, grace) if grace > 0 else None, sorted(times),
                               sorted(n for n in published if parse_set_name(n) is None))
         taints = self.kept[DEVICE_TAINTS]
-        return render_slices(topology, node_name=self.node_name, driver=self.driver_name,
+        return render_slices(view.topology, node_name=self.node_name, driver=self.driver_name,
                              api_version=self.api_version or "v1",
                              generation=max(self.generation, 1), node_uid=self.node_uid,
                              unhealthy=unhealthy, occupancy=occupancy,
                              with_sets=bool(self.gpu_sets) and self.kept[PARTITIONABLE_DEVICES],
                              taint_effect=self.settings.taint_effect if taints else None,
-                             keep=() if taints else prepared, policy=policy)
+                             keep=() if taints else prepared, policy=view.policy)
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:

@@ -17,6 +17,7 @@ from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.dra.publish_settings import PublisherEvents, PublishSettings
 from agent.dra.publisher import SlicePublisher
+from agent.dra.view import DraView
 from agent.health import HealthState
 from agent.kube import api_client
 from agent.topology.model import Topology
@@ -62,12 +63,14 @@ class DraServers:
         configuration); ConfigError when neither can be loaded. Each claim that could not be
         read, each claim's placement, and which DRA features the API server keeps, are
         reported to ``events`` (the agent's self-metrics); the publisher keeps the devices of
-        prepared claims while the API server keeps no taints."""
+        prepared claims while the API server keeps no taints. Both serve one
+        :class:`agent.dra.view.DraView` of ``topology``."""
+        view = DraView(topology)
         plugin = DraPlugin(
-            config, topology, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
+            config, view, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
             on_kubelet_restart=on_kubelet_restart, on_placement=events.dra_claim_placement,
         )
-        publisher = SlicePublisher(lambda: api_client(config), topology, PublishSettings.from_config(config),
+        publisher = SlicePublisher(lambda: api_client(config), view, PublishSettings.from_config(config),
                                    health=health, prepared=plugin.checkpoint, events=events)
         return cls(plugin, publisher)
 
@@ -89,9 +92,11 @@ class DraServers:
         """Prepare new claims from (topology, config) and publish the topology; the sockets,
         the registration and the prepared claims stay. The DRA settings apply at start only:
         the daemon hands over a ``config`` that keeps them
-        (:func:`agent.config.keep_start_settings`)."""
-        self.plugin.set_topology(topology, config)
-        self.publisher.update(topology=topology)
+        (:func:`agent.config.keep_start_settings`). Both get one new
+        :class:`agent.dra.view.DraView` of ``topology``."""
+        view = DraView(topology)
+        self.plugin.set_topology(view, config)
+        self.publisher.update(view=view)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop the plugin (sockets removed, claims kept checkpointed), then the publisher

@@ -89,20 +89,18 @@ hundred lines of tables); the code is one rendering pass, attributes to devices 
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from agent.config import DEFAULT_DRIVER_NAME
 from agent.dra.counters import consumes_counters, declared_counter_sets, meeting_gpus
-from agent.dra.devices import device_name
+from agent.dra.devices import device_name, parse_name, parse_set_name
 from agent.dra.gpusets import (
     GpuSet,
     SetPolicy,
     clique_ids,
     device_order,
     island_ids,
-    parse_set_name,
 )
 from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
@@ -130,7 +128,6 @@ MAX_ATTRIBUTES_AND_CAPACITIES = 32  # ResourceSliceMaxAttributesAndCapacitiesPer
 MAX_ATTRIBUTE_STRING = 64  # DeviceAttributeMaxValueLength
 MAX_NAME = 253  # object names are DNS subdomains
 
-_WHOLE_GPU = re.compile(r"gpu-(\d+)")  # agent.dra.devices.device_name of a whole GPU
 _ARCHITECTURE = {7: "Volta", 8: "Ampere", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
 
 
@@ -442,8 +439,7 @@ def _set_devices(topology: Topology, policy: SetPolicy, occupancy: Occupancy, fr
 def _gpu_of(device: Device) -> tuple[int, ...]:
     """The whole GPU a single device stands for (none for a MIG device: no set holds a GPU in
     MIG mode, so a MIG device never meets another device)."""
-    found = _WHOLE_GPU.fullmatch(device.name)
-    return (int(found.group(1)),) if found else ()
+    return tuple(gpu for gpu, mig in parse_name(device.name) or () if mig is None)
 
 
 def _render_device(device: Device, api_version: str) -> dict[str, Any]:

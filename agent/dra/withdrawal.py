@@ -1,5 +1,5 @@
 """Withdrawing published devices: which must go (:func:`sets_to_withdraw`,
-:func:`singles_to_withdraw`; the rule and why it is safe: :mod:`agent.dra.gpusets`), the
+:func:`singles_to_withdraw`; why it is safe: docs/design/dra-gpu-sets.md), the
 withdrawal taint of the first step, and the clock of its grace.
 
 A published set that must go (:func:`sets_to_withdraw`: a member is held
@@ -9,7 +9,7 @@ the set keep it), so the scheduler gives it to no new claim while it still count
 for a claim it allocated the set to; it leaves at a re-publication at least the grace period
 (``dra.gpuSetWithdrawalGraceSeconds``) after the taint was first published, unless a prepared
 claim holds it then; chosen again by the policy before that, it is an ordinary set again
-(:mod:`agent.dra.gpusets` says why that is safe).
+(docs/design/dra-gpu-sets.md says why that is safe).
 
 **The clock.** The taint's ``timeAdded`` says when it was first published: the agent sets it
 from its own clock when it adds the taint (rounded up to the second, the field's precision),
@@ -25,7 +25,8 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Collection, Iterable, Mapping
 
-from agent.dra.gpusets import GpuSet, parse_set_name
+from agent.dra.devices import parse_set_name
+from agent.dra.gpusets import GpuSet
 
 __all__ = ["WITHDRAWN_KEY", "expired", "held_through_sets", "sets_to_keep", "sets_to_withdraw", "singles_to_withdraw",
            "stamp_withdrawals", "withdrawal_taint", "withdrawal_times"]
@@ -90,7 +91,7 @@ def stamp_withdrawals(slices: Iterable[dict[str, Any]], driver: str, now: float)
 
 
 def sets_to_keep(published: Iterable[str], held: Mapping[str, Collection[int]]) -> list[GpuSet]:
-    """The rule (:mod:`agent.dra.gpusets`): of the set devices ``published`` (names), those that must
+    """The rule: of the set devices ``published`` (names), those that must
     stay published, given ``held``: every device a prepared claim of this node holds, name ->
     GPU indices. A set stays unless one of its members is held through another device."""
     return _split(published, held)[0]
@@ -109,7 +110,7 @@ def singles_to_withdraw(held: Mapping[str, Collection[int]], whole: Mapping[int,
     the withdrawal taint, and those to leave out: of the GPUs held through a set (``held``, and
     not through their single device), a single in the pool now (``published``) stays, tainted,
     until its taint has been out for the grace period (``expired``); one not in the pool stays
-    out (:mod:`agent.dra.gpusets`, "A single GPU held through a set")."""
+    out (docs/design/dra-gpu-sets.md, a single GPU held through a set)."""
     due = {whole[g] for g in held_through_sets(held) if g in whole and whole[g] not in held}
     gone = {n for n in due if n not in published or n in expired}
     return due - gone, gone
