@@ -125,6 +125,23 @@ def test_pods_get_aligned_devices_whenever_one_numa_node_has_enough(harness, cas
     assert policy == "none" or checked > 0
 
 
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.startswith("none/")])
+def test_under_policy_none_the_plugins_preferred_devices_keep_a_pod_on_one_numa_node(harness, case):
+    """``none`` (the kubelet's default) aligns nothing itself: the device manager takes the
+    plugin's GetPreferredAllocation answer as it is, so only the agent keeps a pod whose GPUs
+    fit on one NUMA node on one node."""
+    run = get(harness, case)
+    checked = 0
+    for pod, free_by_node in first_round(run.summary):
+        if pod["admit"] and any(len(devs) >= pod["request"] for devs in free_by_node.values()):
+            checked += 1
+            where = f"{pod['pod']} ({pod['phase']}): {pod}\n{run.describe()}"
+            if pod["request"] > 1:  # a single free device needs no choice: the kubelet may skip the call
+                assert sorted(pod["pluginPreferredReconstructed"]) == pod["devices"], where
+            assert len(pod["numaSet"]) == 1, where
+    assert checked > 0
+
+
 @pytest.mark.parametrize("case", [c for c in MATRIX if c.startswith("restricted/")])
 def test_restricted_never_admits_a_pod_whose_hint_is_not_preferred(harness, case):
     run = get(harness, case)
