@@ -138,8 +138,8 @@ CASES["mig/mixed/gpu"] = Case(
     machine="a100-mig", sizes="1,1", resource="nvidia.com/gpu",
     config={"version": "v1", "flags": {"migStrategy": "mixed"}},
 )
-CASES["agent-first"] = Case(agent_first="1s")
-CASES["agent-first/pod-scope/eight-numa"] = Case(machine="dgx-a100", numa=8, scope="pod", agent_first="1s")
+CASES["agent-first"] = Case(agent_first="5s")  # long enough for a loaded machine to have the agent up and waiting
+CASES["agent-first/pod-scope/eight-numa"] = Case(machine="dgx-a100", numa=8, scope="pod", agent_first="5s")
 CASES["defect/lost-gpu-at-start"] = Case(machine=None, spec=_lost_gpu_3(), sizes="1,1,1,1,1,1,1,1")
 CASES["defect/numa-unknown-for-one-gpu"] = Case(machine=None, spec=_numa_unknown_for_gpu_7(), sizes="1,2,3,1")
 CASES["defect/relative-paths"] = Case(relative_paths=True, sizes="1")
