@@ -1,5 +1,14 @@
-"""The agent's slices through the scheduler's own DRA allocator (``draalloc``, Kubernetes
-v1.32): they decode strictly and allocate as the example claims say."""
+"""The agent's slices through the scheduler's DRA allocator: they decode strictly and allocate
+as the example claims say.
+
+Each allocation test body runs against two backends (the ``allocator`` fixture):
+
+- ``model``: ``tests/dra_allocator_model.py``, the Python model of the allocator, over the
+  ``resource.k8s.io/v1`` objects (slices, the shipped classes, the claim templates as written),
+  everywhere (CI included);
+- ``draalloc``: the scheduler's own allocator (Kubernetes v1.32, v1beta1 objects) in
+  ``$GPU_AGENT_K8S_BINARIES``; skips, saying why, where it is unset.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dra_allocator_model import AllocatorModel
+from dra_shipped_classes import CEL
 from k8s_binaries import k8s_binary, missing_reason
 
 from agent.discovery import load_topology
@@ -27,7 +38,20 @@ D = "gpu.gpu-agent.io"
 #: strictly, as that version's resource.k8s.io/v1beta1 types define them.
 KUBE = "1.32.0"
 
-needs_draalloc = pytest.mark.skipif(missing_reason("draalloc") is not None, reason=str(missing_reason("draalloc")))
+BACKENDS = ("model", "draalloc")
+
+
+@pytest.fixture(params=BACKENDS)
+def allocator(request):
+    """The allocator backend a test body runs against (module docstring)."""
+    if request.param == "draalloc" and missing_reason("draalloc") is not None:
+        pytest.skip(str(missing_reason("draalloc")))
+    return request.param
+
+
+def api_of(backend):
+    """The resource.k8s.io version ``backend`` reads."""
+    return "v1" if backend == "model" else "v1beta1"
 
 
 def to_v1beta1(obj):
@@ -40,14 +64,20 @@ def to_v1beta1(obj):
     return out
 
 
-def template_claim(name, claim_name=None):
+def template_claim(name, claim_name=None, api="v1beta1"):
     for doc in yaml.safe_load_all(EXAMPLES.read_text()):
         if doc["metadata"]["name"] == name:
             claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                      "metadata": {"name": claim_name or name, "namespace": "default"},
-                     "spec": doc["spec"]["spec"]}
-            return to_v1beta1(claim)
+                     "spec": copy.deepcopy(doc["spec"]["spec"])}
+            return claim if api == "v1" else to_v1beta1(claim)
     raise KeyError(name)
+
+
+def request_of(claim, i=0):
+    """The mapping holding request ``i``'s class, count and selectors (v1: under ``exactly``)."""
+    req = claim["spec"]["devices"]["requests"][i]
+    return req.get("exactly", req)
 
 
 def selects_gpu_sets(device_class):
@@ -66,7 +96,12 @@ def classes(api_version="v1beta1"):
     return kept if api_version == "v1" else [to_v1beta1(c) for c in kept]
 
 
-def allocate(tmp_path, slices, claims, allocated=(), extra_classes=()):
+def allocate(backend, tmp_path, slices, claims, allocated=(), extra_classes=(), cel=None):
+    """Each claim allocated on node-1 alone: claim name -> ``{"allocated", "devices": [{"request",
+    "device"}], "error"}`` (draalloc's output; the model's answer in the same shape). ``cel``:
+    predicates for the expressions beyond the shipped classes' (the model runs no CEL)."""
+    if backend == "model":
+        return _model_allocate(slices, claims, allocated, extra_classes, cel or {})
     d = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
     d.mkdir()
     (d / "s.yaml").write_text(dump_yaml(slices))
@@ -81,29 +116,52 @@ def allocate(tmp_path, slices, claims, allocated=(), extra_classes=()):
     return {c["claim"].split("/")[1]: c for c in json.loads(proc.stdout)["claims"]}
 
 
+def _model_allocate(slices, claims, allocated, extra_classes, cel):
+    model = AllocatorModel(slices, [*classes("v1"), *extra_classes], {**CEL, **cel},
+                           allocated=[(D, "node-1", a) for a in allocated])
+    out = {}
+    for claim in claims:
+        result = model.allocate([claim], "node-1")
+        devices = [{"request": r, "device": dev[2]} for r, dev in (result or [[]])[0]]
+        out[claim["metadata"]["name"]] = {"allocated": result is not None, "devices": devices,
+                                          "error": "" if result is not None else "cannot allocate all claims"}
+    return out
+
+
 def indices(result):
     return [int(d["device"].split("-")[1]) for d in result["devices"]]
 
 
-def slices_of(machine):
-    return render_slices(load_topology(machine), node_name="node-1", api_version="v1beta1")
+def slices_of(machine, api="v1beta1"):
+    """``machine``'s slices in ``api``; in v1 without GPU sets, as the agent publishes them where
+    sets are off (the sets' shared counters would bring in the model's v0.36 counter leak, a
+    behaviour draalloc v1.32 cannot have: its v1beta1 has no counters)."""
+    return render_slices(load_topology(machine), node_name="node-1", api_version=api, with_sets=False)
 
 
-def nic_slice(topo):
+def nic_slice(topo, api="v1beta1"):
     """The RDMA NIC mlx5_5 of ``topo`` as another driver's device, beside the agent's slices."""
+    (nic,) = [n for n in topo.nics if n.name == "mlx5_5"]
+    attributes = {"resource.kubernetes.io/pcieRoot": {"string": nic.pcie_root}}
+    device = {"name": "mlx5-5", **({"attributes": attributes} if api == "v1" else {"basic": {"attributes": attributes}})}
     return {
-        "apiVersion": "resource.k8s.io/v1beta1", "kind": "ResourceSlice",
+        "apiVersion": f"resource.k8s.io/{api}", "kind": "ResourceSlice",
         "metadata": {"name": "node-1-nic"},
         "spec": {"driver": "nic.example.com", "nodeName": "node-1",
                  "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
-                 "devices": [{"name": n.name.replace("_", "-"), "basic": {"attributes": {
-                     "resource.kubernetes.io/pcieRoot": {"string": n.pcie_root}}}}
-                     for n in topo.nics if n.name == "mlx5_5"]},
+                 "devices": [device]},
     }
 
 
-NIC_CLASS = {"apiVersion": "resource.k8s.io/v1beta1", "kind": "DeviceClass", "metadata": {"name": "rdma-nic"},
-             "spec": {"selectors": [{"cel": {"expression": 'device.driver == "nic.example.com"'}}]}}
+NIC_EXPR = 'device.driver == "nic.example.com"'
+
+
+def nic_class(api="v1beta1"):
+    return {"apiVersion": f"resource.k8s.io/{api}", "kind": "DeviceClass", "metadata": {"name": "rdma-nic"},
+            "spec": {"selectors": [{"cel": {"expression": NIC_EXPR}}]}}
+
+
+NIC_CLASS = nic_class()
 CLAIMS = ("any-gpus", "gpus-one-nvlink-island", "gpus-one-numa-node", "gpu-with-rdma-nic")
 
 
@@ -155,16 +213,15 @@ def test_what_the_allocator_tests_hand_draalloc_still_exists():
     assert [n.pcie_root for n in dgx.nics if n.name == "mlx5_5"] != [None]
 
 
-@needs_draalloc
-def test_every_machines_slices_decode_strictly_and_allocate(tmp_path):
+def test_every_machines_slices_decode_strictly_and_allocate(allocator, tmp_path):
     def one(machine):
         topo = load_topology(machine)
-        objs = render_slices(topo, node_name="node-1", api_version="v1beta1")
+        objs = slices_of(machine, api_of(allocator))
         mig = any(g.mig_enabled for g in topo.gpus)
         cls = "mig.gpu.gpu-agent.io" if mig else "gpu.gpu-agent.io"
-        claim = template_claim("any-gpus")
-        claim["spec"]["devices"]["requests"][0].update(deviceClassName=cls, count=1)
-        return machine, allocate(tmp_path / machine, objs, [claim])
+        claim = template_claim("any-gpus", api=api_of(allocator))
+        request_of(claim).update(deviceClassName=cls, count=1)
+        return machine, allocate(allocator, tmp_path / machine, objs, [claim])
 
     for m in BUILTIN_MACHINES:
         (tmp_path / m).mkdir()
@@ -173,46 +230,48 @@ def test_every_machines_slices_decode_strictly_and_allocate(tmp_path):
             assert result["any-gpus"]["allocated"], (machine, result)
 
 
-@needs_draalloc
-def test_island_constraint_keeps_a_claim_in_one_island(tmp_path):
+def test_island_constraint_keeps_a_claim_in_one_island(allocator, tmp_path):
     # pcie-pairs: islands {0,1} {2,3} {4,5} {6,7}; with GPU 1 taken, a 2-GPU island claim
     # must skip GPU 0 (alone in its island now) and take a whole pair
-    claim = template_claim("gpus-one-nvlink-island")
-    claim["spec"]["devices"]["requests"][0]["count"] = 2
-    got = allocate(tmp_path, slices_of("pcie-pairs"), [claim], allocated=["gpu-1"])
+    api = api_of(allocator)
+    claim = template_claim("gpus-one-nvlink-island", api=api)
+    request_of(claim)["count"] = 2
+    got = allocate(allocator, tmp_path, slices_of("pcie-pairs", api), [claim], allocated=["gpu-1"])
     assert got["gpus-one-nvlink-island"]["allocated"]
     assert sorted(indices(got["gpus-one-nvlink-island"])) == [2, 3]
 
 
-@needs_draalloc
-def test_numa_selector_gets_gpus_of_that_node(tmp_path):
-    claim = template_claim("any-gpus", "numa1")
-    claim["spec"]["devices"]["requests"][0]["selectors"] = [
-        {"cel": {"expression": f'device.attributes["{D}"].numaNode == 1'}}]
-    got = allocate(tmp_path, slices_of("dgx-h100"), [claim])
+def test_numa_selector_gets_gpus_of_that_node(allocator, tmp_path):
+    api = api_of(allocator)
+    claim = template_claim("any-gpus", "numa1", api=api)
+    expr = f'device.attributes["{D}"].numaNode == 1'
+    request_of(claim)["selectors"] = [{"cel": {"expression": expr}}]
+    on_numa_1 = {expr: lambda d: d.attributes.get(D, {}).get("numaNode") == 1}
+    got = allocate(allocator, tmp_path, slices_of("dgx-h100", api), [claim], cel=on_numa_1)
     assert sorted(indices(got["numa1"])) == [4, 5]
 
 
-@needs_draalloc
-def test_numa_constraint_keeps_a_claim_on_one_numa_node(tmp_path):
-    claim = template_claim("gpus-one-numa-node")
-    got = allocate(tmp_path, slices_of("dgx-h100"), [claim], allocated=["gpu-0", "gpu-1", "gpu-2"])
+def test_numa_constraint_keeps_a_claim_on_one_numa_node(allocator, tmp_path):
+    api = api_of(allocator)
+    claim = template_claim("gpus-one-numa-node", api=api)
+    got = allocate(allocator, tmp_path, slices_of("dgx-h100", api), [claim], allocated=["gpu-0", "gpu-1", "gpu-2"])
     assert sorted(indices(got["gpus-one-numa-node"])) == [4, 5]
 
 
-@needs_draalloc
-def test_impossible_claim_is_reported_unschedulable(tmp_path):
-    claim = template_claim("gpus-one-nvlink-island")  # 4 GPUs on one island: islands are pairs
-    got = allocate(tmp_path, slices_of("pcie-pairs"), [claim])
+def test_impossible_claim_is_reported_unschedulable(allocator, tmp_path):
+    api = api_of(allocator)
+    claim = template_claim("gpus-one-nvlink-island", api=api)  # 4 GPUs on one island: islands are pairs
+    got = allocate(allocator, tmp_path, slices_of("pcie-pairs", api), [claim])
     assert got["gpus-one-nvlink-island"]["allocated"] is False
     assert got["gpus-one-nvlink-island"]["error"]
 
 
-@needs_draalloc
-def test_gpu_aligned_with_an_rdma_nic_by_pcie_root(tmp_path):
+def test_gpu_aligned_with_an_rdma_nic_by_pcie_root(allocator, tmp_path):
     topo = load_topology("dgx-h100")
-    got = allocate(tmp_path, [*slices_of("dgx-h100"), nic_slice(topo)], [template_claim("gpu-with-rdma-nic")],
-                   extra_classes=[NIC_CLASS])
+    api = api_of(allocator)
+    got = allocate(allocator, tmp_path, [*slices_of("dgx-h100", api), nic_slice(topo, api)],
+                   [template_claim("gpu-with-rdma-nic", api=api)], extra_classes=[nic_class(api)],
+                   cel={NIC_EXPR: lambda d: d.driver == "nic.example.com"})
     result = got["gpu-with-rdma-nic"]
     assert result["allocated"], result
     gpu = [d["device"] for d in result["devices"] if d["request"] == "gpu"]

@@ -1,14 +1,22 @@
-"""Hooks of the conformance tier: start the harness runs the selected tests need, all at
-once and in the background, when collection is done (see dmharness_cases.py)."""
+"""Hooks of the conformance tier: the ``harness`` fixture runs each test body once per backend
+(the stand-in, and the real ``dmharness`` where ``GPU_AGENT_K8S_BINARIES`` has it), and the
+harness runs the selected tests need start all at once, in the background, when collection is
+done (see dmharness_cases.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from dmharness_cases import Harness, skip_reason
+from dmharness_cases import BACKENDS, Harness, skip_reason
 
-_HARNESS: Harness | None = None
+_HARNESSES: dict[str, Harness] = {}
+
+
+def _harness(backend: str) -> Harness:
+    if backend not in _HARNESSES:
+        _HARNESSES[backend] = Harness(backend)
+    return _HARNESSES[backend]
 
 
 def _cases_of(item: pytest.Item) -> list[str]:
@@ -26,27 +34,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    global _HARNESS
-    wanted: list[str] = []
+    wanted: dict[str, list[str]] = {}
     for item in session.items:
-        if Path(str(item.fspath)).parent == Path(__file__).parent:
-            wanted.extend(n for n in _cases_of(item) if n not in wanted)
-    if wanted and skip_reason() is None:
-        _HARNESS = Harness()
-        _HARNESS.start(wanted)
+        callspec = getattr(item, "callspec", None)
+        if Path(str(item.fspath)).parent != Path(__file__).parent or callspec is None:
+            continue
+        backend = callspec.params.get("harness")
+        if backend is not None:
+            names = wanted.setdefault(backend, [])
+            names.extend(n for n in _cases_of(item) if n not in names)
+    for backend, names in wanted.items():
+        if names and skip_reason(backend) is None:
+            _harness(backend).start(names)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _HARNESS is not None:
-        _HARNESS.close()
+    for harness in _HARNESSES.values():
+        harness.close()
 
 
-@pytest.fixture
-def harness() -> Harness:
-    reason = skip_reason()
+@pytest.fixture(params=BACKENDS)
+def harness(request: pytest.FixtureRequest) -> Harness:
+    reason = skip_reason(request.param)
     if reason is not None:
         pytest.skip(reason)
-    global _HARNESS
-    if _HARNESS is None:
-        _HARNESS = Harness()
-    return _HARNESS
+    return _harness(request.param)

@@ -1,17 +1,20 @@
 """Harness cases of the conformance tier and how they run (the hooks are in conftest.py).
 
-The installed agent against the kubelet's own device manager and topology manager
-(Kubernetes v1.32, ``dmharness`` in the directory ``$GPU_AGENT_K8S_BINARIES`` names; see
-``tests/k8s_binaries.py``).
+The installed agent against the kubelet's device manager and topology manager (Kubernetes
+v1.32), through one of two backends (:data:`BACKENDS`), every test body against both:
+
+- ``standin``: ``tests/dmharness_standin.py``, a Python stand-in for the two managers, run
+  everywhere (CI included);
+- ``dmharness``: the real managers, ``dmharness`` in the directory ``$GPU_AGENT_K8S_BINARIES``
+  names (``tests/k8s_binaries.py``); its tests skip, saying why, where it is unset.
+
+Both take the same command line and write the same JSON summary.
 
 Every harness run ("case") is declared once in :data:`CASES`. Tests name the cases they
 read with ``@pytest.mark.parametrize("case", [...])`` (or ``@pytest.mark.cases(...)``);
 when collection is done, the cases the selected tests need are all started at once, at
 most :data:`PARALLEL` at a time, and each test waits only for its own summaries. A harness
-run takes a few seconds, mostly waiting; the tier takes well under a minute on 2 cores.
-
-The tier skips, saying why, where ``GPU_AGENT_K8S_BINARIES`` is unset or holds no
-executable ``dmharness``.
+run takes a few seconds, mostly waiting.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import yaml
 from k8s_binaries import k8s_binary, missing_reason
 
 DMHARNESS = k8s_binary("dmharness")
+STANDIN = Path(__file__).resolve().parents[1] / "dmharness_standin.py"
+#: the stand-in always, the real managers where GPU_AGENT_K8S_BINARIES has them
+BACKENDS = ("standin", "dmharness")
 #: the console script of the installed agent (next to the interpreter running the tests)
 AGENT = Path(sys.executable).parent / "gpu-topology-agent"
 PARALLEL = 4
@@ -132,8 +138,8 @@ CASES["mig/mixed/gpu"] = Case(
     machine="a100-mig", sizes="1,1", resource="nvidia.com/gpu",
     config={"version": "v1", "flags": {"migStrategy": "mixed"}},
 )
-CASES["agent-first"] = Case(agent_first="1s")
-CASES["agent-first/pod-scope/eight-numa"] = Case(machine="dgx-a100", numa=8, scope="pod", agent_first="1s")
+CASES["agent-first"] = Case(agent_first="5s")  # long enough for a loaded machine to have the agent up and waiting
+CASES["agent-first/pod-scope/eight-numa"] = Case(machine="dgx-a100", numa=8, scope="pod", agent_first="5s")
 CASES["defect/lost-gpu-at-start"] = Case(machine=None, spec=_lost_gpu_3(), sizes="1,1,1,1,1,1,1,1")
 CASES["defect/numa-unknown-for-one-gpu"] = Case(machine=None, spec=_numa_unknown_for_gpu_7(), sizes="1,2,3,1")
 CASES["defect/relative-paths"] = Case(relative_paths=True, sizes="1")
@@ -148,6 +154,7 @@ class Run:
 
     name: str
     case: Case
+    backend: str
     workdir: str
     returncode: int
     output: str
@@ -156,13 +163,13 @@ class Run:
 
     def describe(self) -> str:
         return (
-            f"case {self.name} (harness exit {self.returncode}; files in {self.workdir})\n"
+            f"case {self.name} on {self.backend} (harness exit {self.returncode}; files in {self.workdir})\n"
             f"--- harness output (tail)\n{self.output[-4000:]}\n--- agent log (tail)\n{self.agent_log[-3000:]}"
         )
 
 
-def _command(case: Case, work: str) -> tuple[list[str], str | None]:
-    """The dmharness command line and the working directory to run it in."""
+def _command(case: Case, work: str, backend: str = "dmharness") -> tuple[list[str], str | None]:
+    """The harness command line (``backend``'s) and the working directory to run it in."""
     machine = case.machine
     if case.spec is not None:
         machine = os.path.join(work, "machine.yaml")
@@ -178,18 +185,19 @@ def _command(case: Case, work: str) -> tuple[list[str], str | None]:
         Path(work, "config.yaml").write_text(yaml.safe_dump(case.config), encoding="utf-8")
         agent += ["--config", "config.yaml" if case.relative_paths else f"{work}/config.yaml"]
     agent += list(case.extra)
-    harness = [str(DMHARNESS), "-dir", f"{work}/d", "-log", f"{work}/h.log", "-json", f"{work}/s.json",
+    program = [sys.executable, str(STANDIN)] if backend == "standin" else [str(DMHARNESS)]
+    harness = [*program, "-dir", f"{work}/d", "-log", f"{work}/h.log", "-json", f"{work}/s.json",
                "-policy", case.policy, "-scope", case.scope, "-numa", str(case.numa), "-sizes", case.sizes,
-               "-resource", case.resource, "-timeout", "20s"]
+               "-resource", case.resource, "-timeout", "60s"]
     if case.agent_first:
         harness += ["-agent-first", case.agent_first]
     return harness + ["--"] + agent, work if case.relative_paths else None
 
 
-def run_case(name: str, case: Case) -> Run:
+def run_case(name: str, case: Case, backend: str) -> Run:
     # unix socket paths must stay under 108 bytes: a short directory right under /tmp
     work = tempfile.mkdtemp(dir="/tmp", prefix="c")
-    command, cwd = _command(case, work)
+    command, cwd = _command(case, work, backend)
     try:
         proc = subprocess.run(
             command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -206,13 +214,14 @@ def run_case(name: str, case: Case) -> Run:
         agent_log = Path(work, "h.log.agent").read_text(encoding="utf-8", errors="replace")
     except OSError:
         agent_log = ""
-    return Run(name, case, work, returncode, output, summary, agent_log)
+    return Run(name, case, backend, work, returncode, output, summary, agent_log)
 
 
 class Harness:
-    """Runs the selected cases in the background; :meth:`run` waits for one."""
+    """Runs the selected cases through ``backend`` in the background; :meth:`run` waits for one."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
         self._pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="dmharness")
         self._futures: dict[str, Future[Run]] = {}
         self._lock = threading.Lock()
@@ -224,7 +233,7 @@ class Harness:
     def _submit(self, name: str) -> Future[Run]:
         with self._lock:
             if name not in self._futures:
-                self._futures[name] = self._pool.submit(run_case, name, CASES[name])
+                self._futures[name] = self._pool.submit(run_case, name, CASES[name], self.backend)
             return self._futures[name]
 
     def run(self, name: str) -> Run:
@@ -239,8 +248,9 @@ class Harness:
                 shutil.rmtree(future.result().workdir, ignore_errors=True)
 
 
-def skip_reason() -> str | None:
-    missing = missing_reason("dmharness")
+def skip_reason(backend: str = "standin") -> str | None:
+    """Why ``backend`` (or, for ``standin``, the agent alone) cannot run here; None: it can."""
+    missing = missing_reason("dmharness") if backend == "dmharness" else None
     if missing is not None:
         return f"conformance tier: {missing}"
     if not AGENT.is_file():

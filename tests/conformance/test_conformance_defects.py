@@ -109,6 +109,8 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 @pytest.fixture
 def agent_workdir():
+    """A directory for agents run beside each other (no harness: runs on every backend's
+    behalf, wherever the agent is installed)."""
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)

@@ -125,6 +125,23 @@ def test_pods_get_aligned_devices_whenever_one_numa_node_has_enough(harness, cas
     assert policy == "none" or checked > 0
 
 
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.startswith("none/")])
+def test_under_policy_none_the_plugins_preferred_devices_keep_a_pod_on_one_numa_node(harness, case):
+    """``none`` (the kubelet's default) aligns nothing itself: the device manager takes the
+    plugin's GetPreferredAllocation answer as it is, so only the agent keeps a pod whose GPUs
+    fit on one NUMA node on one node."""
+    run = get(harness, case)
+    checked = 0
+    for pod, free_by_node in first_round(run.summary):
+        if pod["admit"] and any(len(devs) >= pod["request"] for devs in free_by_node.values()):
+            checked += 1
+            where = f"{pod['pod']} ({pod['phase']}): {pod}\n{run.describe()}"
+            if pod["request"] > 1:  # a single free device needs no choice: the kubelet may skip the call
+                assert sorted(pod["pluginPreferredReconstructed"]) == pod["devices"], where
+            assert len(pod["numaSet"]) == 1, where
+    assert checked > 0
+
+
 @pytest.mark.parametrize("case", [c for c in MATRIX if c.startswith("restricted/")])
 def test_restricted_never_admits_a_pod_whose_hint_is_not_preferred(harness, case):
     run = get(harness, case)
@@ -164,19 +181,35 @@ def test_envvar_strategy_lists_exactly_the_allocated_devices(harness, case):
             assert visible == "/var/run/nvidia-container-devices", pod
 
 
+#: where NVIDIA's volume-mounts strategy mounts one path per device (the device's ID)
+VOLUME_MOUNTS_DIR = "/var/run/nvidia-container-devices"
+
+
 @pytest.mark.parametrize("case", ["strategy/volume-mounts", "strategy/all-with-device-specs"])
 def test_volume_mounts_strategy_mounts_one_path_per_allocated_device(harness, case):
+    """One mount per allocated device under the volume-mounts directory; the one other mount
+    allowed is the container's NCCL topology file, read-only at the path ``NCCL_TOPO_FILE``
+    names (a separate feature, so it must not be counted as a device)."""
     run = get(harness, case)
     for pod in admitted_new(run):
-        paths = sorted(_mounts(pod))
-        assert paths == sorted(f"/var/run/nvidia-container-devices/{d}" for d in pod["devices"]), pod
+        mounts = _mounts(pod)
+        devices = sorted(path for path, _ in mounts if path.startswith(VOLUME_MOUNTS_DIR + "/"))
+        assert devices == sorted(f"{VOLUME_MOUNTS_DIR}/{d}" for d in pod["devices"]), pod
+        others = [(path, ro) for path, ro in mounts if not path.startswith(VOLUME_MOUNTS_DIR + "/")]
+        nccl = pod["envs"].get("NCCL_TOPO_FILE")
+        assert others == ([(nccl, True)] if nccl else []), pod
         if case == "strategy/volume-mounts":
-            assert pod["envs"]["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices", pod
+            assert pod["envs"]["NVIDIA_VISIBLE_DEVICES"] == VOLUME_MOUNTS_DIR, pod
 
 
-def _mounts(pod: dict[str, Any]) -> list[str]:
-    """Container paths of the pod's mounts (the harness writes ``HOST->CONTAINER ro=BOOL``)."""
-    return [m.split("->", 1)[1].split()[0] for m in pod.get("mounts") or []]
+def _mounts(pod: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Container path and read-only flag of the pod's mounts (the harness writes
+    ``HOST->CONTAINER ro=BOOL``)."""
+    out = []
+    for mount in pod.get("mounts") or []:
+        container, flag = mount.split("->", 1)[1].rsplit(" ", 1)
+        out.append((container, flag == "ro=true"))
+    return out
 
 
 @pytest.mark.parametrize("case", ["strategy/cdi-annotations", "strategy/all-with-device-specs"])
@@ -198,6 +231,7 @@ def test_cdi_cri_strategy_passes_every_allocated_device_as_a_cdi_device(harness,
         assert sorted(names) == sorted(f"nvidia.com/gpu={d}" for d in pod["devices"]), pod
 
 
+@pytest.mark.cases("strategy/all-with-device-specs", "strategy/envvar")
 def test_device_specs_give_each_container_its_gpu_device_nodes(harness):
     run = get(harness, "strategy/all-with-device-specs")
     for pod in admitted_new(run):
@@ -205,7 +239,7 @@ def test_device_specs_give_each_container_its_gpu_device_nodes(harness):
         gpu_nodes = [p for p in specs if re.fullmatch(r"/dev/nvidia\d+", p)]
         assert len(gpu_nodes) == len(pod["devices"]) == len(set(gpu_nodes)), pod
     plain = get(harness, "strategy/envvar")
-    assert all(not p.get("deviceSpecs") for p in admitted_new(plain))
+    assert all(not p.get("deviceNodes") for p in admitted_new(plain))
 
 
 def _spec_path(node: str) -> str:
@@ -213,6 +247,7 @@ def _spec_path(node: str) -> str:
     return node.split("->", 1)[1].split()[0]
 
 
+@pytest.mark.cases("time-slicing")
 def test_time_sliced_replicas_are_advertised_with_their_gpus_numa_node(harness):
     run = get(harness, "time-slicing")
     numa = run.summary["allocatableDeviceNUMA"]
@@ -232,6 +267,7 @@ def test_mig_devices_are_served_and_allocated_by_mig_uuid(harness, case):
         assert sorted(pod["envs"]["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted(pod["devices"]), pod
 
 
+@pytest.mark.cases("mig/mixed/gpu")
 def test_mixed_mig_still_serves_the_whole_gpu_with_mig_disabled(harness):
     run = get(harness, "mig/mixed/gpu")
     assert list(run.summary["allocatableDeviceNUMA"].values()) == [[1]]
