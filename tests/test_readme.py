@@ -3,7 +3,9 @@ must be true of the code. "The docs" below means README.md and every page under 
 
 - Every command in a code block of the docs is classified: run here (``gpu-topology-agent ...``
   through ``python -m agent``, ``python bench/...`` with its quickest flags, a ``pytest``
-  run of one test file, ``kubectl kustomize daemonset/`` or ``daemonset/dra`` where kubectl
+  run of one test file (collected only: the suite runs those tests itself, and running them
+  again here would double their time; collecting checks the command selects tests and
+  imports under the environment it sets), ``kubectl kustomize daemonset/`` or ``daemonset/dra`` where kubectl
   exists, ``helm template`` or ``helm lint`` where helm exists), or listed
   in :data:`NOT_RUNNABLE` with the reason. A command that is neither fails the test, and so
   does a listed command the docs no longer show.
@@ -294,7 +296,8 @@ def _split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def classify(text: str) -> tuple[str, object]:
-    """("run", (argv, env)), ("kubectl", argv), ("skip", reason) or ("unknown", None)."""
+    """("run", (argv, env)), ("bench", (script, env)), ("pytest", (argv, env)), ("kubectl", argv),
+    ("helm", argv), ("skip", reason) or ("unknown", None)."""
     if text in NOT_RUNNABLE:
         return "skip", NOT_RUNNABLE[text]
     if text.startswith(INSTALL + " && "):
@@ -315,7 +318,7 @@ def classify(text: str) -> tuple[str, object]:
         and argv[-1].startswith("tests/test_")
         and argv[-1] != "tests/test_readme.py"
     ):
-        return "run", ([sys.executable, *argv[1:]], env)
+        return "pytest", ([sys.executable, *argv[1:], "--collect-only", "-p", "no:cacheprovider"], env)
     if argv in (["kubectl", "kustomize", "daemonset/"], ["kubectl", "kustomize", "daemonset/dra"]):
         return "kubectl", argv
     if argv[0] == "helm" and argv[1:2] in (["template"], ["lint"]):
@@ -410,6 +413,14 @@ def test_command(cmd: Command, tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         if detail[1] == "template":  # type: ignore[index]
             assert "kind: DaemonSet" in result.stdout
+        return
+    if kind == "pytest":
+        argv, env = detail  # type: ignore[misc]
+        result = _run(argv, env)
+        collected = re.search(r"^(\d+) tests? collected", result.stdout, re.M)
+        assert result.returncode == 0 and collected and int(collected.group(1)) > 0, (
+            f"{cmd.text}: collects no test (exit {result.returncode})\n{(result.stdout + result.stderr)[-3000:]}"
+        )
         return
     if kind == "bench":
         script, env = detail  # type: ignore[misc]
