@@ -139,7 +139,7 @@ def test_explain_json_adds_the_explanation(machine, capsys):
             "must-include: device ID 'GPU-*' is not in the available list",
         ),
         # a list gives each device once, as slices --in-use does (tests/test_dra_gpusets.py)
-        (["--size", "1", "--available", "1,1"], "--available: device ID 'GPU-*' given twice"),
+        (["--size", "1", "--available", "1,1"], "available: device ID 'GPU-*' given twice"),
     ],
 )
 def test_bad_requests_exit_2_with_one_line(machine, capsys, argv, message):

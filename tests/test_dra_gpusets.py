@@ -631,9 +631,9 @@ def test_slices_refuses_a_bad_in_use_list_or_server_version_with_exit_2_and_one_
 
 
 @pytest.mark.parametrize("command,twice,says", [
-    ("allocate --size 1 --available", "1,2,1", "--available: device ID '{uuid}' given twice"),
+    ("allocate --size 1 --available", "1,2,1", "available: device ID '{uuid}' given twice"),
     ("slices --in-use", "1,2,1", "--in-use: device 'gpu-1' given twice"),
-    ("allocate --size 1 --available", "{uuid},1", "--available: device ID '{uuid}' given twice ('{uuid}', '1')"),
+    ("allocate --size 1 --available", "{uuid},1", "available: device ID '{uuid}' given twice ('{uuid}', '1')"),
     ("slices --in-use", "{uuid},1", "--in-use: device 'gpu-1' given twice ('{uuid}', '1')"),
     ("slices --in-use", "gpu-1,2,1", "--in-use: device 'gpu-1' given twice ('gpu-1', '1')"),
 ])

@@ -109,12 +109,15 @@ def add_wide_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_list(text: str, flag: str, noun: str, resolve: Callable[[str], Iterable[str]]) -> dict[str, str]:
+def parse_list(text: str, flag: str, noun: str, resolve: Callable[[str], Iterable[str]],
+               twice_label: str | None = None) -> dict[str, str]:
     """``flag``'s comma-separated ``text`` (``allocate --available``, ``slices --in-use``), each
     item resolved (``resolve``: an item -> the ``noun``s it names, or UsageError) -> each one
     named -> the item that named it, in order. UsageError for an empty item, or one named
     twice: by one item given twice, or by two that name it alike (``1`` and GPU 1's UUID).
-    An empty ``text`` names nothing."""
+    An empty ``text`` names nothing. ``twice_label`` (default ``flag``) starts the message of
+    one named twice: ``allocate`` gives the device plugin's list name, so that the message is
+    the one GetPreferredAllocation answers for the same list."""
     named: dict[str, str] = {}
     if not text.strip():
         return named
@@ -125,7 +128,7 @@ def parse_list(text: str, flag: str, noun: str, resolve: Callable[[str], Iterabl
         for thing in resolve(item):
             if thing in named:
                 first = named[thing]
-                raise UsageError(f"{flag}: {noun} {thing!r} given twice"
+                raise UsageError(f"{twice_label or flag}: {noun} {thing!r} given twice"
                                  + ("" if first == item else f" ({first!r}, {item!r})"))
             named[thing] = item
     return named

@@ -196,7 +196,7 @@ def parse_device_list(text: str, topology: Topology, resource: PluginResource, f
             )
         return on_gpu
 
-    return list(parse_list(text, flag, "device ID", resolve))
+    return list(parse_list(text, flag, "device ID", resolve, twice_label=flag.removeprefix("--")))
 
 
 def run(args: argparse.Namespace) -> int:
