@@ -38,6 +38,11 @@ MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if set_sizes(load_topology(m))
                       and not any(g.mig_enabled for g in load_topology(m).gpus)]
 
 
+def test_the_set_tests_below_run_on_several_built_in_machines():
+    # they are parametrized by MACHINES_WITH_SETS: were it empty, pytest would skip them all
+    assert len(MACHINES_WITH_SETS) >= 3, MACHINES_WITH_SETS
+
+
 def published_sets(slices, k):
     """The members of the set devices of ``k`` GPUs in ``slices``, in publication order."""
     return [parse_set_name(d["name"]) for s in slices for d in s["spec"].get("devices", [])

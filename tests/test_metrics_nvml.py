@@ -197,6 +197,10 @@ def test_sampled_values_reach_the_scrape_unchanged(machine):
                                  agent_metrics=AgentMetrics(CollectorRegistry(), node.backend))
         snap = service.sampler.sample_once()
         text = service.render().decode()
+        gpus = {str(g.index) for g in node.topology.gpus}
+    # every GPU is sampled, and the scrape has series (the loop below would pass on {} == {})
+    assert {str(i) for i in snap.gpus} == gpus and len(gpus) >= 2, sorted(snap.gpus)
+    assert set(by_gpu(text, "DCGM_FI_DEV_GPU_TEMP")) == gpus
     for m in DCGM_METRICS:
         assert by_gpu(text, m.name) == {str(i): v[m.name] for i, v in snap.gpus.items()
                                         if m.name in v}, m.name
