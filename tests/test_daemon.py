@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, replace
 
 import pytest
+from agent_run import reap
 from kubelet_stub import KubeletStub, hgx8_topology
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -244,9 +245,7 @@ def test_sighup_reregisters_and_sigterm_stops_a_real_agent_process_cleanly(dirs)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
         kubelet.stop()
     assert proc.returncode == 0, stderr
     assert os.listdir(dirs["k"]) == []
@@ -298,9 +297,7 @@ def test_after_a_reload_that_changes_the_devices_every_health_series_names_an_of
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
         kubelet.stop()
     assert proc.returncode == 0, stderr
 
@@ -489,9 +486,7 @@ def test_missing_nvml_waits_without_fail_on_init_error_answering_only_health_unt
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert answers == {"/health": 200, "/ready": 503, "/metrics": 503}
     assert proc.returncode == 0, stderr
     assert "failOnInitError is false" in stderr

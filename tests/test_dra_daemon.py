@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from agent_run import reap
 from apiserver_stub import ApiServerStub
 from prometheus_client import CollectorRegistry
 from waiting import eventually
@@ -271,9 +272,7 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, stderr
     assert not os.path.exists(node.registration_socket) and not os.path.exists(node.dra_socket)
     assert os.listdir(node.dirs["k"]) == []
@@ -290,9 +289,7 @@ def test_delete_slices_on_shutdown_removes_them_on_sigterm(node):
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, stderr
     assert node.api.slices() == []
 
@@ -525,9 +522,7 @@ def test_sighup_with_an_imex_channel_added_hands_it_to_claims_prepared_afterward
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
 
 
 def _spec_of(node: Node, claim: dict) -> dict | None:

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from agent_run import reap
 from apiserver_auth import Access, service_account
 from apiserver_stub import ApiServerStub
 from kubelet_stub import KubeletStub
@@ -94,9 +95,7 @@ def stop(proc: subprocess.Popen[str]) -> str:
     try:
         _, stderr = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, stderr
     return stderr
 

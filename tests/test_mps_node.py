@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from agent_run import reap
 from kubelet_stub import KubeletStub
 from test_deviceplugin_mps import MpsNode, standin_program
 
@@ -208,9 +209,7 @@ def test_agent_with_an_mps_config_registers_the_replicas_and_quits_the_daemon_on
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
         kubelet.stop()
     assert proc.returncode == 0, stderr
     assert mps_node.commands()[-1] == "quit" and mps_node.daemon_pid() is None
