@@ -34,7 +34,7 @@ from pathlib import Path
 import image_standin
 import pytest
 
-pytestmark = pytest.mark.image
+pytestmark = [pytest.mark.image, pytest.mark.timeout(4000)]  # a build may take BUILD_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "gpu-topology-agent:image-test"

@@ -388,10 +388,14 @@ def _match_output(shown: list[str], actual: str) -> str | None:
     return None
 
 
-RUNNABLE = [c for c in COMMANDS + INLINE if classify(c.text)[0] != "skip"]
+RUNNABLE = [
+    # a benchmark's quick run takes seconds to a minute: the slow tier
+    pytest.param(c, id=c.id, marks=[pytest.mark.slow] if classify(c.text)[0] == "bench" else [])
+    for c in COMMANDS + INLINE if classify(c.text)[0] != "skip"
+]
 
 
-@pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
+@pytest.mark.parametrize("cmd", RUNNABLE)
 def test_command(cmd: Command, tmp_path: Path) -> None:
     kind, detail = classify(cmd.text)
     if kind == "unknown":
