@@ -360,6 +360,7 @@ def _run(argv: list[str], extra_env: dict[str, str]) -> subprocess.CompletedProc
 
     env = dict(os.environ)
     env.pop("AGENT_PUREPYTHON", None)  # the docs' outputs are the default engine's
+    env.pop("TMPDIR", None)  # and the default temporary directory's (tests/conftest.py may set it)
     # the docs' outputs are the defaults': no configuration from the caller's environment
     for name in (*ENV_FIELDS, "CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"):
         env.pop(name, None)
