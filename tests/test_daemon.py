@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 import pytest
 from agent_run import reap
-from kubelet_stub import KubeletStub, hgx8_topology
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import eventually
@@ -28,6 +27,7 @@ from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
 from agent.modes import servers_for
+from testbed.kubelet_stub import KubeletStub, hgx8_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -432,9 +432,8 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
 
 
 def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
-    from kubelet_stub import PodResourcesStub
-
     from agent._proto import podresources_v1_pb2 as pr
+    from testbed.kubelet_stub import PodResourcesStub
 
     daemon_topology = __import__("agent.discovery", fromlist=["load_topology"]).load_topology("dgx-h100")
     uuid3 = daemon_topology.gpus[3].uuid

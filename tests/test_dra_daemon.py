@@ -22,7 +22,6 @@ from dataclasses import replace
 import grpc
 import pytest
 from agent_run import reap
-from apiserver_stub import ApiServerStub
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -40,6 +39,7 @@ from agent.dra.view import DraView
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
+from testbed.apiserver_stub import ApiServerStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = "gpu.gpu-agent.io"
@@ -351,11 +351,10 @@ def first_devices(slices) -> dict[str, str]:
 
 def test_a_prepare_re_publishes_the_order_within_a_second_and_the_pool_is_never_incomplete_or_invalid(
         node, simulated_daemon):
-    from dra_allocator_model import gather_pools
-
     from agent.discovery import load_topology
     from agent.dra.devices import parse_set_name, set_name
     from agent.dra.gpusets import SetPolicy
+    from testbed.dra_allocator_model import gather_pools
 
     simulated_daemon()
     node.kubelet_registers()

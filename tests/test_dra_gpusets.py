@@ -1,5 +1,5 @@
 """GPU sets as partitionable devices (agent.dra.gpusets, agent.dra.slices): the rendered v1
-slices pass the API server's rules, and the scheduler's allocator (tests/dra_allocator_model.py)
+slices pass the API server's rules, and the scheduler's allocator (testbed/dra_allocator_model.py)
 gives a set claim the device plugin's choice and keeps overlapping claims apart."""
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ import random
 
 import pytest
 import yaml
-from allocation_support import best_set, synthetic_islands_topology
-from dra_allocator_model import AllocatorModel, gather_pools
 from dra_api_validation import default_claim, validate_claim, validate_slice
-from dra_shipped_classes import BY_NAME, CEL, CLASSES_FILE, GPU_CLASS, check_expressions, count_expr
 
 from agent.cli import main
 from agent.discovery import load_topology
@@ -26,6 +23,16 @@ from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices
 from agent.dra.withdrawal import sets_to_keep
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
+from testbed.allocation_support import best_set, synthetic_islands_topology
+from testbed.dra_allocator_model import AllocatorModel, gather_pools
+from testbed.dra_shipped_classes import (
+    BY_NAME,
+    CEL,
+    CLASSES_FILE,
+    GPU_CLASS,
+    check_expressions,
+    count_expr,
+)
 
 D = "gpu.gpu-agent.io"
 NODE = "node-1"

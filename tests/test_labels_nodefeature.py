@@ -22,9 +22,10 @@ import urllib.request
 
 import pytest
 from agent_run import reap
-from apiserver_auth import Access, service_account
-from apiserver_stub import ApiServerStub
-from kubelet_stub import KubeletStub
+
+from testbed.apiserver_auth import Access, service_account
+from testbed.apiserver_stub import ApiServerStub
+from testbed.kubelet_stub import KubeletStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "gpu-topology-agent"

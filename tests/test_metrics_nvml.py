@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from metrics_support import by_gpu, node_of
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
@@ -19,6 +18,7 @@ from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
+from testbed.metrics_support import by_gpu, node_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
