@@ -505,6 +505,7 @@ def _format_default(value: object) -> str:
 
 def _settings_rows() -> list[dict[str, str | None]]:
     (rows,) = _tables(SETTINGS_HEADER)
+    assert len(rows) >= 10, "the settings table lost its rows: the checks reading it would pass on none"
     out = []
     for cells in rows:
         flag, env, key, default, meaning = cells
@@ -727,9 +728,11 @@ def _anchors(text: str) -> set[str]:
 
 
 def test_links_between_the_docs_resolve() -> None:
+    checked = 0
     for source, text in DOCS.items():
         here = (ROOT / source).parent
         for target in re.findall(r"\]\((?!https?://)([^)]+)\)", text):
+            checked += 1
             path, _, anchor = target.partition("#")
             page = (here / path).resolve() if path else ROOT / source
             assert page.exists(), f"{source} links to {target}: {path} does not exist"
@@ -738,6 +741,7 @@ def test_links_between_the_docs_resolve() -> None:
                 assert anchor in _anchors(page.read_text(encoding="utf-8")), (
                     f"{source} links to {target}: no such heading"
                 )
+    assert checked >= 20, f"only {checked} links between the docs: is DOCS reading the pages?"
 
 
 def test_the_readme_links_into_the_docs_site() -> None:
