@@ -41,8 +41,10 @@ CLASSES = BY_NAME
 SET_CLASSES = {n: c for n, c in CLASSES.items() if n == f"gpuset.{D}" or n.startswith("set-of-")}
 
 
-MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if set_sizes(load_topology(m))
-                      and not any(g.mig_enabled for g in load_topology(m).gpus)]
+# loaded once at collection (each load builds the simulated machine), read by the parameters
+BUILTIN_TOPOLOGIES = {m: load_topology(m) for m in BUILTIN_MACHINES}
+MACHINES_WITH_SETS = [m for m, t in BUILTIN_TOPOLOGIES.items() if set_sizes(t)
+                      and not any(g.mig_enabled for g in t.gpus)]
 
 
 def test_the_set_tests_below_run_on_several_built_in_machines():
@@ -108,13 +110,10 @@ class Node:
         return sorted(out)
 
 
-def topologies():
-    out = [(m, load_topology(m)) for m in BUILTIN_MACHINES]
-    out += [(f"synthetic-{8 * i}", synthetic_islands_topology(i, 8)) for i in (2, 4, 8)]
-    return out
+TOPOLOGIES = [*BUILTIN_TOPOLOGIES.items(), *((f"synthetic-{8 * i}", synthetic_islands_topology(i, 8)) for i in (2, 4, 8))]
 
 
-@pytest.mark.parametrize("name,topology", topologies(), ids=[n for n, _ in topologies()])
+@pytest.mark.parametrize("name,topology", TOPOLOGIES, ids=[n for n, _ in TOPOLOGIES])
 def test_every_rendered_slice_passes_the_api_rules_and_forms_one_valid_pool(name, topology):
     for unhealthy in ((), (1,)):
         objs = render_slices(topology, node_name=NODE, unhealthy=unhealthy)
