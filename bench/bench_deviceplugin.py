@@ -28,7 +28,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the stand-in kubelet
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -37,7 +36,6 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def bench_calls(machine: str, calls: int) -> dict[str, float]:
-    from kubelet_stub import PluginClient
     from prometheus_client import CollectorRegistry
 
     from agent._proto import deviceplugin_v1beta1_pb2 as pb
@@ -46,6 +44,7 @@ def bench_calls(machine: str, calls: int) -> dict[str, float]:
     from agent.discovery import load_topology
     from agent.health import HealthState
     from agent.metrics.self_metrics import AgentMetrics
+    from testbed.kubelet_stub import PluginClient
 
     topology = load_topology(machine)
     kdir = tempfile.mkdtemp(prefix="bdp", dir="/tmp")
@@ -96,7 +95,7 @@ def bench_calls(machine: str, calls: int) -> dict[str, float]:
 
 def bench_registration(machine: str) -> float:
     """Seconds from spawning the agent process to its Register call arriving."""
-    from kubelet_stub import KubeletStub
+    from testbed.kubelet_stub import KubeletStub
 
     base = tempfile.mkdtemp(prefix="bdr", dir="/tmp")
     kdir, fdir = os.path.join(base, "k"), os.path.join(base, "f")

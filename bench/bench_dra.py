@@ -44,7 +44,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the stand-in API server
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -61,9 +60,7 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str = "/tmp") -> dict[str, object]:
-    import apiserver_stub
     import grpc
-    from apiserver_stub import ApiServerStub
 
     from agent._proto import dra_v1_pb2 as pb
     from agent._proto import dra_v1_pb2_grpc as pb_grpc
@@ -74,6 +71,8 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     from agent.dra.plugin import DraPlugin
     from agent.dra.view import DraView
     from agent.health import HealthState
+    from testbed import apiserver_stub
+    from testbed.apiserver_stub import ApiServerStub
 
     # The stand-in writes each answer in two sends (headers, body); without TCP_NODELAY every
     # read then waits ~40 ms for a delayed ACK, an artifact of the stand-in that no real API
@@ -147,9 +146,6 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
 
 def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     """Health change -> republished slice, through the daemon (see the module docstring)."""
-    import apiserver_stub
-    from apiserver_stub import ApiServerStub
-
     from agent.config import Config
     from agent.daemon import Daemon
     from agent.discovery import open_backend, read_topology
@@ -160,6 +156,8 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.dra.publisher import SlicePublisher
     from agent.dra.servers import DraServers
     from agent.dra.view import DraView
+    from testbed import apiserver_stub
+    from testbed.apiserver_stub import ApiServerStub
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
@@ -218,16 +216,15 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
 
 def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     """Slices, devices, build and publish time per machine (see the module docstring)."""
-    import apiserver_stub
-    from allocation_support import synthetic_islands_topology
-    from apiserver_stub import ApiServerStub
-
     from agent.discovery import load_topology
     from agent.dra.publish_settings import PublishSettings
     from agent.dra.publisher import SlicePublisher
     from agent.dra.slices import render_slices
     from agent.dra.view import DraView
     from agent.hw.sim.machines import BUILTIN_MACHINES
+    from testbed import apiserver_stub
+    from testbed.allocation_support import synthetic_islands_topology
+    from testbed.apiserver_stub import ApiServerStub
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()

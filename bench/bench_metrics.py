@@ -32,13 +32,12 @@ from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from agent.config import Config  # noqa: E402
 from agent.demo.kubelet import PodResourcesStub  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
 from agent.metrics.self_metrics import AgentMetrics  # noqa: E402
-from metrics_support import listing, pod  # noqa: E402
+from testbed.metrics_support import listing, pod  # noqa: E402
 
 
 def simulated(machine: str):

@@ -35,13 +35,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))  # the device plugin's requests from GPU indices
-
-from allocation_support import best_set  # noqa: E402
 
 from agent.demo.comparisons import GpuallocatorChoice, naive_choice  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
+from testbed.allocation_support import best_set  # noqa: E402
 
 REAL_MATRICES = (
     "dgx1-v100-8gpu-4nic.txt",

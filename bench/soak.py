@@ -45,12 +45,10 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))  # the stand-in kubelet that can restart
-
-from kubelet_stub import KubeletStub  # noqa: E402
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb  # noqa: E402
 from agent.demo.kubelet import PluginClient, PodResourcesStub  # noqa: E402
+from testbed.kubelet_stub import KubeletStub  # noqa: E402
 
 
 def percentile(values: list[float], pct: float) -> float | None:

@@ -52,6 +52,12 @@ class AgentRun:
             return None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        reap(self.proc)
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """Kills ``proc`` if it still runs and collects it (its pipes drained): the ``finally`` of
+    a test that started an agent, so that a failed assertion leaves no process behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()

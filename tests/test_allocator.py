@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from allocation_support import best_set, explain, shared, synthetic_islands_topology
 
 from agent.errors import AllocationError
 from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
+from testbed.allocation_support import best_set, explain, shared, synthetic_islands_topology
 
 pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
 

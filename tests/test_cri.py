@@ -5,10 +5,10 @@ line; and our ``proto/cri_runtime_v1.proto`` is wire-identical to the cri-api's.
 from __future__ import annotations
 
 import pytest
-from cri_stub import CriStub, pod_container
 
 from agent._proto import cri_runtime_v1_pb2 as cri
 from agent.kubelet.cri import CriClient, CriContainer, CriError
+from testbed.cri_stub import CriStub, pod_container
 
 CID = "ab" * 32
 

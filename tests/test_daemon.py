@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, replace
 
 import pytest
-from kubelet_stub import KubeletStub, hgx8_topology
+from agent_run import reap
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import eventually
@@ -27,6 +27,7 @@ from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
 from agent.modes import servers_for
+from testbed.kubelet_stub import KubeletStub, hgx8_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,9 +245,7 @@ def test_sighup_reregisters_and_sigterm_stops_a_real_agent_process_cleanly(dirs)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
         kubelet.stop()
     assert proc.returncode == 0, stderr
     assert os.listdir(dirs["k"]) == []
@@ -298,9 +297,7 @@ def test_after_a_reload_that_changes_the_devices_every_health_series_names_an_of
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
         kubelet.stop()
     assert proc.returncode == 0, stderr
 
@@ -435,9 +432,8 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
 
 
 def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
-    from kubelet_stub import PodResourcesStub
-
     from agent._proto import podresources_v1_pb2 as pr
+    from testbed.kubelet_stub import PodResourcesStub
 
     daemon_topology = __import__("agent.discovery", fromlist=["load_topology"]).load_topology("dgx-h100")
     uuid3 = daemon_topology.gpus[3].uuid
@@ -489,9 +485,7 @@ def test_missing_nvml_waits_without_fail_on_init_error_answering_only_health_unt
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert answers == {"/health": 200, "/ready": 503, "/metrics": 503}
     assert proc.returncode == 0, stderr
     assert "failOnInitError is false" in stderr

@@ -199,6 +199,7 @@ def test_kustomization_renders_every_object_of_the_deployment(rendered: Rendered
 def test_every_object_fits_kubectl_apply_last_applied_annotation(rendered: Rendered) -> None:
     # Client-side `kubectl apply -k` copies each object into an annotation, and annotations
     # are capped at 256 KiB in total: a bigger dashboard would need --server-side.
+    assert rendered.objects
     for obj in rendered.objects:
         size = len(json.dumps(obj, separators=(",", ":")).encode())
         assert size < 256 * 1024 - 4096, f"{obj['kind']} {obj['metadata']['name']}: {size} bytes"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kubelet_stub import hgx8_topology
 
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import build_resources
 from agent.errors import AllocationError
+from testbed.kubelet_stub import hgx8_topology
 
 TOPOLOGY = hgx8_topology(mig=True)
 CONFIGS = {

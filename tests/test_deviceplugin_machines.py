@@ -9,8 +9,6 @@ import shutil
 import tempfile
 
 import pytest
-from allocation_support import best_set
-from kubelet_stub import KubeletStub, PluginClient
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -21,6 +19,8 @@ from agent.errors import ConfigError
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
 from agent.topology.allocator import AllocationEngine
+from testbed.allocation_support import best_set
+from testbed.kubelet_stub import KubeletStub, PluginClient
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,11 +4,11 @@ with per-GPU sharing and rename really applied."""
 from __future__ import annotations
 
 import pytest
-from kubelet_stub import hgx8_topology, pcie4_topology
 
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.resources import ResourceKind, build_resources, physical_devices
 from agent.errors import ConfigError
+from testbed.kubelet_stub import hgx8_topology, pcie4_topology
 
 
 def names(resources):

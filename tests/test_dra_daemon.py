@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from apiserver_stub import ApiServerStub
+from agent_run import reap
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -39,6 +39,7 @@ from agent.dra.view import DraView
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
+from testbed.apiserver_stub import ApiServerStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = "gpu.gpu-agent.io"
@@ -271,9 +272,7 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, stderr
     assert not os.path.exists(node.registration_socket) and not os.path.exists(node.dra_socket)
     assert os.listdir(node.dirs["k"]) == []
@@ -290,9 +289,7 @@ def test_delete_slices_on_shutdown_removes_them_on_sigterm(node):
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, stderr
     assert node.api.slices() == []
 
@@ -354,11 +351,10 @@ def first_devices(slices) -> dict[str, str]:
 
 def test_a_prepare_re_publishes_the_order_within_a_second_and_the_pool_is_never_incomplete_or_invalid(
         node, simulated_daemon):
-    from dra_allocator_model import gather_pools
-
     from agent.discovery import load_topology
     from agent.dra.devices import parse_set_name, set_name
     from agent.dra.gpusets import SetPolicy
+    from testbed.dra_allocator_model import gather_pools
 
     simulated_daemon()
     node.kubelet_registers()
@@ -525,9 +521,7 @@ def test_sighup_with_an_imex_channel_added_hands_it_to_claims_prepared_afterward
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
 
 
 def _spec_of(node: Node, claim: dict) -> dict | None:

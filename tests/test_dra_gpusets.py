@@ -1,5 +1,5 @@
 """GPU sets as partitionable devices (agent.dra.gpusets, agent.dra.slices): the rendered v1
-slices pass the API server's rules, and the scheduler's allocator (tests/dra_allocator_model.py)
+slices pass the API server's rules, and the scheduler's allocator (testbed/dra_allocator_model.py)
 gives a set claim the device plugin's choice and keeps overlapping claims apart."""
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ import random
 
 import pytest
 import yaml
-from allocation_support import best_set, synthetic_islands_topology
-from dra_allocator_model import AllocatorModel, gather_pools
 from dra_api_validation import default_claim, validate_claim, validate_slice
-from dra_shipped_classes import BY_NAME, CEL, CLASSES_FILE, GPU_CLASS, check_expressions, count_expr
 
 from agent.cli import main
 from agent.discovery import load_topology
@@ -26,6 +23,16 @@ from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices
 from agent.dra.withdrawal import sets_to_keep
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
+from testbed.allocation_support import best_set, synthetic_islands_topology
+from testbed.dra_allocator_model import AllocatorModel, gather_pools
+from testbed.dra_shipped_classes import (
+    BY_NAME,
+    CEL,
+    CLASSES_FILE,
+    GPU_CLASS,
+    check_expressions,
+    count_expr,
+)
 
 D = "gpu.gpu-agent.io"
 NODE = "node-1"
@@ -34,8 +41,15 @@ CLASSES = BY_NAME
 SET_CLASSES = {n: c for n, c in CLASSES.items() if n == f"gpuset.{D}" or n.startswith("set-of-")}
 
 
-MACHINES_WITH_SETS = [m for m in BUILTIN_MACHINES if set_sizes(load_topology(m))
-                      and not any(g.mig_enabled for g in load_topology(m).gpus)]
+# loaded once at collection (each load builds the simulated machine), read by the parameters
+BUILTIN_TOPOLOGIES = {m: load_topology(m) for m in BUILTIN_MACHINES}
+MACHINES_WITH_SETS = [m for m, t in BUILTIN_TOPOLOGIES.items() if set_sizes(t)
+                      and not any(g.mig_enabled for g in t.gpus)]
+
+
+def test_the_set_tests_below_run_on_several_built_in_machines():
+    # they are parametrized by MACHINES_WITH_SETS: were it empty, pytest would skip them all
+    assert len(MACHINES_WITH_SETS) >= 3, MACHINES_WITH_SETS
 
 
 def published_sets(slices, k):
@@ -96,13 +110,10 @@ class Node:
         return sorted(out)
 
 
-def topologies():
-    out = [(m, load_topology(m)) for m in BUILTIN_MACHINES]
-    out += [(f"synthetic-{8 * i}", synthetic_islands_topology(i, 8)) for i in (2, 4, 8)]
-    return out
+TOPOLOGIES = [*BUILTIN_TOPOLOGIES.items(), *((f"synthetic-{8 * i}", synthetic_islands_topology(i, 8)) for i in (2, 4, 8))]
 
 
-@pytest.mark.parametrize("name,topology", topologies(), ids=[n for n, _ in topologies()])
+@pytest.mark.parametrize("name,topology", TOPOLOGIES, ids=[n for n, _ in TOPOLOGIES])
 def test_every_rendered_slice_passes_the_api_rules_and_forms_one_valid_pool(name, topology):
     for unhealthy in ((), (1,)):
         objs = render_slices(topology, node_name=NODE, unhealthy=unhealthy)

@@ -15,9 +15,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from apiserver_stub import ApiServerStub
 from killed_write import killed_write
-from kubelet_stub import hgx8_topology
 from waiting import eventually
 
 from agent._proto import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
@@ -29,6 +27,8 @@ from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.dra.view import DraView
 from agent.health import HealthState
+from testbed.apiserver_stub import ApiServerStub
+from testbed.kubelet_stub import hgx8_topology
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from kubelet_stub import hgx8_topology
 from test_dra_plugin import DRIVER, NODE, Node, claim_object, env_of, spec_of
 
 from agent.dra.cdi import spec_path
 from agent.dra.devices import set_name
 from agent.dra.gpusets import SetPolicy
+from testbed.kubelet_stub import hgx8_topology
 
 
 @pytest.fixture

@@ -8,9 +8,6 @@ import time
 from datetime import datetime, timezone
 
 import pytest
-from apiserver_stub import ApiServerStub
-from dra_allocator_model import gather_pools
-from kubelet_stub import hgx8_topology
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -23,6 +20,9 @@ from agent.dra.view import DraView
 from agent.health import HealthState
 from agent.kube import pick_version
 from agent.metrics.self_metrics import AgentMetrics
+from testbed.apiserver_stub import ApiServerStub
+from testbed.dra_allocator_model import gather_pools
+from testbed.kubelet_stub import hgx8_topology
 
 DRIVER = "gpu.gpu-agent.io"
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kubelet_stub import hgx8_topology, pcie4_topology
 
 from agent.cli import main
 from agent.discovery import load_topology
@@ -22,6 +21,7 @@ from agent.dra.slices import (
 from agent.dra.yaml_stream import dump_yaml
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.model import Gpu, Link, MigDevice, Topology
+from testbed.kubelet_stub import hgx8_topology, pcie4_topology
 
 D = "gpu.gpu-agent.io/"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -172,9 +172,13 @@ def test_without_taints_unhealthy_devices_are_left_out_but_those_kept_for_prepar
 @pytest.mark.parametrize("machine", BUILTIN_MACHINES)
 def test_older_versions_render_single_gpus_within_the_api_limits(machine):
     # (v1 with counters and sets: tests/test_dra_gpusets.py checks it against the API rules)
+    topology = load_topology(machine)
     for version in ("v1beta2", "v1beta1"):
-        objs = render_slices(load_topology(machine), node_name="node-1", api_version=version)
+        objs = render_slices(topology, node_name="node-1", api_version=version)
         assert [o["metadata"]["name"] for o in objs] == sorted(o["metadata"]["name"] for o in objs)
+        # every GPU is rendered, whole or as its MIG devices (the checks below pass on no slices)
+        names = [d["name"] for obj in objs for d in obj["spec"]["devices"]]
+        assert {n.split("-mig-")[0] for n in names} == {f"gpu-{g.index}" for g in topology.gpus}, version
         for obj in objs:
             assert len(obj["metadata"]["name"]) <= 253
             assert "sharedCounters" not in obj["spec"]

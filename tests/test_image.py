@@ -34,7 +34,7 @@ from pathlib import Path
 import image_standin
 import pytest
 
-pytestmark = pytest.mark.image
+pytestmark = [pytest.mark.image, pytest.mark.timeout(4000)]  # a build may take BUILD_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "gpu-topology-agent:image-test"
@@ -187,7 +187,7 @@ def _status(url: str) -> int | None:
 def test_the_daemonsets_command_serves_a_stand_in_kubelet_and_stops_on_sigterm(
     image: str, tmp_path: Path
 ) -> None:
-    from kubelet_stub import KubeletStub
+    from testbed.kubelet_stub import KubeletStub
 
     kubelet_dir, features = tmp_path / "device-plugins", tmp_path / "features.d"
     kubelet_dir.mkdir()

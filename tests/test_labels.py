@@ -321,7 +321,9 @@ def test_every_label_is_valid_whatever_the_names(names, machine, driver):
             for i, n in enumerate(names)]
     topo = Topology.build(gpus, [], driver_version=driver, machine=machine,
                           cuda_driver_version=driver)
-    for key, value in compute_labels(topo, Config()).items():
+    labels = compute_labels(topo, Config())
+    assert "nvidia.com/gpu.count" in labels, sorted(labels)
+    for key, value in labels.items():
         assert is_valid_label_key(key), key
         assert is_valid_label_value(value) and value, (key, value)
 

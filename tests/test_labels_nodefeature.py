@@ -21,9 +21,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-from apiserver_auth import Access, service_account
-from apiserver_stub import ApiServerStub
-from kubelet_stub import KubeletStub
+from agent_run import reap
+
+from testbed.apiserver_auth import Access, service_account
+from testbed.apiserver_stub import ApiServerStub
+from testbed.kubelet_stub import KubeletStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "gpu-topology-agent"
@@ -94,9 +96,7 @@ def stop(proc: subprocess.Popen[str]) -> str:
     try:
         _, stderr = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, stderr
     return stderr
 

@@ -29,12 +29,16 @@ def _contracts() -> list[dict]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # lint-imports' own limit is 300 s
 def test_every_import_linter_contract_is_kept():
     result = _lint_imports(ROOT / "pyproject.toml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"Contracts: {len(_contracts())} kept, 0 broken." in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # lint-imports' own limit is 300 s
 def test_a_layering_violation_is_reported(tmp_path):
     # the same tool on the same package with the layers turned upside down must break:
     # the contracts above are checked against the real import graph, not vacuously kept
@@ -111,6 +115,8 @@ def _toml_value(value: object) -> str:
     return '"' + str(value) + '"'
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # lint-imports' own limit is 300 s
 def test_the_layers_contract_sees_function_level_and_type_checking_imports(tmp_path):
     """DESIGN.md: no module imports one from a layer above it, function-level imports
     included. import-linter's ``layers`` contract is that check: grimp reads every import

@@ -22,7 +22,6 @@ from dataclasses import replace
 import grpc
 import pytest
 from agent_run import AgentRun
-from kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from test_dra_daemon import Node
@@ -35,6 +34,7 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.server import MAX_STREAMS
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
+from testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 
 RESOURCE = "nvidia.com/gpu"
 

@@ -15,19 +15,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from metrics_support import (
-    Clock,
-    PodResourcesStub,
-    by_gpu,
-    collect_text,
-    families,
-    listing,
-    node_of,
-    open_node,
-    pod,
-    samples_of,
-    small_machine,
-)
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -40,6 +27,19 @@ from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
+from testbed.metrics_support import (
+    Clock,
+    PodResourcesStub,
+    by_gpu,
+    collect_text,
+    families,
+    listing,
+    node_of,
+    open_node,
+    pod,
+    samples_of,
+    small_machine,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 

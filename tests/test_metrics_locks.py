@@ -12,13 +12,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from metrics_support import Node, PodResourcesStub, listing, node_of, pod, samples_of, small_machine
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.hw.protocols import GpuSample, SampleSource
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
+from testbed.metrics_support import (
+    Node,
+    PodResourcesStub,
+    listing,
+    node_of,
+    pod,
+    samples_of,
+    small_machine,
+)
 
 PROMPT_S = 1.0  # a scrape that waits on the hung call would take its full duration
 

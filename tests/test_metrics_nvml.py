@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from metrics_support import by_gpu, node_of
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config
@@ -19,6 +18,7 @@ from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
+from testbed.metrics_support import by_gpu, node_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,6 +197,10 @@ def test_sampled_values_reach_the_scrape_unchanged(machine):
                                  agent_metrics=AgentMetrics(CollectorRegistry(), node.backend))
         snap = service.sampler.sample_once()
         text = service.render().decode()
+        gpus = {str(g.index) for g in node.topology.gpus}
+    # every GPU is sampled, and the scrape has series (the loop below would pass on {} == {})
+    assert {str(i) for i in snap.gpus} == gpus and len(gpus) >= 2, sorted(snap.gpus)
+    assert set(by_gpu(text, "DCGM_FI_DEV_GPU_TEMP")) == gpus
     for m in DCGM_METRICS:
         assert by_gpu(text, m.name) == {str(i): v[m.name] for i, v in snap.gpus.items()
                                         if m.name in v}, m.name

@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from kubelet_stub import KubeletStub
+from agent_run import reap
 from test_deviceplugin_mps import MpsNode, standin_program
 
 from agent import cli
@@ -23,6 +23,7 @@ from agent.hw.sim.machines import SimulatedMachine
 from agent.hw.sim.spec import machine_spec_from_dict
 from agent.labels import compute_labels
 from agent.topology.model import Topology
+from testbed.kubelet_stub import KubeletStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPS4 = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
@@ -161,7 +162,7 @@ def test_labels_command_writes_gfds_mps_labels(tmp_path, capsys):
 
 
 def test_mps_capable_follows_the_config_and_what_the_gpus_allow(tmp_path):
-    from kubelet_stub import hgx8_topology
+    from testbed.kubelet_stub import hgx8_topology
 
     mps = Config(mps=(TimeSlicingResource("nvidia.com/gpu", 2),))
     assert compute_labels(hgx8_topology(), Config())["nvidia.com/mps.capable"] == "false"
@@ -208,9 +209,7 @@ def test_agent_with_an_mps_config_registers_the_replicas_and_quits_the_daemon_on
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
         kubelet.stop()
     assert proc.returncode == 0, stderr
     assert mps_node.commands()[-1] == "quit" and mps_node.daemon_pid() is None

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import nccl_standin
 import pytest
-from kubelet_stub import hgx8_topology
 from test_deviceplugin import Node, kubelet_dir  # noqa: F401  (the fixture)
 from waiting import eventually
 
@@ -22,6 +21,7 @@ from agent.config import Config, TimeSlicingResource
 from agent.demo.kubelet import PodResourcesStub
 from agent.discovery import load_topology
 from agent.formats import nvml_to_sysfs_bus_id as nccl_bus_id
+from testbed.kubelet_stub import hgx8_topology
 
 MOUNT = "/etc/nccl/topology.xml"
 

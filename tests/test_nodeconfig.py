@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from apiserver_stub import ApiServerStub
-from kubelet_stub import KubeletStub
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import eventually
 
 from agent.errors import ConfigError
 from agent.nodeconfig import NamedConfigs
+from testbed.apiserver_stub import ApiServerStub
+from testbed.kubelet_stub import KubeletStub
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = "nvidia.com/device-plugin.config"

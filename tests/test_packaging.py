@@ -184,7 +184,8 @@ def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
         src,
         symlinks=True,  # the sysfs fixtures hold symlink loops, as sysfs does
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", ".*_cache", ".hypothesis", "results"
+            ".git", ".venv", "build", "dist", "*.egg-info", ".*_cache", ".hypothesis", "results",
+            ".tools",  # Helm and kubectl for the chart tests (gitignored, 100+ MB)
         ),
     )
     for rel in PLANTED_GENERATED:
@@ -214,11 +215,15 @@ def _expected_sources() -> set[str]:
     return {f for f in files if not GENERATED.search(f)}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the sdist and the wheel first (600 s limit each)
 def test_sdist_carries_every_source_the_wheel_build_reads(sdist: Path) -> None:
     missing = _expected_sources() - _sdist_names(sdist)
     assert not missing, f"the sdist lacks {sorted(missing)}"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the sdist and the wheel first (600 s limit each)
 def test_sdist_carries_no_generated_file(sdist: Path) -> None:
     names = _sdist_names(sdist)
     assert not names & set(PLANTED_GENERATED)
@@ -226,6 +231,8 @@ def test_sdist_carries_no_generated_file(sdist: Path) -> None:
     assert not generated, f"the sdist carries generated files: {generated}"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the sdist and the wheel first (600 s limit each)
 def test_wheel_from_the_sdist_has_the_engine_the_stubs_and_the_machine_specs(wheel: Path) -> None:
     names = _wheel_names(wheel)
     assert any(re.fullmatch(r"agent/_topo\.[^/]+\.so", n) for n in names), "no agent._topo"
@@ -239,6 +246,8 @@ def test_wheel_from_the_sdist_has_the_engine_the_stubs_and_the_machine_specs(whe
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the sdist and the wheel first (600 s limit each)
 def test_stubs_import_each_other_by_their_package_path(wheel: Path) -> None:
     # protoc's own import mapping (the .proto files staged under agent/_proto/), no rewriting
     with zipfile.ZipFile(wheel) as whl:
@@ -291,6 +300,8 @@ def _import_script(*extra: str) -> str:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the sdist and the wheel first (600 s limit each)
 def test_installed_wheel_imports_the_engine_and_the_stubs_in_a_fresh_venv(
     wheel: Path, tmp_path: Path
 ) -> None:
@@ -324,6 +335,8 @@ def test_installed_wheel_imports_the_engine_and_the_stubs_in_a_fresh_venv(
     assert "GPU0" in discover
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # builds the sdist and the wheel first (600 s limit each)
 def test_declared_runtime_floors_import_the_stubs_built_by_the_pinned_tools(
     wheel: Path, tmp_path: Path
 ) -> None:

@@ -14,15 +14,6 @@ import os
 import shutil
 
 import pytest
-from cri_stub import CriStub, pod_container
-from metrics_support import (
-    Clock,
-    PodResourcesStub,
-    listing,
-    node_of,
-    pod,
-    samples_of,
-)
 from prometheus_client import CollectorRegistry
 
 from agent.attribution.cgroups import CgroupReader
@@ -38,6 +29,15 @@ from agent.metrics.collector import GpuCollector, render_text
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
+from testbed.cri_stub import CriStub, pod_container
+from testbed.metrics_support import (
+    Clock,
+    PodResourcesStub,
+    listing,
+    node_of,
+    pod,
+    samples_of,
+)
 
 H100 = "NVIDIA H100 80GB HBM3"
 SM, BW, FB, PROCS = ("gpu_agent_pod_sm_utilization_percent",

@@ -360,6 +360,7 @@ def _run(argv: list[str], extra_env: dict[str, str]) -> subprocess.CompletedProc
 
     env = dict(os.environ)
     env.pop("AGENT_PUREPYTHON", None)  # the docs' outputs are the default engine's
+    env.pop("TMPDIR", None)  # and the default temporary directory's (tests/conftest.py may set it)
     # the docs' outputs are the defaults': no configuration from the caller's environment
     for name in (*ENV_FIELDS, "CONFIG_FILE", "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"):
         env.pop(name, None)
@@ -388,10 +389,14 @@ def _match_output(shown: list[str], actual: str) -> str | None:
     return None
 
 
-RUNNABLE = [c for c in COMMANDS + INLINE if classify(c.text)[0] != "skip"]
+RUNNABLE = [
+    # a benchmark's quick run takes seconds to a minute: the slow tier
+    pytest.param(c, id=c.id, marks=[pytest.mark.slow] if classify(c.text)[0] == "bench" else [])
+    for c in COMMANDS + INLINE if classify(c.text)[0] != "skip"
+]
 
 
-@pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
+@pytest.mark.parametrize("cmd", RUNNABLE)
 def test_command(cmd: Command, tmp_path: Path) -> None:
     kind, detail = classify(cmd.text)
     if kind == "unknown":
@@ -500,6 +505,7 @@ def _format_default(value: object) -> str:
 
 def _settings_rows() -> list[dict[str, str | None]]:
     (rows,) = _tables(SETTINGS_HEADER)
+    assert len(rows) >= 10, "the settings table lost its rows: the checks reading it would pass on none"
     out = []
     for cells in rows:
         flag, env, key, default, meaning = cells
@@ -722,9 +728,11 @@ def _anchors(text: str) -> set[str]:
 
 
 def test_links_between_the_docs_resolve() -> None:
+    checked = 0
     for source, text in DOCS.items():
         here = (ROOT / source).parent
         for target in re.findall(r"\]\((?!https?://)([^)]+)\)", text):
+            checked += 1
             path, _, anchor = target.partition("#")
             page = (here / path).resolve() if path else ROOT / source
             assert page.exists(), f"{source} links to {target}: {path} does not exist"
@@ -733,6 +741,7 @@ def test_links_between_the_docs_resolve() -> None:
                 assert anchor in _anchors(page.read_text(encoding="utf-8")), (
                     f"{source} links to {target}: no such heading"
                 )
+    assert checked >= 20, f"only {checked} links between the docs: is DOCS reading the pages?"
 
 
 def test_the_readme_links_into_the_docs_site() -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,9 @@ MACHINE = {
               "switches": ["sw0"]},
              {"name": "mlx5_1", "bus_id": "0000:99:00.0", "numa_node": 1, "host_bridge": "pci0000:96"}],
 }
+
+# the kit's own limit is 400 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def run_kit(tmp_path, **env: str) -> tuple[int, dict, str]:

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -25,6 +24,7 @@ from agent.deviceplugin.server import MAX_STREAMS
 from agent.errors import ConfigError, shorten
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
+from testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 
 
 @pytest.fixture

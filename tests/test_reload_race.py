@@ -28,7 +28,8 @@ import urllib.request
 
 import pytest
 from agent_run import AgentRun
-from kubelet_stub import KubeletStub
+
+from testbed.kubelet_stub import KubeletStub
 
 RESOURCE = "nvidia.com/gpu"
 IN_CREATE = 0x100

@@ -25,10 +25,11 @@ import time
 import urllib.request
 
 from agent_run import AgentRun
-from kubelet_stub import KubeletStub, PodResourcesStub
-from metrics_support import listing, pod
 from test_dra_daemon import DRIVER, Node
 from waiting import eventually
+
+from testbed.kubelet_stub import KubeletStub, PodResourcesStub
+from testbed.metrics_support import listing, pod
 
 WARNING = "apply at start only"
 

@@ -33,14 +33,20 @@ def _assert_clean(result: subprocess.CompletedProcess[str]) -> None:
     )
 
 
-def test_ruff_finds_nothing_in_agent_tests_and_bench():
-    _assert_clean(_run_tool("ruff", "check", "--no-cache", "--output-format=concise", "agent", "tests", "bench"))
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the tool's own limit is 300 s
+def test_ruff_finds_nothing_in_agent_tests_testbed_and_bench():
+    _assert_clean(_run_tool("ruff", "check", "--no-cache", "--output-format=concise", "agent", "tests", "testbed", "bench"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the tool's own limit is 300 s
 def test_mypy_finds_no_type_errors_in_agent():
     _assert_clean(_run_tool("mypy"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the tool's own limit is 300 s
 def test_vulture_finds_no_dead_code_in_agent():
     # configured in pyproject.toml ([tool.vulture]): agent/ is the only user of its names
     # (tests/ and bench/ are not read), plus tests/vulture_whitelist.py

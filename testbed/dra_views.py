@@ -15,12 +15,12 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Iterator
 
-from dra_allocator_model import gather_pools
-from dra_publishers import Publisher, device_names, withdrawing
 from hypothesis import strategies as st
 
 from agent.dra.devices import parse_set_name
 from agent.dra.pool_writes import plan_writes
+from testbed.dra_allocator_model import gather_pools
+from testbed.dra_publishers import Publisher, device_names, withdrawing
 
 _WHOLE_GPU = re.compile(r"gpu-(\d+)")  # a whole GPU's device, and its counter
 

@@ -1,5 +1,5 @@
 """The shipped DeviceClasses (``daemonset/dra/deviceclass.yaml``, the chart's rendering for
-``resource.k8s.io/v1``) and their CEL as the predicates ``tests/dra_allocator_model.py`` runs
+``resource.k8s.io/v1``) and their CEL as the predicates ``testbed/dra_allocator_model.py`` runs
 in place of CEL: one place for the tests and the benches (``bench/bench_dra_scheduler.py``,
 ``bench/quality_dra.py``, ``bench/dra_cost_model.py``) that replay claims against the classes
 users install, so that they count the work of the expressions users get.
