@@ -51,7 +51,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 # a --compare-old worker imports the old build's ``agent`` package instead of this checkout's
 sys.path.insert(0, os.environ.get("BENCH_AGENT_PATH") or str(ROOT))
-sys.path.insert(1, str(ROOT))  # testbed/ (the synthetic 64-GPU node) when BENCH_AGENT_PATH is set
+sys.path.insert(1, str(ROOT))  # tests.testbed (the synthetic 64-GPU node) when BENCH_AGENT_PATH is set
 
 from agent.config import Config, TimeSlicingResource  # noqa: E402
 from agent.deviceplugin.allocation import RequestHandler  # noqa: E402
@@ -59,7 +59,7 @@ from agent.deviceplugin.resources import build_resources  # noqa: E402
 from agent.discovery import load_topology  # noqa: E402
 from agent.topology import kernel  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from testbed.allocation_support import synthetic_islands_topology  # noqa: E402
+from tests.testbed.allocation_support import synthetic_islands_topology  # noqa: E402
 
 # --------------------------------------------------------------------------- machines
 

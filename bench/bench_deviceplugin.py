@@ -44,7 +44,7 @@ def bench_calls(machine: str, calls: int) -> dict[str, float]:
     from agent.discovery import load_topology
     from agent.health import HealthState
     from agent.metrics.self_metrics import AgentMetrics
-    from testbed.kubelet_stub import PluginClient
+    from tests.testbed.kubelet_stub import PluginClient
 
     topology = load_topology(machine)
     kdir = tempfile.mkdtemp(prefix="bdp", dir="/tmp")
@@ -95,7 +95,7 @@ def bench_calls(machine: str, calls: int) -> dict[str, float]:
 
 def bench_registration(machine: str) -> float:
     """Seconds from spawning the agent process to its Register call arriving."""
-    from testbed.kubelet_stub import KubeletStub
+    from tests.testbed.kubelet_stub import KubeletStub
 
     base = tempfile.mkdtemp(prefix="bdr", dir="/tmp")
     kdir, fdir = os.path.join(base, "k"), os.path.join(base, "f")

@@ -71,8 +71,8 @@ def bench(machine: str, claims: int, cdi_base: str = "/dev/shm", state_base: str
     from agent.dra.plugin import DraPlugin
     from agent.dra.view import DraView
     from agent.health import HealthState
-    from testbed import apiserver_stub
-    from testbed.apiserver_stub import ApiServerStub
+    from tests.testbed import apiserver_stub
+    from tests.testbed.apiserver_stub import ApiServerStub
 
     # The stand-in writes each answer in two sends (headers, body); without TCP_NODELAY every
     # read then waits ~40 ms for a delayed ACK, an artifact of the stand-in that no real API
@@ -156,8 +156,8 @@ def bench_republish(machine: str, rounds: int) -> dict[str, object]:
     from agent.dra.publisher import SlicePublisher
     from agent.dra.servers import DraServers
     from agent.dra.view import DraView
-    from testbed import apiserver_stub
-    from testbed.apiserver_stub import ApiServerStub
+    from tests.testbed import apiserver_stub
+    from tests.testbed.apiserver_stub import ApiServerStub
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()
@@ -222,9 +222,9 @@ def bench_publish(rounds: int = 3) -> list[dict[str, object]]:
     from agent.dra.slices import render_slices
     from agent.dra.view import DraView
     from agent.hw.sim.machines import BUILTIN_MACHINES
-    from testbed import apiserver_stub
-    from testbed.allocation_support import synthetic_islands_topology
-    from testbed.apiserver_stub import ApiServerStub
+    from tests.testbed import apiserver_stub
+    from tests.testbed.allocation_support import synthetic_islands_topology
+    from tests.testbed.apiserver_stub import ApiServerStub
 
     if not getattr(apiserver_stub._Handler, "disable_nagle_algorithm", False):
         apiserver_stub._Handler.disable_nagle_algorithm = True  # see bench()

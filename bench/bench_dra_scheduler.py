@@ -12,7 +12,7 @@ tainted), or with ``--settled`` once the node was quiet for longer than the with
 Without it (the default) a state's GPUs are held
 one by one with nothing published before.
 
-What is counted is the work of ``testbed/dra_allocator_model.py`` (:class:`Work`), the model of
+What is counted is the work of ``tests/testbed/dra_allocator_model.py`` (:class:`Work`), the model of
 the scheduler's structured allocator, per Filter as upstream does it: pools gathered, devices
 converted, counter consumptions validated, slices scanned by ``checkSlicesInPool``, CEL
 evaluations, counters compared by ``checkAvailableCounters``; under ``GatherPools`` of 1.36
@@ -27,7 +27,7 @@ with the device plugin's choice (``best_set``) until a random occupancy between 
 its held GPUs are the allocated devices (single GPUs: a set's counters are its members', so
 the counters and the walk are the same as for the claims' set devices). What a node publishes
 in a state is the *publisher*'s answer for those GPUs held one by one, nothing published
-before (``testbed/dra_publishers.py``; the default is the agent's ``render_slices`` for that
+before (``tests/testbed/dra_publishers.py``; the default is the agent's ``render_slices`` for that
 occupancy and server version, as ``slices --in-use LIST --server-version V`` prints it).
 
 A pod: 40 % 1 GPU, 30 % 2, 20 % 4, 10 % 8 (sizes above the node's GPUs are left out), one
@@ -91,9 +91,9 @@ from tables import print_table  # noqa: E402
 from agent.dra.devices import set_name  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from testbed.allocation_support import best_set, synthetic_islands_topology  # noqa: E402
-from testbed.dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
-from testbed.dra_publishers import (  # noqa: E402
+from tests.testbed.allocation_support import best_set, synthetic_islands_topology  # noqa: E402
+from tests.testbed.dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
+from tests.testbed.dra_publishers import (  # noqa: E402
     Publisher,
     agent_publisher,
     device_names,
@@ -103,9 +103,9 @@ from testbed.dra_publishers import (  # noqa: E402
     singles_publisher,
     withdrawing,
 )
-from testbed.dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
-from testbed.dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
-from testbed.dra_shipped_classes import count_expr, set_alone  # noqa: E402
+from tests.testbed.dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
+from tests.testbed.dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
+from tests.testbed.dra_shipped_classes import count_expr, set_alone  # noqa: E402
 
 DRIVER = "gpu.gpu-agent.io"
 MIX = ((1, 0.4), (2, 0.3), (4, 0.2), (8, 0.1))

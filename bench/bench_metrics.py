@@ -37,7 +37,7 @@ from agent.config import Config  # noqa: E402
 from agent.demo.kubelet import PodResourcesStub  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
 from agent.metrics.self_metrics import AgentMetrics  # noqa: E402
-from testbed.metrics_support import listing, pod  # noqa: E402
+from tests.testbed.metrics_support import listing, pod  # noqa: E402
 
 
 def simulated(machine: str):

@@ -5,7 +5,7 @@
 
 The node is the built-in ``dgx-h100`` (8 GPUs) with 16 processes on every GPU (two pods of
 8 processes each per GPU, time-sliced; cgroup v2, systemd driver, containerd spelling), the
-containers listed by the stand-in containerd of ``testbed/cri_stub.py``.
+containers listed by the stand-in containerd of ``tests/testbed/cri_stub.py``.
 
 1. Sampler round, with against without process sampling: one sampler reads the GPUs and
    maps their processes to pods (NVML process listing and per-process utilisation, 128
@@ -59,8 +59,8 @@ from agent.kubelet.cri import CriClient  # noqa: E402
 from agent.metrics.sampler import Sampler  # noqa: E402
 from agent.metrics.self_metrics import AgentMetrics  # noqa: E402
 from agent.metrics.service import MetricsService  # noqa: E402
-from testbed.cri_stub import CriStub, pod_container  # noqa: E402
-from testbed.metrics_support import listing, pod  # noqa: E402
+from tests.testbed.cri_stub import CriStub, pod_container  # noqa: E402
+from tests.testbed.metrics_support import listing, pod  # noqa: E402
 
 SPECS = ROOT / "agent" / "hw" / "sim" / "specs"
 PROCESSES_PER_GPU = 16

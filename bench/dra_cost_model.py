@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python bench/dra_cost_model.py`` (the fit, its checks and the weights);
 ``bench/bench_dra_scheduler.py`` prints the estimate beside its unweighted counts.
 
-**Why.** ``bench_dra_scheduler.py`` counts the work of ``testbed/dra_allocator_model.py``
+**Why.** ``bench_dra_scheduler.py`` counts the work of ``tests/testbed/dra_allocator_model.py``
 (:class:`Work`) and adds it up unweighted: a map look-up weighs what a CEL evaluation weighs,
 and each Filter's fixed cost (the rest of the DynamicResources plugin, the other plugins, the
 framework) and each pod's (the scheduling cycle, binding, the API writes) are left out. For the
@@ -14,7 +14,7 @@ earlier publication those counts said 73-77x single GPUs where the real schedule
 kube-scheduler 1.36.2, ``dgx-h100`` nodes (8 GPUs), pods 40 % 1 GPU, 30 % 2, 20 % 4, 10 % 8,
 multi-GPU pods as ``[one set (gpuset class + gpuCount selector) -> k singles]``, the *earlier
 publication* (every good set in a fixed order, 107 devices and 352 counter consumptions a
-node: ``testbed/dra_publishers.py``'s :func:`earlier_publisher`) against single GPUs only:
+node: ``tests/testbed/dra_publishers.py``'s :func:`earlier_publisher`) against single GPUs only:
 
 - with 1.37's ``GatherPools`` fix (kubernetes#138917) applied, 100 nodes, 120 pods: scheduler
   CPU 22.7 s against 1.9 s, scheduling algorithm p50 98 ms against 13 ms, 8.9 pods/s against
@@ -102,8 +102,8 @@ from bench_dra_scheduler import (  # noqa: E402
 )
 
 from agent.topology.model import Topology  # noqa: E402
-from testbed.dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
-from testbed.dra_publishers import Publisher, earlier_publisher, singles_publisher  # noqa: E402
+from tests.testbed.dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
+from tests.testbed.dra_publishers import Publisher, earlier_publisher, singles_publisher  # noqa: E402
 
 #: Features of a run, per pod, in the order of :class:`Weights`' fields after ``per_pod``.
 FEATURES = ("filters", "devices_converted", "consumptions_validated", "cel_evaluations", "counter_checks",

@@ -4,7 +4,7 @@
 
 Per node (dgx-h100: 8 GPUs, dgx2: 16, a synthetic 64-GPU node of 8 NVLink islands), the
 agent's :class:`agent.dra.publisher.SlicePublisher` publishes through the official client to
-the stand-in API server (``testbed/apiserver_stub.py``, HTTP on 127.0.0.1) and follows the
+the stand-in API server (``tests/testbed/apiserver_stub.py``, HTTP on 127.0.0.1) and follows the
 claims prepared in a real :class:`agent.dra.checkpoint.Checkpoint`, as in ``run --mode dra``.
 Each round prepares one claim for the first published device of a size (1, 2, 4, 8 GPUs in
 turn), waits until the stand-in holds the re-rendered pool (its first device of that size is
@@ -19,7 +19,7 @@ the device plugin's next choice), then unprepares it and waits again. Reported:
 - API writes (POST + PUT + DELETE) per claim (prepare and unprepare together);
 - the incomplete window: every state the stand-in's slices went through (one per write,
   timestamped as the stand-in stores it) is replayed through the allocator model's
-  ``gather_pools`` (``testbed/dra_allocator_model.py``); reported are how many states after the
+  ``gather_pools`` (``tests/testbed/dra_allocator_model.py``); reported are how many states after the
   first complete one are incomplete or invalid, and for how long in total.
 
 One run's figures on this machine; compare rows of one run.
@@ -48,10 +48,10 @@ from agent.dra.publisher import SlicePublisher  # noqa: E402
 from agent.dra.slices import Occupancy, render_slices  # noqa: E402
 from agent.dra.view import DraView  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from testbed import apiserver_stub  # noqa: E402
-from testbed.allocation_support import synthetic_islands_topology  # noqa: E402
-from testbed.apiserver_stub import ApiServerStub  # noqa: E402
-from testbed.dra_allocator_model import gather_pools  # noqa: E402
+from tests.testbed import apiserver_stub  # noqa: E402
+from tests.testbed.allocation_support import synthetic_islands_topology  # noqa: E402
+from tests.testbed.apiserver_stub import ApiServerStub  # noqa: E402
+from tests.testbed.dra_allocator_model import gather_pools  # noqa: E402
 
 NODE = "node-1"
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from agent.demo.comparisons import GpuallocatorChoice, naive_choice  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from testbed.allocation_support import best_set  # noqa: E402
+from tests.testbed.allocation_support import best_set  # noqa: E402
 
 REAL_MATRICES = (
     "dgx1-v100-8gpu-4nic.txt",

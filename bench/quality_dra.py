@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python bench/quality_dra.py`` (``--events N``, ``--seed S``, ``--markdown``,
 ``--machines a,b``, ``--oracle-singles``, ``--lag-probability P``).
 
-The scheduler's allocator is ``testbed/dra_allocator_model.py``, a model of Kubernetes 1.36's
+The scheduler's allocator is ``tests/testbed/dra_allocator_model.py``, a model of Kubernetes 1.36's
 ``k8s.io/dynamic-resource-allocation/structured`` (the ``incubating`` allocator, v0.36.2),
 documented against that code; nothing built from Kubernetes can run here. The busy-node trace
 and the scoring are ``bench/quality.py``'s (``trace()``, ``replay()``): pods of 1, 2, 4 and 8
@@ -17,7 +17,7 @@ counters are its members', so this is the same state for the counters). Paths:
   >= 2 GPUs is a prioritized list ``[one gpuset device with gpuCount == k -> k single GPUs]``
   (``fallback`` counts the claims that got singles), a pod of one GPU one single GPU;
 * ``DRA re-render lag L`` (L = 0, 1, 4): the claims of ``DRA sets``, but the slices are
-  the publisher's (``testbed/dra_publishers.py``; default: the agent's ``render_slices`` for
+  the publisher's (``tests/testbed/dra_publishers.py``; default: the agent's ``render_slices`` for
   the devices the agent's prepared claims hold) re-rendered after every prepare and
   unprepare, as the agent does, but the agent has not yet prepared the last L claims
   allocated (the kubelet prepares after the pod is bound): they are allocated in the
@@ -105,9 +105,9 @@ from agent.dra.slices import PCIE_ROOT_ATTRIBUTE, render_slices  # noqa: E402
 from agent.dra.yaml_stream import dump_yaml  # noqa: E402
 from agent.topology.allocator import AllocationEngine  # noqa: E402
 from agent.topology.model import Topology  # noqa: E402
-from testbed.allocation_support import best_set, synthetic_islands_topology  # noqa: E402
-from testbed.dra_allocator_model import AllocatorModel  # noqa: E402
-from testbed.dra_publishers import (  # noqa: E402
+from tests.testbed.allocation_support import best_set, synthetic_islands_topology  # noqa: E402
+from tests.testbed.dra_allocator_model import AllocatorModel  # noqa: E402
+from tests.testbed.dra_publishers import (  # noqa: E402
     Publisher,
     agent_publisher,
     device_names,
@@ -115,10 +115,10 @@ from testbed.dra_publishers import (  # noqa: E402
     set_names,
     withdrawing,
 )
-from testbed.dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
-from testbed.dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
-from testbed.dra_shipped_classes import count_expr, set_alone  # noqa: E402
-from testbed.dra_views import stands_for  # noqa: E402
+from tests.testbed.dra_shipped_classes import CEL as SHIPPED_CEL  # noqa: E402
+from tests.testbed.dra_shipped_classes import CLASSES as SHIPPED_CLASSES  # noqa: E402
+from tests.testbed.dra_shipped_classes import count_expr, set_alone  # noqa: E402
+from tests.testbed.dra_views import stands_for  # noqa: E402
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"
@@ -176,7 +176,7 @@ def naive_slices(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------- policies
 def members(slices: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
-    """Device name -> the GPU indices it holds (``testbed/dra_views.py``'s ``stands_for``: a
+    """Device name -> the GPU indices it holds (``tests/testbed/dra_views.py``'s ``stands_for``: a
     single's index, a set's members as its name says)."""
     return {d["name"]: tuple(sorted(stands_for(d["name"]))) for s in slices for d in s["spec"].get("devices", [])
             if stands_for(d["name"])}
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machines", default="", help="comma-separated machine names (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--publisher", default="", help="MODULE:FUNCTION for the re-rendering paths "
-                        "(testbed/dra_publishers.py; default: the agent's render_slices for the GPUs in use)")
+                        "(tests/testbed/dra_publishers.py; default: the agent's render_slices for the GPUs in use)")
     parser.add_argument("--withdrawal", choices=("grace", "at-once"), default="grace",
                         help="a due set: tainted, dropped at the next rendering (grace: the agent's default,"
                              " at least G modelled as one rendering) or dropped at once (grace 0)")

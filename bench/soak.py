@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent._proto import deviceplugin_v1beta1_pb2 as pb  # noqa: E402
 from agent.demo.kubelet import PluginClient, PodResourcesStub  # noqa: E402
-from testbed.kubelet_stub import KubeletStub  # noqa: E402
+from tests.testbed.kubelet_stub import KubeletStub  # noqa: E402
 
 
 def percentile(values: list[float], pct: float) -> float | None:

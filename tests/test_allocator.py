@@ -15,7 +15,7 @@ import pytest
 from agent.errors import AllocationError
 from agent.topology.allocator import CRITERIA, AllocationEngine
 from agent.topology.model import Gpu, Link, MigDevice, PcieLevel, Topology
-from testbed.allocation_support import best_set, explain, shared, synthetic_islands_topology
+from tests.testbed.allocation_support import best_set, explain, shared, synthetic_islands_topology
 
 pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
 

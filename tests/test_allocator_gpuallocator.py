@@ -22,7 +22,7 @@ from agent.demo.comparisons import GpuallocatorChoice, naive_choice
 from agent.errors import AllocationError
 from agent.topology.allocator import AllocationEngine
 from agent.topology.model import Gpu, Link, PcieLevel, Topology
-from testbed.allocation_support import best_set
+from tests.testbed.allocation_support import best_set
 
 pytestmark = pytest.mark.usefixtures("impl")  # every test on both engines (conftest.py)
 

@@ -25,9 +25,9 @@ from waiting import eventually
 from agent.dra.publish_settings import PublishSettings
 from agent.dra.publisher import SlicePublisher
 from agent.dra.view import DraView
-from testbed.apiserver_auth import Access, load_variant, own_node_policies, service_account
-from testbed.apiserver_stub import ApiServerStub
-from testbed.kubelet_stub import hgx8_topology
+from tests.testbed.apiserver_auth import Access, load_variant, own_node_policies, service_account
+from tests.testbed.apiserver_stub import ApiServerStub
+from tests.testbed.kubelet_stub import hgx8_topology
 
 NS = "gpu-topology-agent"
 NFD = ("nfd.k8s-sigs.io", "v1alpha1")

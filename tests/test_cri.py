@@ -8,7 +8,7 @@ import pytest
 
 from agent._proto import cri_runtime_v1_pb2 as cri
 from agent.kubelet.cri import CriClient, CriContainer, CriError
-from testbed.cri_stub import CriStub, pod_container
+from tests.testbed.cri_stub import CriStub, pod_container
 
 CID = "ab" * 32
 

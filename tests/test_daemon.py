@@ -27,7 +27,7 @@ from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
 from agent.modes import servers_for
-from testbed.kubelet_stub import KubeletStub, hgx8_topology
+from tests.testbed.kubelet_stub import KubeletStub, hgx8_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -433,7 +433,7 @@ def test_second_stop_signal_exits_at_once(monkeypatch):
 
 def test_agent_attributes_gpus_to_the_pods_the_kubelet_lists(simulated, dirs):
     from agent._proto import podresources_v1_pb2 as pr
-    from testbed.kubelet_stub import PodResourcesStub
+    from tests.testbed.kubelet_stub import PodResourcesStub
 
     daemon_topology = __import__("agent.discovery", fromlist=["load_topology"]).load_topology("dgx-h100")
     uuid3 = daemon_topology.gpus[3].uuid

@@ -23,8 +23,8 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
 from agent.kubelet.unix_server import UnixGrpcServer
 from agent.metrics.self_metrics import AgentMetrics
-from testbed.allocation_support import best_set
-from testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
+from tests.testbed.allocation_support import best_set
+from tests.testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology, pcie4_topology
 
 
 def allocation_engine():

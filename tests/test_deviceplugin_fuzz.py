@@ -11,7 +11,7 @@ from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.allocation import RequestHandler
 from agent.deviceplugin.resources import build_resources
 from agent.errors import AllocationError
-from testbed.kubelet_stub import hgx8_topology
+from tests.testbed.kubelet_stub import hgx8_topology
 
 TOPOLOGY = hgx8_topology(mig=True)
 CONFIGS = {

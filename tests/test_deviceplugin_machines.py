@@ -19,8 +19,8 @@ from agent.errors import ConfigError
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
 from agent.topology.allocator import AllocationEngine
-from testbed.allocation_support import best_set
-from testbed.kubelet_stub import KubeletStub, PluginClient
+from tests.testbed.allocation_support import best_set
+from tests.testbed.kubelet_stub import KubeletStub, PluginClient
 
 
 @functools.lru_cache(maxsize=None)

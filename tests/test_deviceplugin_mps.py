@@ -22,7 +22,7 @@ from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
-from testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
+from tests.testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mps_control_standin.py")
 H100_MIB = 81559  # hgx8_topology's GPUs

@@ -8,7 +8,7 @@ import pytest
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.resources import ResourceKind, build_resources, physical_devices
 from agent.errors import ConfigError
-from testbed.kubelet_stub import hgx8_topology, pcie4_topology
+from tests.testbed.kubelet_stub import hgx8_topology, pcie4_topology
 
 
 def names(resources):

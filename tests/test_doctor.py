@@ -19,7 +19,7 @@ from waiting import eventually
 
 from agent.cli import main
 from agent.hw.sim.machines import BUILTIN_MACHINES
-from testbed.kubelet_stub import KubeletStub, PodResourcesStub
+from tests.testbed.kubelet_stub import KubeletStub, PodResourcesStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: What a simulated machine cannot show (no device nodes, no container toolkit): WARN, not FAIL.
@@ -396,8 +396,8 @@ def kubeconfig(tmp_path, api, token: str) -> str:
 
 
 def serve(objects, **kw):
-    from testbed.apiserver_auth import Access, service_account
-    from testbed.apiserver_stub import ApiServerStub
+    from tests.testbed.apiserver_auth import Access, service_account
+    from tests.testbed.apiserver_stub import ApiServerStub
 
     access = Access(objects)
     access.add_token("node-1-agent", service_account(NS, "gpu-topology-agent", "node-1"))
@@ -409,7 +409,7 @@ def cluster_checks(report: dict) -> dict[str, tuple[str, str]]:
 
 
 def test_the_nodefeature_sink_with_the_charts_rbac_passes(capsys, node, tmp_path):
-    from testbed.apiserver_auth import load_variant
+    from tests.testbed.apiserver_auth import load_variant
 
     api = serve(load_variant("nodefeature"))
     try:
@@ -427,7 +427,7 @@ def test_the_nodefeature_sink_with_the_charts_rbac_passes(capsys, node, tmp_path
 
 
 def test_a_forbidden_verb_fails_naming_it(capsys, node, tmp_path):
-    from testbed.apiserver_auth import load_variant
+    from tests.testbed.apiserver_auth import load_variant
 
     objects = load_variant("nodefeature")
     role = next(o for o in objects if o["kind"] == "Role")
@@ -444,7 +444,7 @@ def test_a_forbidden_verb_fails_naming_it(capsys, node, tmp_path):
 
 
 def test_nfd_not_installed_fails_for_the_nodefeature_sink(capsys, node, tmp_path):
-    from testbed.apiserver_auth import load_variant
+    from tests.testbed.apiserver_auth import load_variant
 
     api = serve(load_variant("nodefeature"), nfd_installed=False)
     try:
@@ -457,7 +457,7 @@ def test_nfd_not_installed_fails_for_the_nodefeature_sink(capsys, node, tmp_path
 
 @pytest.mark.parametrize("gate_off", [False, True])
 def test_dra_mode_reads_back_partitionable_devices_with_a_dry_run(capsys, node, tmp_path, gate_off):
-    from testbed.apiserver_auth import load_variant
+    from tests.testbed.apiserver_auth import load_variant
 
     api = serve(load_variant("dra"), disabled_features={"DRAPartitionableDevices"} if gate_off else ())
     try:
@@ -479,7 +479,7 @@ def test_dra_mode_reads_back_partitionable_devices_with_a_dry_run(capsys, node, 
 
 
 def test_an_unreachable_api_server_fails_when_the_agent_needs_it(capsys, node, tmp_path):
-    from testbed.apiserver_auth import load_variant
+    from tests.testbed.apiserver_auth import load_variant
 
     api = serve(load_variant("dra"))
     config = kubeconfig(tmp_path, api, "node-1-agent")
@@ -492,7 +492,7 @@ def test_an_unreachable_api_server_fails_when_the_agent_needs_it(capsys, node, t
 
 def test_the_verbs_doctor_asks_for_are_what_the_manifests_grant():
     from agent.doctor.cluster import DRA_ACCESS, NODE_ACCESS, NODEFEATURE_ACCESS
-    from testbed.apiserver_auth import load_variant
+    from tests.testbed.apiserver_auth import load_variant
 
     def granted(variant: str, kind: str) -> set[tuple[str, str]]:
         rules = [r for o in load_variant(variant) if o["kind"] == kind for r in o["rules"]]
@@ -536,7 +536,7 @@ def test_per_node_configs_resolve_as_the_agent_starts_with_them(capsys, node, tm
 
 
 def test_the_node_label_picks_the_per_node_config_through_the_api_server(capsys, node, tmp_path):
-    from testbed.apiserver_stub import ApiServerStub
+    from tests.testbed.apiserver_stub import ApiServerStub
 
     configs = tmp_path / "configs"
     configs.mkdir()

@@ -1,4 +1,4 @@
-"""The allocator model (testbed/dra_allocator_model.py) and the API rules (dra_api_validation.py)
+"""The allocator model (tests/testbed/dra_allocator_model.py) and the API rules (dra_api_validation.py)
 keep the upstream semantics their docstrings name: checked here on small hand-made pools."""
 
 from __future__ import annotations
@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 from dra_api_validation import default_claim, validate_claim, validate_slice
 
-from testbed.dra_allocator_model import AllocationError, AllocatorModel, NotModelled, gather_pools
+from tests.testbed.dra_allocator_model import (
+    AllocationError,
+    AllocatorModel,
+    NotModelled,
+    gather_pools,
+)
 
 D = "x.example.com"
 CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "x"},
@@ -210,7 +215,7 @@ def node_slices(node, pool=None, sets=True):
 
 
 def gathered(slices, node, version):
-    from testbed.dra_allocator_model import Work
+    from tests.testbed.dra_allocator_model import Work
     work = Work()
     pools = gather_pools(slices, node, version=version, work=work)
     return pools, work
@@ -242,7 +247,7 @@ def test_single_devices_cost_the_same_on_both_versions():
 
 
 def test_cluster_gather_adds_up_to_gathering_the_whole_cluster():
-    from testbed.dra_allocator_model import ClusterGather
+    from tests.testbed.dra_allocator_model import ClusterGather
     nodes = {"n0": node_slices("n0"), "n1": node_slices("n1", sets=False), "n2": node_slices("n2"),
              "n3": node_slices("n3")}
     cluster = [s for v in nodes.values() for s in v]

@@ -9,7 +9,7 @@ consume its counter (else the scheduler can allocate both).
 
 The occupancy changes as on a node: a claim takes a free device the scheduler sees (a set or a
 single GPU), a claim ends, the withdrawal grace runs out; the agent re-renders from what it
-holds and what it published (``testbed/dra_publishers.py``'s publisher, the one the benches
+holds and what it published (``tests/testbed/dra_publishers.py``'s publisher, the one the benches
 replay). Machines: dgx-h100 (one device slice), dgx2 (16 GPUs) and 64 GPUs in 8 NVLink islands
 (the sets and the single GPUs in slices of their own).
 """
@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from agent.discovery import load_topology
-from testbed.allocation_support import synthetic_islands_topology
-from testbed.dra_publishers import agent_publisher, device_names
-from testbed.dra_views import HISTORY_STEPS, miscounted, node_history, planned_views
+from tests.testbed.allocation_support import synthetic_islands_topology
+from tests.testbed.dra_publishers import agent_publisher, device_names
+from tests.testbed.dra_views import HISTORY_STEPS, miscounted, node_history, planned_views
 
 NODE = "node-1"
 PUBLISH = agent_publisher()

@@ -39,7 +39,7 @@ from agent.dra.view import DraView
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
 from agent.metrics.self_metrics import AgentMetrics
-from testbed.apiserver_stub import ApiServerStub
+from tests.testbed.apiserver_stub import ApiServerStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = "gpu.gpu-agent.io"
@@ -354,7 +354,7 @@ def test_a_prepare_re_publishes_the_order_within_a_second_and_the_pool_is_never_
     from agent.discovery import load_topology
     from agent.dra.devices import parse_set_name, set_name
     from agent.dra.gpusets import SetPolicy
-    from testbed.dra_allocator_model import gather_pools
+    from tests.testbed.dra_allocator_model import gather_pools
 
     simulated_daemon()
     node.kubelet_registers()

@@ -3,7 +3,7 @@ as the example claims say.
 
 Each allocation test body runs against two backends (the ``allocator`` fixture):
 
-- ``model``: ``testbed/dra_allocator_model.py``, the Python model of the allocator, over the
+- ``model``: ``tests/testbed/dra_allocator_model.py``, the Python model of the allocator, over the
   ``resource.k8s.io/v1`` objects (slices, the shipped classes, the claim templates as written),
   everywhere (CI included);
 - ``draalloc``: the scheduler's own allocator (Kubernetes v1.32, v1beta1 objects) in
@@ -26,8 +26,8 @@ from agent.discovery import load_topology
 from agent.dra.slices import SETS_API_VERSIONS, render_slices
 from agent.dra.yaml_stream import dump_yaml
 from agent.hw.sim.machines import BUILTIN_MACHINES
-from testbed.dra_allocator_model import AllocatorModel
-from testbed.dra_shipped_classes import CEL
+from tests.testbed.dra_allocator_model import AllocatorModel
+from tests.testbed.dra_shipped_classes import CEL
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAALLOC = k8s_binary("draalloc")

@@ -1,5 +1,5 @@
 """GPU sets as partitionable devices (agent.dra.gpusets, agent.dra.slices): the rendered v1
-slices pass the API server's rules, and the scheduler's allocator (testbed/dra_allocator_model.py)
+slices pass the API server's rules, and the scheduler's allocator (tests/testbed/dra_allocator_model.py)
 gives a set claim the device plugin's choice and keeps overlapping claims apart."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from agent.dra.slices import MAX_DEVICES_WITH_COUNTERS, Occupancy, render_slices
 from agent.dra.withdrawal import sets_to_keep
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.allocator import AllocationEngine
-from testbed.allocation_support import best_set, synthetic_islands_topology
-from testbed.dra_allocator_model import AllocatorModel, gather_pools
-from testbed.dra_shipped_classes import (
+from tests.testbed.allocation_support import best_set, synthetic_islands_topology
+from tests.testbed.dra_allocator_model import AllocatorModel, gather_pools
+from tests.testbed.dra_shipped_classes import (
     BY_NAME,
     CEL,
     CLASSES_FILE,

@@ -99,7 +99,7 @@ def test_a_gpu_going_unhealthy_and_recovering_reaches_a_subscriber_within_a_seco
 
 
 def test_a_mig_device_has_its_parent_gpus_health(node):
-    from testbed.kubelet_stub import hgx8_topology
+    from tests.testbed.kubelet_stub import hgx8_topology
 
     plugin = node.start(hgx8_topology(mig=True))
     sub = Subscriber(node.channel(plugin.endpoint), dra_health_v1beta1_pb2, dra_health_v1beta1_pb2_grpc)
@@ -111,7 +111,7 @@ def test_a_mig_device_has_its_parent_gpus_health(node):
 
 def test_without_a_change_the_full_list_is_sent_again_before_the_kubelet_forgets_it():
     health = HealthState(8)
-    from testbed.kubelet_stub import hgx8_topology
+    from tests.testbed.kubelet_stub import hgx8_topology
 
     devices = DeviceRefs(hgx8_topology())
     streams = HealthStreams(health, lambda: devices, NODE, resend_s=0.2)

@@ -27,8 +27,8 @@ from agent.dra.claims import KubernetesClaimReader
 from agent.dra.plugin import DraPlugin
 from agent.dra.view import DraView
 from agent.health import HealthState
-from testbed.apiserver_stub import ApiServerStub
-from testbed.kubelet_stub import hgx8_topology
+from tests.testbed.apiserver_stub import ApiServerStub
+from tests.testbed.kubelet_stub import hgx8_topology
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"

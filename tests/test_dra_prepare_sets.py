@@ -14,7 +14,7 @@ from test_dra_plugin import DRIVER, NODE, Node, claim_object, env_of, spec_of
 from agent.dra.cdi import spec_path
 from agent.dra.devices import set_name
 from agent.dra.gpusets import SetPolicy
-from testbed.kubelet_stub import hgx8_topology
+from tests.testbed.kubelet_stub import hgx8_topology
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ from agent.dra.view import DraView
 from agent.health import HealthState
 from agent.kube import pick_version
 from agent.metrics.self_metrics import AgentMetrics
-from testbed.apiserver_stub import ApiServerStub
-from testbed.dra_allocator_model import gather_pools
-from testbed.kubelet_stub import hgx8_topology
+from tests.testbed.apiserver_stub import ApiServerStub
+from tests.testbed.dra_allocator_model import gather_pools
+from tests.testbed.kubelet_stub import hgx8_topology
 
 DRIVER = "gpu.gpu-agent.io"
 

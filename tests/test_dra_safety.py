@@ -79,15 +79,15 @@ from agent.dra.devices import parse_set_name
 from agent.dra.prepare import ClaimPreparer, ClaimRef
 from agent.dra.slices import render_slices
 from agent.dra.view import DraView
-from testbed.dra_allocator_model import AllocatorModel
-from testbed.dra_publishers import (
+from tests.testbed.dra_allocator_model import AllocatorModel
+from tests.testbed.dra_publishers import (
     agent_publisher,
     device_names,
     set_names,
     single_gpus,
     withdrawing,
 )
-from testbed.dra_views import miscounted, planned_views, stands_for
+from tests.testbed.dra_views import miscounted, planned_views, stands_for
 
 DRIVER = "gpu.gpu-agent.io"
 NODE = "node-1"
@@ -160,7 +160,7 @@ PUBLISH = agent_publisher()
 
 def the_agents_rendering(held: dict[str, frozenset[int]], published: list[str],
                          expired: frozenset[str] | None, tainted: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-    """What the agent publishes (``testbed/dra_publishers.py``: ``render_slices`` with the
+    """What the agent publishes (``tests/testbed/dra_publishers.py``: ``render_slices`` with the
     devices its prepared claims hold, the sets it published before and those whose
     withdrawal grace ran out; its own rule decides what stays), against a 1.37 API server
     (where it publishes sets)."""
@@ -627,7 +627,7 @@ def test_the_check_catches_a_rule_that_withdraws_a_held_set() -> None:
 @pytest.mark.parametrize(("in_use", "server"), [("0,3", "1.37"), ("1,2,5", "1.36"), ("", "1.37"),
                                                 ("gpuset-2-mc,5", "1.37")])
 def test_the_publisher_the_benches_replay_is_what_slices_in_use_prints(in_use: str, server: str) -> None:
-    """``testbed/dra_publishers.py``'s agent publisher (what ``bench_dra_scheduler.py`` and
+    """``tests/testbed/dra_publishers.py``'s agent publisher (what ``bench_dra_scheduler.py`` and
     ``quality_dra.py`` measure and this module checks) renders what users preview with
     ``gpu-topology-agent slices --in-use LIST --server-version V``: nothing published before
     (the grace on: a GPU held through a set has no single device)."""

@@ -10,8 +10,8 @@ for the next rendering costs in placement).
 
 The node's history is random: claims take a free device (set or single GPU) the scheduler
 sees, claims end, withdrawal graces run out; after each step the agent re-renders
-(``testbed/dra_publishers.py``'s publisher, the one the benches replay) and the scheduler's
-allocator (``testbed/dra_allocator_model.py``) is asked for one set of each size alone.
+(``tests/testbed/dra_publishers.py``'s publisher, the one the benches replay) and the scheduler's
+allocator (``tests/testbed/dra_allocator_model.py``) is asked for one set of each size alone.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 
 from agent.discovery import load_topology
 from agent.dra.gpusets import set_sizes
-from testbed.dra_allocator_model import AllocatorModel
-from testbed.dra_publishers import agent_publisher
-from testbed.dra_shipped_classes import CEL, CLASSES, set_alone
-from testbed.dra_views import HISTORY_STEPS, node_history
+from tests.testbed.dra_allocator_model import AllocatorModel
+from tests.testbed.dra_publishers import agent_publisher
+from tests.testbed.dra_shipped_classes import CEL, CLASSES, set_alone
+from tests.testbed.dra_views import HISTORY_STEPS, node_history
 
 D = "gpu.gpu-agent.io"
 NODE = "node-1"

@@ -21,7 +21,7 @@ from agent.dra.slices import (
 from agent.dra.yaml_stream import dump_yaml
 from agent.hw.sim.machines import BUILTIN_MACHINES
 from agent.topology.model import Gpu, Link, MigDevice, Topology
-from testbed.kubelet_stub import hgx8_topology, pcie4_topology
+from tests.testbed.kubelet_stub import hgx8_topology, pcie4_topology
 
 D = "gpu.gpu-agent.io/"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")

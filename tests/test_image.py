@@ -187,7 +187,7 @@ def _status(url: str) -> int | None:
 def test_the_daemonsets_command_serves_a_stand_in_kubelet_and_stops_on_sigterm(
     image: str, tmp_path: Path
 ) -> None:
-    from testbed.kubelet_stub import KubeletStub
+    from tests.testbed.kubelet_stub import KubeletStub
 
     kubelet_dir, features = tmp_path / "device-plugins", tmp_path / "features.d"
     kubelet_dir.mkdir()

@@ -25,7 +25,7 @@ from waiting import eventually
 from agent.config import Config
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import FeatureFileSink
-from testbed.kubelet_stub import KubeletStub, pcie4_topology
+from tests.testbed.kubelet_stub import KubeletStub, pcie4_topology
 
 FILENAME = "gpu-topology-agent"
 NOT_UTF8 = b"\xff\xfe\x00garbage \xc3\x28 not utf-8\n" * 64

@@ -23,9 +23,9 @@ import urllib.request
 import pytest
 from agent_run import reap
 
-from testbed.apiserver_auth import Access, service_account
-from testbed.apiserver_stub import ApiServerStub
-from testbed.kubelet_stub import KubeletStub
+from tests.testbed.apiserver_auth import Access, service_account
+from tests.testbed.apiserver_stub import ApiServerStub
+from tests.testbed.kubelet_stub import KubeletStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "gpu-topology-agent"

@@ -34,7 +34,7 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.server import MAX_STREAMS
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
-from testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
+from tests.testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 
 RESOURCE = "nvidia.com/gpu"
 

@@ -30,7 +30,7 @@ import yaml
 from agent.config import Config, TimeSlicingResource
 from agent.deviceplugin.resources import MAX_MESSAGE_BYTES, build_resources
 from agent.errors import ConfigError
-from testbed.kubelet_stub import KubeletStub, hgx8_topology
+from tests.testbed.kubelet_stub import KubeletStub, hgx8_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}

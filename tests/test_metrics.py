@@ -27,7 +27,7 @@ from agent.metrics.fields import DCGM_METRICS
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
-from testbed.metrics_support import (
+from tests.testbed.metrics_support import (
     Clock,
     PodResourcesStub,
     by_gpu,

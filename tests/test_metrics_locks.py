@@ -18,7 +18,7 @@ from agent.config import Config
 from agent.hw.protocols import GpuSample, SampleSource
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
-from testbed.metrics_support import (
+from tests.testbed.metrics_support import (
     Node,
     PodResourcesStub,
     listing,

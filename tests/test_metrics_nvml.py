@@ -18,7 +18,7 @@ from agent.hw.sim import machines
 from agent.metrics.fields import DCGM_METRICS, XID_METRIC, dcgm_values
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
-from testbed.metrics_support import by_gpu, node_of
+from tests.testbed.metrics_support import by_gpu, node_of
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ from agent.hw.sim.machines import SimulatedMachine
 from agent.hw.sim.spec import machine_spec_from_dict
 from agent.labels import compute_labels
 from agent.topology.model import Topology
-from testbed.kubelet_stub import KubeletStub
+from tests.testbed.kubelet_stub import KubeletStub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPS4 = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
@@ -162,7 +162,7 @@ def test_labels_command_writes_gfds_mps_labels(tmp_path, capsys):
 
 
 def test_mps_capable_follows_the_config_and_what_the_gpus_allow(tmp_path):
-    from testbed.kubelet_stub import hgx8_topology
+    from tests.testbed.kubelet_stub import hgx8_topology
 
     mps = Config(mps=(TimeSlicingResource("nvidia.com/gpu", 2),))
     assert compute_labels(hgx8_topology(), Config())["nvidia.com/mps.capable"] == "false"

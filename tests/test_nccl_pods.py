@@ -21,7 +21,7 @@ from agent.config import Config, TimeSlicingResource
 from agent.demo.kubelet import PodResourcesStub
 from agent.discovery import load_topology
 from agent.formats import nvml_to_sysfs_bus_id as nccl_bus_id
-from testbed.kubelet_stub import hgx8_topology
+from tests.testbed.kubelet_stub import hgx8_topology
 
 MOUNT = "/etc/nccl/topology.xml"
 

@@ -17,8 +17,8 @@ from waiting import eventually
 
 from agent.errors import ConfigError
 from agent.nodeconfig import NamedConfigs
-from testbed.apiserver_stub import ApiServerStub
-from testbed.kubelet_stub import KubeletStub
+from tests.testbed.apiserver_stub import ApiServerStub
+from tests.testbed.kubelet_stub import KubeletStub
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = "nvidia.com/device-plugin.config"

@@ -29,8 +29,8 @@ from agent.metrics.collector import GpuCollector, render_text
 from agent.metrics.sampler import Sampler
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
-from testbed.cri_stub import CriStub, pod_container
-from testbed.metrics_support import (
+from tests.testbed.cri_stub import CriStub, pod_container
+from tests.testbed.metrics_support import (
     Clock,
     PodResourcesStub,
     listing,

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config
 from agent.metrics.self_metrics import AgentMetrics
 from agent.metrics.service import MetricsService
-from testbed.metrics_support import PodResourcesStub, listing, open_node, pod
+from tests.testbed.metrics_support import PodResourcesStub, listing, open_node, pod
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "daemonset" / "base"

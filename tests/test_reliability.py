@@ -24,7 +24,7 @@ from agent.deviceplugin.server import MAX_STREAMS
 from agent.errors import ConfigError, shorten
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
-from testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
+from tests.testbed.kubelet_stub import KubeletStub, PluginClient, hgx8_topology
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ import urllib.request
 import pytest
 from agent_run import AgentRun
 
-from testbed.kubelet_stub import KubeletStub
+from tests.testbed.kubelet_stub import KubeletStub
 
 RESOURCE = "nvidia.com/gpu"
 IN_CREATE = 0x100

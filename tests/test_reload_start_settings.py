@@ -28,8 +28,8 @@ from agent_run import AgentRun
 from test_dra_daemon import DRIVER, Node
 from waiting import eventually
 
-from testbed.kubelet_stub import KubeletStub, PodResourcesStub
-from testbed.metrics_support import listing, pod
+from tests.testbed.kubelet_stub import KubeletStub, PodResourcesStub
+from tests.testbed.metrics_support import listing, pod
 
 WARNING = "apply at start only"
 

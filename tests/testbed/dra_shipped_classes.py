@@ -1,5 +1,5 @@
 """The shipped DeviceClasses (``daemonset/dra/deviceclass.yaml``, the chart's rendering for
-``resource.k8s.io/v1``) and their CEL as the predicates ``testbed/dra_allocator_model.py`` runs
+``resource.k8s.io/v1``) and their CEL as the predicates ``tests/testbed/dra_allocator_model.py`` runs
 in place of CEL: one place for the tests and the benches (``bench/bench_dra_scheduler.py``,
 ``bench/quality_dra.py``, ``bench/dra_cost_model.py``) that replay claims against the classes
 users install, so that they count the work of the expressions users get.
@@ -17,7 +17,7 @@ import yaml
 
 from agent.config import DEFAULT_DRIVER_NAME as D
 
-CLASSES_FILE = Path(__file__).resolve().parents[1] / "daemonset" / "dra" / "deviceclass.yaml"
+CLASSES_FILE = Path(__file__).resolve().parents[2] / "daemonset" / "dra" / "deviceclass.yaml"
 SET_OF_SIZES = (2, 4, 8)  # the chart's set-of-k classes
 
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from agent.dra.devices import parse_set_name
 from agent.dra.pool_writes import plan_writes
-from testbed.dra_allocator_model import gather_pools
-from testbed.dra_publishers import Publisher, device_names, withdrawing
+from tests.testbed.dra_allocator_model import gather_pools
+from tests.testbed.dra_publishers import Publisher, device_names, withdrawing
 
 _WHOLE_GPU = re.compile(r"gpu-(\d+)")  # a whole GPU's device, and its counter
 

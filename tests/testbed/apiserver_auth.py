@@ -59,7 +59,7 @@ from typing import Any, Iterable
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "daemonset")
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 

@@ -87,7 +87,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from testbed.apiserver_auth import Access, Attributes
+from tests.testbed.apiserver_auth import Access, Attributes
 
 GROUP = "resource.k8s.io"
 ALL_VERSIONS = ("v1", "v1beta2", "v1beta1")
