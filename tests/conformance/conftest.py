@@ -1,21 +1,24 @@
 """Hooks of the conformance tier: the ``harness`` fixture runs each test body once per backend
 (the stand-in, and the real ``dmharness`` where ``GPU_AGENT_K8S_BINARIES`` has it), and the
 harness runs the selected tests need start all at once, in the background, when collection is
-done (see dmharness_cases.py)."""
+done (see dmharness_cases.py); under xdist the workers share them, each case run once
+(``SharedRuns``), and a ``--collect-only`` starts none."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from dmharness_cases import BACKENDS, Harness, skip_reason
+from dmharness_cases import BACKENDS, Harness, SharedRuns, skip_reason
 
 _HARNESSES: dict[str, Harness] = {}
+#: set on an xdist worker: the runs it shares with the other workers of the same test run
+_SHARED: SharedRuns | None = None
 
 
 def _harness(backend: str) -> Harness:
     if backend not in _HARNESSES:
-        _HARNESSES[backend] = Harness(backend)
+        _HARNESSES[backend] = Harness(backend, _SHARED)
     return _HARNESSES[backend]
 
 
@@ -34,6 +37,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    global _SHARED
+    if session.config.option.collectonly:
+        return  # nothing runs: start nothing
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is not None and _SHARED is None:
+        _SHARED = SharedRuns.of_worker(workerinput)
     wanted: dict[str, list[str]] = {}
     for item in session.items:
         callspec = getattr(item, "callspec", None)
@@ -51,6 +60,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for harness in _HARNESSES.values():
         harness.close()
+    if _SHARED is not None and not _HARNESSES:
+        _SHARED.done()  # its share of the clean-up: it ran no case, but counts as finished
 
 
 @pytest.fixture(params=BACKENDS)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,11 +219,60 @@ def run_case(name: str, case: Case, backend: str) -> Run:
     return Run(name, case, backend, work, returncode, output, summary, agent_log)
 
 
-class Harness:
-    """Runs the selected cases through ``backend`` in the background; :meth:`run` waits for one."""
+@dataclass(frozen=True)
+class SharedRuns:
+    """Where the xdist workers of one test run share their harness runs, so that each case
+    runs once per run, not once per worker (every worker collects every test, and a case's
+    tests may land on any worker): the first worker to claim a case runs it and leaves its
+    :class:`Run` there, the others wait for it. The last worker to finish removes the runs'
+    directories (a worker may still read a case's files after the one that ran it is done)."""
 
-    def __init__(self, backend: str) -> None:
+    directory: str
+    workers: int
+    me: str
+
+    @classmethod
+    def of_worker(cls, workerinput: dict[str, Any]) -> SharedRuns:
+        directory = os.path.join(tempfile.gettempdir(), f"conformance-{workerinput['testrunuid'][:16]}")
+        os.makedirs(directory, exist_ok=True)
+        return cls(directory, int(workerinput["workercount"]), str(workerinput["workerid"]))
+
+    def run(self, name: str, backend: str) -> Run:
+        stem = os.path.join(self.directory, f"{backend}~{name.replace('/', '~')}")
+        try:
+            os.close(os.open(stem + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            claimed = True
+        except FileExistsError:  # another worker runs it
+            claimed = False
+        if not claimed:
+            deadline = time.monotonic() + RUN_TIMEOUT_S + 30
+            while not os.path.exists(stem + ".run"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"case {name} on {backend}: the worker running it left no result")
+                time.sleep(0.05)
+            return pickle.loads(Path(stem + ".run").read_bytes())
+        run = run_case(name, CASES[name], backend)
+        Path(stem + ".tmp").write_bytes(pickle.dumps(run))
+        os.replace(stem + ".tmp", stem + ".run")
+        return run
+
+    def done(self) -> None:
+        Path(self.directory, f"done~{self.me}").touch()
+        if sum(n.startswith("done~") for n in os.listdir(self.directory)) < self.workers:
+            return
+        if not os.environ.get("CONFORMANCE_KEEP"):
+            for entry in Path(self.directory).glob("*.run"):
+                shutil.rmtree(pickle.loads(entry.read_bytes()).workdir, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Harness:
+    """Runs the selected cases through ``backend`` in the background; :meth:`run` waits for one.
+    With ``shared``, the xdist workers of one run share each case's run (:class:`SharedRuns`)."""
+
+    def __init__(self, backend: str, shared: SharedRuns | None = None) -> None:
         self.backend = backend
+        self.shared = shared
         self._pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="dmharness")
         self._futures: dict[str, Future[Run]] = {}
         self._lock = threading.Lock()
@@ -233,7 +284,10 @@ class Harness:
     def _submit(self, name: str) -> Future[Run]:
         with self._lock:
             if name not in self._futures:
-                self._futures[name] = self._pool.submit(run_case, name, CASES[name], self.backend)
+                if self.shared is not None:
+                    self._futures[name] = self._pool.submit(self.shared.run, name, self.backend)
+                else:
+                    self._futures[name] = self._pool.submit(run_case, name, CASES[name], self.backend)
             return self._futures[name]
 
     def run(self, name: str) -> Run:
@@ -241,6 +295,9 @@ class Harness:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.shared is not None:
+            self.shared.done()
+            return
         if os.environ.get("CONFORMANCE_KEEP"):
             return
         for future in self._futures.values():
