@@ -90,6 +90,9 @@ NOT_RUNNABLE: dict[str, str] = {
     ),
     ".venv/bin/python -m pytest -q": "the whole test suite, this test included (.ci/run runs it)",
     ".venv/bin/python -m pytest -q tests/test_readme.py": "this test",
+    '.venv/bin/python -m pytest -q -m "not slow and not image"': (
+        "the suite's fast tier, this test included (--strict-markers in addopts refuses an unregistered marker)"
+    ),
     "GPU_AGENT_K8S_BINARIES=/path/to/k8s-v1.32 .venv/bin/python -m pytest -q tests/conformance tests/test_dra_draalloc.py": (
         "needs dmharness and draalloc, built from Kubernetes source and never shipped "
         "(the tests skip without them, tests/k8s_binaries.py)"
