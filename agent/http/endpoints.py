@@ -190,21 +190,20 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._metrics()
         elif path == "/health":
-            try:
-                live = bool(self.is_live())
-            except Exception:
-                log.exception("liveness check failed")
-                live = False
-            self._reply(200 if live else 503, b"ok\n" if live else b"cannot serve\n")
+            self._probe(self.is_live, "liveness", b"ok\n", b"cannot serve\n")
         elif path == "/ready":
-            try:
-                ok = bool(self.is_ready())
-            except Exception:
-                log.exception("readiness check failed")
-                ok = False
-            self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            self._probe(self.is_ready, "readiness", b"ready\n", b"not ready\n")
         else:
             self._reply(404, b"not found: try /metrics, /health or /ready\n")
+
+    def _probe(self, check: Callable[[], object], what: str, yes: bytes, no: bytes) -> None:
+        """200 ``yes`` when ``check()`` holds, else 503 ``no`` (a check that raises: logged, 503)."""
+        try:
+            ok = bool(check())
+        except Exception:
+            log.exception("%s check failed", what)
+            ok = False
+        self._reply(200 if ok else 503, yes if ok else no)
 
     def _metrics(self) -> None:
         if self.waiting:
