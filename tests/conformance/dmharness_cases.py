@@ -196,6 +196,11 @@ def _command(case: Case, work: str, backend: str = "dmharness") -> tuple[list[st
     return harness + ["--"] + agent, work if case.relative_paths else None
 
 
+#: The environment the harness runs get: the one at collection, before any test ran (they run
+#: in background threads while other tests of this process set variables of their own).
+_ENVIRON = dict(os.environ)
+
+
 def run_case(name: str, case: Case, backend: str) -> Run:
     # unix socket paths must stay under 108 bytes: a short directory right under /tmp
     work = tempfile.mkdtemp(dir="/tmp", prefix="c")
@@ -203,7 +208,7 @@ def run_case(name: str, case: Case, backend: str) -> Run:
     try:
         proc = subprocess.run(
             command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            timeout=RUN_TIMEOUT_S, check=False,
+            timeout=RUN_TIMEOUT_S, check=False, env=_ENVIRON,
         )
         returncode, output = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as exc:

@@ -83,13 +83,14 @@ def test_relative_paths_are_made_absolute_and_logged_so(harness, case):
 # ----------------------------------------------------------------------------- two agents
 
 
+def _agent_argv(work: str, *extra: str) -> list[str]:
+    return [str(AGENT), "run", "--simulate", "dgx-h100", "--kubelet-dir", f"{work}/d",
+            "--features-dir", f"{work}/feat", "--metrics-address", "127.0.0.1:0",
+            "--pod-resources-socket", f"{work}/podres.sock", *extra]
+
+
 def _agent(work: str, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [str(AGENT), "run", "--simulate", "dgx-h100", "--kubelet-dir", f"{work}/d",
-         "--features-dir", f"{work}/feat", "--metrics-address", "127.0.0.1:0",
-         "--pod-resources-socket", f"{work}/podres.sock", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return subprocess.Popen(_agent_argv(work, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(path: str, proc: subprocess.Popen[str], timeout_s: float = 20.0) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from dmharness_cases import AGENT, CASES, _command
-from test_conformance_defects import _agent
+from test_conformance_defects import _agent_argv
 
 from agent.cli import build_parser
 from agent.commands.run import FLAG_FIELDS
@@ -42,12 +42,11 @@ def test_every_cases_agent_command_line_machine_and_config_are_accepted(case, tm
     _check_run(agent, Path(cwd or tmp_path))
 
 
-def test_the_two_agent_and_discover_command_lines_are_accepted(tmp_path, monkeypatch):
-    started: list[list[str]] = []
-    monkeypatch.setattr("subprocess.Popen", lambda argv, **_: started.append(argv))
-    _agent(str(tmp_path))
-    _agent(str(tmp_path), "--socket-name", "other-{resource}.sock", "--feature-file", "other-agent")
-    for argv in started:
+def test_the_two_agent_and_discover_command_lines_are_accepted(tmp_path):
+    # the command lines themselves, not subprocess.Popen patched: the harness runs in the
+    # background of this process start their own subprocesses meanwhile
+    for argv in (_agent_argv(str(tmp_path)),
+                 _agent_argv(str(tmp_path), "--socket-name", "other-{resource}.sock", "--feature-file", "other-agent")):
         _check_run(argv, tmp_path)
     args = _parse([str(AGENT), "discover", "--simulate", "dgx-h100", "--format", "json"])
     assert (args.command, args.format) == ("discover", "json")
