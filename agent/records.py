@@ -71,6 +71,54 @@ class MigDevice:
 
 
 @dataclass(frozen=True)
+class MigPlacement:
+    """Where a GPU instance may sit: NVML's ``nvmlGpuInstancePlacement_t``, in memory slices
+    (``start`` .. ``start + size - 1``)."""
+
+    start: int
+    size: int
+
+    @property
+    def slices(self) -> range:
+        return range(self.start, self.start + self.size)
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    """One GPU-instance profile of a MIG-capable GPU, as NVML's
+    ``nvmlDeviceGetGpuInstanceProfileInfo`` and ``nvmlDeviceGetGpuInstancePossiblePlacements``
+    give it (one compute instance spanning the whole GPU instance)."""
+
+    name: str  # "3g.40gb", "1g.10gb+me" (nvidia-smi's name without "MIG ")
+    nvml_profile: int  # the NVML_GPU_INSTANCE_PROFILE_* value it is queried with
+    profile_id: int  # NVML's info.id, nvidia-smi mig -lgip's "ID"
+    compute_slices: int  # info.sliceCount
+    memory_mib: int  # info.memorySizeMB
+    instance_count: int  # info.instanceCount: most instances of it on one GPU
+    multiprocessors: int = 0
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpegs: int = 0
+    ofas: int = 0
+    placements: tuple[MigPlacement, ...] = ()
+
+
+@dataclass(frozen=True)
+class MigGeometry:
+    """What a MIG-capable GPU can be cut into: its slices and every profile with its legal
+    placements. ``None`` on a :class:`Gpu` where it is not known (not MIG capable, a pasted
+    matrix, NVML not answering)."""
+
+    memory_slices: int  # 8 on A100/H100/H200/B200, 4 on A30
+    compute_slices: int  # 7, 4 on A30
+    profiles: tuple[MigProfile, ...] = ()
+
+    def profile(self, name: str) -> MigProfile | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+
+@dataclass(frozen=True)
 class Gpu:
     """One physical GPU as discovered."""
 
@@ -86,6 +134,8 @@ class Gpu:
     mig_enabled: bool = False
     mig_capable: bool | None = None  # NVML answers GetMigMode (None: not known, e.g. a pasted matrix)
     mig_devices: tuple[MigDevice, ...] = ()
+    #: profiles and placements the GPU offers (dynamic MIG); None where not known
+    mig_geometry: MigGeometry | None = None
     numa_node: int | None = None
     cpu_affinity: str | None = None  # a cpulist, "0-19,40-59"
     numa_affinity: str | None = None  # the NUMA node list as reported, "0,3-9" (numa_node = lowest)
