@@ -47,3 +47,24 @@ def shorten(value: object, limit: int = SHORTEN_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}...(+{len(text) - limit} chars)"
+
+
+class MigError(AgentError):
+    """A MIG operation NVML refused: the message names the GPU, the profile or instance
+    and NVML's answer."""
+
+
+class MigInsufficientResources(MigError):
+    """NVML_ERROR_INSUFFICIENT_RESOURCES: the placement is taken (or overlaps one)."""
+
+
+class MigInUse(MigError):
+    """NVML_ERROR_IN_USE: the instance runs processes (or holds compute instances)."""
+
+
+class MigResetRequired(MigError):
+    """The MIG mode change is pending a GPU reset (Ampere): the agent never resets a GPU."""
+
+
+class MigNotFound(MigError):
+    """NVML_ERROR_NOT_FOUND / INVALID_ARGUMENT: no such GPU instance (already destroyed)."""

@@ -119,6 +119,19 @@ class MigGeometry:
 
 
 @dataclass(frozen=True)
+class MigInstance:
+    """A GPU instance (with its one compute instance) as it exists on a GPU now: what
+    dynamic MIG creates at prepare and destroys at unprepare."""
+
+    parent_index: int
+    profile: str  # "3g.40gb"
+    placement: MigPlacement
+    gi_id: int
+    ci_id: int
+    uuid: str  # "MIG-..."
+
+
+@dataclass(frozen=True)
 class Gpu:
     """One physical GPU as discovered."""
 

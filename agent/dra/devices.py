@@ -22,7 +22,10 @@ from typing import Iterable, Iterator, Mapping
 from agent.containers import ContainerDevice
 from agent.topology.model import Gpu, MigDevice, Topology
 
-__all__ = ["DeviceRef", "DeviceRefs", "Part", "device_name", "gpus_of", "parse_name", "parse_set_name", "set_name"]
+__all__ = [
+    "DeviceRef", "DeviceRefs", "Part", "device_name", "gpus_of", "mig_slot_name", "parse_mig_slot_name",
+    "parse_name", "parse_set_name", "profile_label", "set_name",
+]
 
 #: One part of a device: (GPU index, MIG device index, or None for the whole GPU).
 Part = tuple[int, int | None]
@@ -56,6 +59,31 @@ def set_name(members: Iterable[int]) -> str:
     """The set device's name, a DNS label: ``gpuset-<k>-m<hex bitmask of the members>``."""
     found = sorted(set(members))
     return f"{_SET_PREFIX}{len(found)}-m{sum(1 << i for i in found):x}"
+
+
+_MIG_SLOT = re.compile(r"gpu-(\d+)-mig-(\d+g\d+gb(?:-[a-z]+)?)-(\d+)")
+
+
+def profile_label(profile: str) -> str:
+    """A MIG profile as a DNS label part: ``"3g.40gb"`` -> ``"3g40gb"``,
+    ``"1g.10gb+me"`` -> ``"1g10gb-me"``."""
+    return profile.lower().replace(".", "").replace("+", "-")
+
+
+def mig_slot_name(gpu_index: int, profile: str, start: int) -> str:
+    """A dynamic MIG device's name: profile ``profile`` at memory slice ``start`` of GPU
+    ``gpu_index`` (``gpu-3-mig-3g40gb-4``); apart from a standing MIG device's
+    ``gpu-<i>-mig-<n>`` by the profile part."""
+    return f"gpu-{gpu_index}-mig-{profile_label(profile)}-{start}"
+
+
+def parse_mig_slot_name(name: str) -> tuple[int, str, int] | None:
+    """(GPU index, profile label, start slice) a dynamic MIG device name stands for; None
+    for any other name. The label is matched to the GPU's profiles by :func:`profile_label`."""
+    found = _MIG_SLOT.fullmatch(name)
+    if found is None:
+        return None
+    return int(found.group(1)), found.group(2), int(found.group(3))
 
 
 def parse_set_name(name: str) -> tuple[int, ...] | None:

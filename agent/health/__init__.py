@@ -19,6 +19,7 @@ import time
 from typing import Callable, Iterable, Mapping
 
 from agent.config import Config, is_critical_xid
+from agent.health.faults import Fault, Occurrence, Watching
 from agent.hw.protocols import EventSource, HealthEvent
 from agent.listeners import Listeners
 from agent.worker import Worker
@@ -62,11 +63,69 @@ class HealthState:
         self._unhealthy: dict[int, str] = {i: r for i, r in (unhealthy or {}).items() if 0 <= i < gpu_count}
         self.generation = 0
         self._listeners = Listeners(log, "health")
+        self._faults: dict[str, Fault] = {}
+        self._watching = Watching.YES
+        self._occurrence_listeners: list[Callable[[Occurrence], None]] = []
 
     def snapshot(self) -> dict[int, str]:
         """Unhealthy GPU index -> reason, a copy."""
         with self._cond:
             return dict(self._unhealthy)
+
+    # --- faults (the Node condition's input) and occurrences (its Events)
+
+    def set_fault(self, fault: Fault) -> bool:
+        """Stand ``fault`` (replacing one of its key); True if the set of standing keys or
+        the fault's class changed."""
+        with self._cond:
+            was = self._faults.get(fault.key)
+            self._faults[fault.key] = fault
+            changed = was is None or was.cls != fault.cls
+            if changed:
+                self._changed()
+        if changed:
+            self._notify()
+        return changed
+
+    def clear_fault(self, key: str) -> bool:
+        """Clear the fault of ``key``; True if one stood."""
+        with self._cond:
+            changed = self._faults.pop(key, None) is not None
+            if changed:
+                self._changed()
+        if changed:
+            self._notify()
+        return changed
+
+    def faults(self) -> tuple[Fault, ...]:
+        """The standing faults, oldest first."""
+        with self._cond:
+            return tuple(sorted(self._faults.values(), key=lambda f: (f.since, f.key)))
+
+    def set_watching(self, watching: Watching) -> None:
+        with self._cond:
+            changed = self._watching != watching
+            self._watching = watching
+            if changed:
+                self._changed()
+        if changed:
+            self._notify()
+
+    def watching(self) -> Watching:
+        with self._cond:
+            return self._watching
+
+    def add_occurrence_listener(self, callback: Callable[[Occurrence], None]) -> None:
+        """``callback(occurrence)`` for everything seen (Events, metrics); must return at once."""
+        self._occurrence_listeners.append(callback)
+
+    def record(self, occurrence: Occurrence) -> None:
+        """Hand ``occurrence`` to the occurrence listeners (a failing one is logged)."""
+        for callback in tuple(self._occurrence_listeners):
+            try:
+                callback(occurrence)
+            except Exception:  # noqa: BLE001 - a listener never breaks the watcher
+                log.exception("health occurrence listener failed")
 
     def is_healthy(self, index: int) -> bool:
         with self._cond:

@@ -27,7 +27,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent.records import NodeFacts
+from agent.records import MigInstance, NodeFacts
 
 __all__ = [
     "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "ProcessSample",
@@ -159,4 +159,27 @@ class Telemetry(Protocol):
     @property
     def error_counts(self) -> dict[str, int]:
         """Library errors (not "not supported") by function name since start; a copy."""
+        ...
+
+
+class MigControl(Protocol):
+    """Cutting a GPU into MIG instances on demand (dynamic MIG). Errors are
+    :class:`agent.errors.MigError` subclasses; nothing else escapes."""
+
+    def mig_instances(self, index: int) -> tuple[MigInstance, ...]:
+        """The GPU instances that exist on GPU ``index`` now (each with its compute instance)."""
+        ...
+
+    def create_mig(self, index: int, profile: str, start: int) -> MigInstance:
+        """Create a GPU instance of ``profile`` at memory slice ``start`` on GPU ``index`` and
+        one compute instance spanning it."""
+        ...
+
+    def destroy_mig(self, index: int, gi_id: int) -> None:
+        """Destroy GPU instance ``gi_id`` of GPU ``index`` (its compute instances first)."""
+        ...
+
+    def enable_mig(self, index: int) -> None:
+        """Switch MIG mode on for GPU ``index`` (a free GPU); :class:`MigResetRequired` where
+        the change would need a GPU reset (the agent never resets)."""
         ...
