@@ -26,7 +26,8 @@ Hardware behaviour modelled, as on real machines:
 
 Fault injection: :meth:`FakeNvml.lose_gpu`, :meth:`recover_gpu`, :meth:`make_unsupported`,
 :meth:`make_missing`, :meth:`fail`, :meth:`fail_init`, :meth:`inject_xid`,
-:meth:`inject_ecc_dbe`, :meth:`set_value`.
+:meth:`inject_ecc_dbe`, :meth:`set_value`; the health facts (NVLink ports down, fabric
+state, GPUs NVML does not list): :mod:`agent.hw.sim.nvml_health`.
 
 Constants, errors and structs: :mod:`agent.hw.sim.nvml_types`; state, fault injection and
 the library functions: :mod:`agent.hw.sim.nvml_core`; telemetry, GPM and events:
@@ -47,6 +48,7 @@ from typing import Any
 from agent.formats import parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.pcie import PciePlace, pcie_level
 from agent.hw.sim.nvml_core import _Handle, _Link, api
+from agent.hw.sim.nvml_health import HealthFactsApi
 from agent.hw.sim.nvml_telemetry import TelemetryApi
 from agent.hw.sim.nvml_types import (
     CONSTANTS,
@@ -78,7 +80,7 @@ def _pcie_place(g: GpuSpec) -> PciePlace:
     return PciePlace(placement_path(g.host_bridge, g.switches, g.bus_id), g.numa_node, cpus)
 
 
-class FakeNvml(TelemetryApi):
+class FakeNvml(HealthFactsApi, TelemetryApi):
     """A module-like fake of ``pynvml`` for one machine (see the module docstring).
 
     Thread-safe: every function takes the fake's lock, except the event wait which blocks on
@@ -357,7 +359,8 @@ class FakeNvml(TelemetryApi):
     @api
     def nvmlDeviceGetNvLinkState(self, device: _Handle, link: int) -> int:
         wired = self._link(device, link)
-        return _C["NVML_FEATURE_ENABLED"] if wired is not None else _C["NVML_FEATURE_DISABLED"]
+        active = wired is not None and self._link_active(device, link)
+        return _C["NVML_FEATURE_ENABLED"] if active else _C["NVML_FEATURE_DISABLED"]
 
     @api
     def nvmlDeviceGetNvLinkVersion(self, device: _Handle, link: int) -> int:
@@ -447,6 +450,7 @@ class FakeNvml(TelemetryApi):
     @api
     def nvmlDeviceGetGpuFabricInfo(self, device: _Handle, gpuFabricInfo: Any) -> int:
         self._fill_fabric(device, gpuFabricInfo)
+        self._fabric_fault(device, gpuFabricInfo)
         return _C["NVML_SUCCESS"]
 
     @api
@@ -455,6 +459,7 @@ class FakeNvml(TelemetryApi):
         if getattr(target, "version", None) != _C["nvmlGpuFabricInfo_v2"]:
             raise _err("NVML_ERROR_ARGUMENT_VERSION_MISMATCH")
         self._fill_fabric(device, gpuFabricInfo)
+        self._fabric_fault(device, gpuFabricInfo)
         return _C["NVML_SUCCESS"]
 
 

@@ -219,6 +219,7 @@ class TelemetryApi(FakeNvmlCore):
                 _C["NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"]: (3, c["energy_mj"]),
                 _C["NVML_FI_DEV_PCIE_REPLAY_COUNTER"]: (3, t["pcie_replay"]),
                 _C["NVML_FI_DEV_POWER_INSTANT"]: (1, int(t["power_w"]) * 1000),
+                _C["NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"]: (1, t["recovery_action"]),
             }
             if g.model.hbm:
                 known[_C["NVML_FI_DEV_MEMORY_TEMP"]] = (1, t["memory_temp_c"])

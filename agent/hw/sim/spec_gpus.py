@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from agent.hw.sim.catalogue import GPU_MODELS, GpuModel, unknown_model
+from agent.hw.sim.nvml_health import read_gpu_faults
 from agent.hw.sim.nvml_types import CONSTANTS as _C
 from agent.hw.sim.processes import check_process_cgroups, read_processes
 from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
@@ -59,6 +60,7 @@ _GPU_KEYS = frozenset(
         "board",
         "compute_mode",
         "processes",
+        "faults",
     }
 )
 
@@ -184,6 +186,7 @@ def _read_gpu(
         board=str(entry["board"]) if entry.get("board") is not None else None,
         compute_mode=_read_compute_mode(r, entry.get("compute_mode", "Default"), f"{where}.compute_mode"),
         processes=read_processes(entry.get("processes"), r.source, f"{where}.processes"),
+        faults=read_gpu_faults(r, entry.get("faults"), f"{where}.faults", model.nvlinks),
     )
 
 

@@ -26,6 +26,22 @@ class MigDeviceSpec:
 
 
 @dataclass(frozen=True)
+class GpuFaultSpec:
+    """A GPU's health facts as the fake NVML reports them from the start (a spec's
+    ``gpus[i].faults``; :mod:`agent.hw.sim.nvml_health`)."""
+
+    #: on the PCI bus (the fake sysfs lists it) but not listed by NVML: fell off the bus
+    #: before the agent started
+    missing_from_nvml: bool = False
+    row_remap_failure: bool = False
+    row_remap_pending: bool = False
+    nvlink_down: tuple[int, ...] = ()  # NVLink ports inactive (a GPU peer's end with them)
+    fabric_state: str | None = None  # "not_started" | "in_progress" | "completed"
+    fabric_status: str | None = None  # an NVML_ERROR_* suffix: the registration's result
+    recovery_action: str | None = None  # an NVML_GPU_RECOVERY_ACTION_* suffix, lower case
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     index: int
     model: GpuModel
@@ -44,6 +60,7 @@ class GpuSpec:
     board: str | None = None  # GPUs on one multi-GPU board are NVML_TOPOLOGY_INTERNAL
     compute_mode: str = "Default"  # nvmlDeviceGetComputeMode, as nvidia-smi names it
     processes: tuple[ProcessSpec, ...] = ()  # what runs on it (agent.hw.sim.processes)
+    faults: GpuFaultSpec = GpuFaultSpec()
 
 
 @dataclass(frozen=True)
