@@ -15,6 +15,9 @@ protocol               members                              who uses it
                        ``lost_gpus``                        hands it the backend)
 :class:`Telemetry`     ``sample_source``, ``error_counts``  the metrics service
 :class:`SampleSource`  ``sample``, ``close``                the metrics sampler
+:class:`HealthFacts`   ``remapped_rows``, ``nvlink_states``, the health facts check
+                       ``fabric_state``, ``recovery_action``, (``agent.health.facts_check``)
+                       ``pci_gpus``
 =====================  ===================================  ==============================
 
 Every implementation is thread-safe unless it says otherwise; no method but ``init`` and
@@ -23,15 +26,16 @@ Every implementation is thread-safe unless it says otherwise; no method but ``in
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import enum
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from agent.records import MigInstance, NodeFacts
 
 __all__ = [
-    "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "ProcessSample",
-    "SampleSource", "Telemetry",
+    "EventSource", "FabricState", "FactsReader", "GpuSample", "HealthEvent", "HealthFacts", "Lifecycle",
+    "ProcessSample", "RecoveryAction", "RemappedRows", "SampleSource", "Telemetry",
 ]
 
 
@@ -182,4 +186,71 @@ class MigControl(Protocol):
     def enable_mig(self, index: int) -> None:
         """Switch MIG mode on for GPU ``index`` (a free GPU); :class:`MigResetRequired` where
         the change would need a GPU reset (the agent never resets)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RemappedRows:
+    """A GPU's row remapping (``nvmlDeviceGetRemappedRows``): rows remapped for correctable
+    and uncorrectable errors, a remap waiting for the next GPU reset, and a remap that
+    failed (no spare row left: the memory cannot heal itself)."""
+
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failed: bool
+
+
+class RecoveryAction(enum.IntEnum):
+    """What the driver says a GPU needs (NVML's ``nvmlDeviceGpuRecoveryAction_t``, field
+    ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``; XID 154 reports a change of it)."""
+
+    NONE = 0
+    GPU_RESET = 1
+    NODE_REBOOT = 2
+    DRAIN_P2P = 3  # quiesce peer-to-peer traffic, then ask again
+    DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
+
+
+@dataclass(frozen=True)
+class FabricState:
+    """A GPU's NVLink fabric registration (``nvmlDeviceGetGpuFabricInfo[V]``, NVSwitch and
+    multi-node NVLink systems): ``state`` one of ``"not-supported"`` (no fabric),
+    ``"not-started"``, ``"in-progress"``, ``"completed"``; ``status`` the registration's
+    NVML return code (0: success)."""
+
+    state: str
+    status: int = 0
+
+    @property
+    def ready(self) -> bool:
+        """Not in a fabric, or registered in it."""
+        return self.state == "not-supported" or (self.state == "completed" and self.status == 0)
+
+
+class HealthFacts(Protocol):
+    """Facts about the GPUs' health read on demand (a poll, not events). Every method answers
+    None where the fact is unknown for that GPU (not supported, GPU lost, the call failed):
+    one GPU failing never takes the others down."""
+
+    def remapped_rows(self, index: int) -> RemappedRows | None:
+        ...
+
+    def nvlink_states(self, index: int) -> Mapping[int, bool] | None:
+        """Per NVLink port the GPU has: True active, False inactive (empty: no NVLink)."""
+        ...
+
+    def fabric_state(self, index: int) -> FabricState | None:
+        ...
+
+    def recovery_action(self, index: int) -> int | None:
+        """The driver's recovery action (a :class:`RecoveryAction` value, or a newer one)."""
+        ...
+
+    def pci_gpus(self) -> tuple[str, ...] | None:
+        """The bus ids (NVML spelling) of the NVIDIA GPUs the PCI bus holds (sysfs), whether
+        NVML lists them or not; None where sysfs is not read."""
         ...

@@ -162,7 +162,10 @@ class SysfsReader:
     def nvidia_gpus(self) -> list[str]:
         """The sysfs bus ids (``0000:3b:00.0``) of the NVIDIA display and 3D controllers
         (``vendor`` 0x10de, ``class`` 0x03xxxx) sysfs lists, sorted: what the PCI bus holds,
-        whether NVML answers for them or not (a GPU fallen off the bus may still be listed)."""
+        whether NVML answers for them or not (a GPU fallen off the bus may still be listed).
+        Left out, as NVML never lists them: virtual functions (a ``physfn`` link: vGPU
+        SR-IOV) and devices bound to another driver than ``nvidia`` (``vfio-pci``: given to
+        a VM); a device bound to no driver is counted (the driver failed to take it)."""
         base = os.path.join(self.root, "bus", "pci", "devices")
         try:
             names = sorted(os.listdir(base))
@@ -172,9 +175,16 @@ class SysfsReader:
         for bdf in names:
             vendor = self._read("bus", "pci", "devices", bdf, "vendor")
             cls = self._read("bus", "pci", "devices", bdf, "class")
-            if vendor is not None and cls is not None and vendor.strip().lower() == "0x10de" \
-                    and cls.strip().lower().startswith("0x03"):
-                out.append(bdf)
+            if vendor is None or cls is None or vendor.strip().lower() != "0x10de" \
+                    or not cls.strip().lower().startswith("0x03"):
+                continue
+            d = os.path.join(base, bdf)
+            if os.path.lexists(os.path.join(d, "physfn")):
+                continue
+            driver = os.path.join(d, "driver")
+            if os.path.lexists(driver) and os.path.basename(os.path.realpath(driver)) != "nvidia":
+                continue
+            out.append(bdf)
         return out
 
     def pcie_level(self, bus_id_a: str, bus_id_b: str) -> PcieLevel | None:

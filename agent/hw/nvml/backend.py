@@ -7,23 +7,30 @@ through that wrapper) that adds what the layers above ask of the hardware:
 
 * discovery, :meth:`NvmlBackend.read_facts` (:mod:`agent.hw.nvml.facts`);
 * health events, :meth:`NvmlBackend.wait_events` (:mod:`agent.hw.nvml.events`);
-* telemetry, :meth:`NvmlBackend.sample_source` (:mod:`agent.hw.nvml.telemetry`).
+* telemetry, :meth:`NvmlBackend.sample_source` (:mod:`agent.hw.nvml.telemetry`);
+* health facts polled, :meth:`NvmlBackend.remapped_rows` and the rest of
+  :class:`~agent.hw.protocols.HealthFacts` (:mod:`agent.hw.nvml.health_facts`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agent.hw.nvml.calls import NvmlCalls
 from agent.hw.nvml.events import NvmlEvents
 from agent.hw.nvml.facts import read_node_facts
+from agent.hw.nvml.health_facts import NvmlHealthFacts
 from agent.hw.nvml.telemetry import NvmlSampler
 from agent.hw.protocols import (
     EventSource,
+    FabricState,
     FactsReader,
     HealthEvent,
+    HealthFacts,
     Lifecycle,
+    RemappedRows,
     SampleSource,
     Telemetry,
 )
@@ -35,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["NvmlBackend"]
 
 
-class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
+class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, HealthFacts):
     """NVML (real or fake) behind one wrapper, with discovery, events and telemetry.
 
     ``lib``: None for the real ``pynvml`` (imported in :meth:`init`), else a module-like
@@ -56,6 +63,7 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
         super().__init__(lib, missing_function_level=missing_function_level)
         self._sysfs = sysfs
         self._events = NvmlEvents(self)
+        self._health_facts = NvmlHealthFacts(self, sysfs)
 
     @property
     def sysfs(self) -> SysfsReader | None:
@@ -93,3 +101,19 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
     def sample_source(self) -> SampleSource:
         """A new telemetry sampler on this backend (its own GPM state); the caller closes it."""
         return NvmlSampler(self)
+
+    # ------------------------------------------------------------------ health facts
+    def remapped_rows(self, index: int) -> RemappedRows | None:
+        return self._health_facts.remapped_rows(index)
+
+    def nvlink_states(self, index: int) -> Mapping[int, bool] | None:
+        return self._health_facts.nvlink_states(index)
+
+    def fabric_state(self, index: int) -> FabricState | None:
+        return self._health_facts.fabric_state(index)
+
+    def recovery_action(self, index: int) -> int | None:
+        return self._health_facts.recovery_action(index)
+
+    def pci_gpus(self) -> tuple[str, ...] | None:
+        return self._health_facts.pci_gpus()
