@@ -62,6 +62,9 @@ class Config:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     extra_critical_xids: tuple[int, ...] = ()  # XIDs made critical although in ignored list
     health_recovery_s: float = 300.0  # a GPU quiet this long becomes healthy again
+    #: seconds between two reads of the watched facts (GPU count, row remapping, NVLinks,
+    #: fabric, the driver's recovery action: agent.health.facts_check)
+    health_facts_interval_s: float = 30.0
     # --- paths and endpoints (the `run` flags)
     kubelet_dir: str = "/var/lib/kubelet/device-plugins"
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -172,6 +175,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "LOG_FORMAT": "log_format",
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
+    "HEALTH_FACTS_INTERVAL_S": "health_facts_interval_s",
     "SAMPLE_INTERVAL_S": "sample_interval_s",
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
     "SOCKET_NAME": "socket_name",

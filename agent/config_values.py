@@ -221,6 +221,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "ignored_xids": expect_xids,
     "extra_critical_xids": expect_xids,
     "health_recovery_s": expect_number,
+    "health_facts_interval_s": lambda v, w: expect_number(v, w, 0.1),
     "sample_interval_s": lambda v, w: expect_number(v, w, 0.1),
     "pod_resources_refresh_s": lambda v, w: expect_number(v, w, 0.1),
     "label_interval_s": lambda v, w: expect_number(v, w, 0.1),

@@ -46,8 +46,9 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, lost_at_discovery
+from agent.health.facts_check import FactsCheck, FactsWatcher
 from agent.http.endpoints import WaitingEndpoint
-from agent.hw.protocols import EventSource, Lifecycle
+from agent.hw.protocols import EventSource, HealthFacts, Lifecycle
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import label_sink
 from agent.logs import setup_logging
@@ -99,7 +100,8 @@ class Daemon:
     ``/health`` while NVML is awaited (None: nothing). ``labels`` publishes the node labels
     (None: none). ``config_loader`` reads the configuration again (SIGHUP). ``node_config``
     follows the node's label choosing its config (None: one config). ``on_close`` runs last
-    at shutdown (a simulated machine's clean-up).
+    at shutdown (a simulated machine's clean-up). ``facts``: where the health watcher's
+    polled facts are read (:mod:`agent.health.facts_check`; None: not watched).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Daemon:
         config_loader: Callable[[], Config] | None = None,
         node_config: NodeConfigSelector | None = None,
         on_close: Callable[[], None] | None = None,
+        facts: HealthFacts | None = None,
     ) -> None:
         self.config = config
         self.node_config = node_config
@@ -128,6 +131,8 @@ class Daemon:
         self._waiting_endpoint_factory = waiting_endpoint
         self.config_loader = config_loader
         self._on_close = on_close
+        self._facts = facts
+        self.facts_watcher: FactsWatcher | None = None
         self._nvml_open = False
         self.topology: Topology | None = None
         self.health: HealthState | None = None
@@ -190,6 +195,7 @@ class Daemon:
             config_loader=config_loader,
             node_config=node_config,
             on_close=sim.close if sim is not None else None,
+            facts=backend,
         )
         return daemon
 
@@ -318,6 +324,10 @@ class Daemon:
         on_xid = self.metrics.record_xid if self.metrics is not None else None
         self.watcher = self._watcher_factory(self.backend, self.health, config, on_xid)
         self.watcher.start()
+        if self._facts is not None and self.topology is not None:
+            check = FactsCheck.for_topology(self._facts, self.topology)
+            self.facts_watcher = FactsWatcher(check, self.health, config.health_facts_interval_s)
+            self.facts_watcher.start()
 
     # ------------------------------------------------------------------ SIGHUP, kubelet restart
     def reread(self, reload_config: bool = False, loader: Callable[[], Config] | None = None) -> bool:
@@ -383,11 +393,16 @@ class Daemon:
         return merge_reread(current, topology)
 
     def _follow_health_checks(self, config: Config) -> None:
+        if self.facts_watcher is not None:
+            self.facts_watcher.interval_s = config.health_facts_interval_s
         if self.watcher is not None:
             self.watcher.config = config
             if not config.health_checks_enabled:
                 self.watcher.stop()
                 self.watcher = None
+                if self.facts_watcher is not None:
+                    self.facts_watcher.stop()
+                    self.facts_watcher = None
         elif config.health_checks_enabled:
             self._start_watcher(config)
 
@@ -400,12 +415,15 @@ class Daemon:
         try:
             steps: list[tuple[str, Callable[[], None]]] = []
             servers, watcher, metrics, labels = self.servers, self.watcher, self.metrics, self.labels
+            facts_watcher = self.facts_watcher
             if self.node_config is not None:
                 steps.append(("node label watch", self.node_config.stop))
             if servers is not None:
                 steps.append(("servers", lambda: servers.stop(SERVERS_GRACE_S)))
             if watcher is not None:
                 steps.append(("health watcher", lambda: watcher.stop(2.0)))
+            if facts_watcher is not None:
+                steps.append(("health facts", lambda: facts_watcher.stop(2.0)))
             if metrics is not None:
                 steps.append(("metrics", metrics.stop))
             if labels is not None:

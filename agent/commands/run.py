@@ -106,6 +106,9 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
                    help="add /dev/nvidia* device nodes to Allocate responses (default: off)")
     p.add_argument("--health-recovery-s", metavar="SECONDS", type=float, dest="health_recovery_s", default=None,
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
+    p.add_argument("--health-facts-interval-s", metavar="SECONDS", type=float, dest="health_facts_interval_s",
+                   default=None, help="seconds between reads of the GPUs' health facts: GPU count, row remapping,"
+                                      " NVLinks, fabric, recovery action (default: 30; env HEALTH_FACTS_INTERVAL_S)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
     p.add_argument("--proc-root", metavar="DIR", dest="proc_root", default=None,
@@ -210,7 +213,7 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
-    "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
+    "pass_device_specs", "health_recovery_s", "health_facts_interval_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
