@@ -208,7 +208,8 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
          "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds",
-         "labelsSink", "useNodeFeatureAPI", "kubeconfig", "mpsRoot", "mpsControlBinary")
+         "labelsSink", "useNodeFeatureAPI", "kubeconfig", "mpsRoot", "mpsControlBinary",
+         "nvidiaSmi")
         + _IGNORED_FLAG_KEYS,
         "flags",
     )
@@ -252,7 +253,8 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     _parse_labels_sink(flags, out)
     if flags.get("kubeconfig") is not None:  # "kubeconfig:" left empty = in-cluster
         out["kubeconfig"] = expect_str(flags["kubeconfig"], "flags.kubeconfig")
-    for key, name in (("mpsRoot", "mps_root"), ("mpsControlBinary", "mps_control_binary")):
+    for key, name in (("mpsRoot", "mps_root"), ("mpsControlBinary", "mps_control_binary"),
+                      ("nvidiaSmi", "nvidia_smi")):
         if key in flags:
             out[name] = parse_field(name, flags[key], f"flags.{key}")
     gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")
