@@ -147,8 +147,8 @@ def parse_quantity(text: str) -> decimal.Decimal:
         raise ValueError(f"{shorten(repr(text))} is not a quantity (a number with an optional suffix:"
                          " Ki, Mi, Gi, Ti, Pi, Ei, m, k, M, G, T, P, E, or an exponent)")
     number, suffix = match.groups()
-    with decimal.localcontext() as ctx:
-        ctx.prec = 60  # exact for every quantity Kubernetes takes (up to 2^63 with 3 decimals)
+    # 60 digits: exact for every quantity Kubernetes takes (up to 2^63 with 3 decimals)
+    with decimal.localcontext(decimal.Context(prec=60)):
         if suffix[:1] in ("e", "E"):
             if abs(int(suffix[1:])) > 30:  # Kubernetes' range ends at 2^63 anyway
                 raise ValueError(f"{shorten(repr(text))} is out of range (exponent beyond 30)")

@@ -248,6 +248,12 @@ class ClaimSharing:
             log.info("%s: sharing undone (%s)", claim, _described(state))
         return ""
 
+    def discard(self, claim: str, uid: str, state_json: Mapping[str, Any] | None) -> None:
+        """Undo the sharing of a claim that could not be prepared after all (an error is
+        logged: the prepare's own error is what the kubelet gets)."""
+        if state_json and (error := self.undo(claim, uid, state_json)):
+            log.error("%s", error)
+
     def _reset(self, timesliced: Sequence[tuple[str, str]]) -> list[str]:
         errors = []
         for uuid, _ in timesliced:

@@ -21,6 +21,10 @@ MIG device of it conflict, two different MIG devices of one GPU do not). The sch
 counters normally forbid such an allocation; this is the defence for the window they cannot
 cover (docs/design/dra-gpu-sets.md): at worst a pod fails to start, retried by
 the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
+
+Size: one job, preparing a claim and undoing it under one lock (the order of its steps is
+what keeps a crash from leaving half a claim); reading claims, their sharing, the CDI specs
+and the checkpoint are modules of their own.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
-from agent.dra.claim_sharing import ClaimSharing
+from agent.dra.claim_sharing import ClaimSharing, SharedDevices
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef
 from agent.dra.placement import Prepared
@@ -117,9 +121,9 @@ class ClaimPreparer:
 
     def resume(self) -> None:
         """Supervise again the MPS daemons of the claims checkpointed by an earlier agent."""
-        for claim in self.checkpoint:
-            if claim.sharing:
-                self.sharing.resume(str(ClaimRef(claim.namespace, claim.uid, claim.name)), claim.uid, claim.sharing)
+        for c in self.checkpoint:
+            if c.sharing:
+                self.sharing.resume(str(ClaimRef(c.namespace, c.uid, c.name)), c.uid, c.sharing)
 
     def close(self) -> None:
         """Stop supervising the claims' MPS daemons; they keep serving their pods."""
@@ -174,18 +178,10 @@ class ClaimPreparer:
             holders = self._holders()
             if conflicts := _held_elsewhere(chosen, holders):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
-            try:
-                shared = self.sharing.apply(str(ref), ref.uid, plan)
-            except ValueError as exc:
-                return PrepareResult(error=str(exc))
-            sharing = shared.to_json() if shared is not None else None
-            try:
-                path = self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name),
-                                      self.sharing.additions(sharing))
-            except OSError as exc:
-                self._unshare(ref, sharing)
-                path = spec_path(self.cdi_dir, self.driver_name, ref.uid)
-                return self._failed(ref, "write its CDI spec", path, exc)
+            written = self._share_and_write(ref, obj, chosen, plan)
+            if isinstance(written, PrepareResult):
+                return written
+            path, sharing = written
             prepared = PreparedClaim(
                 uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
                 devices=tuple(
@@ -202,7 +198,7 @@ class ClaimPreparer:
                 # device the runtime can inject and no unprepare after a restart removes
                 if error := self._remove_spec(ref, path):
                     log.error("%s", error)
-                self._unshare(ref, sharing)
+                self.sharing.discard(str(ref), ref.uid, sharing)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
         self._rank_later(ref, view, chosen, {gpu for gpu, _ in holders})
@@ -239,10 +235,21 @@ class ClaimPreparer:
         log.error("%s", error)
         return PrepareResult(error=error)
 
-    def _unshare(self, ref: ClaimRef, sharing: Mapping[str, Any] | None) -> None:
-        """Undo the sharing of a claim that could not be prepared after all."""
-        if sharing and (error := self.sharing.undo(str(ref), ref.uid, sharing)):
-            log.error("%s", error)
+    def _share_and_write(self, ref: ClaimRef, obj: Mapping[str, Any], chosen: Sequence[tuple[str, DeviceRef]],
+                         plan: Sequence[SharedDevices]) -> tuple[str, dict[str, Any] | None] | PrepareResult:
+        """Apply the claim's sharing, then write its spec: (the spec's path, the sharing
+        applied), or the error with nothing left applied."""
+        try:
+            shared = self.sharing.apply(str(ref), ref.uid, plan)
+        except ValueError as exc:
+            return PrepareResult(error=str(exc))
+        sharing = shared.to_json() if shared is not None else None
+        try:
+            return self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name),
+                                  self.sharing.additions(sharing)), sharing
+        except OSError as exc:
+            self.sharing.discard(str(ref), ref.uid, sharing)
+            return self._failed(ref, "write its CDI spec", spec_path(self.cdi_dir, self.driver_name, ref.uid), exc)
 
     def _remove_spec(self, ref: ClaimRef, path: str) -> str:
         """Remove the claim's spec and NCCL topology file (none there is fine); "" or the
