@@ -57,6 +57,9 @@ class Config:
     #: the MPS control program, a name on the PATH or a path (flags.mpsControlBinary, env
     #: MPS_CONTROL_BINARY): the agent runs one control daemon per MPS-shared resource
     mps_control_binary: str = "nvidia-cuda-mps-control"
+    #: nvidia-smi, a name on the PATH or a path (flags.nvidiaSmi, env NVIDIA_SMI): DRA claims
+    #: asking for a time-slice interval have it set with ``nvidia-smi compute-policy``
+    nvidia_smi: str = "nvidia-smi"
     # --- health
     health_checks_enabled: bool = True
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
@@ -198,6 +201,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "DRA_GPU_SET_WITHDRAWAL_GRACE_S": "gpu_set_withdrawal_grace_s",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
+    "NVIDIA_SMI": "nvidia_smi",
     "PROC_ROOT": "proc_root",
     "CRI_SOCKET": "cri_socket",
     "CONFIG_FILE_SRCDIR": "config_file_srcdir",
@@ -320,8 +324,9 @@ def load_config(
         )
     _check_consistency(config)
     config = replace(config, **{f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))})
-    if "/" in config.mps_control_binary:  # a path, not a name looked up on the PATH
-        config = replace(config, mps_control_binary=os.path.abspath(config.mps_control_binary))
+    for program in ("mps_control_binary", "nvidia_smi"):
+        if "/" in getattr(config, program):  # a path, not a name looked up on the PATH
+            config = replace(config, **{program: os.path.abspath(getattr(config, program))})
     return config
 
 

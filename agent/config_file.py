@@ -201,6 +201,10 @@ def _parse_nccl(topology: Mapping[str, Any], nccl: Mapping[str, Any], out: dict[
             out[name] = parse_field(name, nccl[key], f"nccl.{key}")
 
 
+#: ``flags`` keys naming the MPS root and the programs the agent runs, and their fields.
+_PROGRAM_FLAGS = {"mpsRoot": "mps_root", "mpsControlBinary": "mps_control_binary", "nvidiaSmi": "nvidia_smi"}
+
+
 def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     """The file's ``flags`` section (with ``flags.plugin`` and ``flags.gfd``) into ``out``."""
     _refuse_misplaced_imex(flags)
@@ -208,7 +212,7 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
         flags,
         ("migStrategy", "failOnInitError", "nvidiaDriverRoot", "plugin",
          "sharedDevicesAllocationPolicy", "allocationPolicy", "featureFile", "labelIntervalSeconds",
-         "labelsSink", "useNodeFeatureAPI", "kubeconfig", "mpsRoot", "mpsControlBinary")
+         "labelsSink", "useNodeFeatureAPI", "kubeconfig", *_PROGRAM_FLAGS)
         + _IGNORED_FLAG_KEYS,
         "flags",
     )
@@ -252,7 +256,7 @@ def _parse_flags(flags: Mapping[str, Any], out: dict[str, object]) -> None:
     _parse_labels_sink(flags, out)
     if flags.get("kubeconfig") is not None:  # "kubeconfig:" left empty = in-cluster
         out["kubeconfig"] = expect_str(flags["kubeconfig"], "flags.kubeconfig")
-    for key, name in (("mpsRoot", "mps_root"), ("mpsControlBinary", "mps_control_binary")):
+    for key, name in _PROGRAM_FLAGS.items():
         if key in flags:
             out[name] = parse_field(name, flags[key], f"flags.{key}")
     gfd = _expect_mapping(flags.get("gfd"), "flags.gfd")

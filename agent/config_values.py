@@ -239,6 +239,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "gpu_set_withdrawal_grace_s": expect_number,
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
+    "nvidia_smi": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too
     "cri_socket": lambda v, w: expect_str(v, w).removeprefix("unix://"),
     "labels_sink": lambda v, w: expect_choice(v, LABEL_SINKS, w),

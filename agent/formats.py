@@ -1,12 +1,13 @@
 """Small parsers and spellings shared by every layer: one definition each.
 
 A leaf module (it imports only :mod:`agent.errors`): kernel cpulists, PCI bus ids in NVML's
-and sysfs's spellings, the GPU resource names, ``HOST:PORT`` addresses, and YAML/JSON
-documents read from a file.
+and sysfs's spellings, the GPU resource names, ``HOST:PORT`` addresses, Kubernetes
+quantities, and YAML/JSON documents read from a file.
 """
 
 from __future__ import annotations
 
+import decimal
 import json
 import re
 from typing import Any, Iterable
@@ -125,6 +126,34 @@ def parse_host_port(address: str, what: str = "address") -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+# --------------------------------------------------------------------------- quantities
+#: Kubernetes' ``resource.Quantity`` syntax (k8s.io/apimachinery/pkg/api/resource): a signed
+#: decimal number, then a binary suffix (Ki..Ei), a decimal one (m, k, M..E) or an exponent.
+_QUANTITY_RE = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[mkMGTPE]|)$")
+_QUANTITY_SUFFIX = {
+    **{s: decimal.Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    "m": decimal.Decimal("0.001"), "": decimal.Decimal(1),
+    **{s: decimal.Decimal(1000) ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
+
+
+def parse_quantity(text: str) -> decimal.Decimal:
+    """A Kubernetes quantity (``"10Gi"``, ``"1.5G"``, ``"2e9"``, ``"512"``) as its exact
+    value; ``ValueError`` when ``text`` is not one."""
+    match = _QUANTITY_RE.match(text) if len(text) <= 64 else None
+    if match is None:
+        raise ValueError(f"{shorten(repr(text))} is not a quantity (a number with an optional suffix:"
+                         " Ki, Mi, Gi, Ti, Pi, Ei, m, k, M, G, T, P, E, or an exponent)")
+    number, suffix = match.groups()
+    # 60 digits: exact for every quantity Kubernetes takes (up to 2^63 with 3 decimals)
+    with decimal.localcontext(decimal.Context(prec=60)):
+        if suffix[:1] in ("e", "E"):
+            if abs(int(suffix[1:])) > 30:  # Kubernetes' range ends at 2^63 anyway
+                raise ValueError(f"{shorten(repr(text))} is out of range (exponent beyond 30)")
+            return decimal.Decimal(number).scaleb(int(suffix[1:]))
+        return decimal.Decimal(number) * _QUANTITY_SUFFIX[suffix]
 
 
 # --------------------------------------------------------------------------- files

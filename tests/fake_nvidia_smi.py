@@ -20,7 +20,16 @@ in the formats of nvidia-smi 550 (driver R550, the version the built-in machines
   ``temperature.gpu`` (C), ``power.draw`` (W, two decimals), ``compute_cap``,
   ``driver_version``, ``mig.mode.current``; ``[N/A]`` where NVML says NotSupported;
 - ``--query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits``;
-- ``pmon -c 1 -s u``: the ``# gpu pid type sm mem enc dec jpg ofa command`` table.
+- ``pmon -c 1 -s u``: the ``# gpu pid type sm mem enc dec jpg ofa command`` table;
+- ``compute-policy -i <GPU UUID> --set-timeslice <n>`` (also ``--set-timeslice=<n>``; n 0-3,
+  as NVIDIA's DRA driver runs it): prints nvidia-smi's confirmation; a UUID that is no GPU of
+  the machine is "No devices were found" with exit status 6, a value out of 0-3 exit 2, as
+  the real tool answers.
+
+Every run is appended to ``$FAKE_NVIDIA_SMI_RECORD`` when set (one JSON list of its
+arguments a line), so tests see what was asked. ``$FAKE_NVIDIA_SMI_FAIL`` naming a command
+(``compute-policy``) makes it fail as an unprivileged user's run does ("Insufficient
+Permissions", exit status 4).
 
 ``$FAKE_NVIDIA_SMI_DRIVER`` replaces the driver version it prints (a test's way to make the
 tool and the agent disagree, so that the kit's comparison is seen to catch it).
@@ -28,6 +37,7 @@ tool and the agent disagree, so that the kit's comparison is seen to catch it).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -210,11 +220,37 @@ class Smi:
         return "\n".join(lines) + "\n"
 
 
+def compute_policy(machine: str, argv: list[str]) -> int:
+    """``compute-policy -i <uuid> --set-timeslice <n>``."""
+    args = [a for arg in argv for a in (arg.split("=", 1) if arg.startswith("--set-timeslice=") else [arg])]
+    if len(args) != 5 or args[1] != "-i" or args[3] != "--set-timeslice":
+        print(f"fake nvidia-smi: not implemented: {' '.join(argv)}", file=sys.stderr)
+        return 2
+    uuid, value = args[2], args[4]
+    if os.environ.get("FAKE_NVIDIA_SMI_FAIL") == "compute-policy":
+        print("Insufficient Permissions", file=sys.stderr)
+        return 4
+    smi = Smi(machine)
+    if uuid not in [smi.nvml.nvmlDeviceGetUUID(h) for h in smi.handles]:
+        print("No devices were found")
+        return 6
+    if value not in ("0", "1", "2", "3"):
+        print(f'Invalid timeslice value "{value}": expected 0 (DEFAULT), 1 (SHORT), 2 (MEDIUM) or 3 (LONG)')
+        return 2
+    print(f"Set timeslice to {value} for GPU {uuid}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     machine = os.environ.get("FAKE_NVIDIA_SMI_MACHINE")
     if not machine:
         print("fake nvidia-smi: set FAKE_NVIDIA_SMI_MACHINE", file=sys.stderr)
         return 2
+    if record := os.environ.get("FAKE_NVIDIA_SMI_RECORD"):
+        with open(record, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(argv) + "\n")
+    if argv[:1] == ["compute-policy"]:
+        return compute_policy(machine, argv)
     smi = Smi(machine)
     if argv[:2] == ["topo", "-m"]:
         sys.stdout.write(smi.topo())

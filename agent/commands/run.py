@@ -133,6 +133,9 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps-control-binary", metavar="PATH", dest="mps_control_binary", default=None,
                    help=f"the MPS control program (default: {_DEFAULTS.mps_control_binary} on the PATH;"
                         " env MPS_CONTROL_BINARY, file flags.mpsControlBinary)")
+    p.add_argument("--nvidia-smi", metavar="PATH", dest="nvidia_smi", default=None,
+                   help=f"nvidia-smi, which sets the time-slice interval DRA claims ask for (default:"
+                        f" {_DEFAULTS.nvidia_smi} on the PATH; env NVIDIA_SMI, file flags.nvidiaSmi)")
 
 
 def _add_dra_flags(p: argparse.ArgumentParser) -> None:
@@ -214,7 +217,7 @@ FLAG_FIELDS = (
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
     "pass_device_specs", "health_recovery_s", "health_facts_interval_s", "sysfs_root", "socket_name", "feature_file",
-    "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
+    "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary", "nvidia_smi",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",

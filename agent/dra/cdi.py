@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from agent.config import Config
 from agent.containers import (
     IMEX_CHANNELS_ENV,
     VISIBLE_DEVICES_ENV,
+    ContainerAdditions,
     ContainerFacts,
     DeviceNode,
     Mount,
@@ -91,9 +92,12 @@ class CdiSpecWriter:
         self.config = config
         self.nccl_files = nccl_files  # the DRA servers' (one per host directory), None: off
 
-    def build(self, claim_uid: str, devices: Sequence[DeviceRef], nccl_file: NcclFile | None = None) -> dict[str, Any]:
+    def build(self, claim_uid: str, devices: Sequence[DeviceRef], nccl_file: NcclFile | None = None,
+              device_additions: Mapping[str, ContainerAdditions] | None = None) -> dict[str, Any]:
         """The CDI spec for a claim's devices (at least one; no GPU in two of them), with
-        the claim's NCCL topology file mounted where there is one."""
+        the claim's NCCL topology file mounted where there is one, and what a device's
+        containers get beyond the claim's (``device_additions`` by device name: its share
+        of an MPS daemon) in that device's entry."""
         for d in devices:
             name = cdi_device_name(claim_uid, d.name)
             if not _CDI_NAME.match(name):
@@ -110,7 +114,7 @@ class CdiSpecWriter:
                     "name": cdi_device_name(claim_uid, d.name),
                     "containerEdits": {"deviceNodes": [
                         _node(n) for n in own if any(n.path in nodes_of[p.uuid] for p in d.parts)
-                    ]},
+                    ], **_added((device_additions or {}).get(d.name))},
                 }
                 for d in devices
             ],
@@ -121,7 +125,8 @@ class CdiSpecWriter:
             },
         }
 
-    def write(self, claim_uid: str, devices: Sequence[DeviceRef], other_devices: Sequence[str] = ()) -> str:
+    def write(self, claim_uid: str, devices: Sequence[DeviceRef], other_devices: Sequence[str] = (),
+              device_additions: Mapping[str, ContainerAdditions] | None = None) -> str:
         """Write the claim's NCCL topology file and its spec, each atomically; returns the
         spec's path. OSError when either cannot be written. ``other_devices``: the names of
         the claim's devices from other drivers; a NIC of the node among them (by its name,
@@ -132,7 +137,7 @@ class CdiSpecWriter:
             gpus = sorted({p.gpu.index for p in parts})
             extra = [n for n in self.topology.nics if _names_nic(other_devices, n.name, n.pci_bus_id)]
             nccl = self.nccl_files.write(claim_key(claim_uid), self.topology, gpus, extra)
-        spec = self.build(claim_uid, devices, nccl)
+        spec = self.build(claim_uid, devices, nccl, device_additions)
         path = spec_path(self.cdi_dir, self.driver_name, claim_uid)
         # No fsync: the CDI directory is a tmpfs on nodes (/var/run/cdi), and after a power
         # loss the kubelet prepares its claims again anyway; the rename alone keeps the
@@ -168,6 +173,13 @@ def _names_nic(names: Sequence[str], nic_name: str, bus_id: str | None) -> bool:
     (``mlx5_0``) or its bus ID with ':' and '.' as '-' (``pci-0000-19-00-0``)."""
     dashed = re.sub(r"[:.]", "-", bus_id or "").lower()
     return any(n == nic_name or (dashed and n.lower().endswith(dashed)) for n in names)
+
+
+def _added(additions: ContainerAdditions | None) -> dict[str, Any]:
+    """A device entry's env and mounts for ``additions``."""
+    if additions is None:
+        return {}
+    return {"env": [f"{k}={v}" for k, v in additions.envs.items()], "mounts": [_mount(m) for m in additions.mounts]}
 
 
 def _mount(mount: Mount) -> dict[str, Any]:

@@ -51,10 +51,14 @@ class PreparedClaim:
     name: str
     devices: tuple[PreparedDevice, ...]
     spec_path: str  # the CDI spec written for it
+    #: how its devices are shared (agent.dra.claim_sharing.ClaimSharingState's JSON); None: not shared
+    sharing: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["devices"] = [dict(asdict(d), cdi_ids=list(d.cdi_ids)) for d in self.devices]
+        if self.sharing is None:
+            del out["sharing"]  # the file of an unshared claim stays as earlier agents wrote it
         return out
 
     @classmethod
@@ -68,7 +72,14 @@ class PreparedClaim:
                 for d in data["devices"]
             ),
             spec_path=str(data["spec_path"]),
+            sharing=_sharing(data.get("sharing")),
         )
+
+
+def _sharing(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError("sharing: expected an object")
+    return value
 
 
 def _checksum(claim: dict[str, Any]) -> str:

@@ -232,6 +232,7 @@ class DraPlugin:
             self.driver_name, self.endpoint, self.registration_socket, len(self.checkpoint),
         )
         self.placements.start()  # claims prepared before it starts wait for it
+        self.preparer.resume()
         self._keeper.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -244,6 +245,7 @@ class DraPlugin:
         self.health_streams.close()
         self._dra_server.stop(grace_s)
         self.placements.stop(grace_s)
+        self.preparer.close()
 
     def ready(self) -> bool:
         """Both sockets serve and the kubelet has confirmed our registration."""

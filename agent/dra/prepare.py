@@ -8,7 +8,9 @@ GPU behind it healthy, no GPU twice, no GPU another prepared claim holds), write
 spec for the claim (a set's device holds every member's device nodes; the environment
 covers every GPU of the claim) and checkpoint the answer; log and report how the claim was
 placed against the device plugin's choice (:mod:`agent.dra.placement`, ranked after the
-answer on its own thread). Problems are
+answer on its own thread). The claim's opaque configuration says how its devices are shared
+(:mod:`agent.dra.claim_sharing`: applied before the spec is written, undone at unprepare,
+checkpointed with the claim). Problems are
 reported per claim (the rest of the call is still served), each naming the claim and the
 device. Idempotent: a claim already prepared answers from the checkpoint without reading the
 API server again (nor ranks it again), also after an agent restart.
@@ -19,6 +21,10 @@ MIG device of it conflict, two different MIG devices of one GPU do not). The sch
 counters normally forbid such an allocation; this is the defence for the window they cannot
 cover (docs/design/dra-gpu-sets.md): at worst a pod fails to start, retried by
 the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
+
+Size: one job, preparing a claim and undoing it under one lock (the order of its steps is
+what keeps a crash from leaving half a claim); reading claims, their sharing, the CDI specs
+and the checkpoint are modules of their own.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
+from agent.dra.claim_sharing import ClaimSharing, SharedDevices
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.devices import DeviceRef
 from agent.dra.placement import Prepared
 from agent.dra.view import DraView
 from agent.errors import shorten
 from agent.nccl.host_dir import nccl_files_for
+from agent.sharing.timeslice import NvidiaSmiTimeSlice
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +114,20 @@ class ClaimPreparer:
         #: handed each claim prepared anew, to rank its placement (:mod:`agent.dra.placement`);
         #: must return at once
         self.on_prepared = on_prepared
+        # the claims' sharing: intervals set with nvidia-smi, one MPS daemon per shared entry
+        self.sharing = ClaimSharing(config.driver_name, config.mps_root, config.mps_control_binary,
+                                    NvidiaSmiTimeSlice(config.nvidia_smi))
         self._lock = threading.Lock()
+
+    def resume(self) -> None:
+        """Supervise again the MPS daemons of the claims checkpointed by an earlier agent."""
+        for c in self.checkpoint:
+            if c.sharing:
+                self.sharing.resume(str(ClaimRef(c.namespace, c.uid, c.name)), c.uid, c.sharing)
+
+    def close(self) -> None:
+        """Stop supervising the claims' MPS daemons; they keep serving their pods."""
+        self.sharing.close()
 
     @property
     def devices(self) -> Mapping[str, DeviceRef]:
@@ -146,6 +167,7 @@ class ClaimPreparer:
         view = self.view  # one view for the whole prepare, whatever set_topology does meanwhile
         try:
             chosen = self._devices_of(ref, obj, view.devices)
+            plan = self.sharing.plan(str(ref), obj["status"]["allocation"], chosen)
         except ValueError as exc:
             return PrepareResult(error=str(exc))
         with self._lock:
@@ -156,11 +178,10 @@ class ClaimPreparer:
             holders = self._holders()
             if conflicts := _held_elsewhere(chosen, holders):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
-            try:
-                path = self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name))
-            except OSError as exc:
-                path = spec_path(self.cdi_dir, self.driver_name, ref.uid)
-                return self._failed(ref, "write its CDI spec", path, exc)
+            written = self._share_and_write(ref, obj, chosen, plan)
+            if isinstance(written, PrepareResult):
+                return written
+            path, sharing = written
             prepared = PreparedClaim(
                 uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
                 devices=tuple(
@@ -168,6 +189,7 @@ class ClaimPreparer:
                                    (cdi_device_id(self.driver_name, ref.uid, d.name),))
                     for request, d in chosen
                 ),
+                sharing=sharing,
             )
             try:
                 self.checkpoint.add(prepared)
@@ -176,6 +198,7 @@ class ClaimPreparer:
                 # device the runtime can inject and no unprepare after a restart removes
                 if error := self._remove_spec(ref, path):
                     log.error("%s", error)
+                self.sharing.discard(str(ref), ref.uid, sharing)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
         self._rank_later(ref, view, chosen, {gpu for gpu, _ in holders})
@@ -212,6 +235,22 @@ class ClaimPreparer:
         log.error("%s", error)
         return PrepareResult(error=error)
 
+    def _share_and_write(self, ref: ClaimRef, obj: Mapping[str, Any], chosen: Sequence[tuple[str, DeviceRef]],
+                         plan: Sequence[SharedDevices]) -> tuple[str, dict[str, Any] | None] | PrepareResult:
+        """Apply the claim's sharing, then write its spec: (the spec's path, the sharing
+        applied), or the error with nothing left applied."""
+        try:
+            shared = self.sharing.apply(str(ref), ref.uid, plan)
+        except ValueError as exc:
+            return PrepareResult(error=str(exc))
+        sharing = shared.to_json() if shared is not None else None
+        try:
+            return self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name),
+                                  self.sharing.additions(sharing)), sharing
+        except OSError as exc:
+            self.sharing.discard(str(ref), ref.uid, sharing)
+            return self._failed(ref, "write its CDI spec", spec_path(self.cdi_dir, self.driver_name, ref.uid), exc)
+
     def _remove_spec(self, ref: ClaimRef, path: str) -> str:
         """Remove the claim's spec and NCCL topology file (none there is fine); "" or the
         error."""
@@ -232,7 +271,7 @@ class ClaimPreparer:
                 )
             try:
                 with self._lock:
-                    self.cdi.write(done.uid, refs)
+                    self.cdi.write(done.uid, refs, device_additions=self.sharing.additions(done.sharing))
             except OSError as exc:
                 ref = ClaimRef(done.namespace, done.uid, done.name)
                 return self._failed(ref, "write its CDI spec", done.spec_path, exc)
@@ -297,6 +336,9 @@ class ClaimPreparer:
             return f"{ref}: {claim_uid_problem(ref.uid)}"
         with self._lock:
             done = self.checkpoint.get(ref.uid)
+            # the sharing first: while it cannot be undone the claim stays prepared (retried)
+            if done is not None and done.sharing and (error := self.sharing.undo(str(ref), ref.uid, done.sharing)):
+                return error
             path = done.spec_path if done is not None else spec_path(self.cdi_dir, self.driver_name, ref.uid)
             if error := self._remove_spec(ref, path):
                 return error

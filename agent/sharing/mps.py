@@ -3,8 +3,9 @@ control daemon the agent supervises (:mod:`agent.sharing.mps_daemon`), as NVIDIA
 plugin does.
 
 - Checked on the node: MPS is refused, naming the GPU and the field, where it cannot run: a
-  MIG device, a GPU NVML reports in compute mode Prohibited, a compute capability below 3.5,
-  or more replicas than the GPU's MPS server takes clients.
+  MIG device, a GPU NVML reports in compute mode Prohibited or Exclusive_Thread, a compute
+  capability below 3.5 (:func:`mps_refusal`, which DRA claims asking for MPS meet too), or
+  more replicas than the GPU's MPS server takes clients.
 - A container's share gets what NVIDIA's plugin hands it, so CUDA in the pod finds the
   resource's control daemon: ``CUDA_MPS_PIPE_DIRECTORY`` and the pipe directory mounted
   there from ``<mpsRoot>/<resource>/pipe``, and ``<mpsRoot>/shm`` as ``/dev/shm``; plus the
@@ -61,7 +62,7 @@ class Mps:
                     f"{at}: MPS cannot share MIG devices: GPU {gpu.index} is in MIG mode and"
                     f" migStrategy {config.mig_strategy} serves its MIG devices as {GPU_RESOURCE}"
                 )
-            why = _cannot_run(gpu)
+            why = mps_refusal(gpu)
             if why is not None:
                 raise ConfigError(f"{at}: GPU {gpu.index} cannot run MPS: {why}")
             cc = gpu.compute_capability
@@ -76,7 +77,7 @@ class Mps:
     def capable(self, topology: Topology) -> bool:
         """GFD's ``mps.capable`` rule (no GPU in MIG mode) and NVML's word on the others: no
         GPU in compute mode Prohibited or below compute capability 3.5."""
-        return not any(g.mig_enabled or _cannot_run(g) is not None for g in topology.gpus)
+        return not any(g.mig_enabled or mps_refusal(g) is not None for g in topology.gpus)
 
     def additions(self, share: Share, topology: Topology, devices: Sequence[ContainerDevice],
                   config: Config) -> ContainerAdditions | None:
@@ -116,11 +117,14 @@ class Mps:
                 and (running.spec, running.mps_root, running.program) == (wanted.spec, wanted.mps_root, wanted.program))
 
 
-def _cannot_run(gpu: Gpu) -> str | None:
-    """Why NVML's word on ``gpu`` rules MPS out (compute mode Prohibited, compute capability
-    below 3.5), or None."""
+def mps_refusal(gpu: Gpu) -> str | None:
+    """Why NVML's word on ``gpu`` rules MPS out (compute mode Prohibited or Exclusive_Thread,
+    compute capability below 3.5), or None. MPS runs in Default and Exclusive_Process only."""
     if gpu.compute_mode == "Prohibited":
         return ("NVML reports its compute mode Prohibited (no CUDA context can be made on it); set it to Default"
+                " or Exclusive_Process (nvidia-smi -c) or leave it out of the devices")
+    if gpu.compute_mode == "Exclusive_Thread":
+        return ("NVML reports its compute mode Exclusive_Thread, in which no MPS server runs; set it to Default"
                 " or Exclusive_Process (nvidia-smi -c) or leave it out of the devices")
     cc = gpu.compute_capability
     if cc is not None and cc < MPS_MIN_COMPUTE_CAPABILITY:

@@ -21,7 +21,10 @@ agent never changes GPU state; MPS runs in the Default mode too; Exclusive_Proce
 operator's choice), and a daemon that stops answering is restarted here, with capped
 exponential backoff, instead of by a pod restart. A daemon already answering on the pipe
 directory at start (left by an agent that crashed) is told to quit first, so the one
-serving always has this configuration's GPUs and limits.
+serving always has this configuration's GPUs and limits; unless the supervisor is told to
+``adopt`` it (a DRA claim's daemon, whose pipe directory is the claim's own and whose
+settings the checkpoint kept: its pods keep their MPS server across an agent restart), and
+:meth:`MpsControlDaemon.detach` stops supervising without telling the daemon to quit.
 
 The replicas are served only while their daemon answers (:attr:`MpsControlDaemon.ready`):
 the device-plugin manager registers the resource once it first answers and reports its
@@ -118,6 +121,7 @@ class MpsControlDaemon(Worker):
         probe_s: float = PROBE_INTERVAL_S,
         command_timeout_s: float = COMMAND_TIMEOUT_S,
         max_backoff_s: float = MAX_BACKOFF_S,
+        adopt: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -135,7 +139,9 @@ class MpsControlDaemon(Worker):
         self._lock = threading.Lock()
         self._answering = False
         self._generation = 0  # increases whenever answering flips
-        self._started = False  # thread only: we started a daemon that may still run
+        # thread only: a daemon that may still run is ours (we started it, or adopt it)
+        self._started = adopt
+        self._detached = False  # set before the thread is stopped: leave the daemon running
 
     @property
     def ready(self) -> bool:
@@ -193,8 +199,15 @@ class MpsControlDaemon(Worker):
                 if backoff.last_s and self._stop.wait(backoff.last_s):  # the first restart is at once
                     break
                 backoff.next()
-        self._quit()
+        if not self._detached:
+            self._quit()
         self._set_answering(False)
+
+    def detach(self, timeout_s: float = 5.0) -> None:
+        """Stop supervising and leave the daemon running (the agent stops; a later one adopts
+        it)."""
+        self._detached = True
+        self.stop(timeout_s)
 
     def _start_daemon(self) -> None:
         """Start the daemon and give it its settings; AgentError when any step fails. One
