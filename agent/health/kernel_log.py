@@ -106,11 +106,14 @@ def _aggregation_key(event: KernelEvent) -> tuple[object, ...]:
 
 class Inbox:
     """Events waiting for the watcher, aggregated: one entry per distinct event with the
-    number of times it came and the last position it came at. Thread-safe; bounded."""
+    number of times it came and the last position it came at. A ``gpu-init`` line is a
+    barrier (what came before it is not merged with what comes after: a fault before a reset
+    and one after it are not one). Thread-safe; bounded by ``max_keys`` entries."""
 
     def __init__(self, max_keys: int = INBOX_KEYS) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[object, ...], list[object]] = {}
+        self._entries: list[list[object]] = []  # [event, count, last position], oldest first
+        self._open: dict[tuple[object, ...], list[object]] = {}  # key -> its entry since the last barrier
         self._max_keys = max_keys
         self.dropped = 0  # events that found the inbox full (cumulative)
         self.malformed: dict[str, int] = {}  # lines of ours that did not parse, by kind (cumulative)
@@ -118,15 +121,20 @@ class Inbox:
     def put(self, event: KernelEvent, position: int | None) -> None:
         key = _aggregation_key(event)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                if len(self._entries) >= self._max_keys:
-                    self.dropped += 1
-                    return
-                self._entries[key] = [event, 1, position]
-            else:
+            entry = self._open.get(key)
+            if entry is not None:
                 entry[1] = int(entry[1]) + 1  # type: ignore[call-overload]
                 entry[2] = position
+                return
+            if len(self._entries) >= self._max_keys:
+                self.dropped += 1
+                return
+            entry = [event, 1, position]
+            self._entries.append(entry)
+            if event.kind == "gpu-init":
+                self._open = {}
+            else:
+                self._open[key] = entry
 
     def count_malformed(self, kind: str) -> None:
         with self._lock:
@@ -135,8 +143,8 @@ class Inbox:
     def drain(self) -> list[tuple[KernelEvent, int, int | None]]:
         """``(event, count, last position)`` for each entry, oldest first; empties the inbox."""
         with self._lock:
-            entries, self._entries = self._entries, {}
-        return [(e[0], e[1], e[2]) for e in entries.values()]  # type: ignore[misc]
+            entries, self._entries, self._open = self._entries, [], {}
+        return [(e[0], e[1], e[2]) for e in entries]  # type: ignore[misc]
 
 
 class KernelLogReader(Worker):
@@ -164,7 +172,7 @@ class KernelLogReader(Worker):
         self.path = path
         self.inbox = inbox
         self.boot_id = boot_id
-        self._resume = resume
+        self.resume = resume  # may be replaced before start (the watcher's saved position)
         self.poll_s = poll_s
         self.retry_s = retry_s
         self.stream = ""
@@ -220,7 +228,7 @@ class KernelLogReader(Worker):
     def _start_stream(self, stream: str) -> None:
         self.stream = stream
         self.position = -1
-        self._skip_through = self._resume(stream)
+        self._skip_through = self.resume(stream)
 
     def _follow(self, fd: int) -> None:
         st = os.fstat(fd)
