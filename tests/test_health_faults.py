@@ -8,7 +8,7 @@ from test_health import Clock, Event, ScriptedEvents
 
 from agent.config import Config
 from agent.health import Fault, FaultClass, HealthState, HealthWatcher, Watching
-from agent.health.kernel_log import Inbox, parse_line
+from agent.health.kernel_log import parse_line
 
 BUS = {(0, 0x1B, 0): 0, (0, 0x43, 0): 1}
 
