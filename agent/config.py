@@ -9,6 +9,9 @@ reads a setting from it (the engine switch ``AGENT_PUREPYTHON`` is read by
 
 The loader (``load_config``) lives here too; field documentation says unit, default and why.
 Each value is checked by :mod:`agent.config_values`, whichever source gives it.
+
+Size: one frozen object documented field by field (unit, default, why) is the module's job;
+its fields grow with the features, and the loader that builds it belongs beside it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,22 @@ class Config:
     #: seconds between two reads of the watched facts (GPU count, row remapping, NVLinks,
     #: fabric, the driver's recovery action: agent.health.facts_check)
     health_facts_interval_s: float = 30.0
+    #: the kernel log read for NVRM Xid and NVSwitch SXid lines: /dev/kmsg, or a plain file or
+    #: FIFO followed like tail -f (the simulator's way to inject faults); "" = not read
+    #: (flag --kernel-log, env KERNEL_LOG, file health.kernelLog)
+    kernel_log: str = "/dev/kmsg"
+    #: single XIDs treated otherwise than NVIDIA's catalog says: (XID, ignore | application |
+    #: reset | reboot | memory | nvlink | support) (file health.xids, env HEALTH_XIDS "48=reset,...")
+    xid_overrides: tuple[tuple[int, str], ...] = ()
+    #: an application XID seen this many times on one GPU within the window is a fault
+    #: (RepeatedApplicationXID); NVIDIA's catalog: a repeat on the same GPU may be hardware
+    #: (file health.repeatedXids.count / .windowSeconds, env HEALTH_REPEATED_XID_COUNT / _WINDOW_S)
+    repeated_xid_count: int = 5
+    repeated_xid_window_s: float = 86400.0
+    #: where standing faults and the kernel log position survive a restart; "" = beside the
+    #: plugin sockets' directory: <kubelet_dir>/../gpu-topology-agent/health-state.json, in DRA
+    #: mode <plugins_dir>/<driver>/health-state.json (env HEALTH_STATE_FILE)
+    health_state_file: str = ""
     # --- paths and endpoints (the `run` flags)
     kubelet_dir: str = "/var/lib/kubelet/device-plugins"
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -179,6 +198,11 @@ ENV_FIELDS: Mapping[str, str] = {
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
     "HEALTH_FACTS_INTERVAL_S": "health_facts_interval_s",
+    "KERNEL_LOG": "kernel_log",
+    "HEALTH_XIDS": "xid_overrides",
+    "HEALTH_REPEATED_XID_COUNT": "repeated_xid_count",
+    "HEALTH_REPEATED_XID_WINDOW_S": "repeated_xid_window_s",
+    "HEALTH_STATE_FILE": "health_state_file",
     "SAMPLE_INTERVAL_S": "sample_interval_s",
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
     "SOCKET_NAME": "socket_name",
@@ -221,7 +245,7 @@ ENV_FIELDS: Mapping[str, str] = {
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
                "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir",
-               "nccl_topology_file", "nccl_host_dir")
+               "nccl_topology_file", "nccl_host_dir", "kernel_log", "health_state_file")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -360,7 +384,7 @@ START_ONLY_FIELDS = (
     "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "kernel_log", "health_state_file",
 )
 
 
@@ -387,6 +411,8 @@ def describe_config(config: Config) -> dict[str, object]:
                  "devices": list(t.devices) if t.devices is not None else "all"}
                 for t in value
             ]
+        elif f.name == "xid_overrides":
+            value = {str(x): v for x, v in value}
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value

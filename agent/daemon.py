@@ -45,10 +45,11 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
-from agent.health import HealthState, HealthWatcher, lost_at_discovery
-from agent.health.facts_check import FactsCheck, FactsWatcher
+from agent.health import HealthState, HealthWatcher, Occurrence, lost_at_discovery
+from agent.health.facts_check import FactsCheck
+from agent.health.sources import build_watcher
 from agent.http.endpoints import WaitingEndpoint
-from agent.hw.protocols import EventSource, HealthFacts, Lifecycle
+from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publishing import LabelPublisher
 from agent.labels.sinks import label_sink
 from agent.logs import setup_logging
@@ -80,14 +81,25 @@ class DaemonBackend(Lifecycle, EventSource, Protocol):
 
 #: (topology, config, ready) -> the metrics service (not yet started).
 MetricsFactory = Callable[[Topology, Config, Callable[[], bool]], MetricsService]
-#: (backend, health, config, on_xid) -> the health watcher (not yet started).
-WatcherFactory = Callable[[EventSource, HealthState, Config, Callable[[int, int], None] | None], HealthWatcher]
+#: (backend, health, config, on_xid, topology) -> the health watcher (not yet started).
+WatcherFactory = Callable[
+    [EventSource, HealthState, Config, Callable[[int, int], None] | None, Topology], HealthWatcher
+]
 
 
 def _default_watcher(
-    backend: EventSource, health: HealthState, config: Config, on_xid: Callable[[int, int], None] | None
+    backend: EventSource, health: HealthState, config: Config, on_xid: Callable[[int, int], None] | None,
+    topology: Topology,
 ) -> HealthWatcher:
-    return HealthWatcher(backend, health, config, on_xid=on_xid)
+    return build_watcher(backend, health, config, topology, on_xid=on_xid)
+
+
+def _count_xid(metrics: MetricsService, occurrence: Occurrence) -> None:
+    """Every XID line or event seen on a GPU, fault or not, is counted; recoveries and the
+    repeated-XID faults (made of XIDs already counted) are not."""
+    o = occurrence
+    if o.xid is not None and len(o.gpus) == 1 and not o.recovered and not o.key.startswith("repeated-"):
+        metrics.count_xid(o.gpus[0], o.xid, o.count)
 
 
 class Daemon:
@@ -100,8 +112,7 @@ class Daemon:
     ``/health`` while NVML is awaited (None: nothing). ``labels`` publishes the node labels
     (None: none). ``config_loader`` reads the configuration again (SIGHUP). ``node_config``
     follows the node's label choosing its config (None: one config). ``on_close`` runs last
-    at shutdown (a simulated machine's clean-up). ``facts``: where the health watcher's
-    polled facts are read (:mod:`agent.health.facts_check`; None: not watched).
+    at shutdown (a simulated machine's clean-up).
     """
 
     def __init__(
@@ -118,7 +129,6 @@ class Daemon:
         config_loader: Callable[[], Config] | None = None,
         node_config: NodeConfigSelector | None = None,
         on_close: Callable[[], None] | None = None,
-        facts: HealthFacts | None = None,
     ) -> None:
         self.config = config
         self.node_config = node_config
@@ -131,8 +141,6 @@ class Daemon:
         self._waiting_endpoint_factory = waiting_endpoint
         self.config_loader = config_loader
         self._on_close = on_close
-        self._facts = facts
-        self.facts_watcher: FactsWatcher | None = None
         self._nvml_open = False
         self.topology: Topology | None = None
         self.health: HealthState | None = None
@@ -184,9 +192,15 @@ class Daemon:
                 active=os.path.basename(config.config_file or ""),
             )
             config_loader = node_config.load_active
+        def watcher(backend_: EventSource, health: HealthState, cfg: Config,
+                    on_xid: Callable[[int, int], None] | None, topology: Topology) -> HealthWatcher:
+            return build_watcher(backend_, health, cfg, topology, on_xid=on_xid, simulated=sim is not None,
+                                 facts=FactsCheck.for_topology(backend, topology).standing)
+
         daemon = cls(
             config, backend,
             servers=servers_for(config.mode, agent_metrics),
+            watcher=watcher,
             # the running config's file: a node's own config (config_file_srcdir) may name one
             read_topology=lambda: read_topology(backend, sim, daemon.config.nccl_topology_file),
             labels=LabelPublisher(sink, count_error=agent_metrics.label_write_error),
@@ -195,7 +209,6 @@ class Daemon:
             config_loader=config_loader,
             node_config=node_config,
             on_close=sim.close if sim is not None else None,
-            facts=backend,
         )
         return daemon
 
@@ -302,6 +315,9 @@ class Daemon:
         if self.labels is not None:
             self.labels.publish(topology, self.config)
         self._start_metrics(topology)
+        metrics = self.metrics
+        if metrics is not None:
+            self.health.add_occurrence_listener(lambda o: _count_xid(metrics, o))
         self._start_watcher(self.config)
         return True
 
@@ -322,12 +338,9 @@ class Daemon:
             log.warning("health checks are disabled: GPUs are always advertised healthy")
             return
         on_xid = self.metrics.record_xid if self.metrics is not None else None
-        self.watcher = self._watcher_factory(self.backend, self.health, config, on_xid)
+        assert self.topology is not None
+        self.watcher = self._watcher_factory(self.backend, self.health, config, on_xid, self.topology)
         self.watcher.start()
-        if self._facts is not None and self.topology is not None:
-            check = FactsCheck.for_topology(self._facts, self.topology)
-            self.facts_watcher = FactsWatcher(check, self.health, config.health_facts_interval_s)
-            self.facts_watcher.start()
 
     # ------------------------------------------------------------------ SIGHUP, kubelet restart
     def reread(self, reload_config: bool = False, loader: Callable[[], Config] | None = None) -> bool:
@@ -393,16 +406,12 @@ class Daemon:
         return merge_reread(current, topology)
 
     def _follow_health_checks(self, config: Config) -> None:
-        if self.facts_watcher is not None:
-            self.facts_watcher.interval_s = config.health_facts_interval_s
         if self.watcher is not None:
             self.watcher.config = config
+            self.watcher.facts_interval_s = config.health_facts_interval_s
             if not config.health_checks_enabled:
                 self.watcher.stop()
                 self.watcher = None
-                if self.facts_watcher is not None:
-                    self.facts_watcher.stop()
-                    self.facts_watcher = None
         elif config.health_checks_enabled:
             self._start_watcher(config)
 
@@ -415,15 +424,12 @@ class Daemon:
         try:
             steps: list[tuple[str, Callable[[], None]]] = []
             servers, watcher, metrics, labels = self.servers, self.watcher, self.metrics, self.labels
-            facts_watcher = self.facts_watcher
             if self.node_config is not None:
                 steps.append(("node label watch", self.node_config.stop))
             if servers is not None:
                 steps.append(("servers", lambda: servers.stop(SERVERS_GRACE_S)))
             if watcher is not None:
                 steps.append(("health watcher", lambda: watcher.stop(2.0)))
-            if facts_watcher is not None:
-                steps.append(("health facts", lambda: facts_watcher.stop(2.0)))
             if metrics is not None:
                 steps.append(("metrics", metrics.stop))
             if labels is not None:

@@ -13,7 +13,8 @@ from waiting import eventually
 
 from agent.discovery import read_topology
 from agent.errors import InputFormatError
-from agent.health import HealthState
+from agent.config import Config
+from agent.health import HealthState, HealthWatcher
 from agent.health.facts_check import FactsCheck
 from agent.health.faults import FaultClass
 from agent.hw.sim import machines
@@ -44,13 +45,16 @@ class Node:
         self.occurrences: list = []
         self.state.add_occurrence_listener(self.occurrences.append)
         self.check = FactsCheck.for_topology(self.backend, self.topology)
+        # the agent's own watcher, polling the facts at every step (no kernel log, no state file)
+        self.watcher = HealthWatcher(self.backend, self.state, Config(health_recovery_s=3600), poll_ms=0,
+                                     facts=self.check.standing, facts_interval_s=0)
 
     @property
     def fake(self):
         return self.sim.lib
 
     def poll(self) -> dict[str, object]:
-        self.check.poll(self.state)
+        self.watcher.step()
         return {f.key: f for f in self.state.faults()}
 
     def close(self) -> None:

@@ -28,18 +28,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from agent.health.faults import Fault, FaultClass, Occurrence
+from agent.health.faults import Fault, FaultClass
 from agent.hw.protocols import HealthFacts, RecoveryAction
-from agent.worker import Worker
 
 if TYPE_CHECKING:  # pragma: no cover
-    from agent.health import HealthState
     from agent.topology.model import Topology
 
-__all__ = ["FactsCheck", "FactsWatcher", "nvlink_peers", "recovery_fault"]
+__all__ = ["FactsCheck", "nvlink_peers", "recovery_fault"]
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +110,22 @@ class FactsCheck:
         self._clock = clock
         self._baseline: dict[int, frozenset[int]] = {}  # GPU -> NVLink ports active at first look
         self._ports: dict[int, int] = {}  # GPU -> how many NVLink ports it has
+        self._standing: dict[str, Fault] = {}  # key -> the fault as last determined
 
     @classmethod
     def for_topology(cls, facts: HealthFacts, topology: Topology) -> FactsCheck:
         return cls(facts, [g.pci_bus_id for g in topology.gpus], nvlink_peers(topology))
 
-    def check(self) -> list[Fault]:
-        """The faults that stand now."""
-        return [f for f in self.observe().values() if f is not None]
+    def standing(self) -> list[Fault]:
+        """The faults standing now (the health watcher's poll, :class:`agent.health.watcher.
+        HealthWatcher` ``facts``): this round's findings over the last round's, so that a fact
+        NVML cannot read this round leaves its fault as it stood."""
+        for key, fault in self.observe().items():
+            if fault is None:
+                self._standing.pop(key, None)
+            else:
+                self._standing[key] = fault
+        return list(self._standing.values())
 
     def observe(self) -> dict[str, Fault | None]:
         """Every fault key determined this round: its fault, or None (it does not stand);
@@ -214,54 +219,3 @@ class FactsCheck:
                 f"GPU {i}: {'; '.join(parts)}",
                 since=now,
             ) if parts else None
-
-    # ------------------------------------------------------------------ applying
-    def poll(self, state: HealthState) -> None:
-        """One round: stand the faults found, clear those found gone, and record an
-        :class:`Occurrence` (source ``"facts"``) for each change; unknown facts change nothing."""
-        standing = {f.key: f for f in state.faults()}
-        for key, fault in self.observe().items():
-            was = standing.get(key)
-            if fault is None:
-                if was is not None and state.clear_fault(key):
-                    log.warning("cleared %s: %s", was.cls.value, was.detail)
-                    state.record(Occurrence(key, was.cls, was.gpus, f"cleared: {was.detail}", recovered=True,
-                                            at=self._clock(), source="facts"))
-                continue
-            if was is not None:
-                fault = replace(fault, since=was.since, count=was.count)
-                if was == fault:
-                    continue
-            state.set_fault(fault)
-            if was is None or was.cls != fault.cls:
-                log.error("%s: %s. %s", fault.cls.value, fault.detail, fault.action)
-                state.record(Occurrence(key, fault.cls, fault.gpus, fault.detail, fault.action,
-                                        at=fault.since, source="facts"))
-
-
-class FactsWatcher(Worker):
-    """Polls a :class:`FactsCheck` into ``state`` every ``interval_s`` (the first at once),
-    on its own thread. A round that fails is logged and the next one tried."""
-
-    thread_name = "health-facts"
-
-    def __init__(self, check: FactsCheck, state: HealthState, interval_s: float) -> None:
-        super().__init__()
-        self.check = check
-        self.state = state
-        self.interval_s = interval_s
-        self._failing = False
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.check.poll(self.state)
-                if self._failing:
-                    log.warning("health facts are read again")
-                self._failing = False
-            except Exception as exc:  # noqa: BLE001 - a failed round is retried, never fatal
-                if not self._failing:
-                    log.error("reading the GPUs' health facts failed (%s: %s); retrying every %.0f s",
-                              type(exc).__name__, exc, self.interval_s)
-                self._failing = True
-            self._stop.wait(self.interval_s)
