@@ -11,9 +11,9 @@ import pytest
 import yaml
 from waiting import eventually
 
+from agent.config import Config
 from agent.discovery import read_topology
 from agent.errors import InputFormatError
-from agent.config import Config
 from agent.health import HealthState, HealthWatcher
 from agent.health.facts_check import FactsCheck
 from agent.health.faults import FaultClass
