@@ -68,6 +68,10 @@ class MigDevice:
     memory_mib: int
     gi_id: int | None = None
     ci_id: int | None = None
+    #: where its GPU instance sits, and that instance's NVML profile id
+    #: (:attr:`MigProfile.profile_id`); None where NVML does not say
+    placement: MigPlacement | None = None
+    profile_id: int | None = None
 
 
 @dataclass(frozen=True)
