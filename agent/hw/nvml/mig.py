@@ -1,6 +1,6 @@
-"""MIG through NVML: what a MIG-capable GPU can be cut into (:func:`read_geometry`) and where
-its GPU instances sit (:func:`gi_placement`), every call through the wrapper
-(:class:`agent.hw.nvml.calls.NvmlCalls`).
+"""MIG through NVML, read: what a MIG-capable GPU can be cut into (:func:`read_geometry`)
+and where its GPU instances sit (:func:`gi_placement`), every call through the wrapper
+(:class:`agent.hw.nvml.calls.NvmlCalls`). Cutting it: :mod:`agent.hw.nvml.mig_control`.
 
 The geometry is read with ``nvmlDeviceGetGpuInstanceProfileInfo`` for each
 ``NVML_GPU_INSTANCE_PROFILE_*`` the library names (a profile the GPU lacks answers
@@ -16,7 +16,7 @@ from typing import Any
 from agent.hw.nvml.calls import NvmlCalls, NvmlError
 from agent.records import MigGeometry, MigPlacement, MigProfile
 
-__all__ = ["gi_placement", "read_geometry"]
+__all__ = ["absent_answers", "gi_placement", "read_geometry", "text_of"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _GI_PROFILES = (
 _MAX_PLACEMENTS = 32
 
 
-def _absent(b: NvmlCalls) -> tuple[int, ...]:
+def absent_answers(b: NvmlCalls) -> tuple[int, ...]:
     """Answers that mean "not here" for a MIG query: unknown profile or instance, or an
     unprivileged agent (NVML keeps GPU instances to root)."""
     return (
@@ -56,11 +56,15 @@ def _absent(b: NvmlCalls) -> tuple[int, ...]:
     )
 
 
+def text_of(raw: object) -> str:
+    """NVML's text (``str`` or NUL-padded ``bytes``) as ``str``."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    return text.rstrip("\x00").strip()
+
+
 def profile_name(info: Any) -> str:
     """NVML's profile name without its ``"MIG "``: ``"3g.40gb"``, ``"1g.10gb+me"``."""
-    raw = info.name
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    text = text.rstrip("\x00").strip()
+    text = text_of(info.name)
     return text[4:] if text.startswith("MIG ") else text
 
 
@@ -74,7 +78,7 @@ def _placements(b: NvmlCalls, index: int, h: Any, profile_id: int) -> tuple[MigP
         buffer,
         ctypes.byref(count),
         gpu=index,
-        absent=_absent(b),
+        absent=absent_answers(b),
     )
     if done is None:
         return ()
@@ -93,7 +97,11 @@ def read_geometry(b: NvmlCalls, index: int, h: Any) -> MigGeometry | None:
             if constant is None:
                 continue
             info = b.call(
-                "nvmlDeviceGetGpuInstanceProfileInfo", h, constant, gpu=index, absent=_absent(b)
+                "nvmlDeviceGetGpuInstanceProfileInfo",
+                h,
+                constant,
+                gpu=index,
+                absent=absent_answers(b),
             )
             if info is None:
                 continue
@@ -132,10 +140,10 @@ def read_geometry(b: NvmlCalls, index: int, h: Any) -> MigGeometry | None:
 def gi_placement(b: NvmlCalls, index: int, h: Any, gi_id: int) -> tuple[MigPlacement, int] | None:
     """(placement, GPU-instance profile id) of GPU instance ``gi_id`` of GPU ``index``; None
     where NVML does not say (no such instance, an unprivileged agent)."""
-    gi = b.call("nvmlDeviceGetGpuInstanceById", h, gi_id, gpu=index, absent=_absent(b))
+    gi = b.call("nvmlDeviceGetGpuInstanceById", h, gi_id, gpu=index, absent=absent_answers(b))
     if gi is None:
         return None
-    info = b.call("nvmlGpuInstanceGetInfo", gi, gpu=index, absent=_absent(b))
+    info = b.call("nvmlGpuInstanceGetInfo", gi, gpu=index, absent=absent_answers(b))
     if info is None or int(info.placement.size) == 0:
         return None
     return MigPlacement(int(info.placement.start), int(info.placement.size)), int(info.profileId)

@@ -225,7 +225,9 @@ class NVMLError(Exception):
         16: "GPU requires restart",
         17: "The operating system has blocked the request.",
         18: "RM has detected an NVML/RM version mismatch.",
+        19: "In use by another client",
         20: "Insufficient Memory",
+        23: "Insufficient Resources",
         999: "Unknown Error",
     }
 
