@@ -292,3 +292,82 @@ def test_every_profile_of_every_product_can_be_created_at_each_placement_on_a_fr
             assert (made.profile, made.placement) == (p.name, placement)
             backend.destroy_mig(0, made.gi_id)
     assert backend.mig_instances(0) == ()
+
+
+# ---------------------------------------------------------------- the simulator's state file
+def test_the_mig_layout_outlives_the_simulated_machine_through_the_state_file(
+    tmp_path, monkeypatch, open_backend
+):
+    state = tmp_path / "sim-state.json"
+    monkeypatch.setenv("GPU_AGENT_SIM_STATE", str(state))
+    _, first = open_backend({"model": H100, "mig": ["1g.10gb"]})
+    made = first.create_mig(0, "3g.40gb", 4)
+    spec_own = next(m for m in first.mig_instances(0) if m.profile == "1g.10gb")
+    first.destroy_mig(0, spec_own.gi_id)
+    sim, again = open_backend(
+        {"model": H100, "mig": ["1g.10gb"]}
+    )  # same spec, a new process's view
+    assert again.mig_instances(0) == (made,)
+    assert [d.uuid for d in again.read_facts().gpus[0].mig_devices] == [made.uuid]
+    assert not [p for p in tmp_path.iterdir() if p.name != "sim-state.json"]  # no temp file left
+    # a MIG device made after the restart never reuses a UUID
+    assert again.create_mig(0, "1g.10gb", 0).uuid not in (made.uuid, spec_own.uuid)
+
+
+def test_an_agent_process_started_on_the_same_state_file_sees_the_instances(
+    tmp_path, monkeypatch, open_backend
+):
+    import json
+    import subprocess
+    import sys
+
+    spec = tmp_path / "m.yaml"
+    spec.write_text(
+        'name: m\ngpus:\n  - {bus_id: "0000:10:00.0", model: NVIDIA H100 80GB HBM3, mig: []}\n'
+    )
+    state = tmp_path / "state.json"
+    monkeypatch.setenv("GPU_AGENT_SIM_STATE", str(state))
+    _, backend = open_backend({"model": H100, "mig": []})
+    made = backend.create_mig(0, "2g.20gb", 2)
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "discover", "--simulate", str(spec), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    (gpu,) = json.loads(out.stdout)["gpus"]
+    assert [d["uuid"] for d in gpu["mig_devices"]] == [made.uuid]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not a readable MIG state file"),
+        ('{"version": 1, "machine": "other", "gpus": {}}', "written for machine 'other', not 'm'"),
+        ('{"version": 1, "machine": "m", "gpus": {"GPU-X": 1}}', None),
+        ('{"version": 7}', "expected a mapping with version 1"),
+    ],
+)
+def test_a_corrupt_state_file_is_one_clear_error_naming_it(tmp_path, monkeypatch, content, message):
+    state = tmp_path / "state.json"
+    state.write_text(content)
+    monkeypatch.setenv("GPU_AGENT_SIM_STATE", str(state))
+    if message is None:  # a GPU the machine does not have: nothing of it is laid over
+        machine({"model": H100}).close()
+        return
+    with pytest.raises(InputFormatError, match=rf"{state} \(GPU_AGENT_SIM_STATE\): .*{message}"):
+        machine({"model": H100})
+
+
+def test_a_state_file_entry_with_a_profile_the_gpu_lacks_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_AGENT_SIM_STATE", str(tmp_path / "state.json"))
+    sim = machine({"model": H100, "mig": ["1g.10gb"]})
+    backend = sim.backend()
+    backend.init()
+    backend.create_mig(0, "1g.10gb", 3)
+    sim.close()
+    text = (tmp_path / "state.json").read_text().replace('"1g.10gb"', '"1g.5gb"')
+    (tmp_path / "state.json").write_text(text)
+    with pytest.raises(InputFormatError, match=r"no MIG profile '1g\.5gb' on this GPU"):
+        machine({"model": H100, "mig": ["1g.10gb"]})

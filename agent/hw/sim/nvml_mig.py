@@ -19,7 +19,8 @@ to the installed pynvml). Behaviour modelled, as NVML documents it:
   a GPU without processes (``InUse`` otherwise); disabling with GPU instances left is
   ``InUse``.
 
-Every change of layout or mode is handed to :meth:`MigApi._mig_changed`.
+Every change of layout or mode is handed to :meth:`MigApi._mig_changed`, which writes the
+simulator's state file where one is kept (:meth:`MigApi.keep_mig_state`).
 
 Size: above 400 lines because it is pynvml's MIG API, one short method per function with
 pynvml's own name and parameters, each holding NVML's documented errors; the layout itself
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.hw.sim.mig_geometry import fits
+from agent.hw.sim.mig_state_file import load_mig_state, save_mig_state
 from agent.hw.sim.nvml_core import FakeNvmlCore, _Handle, _InstanceHandle, api
 from agent.hw.sim.nvml_mig_state import (
     CI_PROFILES,
@@ -120,6 +122,8 @@ class MigApi(FakeNvmlCore):
 
     c_nvmlGpuInstance_t = c_nvmlGpuInstance_t
     c_nvmlComputeInstance_t = c_nvmlComputeInstance_t
+    #: the simulator's MIG state file (None: the layout lives in memory only)
+    _state_file: str | None = None
 
     # ------------------------------------------------------------------ simulator controls
     def occupy_mig(self, index: int, gi_id: int, busy: bool = True) -> None:
@@ -132,8 +136,17 @@ class MigApi(FakeNvmlCore):
             else:
                 state.busy.discard(gi_id)
 
+    def keep_mig_state(self, path: str) -> None:
+        """Start from the MIG layout in the state file ``path`` and write every change to it
+        (:mod:`agent.hw.sim.mig_state_file`); InputFormatError naming it when it is corrupt."""
+        with self._lock:
+            load_mig_state(path, self.spec, self._mig_state)
+            self._state_file = path
+
     def _mig_changed(self) -> None:
         """Called under the lock after every change of MIG layout or mode."""
+        if self._state_file is not None:
+            save_mig_state(self._state_file, self.spec, self._mig_state)
 
     # ------------------------------------------------------------------ helpers
     def _capable(self, device: _Handle) -> tuple[GpuSpec, MigGpuState]:

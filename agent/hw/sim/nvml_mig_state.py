@@ -177,6 +177,8 @@ class MigGpuState:
         for raw in data["gpu_instances"]:
             name = str(raw["profile"])
             profile = self.geometry.profile(name) if self.geometry is not None else None
+            if self.geometry is not None and profile is None:
+                raise ValueError(f"no MIG profile {name!r} on this GPU")
             placement = (
                 None
                 if raw["placement"] is None
