@@ -30,6 +30,9 @@ Every run is appended to ``$FAKE_NVIDIA_SMI_RECORD`` when set (one JSON list of 
 arguments a line), so tests see what was asked. ``$FAKE_NVIDIA_SMI_FAIL`` naming a command
 (``compute-policy``) makes it fail as an unprivileged user's run does ("Insufficient
 Permissions", exit status 4).
+- ``mig -lgi [-i N]``: the GPU instances table (name, profile id, instance id,
+  ``start:size``), from the simulator's MIG state file (``GPU_AGENT_SIM_STATE``) where one
+  is kept, so that it sees the instances the agent made in another process.
 
 ``$FAKE_NVIDIA_SMI_DRIVER`` replaces the driver version it prints (a test's way to make the
 tool and the agent disagree, so that the kit's comparison is seen to catch it).
@@ -37,6 +40,7 @@ tool and the agent disagree, so that the kit's comparison is seen to catch it).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -45,6 +49,7 @@ from typing import Any
 from agent.formats import parse_cpulist
 from agent.hw.pcie import PciePlace, pcie_level
 from agent.hw.sim.machines import load_spec
+from agent.hw.sim.mig_state_file import STATE_ENV
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.sysfs_tree import placement_path
 
@@ -73,6 +78,8 @@ class Smi:
     def __init__(self, machine: str) -> None:
         self.spec = load_spec(machine)
         self.nvml = FakeNvml(self.spec)
+        if os.environ.get(STATE_ENV):  # the simulated GPUs' MIG layout, as the agent left it
+            self.nvml.keep_mig_state(os.environ[STATE_ENV])
         self.nvml.nvmlInit()
         self.handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self.nvml.nvmlDeviceGetCount())]
 
@@ -219,6 +226,38 @@ class Smi:
                 lines.append(f"{i:>5} {p.pid:>10}     C {p.sm_util:>6} {p.mem_util:>6}      -      -      -      -    python")
         return "\n".join(lines) + "\n"
 
+    def mig_lgi(self, only: int | None) -> tuple[str, int]:
+        """``mig -lgi [-i N]``: the GPU instances of the MIG-enabled GPUs (exit 6 and
+        ``No GPU instances found`` when there are none)."""
+        n = self.nvml
+        rows = []
+        for i, h in enumerate(self.handles):
+            mode = _call(n.nvmlDeviceGetMigMode, h)
+            if (only is not None and i != only) or not mode or not mode[0]:
+                continue
+            for constant in range(n.NVML_GPU_INSTANCE_PROFILE_COUNT):
+                info = _call(n.nvmlDeviceGetGpuInstanceProfileInfo, h, constant)
+                if info is None:
+                    continue
+                handles = (n.c_nvmlGpuInstance_t * info.instanceCount)()
+                count = ctypes.c_uint(info.instanceCount)
+                if _call(n.nvmlDeviceGetGpuInstances, h, info.id, handles, ctypes.byref(count)) is None:
+                    continue
+                for gi in handles[: count.value]:
+                    gi_info = n.nvmlGpuInstanceGetInfo(gi)
+                    rows.append((i, info.name, info.id, gi_info.id, gi_info.placement.start, gi_info.placement.size))
+        if not rows:
+            return "No GPU instances found: Not Found\n", 6
+        lines = ["+-------------------------------------------------------+",
+                 "| GPU instances:                                        |",
+                 "| GPU   Name             Profile  Instance   Placement  |",
+                 "|                          ID       ID       Start:Size |",
+                 "|=======================================================|"]
+        for i, name, profile_id, gi_id, start, size in sorted(rows):
+            lines.append(f"|   {i:<3}{name:<22}{profile_id:>3}{gi_id:>9}{start:>10}:{size:<6}|")
+            lines.append("+-------------------------------------------------------+")
+        return "\n".join(lines) + "\n", 0
+
 
 def compute_policy(machine: str, argv: list[str]) -> int:
     """``compute-policy -i <uuid> --set-timeslice <n>``."""
@@ -262,6 +301,10 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(smi.compute_apps())
     elif argv[:1] == ["pmon"]:
         sys.stdout.write(smi.pmon())
+    elif argv[:2] == ["mig", "-lgi"]:
+        text, rc = smi.mig_lgi(int(argv[3]) if argv[2:3] == ["-i"] else None)
+        sys.stdout.write(text)
+        return rc
     else:
         print(f"fake nvidia-smi: not implemented: {' '.join(argv)}", file=sys.stderr)
         return 2

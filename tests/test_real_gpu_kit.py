@@ -41,9 +41,9 @@ MACHINE = {
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def run_kit(tmp_path, **env: str) -> tuple[int, dict, str]:
+def run_kit(tmp_path, machine: dict | None = None, **env: str) -> tuple[int, dict, str]:
     spec = tmp_path / "kit-node.yaml"
-    spec.write_text(yaml.safe_dump(MACHINE))
+    spec.write_text(yaml.safe_dump(machine or MACHINE))
     out = tmp_path / "report"
     result = subprocess.run(
         [sys.executable, KIT, "--simulate", str(spec), "--nvidia-smi", f"{sys.executable} {FAKE_SMI}",
@@ -62,7 +62,8 @@ def test_the_kit_finds_no_difference_between_the_agent_and_nvidia_smi_on_a_simul
     assert rc == 0, text
     assert {name: s["status"] for name, s in steps.items()} == {
         "doctor": "ok", "topology": "ok", "labels": "ok", "allocate": "ok", "soak": "ok", "nvml": "ok",
-        "processes": "ok"}, text
+        "processes": "ok", "mig": "skipped"}, text
+    assert steps["mig"]["reason"] == "no GPU has MIG mode on (the kit never changes MIG mode)"
     assert steps["topology"]["details"] == {"gpus": 4, "nics": 2}
     assert steps["allocate"]["details"] == {"sizes": 4}
     assert steps["soak"]["details"]["devices"] == 4
@@ -114,3 +115,15 @@ def test_the_kit_reports_where_nvidia_smi_and_the_agent_disagree(tmp_path):
     assert {"step": "labels", "what": "nvidia.com/cuda.driver-version.full", "agent": "550.54.15",
             "nvidia_smi": "560.35.03"} in report["differences"]
     assert "DIFF labels: nvidia.com/cuda.driver-version.full: agent '550.54.15', nvidia-smi '560.35.03'" in text
+
+
+def test_on_a_gpu_with_mig_on_the_kit_creates_and_destroys_one_instance_and_leaves_the_others(tmp_path):
+    machine = {"name": "kit-mig", "driver_version": "550.54.15", "cuda_driver_version": 12040,
+               "gpus": [{"bus_id": "0000:17:00.0", "model": "NVIDIA H100 80GB HBM3", "mig": ["3g.40gb", "1g.10gb"]},
+                        {"bus_id": "0000:31:00.0", "model": "NVIDIA H100 80GB HBM3"}]}
+    rc, report, text = run_kit(tmp_path, machine)
+    mig = report["steps"]["mig"]
+    assert (mig["status"], mig["differences"]) == ("ok", []), text
+    # the smallest profile on the first free placement: the spec's 3g sits on 0-3, its 1g on 4
+    assert {k: mig["details"][k] for k in ("gpu", "profile", "placement", "instances_left_alone")} == {
+        "gpu": 0, "profile": "1g.10gb", "placement": [5, 1], "instances_left_alone": 2}

@@ -18,6 +18,8 @@ protocol               members                              who uses it
 :class:`HealthFacts`   ``remapped_rows``, ``nvlink_states``, the health facts check
                        ``fabric_state``, ``recovery_action``, (``agent.health.facts_check``)
                        ``pci_gpus``
+:class:`MigControl`    ``mig_instances``, ``create_mig``,   dynamic MIG (DRA prepare and
+                       ``destroy_mig``, ``enable_mig``      unprepare)
 =====================  ===================================  ==============================
 
 Every implementation is thread-safe unless it says otherwise; no method but ``init`` and
@@ -35,7 +37,7 @@ from agent.records import MigInstance, NodeFacts
 
 __all__ = [
     "EventSource", "FabricState", "FactsReader", "GpuSample", "HealthEvent", "HealthFacts", "Lifecycle",
-    "ProcessSample", "RecoveryAction", "RemappedRows", "SampleSource", "Telemetry",
+    "MigControl", "ProcessSample", "RecoveryAction", "RemappedRows", "SampleSource", "Telemetry",
 ]
 
 

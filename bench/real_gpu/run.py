@@ -25,7 +25,12 @@ Steps (each recorded in the report, a failing one does not stop the others):
 7. ``processes``: while a process uses GPU 0, the agent's per-process memory and SM
    utilisation against ``--query-compute-apps`` and ``pmon``. The process is a matrix
    multiply loop in PyTorch or CuPy, whichever is installed (``nvidia-smi`` holds no CUDA
-   context); without either the step is skipped and says so.
+   context); without either the step is skipped and says so;
+8. ``mig``: where a GPU already has MIG mode on, one instance of its smallest profile made on
+   a free placement through the agent's path (``NvmlBackend.create_mig``) and compared with
+   ``nvidia-smi mig -lgi``, then destroyed and compared again. The kit never changes MIG
+   mode, never resets a GPU and never touches an instance it did not make; elsewhere the step
+   is skipped and says why.
 
 It writes ``report.json`` and ``report.txt`` in ``--out`` listing every difference, and
 exits 0 when there is none (and no step failed), 1 otherwise.
@@ -41,6 +46,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -67,6 +73,8 @@ from compare import (  # noqa: E402
 )
 from nvml_calls import record_calls  # noqa: E402
 
+#: A row of ``nvidia-smi mig -lgi``: GPU, name, profile id, instance id, start:size.
+_LGI_ROW = re.compile(r"^\|\s*(\d+)\s+MIG\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+):(\d+)\s*\|", re.MULTILINE)
 #: The whole kit stays within this (the issue's 8 minutes, less a margin).
 BUDGET_S = 450.0
 #: The agent's sampling interval in run mode (``sample_interval_s``'s default).
@@ -253,6 +261,76 @@ class Kit:
                 worker.kill()
                 worker.wait()
 
+    def mig(self) -> dict[str, Any]:
+        """Where a GPU already has MIG on: one instance of its smallest profile on a free
+        placement through the agent's path (``NvmlBackend.create_mig``), compared with
+        ``nvidia-smi mig -lgi``, destroyed, compared again. MIG mode is never changed, no GPU
+        reset, and no instance the kit did not create is touched."""
+        from agent.discovery import open_backend
+
+        if self.args.simulate:  # nvidia-smi runs in another process: it sees the layout there
+            os.makedirs(self.args.out, exist_ok=True)
+            state = os.path.join(os.path.abspath(self.args.out), "simulated-mig-state.json")
+            os.environ["GPU_AGENT_SIM_STATE"] = self.env["GPU_AGENT_SIM_STATE"] = state
+        backend, sim = open_backend(self.args.simulate)
+        backend.init()
+        try:
+            gpus = backend.read_facts().gpus
+            target = next((g for g in gpus if g.mig_enabled and g.mig_geometry is not None and not g.lost), None)
+            if target is None:
+                return {"skipped": "no GPU has MIG mode on (the kit never changes MIG mode)"
+                        if not any(g.mig_enabled for g in gpus) else "the MIG GPUs offer no MIG profile to NVML here"}
+            return self._mig_on(backend, target)
+        finally:
+            backend.shutdown()
+            if sim is not None:
+                sim.close()
+
+    def _lgi(self, index: int) -> list[tuple[int, str, int, int]]:
+        """``nvidia-smi mig -lgi -i N``: (GPU instance id, profile, start, size) of each."""
+        result = subprocess.run([*self.smi_cmd, "mig", "-lgi", "-i", str(index)], capture_output=True, text=True,
+                                timeout=60, env=self.env)
+        return sorted((int(m[4]), m[2], int(m[5]), int(m[6])) for m in _LGI_ROW.finditer(result.stdout))
+
+    def _mig_on(self, backend: Any, gpu: Any) -> dict[str, Any]:
+        from agent.errors import MigError
+
+        def agent_view() -> list[tuple[int, str, int, int]]:
+            return sorted((m.gi_id, m.profile, m.placement.start, m.placement.size)
+                          for m in backend.mig_instances(gpu.index))
+
+        out: list[dict[str, Any]] = []
+        before, smi_before = agent_view(), self._lgi(gpu.index)
+        if before != smi_before:
+            out.append(difference("mig", f"GPU {gpu.index} instances before", before, smi_before))
+        smallest = min(gpu.mig_geometry.profiles, key=lambda p: (p.memory_mib, p.compute_slices, p.profile_id))
+        used = {s for _, _, start, size in before for s in range(start, start + size)}
+        made, refused = None, []
+        for placement in smallest.placements:
+            if used & set(placement.slices):
+                continue
+            try:
+                made = backend.create_mig(gpu.index, smallest.name, placement.start)
+                break
+            except MigError as exc:  # taken by compute slices, or by another tool meanwhile
+                refused.append(str(exc))
+        if made is None:
+            return {"skipped": f"GPU {gpu.index}: no free placement for {smallest.name}", "details": {
+                "instances": before, "refused": refused}}
+        try:
+            row = (made.gi_id, made.profile, made.placement.start, made.placement.size)
+            smi_during = self._lgi(gpu.index)
+            if smi_during != sorted([*smi_before, row]):
+                out.append(difference("mig", f"GPU {gpu.index} after creating {smallest.name}", row, smi_during))
+        finally:
+            backend.destroy_mig(gpu.index, made.gi_id)  # only the kit's own instance
+        smi_after = self._lgi(gpu.index)
+        if smi_after != smi_before or agent_view() != before:
+            out.append(difference("mig", f"GPU {gpu.index} after destroying it", agent_view(), smi_after))
+        return {"differences": out, "details": {"gpu": gpu.index, "profile": smallest.name,
+                                                "placement": [made.placement.start, made.placement.size],
+                                                "uuid": made.uuid, "instances_left_alone": len(before)}}
+
     def _agent_processes(self) -> dict[int, tuple[int | None, int | None]]:
         """pid -> (used MiB, SM %) of every GPU's processes, read by the agent's backend (two
         rounds, 1 s apart: per-process utilisation is a difference of samples)."""
@@ -315,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     kit = Kit(args)
     steps: dict[str, dict[str, Any]] = {}
     differences: list[dict[str, Any]] = []
-    for name in ("doctor", "topology", "labels", "allocate", "soak", "nvml", "processes"):
+    for name in ("doctor", "topology", "labels", "allocate", "soak", "nvml", "processes", "mig"):
         started = time.monotonic()
         try:
             result = getattr(kit, name)()

@@ -10,6 +10,8 @@ through that wrapper) that adds what the layers above ask of the hardware:
 * telemetry, :meth:`NvmlBackend.sample_source` (:mod:`agent.hw.nvml.telemetry`);
 * health facts polled, :meth:`NvmlBackend.remapped_rows` and the rest of
   :class:`~agent.hw.protocols.HealthFacts` (:mod:`agent.hw.nvml.health_facts`).
+* dynamic MIG, :meth:`NvmlBackend.create_mig` and the rest of
+  :class:`~agent.hw.protocols.MigControl` (:mod:`agent.hw.nvml.mig_control`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from agent.hw.nvml.calls import NvmlCalls
 from agent.hw.nvml.events import NvmlEvents
 from agent.hw.nvml.facts import read_node_facts
 from agent.hw.nvml.health_facts import NvmlHealthFacts
+from agent.hw.nvml.mig_control import NvmlMig
 from agent.hw.nvml.telemetry import NvmlSampler
 from agent.hw.protocols import (
     EventSource,
@@ -30,11 +33,12 @@ from agent.hw.protocols import (
     HealthEvent,
     HealthFacts,
     Lifecycle,
+    MigControl,
     RemappedRows,
     SampleSource,
     Telemetry,
 )
-from agent.records import NodeFacts
+from agent.records import MigInstance, NodeFacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.sysfs import SysfsReader
@@ -42,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["NvmlBackend"]
 
 
-class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, HealthFacts):
+class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, HealthFacts, MigControl):
     """NVML (real or fake) behind one wrapper, with discovery, events and telemetry.
 
     ``lib``: None for the real ``pynvml`` (imported in :meth:`init`), else a module-like
@@ -64,6 +68,7 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, Hea
         self._sysfs = sysfs
         self._events = NvmlEvents(self)
         self._health_facts = NvmlHealthFacts(self, sysfs)
+        self._mig = NvmlMig(self)
 
     @property
     def sysfs(self) -> SysfsReader | None:
@@ -117,3 +122,21 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, Hea
 
     def pci_gpus(self) -> tuple[str, ...] | None:
         return self._health_facts.pci_gpus()
+
+    # ------------------------------------------------------------------ dynamic MIG
+    def mig_instances(self, index: int) -> tuple[MigInstance, ...]:
+        """The GPU instances on GPU ``index`` now (:meth:`NvmlMig.mig_instances`)."""
+        return self._mig.mig_instances(index)
+
+    def create_mig(self, index: int, profile: str, start: int) -> MigInstance:
+        """A ``profile`` GPU instance at memory slice ``start`` with one compute instance
+        spanning it (:meth:`NvmlMig.create_mig`)."""
+        return self._mig.create_mig(index, profile, start)
+
+    def destroy_mig(self, index: int, gi_id: int) -> None:
+        """GPU instance ``gi_id`` and its compute instances (:meth:`NvmlMig.destroy_mig`)."""
+        self._mig.destroy_mig(index, gi_id)
+
+    def enable_mig(self, index: int) -> None:
+        """MIG mode on for a free GPU ``index`` (:meth:`NvmlMig.enable_mig`)."""
+        self._mig.enable_mig(index)
