@@ -142,7 +142,7 @@ def test_an_nvlink_down_before_the_agent_started_is_found_against_the_gpus_peers
 
 def test_a_gpu_in_mig_mode_is_not_reported_for_its_inactive_nvlinks(make_node):
     data = _spec("dgx-a100")
-    data["gpus"][1]["mig"] = ["3g.40gb"]
+    data["gpus"][1]["mig"] = ["3g.20gb"]
     data["gpus"][1]["faults"] = {"nvlink_down": list(range(6))}  # as MIG mode may show them
     node = make_node(data)
     assert node.poll() == {}
