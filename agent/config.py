@@ -62,6 +62,10 @@ class Config:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     extra_critical_xids: tuple[int, ...] = ()  # XIDs made critical although in ignored list
     health_recovery_s: float = 300.0  # a GPU quiet this long becomes healthy again
+    #: the GPUHealthy Node condition and the Node's Events: auto (on where a node name and an API
+    #: server are configured), on, off, dry-run (logged, not written) (env HEALTH_NODE_CONDITION,
+    #: file health.nodeCondition)
+    node_condition: str = "auto"
     # --- paths and endpoints (the `run` flags)
     kubelet_dir: str = "/var/lib/kubelet/device-plugins"
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -172,6 +176,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "LOG_FORMAT": "log_format",
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
+    "HEALTH_NODE_CONDITION": "node_condition",
     "SAMPLE_INTERVAL_S": "sample_interval_s",
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
     "SOCKET_NAME": "socket_name",
@@ -351,7 +356,7 @@ START_ONLY_FIELDS = (
     "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "node_condition",
 )
 
 

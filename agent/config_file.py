@@ -277,7 +277,7 @@ def _parse_labels_sink(flags: Mapping[str, Any], out: dict[str, object]) -> None
 
 
 def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
-    _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds"), "health")
+    _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds", "nodeCondition"), "health")
     if "enabled" in health:
         out["health_checks_enabled"] = expect_bool(health["enabled"], "health.enabled")
     if "ignoredXids" in health:
@@ -286,6 +286,8 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
         out["extra_critical_xids"] = expect_xids(health["criticalXids"], "health.criticalXids")
     if "recoverySeconds" in health:
         out["health_recovery_s"] = expect_number(health["recoverySeconds"], "health.recoverySeconds")
+    if "nodeCondition" in health:
+        out["node_condition"] = parse_field("node_condition", health["nodeCondition"], "health.nodeCondition")
 
 
 def _refuse_misplaced_imex(flags: Mapping[str, Any]) -> None:

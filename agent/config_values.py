@@ -27,6 +27,9 @@ TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 #: dra.gpuSets: by the API server's version, always, never
 GPU_SETS_MODES = ("auto", "on", "off")
 LABEL_SINKS = ("file", "nodefeature")
+#: health.nodeCondition: the GPUHealthy condition written where an API server is configured,
+#: always, never, or logged only
+NODE_CONDITION_MODES = ("auto", "on", "off", "dry-run")
 
 
 def got(value: object) -> str:
@@ -199,6 +202,13 @@ def _log_level(value: object, where: str) -> str:
 NCCL_POD_FILES = ("auto", "off")
 
 
+def _node_condition(value: object, where: str) -> str:
+    """One of :data:`NODE_CONDITION_MODES`; YAML's unquoted ``on``/``off`` (booleans) too."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return expect_choice(value, NODE_CONDITION_MODES, where)
+
+
 def _container_path(value: object, where: str) -> str:
     """An absolute path inside a container (not made absolute on the host)."""
     path = expect_path(value, where)
@@ -221,6 +231,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "ignored_xids": expect_xids,
     "extra_critical_xids": expect_xids,
     "health_recovery_s": expect_number,
+    "node_condition": _node_condition,
     "sample_interval_s": lambda v, w: expect_number(v, w, 0.1),
     "pod_resources_refresh_s": lambda v, w: expect_number(v, w, 0.1),
     "label_interval_s": lambda v, w: expect_number(v, w, 0.1),

@@ -106,6 +106,11 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
                    help="add /dev/nvidia* device nodes to Allocate responses (default: off)")
     p.add_argument("--health-recovery-s", metavar="SECONDS", type=float, dest="health_recovery_s", default=None,
                    help="a GPU quiet and answering NVML this long becomes healthy again (default: 300)")
+    p.add_argument("--node-condition", choices=("auto", "on", "off", "dry-run"), dest="node_condition",
+                   default=None,
+                   help="the GPUHealthy Node condition and the Node's Events: auto (where a node name and an"
+                        " API server are configured), on, off, dry-run (logged, not written)"
+                        " (default: auto; env HEALTH_NODE_CONDITION, file health.nodeCondition)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
     p.add_argument("--proc-root", metavar="DIR", dest="proc_root", default=None,
@@ -210,7 +215,7 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
-    "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
+    "pass_device_specs", "health_recovery_s", "node_condition", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
