@@ -66,6 +66,22 @@ class Config:
     #: server are configured), on, off, dry-run (logged, not written) (env HEALTH_NODE_CONDITION,
     #: file health.nodeCondition)
     node_condition: str = "auto"
+    #: the kernel log read for NVRM Xid and NVSwitch SXid lines: /dev/kmsg, or a plain file or
+    #: FIFO followed like tail -f (the simulator's way to inject faults); "" = not read
+    #: (flag --kernel-log, env KERNEL_LOG, file health.kernelLog)
+    kernel_log: str = "/dev/kmsg"
+    #: single XIDs treated otherwise than NVIDIA's catalog says: (XID, ignore | application |
+    #: reset | reboot | memory | nvlink | support) (file health.xids, env HEALTH_XIDS "48=reset,...")
+    xid_overrides: tuple[tuple[int, str], ...] = ()
+    #: an application XID seen this many times on one GPU within the window is a fault
+    #: (RepeatedApplicationXID); NVIDIA's catalog: a repeat on the same GPU may be hardware
+    #: (file health.repeatedXids.count / .windowSeconds, env HEALTH_REPEATED_XID_COUNT / _WINDOW_S)
+    repeated_xid_count: int = 5
+    repeated_xid_window_s: float = 86400.0
+    #: where standing faults and the kernel log position survive a restart; "" = beside the
+    #: plugin sockets' directory: <kubelet_dir>/../gpu-topology-agent/health-state.json, in DRA
+    #: mode <plugins_dir>/<driver>/health-state.json (env HEALTH_STATE_FILE)
+    health_state_file: str = ""
     # --- paths and endpoints (the `run` flags)
     kubelet_dir: str = "/var/lib/kubelet/device-plugins"
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -177,6 +193,11 @@ ENV_FIELDS: Mapping[str, str] = {
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
     "HEALTH_NODE_CONDITION": "node_condition",
+    "KERNEL_LOG": "kernel_log",
+    "HEALTH_XIDS": "xid_overrides",
+    "HEALTH_REPEATED_XID_COUNT": "repeated_xid_count",
+    "HEALTH_REPEATED_XID_WINDOW_S": "repeated_xid_window_s",
+    "HEALTH_STATE_FILE": "health_state_file",
     "SAMPLE_INTERVAL_S": "sample_interval_s",
     "POD_RESOURCES_REFRESH_S": "pod_resources_refresh_s",
     "SOCKET_NAME": "socket_name",
@@ -218,7 +239,7 @@ ENV_FIELDS: Mapping[str, str] = {
 #: pod-resources socket would otherwise become ``unix://relative/path`` and never connect).
 PATH_FIELDS = ("kubelet_dir", "pod_resources_socket", "features_dir", "sysfs_root", "nvidia_driver_root",
                "config_file", "web_config_file", "proc_root", "cri_socket", "mps_root", "config_file_srcdir",
-               "nccl_topology_file", "nccl_host_dir")
+               "nccl_topology_file", "nccl_host_dir", "kernel_log", "health_state_file")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
@@ -356,7 +377,7 @@ START_ONLY_FIELDS = (
     "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "node_condition",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "node_condition", "kernel_log", "health_state_file",
 )
 
 
@@ -383,6 +404,8 @@ def describe_config(config: Config) -> dict[str, object]:
                  "devices": list(t.devices) if t.devices is not None else "all"}
                 for t in value
             ]
+        elif f.name == "xid_overrides":
+            value = {str(x): v for x, v in value}
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value

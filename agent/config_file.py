@@ -277,7 +277,8 @@ def _parse_labels_sink(flags: Mapping[str, Any], out: dict[str, object]) -> None
 
 
 def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
-    _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds", "nodeCondition"), "health")
+    _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds", "nodeCondition", "kernelLog",
+                         "xids", "repeatedXids", "stateFile"), "health")
     if "enabled" in health:
         out["health_checks_enabled"] = expect_bool(health["enabled"], "health.enabled")
     if "ignoredXids" in health:
@@ -288,6 +289,18 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
         out["health_recovery_s"] = expect_number(health["recoverySeconds"], "health.recoverySeconds")
     if "nodeCondition" in health:
         out["node_condition"] = parse_field("node_condition", health["nodeCondition"], "health.nodeCondition")
+    for key, name in (("kernelLog", "kernel_log"), ("xids", "xid_overrides"), ("stateFile", "health_state_file")):
+        if key in health:
+            out[name] = parse_field(name, health[key], f"health.{key}")
+    if "repeatedXids" in health:
+        repeated = _expect_mapping(health["repeatedXids"], "health.repeatedXids")
+        _check_keys(repeated, ("count", "windowSeconds"), "health.repeatedXids")
+        if "count" in repeated:
+            out["repeated_xid_count"] = parse_field(
+                "repeated_xid_count", repeated["count"], "health.repeatedXids.count")
+        if "windowSeconds" in repeated:
+            out["repeated_xid_window_s"] = parse_field(
+                "repeated_xid_window_s", repeated["windowSeconds"], "health.repeatedXids.windowSeconds")
 
 
 def _refuse_misplaced_imex(flags: Mapping[str, Any]) -> None:

@@ -30,6 +30,8 @@ LABEL_SINKS = ("file", "nodefeature")
 #: health.nodeCondition: the GPUHealthy condition written where an API server is configured,
 #: always, never, or logged only
 NODE_CONDITION_MODES = ("auto", "on", "off", "dry-run")
+#: ``health.xids`` values: what a single XID is treated as (agent.health.xid_catalog)
+XID_OVERRIDE_CHOICES = ("ignore", "application", "reset", "reboot", "memory", "nvlink", "support")
 
 
 def got(value: object) -> str:
@@ -123,6 +125,44 @@ def expect_xids(value: object, where: str) -> tuple[int, ...]:
             raise ValueError(f"{where}: expected XID numbers >= 0, got {got(item)}")
         out.append(xid)
     return tuple(sorted(set(out)))
+
+
+def expect_xid_overrides(value: object, where: str) -> tuple[tuple[int, str], ...]:
+    """XID -> what it is treated as: a mapping (``{"48": "reset"}``) or its text form
+    (``48=reset,13=application``), each value one of :data:`XID_OVERRIDE_CHOICES`."""
+    if isinstance(value, str):
+        pairs: list[tuple[object, object]] = []
+        for item in (i.strip() for i in value.split(",")):
+            if item:
+                text, sep, named = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{where}: expected XID=CLASS pairs (48=reset,13=application), got {got(item)}")
+                pairs.append((text.strip(), named.strip()))
+    elif isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        pairs = [(p[0], p[1]) for p in value]  # the parsed form, given again (a reload)
+    else:
+        choices = ", ".join(XID_OVERRIDE_CHOICES)
+        raise ValueError(f"{where}: expected a mapping of XID to one of {choices}, got {got(value)}")
+    out: dict[int, str] = {}
+    for key, choice in pairs:
+        (number,) = expect_xids([key], f"{where}: key")
+        out[number] = expect_choice(str(choice).strip().lower(), XID_OVERRIDE_CHOICES, f"{where}.{number}")
+    return tuple(sorted(out.items()))
+
+
+def expect_count(value: object, where: str, minimum: int = 1) -> int:
+    """A whole number >= ``minimum``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = int(str(value).strip())
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a whole number >= {minimum}, got {got(value)}") from None
+    if number < minimum:
+        raise ValueError(f"{where}: expected a whole number >= {minimum}, got {got(value)}")
+    return number
 
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -232,6 +272,11 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "extra_critical_xids": expect_xids,
     "health_recovery_s": expect_number,
     "node_condition": _node_condition,
+    "kernel_log": lambda v, w: "" if v is None or v == "" else expect_path(v, w),  # "": not read
+    "xid_overrides": expect_xid_overrides,
+    "repeated_xid_count": expect_count,
+    "repeated_xid_window_s": lambda v, w: expect_number(v, w, 1.0),
+    "health_state_file": lambda v, w: "" if v is None or v == "" else expect_path(v, w),  # "": the default
     "sample_interval_s": lambda v, w: expect_number(v, w, 0.1),
     "pod_resources_refresh_s": lambda v, w: expect_number(v, w, 0.1),
     "label_interval_s": lambda v, w: expect_number(v, w, 0.1),

@@ -46,8 +46,9 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
-from agent.health import HealthState, HealthWatcher, lost_at_discovery
+from agent.health import HealthState, HealthWatcher, Occurrence, lost_at_discovery
 from agent.health.node_publisher import NodeHealthPublisher
+from agent.health.sources import build_watcher
 from agent.http.endpoints import WaitingEndpoint
 from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publishing import LabelPublisher
@@ -83,14 +84,26 @@ class DaemonBackend(Lifecycle, EventSource, Protocol):
 MetricsFactory = Callable[[Topology, Config, Callable[[], bool]], MetricsService]
 #: (health, topology, config) -> the Node health publisher (not yet started; None: none).
 NodeHealthFactory = Callable[[HealthState, Topology, Config], NodeHealthPublisher | None]
-#: (backend, health, config, on_xid) -> the health watcher (not yet started).
-WatcherFactory = Callable[[EventSource, HealthState, Config, Callable[[int, int], None] | None], HealthWatcher]
+#: (backend, health, config, on_xid, topology) -> the health watcher (not yet started).
+WatcherFactory = Callable[
+    [EventSource, HealthState, Config, Callable[[int, int], None] | None, Topology], HealthWatcher
+]
 
 
 def _default_watcher(
-    backend: EventSource, health: HealthState, config: Config, on_xid: Callable[[int, int], None] | None
+    backend: EventSource, health: HealthState, config: Config, on_xid: Callable[[int, int], None] | None,
+    topology: Topology,
 ) -> HealthWatcher:
-    return HealthWatcher(backend, health, config, on_xid=on_xid)
+    # the watched facts' poll (agent.health.facts_check) is handed in here as facts=
+    return build_watcher(backend, health, config, topology, on_xid=on_xid)
+
+
+def _count_xid(metrics: MetricsService, occurrence: Occurrence) -> None:
+    """Every XID line or event seen on a GPU, fault or not, is counted; recoveries and the
+    repeated-XID faults (made of XIDs already counted) are not."""
+    o = occurrence
+    if o.xid is not None and len(o.gpus) == 1 and not o.recovered and not o.key.startswith("repeated-"):
+        metrics.count_xid(o.gpus[0], o.xid, o.count)
 
 
 class Daemon:
@@ -306,6 +319,9 @@ class Daemon:
         if self.labels is not None:
             self.labels.publish(topology, self.config)
         self._start_metrics(topology)
+        metrics = self.metrics
+        if metrics is not None:
+            self.health.add_occurrence_listener(lambda o: _count_xid(metrics, o))
         self._start_watcher(self.config)
         # after the sources' start-up read: the first condition written is re-derived from
         # what they found, never a blind True
@@ -332,7 +348,8 @@ class Daemon:
             log.warning("health checks are disabled: GPUs are always advertised healthy")
             return
         on_xid = self.metrics.record_xid if self.metrics is not None else None
-        self.watcher = self._watcher_factory(self.backend, self.health, config, on_xid)
+        assert self.topology is not None
+        self.watcher = self._watcher_factory(self.backend, self.health, config, on_xid, self.topology)
         self.watcher.start()
 
     # ------------------------------------------------------------------ SIGHUP, kubelet restart

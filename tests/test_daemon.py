@@ -553,7 +553,7 @@ def test_daemon_uses_the_collaborators_it_is_given(dirs):
     sink = RecordingSink()
     made: list[tuple] = []
 
-    def watcher(backend, health, config, on_xid):
+    def watcher(backend, health, config, on_xid, topology):
         from agent.health import HealthWatcher
 
         w = HealthWatcher(backend, health, config, poll_ms=20, on_xid=on_xid)

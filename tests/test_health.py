@@ -109,7 +109,7 @@ def test_new_event_restarts_the_quiet_period():
     source.push(Event(2, "xid", 79))
     w.step()
     clock.now += 50
-    source.push(Event(2, "xid", 94))
+    source.push(Event(2, "xid", 48))
     w.step()
     clock.now += 50
     w.step()

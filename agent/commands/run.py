@@ -111,6 +111,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
                    help="the GPUHealthy Node condition and the Node's Events: auto (where a node name and an"
                         " API server are configured), on, off, dry-run (logged, not written)"
                         " (default: auto; env HEALTH_NODE_CONDITION, file health.nodeCondition)")
+    p.add_argument("--kernel-log", metavar="PATH", dest="kernel_log", default=None,
+                   help="the kernel log read for NVRM Xid and NVSwitch SXid lines: /dev/kmsg, or a file or"
+                        " FIFO followed like tail -f; '' = not read"
+                        f" (default: {_DEFAULTS.kernel_log}; env KERNEL_LOG, file health.kernelLog)")
+    p.add_argument("--health-state-file", metavar="PATH", dest="health_state_file", default=None,
+                   help="where standing faults survive a restart (default: beside the plugin sockets'"
+                        " directory; env HEALTH_STATE_FILE, file health.stateFile)")
     p.add_argument("--sysfs-root", metavar="DIR", dest="sysfs_root", default=None,
                    help="where sysfs is mounted (default: /sys)")
     p.add_argument("--proc-root", metavar="DIR", dest="proc_root", default=None,
@@ -215,7 +222,8 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
-    "pass_device_specs", "health_recovery_s", "node_condition", "sysfs_root", "socket_name", "feature_file",
+    "pass_device_specs", "health_recovery_s", "node_condition", "kernel_log", "health_state_file", "sysfs_root",
+    "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",

@@ -82,3 +82,4 @@ class Occurrence:
     recovered: bool = False
     at: float = 0.0
     source: str = "nvml"  # "nvml" | "kernel-log" | "facts"
+    count: int = 1  # lines or events this one stands for (a storm is aggregated before it is recorded)

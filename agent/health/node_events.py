@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from agent.health.faults import Occurrence
-from agent.health.node_condition import sentence, cap_message, gpu_names
+from agent.health.node_condition import cap_message, gpu_names, sentence
 from agent.records import Gpu
 
 __all__ = ["BURST", "EVENTS_NAMESPACE", "MAX_EVENTS", "REFILL_S", "EventBook", "PendingEvent", "COMPONENT"]

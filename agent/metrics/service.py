@@ -35,6 +35,7 @@ from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics.collector import GpuCollector, PlacementScorer, render_text
 from agent.metrics.sampler import Sampler, Snapshot
 from agent.metrics.self_metrics import AgentMetrics
+from agent.metrics.xids import XidCounter
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class MetricsService:
             scorer=self.scorer, clock=clock,
         )
         self.registry.register(self.collector)
+        self.xid_counter = XidCounter(topology, hostname)
+        self.registry.register(self.xid_counter)
         self.pod_resources = PodResourcesCache(
             PodResourcesClient(config.pod_resources_socket), topology,
             refresh_s=config.pod_resources_refresh_s,
@@ -97,6 +100,11 @@ class MetricsService:
     def record_xid(self, gpu_index: int, xid: int) -> None:
         """The health watcher reports an XID; exported as ``DCGM_FI_DEV_XID_ERRORS``."""
         self.sampler.record_xid(gpu_index, xid)
+
+    def count_xid(self, gpu_index: int, xid: int, times: int) -> None:
+        """``times`` occurrences of XID ``xid`` on GPU ``gpu_index``; exported as
+        ``DCGM_EXP_XID_ERRORS_TOTAL``."""
+        self.xid_counter.count(gpu_index, xid, times)
 
     def set_topology(self, topology: Topology, config: Config) -> None:
         """What a reload (or a topology read again) changes here: from the next pod-resources

@@ -1,0 +1,56 @@
+"""The production health watcher, built from the configuration: NVML's events (the backend),
+the kernel log (``config.kernel_log``), the state file and the topology's bus IDs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Iterable
+
+from agent.config import Config
+from agent.formats import parse_bus_id
+from agent.health.faults import Fault
+from agent.health.kernel_log import Inbox, KernelLogReader
+from agent.health.persist import StateFile, read_boot_id
+from agent.health.state import HealthState
+from agent.health.watcher import HealthWatcher
+from agent.hw.protocols import EventSource
+from agent.topology.model import Topology
+
+__all__ = ["build_watcher", "state_file_of"]
+
+log = logging.getLogger(__name__)
+
+
+def state_file_of(config: Config) -> str:
+    """``health.stateFile``, or where it is by default (:class:`Config`'s ``health_state_file``)."""
+    if config.health_state_file:
+        return config.health_state_file
+    if config.mode == "dra":
+        return os.path.join(config.plugins_dir, config.driver_name, "health-state.json")
+    return os.path.join(os.path.dirname(config.kubelet_dir.rstrip("/")), "gpu-topology-agent", "health-state.json")
+
+
+def build_watcher(
+    backend: EventSource,
+    state: HealthState,
+    config: Config,
+    topology: Topology,
+    *,
+    on_xid: Callable[[int, int], None] | None = None,
+    facts: Callable[[], Iterable[Fault]] | None = None,
+) -> HealthWatcher:
+    """The watcher of ``topology``'s GPUs (not yet started)."""
+    bus_ids: dict[tuple[int, int, int], int] = {}
+    for gpu in topology.gpus:
+        try:
+            domain, bus, dev, _fn = parse_bus_id(gpu.pci_bus_id)
+        except ValueError:
+            continue  # no bus ID known: its kernel-log lines name a bus that is no GPU of ours
+        bus_ids[(domain, bus, dev)] = gpu.index
+    boot_id = read_boot_id(config.proc_root)
+    reader = KernelLogReader(config.kernel_log, Inbox(), boot_id=boot_id) if config.kernel_log else None
+    if reader is None:
+        log.info("kernel log not read (kernel_log is empty): XIDs come from NVML alone")
+    return HealthWatcher(backend, state, config, on_xid=on_xid, bus_ids=bus_ids, kernel_log=reader,
+                         state_file=StateFile(state_file_of(config), boot_id), facts=facts)
