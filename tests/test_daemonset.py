@@ -548,6 +548,8 @@ def test_dra_deployment_renders_the_base_plus_the_driver_objects(
     namespace = rendered_dra.one("Namespace")["metadata"]["name"]
     for obj in rendered_dra.objects:
         expected = None if obj["kind"] in CLUSTER_SCOPED_KINDS else namespace
+        if key(obj)[1] == "gpu-topology-agent-node-events":
+            expected = "default"  # Events about a Node live there
         assert obj["metadata"].get("namespace") == expected, key(obj)
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpu-topology-agent"
 

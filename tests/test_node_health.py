@@ -297,25 +297,83 @@ def test_dry_run_logs_what_it_would_write_and_off_builds_nothing(caplog):
     assert "dry-run: would create Warning Event ApplicationXID on Node node-1" in said
 
 
-# ---------------------------------------------------------------------- the agent
-def test_the_running_agent_writes_its_nodes_condition_through_its_kubeconfig(api, tmp_path):
-    from tests.test_labels_nodefeature import write_kubeconfig
+# ---------------------------------------------------------------------- the agent, through --kernel-log
+# dgx-h100's GPUs as the driver prints them in Xid lines (its GPU 3 is NVML's 00000000:61:00.0)
+BUS = ["0000:1b:00", "0000:43:00", "0000:52:00", "0000:61:00", "0000:9d:00", "0000:c3:00", "0000:d1:00", "0000:df:00"]
 
-    kubeconfig = write_kubeconfig(str(tmp_path / "kubeconfig"), api.url, "node-1-agent")
-    kubelet = tmp_path / "k"
-    kubelet.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "NODE_NAME", "CONFIG_FILE")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--kubelet-dir", str(kubelet),
-         "--metrics-address", "127.0.0.1:0", "--pod-resources-socket", str(kubelet / "podres.sock"),
-         "--features-dir", str(tmp_path / "f"), "--kubeconfig", kubeconfig, "--node-name", NODE,
-         "--node-condition", "on"],
-        cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+class Agent:
+    """The agent on a simulated dgx-h100 with a kernel log file, a boot ID and a health state
+    file, writing its Node's condition to ``api`` through a kubeconfig."""
+
+    def __init__(self, api: ApiServerStub, root) -> None:
+        from tests.test_labels_nodefeature import write_kubeconfig
+
+        self.api, self.root = api, root
+        self.kernel_log = root / "kmsg.log"
+        self.kernel_log.write_text("")
+        (root / "proc/sys/kernel/random").mkdir(parents=True)
+        self.boot("boot-1")
+        (root / "k").mkdir()
+        self.kubeconfig = write_kubeconfig(str(root / "kubeconfig"), api.url, "node-1-agent")
+        self.proc: subprocess.Popen[str] | None = None
+
+    def boot(self, boot_id: str) -> None:
+        (self.root / "proc/sys/kernel/random/boot_id").write_text(boot_id + "\n")
+
+    def xid(self, gpu: int, number: int) -> None:
+        with open(self.kernel_log, "a", encoding="utf-8") as f:
+            f.write(f"NVRM: Xid (PCI:{BUS[gpu]}): {number}, pid=4242, name=python3, Ch 00000008\n")
+
+    def start(self) -> None:
+        root = self.root
+        env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "NODE_NAME", "CONFIG_FILE")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--kubelet-dir", str(root / "k"),
+             "--metrics-address", "127.0.0.1:0", "--probe-address", "127.0.0.1:0",
+             "--pod-resources-socket", str(root / "podres.sock"), "--features-dir", str(root / "f"),
+             "--kernel-log", str(self.kernel_log), "--health-state-file", str(root / "state.json"),
+             "--proc-root", str(root / "proc"), "--kubeconfig", self.kubeconfig, "--node-name", NODE,
+             "--node-condition", "on"],
+            cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self) -> str:
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            _, stderr = self.proc.communicate(timeout=30)
+        finally:
+            reap(self.proc)
+        assert self.proc.returncode == 0, stderr
+        return stderr
+
+
+def test_xid_lines_on_a_running_agent_set_the_condition_and_events_a_restart_keeps_a_reboot_clears(api, tmp_path):
+    agent = Agent(api, tmp_path)
+    agent.start()
     try:
-        got = wait_condition(api, "True", "GPUsHealthy", 60)
-        assert got["message"] == "All 8 GPUs are healthy."
+        assert wait_condition(api, "True", "GPUsHealthy", 60)["message"] == "All 8 GPUs are healthy."
+        agent.xid(0, 13)  # an application XID alone: an Event, the node stays healthy
+        assert api.wait_until(lambda: [e["reason"] for e in api.core_events()] == ["ApplicationXID"], 20)
+        agent.xid(3, 79)
+        fallen = wait_condition(api, "False", "NodeRebootRequired", 20)
+        assert "GPU 3 (00000000:61:00.0, GPU-" in fallen["message"] and fallen["message"].endswith("Reboot the node.")
+        assert condition(api)["status"] == "False"
     finally:
-        proc.terminate()
-        _, stderr = proc.communicate(timeout=30)
-        reap(proc)
-    assert proc.returncode == 0, stderr
+        agent.stop()
+    seen = len(api.condition_history(NODE, "GPUHealthy"))
+    agent.start()  # same boot: the standing fault is restored, never a True in between
+    try:
+        assert api.wait_until(lambda: condition(api)["lastHeartbeatTime"] != fallen["lastHeartbeatTime"], 60)
+        assert condition(api)["lastTransitionTime"] == fallen["lastTransitionTime"]
+        assert {c["status"] for c in api.condition_history(NODE, "GPUHealthy")[seen:]} == {"False"}
+    finally:
+        agent.stop()
+    agent.boot("boot-2")  # a reboot (a new boot ID, a new kernel log) clears it
+    agent.kernel_log.unlink()
+    agent.kernel_log.write_text("")
+    agent.start()
+    try:
+        wait_condition(api, "True", "GPUsHealthy", 60)
+    finally:
+        agent.stop()

@@ -104,6 +104,16 @@ class NodesAndEvents:
             node["metadata"]["resourceVersion"] = self._next_rv()  # type: ignore[attr-defined]
             self._record("nodes", "MODIFIED", node)  # type: ignore[attr-defined]
 
+    def condition_history(self, name: str, type_: str) -> list[dict[str, Any]]:
+        """Every state the Node's condition ``type_`` went through, one per write that changed
+        the Node (what a watch of the Node saw)."""
+        with self._lock:
+            nodes = [o for _, resource, _, o in self._events if resource == "nodes"  # type: ignore[attr-defined]
+                     and o["metadata"]["name"] == name]
+            found = [next((c for c in (o.get("status") or {}).get("conditions") or [] if c.get("type") == type_), None)
+                     for o in nodes]
+            return [copy.deepcopy(c) for c in found if c is not None]
+
     def core_events(self, namespace: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             return [copy.deepcopy(e) for (ns, _), e in sorted(self._core_events.items())
