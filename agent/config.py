@@ -9,6 +9,9 @@ reads a setting from it (the engine switch ``AGENT_PUREPYTHON`` is read by
 
 The loader (``load_config``) lives here too; field documentation says unit, default and why.
 Each value is checked by :mod:`agent.config_values`, whichever source gives it.
+
+Size: one frozen object documented field by field (unit, default, why) is the module's job;
+its fields grow with the features, and the loader that builds it belongs beside it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ megabyte). :data:`FIELD_PARSERS` maps a :class:`agent.config.Config` field to it
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Callable, Mapping
 
@@ -129,7 +130,13 @@ def expect_xids(value: object, where: str) -> tuple[int, ...]:
 
 def expect_xid_overrides(value: object, where: str) -> tuple[tuple[int, str], ...]:
     """XID -> what it is treated as: a mapping (``{"48": "reset"}``) or its text form
-    (``48=reset,13=application``), each value one of :data:`XID_OVERRIDE_CHOICES`."""
+    (``48=reset,13=application``) or that mapping as JSON, each value one of
+    :data:`XID_OVERRIDE_CHOICES`."""
+    if isinstance(value, str) and value.strip().startswith(("{", "[")):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected a JSON mapping of XID to class, got {got(value)}") from None
     if isinstance(value, str):
         pairs: list[tuple[object, object]] = []
         for item in (i.strip() for i in value.split(",")):

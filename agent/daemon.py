@@ -200,9 +200,14 @@ class Daemon:
                 active=os.path.basename(config.config_file or ""),
             )
             config_loader = node_config.load_active
+        def watcher(backend_: EventSource, health: HealthState, cfg: Config,
+                    on_xid: Callable[[int, int], None] | None, topology: Topology) -> HealthWatcher:
+            return build_watcher(backend_, health, cfg, topology, on_xid=on_xid, simulated=sim is not None)
+
         daemon = cls(
             config, backend,
             servers=servers_for(config.mode, agent_metrics),
+            watcher=watcher,
             # the running config's file: a node's own config (config_file_srcdir) may name one
             read_topology=lambda: read_topology(backend, sim, daemon.config.nccl_topology_file),
             labels=LabelPublisher(sink, count_error=agent_metrics.label_write_error),

@@ -110,10 +110,6 @@ class FaultBook:
         for key in [k for k, s in self._standing.items() if gpu in s.fault.gpus and s.source != "facts"]:
             self.clear(key, why)
 
-    def clear_all(self, why: str, keep: Callable[[Fault], bool] = lambda _f: False) -> None:
-        for key in [k for k, s in self._standing.items() if not keep(s.fault)]:
-            self.clear(key, why)
-
     def set_facts(self, faults: Iterable[Fault]) -> None:
         """The complete set of the watched facts' faults now: new ones raised, gone ones cleared."""
         now_keys = set()

@@ -39,8 +39,11 @@ def build_watcher(
     *,
     on_xid: Callable[[int, int], None] | None = None,
     facts: Callable[[], Iterable[Fault]] | None = None,
+    simulated: bool = False,
 ) -> HealthWatcher:
-    """The watcher of ``topology``'s GPUs (not yet started)."""
+    """The watcher of ``topology``'s GPUs (not yet started). A ``simulated`` machine reads a
+    kernel log and keeps a state file only when they are configured (the host's default
+    ``/dev/kmsg`` and state directory are not the simulated machine's)."""
     bus_ids: dict[tuple[int, int, int], int] = {}
     for gpu in topology.gpus:
         try:
@@ -49,8 +52,10 @@ def build_watcher(
             continue  # no bus ID known: its kernel-log lines name a bus that is no GPU of ours
         bus_ids[(domain, bus, dev)] = gpu.index
     boot_id = read_boot_id(config.proc_root)
-    reader = KernelLogReader(config.kernel_log, Inbox(), boot_id=boot_id) if config.kernel_log else None
+    kernel_log = "" if simulated and config.kernel_log == Config().kernel_log else config.kernel_log
+    reader = KernelLogReader(kernel_log, Inbox(), boot_id=boot_id) if kernel_log else None
     if reader is None:
-        log.info("kernel log not read (kernel_log is empty): XIDs come from NVML alone")
+        log.info("no kernel log read (give --kernel-log): XIDs come from NVML alone")
+    state_file = None if simulated and not config.health_state_file else StateFile(state_file_of(config), boot_id)
     return HealthWatcher(backend, state, config, on_xid=on_xid, bus_ids=bus_ids, kernel_log=reader,
-                         state_file=StateFile(state_file_of(config), boot_id), facts=facts)
+                         state_file=state_file, facts=facts)

@@ -209,11 +209,6 @@ class HealthWatcher(Worker):
             self._dropped = self.inbox.dropped
         self._save(read_through)
 
-    def recover(self) -> None:
-        """Clear what the quiet period clears (also part of :meth:`step`)."""
-        self.book.recover(self.config.health_recovery_s, self.backend.probe)
-        self.book.show_marks()
-
     def _poll_facts(self) -> None:
         if self.facts is None:
             return
