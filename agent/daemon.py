@@ -9,7 +9,7 @@ they serve.
 
 Start order: the effective configuration; NVML (real or simulated); topology; the servers
 (registration in the background); labels; metrics service; health watcher; the Node health
-publisher (``GPUHealthy`` condition, Events). Readiness
+publisher (``GPUHealthy`` condition, Events), after the sources' start-up read: never a blind True. Readiness
 (``/ready``) = the topology is read, the servers are ready (every resource registered with
 the running kubelet; in DRA mode the plugin registered and the slices published) and the
 last label write worked. Liveness (``/health``) = the servers can serve: a socket that could
@@ -328,8 +328,6 @@ class Daemon:
         if metrics is not None:
             self.health.add_occurrence_listener(lambda o: _count_xid(metrics, o))
         self._start_watcher(self.config)
-        # after the sources' start-up read: the first condition written is re-derived from
-        # what they found, never a blind True
         if self._node_health_factory is not None:
             self.node_health = self._node_health_factory(self.health, topology, self.config)
             if self.node_health is not None:
