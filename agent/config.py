@@ -71,6 +71,10 @@ class Config:
     #: seconds between two reads of the watched facts (GPU count, row remapping, NVLinks,
     #: fabric, the driver's recovery action: agent.health.facts_check)
     health_facts_interval_s: float = 30.0
+    #: the GPUHealthy Node condition and the Node's Events: auto (on where a node name and an API
+    #: server are configured), on, off, dry-run (logged, not written) (env HEALTH_NODE_CONDITION,
+    #: file health.nodeCondition)
+    node_condition: str = "auto"
     #: the kernel log read for NVRM Xid and NVSwitch SXid lines: /dev/kmsg, or a plain file or
     #: FIFO followed like tail -f (the simulator's way to inject faults); "" = not read
     #: (flag --kernel-log, env KERNEL_LOG, file health.kernelLog)
@@ -198,6 +202,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "LOG_LEVEL": "log_level",
     "HEALTH_RECOVERY_S": "health_recovery_s",
     "HEALTH_FACTS_INTERVAL_S": "health_facts_interval_s",
+    "HEALTH_NODE_CONDITION": "node_condition",
     "KERNEL_LOG": "kernel_log",
     "HEALTH_XIDS": "xid_overrides",
     "HEALTH_REPEATED_XID_COUNT": "repeated_xid_count",
@@ -384,7 +389,7 @@ START_ONLY_FIELDS = (
     "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
-    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "kernel_log", "health_state_file",
+    "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "node_condition", "kernel_log", "health_state_file",
 )
 
 

@@ -282,6 +282,7 @@ def _parse_labels_sink(flags: Mapping[str, Any], out: dict[str, object]) -> None
 
 def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
     _check_keys(health, ("enabled", "ignoredXids", "criticalXids", "recoverySeconds", "factsIntervalSeconds",
+                         "nodeCondition",
                          "kernelLog", "xids", "repeatedXids", "stateFile"), "health")
     if "enabled" in health:
         out["health_checks_enabled"] = expect_bool(health["enabled"], "health.enabled")
@@ -295,6 +296,8 @@ def _parse_health(health: Mapping[str, Any], out: dict[str, object]) -> None:
         out["health_facts_interval_s"] = expect_number(
             health["factsIntervalSeconds"], "health.factsIntervalSeconds", 0.1
         )
+    if "nodeCondition" in health:
+        out["node_condition"] = parse_field("node_condition", health["nodeCondition"], "health.nodeCondition")
     for key, name in (("kernelLog", "kernel_log"), ("xids", "xid_overrides"), ("stateFile", "health_state_file")):
         if key in health:
             out[name] = parse_field(name, health[key], f"health.{key}")

@@ -28,6 +28,9 @@ TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 #: dra.gpuSets: by the API server's version, always, never
 GPU_SETS_MODES = ("auto", "on", "off")
 LABEL_SINKS = ("file", "nodefeature")
+#: health.nodeCondition: the GPUHealthy condition written where an API server is configured,
+#: always, never, or logged only
+NODE_CONDITION_MODES = ("auto", "on", "off", "dry-run")
 #: ``health.xids`` values: what a single XID is treated as (agent.health.xid_catalog)
 XID_OVERRIDE_CHOICES = ("ignore", "application", "reset", "reboot", "memory", "nvlink", "support")
 
@@ -246,6 +249,13 @@ def _log_level(value: object, where: str) -> str:
 NCCL_POD_FILES = ("auto", "off")
 
 
+def _node_condition(value: object, where: str) -> str:
+    """One of :data:`NODE_CONDITION_MODES`; YAML's unquoted ``on``/``off`` (booleans) too."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return expect_choice(value, NODE_CONDITION_MODES, where)
+
+
 def _container_path(value: object, where: str) -> str:
     """An absolute path inside a container (not made absolute on the host)."""
     path = expect_path(value, where)
@@ -269,6 +279,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "extra_critical_xids": expect_xids,
     "health_recovery_s": expect_number,
     "health_facts_interval_s": lambda v, w: expect_number(v, w, 0.1),
+    "node_condition": _node_condition,
     "kernel_log": lambda v, w: "" if v is None or v == "" else expect_path(v, w),  # "": not read
     "xid_overrides": expect_xid_overrides,
     "repeated_xid_count": expect_count,

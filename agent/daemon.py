@@ -8,7 +8,8 @@ watcher. The daemon runs "the servers" through one small interface
 they serve.
 
 Start order: the effective configuration; NVML (real or simulated); topology; the servers
-(registration in the background); labels; metrics service; health watcher. Readiness
+(registration in the background); labels; metrics service; health watcher; the Node health
+publisher (``GPUHealthy`` condition, Events), after the sources' start-up read: never a blind True. Readiness
 (``/ready``) = the topology is read, the servers are ready (every resource registered with
 the running kubelet; in DRA mode the plugin registered and the slices published) and the
 last label write worked. Liveness (``/health``) = the servers can serve: a socket that could
@@ -47,6 +48,7 @@ from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
 from agent.health import HealthState, HealthWatcher, Occurrence, lost_at_discovery
 from agent.health.facts_check import FactsCheck
+from agent.health.node_publisher import NodeHealthPublisher
 from agent.health.sources import build_watcher
 from agent.http.endpoints import WaitingEndpoint
 from agent.hw.protocols import EventSource, Lifecycle
@@ -81,6 +83,8 @@ class DaemonBackend(Lifecycle, EventSource, Protocol):
 
 #: (topology, config, ready) -> the metrics service (not yet started).
 MetricsFactory = Callable[[Topology, Config, Callable[[], bool]], MetricsService]
+#: (health, topology, config) -> the Node health publisher (not yet started; None: none).
+NodeHealthFactory = Callable[[HealthState, Topology, Config], NodeHealthPublisher | None]
 #: (backend, health, config, on_xid, topology) -> the health watcher (not yet started).
 WatcherFactory = Callable[
     [EventSource, HealthState, Config, Callable[[int, int], None] | None, Topology], HealthWatcher
@@ -110,7 +114,8 @@ class Daemon:
     ``watcher`` build the mode's servers, the metrics service (None: no metrics endpoint)
     and the health watcher once the topology is read; ``waiting_endpoint`` serves
     ``/health`` while NVML is awaited (None: nothing). ``labels`` publishes the node labels
-    (None: none). ``config_loader`` reads the configuration again (SIGHUP). ``node_config``
+    (None: none). ``node_health`` builds the writer of the ``GPUHealthy`` condition and the
+    Node's Events (None: none). ``config_loader`` reads the configuration again (SIGHUP). ``node_config``
     follows the node's label choosing its config (None: one config). ``on_close`` runs last
     at shutdown (a simulated machine's clean-up).
     """
@@ -126,6 +131,7 @@ class Daemon:
         metrics: MetricsFactory | None = None,
         watcher: WatcherFactory = _default_watcher,
         waiting_endpoint: Callable[[Config], WaitingEndpoint] | None = None,
+        node_health: NodeHealthFactory | None = None,
         config_loader: Callable[[], Config] | None = None,
         node_config: NodeConfigSelector | None = None,
         on_close: Callable[[], None] | None = None,
@@ -139,6 +145,8 @@ class Daemon:
         self._metrics_factory = metrics
         self._watcher_factory = watcher
         self._waiting_endpoint_factory = waiting_endpoint
+        self._node_health_factory = node_health
+        self.node_health: NodeHealthPublisher | None = None
         self.config_loader = config_loader
         self._on_close = on_close
         self._nvml_open = False
@@ -206,6 +214,8 @@ class Daemon:
             labels=LabelPublisher(sink, count_error=agent_metrics.label_write_error),
             metrics=metrics,
             waiting_endpoint=WaitingEndpoint,
+            node_health=lambda state, topology, cfg: NodeHealthPublisher.from_config(
+                cfg, state, {g.index: g for g in topology.gpus}, agent_metrics),
             config_loader=config_loader,
             node_config=node_config,
             on_close=sim.close if sim is not None else None,
@@ -319,6 +329,10 @@ class Daemon:
         if metrics is not None:
             self.health.add_occurrence_listener(lambda o: _count_xid(metrics, o))
         self._start_watcher(self.config)
+        if self._node_health_factory is not None:
+            self.node_health = self._node_health_factory(self.health, topology, self.config)
+            if self.node_health is not None:
+                self.node_health.start()
         return True
 
     def _start_metrics(self, topology: Topology) -> None:
@@ -424,12 +438,15 @@ class Daemon:
         try:
             steps: list[tuple[str, Callable[[], None]]] = []
             servers, watcher, metrics, labels = self.servers, self.watcher, self.metrics, self.labels
+            node_health = self.node_health
             if self.node_config is not None:
                 steps.append(("node label watch", self.node_config.stop))
             if servers is not None:
                 steps.append(("servers", lambda: servers.stop(SERVERS_GRACE_S)))
             if watcher is not None:
                 steps.append(("health watcher", lambda: watcher.stop(2.0)))
+            if node_health is not None:
+                steps.append(("Node health publisher", lambda: node_health.stop(2.0)))
             if metrics is not None:
                 steps.append(("metrics", metrics.stop))
             if labels is not None:

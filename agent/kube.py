@@ -1,11 +1,13 @@
 """The one API-server client builder: every conversation the agent has with the API server
 (reading ResourceClaims, publishing ResourceSlices, keeping the NodeFeature of the label
-sink) goes through a client built here, from ``--kubeconfig`` or, when it is unset, the pod's
-in-cluster service account (``KUBERNETES_SERVICE_HOST`` and the mounted token).
+sink, writing the Node's GPUHealthy condition and Events) goes through a client built here,
+from ``--kubeconfig`` or, when it is unset, the pod's in-cluster service account
+(``KUBERNETES_SERVICE_HOST`` and the mounted token).
 
 :class:`CustomObjects` is the small door the label sink uses for one kind of namespaced
 custom object (``CustomObjectsApi``): plain JSON data in and out, 404 as None, every other
-failure one :class:`ApiCallError` with the server's status code, reason and message.
+failure one :class:`ApiCallError` with the server's status code, reason and message;
+:class:`CoreObjects` the same for the Node health publisher's ``core/v1`` requests.
 
 :func:`call` is that idiom for every other caller (the ResourceClaim reader, the
 ResourceSlice publisher, the node-label watch): one client method, JSON data or None for a
@@ -160,6 +162,62 @@ class CustomObjects:
             except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
                 raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
         method_of = getattr(client.CustomObjectsApi(self._client), method)
+        return call(what, method_of, *args, missing_ok=missing_ok, timeout_s=self.timeout_s,
+                    on_unreachable=self.close, **kwargs)
+
+
+class CoreObjects:
+    """The ``core/v1`` requests of the Node health publisher (its Node's status, Events on it),
+    as :class:`CustomObjects` is for custom objects: the client built on first use by
+    ``client_factory`` and dropped after a connection failure, every failure one
+    :class:`ApiCallError`. Patches are strategic merge patches (the Node status's
+    ``conditions`` merge by ``type``)."""
+
+    SMP = "application/strategic-merge-patch+json"
+
+    def __init__(self, client_factory: Callable[[], Any], *, timeout_s: float = 5.0) -> None:
+        self._client_factory = client_factory
+        self.timeout_s = timeout_s
+        self._client: Any = None
+
+    def read_node_status(self, name: str) -> dict[str, Any]:
+        return self._call(f"read Node {name} status", "read_node_status", name, missing_ok=False) or {}
+
+    def patch_node_status(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._call(f"patch Node {name} status", "patch_node_status", name, patch, missing_ok=False,
+                          _content_type=self.SMP) or {}
+
+    def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("metadata", {}).get("name", "")
+        return self._call(f"create Event {namespace}/{name}", "create_namespaced_event", namespace, body,
+                          missing_ok=False) or {}
+
+    def patch_event(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """None when the Event is gone (404)."""
+        return self._call(f"patch Event {namespace}/{name}", "patch_namespaced_event", name, namespace, patch,
+                          _content_type=self.SMP)
+
+    def read_event(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._call(f"read Event {namespace}/{name}", "read_namespaced_event", name, namespace)
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a pool must not fail a shutdown
+                pass
+
+    def _call(self, what: str, method: str, *args: Any, missing_ok: bool = True,
+              **kwargs: Any) -> dict[str, Any] | None:
+        from kubernetes import client
+
+        if self._client is None:
+            try:
+                self._client = self._client_factory()
+            except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
+                raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
+        method_of = getattr(client.CoreV1Api(self._client), method)
         return call(what, method_of, *args, missing_ok=missing_ok, timeout_s=self.timeout_s,
                     on_unreachable=self.close, **kwargs)
 

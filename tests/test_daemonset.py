@@ -452,8 +452,10 @@ def test_config_map_file_loads_with_the_agent_config_loader(
     rendered: Rendered, tmp_path: Path
 ) -> None:
     loaded = _loaded_config(rendered, tmp_path)
-    # The shipped file spells out the built-in defaults (it says so); keep them in step.
-    assert dataclasses.replace(loaded, config_file=None) == Config()
+    # The shipped file spells out the built-in defaults (it says so); keep them in step. The
+    # plain manifests give no API access: no GPUHealthy condition (HEALTH_NODE_CONDITION).
+    assert loaded.node_condition == "off"
+    assert dataclasses.replace(loaded, config_file=None, node_condition=Config().node_condition) == Config()
 
 
 def test_commented_time_slicing_example_loads_when_uncommented(tmp_path: Path) -> None:
@@ -539,12 +541,15 @@ def test_dra_deployment_renders_the_base_plus_the_driver_objects(
     assert {k for k, _ in added} == {
         "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding", "DeviceClass",
+        "Role", "RoleBinding",  # Events on the Node, in default (health.nodeCondition on)
     }
     assert len(rendered_dra.all_of("ConfigMap")) == len(rendered.all_of("ConfigMap"))
     assert len(rendered_dra.all_of("DaemonSet")) == 1
     namespace = rendered_dra.one("Namespace")["metadata"]["name"]
     for obj in rendered_dra.objects:
         expected = None if obj["kind"] in CLUSTER_SCOPED_KINDS else namespace
+        if key(obj)[1] == "gpu-topology-agent-node-events":
+            expected = "default"  # Events about a Node live there
         assert obj["metadata"].get("namespace") == expected, key(obj)
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpu-topology-agent"
 
@@ -590,8 +595,12 @@ def test_dra_cluster_role_grants_exactly_what_the_driver_needs(rendered_dra: Ren
         ("resource.k8s.io", "resourceslices"): sorted(["create", "update", "delete", "list", "watch", "get"]),
         ("resource.k8s.io", "resourceclaims"): ["get"],
         ("", "nodes"): ["get"],
+        ("", "nodes/status"): ["get", "patch"],  # the GPUHealthy condition
     }
-    assert not [o for o in rendered_dra.objects if o["kind"] in {"Role", "RoleBinding"}]
+    roles = [o for o in rendered_dra.objects if o["kind"] in {"Role", "RoleBinding"}]
+    assert {(o["kind"], o["metadata"]["namespace"]) for o in roles} == {("Role", "default"), ("RoleBinding", "default")}
+    assert rendered_dra.one("Role")["rules"] == [
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch", "get"]}]
 
 
 def test_dra_cluster_role_is_bound_to_the_agents_service_account(rendered_dra: Rendered) -> None:
@@ -606,7 +615,7 @@ def test_dra_cluster_role_is_bound_to_the_agents_service_account(rendered_dra: R
 def test_dra_admission_policy_lets_the_agent_write_only_its_own_nodes_slices(
     rendered_dra: Rendered
 ) -> None:
-    policy = rendered_dra.one("ValidatingAdmissionPolicy")
+    policy = rendered_dra.one("ValidatingAdmissionPolicy", "gpu-topology-agent-own-node-slices")
     account = rendered_dra.one("ServiceAccount")["metadata"]
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail"
@@ -621,7 +630,7 @@ def test_dra_admission_policy_lets_the_agent_write_only_its_own_nodes_slices(
     assert "oldObject" in variables["objectNodeName"] and "nodeName" in variables["objectNodeName"]
     assert any(v["expression"] == "variables.objectNodeName == variables.userNodeName"
                for v in spec["validations"])
-    binding = rendered_dra.one("ValidatingAdmissionPolicyBinding")
+    binding = rendered_dra.one("ValidatingAdmissionPolicyBinding", "gpu-topology-agent-own-node-slices")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
 
@@ -654,4 +663,6 @@ def test_dra_daemonset_runs_the_agent_in_dra_mode_with_the_shipped_config(
     loaded = _loaded_config(rendered_dra, tmp_path)
     assert loaded.mode == "dra"
     # every other value is the built-in default, as in the device-plugin deployment
-    assert dataclasses.replace(loaded, config_file=None, mode=Config().mode) == Config()
+    assert loaded.node_condition == "on"  # the dra variant writes the GPUHealthy condition
+    assert dataclasses.replace(loaded, config_file=None, mode=Config().mode,
+                               node_condition=Config().node_condition) == Config()

@@ -466,7 +466,8 @@ def test_dra_mode_reads_back_partitionable_devices_with_a_dry_run(capsys, node, 
     finally:
         api.stop()
     checks = cluster_checks(report)
-    assert checks["cluster.access"] == ("PASS", "all 8 verbs the agent needs are allowed")
+    # 8 for DRA, 5 for the GPUHealthy condition (auto, with a node name): nodes/status, events
+    assert checks["cluster.access"] == ("PASS", "all 13 verbs the agent needs are allowed")
     assert checks["cluster.resource_api"][0] == "PASS" and "publishes v1" in checks["cluster.resource_api"][1]
     assert api.count("POST", "/resourceslices") == 1 and not api.slices()  # a dry run: nothing stored
     assert api.count("GET", "/apis/resource.k8s.io") == 1  # the served versions: discovered once per run
@@ -491,15 +492,23 @@ def test_an_unreachable_api_server_fails_when_the_agent_needs_it(capsys, node, t
 
 
 def test_the_verbs_doctor_asks_for_are_what_the_manifests_grant():
-    from agent.doctor.cluster import DRA_ACCESS, NODE_ACCESS, NODEFEATURE_ACCESS
+    from agent.doctor.cluster import (
+        DRA_ACCESS,
+        NODE_ACCESS,
+        NODE_CONDITION_ACCESS,
+        NODE_EVENTS_ACCESS,
+        NODEFEATURE_ACCESS,
+    )
     from tests.testbed.apiserver_auth import load_variant
 
     def granted(variant: str, kind: str) -> set[tuple[str, str]]:
         rules = [r for o in load_variant(variant) if o["kind"] == kind for r in o["rules"]]
         return {(res, verb) for r in rules for res in r["resources"] for verb in r["verbs"]}
 
-    assert granted("dra", "ClusterRole") == set(DRA_ACCESS) | set(NODE_ACCESS)
-    assert granted("nodefeature", "Role") == set(NODEFEATURE_ACCESS)
+    assert granted("dra", "ClusterRole") == set(DRA_ACCESS) | set(NODE_ACCESS) | set(NODE_CONDITION_ACCESS)
+    assert granted("nodefeature", "ClusterRole") == set(NODE_CONDITION_ACCESS)
+    assert granted("nodefeature", "Role") == set(NODEFEATURE_ACCESS) | set(NODE_EVENTS_ACCESS)
+    assert {o["metadata"]["namespace"] for o in load_variant("dra") if o["kind"] == "Role"} == {"default"}
 
 
 def test_an_nvlink_down_fails_naming_the_gpu(capsys, node, tmp_path):

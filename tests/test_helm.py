@@ -332,8 +332,9 @@ def test_the_schema_describes_exactly_the_values_and_refuses_any_other_key() -> 
 
 @pytest.mark.parametrize("mode", ["device-plugin", "dra"])
 @pytest.mark.parametrize("sink", ["nodefeature", "file"])
-def test_mode_and_sink_decide_the_api_access(mode: str, sink: str) -> None:
-    objects = render({"mode": mode, "labels": {"sink": sink}})
+@pytest.mark.parametrize("condition", ["on", "off", "dry-run"])
+def test_mode_sink_and_node_condition_decide_the_api_access(mode: str, sink: str, condition: str) -> None:
+    objects = render({"mode": mode, "labels": {"sink": sink}, "health": {"nodeCondition": condition}})
     cluster, namespaced = grants(objects, "ClusterRole"), grants(objects, "Role")
     expected_cluster = {}
     if mode == "dra":
@@ -342,20 +343,27 @@ def test_mode_and_sink_decide_the_api_access(mode: str, sink: str) -> None:
             ("resource.k8s.io", "resourceclaims"): ["get"],
             ("", "nodes"): ["get"],
         }
+    if condition == "on":  # its Node's GPUHealthy condition (the admission policy narrows it)
+        expected_cluster[("", "nodes/status")] = ["get", "patch"]
     assert cluster == expected_cluster
     expected_namespaced = {}
     if sink == "nodefeature":
         expected_namespaced = {("nfd.k8s-sigs.io", "nodefeatures"):
                                sorted(["create", "get", "update", "delete"])}  # no list/watch/patch
+    if condition == "on":
+        expected_namespaced[("", "events")] = ["create", "get", "patch"]
     assert namespaced == expected_namespaced
     for role in [o for o in objects if o["kind"] == "Role"]:
-        assert role["metadata"]["namespace"] == NAMESPACE
-    uses_api = mode == "dra" or sink == "nodefeature"
+        events = role["metadata"]["name"] == f"{FULLNAME}-node-events"
+        assert role["metadata"]["namespace"] == ("default" if events else NAMESPACE)  # a Node's Events: default
+    uses_api = mode == "dra" or sink == "nodefeature" or condition == "on"
     assert one(objects, "ServiceAccount").get("automountServiceAccountToken") is uses_api
     assert pod(objects)["automountServiceAccountToken"] is uses_api
     policies = {o["metadata"]["name"] for o in objects if o["kind"] == "ValidatingAdmissionPolicy"}
     assert policies == ({f"{FULLNAME}-own-node-slices"} if mode == "dra" else set()) | (
-        {f"{FULLNAME}-own-node-nodefeatures"} if sink == "nodefeature" else set())
+        {f"{FULLNAME}-own-node-nodefeatures"} if sink == "nodefeature" else set()) | (
+        {f"{FULLNAME}-own-node-condition"} if condition == "on" else set())
+    assert env_of(objects)["HEALTH_NODE_CONDITION"] == condition
     args = container(objects)["args"]
     assert ("--mode=dra" in args) is (mode == "dra")
     assert ("--labels-sink=nodefeature" in args) is (sink == "nodefeature")
@@ -372,7 +380,7 @@ def test_rbac_and_admission_policies_name_the_agents_service_account(scenario: s
     assert pod(objects)["serviceAccountName"] == account["name"]
     for binding in [o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")]:
         role_kind = "ClusterRole" if binding["kind"] == "ClusterRoleBinding" else "Role"
-        assert binding["roleRef"]["name"] == one(objects, role_kind)["metadata"]["name"]
+        one(objects, role_kind, binding["roleRef"]["name"])
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]}]
     user = f'"system:serviceaccount:{account["namespace"]}:{account["name"]}"'
@@ -385,7 +393,7 @@ def test_rbac_and_admission_policies_name_the_agents_service_account(scenario: s
 
 
 def test_nodefeature_policy_lets_an_agent_write_only_its_own_nodes_object() -> None:
-    policy = one(render({}), "ValidatingAdmissionPolicy")
+    policy = one(render({}), "ValidatingAdmissionPolicy", f"{FULLNAME}-own-node-nodefeatures")
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
     assert (rule["apiGroups"], rule["resources"]) == (["nfd.k8s-sigs.io"], ["nodefeatures"])
     assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
@@ -396,6 +404,20 @@ def test_nodefeature_policy_lets_an_agent_write_only_its_own_nodes_object() -> N
     expressions = [" ".join(v["expression"].split()) for v in policy["spec"]["validations"]]
     assert ('variables.objectName == "gpu-topology-agent-" + variables.userNodeName && '
             "variables.objectNodeName == variables.userNodeName") in expressions
+
+
+@pytest.mark.parametrize("spelled", ["on", True])
+def test_node_condition_policy_lets_an_agent_change_only_its_own_nodes_gpuhealthy_condition(spelled: Any) -> None:
+    objects = render({"health": {"nodeCondition": spelled}})  # YAML's unquoted on is a boolean
+    policy = one(objects, "ValidatingAdmissionPolicy", f"{FULLNAME}-own-node-condition")
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["resources"], rule["operations"]) == ([""], ["nodes/status"], ["UPDATE"])
+    expressions = " ".join(" ".join(v["expression"].split()) for v in
+                           policy["spec"]["variables"] + policy["spec"]["validations"])
+    assert "object.metadata.name == variables.userNodeName" in expressions
+    assert "filter(c, c.type != 'GPUHealthy')" in expressions
+    assert "variables.otherConditions == variables.otherConditionsBefore" in expressions
+    assert env_of(objects)["HEALTH_NODE_CONDITION"] == "on"
 
 
 def test_dra_mounts_the_kubelet_plugin_directories_under_kubelet_root_dir() -> None:
@@ -509,7 +531,8 @@ def test_the_default_config_is_the_charts_file_under_the_name_default() -> None:
 
 
 def test_one_named_config_is_every_nodes_config() -> None:
-    objects = render({"labels": {"sink": "file"}, "config": {"map": {"site": "version: v1\n"}}})
+    objects = render({"labels": {"sink": "file"}, "config": {"map": {"site": "version: v1\n"}},
+                      "health": {"nodeCondition": "off"}})
     assert one(objects, "ConfigMap", f"{FULLNAME}-configs")["data"] == {"site": "version: v1\n"}
     assert "--config=/etc/gpu-topology-agent/configs/site" in container(objects)["args"]
     assert not [o for o in objects if o["kind"] in ("ClusterRole", "Role")]
@@ -522,7 +545,7 @@ def test_one_named_config_is_every_nodes_config() -> None:
     ({"name": "site-gpu-configs", "default": "a100"}, "a100"),
 ])
 def test_several_configs_let_each_node_choose_by_its_label(config: dict[str, Any], default: str) -> None:
-    objects = render({"labels": {"sink": "file"}, "config": config})
+    objects = render({"labels": {"sink": "file"}, "config": config, "health": {"nodeCondition": "off"}})
     args = container(objects)["args"]
     assert "--config-file-srcdir=/etc/gpu-topology-agent/configs" in args
     assert f"--default-config={default}" in args

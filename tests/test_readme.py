@@ -130,6 +130,7 @@ BENCH_QUICK: dict[str, list[str]] = {
     "bench/bench_metrics.py": ["--scrapes", "10", "--duration-s", "1"],
     "bench/bench_nccl.py": ["--calls", "20", "--json", "{tmp}/nccl.json"],
     "bench/bench_pod_metrics.py": ["--rounds", "3", "--requests", "10", "--agent-seconds", "1"],
+    "bench/bench_node_health.py": ["--trials", "2", "--storm-lines", "1000", "--storm-s", "1"],
     "bench/soak.py": ["--seconds", "2", "--scrapers", "4", "--slow-clients", "2", "--streams", "2",
                       "--grpc-clients", "1", "--restart-every", "1"],
 }

@@ -109,6 +109,11 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-facts-interval-s", metavar="SECONDS", type=float, dest="health_facts_interval_s",
                    default=None, help="seconds between reads of the GPUs' health facts: GPU count, row remapping,"
                                       " NVLinks, fabric, recovery action (default: 30; env HEALTH_FACTS_INTERVAL_S)")
+    p.add_argument("--node-condition", choices=("auto", "on", "off", "dry-run"), dest="node_condition",
+                   default=None,
+                   help="the GPUHealthy Node condition and the Node's Events: auto (where a node name and an"
+                        " API server are configured), on, off, dry-run (logged, not written)"
+                        " (default: auto; env HEALTH_NODE_CONDITION, file health.nodeCondition)")
     p.add_argument("--kernel-log", metavar="PATH", dest="kernel_log", default=None,
                    help="the kernel log read for NVRM Xid and NVSwitch SXid lines: /dev/kmsg, or a file or"
                         " FIFO followed like tail -f; '' = not read"
@@ -223,7 +228,8 @@ FLAG_FIELDS = (
     "kubelet_dir", "pod_resources_socket", "features_dir", "metrics_address", "probe_address",
     "web_config_file", "node_name",
     "log_format", "log_level", "mig_strategy", "device_list_strategy", "device_id_strategy",
-    "pass_device_specs", "health_recovery_s", "health_facts_interval_s", "kernel_log", "health_state_file",
+    "pass_device_specs", "health_recovery_s", "health_facts_interval_s", "node_condition", "kernel_log",
+    "health_state_file",
     "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary", "nvidia_smi",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",

@@ -2,7 +2,8 @@
 ``--kubeconfig`` or the in-cluster service account) and its one call idiom
 (:func:`agent.kube.call`; ``resource.k8s.io`` discovered once per run, as the agent
 discovers it: :meth:`DoctorContext.resource_versions`): the API server reachable, the agent's
-identity allowed each verb it needs (``SelfSubjectAccessReview``), NFD's NodeFeature API
+identity allowed each verb it needs (``SelfSubjectAccessReview``; the GPUHealthy condition's
+``nodes/status`` and Events where ``health.nodeCondition`` writes them), NFD's NodeFeature API
 where the label sink needs it, the ``resource.k8s.io`` versions served and whether the API
 server keeps partitionable devices (DRA mode).
 
@@ -27,6 +28,7 @@ from agent.doctor.report import Check, Result, failed, passed, warned
 from agent.dra.readback import PARTITIONABLE_DEVICES, dropped_features
 from agent.dra.slices import API_VERSIONS, SETS_API_VERSIONS, render_slices
 from agent.errors import AgentError, shorten
+from agent.health.node_events import EVENTS_NAMESPACE
 from agent.kube import ApiCallError, call, own_namespace, pick_version
 
 __all__ = ["CHECKS", "required_access"]
@@ -41,8 +43,12 @@ DRA_ACCESS = tuple(("resourceslices", v) for v in ("create", "update", "delete",
 NODE_ACCESS = (("nodes", "get"),)
 PER_NODE_CONFIG_ACCESS = (("nodes", "get"), ("nodes", "list"), ("nodes", "watch"))
 NODEFEATURE_ACCESS = tuple(("nodefeatures", v) for v in ("get", "create", "update", "delete"))
+#: the GPUHealthy condition (health.nodeCondition on, or auto with a node name): its Node's
+#: status, then Events on the Node in the namespace the agent writes them to
+NODE_CONDITION_ACCESS = (("nodes/status", "get"), ("nodes/status", "patch"))
+NODE_EVENTS_ACCESS = tuple(("events", v) for v in ("create", "patch", "get"))
 _GROUPS = {"resourceslices": "resource.k8s.io", "resourceclaims": "resource.k8s.io", "nodes": "",
-           "nodefeatures": NFD_GROUP}
+           "nodefeatures": NFD_GROUP, "nodes/status": "", "events": ""}
 
 
 def required_access(context: DoctorContext) -> list[tuple[str, str, str, str]]:
@@ -55,6 +61,9 @@ def required_access(context: DoctorContext) -> list[tuple[str, str, str, str]]:
     if config.config_file_srcdir:
         wanted += list(PER_NODE_CONFIG_ACCESS)
     out = [(verb, _GROUPS[resource], resource, "") for resource, verb in dict.fromkeys(wanted)]
+    if config.node_condition == "on" or (config.node_condition == "auto" and config.node_name):
+        out += [(verb, "", resource, "") for resource, verb in NODE_CONDITION_ACCESS]
+        out += [(verb, "", resource, EVENTS_NAMESPACE) for resource, verb in NODE_EVENTS_ACCESS]
     if config.labels_sink == "nodefeature":
         namespace = own_namespace(config)
         out += [(verb, NFD_GROUP, resource, namespace) for resource, verb in NODEFEATURE_ACCESS]
@@ -111,7 +120,8 @@ def access(context: DoctorContext) -> Result:
     denied = []
     review = client.AuthorizationV1Api(api).create_self_subject_access_review
     for verb, group, resource, namespace in wanted:
-        attributes = {"verb": verb, "group": group, "resource": resource}
+        name, _, sub = resource.partition("/")
+        attributes = {"verb": verb, "group": group, "resource": name, **({"subresource": sub} if sub else {})}
         if namespace:
             attributes["namespace"] = namespace
         body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",

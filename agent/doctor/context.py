@@ -151,6 +151,8 @@ class DoctorContext:
             needs.append("the NodeFeature label sink")
         if self.config.config_file_srcdir:
             needs.append("per-node configs (the node's label)")
+        if self.config.node_condition == "on":
+            needs.append("the GPUHealthy Node condition")
         return needs
 
     def api(self) -> Any:

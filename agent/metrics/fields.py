@@ -83,6 +83,10 @@ gpu_agent_dra_gpu_sets_mode{mode,setting}      gauge    1 for the GPU-set publis
                                                         from dra.gpuSets auto/on/off
 gpu_agent_dra_published_devices{kind,state}    gauge    devices in the node's pool as last published (DRA):
                                                         kind gpu/mig/gpuset, state ordinary/withdrawing
+gpu_agent_node_condition{type,status,reason}   gauge    1 for the GPUHealthy condition as derived
+                                                        (status True/False/Unknown, reason)
+gpu_agent_node_health_writes_total             counter  writes of the condition and the Node's Events
+  {kind,result}                                         (kind condition/event, result ok/error)
 =============================================  =======  ====================================================
 
 Per pod (container) and GPU, from the GPU's processes (:class:`~agent.hw.protocols.ProcessSample`,

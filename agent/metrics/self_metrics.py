@@ -132,6 +132,19 @@ class AgentMetrics:
             " GPUs only) from dra.gpuSets (setting auto, on, off) and the API server's version.",
             ["mode", "setting"], registry=registry,
         )
+        self._node_condition = Gauge(
+            "gpu_agent_node_condition",
+            "1 for the status and reason of the Node condition the agent owns (type GPUHealthy: status"
+            " True, False or Unknown), as the agent derives it (written to the Node unless"
+            " health.nodeCondition is off or dry-run).",
+            ["type", "status", "reason"], registry=registry,
+        )
+        self._node_writes = Counter(
+            "gpu_agent_node_health_writes",
+            "Writes of the GPUHealthy condition and the Node's Events to the API server, by kind"
+            " (condition, event) and result (ok, error; an error is retried with backoff).",
+            ["kind", "result"], registry=registry,
+        )
         self._dra_published = Gauge(
             "gpu_agent_dra_published_devices",
             "Devices in the node's ResourceSlice pool as last published (DRA), by kind (gpu, mig, gpuset)"
@@ -177,6 +190,15 @@ class AgentMetrics:
         for kind in ("gpu", "mig", "gpuset"):
             for state in ("ordinary", "withdrawing"):
                 self._dra_published.labels(kind=kind, state=state).set(counts.get((kind, state), 0))
+
+    def node_condition(self, status: str, reason: str) -> None:
+        """The GPUHealthy condition is ``status`` for ``reason`` now (one series)."""
+        self._node_condition.clear()
+        self._node_condition.labels(type="GPUHealthy", status=status, reason=reason).set(1.0)
+
+    def node_write(self, kind: str, ok: bool) -> None:
+        """One write of the Node's ``kind`` (condition, event) to the API server."""
+        self._node_writes.labels(kind=kind, result="ok" if ok else "error").inc()
 
     def devices_offered(self, offers: Sequence[tuple[str, str, bool]]) -> None:
         """The devices offered to the kubelet now, the whole table: (resource, device ID,

@@ -48,6 +48,11 @@ Upstream behaviour each part follows:
   name that node (on DELETE only where the policy reads ``oldObject``) and be called
   ``<prefix><node>``. A policy of another shape is refused when the
   manifests are loaded, so a changed policy fails the tests instead of going unenforced.
+  The "own node condition" policy (``nodes/status``, issue 35) has a shape of its own
+  (:class:`OwnConditionPolicy`): the Node must be the token's node, the conditions other than
+  the one its ``filter(c, c.type != '<type>')`` names must be unchanged, and so must each
+  ``object.status.?<field> == oldObject.status.?<field>`` it lists. A PATCH is admitted as an
+  ``UPDATE`` of the patched object (``oldObject`` the stored one).
 """
 
 from __future__ import annotations
@@ -258,6 +263,74 @@ class OwnNodePolicy:
                 f" '{self.binding}' denied request: {message}")
 
 
+_OTHER_CONDITIONS = re.compile(r"object\.status\.\?conditions\.orValue\(\[\]\)\.filter\(c, c\.type != '([^']+)'\)")
+_SAME_FIELD = re.compile(r"object\.status\.\?(\w+) == oldObject\.status\.\?(\w+)")
+
+
+def _is_condition_policy(policy: dict[str, Any]) -> bool:
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    return any("nodes/status" in (r.get("resources") or []) for r in rules)
+
+
+@dataclass(frozen=True)
+class OwnConditionPolicy:
+    """The "own node condition" policy as the stand-in enforces it (module docstring)."""
+
+    name: str
+    binding: str
+    username: str
+    condition_type: str
+    fields: tuple[str, ...]
+
+    def applies(self, a: Attributes, operation: str) -> bool:
+        return (a.user.name == self.username and operation == "UPDATE"
+                and (a.group, a.resource, a.subresource) == ("", "nodes", "status"))
+
+    def denial(self, a: Attributes, operation: str, old: dict[str, Any] | None,
+               new: dict[str, Any] | None) -> str | None:
+        node = a.user.node_name
+        name = ((new or {}).get("metadata") or {}).get("name", "")
+        old_status, new_status = (old or {}).get("status") or {}, (new or {}).get("status") or {}
+
+        def others(status: dict[str, Any]) -> list[Any]:
+            return [c for c in status.get("conditions") or [] if c.get("type") != self.condition_type]
+
+        if not node:
+            message = "the agent's token names no node (a pod-bound service account token is needed)"
+        elif name != node:
+            message = f"the agent on node {node} may only write its own Node's status, not Node {name}"
+        elif others(old_status) != others(new_status) or any(
+                old_status.get(f) != new_status.get(f) for f in self.fields):
+            message = f"the agent may change only the {self.condition_type} condition of its Node's status"
+        else:
+            return None
+        return (f'nodes "{a.name}" is forbidden: ValidatingAdmissionPolicy \'{self.name}\' with binding'
+                f" '{self.binding}' denied request: {message}")
+
+
+def own_condition_policies(objects: Iterable[dict[str, Any]]) -> list[OwnConditionPolicy]:
+    """The bound (Deny) policies on ``nodes/status``; ValueError for one of another shape."""
+    objects = list(objects)
+    bindings = {o["spec"]["policyName"]: o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"
+                and "Deny" in (o["spec"].get("validationActions") or [])}
+    out = []
+    for policy in (o for o in objects if o["kind"] == "ValidatingAdmissionPolicy" and _is_condition_policy(o)):
+        name = policy["metadata"]["name"]
+        if name not in bindings:
+            continue
+        spec = policy["spec"]
+        users = [m.group(1) for c in spec.get("matchConditions") or [] if (m := _USER_IS.match(c["expression"].strip()))]
+        text = " ".join(" ".join(x["expression"].split()) for x in (spec.get("variables") or [])
+                        + (spec.get("validations") or []))
+        types = set(_OTHER_CONDITIONS.findall(text))
+        same = [a for a, b in _SAME_FIELD.findall(text) if a == b]
+        if (len(users) != 1 or len(types) != 1 or "object.metadata.name == variables.userNodeName" not in text
+                or not any(_USER_NODE.match(" ".join(v["expression"].split())) for v in spec.get("variables") or [])):
+            raise ValueError(f"ValidatingAdmissionPolicy {name}: not the own-node-condition shape the stand-in enforces")
+        out.append(OwnConditionPolicy(name, bindings[name]["metadata"]["name"], users[0], types.pop(), tuple(same)))
+    return out
+
+
 def own_node_policies(objects: Iterable[dict[str, Any]]) -> list[OwnNodePolicy]:
     """The bound (Deny) ValidatingAdmissionPolicies of ``objects``; ValueError for a policy
     whose expressions are not the shape described in the module docstring."""
@@ -265,7 +338,7 @@ def own_node_policies(objects: Iterable[dict[str, Any]]) -> list[OwnNodePolicy]:
     bindings = {o["spec"]["policyName"]: o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"
                 and "Deny" in (o["spec"].get("validationActions") or [])}
     out = []
-    for policy in (o for o in objects if o["kind"] == "ValidatingAdmissionPolicy"):
+    for policy in (o for o in objects if o["kind"] == "ValidatingAdmissionPolicy" and not _is_condition_policy(o)):
         name = policy["metadata"]["name"]
         if name not in bindings:
             continue
@@ -299,7 +372,8 @@ class Access:
     def __init__(self, objects: Iterable[dict[str, Any]]) -> None:
         objects = list(objects)
         self.rbac = RbacAuthorizer(objects)
-        self.policies = own_node_policies(objects)
+        self.policies: list[OwnNodePolicy | OwnConditionPolicy] = [
+            *own_node_policies(objects), *own_condition_policies(objects)]
         self.tokens: dict[str, User] = {}
 
     @classmethod

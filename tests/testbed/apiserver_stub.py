@@ -17,7 +17,8 @@ nothing more:
   validations are kept (kind and apiVersion match the URL, at most 128 devices, device names
   are DNS labels and unique) so that a bad slice fails here as it would there;
 - ``resourceclaims`` (namespaced): get and list, objects put in by the test (:meth:`put_claim`);
-- ``/api/v1/nodes/<name>``: get, objects put in by the test (:meth:`add_node`);
+- ``/api/v1/nodes/<name>``: get, objects put in by the test (:meth:`add_node`); its ``status``
+  subresource and core/v1 Events: :mod:`tests.testbed.apiserver_nodes`;
 - ``/version``: ``server_version`` (``"1.37"`` by default) as the API server answers it
   (``k8s.io/apimachinery/pkg/version.Info``: ``major``, ``minor``, ``gitVersion``, ...;
   ``apiserver/pkg/endpoints/discovery/version.go``), unauthenticated as upstream's
@@ -88,6 +89,7 @@ from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from tests.testbed.apiserver_auth import Access, Attributes
+from tests.testbed.apiserver_nodes import NodesAndEvents
 
 GROUP = "resource.k8s.io"
 ALL_VERSIONS = ("v1", "v1beta2", "v1beta1")
@@ -141,8 +143,12 @@ class Request:
     query: str
 
 
-class ApiServerStub:
-    """Start with :meth:`start` (or as a context manager); point the client at :attr:`url`."""
+class ApiServerStub(NodesAndEvents):
+    """Start with :meth:`start` (or as a context manager); point the client at :attr:`url`.
+    Node status and core/v1 Events: :mod:`tests.testbed.apiserver_nodes`."""
+
+    _error = staticmethod(lambda *a, **k: ApiError(*a, **k))
+    _invalid = staticmethod(lambda *a: invalid(*a))
 
     def __init__(self, served_versions: Iterable[str] = ALL_VERSIONS, *, access: Access | None = None,
                  disabled_features: Iterable[str] = (), nfd_installed: bool = True,
@@ -171,6 +177,8 @@ class ApiServerStub:
         self._thread: threading.Thread | None = None
         self.port = 0
         self._changed = threading.Condition(self._lock)
+        self._content_type = ""  # of the request being served (under the lock)
+        self._init_events()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -382,6 +390,7 @@ class ApiServerStub:
                 if failure is not None:
                     raise failure
                 self._attrs = self._authorize(method, path, query, (headers or {}).get("Authorization"))
+                self._content_type = (headers or {}).get("Content-Type", "")
                 return self._route(method, path, query, body)
             except ApiError as exc:
                 return exc.code, exc.status()
@@ -424,6 +433,14 @@ class ApiServerStub:
                 if node is None:
                     raise ApiError(404, f'nodes "{seg[3]}" not found', name=seg[3], kind="nodes")
                 return 200, copy.deepcopy(node)
+        if len(seg) == 5 and seg[:3] == ["api", "v1", "nodes"] and seg[4] == "status":
+            return self._node_status_route(method, seg[3], _json(body) if method == "PATCH" else None,
+                                           self._content_type)
+        if seg == ["api", "v1", "events"]:
+            return self._events_route(method, None, None, query, None, self._content_type)
+        if len(seg) in (5, 6) and seg[:3] == ["api", "v1", "namespaces"] and seg[4] == "events":
+            return self._events_route(method, seg[3], seg[5] if len(seg) == 6 else None, query,
+                                      _json(body) if method in ("POST", "PATCH") else None, self._content_type)
         if method == "POST" and seg == ["apis", "authorization.k8s.io", "v1", "selfsubjectaccessreviews"]:
             return self._self_subject_access_review(_json(body))
         if seg[:2] == ["apis", NFD_GROUP] and self.nfd_installed:
@@ -1069,7 +1086,8 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         code, payload = self.server_stub.handle(self.command, self.path, body,
-                                                {"Authorization": self.headers.get("Authorization") or ""})
+                                                {"Authorization": self.headers.get("Authorization") or "",
+                                                 "Content-Type": self.headers.get("Content-Type") or ""})
         if isinstance(payload, WatchStream):
             self._stream(payload)
             return

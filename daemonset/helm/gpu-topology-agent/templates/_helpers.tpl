@@ -65,9 +65,15 @@ only config (NVIDIA's "named" then "single" fallbacks). */}}
 {{- if or .Values.config.name (gt (len $map) 1) }}true{{ end }}
 {{- end }}
 
+{{/* health.nodeCondition as on, off or dry-run (YAML's unquoted on/off are booleans). */}}
+{{- define "gta.nodeCondition" -}}
+{{- $v := .Values.health.nodeCondition | toString }}
+{{- if eq $v "true" }}on{{ else if eq $v "false" }}off{{ else }}{{ $v }}{{ end }}
+{{- end }}
+
 {{/* "true" when the agent calls the API server at all (it then gets a token). */}}
 {{- define "gta.usesApi" -}}
-{{- if or (eq .Values.mode "dra") (eq .Values.labels.sink "nodefeature") (include "gta.perNodeConfig" .) }}true{{ end }}
+{{- if or (eq .Values.mode "dra") (eq .Values.labels.sink "nodefeature") (include "gta.perNodeConfig" .) (eq (include "gta.nodeCondition" .) "on") }}true{{ end }}
 {{- end }}
 
 {{/* The DRA API version the cluster serves, newest first (DeviceClass is in all three);
