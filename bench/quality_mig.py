@@ -35,7 +35,7 @@ import argparse
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from agent.dra.devices import parse_mig_slot_name  # noqa: E402
 from agent.dra.device_values import render_device  # noqa: E402
+from agent.dra.devices import parse_mig_slot_name  # noqa: E402
 from agent.dra.mig_publish import counter_slices, mig_devices  # noqa: E402
 from agent.dra.migslots import GpuLayout, MigSlot, dynamic_gpus, gpu_counters, resolve_slot  # noqa: E402
 from agent.dra.occupancy import Occupancy  # noqa: E402
@@ -122,8 +122,6 @@ def nvidia_slices(topology: Any) -> list[dict[str, Any]]:
              for i, geo in geos.items() for p in geo.profiles for pl in p.placements}
     migs = mig_devices(topology, D, marks, {}, [s.name for s in every.values()], None, graced=False)
     full = render_devices(topology, D, marks)
-    from dataclasses import replace
-
     full = [replace(d, shares=(migs.gpu_share(int(d.name.split("-")[1])),)) for d in full]
     devices = sorted([*full, *migs.devices], key=lambda d: _name_key(d.name))
     specs: list[dict[str, Any]] = counter_slices(migs)

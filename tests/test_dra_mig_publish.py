@@ -70,7 +70,7 @@ def test_every_published_mig_device_sits_on_a_legal_placement_and_consumes_exact
         assert all(key in declared for key in uses)
         assert {c for (cs, c) in uses if c.startswith("memory-slice-")} == {
             f"memory-slice-{i}" for i in range(start, start + size)}
-        assert uses[(f"gpu-{gpu}-counter-set", "multiprocessors")] == profile.multiprocessors
+        assert uses.get((f"gpu-{gpu}-counter-set", "ofa-engines"), 0) == profile.ofas
     # no placement on the GPU held whole; the held MIG device stays published
     assert not [d for d in migs if attr(d, "parentIndex") == 2]
     assert "gpu-1-mig-3g40gb-0" in {d["name"] for d in migs}
@@ -183,3 +183,76 @@ def _occupancy(held, in_pool=()):
     from agent.dra.slices import Occupancy
 
     return Occupancy(dict(held), (), None, (), sorted(in_pool))
+
+
+def test_the_publisher_re_renders_the_mig_devices_at_prepare_and_keeps_the_one_a_claim_holds(tmp_path):
+    from waiting import eventually
+
+    from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+    from agent.dra.publish_settings import PublishSettings
+    from agent.dra.publisher import SlicePublisher
+    from agent.dra.view import DraView
+    from tests.testbed.apiserver_stub import ApiServerStub
+
+    with ApiServerStub() as server:
+        server.add_node("node-1")
+        checkpoint = Checkpoint(str(tmp_path / "claims"), fsync=False)
+        pub = SlicePublisher(server.api_client, DraView(mig_topology("dgx-h100")),
+                             PublishSettings("node-1", D, dynamic_mig=True, withdrawal_grace_s=0,
+                                             backoff_initial_s=0.05, backoff_max_s=0.2), prepared=checkpoint)
+        pub.start()
+        try:
+            assert eventually(pub.ready, 30)
+            first = {d["name"] for d in devices(server.slices())}
+            assert "gpu-0-mig-1g10gb-6" in first and not any(n.startswith("gpu-3-mig-1g") for n in first)
+            held = "gpu-3-mig-1g10gb-6"  # a claim holds a placement nobody chose: GPU 3 is now the cut one
+            checkpoint.add(PreparedClaim("uid-1", "default", "c", (PreparedDevice("mig", "node-1", held, ("x",)),),
+                                         str(tmp_path / "c.json")))
+            assert server.wait_for(lambda s: held in {d["name"] for d in devices(s)}
+                                   and "gpu-3-mig-1g10gb-5" in {d["name"] for d in devices(s)}, 10.0)
+            # the 1g published before stays (a claim the agent has not heard of may hold it)
+            assert "gpu-0-mig-1g10gb-6" in {d["name"] for d in devices(server.slices())}
+        finally:
+            pub.stop()
+
+
+def test_slices_previews_the_mig_devices_published_while_the_listed_ones_are_held(capsys):
+    import yaml
+
+    from agent import cli
+
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--dynamic-mig", "--node-name", "n",
+                     "--in-use", "gpu-2-mig-3g40gb-0,gpu-5"]) == 0
+    out = capsys.readouterr()
+    names = [d["name"] for s in yaml.safe_load_all(out.out) for d in s["spec"].get("devices", ())]
+    assert "gpu-2-mig-3g40gb-0" in names and "gpu-2-mig-3g40gb-4" in names  # the cut GPU first for 3g
+    assert names.index("gpu-2-mig-3g40gb-4") < min(i for i, n in enumerate(names) if "-mig-3g40gb-" in n
+                                                   and n != "gpu-2-mig-3g40gb-4")
+    assert not [n for n in names if n.startswith("gpu-5-mig-")]
+    assert "dynamic MIG: GPUs [0, 1, 2, 3, 4, 5, 6, 7] offer MIG placements" in out.err
+
+
+def test_slices_refuses_overlapping_mig_devices_and_a_mig_name_without_dynamic_mig_in_one_line(capsys):
+    from agent import cli
+
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--dynamic-mig", "--node-name", "n",
+                     "--in-use", "gpu-0-mig-3g40gb-0,gpu-0-mig-2g20gb-2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gpu-topology-agent slices: error: --in-use: gpu-0-mig-2g20gb-2 and gpu-0-mig-3g40gb-0 overlap"
+                   " on memory slice 2 of GPU 0"]
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--node-name", "n", "--in-use", "gpu-0-mig-3g40gb-0"]) == 2
+    assert "(dynamic MIG devices need --dynamic-mig)" in capsys.readouterr().err
+
+
+def test_allocate_explains_a_mig_placement_as_json(capsys):
+    import json
+
+    from agent import cli
+
+    assert cli.main(["allocate", "--mig-profile", "3g.40gb", "--in-use", "gpu-0-mig-1g10gb-6",
+                     "--simulate", "dgx-h100", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["device"], doc["gpu"], doc["placement"]) == ("gpu-0-mig-3g40gb-0", 0, {"start": 0, "size": 4})
+    assert doc["lost"]["4g.40gb"] == 1 and "7g.80gb" not in doc["lost"]
+    assert doc["runners_up"][0]["lost"]["7g.80gb"] == 1
+    assert cli.main(["allocate", "--mig-profile", "5g.1gb", "--simulate", "dgx-h100"]) == 2

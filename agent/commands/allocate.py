@@ -46,16 +46,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--size", type=int, default=None, metavar="K",
         help="number of devices to allocate (required, but with --mig-profile)",
     )
-    p.add_argument(
-        "--mig-profile", dest="mig_profile", metavar="PROFILE", default=None,
-        help="explain where dynamic MIG would cut one MIG device of PROFILE (e.g. 3g.40gb) for the"
-             " devices --in-use holds (docs/dra/mig.md) (default: whole GPUs)",
-    )
-    p.add_argument(
-        "--in-use", dest="in_use", metavar="LIST", default="",
-        help="with --mig-profile: devices prepared claims hold, as `slices --in-use` takes them"
-             " (gpu-0-mig-3g40gb-4, gpu-2, gpuset-2-m30) (default: none)",
-    )
+    _add_mig_flags(p)
     p.add_argument(
         "--available",
         metavar="LIST",
@@ -106,6 +97,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_wide_flag(p)
     p.set_defaults(func=run)
+
+
+def _add_mig_flags(p: argparse.ArgumentParser) -> None:
+    """Dynamic MIG's question (:mod:`agent.commands.allocate_mig`)."""
+    p.add_argument(
+        "--mig-profile", dest="mig_profile", metavar="PROFILE", default=None,
+        help="explain where dynamic MIG would cut one MIG device of PROFILE (e.g. 3g.40gb) for the"
+             " devices --in-use holds (docs/dra/mig.md) (default: whole GPUs)",
+    )
+    p.add_argument(
+        "--in-use", dest="in_use", metavar="LIST", default="",
+        help="with --mig-profile: devices prepared claims hold, as `slices --in-use` takes them"
+             " (gpu-0-mig-3g40gb-4, gpu-2, gpuset-2-m30) (default: none)",
+    )
 
 
 def _gpu_index(item: str, topology: Topology, flag: str) -> int | None:
