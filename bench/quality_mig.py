@@ -25,8 +25,9 @@ state. A claim that does not fit is refused and gone. Worlds:
   claims are not a strict bound (its greedy choice of GPU is not optimal either).
 
 Counted per world: claims served; refusals; **fragmentation refusals**: a MIG claim refused
-while some GPU had as many free memory slices as the profile's placement and the compute
-(the counters: multiprocessors, engines) it needs, and was not held whole.
+while some GPU, not held whole, had as many free memory slices as the profile's placement
+takes and as many free compute slices as it uses (the repacking bound's own count is the
+part no re-placement on one GPU avoids: the free slices are there, but no legal layout).
 """
 
 from __future__ import annotations
@@ -98,16 +99,15 @@ def layout_of(topology: Any, held: dict[str, tuple[int, ...]]) -> dict[int, GpuL
 
 
 def fragmented(layouts: dict[int, GpuLayout], profile: str) -> bool:
-    """Some GPU not held whole had the free memory slices and compute for ``profile``."""
+    """Some GPU not held whole had as many free memory slices as ``profile``'s placements
+    take and as many free compute slices as it uses (nvidia-smi's g)."""
     for lay in layouts.values():
         p = lay.geometry.profile(profile)
         if lay.whole or p is None:
             continue
         size = max(pl.size for pl in p.placements)
-        used, cap = lay.used(), gpu_counters(lay.geometry)
-        need = MigSlot(lay.index, p, p.placements[0]).counters(lay.geometry)
-        compute_ok = all(used.get(k, 0) + v <= cap[k] for k, v in need.items() if not k.startswith("memory-slice-"))
-        if lay.free_slices() >= size and compute_ok:
+        compute_free = lay.geometry.compute_slices - sum(s.profile.compute_slices for s in lay.slots)
+        if lay.free_slices() >= size and compute_free >= p.compute_slices:
             return True
     return False
 
