@@ -126,6 +126,8 @@ BENCH_QUICK: dict[str, list[str]] = {
     "bench/quality.py": ["--events", "60"],
     "bench/quality_dra.py": ["--events", "30", "--machines", "dgx-h100,dgx1-v100"],
     "bench/bench_dra_scheduler.py": ["--nodes", "10", "--gpus", "8", "--pods", "10", "--states", "2"],
+    "bench/quality_mig.py": ["--quick"],
+    "bench/bench_dra_mig_scheduler.py": ["--quick"],
     "bench/bench_deviceplugin.py": ["--machines", "dgx-h100", "--calls", "20", "--no-process"],
     "bench/bench_metrics.py": ["--scrapes", "10", "--duration-s", "1"],
     "bench/bench_nccl.py": ["--calls", "20", "--json", "{tmp}/nccl.json"],
