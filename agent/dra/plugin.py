@@ -36,6 +36,7 @@ from agent.dra.cdi import remove_stale_spec_temps
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
+from agent.dra.mig_lifecycle import MigOperations
 from agent.dra.placement import PlacementRanker
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
 from agent.dra.view import DraView
@@ -126,6 +127,8 @@ class DraPlugin:
     daemon reads the topology again. ``on_placement`` is told the placement of each claim
     prepared anew (:mod:`agent.dra.placement`: ``device_plugin_choice``, ``other`` or
     ``unranked``; on the ranking thread, after the prepare answered, no lock held).
+    ``mig`` cuts the MIG instances of dynamic MIG devices (the backend's MigControl; None:
+    none can be cut); what a crash interrupted is settled at :meth:`start`.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class DraPlugin:
         on_kubelet_restart: Callable[[], None] | None = None,
         on_placement: Callable[[str], None] | None = None,
         node_name: str | None = None,
+        mig: MigOperations | None = None,
         poll_s: float = 0.5,
         max_workers: int = 8,
     ) -> None:
@@ -157,7 +161,7 @@ class DraPlugin:
         self.placements = PlacementRanker(on_placement)
         self.preparer = ClaimPreparer(
             view, config, health, claim_reader, self.checkpoint,
-            node_name=self.node_name, on_prepared=self.placements.submit,
+            node_name=self.node_name, on_prepared=self.placements.submit, mig=mig,
         )
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
@@ -215,12 +219,14 @@ class DraPlugin:
         return out
 
     def start(self) -> None:
-        """Serve the DRA service, then the registration socket (the kubelet may dial the
-        endpoint as soon as it sees the registration socket), then watch both."""
+        """Settle what a crash interrupted (dynamic MIG), serve the DRA service, then the
+        registration socket (the kubelet may dial the endpoint as soon as it sees the
+        registration socket), then watch both."""
         os.makedirs(self.config.cdi_dir, exist_ok=True)
         removed = remove_stale_spec_temps(self.config.cdi_dir, self.driver_name)
         if removed:
             log.info("CDI directory %s: removed %d temp file(s) of interrupted writes", self.config.cdi_dir, removed)
+        self.preparer.recover()
         self._dra_server.start()
         try:
             self._reg_server.start()

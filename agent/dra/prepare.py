@@ -19,20 +19,34 @@ MIG device of it conflict, two different MIG devices of one GPU do not). The sch
 counters normally forbid such an allocation; this is the defence for the window they cannot
 cover (docs/design/dra-gpu-sets.md): at worst a pod fails to start, retried by
 the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
+
+**Dynamic MIG** (``dynamicMig``): a device named for a MIG profile on a placement
+(:func:`agent.dra.devices.mig_slot_name`) is cut at prepare on exactly that placement and
+destroyed at unprepare, write-ahead in the checkpoint (:mod:`agent.dra.mig_lifecycle`); such
+a device conflicts with the whole GPU and with placements overlapping it. At start
+(:meth:`ClaimPreparer.recover`) what a crash interrupted is settled.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 from agent.config import Config
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
-from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
+from agent.dra.checkpoint import (
+    PREPARED,
+    UNPREPARING,
+    Checkpoint,
+    PreparedClaim,
+    PreparedDevice,
+    claim_uid_problem,
+)
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
-from agent.dra.devices import DeviceRef
+from agent.dra.devices import DeviceRef, MigSlot, mig_slot, parse_mig_slot_name
+from agent.dra.mig_lifecycle import MigLifecycle, MigOperations, MigRefused, slot_of, slot_ref
 from agent.dra.placement import Prepared
 from agent.dra.view import DraView
 from agent.errors import shorten
@@ -92,6 +106,7 @@ class ClaimPreparer:
         *,
         node_name: str,
         on_prepared: Callable[[Prepared], None] | None = None,
+        mig: MigOperations | None = None,
     ) -> None:
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
@@ -106,6 +121,9 @@ class ClaimPreparer:
         #: handed each claim prepared anew, to rank its placement (:mod:`agent.dra.placement`);
         #: must return at once
         self.on_prepared = on_prepared
+        #: dynamic MIG: devices cut at prepare (``config.dynamic_mig``) through ``mig``
+        self.dynamic_mig = config.dynamic_mig
+        self.mig = MigLifecycle(mig, checkpoint)
         self._lock = threading.Lock()
 
     @property
@@ -135,7 +153,7 @@ class ClaimPreparer:
                 f" characters, a name at most {MAX_NAME_CHARS})"
             )
         done = self.checkpoint.get(ref.uid)
-        if done is not None:
+        if done is not None and done.prepared:
             return self._answer_again(done)
         try:
             obj = self.claims.get(ref.namespace, ref.name)
@@ -150,25 +168,33 @@ class ClaimPreparer:
             return PrepareResult(error=str(exc))
         with self._lock:
             done = self.checkpoint.get(ref.uid)
-            if done is not None:  # a concurrent call prepared it meanwhile
+            if done is not None and done.prepared:  # a concurrent call prepared it meanwhile
                 return self._answer_again(done)
             # under the lock: two claims racing for one GPU are decided one after the other
             holders = self._holders()
-            if conflicts := _held_elsewhere(chosen, holders):
+            whole = [(r, d) for r, d in chosen if isinstance(d, DeviceRef)]
+            if conflicts := _held_elsewhere(whole, holders) + self._mig_conflicts(ref.uid, chosen, holders):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
-            try:
-                path = self.cdi.write(ref.uid, [d for _, d in chosen], _other_devices(obj, self.driver_name))
-            except OSError as exc:
-                path = spec_path(self.cdi_dir, self.driver_name, ref.uid)
-                return self._failed(ref, "write its CDI spec", path, exc)
             prepared = PreparedClaim(
-                uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
+                uid=ref.uid, namespace=ref.namespace, name=ref.name,
+                spec_path=spec_path(self.cdi_dir, self.driver_name, ref.uid),
                 devices=tuple(
                     PreparedDevice(request, self.node_name, d.name,
                                    (cdi_device_id(self.driver_name, ref.uid, d.name),))
                     for request, d in chosen
                 ),
             )
+            try:
+                refs, prepared = self._cut(ref, chosen, prepared)
+            except ValueError as exc:
+                return PrepareResult(error=str(exc))
+            except OSError as exc:
+                return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
+            try:
+                path = self.cdi.write(ref.uid, refs, _other_devices(obj, self.driver_name))
+            except OSError as exc:
+                return self._failed(ref, "write its CDI spec", prepared.spec_path, exc)
+            prepared = replace(prepared, spec_path=path, phase=PREPARED)
             try:
                 self.checkpoint.add(prepared)
             except OSError as exc:
@@ -178,8 +204,94 @@ class ClaimPreparer:
                     log.error("%s", error)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
-        self._rank_later(ref, view, chosen, {gpu for gpu, _ in holders})
+        self._rank_later(ref, view, [(r.name, r) for r in refs], {gpu for gpu, _ in holders})
         return PrepareResult(devices=prepared.devices)
+
+    # ------------------------------------------------------------------ dynamic MIG
+    def _cut(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
+             pending: PreparedClaim) -> tuple[list[DeviceRef], PreparedClaim]:
+        """The claim's devices, its dynamic MIG devices cut (write-ahead: ``pending``
+        recorded as preparing first), and the claim as recorded; ValueError naming the claim
+        and the device that cannot be cut, OSError when the checkpoint cannot be written."""
+        slots = [(r, d) for r, d in chosen if isinstance(d, MigSlot)]
+        if not slots:
+            return [d for _, d in chosen if isinstance(d, DeviceRef)], pending
+        try:
+            claim, cut = self.mig.cut(pending, slots)
+        except MigRefused as exc:
+            request = next((r for r, s in slots if s.name == exc.device), slots[0][0])
+            raise ValueError(f"{ref}: cannot prepare device {exc.device or slots[0][1].name!r}"
+                             f" (request {shorten(repr(request))}): {exc}") from exc
+        return [cut[d.name] if isinstance(d, MigSlot) else d for _, d in chosen], claim
+
+    def _slot(self, name: str) -> MigSlot:
+        """The slot dynamic MIG device ``name`` stands for; ValueError saying why it cannot be
+        prepared here (dynamic MIG off, or no such slot on this node)."""
+        if not self.dynamic_mig:
+            raise ValueError("a dynamic MIG device, and dynamic MIG is off on this node (dra.dynamicMig)")
+        return mig_slot(self.view.topology, name)
+
+    def _mig_conflicts(self, uid: str, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
+                       holders: Mapping[tuple[int, int | None], tuple[PreparedClaim, str]]) -> list[str]:
+        """A problem for each device of the claim ``uid`` that a dynamic MIG device rules out:
+        a placement overlapping one another claim (or this one) holds, or on a GPU another
+        claim holds whole; a whole GPU another claim holds a MIG instance of; a MIG device
+        that is an instance cut for another claim."""
+        cut = [(c, m) for c in self.checkpoint if c.uid != uid for m in c.mig]
+        problems: list[str] = []
+        mine: list[tuple[str, MigSlot]] = []
+        for request, d in chosen:
+            what = f"device {d.name!r} (request {shorten(repr(request))})"
+            if isinstance(d, MigSlot):
+                g, slices = d.gpu.index, set(d.placement.slices)
+                whole = holders.get((g, None))
+                if whole is not None:
+                    problems.append(f"{what}: GPU {g} ({d.gpu.uuid}) is held whole by"
+                                    f" {_claim_ref(whole[0])} through device {whole[1]!r}")
+                    continue
+                clash = next(((c, m) for c, m in cut if m.gpu == g and slices & set(range(m.start, m.start + m.size))),
+                             None)
+                if clash is not None:
+                    problems.append(f"{what}: its memory slices on GPU {g} ({d.gpu.uuid}) overlap MIG device"
+                                    f" {clash[1].device!r} of {_claim_ref(clash[0])}")
+                    continue
+                twin = next((n for n, s in mine if s.gpu.index == g and slices & set(s.placement.slices)), None)
+                if twin is not None:
+                    problems.append(f"{what}: its memory slices on GPU {g} overlap device {twin!r} of the same claim")
+                    continue
+                mine.append((d.name, d))
+                continue
+            for p in d.parts:
+                if p.mig is None:
+                    held = next(((c, m) for c, m in cut if m.gpu == p.gpu.index), None)
+                    if held is not None:
+                        problems.append(f"{what}: GPU {p.gpu.index} ({p.gpu.uuid}) holds MIG device"
+                                        f" {held[1].device!r} of {_claim_ref(held[0])}")
+                        break
+                elif (held := next(((c, m) for c, m in cut if m.uuid == p.mig.uuid), None)) is not None:
+                    problems.append(f"{what}: MIG device {p.mig.uuid} was cut for {_claim_ref(held[0])}"
+                                    f" (device {held[1].device!r})")
+                    break
+        whole_gpus = {p.gpu.index for _, d in chosen if isinstance(d, DeviceRef) for p in d.parts if p.mig is None}
+        problems += [f"device {s.name!r} is a MIG device of GPU {s.gpu.index}, which the same claim holds whole"
+                     for _, s in mine if s.gpu.index in whole_gpus]
+        return problems
+
+    def recover(self) -> None:
+        """At start, before serving: settle what a crash interrupted. A claim being
+        unprepared is unprepared (its instances destroyed, its spec removed: the kubelet's
+        retry then finds nothing to do); a claim being prepared keeps the instances made for
+        it (an intent adopted or dropped) for its next prepare or unprepare. MIG instances no
+        record names are logged and left alone."""
+        for claim in self.checkpoint:
+            ref = _claim_ref(claim)
+            if claim.phase == UNPREPARING:
+                error = self.unprepare(ref)
+                log.info("%s: its unprepare, interrupted, %s", ref, f"failed again: {error}" if error else "is done")
+            elif not claim.prepared:
+                self.mig.settle_preparing(claim)
+        if self.dynamic_mig:
+            self.mig.report_foreign(self.view.topology)
 
     def _rank_later(self, ref: ClaimRef, view: DraView, chosen: Sequence[tuple[str, DeviceRef]],
                     held: Collection[int]) -> None:
@@ -225,6 +337,11 @@ class ClaimPreparer:
         """The checkpointed answer; the spec is written again if it went missing."""
         if not self.cdi.has_spec(done.spec_path):
             refs = [self.devices[d.device] for d in done.devices if d.device in self.devices]
+            for m in done.mig:  # dynamic MIG devices: as cut
+                if (slot := slot_of(self.view.topology, m)) is not None:
+                    refs.append(slot_ref(slot, m))
+            order = [d.device for d in done.devices]
+            refs.sort(key=lambda r: order.index(r.name) if r.name in order else len(order))
             if len(refs) != len(done.devices):
                 return PrepareResult(
                     error=f"{ClaimRef(done.namespace, done.uid, done.name)}: prepared before, but its devices"
@@ -239,7 +356,7 @@ class ClaimPreparer:
         return PrepareResult(devices=done.devices)
 
     def _devices_of(self, ref: ClaimRef, obj: Mapping[str, Any],
-                    devices: Mapping[str, DeviceRef]) -> list[tuple[str, DeviceRef]]:
+                    devices: Mapping[str, DeviceRef]) -> list[tuple[str, DeviceRef | MigSlot]]:
         """(request name, device) for each of this driver's allocation results; raises
         ValueError naming every device that cannot be prepared."""
         uid = _get(obj, "metadata", "uid")
@@ -261,7 +378,7 @@ class ClaimPreparer:
                 f"{ref}: no device of driver {self.driver_name} is allocated (drivers in"
                 f" status.allocation.devices.results: {shorten(', '.join(drivers), MESSAGE_LIMIT) or 'none'})"
             )
-        chosen: list[tuple[str, DeviceRef]] = []
+        chosen: list[tuple[str, DeviceRef | MigSlot]] = []
         problems: list[str] = []
         for r in ours:
             pool, name, request = str(r.get("pool", "")), str(r.get("device", "")), str(r.get("request", ""))
@@ -270,19 +387,26 @@ class ClaimPreparer:
             if pool != self.node_name:
                 problems.append(f"{what}: from another pool, this node serves pool {self.node_name!r}")
                 continue
-            device = devices.get(name)
+            device: DeviceRef | MigSlot | None = devices.get(name)
+            if device is None and parse_mig_slot_name(name) is not None:
+                try:
+                    device = self._slot(name)
+                except ValueError as exc:
+                    problems.append(f"{what}: {exc}")
+                    continue
             if device is None:
                 known = shorten(", ".join(devices), 200) or "no devices"
                 problems.append(f"{what}: unknown, this node has {known}")
                 continue
-            sick = [g for g in device.gpus if not self.health.is_healthy(g.index)]
+            gpus = (device.gpu,) if isinstance(device, MigSlot) else device.gpus
+            sick = [g for g in gpus if not self.health.is_healthy(g.index)]
             if sick:
-                member = "" if len(device.gpus) == 1 else "a GPU set whose member "
+                member = "" if len(gpus) == 1 else "a GPU set whose member "
                 problems.append(f"{what}: {member}" + ", ".join(f"GPU {g.index} ({g.uuid})" for g in sick)
                                 + (" is" if len(sick) == 1 else " are") + " unhealthy")
                 continue
             chosen.append((request, device))
-        problems += _shared_gpus(chosen)
+        problems += _shared_gpus([(r, d) for r, d in chosen if isinstance(d, DeviceRef)])
         if problems:
             raise ValueError(f"{ref}: cannot prepare " + shorten("; ".join(problems), MESSAGE_LIMIT))
         return chosen
@@ -301,12 +425,18 @@ class ClaimPreparer:
             if error := self._remove_spec(ref, path):
                 return error
             try:
+                if done is not None and (error := self.mig.destroy(done)):
+                    return f"{ref}: {error}"
                 self.checkpoint.remove(ref.uid)
             except OSError as exc:
                 return f"{ref}: cannot update the checkpoint in {self.checkpoint.directory}: {exc.strerror or exc}"
         if done is not None:
             log.info("unprepared %s", ref)
         return ""
+
+
+def _claim_ref(claim: PreparedClaim) -> ClaimRef:
+    return ClaimRef(claim.namespace, claim.uid, claim.name)
 
 
 def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
