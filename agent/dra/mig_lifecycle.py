@@ -184,6 +184,7 @@ class MigLifecycle:
     def _cut_one(self, claim: PreparedClaim, slot: MigSlot) -> tuple[PreparedClaim, MigRecord]:
         gpu, profile, placement = slot.gpu, slot.profile, slot.placement
         where = _where(profile.name, placement.start, placement.size)
+        self._mig_mode_on(gpu)
         try:
             instances = self._instances(gpu.index)
         except MigError as exc:
@@ -195,7 +196,6 @@ class MigLifecycle:
             log.warning("claim %s: GPU instance %d (%s) of GPU %d is gone (destroyed by someone else): cut"
                         " again", claim.uid, earlier.gi_id, earlier.uuid, gpu.index)
             claim = self._write(replace(claim, mig=tuple(r for r in claim.mig if r is not earlier)))
-        self._mig_mode_on(gpu)
         in_way = [i for i in instances if set(i.placement.slices) & set(placement.slices)]
         if in_way:
             owned = self._owned("", ())
