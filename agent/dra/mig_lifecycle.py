@@ -38,7 +38,7 @@ from agent.dra.checkpoint import (
     PreparedClaim,
 )
 from agent.dra.devices import DeviceRef, MigSlot, mig_slot
-from agent.errors import MigError, MigInUse, MigNotFound, MigResetRequired
+from agent.errors import MigError, MigInUse, MigNotFound, MigResetRequired, shorten
 from agent.records import MigDevice, MigInstance
 from agent.topology.model import Gpu, Topology
 
@@ -102,9 +102,10 @@ class MigLifecycle:
     write-ahead in ``checkpoint``. ``ops`` None: the backend cuts nothing (every dynamic
     MIG device is refused; records left by an earlier agent stay until one can act)."""
 
-    def __init__(self, ops: MigOperations | None, checkpoint: Checkpoint) -> None:
+    def __init__(self, ops: MigOperations | None, checkpoint: Checkpoint, *, enabled: bool = True) -> None:
         self.ops = ops
         self.checkpoint = checkpoint
+        self.enabled = enabled  # dynamic MIG devices are prepared (``dra.dynamicMig``)
         #: GPUs whose MIG mode this agent switched on (the topology says so once read again)
         self.switched_on: set[int] = set()
 
@@ -156,6 +157,36 @@ class MigLifecycle:
         return self._write(replace(claim, mig=tuple(settled)))
 
     # ------------------------------------------------------------------ prepare
+    def slot(self, topology: Topology, name: str) -> MigSlot:
+        """The slot dynamic MIG device ``name`` stands for; ValueError saying why it cannot be
+        prepared here (dynamic MIG off, or no such slot on ``topology``)."""
+        if not self.enabled:
+            raise ValueError("a dynamic MIG device, and dynamic MIG is off on this node (dra.dynamicMig)")
+        return mig_slot(topology, name)
+
+    def devices(self, claim_name: str, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
+                pending: PreparedClaim) -> tuple[list[DeviceRef], PreparedClaim]:
+        """The claim's devices (``chosen``: request, device), its dynamic MIG devices cut
+        (:meth:`cut`), and the claim as recorded (``pending`` when none is dynamic);
+        ValueError naming the claim (``claim_name``), the device and the request that
+        cannot be cut, OSError when the checkpoint cannot be written."""
+        slots = [(r, d) for r, d in chosen if isinstance(d, MigSlot)]
+        if not slots:
+            return [d for _, d in chosen if isinstance(d, DeviceRef)], pending
+        try:
+            claim, cut = self.cut(pending, slots)
+        except MigRefused as exc:
+            request = next((r for r, s in slots if s.name == exc.device), slots[0][0])
+            raise ValueError(f"{claim_name}: cannot prepare device {exc.device or slots[0][1].name!r}"
+                             f" (request {shorten(repr(request))}): {exc}") from exc
+        return [cut[d.name] if isinstance(d, MigSlot) else d for _, d in chosen], claim
+
+    def cut_devices(self, claim: PreparedClaim, topology: Topology) -> dict[str, DeviceRef]:
+        """The devices ``claim``'s MIG instances were cut for, by name, as recorded (those
+        whose GPU ``topology`` still has)."""
+        slots = {m.device: (slot_of(topology, m), m) for m in claim.mig}
+        return {name: slot_ref(slot, m) for name, (slot, m) in slots.items() if slot is not None}
+
     def cut(self, pending: PreparedClaim,
             slots: Sequence[tuple[str, MigSlot]]) -> tuple[PreparedClaim, dict[str, DeviceRef]]:
         """Cut an instance for each (request, slot) of claim ``pending`` (its answer-to-be),
@@ -301,7 +332,7 @@ class MigLifecycle:
     def report_foreign(self, topology: Topology) -> None:
         """Log once, per GPU in MIG mode, the instances no record names: never touched, and
         their memory slices refused to every dynamic MIG device overlapping them."""
-        if self.ops is None:
+        if self.ops is None or not self.enabled:
             return
         owned = self._owned("")
         for gpu in topology.gpus:

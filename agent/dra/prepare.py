@@ -45,8 +45,9 @@ from agent.dra.checkpoint import (
     claim_uid_problem,
 )
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
-from agent.dra.devices import DeviceRef, MigSlot, mig_slot, parse_mig_slot_name
-from agent.dra.mig_lifecycle import MigLifecycle, MigOperations, MigRefused, slot_of, slot_ref
+from agent.dra.conflicts import Holders, held_elsewhere, holders_of, mig_conflicts, shared_gpus
+from agent.dra.devices import DeviceRef, MigSlot, parse_mig_slot_name
+from agent.dra.mig_lifecycle import MigLifecycle, MigOperations
 from agent.dra.placement import Prepared
 from agent.dra.view import DraView
 from agent.errors import shorten
@@ -122,8 +123,7 @@ class ClaimPreparer:
         #: must return at once
         self.on_prepared = on_prepared
         #: dynamic MIG: devices cut at prepare (``config.dynamic_mig``) through ``mig``
-        self.dynamic_mig = config.dynamic_mig
-        self.mig = MigLifecycle(mig, checkpoint)
+        self.mig = MigLifecycle(mig, checkpoint, enabled=config.dynamic_mig)
         self._lock = threading.Lock()
 
     @property
@@ -172,20 +172,10 @@ class ClaimPreparer:
                 return self._answer_again(done)
             # under the lock: two claims racing for one GPU are decided one after the other
             holders = self._holders()
-            whole = [(r, d) for r, d in chosen if isinstance(d, DeviceRef)]
-            if conflicts := _held_elsewhere(whole, holders) + self._mig_conflicts(ref.uid, chosen, holders):
+            if conflicts := self._conflicts(ref, chosen, holders):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
-            prepared = PreparedClaim(
-                uid=ref.uid, namespace=ref.namespace, name=ref.name,
-                spec_path=spec_path(self.cdi_dir, self.driver_name, ref.uid),
-                devices=tuple(
-                    PreparedDevice(request, self.node_name, d.name,
-                                   (cdi_device_id(self.driver_name, ref.uid, d.name),))
-                    for request, d in chosen
-                ),
-            )
             try:
-                refs, prepared = self._cut(ref, chosen, prepared)
+                refs, prepared = self.mig.devices(str(ref), chosen, self._answer(ref, chosen))
             except ValueError as exc:
                 return PrepareResult(error=str(exc))
             except OSError as exc:
@@ -207,75 +197,23 @@ class ClaimPreparer:
         self._rank_later(ref, view, [(r.name, r) for r in refs], {gpu for gpu, _ in holders})
         return PrepareResult(devices=prepared.devices)
 
-    # ------------------------------------------------------------------ dynamic MIG
-    def _cut(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
-             pending: PreparedClaim) -> tuple[list[DeviceRef], PreparedClaim]:
-        """The claim's devices, its dynamic MIG devices cut (write-ahead: ``pending``
-        recorded as preparing first), and the claim as recorded; ValueError naming the claim
-        and the device that cannot be cut, OSError when the checkpoint cannot be written."""
-        slots = [(r, d) for r, d in chosen if isinstance(d, MigSlot)]
-        if not slots:
-            return [d for _, d in chosen if isinstance(d, DeviceRef)], pending
-        try:
-            claim, cut = self.mig.cut(pending, slots)
-        except MigRefused as exc:
-            request = next((r for r, s in slots if s.name == exc.device), slots[0][0])
-            raise ValueError(f"{ref}: cannot prepare device {exc.device or slots[0][1].name!r}"
-                             f" (request {shorten(repr(request))}): {exc}") from exc
-        return [cut[d.name] if isinstance(d, MigSlot) else d for _, d in chosen], claim
+    def _answer(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef | MigSlot]]) -> PreparedClaim:
+        """The claim prepared with ``chosen``, as the checkpoint records it."""
+        return PreparedClaim(
+            uid=ref.uid, namespace=ref.namespace, name=ref.name,
+            spec_path=spec_path(self.cdi_dir, self.driver_name, ref.uid),
+            devices=tuple(
+                PreparedDevice(request, self.node_name, d.name, (cdi_device_id(self.driver_name, ref.uid, d.name),))
+                for request, d in chosen
+            ),
+        )
 
-    def _slot(self, name: str) -> MigSlot:
-        """The slot dynamic MIG device ``name`` stands for; ValueError saying why it cannot be
-        prepared here (dynamic MIG off, or no such slot on this node)."""
-        if not self.dynamic_mig:
-            raise ValueError("a dynamic MIG device, and dynamic MIG is off on this node (dra.dynamicMig)")
-        return mig_slot(self.view.topology, name)
-
-    def _mig_conflicts(self, uid: str, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
-                       holders: Mapping[tuple[int, int | None], tuple[PreparedClaim, str]]) -> list[str]:
-        """A problem for each device of the claim ``uid`` that a dynamic MIG device rules out:
-        a placement overlapping one another claim (or this one) holds, or on a GPU another
-        claim holds whole; a whole GPU another claim holds a MIG instance of; a MIG device
-        that is an instance cut for another claim."""
-        cut = [(c, m) for c in self.checkpoint if c.uid != uid for m in c.mig]
-        problems: list[str] = []
-        mine: list[tuple[str, MigSlot]] = []
-        for request, d in chosen:
-            what = f"device {d.name!r} (request {shorten(repr(request))})"
-            if isinstance(d, MigSlot):
-                g, slices = d.gpu.index, set(d.placement.slices)
-                whole = holders.get((g, None))
-                if whole is not None:
-                    problems.append(f"{what}: GPU {g} ({d.gpu.uuid}) is held whole by"
-                                    f" {_claim_ref(whole[0])} through device {whole[1]!r}")
-                    continue
-                clash = next(((c, m) for c, m in cut if m.gpu == g and slices & set(range(m.start, m.start + m.size))),
-                             None)
-                if clash is not None:
-                    problems.append(f"{what}: its memory slices on GPU {g} ({d.gpu.uuid}) overlap MIG device"
-                                    f" {clash[1].device!r} of {_claim_ref(clash[0])}")
-                    continue
-                twin = next((n for n, s in mine if s.gpu.index == g and slices & set(s.placement.slices)), None)
-                if twin is not None:
-                    problems.append(f"{what}: its memory slices on GPU {g} overlap device {twin!r} of the same claim")
-                    continue
-                mine.append((d.name, d))
-                continue
-            for p in d.parts:
-                if p.mig is None:
-                    held = next(((c, m) for c, m in cut if m.gpu == p.gpu.index), None)
-                    if held is not None:
-                        problems.append(f"{what}: GPU {p.gpu.index} ({p.gpu.uuid}) holds MIG device"
-                                        f" {held[1].device!r} of {_claim_ref(held[0])}")
-                        break
-                elif (held := next(((c, m) for c, m in cut if m.uuid == p.mig.uuid), None)) is not None:
-                    problems.append(f"{what}: MIG device {p.mig.uuid} was cut for {_claim_ref(held[0])}"
-                                    f" (device {held[1].device!r})")
-                    break
-        whole_gpus = {p.gpu.index for _, d in chosen if isinstance(d, DeviceRef) for p in d.parts if p.mig is None}
-        problems += [f"device {s.name!r} is a MIG device of GPU {s.gpu.index}, which the same claim holds whole"
-                     for _, s in mine if s.gpu.index in whole_gpus]
-        return problems
+    def _conflicts(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
+                   holders: Holders) -> list[str]:
+        """What other prepared claims hold of ``chosen`` (GPUs, MIG devices, memory slices)."""
+        whole = [(r, d) for r, d in chosen if isinstance(d, DeviceRef)]
+        return held_elsewhere(whole, holders, _name_of) + mig_conflicts(
+            self.checkpoint, ref.uid, chosen, holders, _name_of)
 
     def recover(self) -> None:
         """At start, before serving: settle what a crash interrupted. A claim being
@@ -290,8 +228,7 @@ class ClaimPreparer:
                 log.info("%s: its unprepare, interrupted, %s", ref, f"failed again: {error}" if error else "is done")
             elif not claim.prepared:
                 self.mig.settle_preparing(claim)
-        if self.dynamic_mig:
-            self.mig.report_foreign(self.view.topology)
+        self.mig.report_foreign(self.view.topology)
 
     def _rank_later(self, ref: ClaimRef, view: DraView, chosen: Sequence[tuple[str, DeviceRef]],
                     held: Collection[int]) -> None:
@@ -304,14 +241,9 @@ class ClaimPreparer:
         self.on_prepared(Prepared(str(ref), view.policy, tuple(p.gpu.index for p in parts),
                                   all(p.mig is None for p in parts), frozenset(held), unhealthy))
 
-    def _holders(self) -> dict[tuple[int, int | None], tuple[PreparedClaim, str]]:
+    def _holders(self) -> Holders:
         """(GPU index, MIG index or None) -> the prepared claim holding it and its device."""
-        holders: dict[tuple[int, int | None], tuple[PreparedClaim, str]] = {}
-        for claim in self.checkpoint:
-            for d in claim.devices:
-                for key in self.view.devices.parts(d.device):
-                    holders.setdefault(key, (claim, d.device))
-        return holders
+        return holders_of(self.checkpoint, self.view.devices)
 
     @staticmethod
     def _failed(ref: ClaimRef, what: str, path: str, exc: OSError) -> PrepareResult:
@@ -336,12 +268,9 @@ class ClaimPreparer:
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
         """The checkpointed answer; the spec is written again if it went missing."""
         if not self.cdi.has_spec(done.spec_path):
-            refs = [self.devices[d.device] for d in done.devices if d.device in self.devices]
-            for m in done.mig:  # dynamic MIG devices: as cut
-                if (slot := slot_of(self.view.topology, m)) is not None:
-                    refs.append(slot_ref(slot, m))
-            order = [d.device for d in done.devices]
-            refs.sort(key=lambda r: order.index(r.name) if r.name in order else len(order))
+            cut = self.mig.cut_devices(done, self.view.topology)
+            refs = [self.devices[d.device] if d.device in self.devices else cut[d.device]
+                    for d in done.devices if d.device in self.devices or d.device in cut]
             if len(refs) != len(done.devices):
                 return PrepareResult(
                     error=f"{ClaimRef(done.namespace, done.uid, done.name)}: prepared before, but its devices"
@@ -390,7 +319,7 @@ class ClaimPreparer:
             device: DeviceRef | MigSlot | None = devices.get(name)
             if device is None and parse_mig_slot_name(name) is not None:
                 try:
-                    device = self._slot(name)
+                    device = self.mig.slot(self.view.topology, name)
                 except ValueError as exc:
                     problems.append(f"{what}: {exc}")
                     continue
@@ -406,7 +335,7 @@ class ClaimPreparer:
                                 + (" is" if len(sick) == 1 else " are") + " unhealthy")
                 continue
             chosen.append((request, device))
-        problems += _shared_gpus([(r, d) for r, d in chosen if isinstance(d, DeviceRef)])
+        problems += shared_gpus([(r, d) for r, d in chosen if isinstance(d, DeviceRef)])
         if problems:
             raise ValueError(f"{ref}: cannot prepare " + shorten("; ".join(problems), MESSAGE_LIMIT))
         return chosen
@@ -439,6 +368,10 @@ def _claim_ref(claim: PreparedClaim) -> ClaimRef:
     return ClaimRef(claim.namespace, claim.uid, claim.name)
 
 
+def _name_of(claim: PreparedClaim) -> str:
+    return str(_claim_ref(claim))
+
+
 def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
     """The names of the claim's devices from other drivers (a NIC of a network DRA driver
     allocated beside the GPUs): the claim's NCCL file names those the node knows."""
@@ -447,48 +380,6 @@ def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
         return []
     return [str(r.get("device", "")) for r in results
             if isinstance(r, Mapping) and r.get("driver") != driver_name and r.get("device")]
-
-
-def _held_elsewhere(chosen: Sequence[tuple[str, DeviceRef]],
-                    holders: Mapping[tuple[int, int | None], tuple[PreparedClaim, str]]) -> list[str]:
-    """A problem for each device holding a GPU (or MIG device) that another prepared claim
-    holds (``holders``: :meth:`ClaimPreparer._holders`), naming that claim and its device."""
-    problems = []
-    for request, device in chosen:
-        for p in device.parts:
-            mine = (p.gpu.index, p.mig.index if p.mig is not None else None)
-            clash = next((holders[k] for k in _clashing(mine, holders)), None)
-            if clash is not None:
-                other, theirs = clash
-                problems.append(
-                    f"device {device.name!r} (request {shorten(repr(request))}): GPU {p.gpu.index} ({p.gpu.uuid})"
-                    f" is held by {ClaimRef(other.namespace, other.uid, other.name)} through device {theirs!r}"
-                    " (prepared again once that claim is unprepared)")
-                break
-    return problems
-
-
-def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
-    """A problem for each device holding a GPU (or MIG device) an earlier device of the claim
-    holds (no allocator gives one out twice: the counters forbid it)."""
-    seen: dict[tuple[int, int | None], str] = {}
-    problems = []
-    for _, device in chosen:
-        keys = [(p.gpu.index, p.mig.index if p.mig is not None else None) for p in device.parts]
-        taken = [k for k in keys if k in seen]
-        if taken:
-            problems.append(f"device {device.name!r} holds GPU {taken[0][0]}, which device {seen[taken[0]]!r}"
-                            " of the same claim holds too")
-        for k in keys:
-            seen.setdefault(k, device.name)
-    return problems
-
-
-def _clashing(part: tuple[int, int | None], held: Collection[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
-    """The held parts ``part`` cannot share its GPU with: the same part; the whole GPU for a
-    MIG device; any part of the GPU for the whole GPU."""
-    gpu, mig = part
-    return [k for k in held if k[0] == gpu and (mig is None or k[1] is None or k[1] == mig)]
 
 
 def _get(obj: Any, *keys: str) -> Any:
