@@ -74,12 +74,14 @@ def clashing(part: tuple[int, int | None], held: Collection[tuple[int, int | Non
 
 
 def mig_conflicts(claims: Iterable[PreparedClaim], uid: str, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
-              holders: Holders, name_of: Callable[[PreparedClaim], str]) -> list[str]:
+                  holders: Holders, name_of: Callable[[PreparedClaim], str],
+                  switched_on: Collection[int] = ()) -> list[str]:
     """A problem for each device of the claim ``uid`` that a dynamic MIG device rules out:
     a placement overlapping one another claim (or this one) holds, or on a GPU another
     claim holds whole; a whole GPU another claim holds a MIG instance of; a MIG device
-    that is an instance cut for another claim. ``holders``: (GPU, MIG index or None) -> the
-    claim holding it and its device; ``name_of`` names a claim."""
+    that is an instance cut for another claim; a whole GPU whose MIG mode dynamic MIG switched
+    on (``switched_on``: a container given it would find no CUDA device). ``holders``: (GPU,
+    MIG index or None) -> the claim holding it and its device; ``name_of`` names a claim."""
     cut = [(c, m) for c in claims if c.uid != uid for m in c.mig]
     problems: list[str] = []
     mine: list[tuple[str, MigSlot]] = []
@@ -105,6 +107,11 @@ def mig_conflicts(claims: Iterable[PreparedClaim], uid: str, chosen: Sequence[tu
             mine.append((d.name, d))
             continue
         for p in d.parts:
+            if p.mig is None and p.gpu.index in switched_on:
+                problems.append(f"{what}: GPU {p.gpu.index} ({p.gpu.uuid}) is in MIG mode (switched on for"
+                                " dynamic MIG): a whole GPU needs MIG mode off (nvidia-smi -i"
+                                f" {p.gpu.index} -mig 0)")
+                break
             if p.mig is None:
                 held = next(((c, m) for c, m in cut if m.gpu == p.gpu.index), None)
                 if held is not None:

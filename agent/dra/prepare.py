@@ -213,7 +213,7 @@ class ClaimPreparer:
         """What other prepared claims hold of ``chosen`` (GPUs, MIG devices, memory slices)."""
         whole = [(r, d) for r, d in chosen if isinstance(d, DeviceRef)]
         return held_elsewhere(whole, holders, _name_of) + mig_conflicts(
-            self.checkpoint, ref.uid, chosen, holders, _name_of)
+            self.checkpoint, ref.uid, chosen, holders, _name_of, self.mig.switched_on)
 
     def recover(self) -> None:
         """At start, before serving: settle what a crash interrupted. A claim being
