@@ -68,6 +68,10 @@ class MigDevice:
     memory_mib: int
     gi_id: int | None = None
     ci_id: int | None = None
+    #: where its GPU instance sits, and that instance's NVML profile id
+    #: (:attr:`MigProfile.profile_id`); None where NVML does not say
+    placement: MigPlacement | None = None
+    profile_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,14 +125,15 @@ class MigGeometry:
 @dataclass(frozen=True)
 class MigInstance:
     """A GPU instance (with its one compute instance) as it exists on a GPU now: what
-    dynamic MIG creates at prepare and destroys at unprepare."""
+    dynamic MIG creates at prepare and destroys at unprepare. ``ci_id`` and ``uuid`` are
+    None for a GPU instance without a compute instance (a create cut short)."""
 
     parent_index: int
     profile: str  # "3g.40gb"
     placement: MigPlacement
     gi_id: int
-    ci_id: int
-    uuid: str  # "MIG-..."
+    ci_id: int | None
+    uuid: str | None  # "MIG-..."
 
 
 @dataclass(frozen=True)

@@ -620,4 +620,9 @@ def test_the_fake_answers_every_call_as_a_real_h200_did(tmp_path):
                    check=True, timeout=120, cwd=root)
     result = subprocess.run([sys.executable, str(tool), "--compare", str(fixtures / "h200-vm-nvml-calls.json"),
                              str(fake)], capture_output=True, text=True, timeout=60, cwd=root)
-    assert (result.returncode, result.stdout) == (0, "no differences\n")
+    # calls the agent makes since that recording (the MIG geometry of a MIG-capable GPU):
+    # the next lent GPU records them; any other difference fails
+    newer = {"nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstancePossiblePlacements"}
+    found = [line for line in result.stdout.splitlines()
+             if not (line.split(":")[0] in newer and line.endswith("not on the real GPU"))]
+    assert found == [] or found == ["no differences"], result.stdout

@@ -56,3 +56,5 @@ _.fail_init  # tests (NVML that does not load)
 _.inject_xid  # tests and bench/bench_dra.py
 _.inject_ecc_dbe  # tests (ECC events and counters)
 _.set_value  # tests (telemetry knobs)
+_.occupy_mig  # tests (processes in a GPU instance: destroying it is InUse)
+_.__mul__  # agent/hw/sim/nvml_mig.py: ``c_nvmlGpuInstance_t * n`` arrays, as pynvml callers make them

@@ -15,6 +15,8 @@ protocol               members                              who uses it
                        ``lost_gpus``                        hands it the backend)
 :class:`Telemetry`     ``sample_source``, ``error_counts``  the metrics service
 :class:`SampleSource`  ``sample``, ``close``                the metrics sampler
+:class:`MigControl`    ``mig_instances``, ``create_mig``,   dynamic MIG (DRA prepare and
+                       ``destroy_mig``, ``enable_mig``      unprepare)
 =====================  ===================================  ==============================
 
 Every implementation is thread-safe unless it says otherwise; no method but ``init`` and
@@ -30,7 +32,7 @@ from typing import Protocol
 from agent.records import MigInstance, NodeFacts
 
 __all__ = [
-    "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "ProcessSample",
+    "EventSource", "FactsReader", "GpuSample", "HealthEvent", "Lifecycle", "MigControl", "ProcessSample",
     "SampleSource", "Telemetry",
 ]
 

@@ -7,7 +7,9 @@ through that wrapper) that adds what the layers above ask of the hardware:
 
 * discovery, :meth:`NvmlBackend.read_facts` (:mod:`agent.hw.nvml.facts`);
 * health events, :meth:`NvmlBackend.wait_events` (:mod:`agent.hw.nvml.events`);
-* telemetry, :meth:`NvmlBackend.sample_source` (:mod:`agent.hw.nvml.telemetry`).
+* telemetry, :meth:`NvmlBackend.sample_source` (:mod:`agent.hw.nvml.telemetry`);
+* dynamic MIG, :meth:`NvmlBackend.create_mig` and the rest of
+  :class:`~agent.hw.protocols.MigControl` (:mod:`agent.hw.nvml.mig_control`).
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from typing import TYPE_CHECKING, Any
 from agent.hw.nvml.calls import NvmlCalls
 from agent.hw.nvml.events import NvmlEvents
 from agent.hw.nvml.facts import read_node_facts
+from agent.hw.nvml.mig_control import NvmlMig
 from agent.hw.nvml.telemetry import NvmlSampler
 from agent.hw.protocols import (
     EventSource,
     FactsReader,
     HealthEvent,
     Lifecycle,
+    MigControl,
     SampleSource,
     Telemetry,
 )
-from agent.records import NodeFacts
+from agent.records import MigInstance, NodeFacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.hw.sysfs import SysfsReader
@@ -35,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["NvmlBackend"]
 
 
-class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
+class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, MigControl):
     """NVML (real or fake) behind one wrapper, with discovery, events and telemetry.
 
     ``lib``: None for the real ``pynvml`` (imported in :meth:`init`), else a module-like
@@ -56,6 +60,7 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
         super().__init__(lib, missing_function_level=missing_function_level)
         self._sysfs = sysfs
         self._events = NvmlEvents(self)
+        self._mig = NvmlMig(self)
 
     @property
     def sysfs(self) -> SysfsReader | None:
@@ -93,3 +98,21 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry):
     def sample_source(self) -> SampleSource:
         """A new telemetry sampler on this backend (its own GPM state); the caller closes it."""
         return NvmlSampler(self)
+
+    # ------------------------------------------------------------------ dynamic MIG
+    def mig_instances(self, index: int) -> tuple[MigInstance, ...]:
+        """The GPU instances on GPU ``index`` now (:meth:`NvmlMig.mig_instances`)."""
+        return self._mig.mig_instances(index)
+
+    def create_mig(self, index: int, profile: str, start: int) -> MigInstance:
+        """A ``profile`` GPU instance at memory slice ``start`` with one compute instance
+        spanning it (:meth:`NvmlMig.create_mig`)."""
+        return self._mig.create_mig(index, profile, start)
+
+    def destroy_mig(self, index: int, gi_id: int) -> None:
+        """GPU instance ``gi_id`` and its compute instances (:meth:`NvmlMig.destroy_mig`)."""
+        self._mig.destroy_mig(index, gi_id)
+
+    def enable_mig(self, index: int) -> None:
+        """MIG mode on for a free GPU ``index`` (:meth:`NvmlMig.enable_mig`)."""
+        self._mig.enable_mig(index)

@@ -3,10 +3,11 @@ NVML (every call through the wrapper, :meth:`agent.hw.nvml.calls.NvmlCalls.call`
 ``pynvml`` itself) and sysfs.
 
 From NVML: count, UUID, name, memory, PCI bus id, minor number, compute capability, compute
-mode, MIG mode and MIG devices, every NVLink's state and remote end, the common-ancestor PCIe level of each
-GPU pair, P2P NVLink status, GPU fabric info, driver and CUDA driver versions. From sysfs
-(when a :class:`SysfsReader` is given): NUMA node and local cpulist of each GPU, NUMA
-distances and cpulists, RDMA NICs and their PCIe level to each GPU, the DMI product name.
+mode, MIG mode, MIG geometry and MIG devices (with their placements; :mod:`agent.hw.nvml.mig`),
+every NVLink's state and remote end, the common-ancestor PCIe level of each GPU pair, P2P
+NVLink status, GPU fabric info, driver and CUDA driver versions. From sysfs (when a
+:class:`SysfsReader` is given): NUMA node and local cpulist of each GPU, NUMA distances and
+cpulists, RDMA NICs and their PCIe level to each GPU, the DMI product name.
 
 NVSwitch systems: a link whose remote end is an NVSwitch makes every pair of switch-attached
 GPUs (in one fabric clique, P2P-capable over NVLink) NVLinked with the smaller of their
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.formats import BusIdError, format_cpulist, parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.nvml.calls import NvmlCalls
+from agent.hw.nvml.mig import gi_placement, read_geometry
 from agent.records import COMPUTE_MODES, Gpu, Link, MigDevice, Nic, NodeFacts, PcieLevel
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,6 +160,7 @@ class _FactsReader:
         total_bytes = int(ident.memory.total) if ident.memory is not None else 0
         mig_capable, mig_enabled = self._mig_mode(index, h)
         mig_devices = self._read_mig(index, h, total_bytes) if mig_enabled else ()
+        geometry = read_geometry(b, index, h) if mig_capable and index not in b.lost_gpus else None
         cluster, clique = self._read_fabric(index, h)
         numa, cpulist, pci_class = self._placement(index, h, ident.bus_id)
         lost = index in b.lost_gpus
@@ -177,6 +180,7 @@ class _FactsReader:
             mig_enabled=mig_enabled,
             mig_capable=mig_capable,
             mig_devices=mig_devices,
+            mig_geometry=geometry,
             numa_node=numa,
             cpu_affinity=cpulist,
             pci_class=pci_class,
@@ -288,6 +292,7 @@ class _FactsReader:
                 continue
             gi = b.call("nvmlDeviceGetGpuInstanceId", mh, gpu=index)
             ci = b.call("nvmlDeviceGetComputeInstanceId", mh, gpu=index)
+            where = gi_placement(b, index, h, int(gi)) if gi is not None else None
             gi_slices = int(attrs.gpuInstanceSliceCount)
             ci_slices = int(attrs.computeInstanceSliceCount)
             memory_mib = int(attrs.memorySizeMB)
@@ -301,6 +306,8 @@ class _FactsReader:
                     memory_mib=memory_mib,
                     gi_id=int(gi) if gi is not None else None,
                     ci_id=int(ci) if ci is not None else None,
+                    placement=where[0] if where is not None else None,
+                    profile_id=where[1] if where is not None else None,
                 )
             )
         return tuple(out)

@@ -30,6 +30,7 @@ import weakref
 
 from agent.errors import InputFormatError
 from agent.hw.nvml.backend import NvmlBackend
+from agent.hw.sim.mig_state_file import state_path
 from agent.hw.sim.nvml import FakeNvml
 from agent.hw.sim.processes import write_proc_tree
 from agent.hw.sim.spec import load_machine_spec
@@ -165,6 +166,9 @@ class SimulatedMachine:
         self.spec = spec
         self.name = spec.name
         self.lib = FakeNvml(spec)
+        kept = state_path()  # the GPUs' MIG layout outlives the agent, as a real GPU's does
+        if kept is not None:
+            self.lib.keep_mig_state(kept)
         owned = sysfs_root is None
         if owned:
             remove_stale_trees()

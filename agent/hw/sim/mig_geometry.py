@@ -28,9 +28,11 @@ One layout family per slice count:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from agent.records import MigGeometry, MigPlacement, MigProfile
 
-__all__ = ["geometry_for", "MIG_MODELS"]
+__all__ = ["geometry_for", "MIG_MODELS", "fits", "place_all"]
 
 # NVML_GPU_INSTANCE_PROFILE_* (nvml.h)
 P_1_SLICE, P_2_SLICE, P_3_SLICE, P_4_SLICE, P_7_SLICE = 0, 1, 2, 3, 4
@@ -52,7 +54,8 @@ _EIGHT_SLICE: dict[str, tuple[tuple[str, ...], int, tuple[int, ...], tuple[int, 
                         (16, 32, 60, 64, 132), (1, 1, 2, 2, 7), (1, 1, 2, 2, 7)),
     "NVIDIA H200": (("18gb", "35gb", "35gb", "71gb", "71gb", "141gb"), 17792,
                     (16, 32, 60, 64, 132), (1, 1, 2, 2, 7), (1, 1, 2, 2, 7)),
-    "NVIDIA B200": (("23gb", "45gb", "45gb", "90gb", "90gb", "180gb"), 23040,
+    # 22784 MiB a slice: eight of them fit the 183359 MiB nvidia-smi shows for a B200
+    "NVIDIA B200": (("23gb", "45gb", "45gb", "90gb", "90gb", "180gb"), 22784,
                     (18, 36, 72, 72, 148), (1, 1, 2, 2, 7), (1, 1, 2, 2, 7)),
     # GB200: the guide names the profiles; engine counts as B200's (not published apart)
     "NVIDIA GB200": (("23gb", "46gb", "46gb", "93gb", "93gb", "186gb"), 23552,
@@ -120,3 +123,39 @@ def geometry_for(model_name: str | None) -> MigGeometry | None:
         return _a30()
     row = _EIGHT_SLICE.get(model_name)
     return None if row is None else _eight_slice(*row)
+
+
+def fits(geometry: MigGeometry, profile: MigProfile, placement: MigPlacement,
+         taken: Sequence[tuple[MigProfile, MigPlacement]]) -> bool:
+    """Whether a GPU instance of ``profile`` may be created at ``placement`` beside the
+    ``taken`` ones, as NVML decides it: a legal placement of the profile, no memory slice
+    shared, enough compute slices left and fewer than ``instance_count`` of the profile."""
+    if placement not in profile.placements:
+        return False
+    used = {s for _, p in taken for s in p.slices}
+    if used & set(placement.slices):
+        return False
+    if sum(p.compute_slices for p, _ in taken) + profile.compute_slices > geometry.compute_slices:
+        return False
+    return sum(1 for p, _ in taken if p.profile_id == profile.profile_id) < profile.instance_count
+
+
+def place_all(geometry: MigGeometry, profiles: Sequence[MigProfile]) -> tuple[MigPlacement, ...] | None:
+    """Placements for GPU instances of ``profiles`` created in that order: the first legal
+    assignment (each instance at its lowest start that still lets the rest fit), or None
+    when they cannot all be placed. A layout like 3g + 2g + 1g + 1g on an A100 needs the
+    3g at slice 4: taking each instance's first free placement alone would refuse it."""
+    chosen: list[tuple[MigProfile, MigPlacement]] = []
+
+    def extend(k: int) -> bool:
+        if k == len(profiles):
+            return True
+        for placement in profiles[k].placements:
+            if fits(geometry, profiles[k], placement, chosen):
+                chosen.append((profiles[k], placement))
+                if extend(k + 1):
+                    return True
+                chosen.pop()
+        return False
+
+    return tuple(p for _, p in chosen) if extend(0) else None

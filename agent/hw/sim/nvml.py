@@ -47,6 +47,7 @@ from typing import Any
 from agent.formats import parse_cpulist, sysfs_to_nvml_bus_id
 from agent.hw.pcie import PciePlace, pcie_level
 from agent.hw.sim.nvml_core import _Handle, _Link, api
+from agent.hw.sim.nvml_mig import MigApi, mig_uuid
 from agent.hw.sim.nvml_telemetry import TelemetryApi
 from agent.hw.sim.nvml_types import (
     CONSTANTS,
@@ -56,20 +57,15 @@ from agent.hw.sim.nvml_types import (
     c_nvmlDeviceAttributes,
     c_nvmlGpuFabricInfo_t,
     c_nvmlGpuFabricInfoV_t,
-    c_nvmlGpuInstanceProfileInfo_v2_t,
     c_nvmlMemory_t,
     c_nvmlMemory_v2_t,
 )
-from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
+from agent.hw.sim.spec_model import GpuSpec
 from agent.hw.sim.sysfs_tree import placement_path
 
 _C = CONSTANTS
 #: GPU generations whose driver answers the fabric-info query (NVSwitch fabric, GB200 NVL)
 _FABRIC_ARCHITECTURES = frozenset({"hopper", "blackwell"})
-
-
-def _mig_uuid(gpu_uuid: str, slot: int) -> str:
-    return "MIG-" + str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"{gpu_uuid}/mig/{slot}"))
 
 
 def _pcie_place(g: GpuSpec) -> PciePlace:
@@ -78,7 +74,7 @@ def _pcie_place(g: GpuSpec) -> PciePlace:
     return PciePlace(placement_path(g.host_bridge, g.switches, g.bus_id), g.numa_node, cpus)
 
 
-class FakeNvml(TelemetryApi):
+class FakeNvml(TelemetryApi, MigApi):
     """A module-like fake of ``pynvml`` for one machine (see the module docstring).
 
     Thread-safe: every function takes the fake's lock, except the event wait which blocks on
@@ -120,7 +116,7 @@ class FakeNvml(TelemetryApi):
     @api
     def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
         g, mig = self._dev(handle)
-        return g.uuid if mig is None else _mig_uuid(g.uuid, mig)
+        return g.uuid if mig is None else mig_uuid(g.uuid, mig)
 
     @api
     def nvmlDeviceGetName(self, handle: _Handle) -> str:
@@ -183,7 +179,7 @@ class FakeNvml(TelemetryApi):
                 reserved = min(g.model.memory_mib // 100, 600) * mib
                 used = int(self._telemetry[g.index]["memory_used_mib"]) * mib
             else:
-                total = self._mig_memory_mib(self._mig(g, mig)) * mib
+                total = self._mig(g, mig).memory_mib * mib
                 reserved, used = 0, 13 * mib
         used = min(used, total - reserved)
         if not version:
@@ -230,28 +226,34 @@ class FakeNvml(TelemetryApi):
             raise _err("NVML_ERROR_FUNCTION_NOT_FOUND")
         if not g.model.mig:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
-        mode = _C["NVML_DEVICE_MIG_ENABLE"] if g.mig_enabled else _C["NVML_DEVICE_MIG_DISABLE"]
-        return [mode, mode]
+        with self._lock:  # [current, pending]: on Ampere a change waits for a GPU reset
+            state = self._mig_state[g.index]
+            return [int(state.current), int(state.pending)]
 
     @api
     def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:
         g, _ = self._dev(device, mig_ok=False)
         if not g.model.mig:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
-        return 7
+        geometry = self._mig_state[g.index].geometry
+        return geometry.compute_slices if geometry is not None else 7
 
     @api
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _Handle:
         g, _ = self._dev(device, mig_ok=False)
         if not g.model.mig:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
-        if not isinstance(index, int) or not 0 <= index < 7:
+        geometry = self._mig_state[g.index].geometry
+        if not isinstance(index, int) or not 0 <= index < (geometry.compute_slices if geometry else 7):
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
-        if not g.mig_enabled:
-            raise _err("NVML_ERROR_INVALID_ARGUMENT")
-        if index >= len(g.mig_devices):
-            raise _err("NVML_ERROR_NOT_FOUND")
-        return self._mig_handles[g.index][index]
+        with self._lock:  # the MIG devices that exist now, in creation order
+            state = self._mig_state[g.index]
+            if not state.current:
+                raise _err("NVML_ERROR_INVALID_ARGUMENT")
+            devices = state.devices()
+            if index >= len(devices):
+                raise _err("NVML_ERROR_NOT_FOUND")
+            return _Handle(g.index, devices[index].ci.serial)
 
     @api
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: _Handle) -> _Handle:
@@ -270,14 +272,14 @@ class FakeNvml(TelemetryApi):
         g, mig = self._dev(device)
         if mig is None:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
-        return 1 + mig  # GPU instance ids as nvidia-smi numbers them for a fresh layout
+        return self._mig(g, mig).gi.gi_id
 
     @api
     def nvmlDeviceGetComputeInstanceId(self, device: _Handle) -> int:
-        _, mig = self._dev(device)
+        g, mig = self._dev(device)
         if mig is None:
             raise _err("NVML_ERROR_INVALID_ARGUMENT")
-        return 0
+        return self._mig(g, mig).ci.ci_id
 
     @api
     def nvmlDeviceGetAttributes(self, device: _Handle) -> Any:
@@ -299,50 +301,18 @@ class FakeNvml(TelemetryApi):
                 memorySizeMB=g.model.memory_mib or 0,
             )
         d = self._mig(g, mig)
+        p = d.gi.profile
         return c_nvmlDeviceAttributes(
-            multiprocessorCount=g.model.sm_count * d.ci_slices // 7,
-            sharedCopyEngineCount=d.gi_slices,
-            sharedDecoderCount=d.gi_slices // 2,
+            multiprocessorCount=(p.multiprocessors if p is not None else g.model.sm_count * d.gi_slices // 7)
+            * d.ci_slices // d.gi_slices,
+            sharedCopyEngineCount=p.copy_engines if p is not None else d.gi_slices,
+            sharedDecoderCount=p.decoders if p is not None else d.gi_slices // 2,
             sharedEncoderCount=0,
-            sharedJpegCount=1 if d.gi_slices == 7 else 0,
-            sharedOfaCount=1 if d.gi_slices == 7 else 0,
+            sharedJpegCount=p.jpegs if p is not None else int(d.gi_slices == 7),
+            sharedOfaCount=p.ofas if p is not None else int(d.gi_slices == 7),
             gpuInstanceSliceCount=d.gi_slices,
             computeInstanceSliceCount=d.ci_slices,
-            memorySizeMB=self._mig_memory_mib(d),
-        )
-
-    @api
-    def nvmlDeviceGetGpuInstanceProfileInfo(
-        self, device: _Handle, profile: int, version: int = 2
-    ) -> Any:
-        g, _ = self._dev(device, mig_ok=False)
-        if not g.model.mig:
-            raise _err("NVML_ERROR_NOT_SUPPORTED")
-        slices = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7}.get(profile)
-        if slices is None:
-            raise _err("NVML_ERROR_INVALID_ARGUMENT")
-        total_gb = -(-(g.model.memory_mib or 0) // 1024)
-        mem_gb = {
-            1: total_gb // 8,
-            2: total_gb // 4,
-            3: total_gb // 2,
-            4: total_gb // 2,
-            7: total_gb,
-        }[slices]
-        return c_nvmlGpuInstanceProfileInfo_v2_t(
-            version=0x2000098 if version == 2 else 0,
-            id=profile,
-            isP2pSupported=0,
-            sliceCount=slices,
-            instanceCount=7 // slices if slices != 4 else 1,
-            multiprocessorCount=g.model.sm_count * slices // 7,
-            copyEngineCount=slices,
-            decoderCount=slices // 2,
-            encoderCount=0,
-            jpegCount=0,
-            ofaCount=0,
-            memorySizeMB=self._mig_memory_mib(MigDeviceSpec("", slices, slices, mem_gb)),
-            name=f"MIG {slices}g.{mem_gb}gb",
+            memorySizeMB=d.memory_mib,
         )
 
     # ------------------------------------------------------------------ NVLink / topology

@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from agent.hw.sim.nvml_mig_state import MigDeviceView, MigGpuState
 from agent.hw.sim.nvml_types import (
     CONSTANTS,
     NVMLError,
@@ -24,7 +25,7 @@ from agent.hw.sim.nvml_types import (
     nvmlPciInfo_t,
 )
 from agent.hw.sim.processes import ProcessSpec
-from agent.hw.sim.spec_model import GpuSpec, MachineSpec, MigDeviceSpec
+from agent.hw.sim.spec_model import GpuSpec, MachineSpec
 
 _C = CONSTANTS
 _T = TypeVar("_T")
@@ -43,6 +44,16 @@ class _Handle:
 
     def __repr__(self) -> str:
         return f"<fake nvmlDevice gpu={self.gpu}{'' if self.mig is None else f' mig={self.mig}'}>"
+
+
+class _InstanceHandle:
+    """A GPU instance or compute instance handle (pynvml's ``c_nvmlGpuInstance_t`` /
+    ``c_nvmlComputeInstance_t``) of GPU ``gpu``: :mod:`agent.hw.sim.nvml_mig`."""
+
+    __slots__ = ("gpu",)
+
+    def __init__(self, gpu: int) -> None:
+        self.gpu = gpu
 
 
 class _EventSet:
@@ -141,9 +152,7 @@ class FakeNvmlCore:
         #: how often each function was called (for tests: "no NVML on the request path")
         self.calls: collections.Counter[str] = collections.Counter()
         self._handles = [_Handle(g.index) for g in spec.gpus]
-        self._mig_handles = [
-            [_Handle(g.index, k) for k in range(len(g.mig_devices))] for g in spec.gpus
-        ]
+        self._mig_state = [MigGpuState.from_spec(g) for g in spec.gpus]
         self._by_uuid = {g.uuid: g.index for g in spec.gpus}
         self._by_bus = {g.bus_id: g.index for g in spec.gpus}
         self._links = self._wire(spec)
@@ -342,11 +351,11 @@ class FakeNvmlCore:
                 "nvmlErrorString",
             ):
                 raise _err("NVML_ERROR_UNINITIALIZED")
-            gpu = next((a.gpu for a in args if isinstance(a, _Handle)), None)
+            gpu = next((a.gpu for a in args if isinstance(a, (_Handle, _InstanceHandle))), None)
             for key in ((name, gpu), (name, None)):
                 if key in self._failures:
                     raise NVMLError(self._failures[key])
-            if any(isinstance(a, _Handle) and a.gpu in self._lost for a in args):
+            if any(isinstance(a, (_Handle, _InstanceHandle)) and a.gpu in self._lost for a in args):
                 raise _err("NVML_ERROR_GPU_IS_LOST")
             if (name, gpu) in self._unsupported or (name, None) in self._unsupported:
                 raise _err("NVML_ERROR_NOT_SUPPORTED")
@@ -358,13 +367,18 @@ class FakeNvmlCore:
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         return self.spec.gpus[handle.gpu], handle.mig
 
-    def _mig(self, g: GpuSpec, slot: int) -> MigDeviceSpec:
-        return g.mig_devices[slot]
+    def _mig(self, g: GpuSpec, serial: int) -> MigDeviceView:
+        """MIG device ``serial`` of GPU ``g`` (a handle to one destroyed since: InvalidArgument)."""
+        with self._lock:
+            view = self._mig_state[g.index].device(serial)
+        if view is None:
+            raise _err("NVML_ERROR_INVALID_ARGUMENT")
+        return view
 
-    @staticmethod
-    def _mig_memory_mib(d: MigDeviceSpec) -> int:
-        # ~95% of the nominal size, as real profiles report a little less than their name
-        return d.memory_gb * 1024 * 95 // 100 // 128 * 128
+    def _mig_on(self, g: GpuSpec) -> bool:
+        """Whether GPU ``g`` is in MIG mode now."""
+        with self._lock:
+            return self._mig_state[g.index].current
 
     def _pci_info(self, bus_id: str, device_id: int) -> Any:
         domain, bus, rest = bus_id.split(":")

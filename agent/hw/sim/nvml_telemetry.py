@@ -157,8 +157,9 @@ class TelemetryApi(FakeNvmlCore):
         g, mig = self._dev(handle)
         with self._lock:
             procs: list[ProcessSpec] = list(self._telemetry[g.index]["processes"])
-        gi = _NO_ID if mig is None else 1 + mig
-        ci = _NO_ID if mig is None else 0
+        view = None if mig is None else self._mig(g, mig)
+        gi = _NO_ID if view is None else view.gi.gi_id
+        ci = _NO_ID if view is None else view.ci.ci_id
         # pynvml returns nvmlFriendlyObject copies of c_nvmlProcessInfo_t: same attributes
         return [
             c_nvmlProcessInfo_t(
@@ -189,7 +190,7 @@ class TelemetryApi(FakeNvmlCore):
         time in microseconds; 0: all the driver keeps), stamped now; NotFound when there is
         none; NotSupported on a GPU in MIG mode or older than Maxwell."""
         g, mig = self._dev(handle)
-        if mig is not None or g.mig_enabled or (g.model.compute_capability or (5, 0)) < (5, 0):
+        if mig is not None or self._mig_on(g) or (g.model.compute_capability or (5, 0)) < (5, 0):
             raise _err("NVML_ERROR_NOT_SUPPORTED")
         now_us = int(time.time() * 1_000_000)
         with self._lock:

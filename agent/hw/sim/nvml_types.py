@@ -88,6 +88,23 @@ CONSTANTS: dict[str, int] = {
     "NVML_GPU_INSTANCE_PROFILE_3_SLICE": 2,
     "NVML_GPU_INSTANCE_PROFILE_4_SLICE": 3,
     "NVML_GPU_INSTANCE_PROFILE_7_SLICE": 4,
+    "NVML_GPU_INSTANCE_PROFILE_8_SLICE": 5,
+    "NVML_GPU_INSTANCE_PROFILE_6_SLICE": 6,
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1": 7,
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1": 8,
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2": 9,
+    "NVML_GPU_INSTANCE_PROFILE_COUNT": 0x12,
+    "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE": 0,
+    "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE": 1,
+    "NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE": 2,
+    "NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE": 3,
+    "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE": 4,
+    "NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE": 5,
+    "NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE": 6,
+    "NVML_COMPUTE_INSTANCE_PROFILE_COUNT": 9,
+    "NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED": 0,
+    "nvmlGpuInstanceProfileInfo_v2": 0x02000098,
+    "nvmlComputeInstanceProfileInfo_v2": 0x02000088,
     # architectures
     "NVML_DEVICE_ARCH_VOLTA": 5,
     "NVML_DEVICE_ARCH_TURING": 6,
@@ -208,7 +225,9 @@ class NVMLError(Exception):
         16: "GPU requires restart",
         17: "The operating system has blocked the request.",
         18: "RM has detected an NVML/RM version mismatch.",
+        19: "In use by another client",
         20: "Insufficient Memory",
+        23: "Insufficient Resources",
         999: "Unknown Error",
     }
 
@@ -320,6 +339,24 @@ c_nvmlGpuInstanceProfileInfo_v2_t = _struct(
     "memorySizeMB",
     "name",
 )
+c_nvmlGpuInstanceInfo_t = _struct("c_nvmlGpuInstanceInfo_t", "device", "id", "profileId", "placement")
+c_nvmlComputeInstanceProfileInfo_v2_t = _struct(
+    "c_nvmlComputeInstanceProfileInfo_v2_t",
+    "version",
+    "id",
+    "sliceCount",
+    "instanceCount",
+    "multiprocessorCount",
+    "sharedCopyEngineCount",
+    "sharedDecoderCount",
+    "sharedEncoderCount",
+    "sharedJpegCount",
+    "sharedOfaCount",
+    "name",
+)
+c_nvmlComputeInstanceInfo_t = _struct(
+    "c_nvmlComputeInstanceInfo_t", "device", "gpuInstance", "id", "profileId", "placement"
+)
 c_nvmlProcessInfo_t = _struct(
     "c_nvmlProcessInfo_t", "pid", "usedGpuMemory", "gpuInstanceId", "computeInstanceId"
 )
@@ -410,6 +447,17 @@ class c_nvmlProcessUtilizationSample_t(ctypes.Structure):
     ]
 
 
+class c_nvmlGpuInstancePlacement_t(ctypes.Structure):
+    """pynvml's layout: callers allocate arrays of it (possible placements) and pass one
+    ``byref`` to create a GPU instance there."""
+
+    _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+
+
+class c_nvmlComputeInstancePlacement_t(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+
+
 c_nvmlGpuFabricInfoV_t = c_nvmlGpuFabricInfo_v2_t  # pynvml's alias
 
 #: Struct classes the fake exposes under pynvml's names (checked against pynvml by a test).
@@ -432,6 +480,11 @@ STRUCTS: dict[str, type] = {
         c_nvmlFieldValue_t,
         c_metricInfo_t,
         c_nvmlProcessUtilizationSample_t,
+        c_nvmlGpuInstancePlacement_t,
+        c_nvmlGpuInstanceInfo_t,
+        c_nvmlComputeInstancePlacement_t,
+        c_nvmlComputeInstanceProfileInfo_v2_t,
+        c_nvmlComputeInstanceInfo_t,
     )
 }
 STRUCTS["c_nvmlGpuFabricInfoV_t"] = c_nvmlGpuFabricInfoV_t

@@ -13,13 +13,14 @@ from dataclasses import replace
 from typing import Any
 
 from agent.hw.sim.catalogue import GPU_MODELS, GpuModel, unknown_model
+from agent.hw.sim.mig_geometry import geometry_for, place_all
 from agent.hw.sim.nvml_types import CONSTANTS as _C
 from agent.hw.sim.processes import check_process_cgroups, read_processes
 from agent.hw.sim.spec_model import GpuSpec, MigDeviceSpec
 from agent.hw.sim.spec_reader import SpecReader
 from agent.records import COMPUTE_MODES, synthetic_gpu_uuid
 
-_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb$")
+_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb(\+me)?$")
 
 
 def parse_mig_profile(profile: str) -> MigDeviceSpec:
@@ -130,7 +131,36 @@ def _read_mig(
             raise r.fail(f"{where}.mig[{j}]", str(exc)) from None
     if sum(d.gi_slices for d in mig) > 7 or len(mig) > 7:
         raise r.fail(f"{where}.mig", "more than 7 compute slices / devices on one GPU")
-    return tuple(mig)
+    return _placed(r, mig, model, where)
+
+
+def _placed(
+    r: SpecReader, mig: list[MigDeviceSpec], model: GpuModel, where: str
+) -> tuple[MigDeviceSpec, ...]:
+    """The MIG devices on legal placements of the model's geometry, in spec order
+    (:func:`agent.hw.sim.mig_geometry.place_all`); unchanged for a model the geometry table
+    does not know. A profile the model lacks, or a layout that cannot be placed, is an error
+    naming the GPU and the profile."""
+    geometry = geometry_for(model.name)
+    if geometry is None or not mig:
+        return tuple(mig)
+    profiles = []
+    for j, d in enumerate(mig):
+        profile = geometry.profile(d.gi_profile)
+        if profile is None:
+            names = ", ".join(p.name for p in geometry.profiles)
+            raise r.fail(f"{where}.mig[{j}]", f"{model.name} has no MIG profile {d.gi_profile!r} "
+                         f"(its profiles: {names})")
+        profiles.append(profile)
+    placements = place_all(geometry, profiles)
+    if placements is None:
+        for k in range(1, len(profiles) + 1):  # the first instance that no longer fits
+            if place_all(geometry, profiles[:k]) is None:
+                break
+        raise r.fail(f"{where}.mig[{k - 1}]", f"{mig[k - 1].profile} does not fit on the "
+                     f"{model.name} beside {', '.join(d.profile for d in mig[:k - 1])} "
+                     "(no legal MIG placement left)")
+    return tuple(replace(d, placement=p) for d, p in zip(mig, placements))
 
 
 def _read_fabric(r: SpecReader, value: object, where: str) -> tuple[str | None, int | None]:

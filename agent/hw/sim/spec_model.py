@@ -13,16 +13,24 @@ from dataclasses import dataclass, field
 
 from agent.hw.sim.catalogue import GpuModel
 from agent.hw.sim.processes import ProcessSpec
+from agent.records import MigPlacement
 
 
 @dataclass(frozen=True)
 class MigDeviceSpec:
-    """One MIG device: ``profile`` like ``"3g.40gb"`` or ``"1c.3g.40gb"``."""
+    """One MIG device: ``profile`` like ``"3g.40gb"`` or ``"1c.3g.40gb"``; ``placement``
+    where its GPU instance sits (None: the GPU's model has no known MIG geometry)."""
 
     profile: str
     gi_slices: int
     ci_slices: int
     memory_gb: int
+    placement: MigPlacement | None = None
+
+    @property
+    def gi_profile(self) -> str:
+        """The GPU instance's profile: ``"3g.40gb"`` of ``"1c.3g.40gb"``."""
+        return self.profile.split(".", 1)[1] if self.profile.count(".") == 2 else self.profile
 
 
 @dataclass(frozen=True)
