@@ -181,7 +181,7 @@ class Daemon:
             config_loader = node_config.load_active
         daemon = cls(
             config, backend,
-            servers=servers_for(config.mode, agent_metrics),
+            servers=servers_for(config.mode, agent_metrics, mig=backend),
             # the running config's file: a node's own config (config_file_srcdir) may name one
             read_topology=lambda: read_topology(backend, sim, daemon.config.nccl_topology_file),
             labels=LabelPublisher(sink, count_error=agent_metrics.label_write_error),

@@ -2,7 +2,8 @@
 in-process tests of dynamic MIG: GPUs with a MIG mode and GPU instances, NVML's answers
 (overlap: insufficient resources; an instance running processes: in use; Ampere's mode
 change: reset required; an unknown instance: not found), and a crash switch: the N-th step
-(each call counts twice, before and after its effect) raises :class:`Crash`, as a SIGKILL
+(each call counts before and after its effect; a create also between its GPU instance and
+its compute instance) raises :class:`Crash`, as a SIGKILL
 at that point would stop the agent. The GPUs' state outlives the preparer that used it, as a
 real GPU's outlives the agent process."""
 
@@ -72,8 +73,10 @@ class MigDouble:
         if any(set(i.placement.slices) & set(placement.slices) for i in g.instances.values()):
             raise MigInsufficientResources(f"GPU {index}: {profile} at {start}: insufficient resources")
         gi = next(i for i in itertools.count(1) if i not in g.instances)
+        g.instances[gi] = MigInstance(index, profile, placement, gi, None, None)  # the GPU instance alone
+        self._step()
         inst = MigInstance(index, profile, placement, gi, 0, f"MIG-{uuid.UUID(int=next(self._uuids) + (index << 64))}")
-        g.instances[gi] = inst
+        g.instances[gi] = inst  # and its compute instance
         self._step()
         return inst
 

@@ -161,7 +161,7 @@ def test_an_intent_whose_instance_was_made_is_adopted_at_start_and_destroyed_at_
     with tempfile.TemporaryDirectory(prefix="migcrash") as root:
         node = Node(root)
         preparer = node.agent()
-        node.gpus.crash_at = 2  # step 1: before the create's effect, step 2: after it
+        node.gpus.crash_at = 3  # step 1: before the create, 2: GPU instance made, 3: compute instance made
         try:
             preparer.prepare(node.claims.ref("a"))
         except Crash:
@@ -198,3 +198,24 @@ def test_an_instance_made_by_hand_on_an_intents_placement_after_the_agent_destro
         assert len(preparer.checkpoint) == 0, "the interrupted unprepare finished at start"
         assert again in node.instances()
         assert replace(again) == node.gpus.gpus[0].instances[again.gi_id]
+
+
+def test_a_gpu_instance_whose_compute_instance_the_crash_cut_short_is_destroyed_at_start_and_cut_again():
+    with tempfile.TemporaryDirectory(prefix="migcrash") as root:
+        node = Node(root)
+        preparer = node.agent()
+        node.gpus.crash_at = 2  # the GPU instance made, not its compute instance
+        try:
+            preparer.prepare(node.claims.ref("a"))
+        except Crash:
+            pass
+        else:
+            raise AssertionError("no crash")
+        (half,) = node.instances() - node.hand_made
+        assert half.uuid is None
+        preparer = node.agent()
+        assert node.instances() == node.hand_made
+        assert ("destroy_mig", 0, half.gi_id) in node.gpus.calls
+        assert [c.mig for c in preparer.checkpoint] == [()]
+        assert preparer.prepare(node.claims.ref("a")).error == ""
+        assert node.gpus.layout(0) == {("3g.40gb", 0), ("1g.10gb", 6)}

@@ -90,7 +90,14 @@ def _matches(record: MigRecord, instance: MigInstance) -> bool:
 
 
 def _created(record: MigRecord, instance: MigInstance) -> MigRecord:
+    assert instance.uuid is not None
     return replace(record, state=CREATED, gi_id=instance.gi_id, ci_id=instance.ci_id, uuid=instance.uuid)
+
+
+def _whole(instance: MigInstance) -> bool:
+    """A usable MIG device: its compute instance made and its UUID known (a create cut short
+    leaves a GPU instance without them)."""
+    return instance.ci_id is not None and instance.uuid is not None
 
 
 def _where(profile: str, start: int, size: int) -> str:
@@ -143,6 +150,9 @@ class MigLifecycle:
                 if found is None:
                     log.info("claim %s: GPU %d has no %s, the create it was about to make: nothing to undo",
                              claim.uid, record.gpu, where)
+                    continue
+                if not _whole(found):  # cut short: of no use to the claim, destroyed (the intent says whose)
+                    self._destroy_half_made(claim.uid, found)
                     continue
                 log.info("claim %s: adopted GPU instance %d (%s) on GPU %d, %s: created before the agent"
                          " could record it", claim.uid, found.gi_id, found.uuid, record.gpu, where)
@@ -202,7 +212,7 @@ class MigLifecycle:
         try:
             claim = self._settle(self._write(claim), for_prepare=True)
         except MigError as exc:
-            raise MigRefused(f"cannot list the MIG instances: {exc}") from exc
+            raise MigRefused(f"cannot settle its MIG instances: {exc}") from exc
         refs: dict[str, DeviceRef] = {}
         for _, slot in slots:
             try:
@@ -251,6 +261,15 @@ class MigLifecycle:
             if adopted is None:
                 raise MigRefused(f"{describe(gpu)}: cannot create MIG instance {where}: {exc}") from exc
             return claim, adopted
+        if not _whole(instance):
+            try:
+                self._destroy_half_made(claim.uid, instance)
+            except MigError as exc:
+                raise MigRefused(f"{describe(gpu)}: MIG instance {where} was made without a compute instance and"
+                                 f" cannot be destroyed: {exc}") from exc
+            claim = self._write(replace(claim, mig=tuple(r for r in claim.mig if r is not intent)))
+            raise MigRefused(f"{describe(gpu)}: MIG instance {where} was made without a compute instance or a UUID:"
+                             " destroyed again")
         record = _created(intent, instance)
         claim = self._write(replace(claim, mig=tuple(record if r is intent else r for r in claim.mig)))
         if (instance.profile, instance.placement) != (profile.name, placement):
@@ -286,6 +305,18 @@ class MigLifecycle:
         self.switched_on.add(gpu.index)
         log.info("GPU %d (%s): MIG mode switched on (dynamic MIG)", gpu.index, gpu.uuid)
 
+    def _destroy_half_made(self, uid: str, instance: MigInstance) -> None:
+        """Destroy the GPU instance an intent of claim ``uid`` made without its compute
+        instance (the intent stays recorded until the caller drops it)."""
+        assert self.ops is not None
+        try:
+            self.ops.destroy_mig(instance.parent_index, instance.gi_id)
+        except MigNotFound:
+            pass
+        log.info("claim %s: destroyed GPU instance %d on GPU %d, %s, made without its compute instance", uid,
+                 instance.gi_id, instance.parent_index,
+                 _where(instance.profile, instance.placement.start, instance.placement.size))
+
     # ------------------------------------------------------------------ unprepare
     def destroy(self, claim: PreparedClaim) -> str:
         """Destroy every instance ``claim``'s records name (an intent settled first), each
@@ -299,7 +330,7 @@ class MigLifecycle:
         try:
             claim = self._settle(claim, for_prepare=False)
         except MigError as exc:
-            return f"cannot list the MIG instances: {exc}"
+            return f"cannot settle its MIG instances: {exc}"
         claim = self._write(replace(claim, phase=UNPREPARING, mig=tuple(
             replace(r, state=DESTROYING) if r.state == CREATED else r for r in claim.mig)))
         for record in claim.mig:
