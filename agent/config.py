@@ -143,6 +143,10 @@ class Config:
     #: tainted (no new claim gets it), before it is withdrawn; 0: at once (the rule before
     #: the grace, unsafe when the scheduler's view of the slices lags) (env DRA_GPU_SET_WITHDRAWAL_GRACE_S)
     gpu_set_withdrawal_grace_s: float = 60.0
+    #: publish MIG profiles on placements as devices of MIG-capable GPUs, cut on demand at
+    #: prepare (docs/dra/mig.md): off (the default until it has met a real GPU) or on
+    #: (env DRA_DYNAMIC_MIG)
+    dynamic_mig: str = "off"
     # --- NCCL (issue 24; docs/nccl.md)
     #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""
@@ -195,6 +199,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "DRA_TAINT_EFFECT": "taint_effect",
     "DRA_GPU_SETS": "gpu_sets",
     "DRA_GPU_SET_WITHDRAWAL_GRACE_S": "gpu_set_withdrawal_grace_s",
+    "DRA_DYNAMIC_MIG": "dynamic_mig",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "PROC_ROOT": "proc_root",
@@ -350,7 +355,7 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 #: Everything else follows a reload.
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
-    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s", "dynamic_mig",
     "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",

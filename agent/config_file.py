@@ -341,6 +341,7 @@ DRA_FILE_KEYS: Mapping[str, str] = {
     "taintEffect": "taint_effect",
     "gpuSets": "gpu_sets",
     "gpuSetWithdrawalGraceSeconds": "gpu_set_withdrawal_grace_s",
+    "dynamicMig": "dynamic_mig",
 }
 
 

@@ -26,6 +26,8 @@ MODES = ("device-plugin", "dra")
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 #: dra.gpuSets: by the API server's version, always, never
 GPU_SETS_MODES = ("auto", "on", "off")
+#: dra.dynamicMig: MIG devices cut on demand, or not
+DYNAMIC_MIG_MODES = ("off", "on")
 LABEL_SINKS = ("file", "nodefeature")
 
 
@@ -48,6 +50,13 @@ def expect_choice(value: object, choices: tuple[str, ...], where: str) -> str:
     if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
     raise ValueError(f"{where}: expected one of {', '.join(choices)}, got {got(value)}")
+
+
+def _dynamic_mig(value: object, where: str) -> str:
+    """One of :data:`DYNAMIC_MIG_MODES`; YAML's unquoted ``on``/``off`` (booleans) too."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return expect_choice(value, DYNAMIC_MIG_MODES, where)
 
 
 def _taint_effect(value: object, where: str) -> str:
@@ -236,6 +245,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "taint_effect": _taint_effect,
     "gpu_sets": lambda v, w: expect_choice(v, GPU_SETS_MODES, w),
     "gpu_set_withdrawal_grace_s": expect_number,
+    "dynamic_mig": _dynamic_mig,
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
     # the kubelet's --container-runtime-endpoint spelling (unix://PATH) is accepted too

@@ -149,10 +149,9 @@ def test_bad_requests_exit_2_with_one_line(machine, capsys, argv, message):
     assert fnmatch.fnmatchcase(err.strip(), f"*: {message}"), err
 
 
-def test_size_flag_is_required(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["allocate"])
-    assert exc.value.code == 2
+def test_size_flag_is_required_without_a_mig_profile(capsys):
+    assert cli.main(["allocate"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--size K is required (or --mig-profile PROFILE)")
 
 
 def test_simulated_dgx_h100_end_to_end_gives_one_numa_node_for_four_gpus(capsys):

@@ -26,6 +26,7 @@ from agent.commands._common import (
     load_topology,
     parse_list,
 )
+from agent.commands.allocate_mig import run_mig
 from agent.config import Config, TimeSlicingResource, default_environ, load_config
 from agent.config_values import MIG_STRATEGIES
 from agent.deviceplugin.allocation import RequestHandler
@@ -42,7 +43,18 @@ from agent.topology.model import Topology
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("allocate", help="show the preferred allocation for a request")
     p.add_argument(
-        "--size", type=int, required=True, metavar="K", help="number of devices to allocate (required)"
+        "--size", type=int, default=None, metavar="K",
+        help="number of devices to allocate (required, but with --mig-profile)",
+    )
+    p.add_argument(
+        "--mig-profile", dest="mig_profile", metavar="PROFILE", default=None,
+        help="explain where dynamic MIG would cut one MIG device of PROFILE (e.g. 3g.40gb) for the"
+             " devices --in-use holds (docs/dra/mig.md) (default: whole GPUs)",
+    )
+    p.add_argument(
+        "--in-use", dest="in_use", metavar="LIST", default="",
+        help="with --mig-profile: devices prepared claims hold, as `slices --in-use` takes them"
+             " (gpu-0-mig-3g40gb-4, gpu-2, gpuset-2-m30) (default: none)",
     )
     p.add_argument(
         "--available",
@@ -202,9 +214,15 @@ def parse_device_list(text: str, topology: Topology, resource: PluginResource, f
 def run(args: argparse.Namespace) -> int:
     """The running device plugin's own answer: its request handler checks the request (the
     same messages as over gRPC) and asks its engine."""
+    if args.size is None and args.mig_profile is None:
+        raise UsageError("--size K is required (or --mig-profile PROFILE)")
     topology = load_topology(args.simulate)
     if topology.gpu_count == 0:
         raise UsageError("this machine has no GPUs")
+    if args.mig_profile is not None:
+        return run_mig(args, topology)
+    if args.in_use:
+        raise UsageError("--in-use goes with --mig-profile; whole GPUs take --available")
     config = effective_config(args)
     resource = _pick_resource(build_resources(topology, config), args.resource)
     if args.explain and resource.kind is not ResourceKind.GPU:

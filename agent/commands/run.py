@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
-from agent.config_values import GPU_SETS_MODES, TAINT_EFFECTS
+from agent.config_values import DYNAMIC_MIG_MODES, GPU_SETS_MODES, TAINT_EFFECTS
 from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
 from agent.files import nearest_existing
@@ -163,6 +163,10 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                           " withdrawn; 0: sets at once, unsafe while the scheduler's view of the slices lags,"
                           f" singles kept (default: {_DEFAULTS.gpu_set_withdrawal_grace_s:g};"
                           " env DRA_GPU_SET_WITHDRAWAL_GRACE_S)")
+    dra.add_argument("--dynamic-mig", choices=DYNAMIC_MIG_MODES, nargs="?", const="on", dest="dynamic_mig",
+                     default=None, help="publish MIG profiles on placements of MIG-capable GPUs as devices, cut"
+                                        " at prepare (docs/dra/mig.md); --dynamic-mig alone is on"
+                                        f" (default: {_DEFAULTS.dynamic_mig}; env DRA_DYNAMIC_MIG)")
 
 
 def _add_nccl_flags(p: argparse.ArgumentParser) -> None:
@@ -213,7 +217,7 @@ FLAG_FIELDS = (
     "pass_device_specs", "health_recovery_s", "sysfs_root", "socket_name", "feature_file",
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
-    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s",
+    "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s", "dynamic_mig",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
     "imex_required", "nccl_topology_file", "nccl_pod_files", "nccl_host_dir", "nccl_mount_path", "nccl_ib_hca",

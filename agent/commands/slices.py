@@ -28,6 +28,7 @@ import argparse
 import re
 import socket
 import sys
+from typing import Any
 
 from agent.commands._common import add_simulate_flag, load_topology, parse_list
 from agent.config import default_environ, load_config
@@ -56,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--server-version", dest="server_version", default=None, metavar="MAJOR.MINOR",
                    help="the API server's Kubernetes version, e.g. 1.36 (default: the newest the agent knows,"
                         " 1.37); with dra.gpuSets auto it decides whether GPU sets are published")
+    p.add_argument("--dynamic-mig", choices=("off", "on"), nargs="?", const="on", dest="dynamic_mig", default=None,
+                   help="publish MIG profiles on placements of MIG-capable GPUs as devices (v1 only;"
+                        " docs/dra/mig.md); --dynamic-mig alone is on (default: the config's dra.dynamicMig, off)")
     p.set_defaults(func=run)
 
 
@@ -77,11 +81,15 @@ def parse_server_version(text: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def parse_in_use(text: str, topology: Topology) -> dict[str, tuple[int, ...]]:
-    """``--in-use``: device name -> its GPU indices, each GPU held once; UsageError naming the
-    first item that is none of this machine's GPUs or devices, or a device given twice (the
-    list rule ``allocate --available`` follows too)."""
-    from agent.dra.devices import DeviceRefs, device_name, gpus_of
+def parse_in_use(text: str, topology: Topology, dynamic_mig: bool = False) -> dict[str, tuple[int, ...]]:
+    """``--in-use``: device name -> its GPU indices, each GPU held once (or by MIG devices on
+    placements that do not overlap); UsageError naming the first item that is none of this
+    machine's GPUs or devices, or a device given twice (the list rule ``allocate --available``
+    follows too). With ``dynamic_mig``, dynamic MIG device names (``gpu-0-mig-3g40gb-4``) too."""
+    from agent.dra.devices import DeviceRefs, device_name, gpus_of, parse_mig_slot_name
+    from agent.dra.migslots import dynamic_gpus, resolve_slot
+
+    geometries = dynamic_gpus(topology) if dynamic_mig else {}
 
     refs = DeviceRefs(topology)
     migs = {m.uuid: (g, m) for g in topology.gpus for m in g.mig_devices}
@@ -93,19 +101,43 @@ def parse_in_use(text: str, topology: Topology) -> dict[str, tuple[int, ...]]:
             return [device_name(gpu)]
         if item in migs:
             return [device_name(*migs[item])]
-        if item in refs:
+        if item in refs or resolve_slot(item, geometries) is not None:
             return [item]
+        if parse_mig_slot_name(item) is not None:
+            raise UsageError(f"--in-use: {item!r} is no placement this machine offers"
+                             + ("" if dynamic_mig else " (dynamic MIG devices need --dynamic-mig)"))
         raise UsageError(f"--in-use: {item!r} is none of this machine's GPUs (indices 0-{topology.gpu_count - 1},"
-                         " GPU or MIG UUIDs) or DRA devices (gpu-3, gpuset-4-mf)")
+                         " GPU or MIG UUIDs) or DRA devices (gpu-3, gpuset-4-mf, gpu-0-mig-3g40gb-4)")
 
-    held = {name: gpus_of(refs, name) for name in parse_list(text, "--in-use", "device", resolve)}
+    held: dict[str, tuple[int, ...]] = {}
+    for name in parse_list(text, "--in-use", "device", resolve):
+        slot = resolve_slot(name, geometries)
+        held[name] = (slot.gpu,) if slot is not None else gpus_of(refs, name)
+    _check_overlaps(held, refs, geometries)
+    return held
+
+
+def _check_overlaps(held: dict[str, tuple[int, ...]], refs: Any, geometries: Any) -> None:
+    """UsageError for two held devices sharing a GPU, but MIG devices on disjoint slices."""
+    from agent.dra.migslots import resolve_slot
+
     owner: dict[int, str] = {}
+    slices: dict[int, dict[int, str]] = {}
     for name, gpus in held.items():
+        slot = resolve_slot(name, geometries)
+        if slot is not None:
+            mine = slices.setdefault(slot.gpu, {})
+            for i in slot.placement.slices:
+                if mine.setdefault(i, name) != name:
+                    raise UsageError(f"--in-use: {name} and {mine[i]} overlap on memory slice {i} of GPU {slot.gpu}")
+            if slot.gpu in owner:
+                raise UsageError(f"--in-use: GPU {slot.gpu} is held twice ({owner[slot.gpu]}, {name})")
+            continue
         whole = all(p.mig is None for p in refs[name].parts)  # MIG devices of one GPU: several claims
         for g in gpus if whole else ():
-            if owner.setdefault(g, name) != name:
-                raise UsageError(f"--in-use: GPU {g} is held twice ({owner[g]}, {name}): no two claims hold one GPU")
-    return held
+            if owner.setdefault(g, name) != name or g in slices:
+                other = owner[g] if owner[g] != name else next(iter(slices[g].values()))
+                raise UsageError(f"--in-use: GPU {g} is held twice ({other}, {name}): no two claims hold one GPU")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,17 +158,21 @@ def run(args: argparse.Namespace) -> int:
     if args.api_version not in API_VERSIONS:
         raise UsageError(f"--api-version {args.api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     server = parse_server_version(args.server_version) if args.server_version is not None else NEWEST_KNOWN
-    config = load_config(args.config, dict(default_environ()), {})
+    config = load_config(args.config, dict(default_environ()), {"dynamic_mig": args.dynamic_mig})
     node = check_node_name(args.node_name or config.node_name or socket.gethostname().lower())
     topology = load_topology(args.simulate)
-    held = parse_in_use(args.in_use, topology)
+    dynamic_mig = config.dynamic_mig == "on"
+    held = parse_in_use(args.in_use, topology, dynamic_mig)
     with_sets, why = gpu_sets_decision(config.gpu_sets, server)
     # as a freshly started agent renders: nothing in its pool yet, so (with a grace) a GPU held
     # through a set has no single device to withdraw and gets none
     fresh = () if config.gpu_set_withdrawal_grace_s > 0 else None
     slices = render_slices(topology, node_name=node, driver=config.driver_name, api_version=args.api_version,
-                           occupancy=Occupancy(held, (), fresh, (), fresh), with_sets=with_sets)
+                           occupancy=Occupancy(held, (), fresh, (), fresh), with_sets=with_sets,
+                           dynamic_mig=dynamic_mig)
     sys.stdout.write(dump_yaml(slices))
+    if dynamic_mig:
+        _say_dynamic_mig(topology, args.api_version)
     if args.api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         print(f"note: GPU sets {'published' if with_sets else 'not published'}: {why}", file=sys.stderr)
     if args.api_version not in SETS_API_VERSIONS:
@@ -148,3 +184,17 @@ def run(args: argparse.Namespace) -> int:
               " the single GPUs only, says so once in its log and sets"
               ' gpu_agent_dra_api_feature{feature="DRAPartitionableDevices"} to 0', file=sys.stderr)
     return 0
+
+
+def _say_dynamic_mig(topology: Topology, api_version: str) -> None:
+    """Which GPUs offer MIG placements, on stderr."""
+    from agent.dra.migslots import dynamic_gpus
+    from agent.dra.slices import SETS_API_VERSIONS
+
+    if api_version not in SETS_API_VERSIONS:
+        print(f"note: dynamic MIG not published: resource.k8s.io/{api_version} has no partitionable devices",
+              file=sys.stderr)
+        return
+    offering = sorted(dynamic_gpus(topology))
+    print(f"note: dynamic MIG: GPUs {offering or 'none'} offer MIG placements (known MIG geometry; Hopper and"
+          " newer, or MIG mode already on)", file=sys.stderr)

@@ -68,20 +68,21 @@ def meeting_gpus(holdings: Iterable[Collection[int]]) -> set[int]:
     return meet
 
 
-def consumes_counters(gpus: Iterable[int]) -> list[dict[str, Any]]:
-    """A device's ``consumesCounters`` for the GPU indices ``gpus``."""
+def consumes_counters(gpus: Iterable[int], weights: Mapping[int, int] | None = None) -> list[dict[str, Any]]:
+    """A device's ``consumesCounters`` for the GPU indices ``gpus``, all of each GPU's counter
+    (``weights``: its value where not 1, a GPU offering dynamic MIG: its memory slices)."""
     uses: dict[str, dict[str, Any]] = {}
     for i in gpus:
-        uses.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
+        uses.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": str((weights or {}).get(i, 1))}
     return [{"counterSet": name, "counters": c} for name, c in uses.items()]
 
 
-def declared_counter_sets(gpus: Iterable[int]) -> list[dict[str, Any]]:
+def declared_counter_sets(gpus: Iterable[int], weights: Mapping[int, int] | None = None) -> list[dict[str, Any]]:
     """``sharedCounters`` declaring the counters of the GPU indices ``gpus`` (at least one; at
-    most 8 sets, 256 GPUs, four times the most a node may have)."""
+    most 8 sets, 256 GPUs, four times the most a node may have), each worth 1 or its ``weights``."""
     sets: dict[str, dict[str, Any]] = {}
     for i in sorted(set(gpus)):
-        sets.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": "1"}
+        sets.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": str((weights or {}).get(i, 1))}
     if not sets:
         raise ValueError("a counter slice declares at least one counter")
     if len(sets) > MAX_COUNTER_SETS_PER_SLICE:

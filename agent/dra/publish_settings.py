@@ -61,8 +61,9 @@ class PublishSettings:
     the slices (default keep: a restarting agent must not make running pods' devices
     vanish), ``dra.gpuSets`` (:func:`agent.dra.gpusets.gpu_sets_decision`), the grace period
     of a set's withdrawal (``dra.gpuSetWithdrawalGraceSeconds``, :mod:`agent.dra.withdrawal`;
-    0: withdrawn at once), the capped exponential backoff after a failure and the period of a
-    full resync."""
+    0: withdrawn at once), whether MIG-capable GPUs offer MIG devices cut on demand
+    (``dra.dynamicMig``, :mod:`agent.dra.mig_publish`), the capped exponential backoff after a
+    failure and the period of a full resync."""
 
     node_name: str
     driver_name: str = DEFAULT_DRIVER_NAME
@@ -70,6 +71,7 @@ class PublishSettings:
     delete_on_stop: bool = False
     gpu_sets: str = "auto"
     withdrawal_grace_s: float = 60.0
+    dynamic_mig: bool = False
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     resync_s: float = 300.0
@@ -77,4 +79,4 @@ class PublishSettings:
     @classmethod
     def from_config(cls, config: Config) -> PublishSettings:
         return cls(config.node_name, config.driver_name, config.taint_effect, config.delete_slices_on_shutdown,
-                   config.gpu_sets, config.gpu_set_withdrawal_grace_s)
+                   config.gpu_sets, config.gpu_set_withdrawal_grace_s, config.dynamic_mig == "on")

@@ -58,7 +58,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping
 
-from agent.dra.devices import gpus_of, parse_set_name
+from agent.dra.devices import gpus_of, parse_mig_slot_name, parse_set_name
 from agent.dra.gpusets import gpu_sets_decision
 from agent.dra.pool_writes import plan_writes
 from agent.dra.publish_settings import (
@@ -106,6 +106,14 @@ _WITHOUT = {
 
 _REQUEST_TIMEOUT_S = 10.0
 _CONFLICT_RETRIES = 5
+
+
+def _gpus(view: DraView, name: str) -> tuple[int, ...]:
+    """The GPUs a prepared device holds: as the view resolves it, or a dynamic MIG device's
+    GPU as its name says."""
+    found = gpus_of(view.devices, name)
+    slot = parse_mig_slot_name(name) if not found else None
+    return found if slot is None else (slot[0],)
 
 
 class _Failure(AgentError):
@@ -224,7 +232,7 @@ class SlicePublisher(Worker):
                      for d in (o.get("spec") or {}).get("devices") or () if isinstance(d, dict)}
         grace, now = self.settings.withdrawal_grace_s, time.time()
         times = withdrawal_times(existing.values(), self.driver_name, now)
-        occupancy = Occupancy({name: gpus_of(view.devices, name) for name in sorted(prepared)},
+        occupancy = Occupancy({name: _gpus(view, name) for name in sorted(prepared)},
                               sorted(n for n in published if parse_set_name(n) is not None),
                               expired(times, now, grace) if grace > 0 else None, sorted(times),
                               sorted(n for n in published if parse_set_name(n) is None))
@@ -235,7 +243,8 @@ class SlicePublisher(Worker):
                              unhealthy=unhealthy, occupancy=occupancy,
                              with_sets=bool(self.gpu_sets) and self.kept[PARTITIONABLE_DEVICES],
                              taint_effect=self.settings.taint_effect if taints else None,
-                             keep=() if taints else prepared, policy=view.policy)
+                             keep=() if taints else prepared, policy=view.policy,
+                             dynamic_mig=self.settings.dynamic_mig and self.kept[PARTITIONABLE_DEVICES])
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:
@@ -316,7 +325,9 @@ class SlicePublisher(Worker):
         log.info("publishing ResourceSlices as resource.k8s.io/%s (served: %s)", version, ", ".join(served))
         if version not in SETS_API_VERSIONS:
             log.warning("resource.k8s.io/%s has no partitionable devices: publishing the single GPUs only,"
-                        " no GPU sets (they need resource.k8s.io/%s)", version, " or ".join(SETS_API_VERSIONS))
+                        " no GPU sets%s (they need resource.k8s.io/%s)", version,
+                        " and no dynamic MIG devices" if self.settings.dynamic_mig else "",
+                        " or ".join(SETS_API_VERSIONS))
         self._decide_gpu_sets()
         if self._events is not None:
             self._events.dra_api_feature(PARTITIONABLE_DEVICES, version in SETS_API_VERSIONS)

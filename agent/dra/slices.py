@@ -89,11 +89,26 @@ hundred lines of tables); the code is one rendering pass, attributes to devices 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from agent.config import DEFAULT_DRIVER_NAME
-from agent.dra.counters import consumes_counters, declared_counter_sets, meeting_gpus
+from agent.dra.counters import declared_counter_sets, meeting_gpus
+from agent.dra.device_values import (
+    API_VERSIONS,
+    MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_WITH_COUNTERS,
+    MAX_NAME,
+    NUMA_NODE_ATTRIBUTE,
+    PCIE_ROOT_ATTRIBUTE,
+    SETS_API_VERSIONS,
+    Device,
+    gpu_attributes,
+    make_device,
+    render_device,
+    semver,
+    string_attribute,
+)
 from agent.dra.devices import device_name, parse_name, parse_set_name
 from agent.dra.gpusets import (
     GpuSet,
@@ -102,12 +117,12 @@ from agent.dra.gpusets import (
     device_order,
     island_ids,
 )
+from agent.dra.mig_publish import MigRendering, counter_slices, mig_devices
 from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
 from agent.dra.withdrawal import withdrawal_taint
-from agent.formats import BusIdError, nvml_to_sysfs_bus_id
 from agent.health import LOST_REASON
-from agent.kube import RESOURCE_GROUP, RESOURCE_VERSIONS
+from agent.kube import RESOURCE_GROUP
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
@@ -115,91 +130,6 @@ __all__ = [
     "NUMA_NODE_ATTRIBUTE", "PCIE_ROOT_ATTRIBUTE", "SETS_API_VERSIONS", "Device", "Occupancy",
     "render_devices", "render_set_devices", "health_marks", "render_slices", "semver",
 ]
-
-API_VERSIONS = RESOURCE_VERSIONS
-#: Versions the GPU sets (counters, partitionable devices) are rendered in.
-SETS_API_VERSIONS = ("v1",)
-PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
-NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
-# API limits (k8s.io/api/resource/v1/types.go, v0.36)
-MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
-MAX_DEVICES_WITH_COUNTERS = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures
-MAX_ATTRIBUTES_AND_CAPACITIES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
-MAX_ATTRIBUTE_STRING = 64  # DeviceAttributeMaxValueLength
-MAX_NAME = 253  # object names are DNS subdomains
-
-_ARCHITECTURE = {7: "Volta", 8: "Ampere", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
-
-
-def architecture(cc: tuple[int, int] | None) -> str | None:
-    """NVIDIA's architecture name for a CUDA compute capability; None if not known."""
-    if cc is None:
-        return None
-    if cc[0] == 7 and cc[1] >= 5:
-        return "Turing"
-    if cc[0] == 8 and cc[1] >= 9:
-        return "Ada Lovelace"
-    return _ARCHITECTURE.get(cc[0])
-
-
-@dataclass(frozen=True)
-class Device:
-    """One device of the slice, version-neutral: ``attributes`` maps a qualified name to one
-    typed value (``{"int": 3}``, ``{"string": ...}``, ``{"version": ...}``); ``consumes``:
-    the GPU indices whose counters the device consumes (empty: none); ``taints``: its device
-    taints (:mod:`agent.dra.taints`). Models ``resource.k8s.io`` ``Device`` of a ResourceSlice."""
-
-    name: str
-    attributes: Mapping[str, Mapping[str, Any]]
-    capacity: Mapping[str, str]  # name -> quantity
-    consumes: tuple[int, ...] = ()
-    taints: tuple[Mapping[str, Any], ...] = ()
-
-
-# ----------------------------------------------------------------------- values
-def semver(text: str | None) -> str | None:
-    """``"12.4"`` -> ``"12.4.0"``, ``"535.104.05"`` -> ``"535.104.5"``; None when ``text``
-    is not one to three dot-separated numbers."""
-    if not text:
-        return None
-    parts = text.strip().split(".")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-        return None
-    nums = [int(p) for p in parts] + [0] * (3 - len(parts))
-    return ".".join(str(n) for n in nums)
-
-
-def _sysfs_bus_id(bus_id: str) -> str | None:
-    """The sysfs spelling (``0000:1b:00.0``, as Kubernetes' pciBusID attribute wants it);
-    None for a value that is no PCI bus id (never guessed)."""
-    try:
-        return nvml_to_sysfs_bus_id(bus_id)
-    except BusIdError:
-        return None
-
-
-def _quantity_mib(mib: int) -> str:
-    """Canonical Kubernetes quantity for ``mib`` MiB (``80Gi``, ``81559Mi``)."""
-    for suffix, unit in (("Ti", 1024 * 1024), ("Gi", 1024)):
-        if mib and mib % unit == 0:
-            return f"{mib // unit}{suffix}"
-    return f"{mib}Mi"
-
-
-def _string(value: str | None) -> dict[str, Any] | None:
-    if not value or len(value) > MAX_ATTRIBUTE_STRING:
-        return None
-    return {"string": value}
-
-
-def _version(value: str | None) -> dict[str, Any] | None:
-    v = semver(value)
-    return {"version": v} if v else None
-
-
-def _int(value: int | None) -> dict[str, Any] | None:
-    return {"int": value} if value is not None else None
-
 
 # ----------------------------------------------------------------------- devices
 def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, str] = (),
@@ -229,21 +159,21 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
     out: list[Device] = []
     for index in order if order is not None else device_order(topology):
         gpu = topology.gpus[index]
-        common = _gpu_attributes(topology, gpu, islands[index], cliques[index])
+        common = gpu_attributes(topology, gpu, islands[index], cliques[index])
         if gpu.mig_enabled:
             for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
                 name = device_name(gpu, mig)
                 shown, taints = marks.device(driver, name, (index,))
                 if shown:
-                    out.append(_device(driver, name, _mig_attributes(gpu, mig) | common, mig.memory_mib,
+                    out.append(make_device(driver, name, _mig_attributes(gpu, mig) | common, mig.memory_mib,
                                        taints=taints))
         else:
             shown, taints = marks.device(driver, device_name(gpu), (index,))
-            own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": _string(gpu.uuid)}
+            own = {"type": {"string": "gpu"}, "index": {"int": gpu.index}, "uuid": string_attribute(gpu.uuid)}
             if held_by_set is not None:
                 own["heldBySet"] = {"bool": index in held_by_set}
             if shown:
-                out.append(_device(driver, device_name(gpu), own | common, gpu.memory_mib,
+                out.append(make_device(driver, device_name(gpu), own | common, gpu.memory_mib,
                                    (index,) if index in counters else (), taints))
     return out
 
@@ -270,50 +200,19 @@ def render_set_devices(topology: Topology, sets: Iterable[GpuSet], driver: str =
             # it, so no allocator reserves (and, kubernetes#140436, keeps) its counters
             "healthy": {"bool": not any(i in marks.reasons for i in s.members) and s.name not in withdrawing},
         }
-        out.append(_device(driver, s.name, attributes, None, s.members, taints))
+        out.append(make_device(driver, s.name, attributes, None, s.members, taints))
     return out
-
-
-def _gpu_attributes(topology: Topology, gpu: Gpu, island: int, clique: int) -> dict[str, Any]:
-    cc = gpu.compute_capability
-    return {
-        "productName": _string(gpu.name if gpu.name != "unknown" else None),
-        "brand": _string(gpu.brand),
-        "architecture": _string(architecture(cc)),
-        "cudaComputeCapability": _version(f"{cc[0]}.{cc[1]}" if cc else None),
-        "driverVersion": _version(topology.driver_version),
-        "cudaDriverVersion": _version(topology.cuda_driver_version),
-        "pciBusID": _string(_sysfs_bus_id(gpu.pci_bus_id) if gpu.pci_bus_id else None),
-        "numaNode": _int(gpu.numa_node),
-        "nvlinkIsland": {"int": island},
-        "nvlinkClique": {"int": clique},
-        PCIE_ROOT_ATTRIBUTE: _string(gpu.pcie_root),
-        NUMA_NODE_ATTRIBUTE: _int(gpu.numa_node),
-    }
 
 
 def _mig_attributes(gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
     return {
         "type": {"string": "mig"},
         "index": {"int": mig.index},
-        "uuid": _string(mig.uuid),
-        "profile": _string(mig.profile),
-        "parentUUID": _string(gpu.uuid),
+        "uuid": string_attribute(mig.uuid),
+        "profile": string_attribute(mig.profile),
+        "parentUUID": string_attribute(gpu.uuid),
         "parentIndex": {"int": gpu.index},
     }
-
-
-def _device(driver: str, name: str, attributes: Mapping[str, Any], memory_mib: int | None,
-            consumes: tuple[int, ...] = (), taints: Iterable[Mapping[str, Any]] = ()) -> Device:
-    qualified = {
-        (key if "/" in key else f"{driver}/{key}"): value
-        for key, value in attributes.items()
-        if value is not None
-    }
-    capacity = {"memory": _quantity_mib(memory_mib)} if memory_mib else {}
-    if len(qualified) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
-        raise ValueError(f"device {name}: more than {MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities")
-    return Device(name, dict(sorted(qualified.items())), capacity, consumes, tuple(taints))
 
 
 # ----------------------------------------------------------------------- slices
@@ -343,6 +242,7 @@ def render_slices(
     taint_effect: str | None = "NoSchedule",
     keep: Collection[str] = (),
     policy: SetPolicy | None = None,
+    dynamic_mig: bool = False,
 ) -> list[dict[str, Any]]:
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
     after the node, owned by the Node when its UID is known. With ``with_sets`` (the default)
@@ -353,7 +253,9 @@ def render_slices(
     ``taint_effect``, or, where it is None, left out but those named in ``keep``
     (:mod:`agent.dra.taints`). ``occupancy``: what prepared claims hold and which sets are
     published now; the single GPUs and the sets follow it (:mod:`agent.dra.gpusets`).
-    ``policy``: the topology's :class:`agent.dra.gpusets.SetPolicy`, built when not given."""
+    ``policy``: the topology's :class:`agent.dra.gpusets.SetPolicy`, built when not given.
+    ``dynamic_mig`` (``v1`` only): the MIG devices of :mod:`agent.dra.mig_publish` after the
+    single GPUs, and their counter slices after the sets' (module docstring)."""
     if api_version not in API_VERSIONS:
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     marks = health_marks(topology, unhealthy, taint_effect, keep)
@@ -363,28 +265,49 @@ def render_slices(
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = _set_devices(topology, policy, occupancy, free, driver, marks, graced=taint_effect is not None)
     singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None)
-    devices = sets + singles  # sets first: a multi-GPU claim tries its set before the singles
-    advanced = bool(sets) or any(d.taints for d in devices)
+    mig = (mig_devices(topology, driver, marks, occupancy.held, occupancy.singles, occupancy.expired,
+                       graced=taint_effect is not None)
+           if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
+    # the full GPU of a GPU offering placements consumes all of its counter set (no MIG device beside it)
+    singles = [replace(d, shares=(mig.gpu_share(g[0]),)) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
+               for d in singles]
+    specs = _specs(topology, driver, api_version, sets, singles, mig, occupancy)
+    return _slice_objects(specs, node_name, driver, api_version, generation, node_uid)
+
+
+def _specs(topology: Topology, driver: str, api_version: str, sets: list[Device], singles: list[Device],
+           mig: MigRendering, occupancy: Occupancy) -> list[dict[str, Any]]:
+    """The slices' bodies: the counter slices, then the devices (module docstring)."""
+    devices = sets + singles + mig.devices  # sets first: a multi-GPU claim tries its set before the singles
+    advanced = bool(sets) or bool(mig.devices) or any(d.taints for d in devices)
     per_slice = MAX_DEVICES_WITH_COUNTERS if advanced else MAX_DEVICES_PER_SLICE
-    if sets and len(devices) <= per_slice:  # one device slice: counters only where two devices meet
-        meet = meeting_gpus([*(d.consumes for d in sets), *(_gpu_of(d) for d in singles)])
+    one = len(devices) <= per_slice
+    if sets and one:  # one device slice: counters only where two devices meet
+        meet = meeting_gpus([*(d.consumes for d in sets), *(_gpu_of(d) for d in singles), *((g,) for g in mig.gpus)])
         sets = [replace(d, consumes=tuple(g for g in d.consumes if g in meet)) for d in sets]
-    # above one slice every set consumes all its members' counters (_singles says the singles')
-    consumed = {g for d in [*sets, *singles] for g in d.consumes} or {topology.gpus[0].index}
-    specs: list[dict[str, Any]] = [{"sharedCounters": declared_counter_sets(consumed)}] if sets else []
+    # above one slice every set consumes all its members' counters (_singles says the singles'), and a
+    # MIG device its share of its GPU's wherever its full GPU would
+    held = {g for d in sets for g in d.consumes}
+    held |= set() if one else {g for name in occupancy.published for g in parse_set_name(name) or ()}
+    weights = {g: geo.memory_slices for g, geo in mig.geometries.items()}
+    migs = mig.sharing(held, weights)
+    consumed = {g for d in [*sets, *singles] for g in d.consumes} | (held & set(mig.gpus))
+    specs: list[dict[str, Any]] = (
+        [{"sharedCounters": declared_counter_sets(consumed or {topology.gpus[0].index}, weights)}] if sets else [])
+    specs += counter_slices(mig)
     # above one slice, the singles start a slice of their own: a re-publication with as many slices of
     # sets moves no device between slices (the publisher rewrites in place then); in one slice, the first
     # single GPU leads (a one-GPU claim takes it without walking the sets) and the sets being withdrawn
     # go last: no class selects them, and a claim that finds a device first never walks them
     key = withdrawal_taint(driver)["key"]
     going = [any(t.get("key") == key for t in d.taints) for d in sets]
-    groups = ([[*singles[:1], *(d for d, g in zip(sets, going) if not g), *singles[1:],
+    groups = ([[*singles[:1], *(d for d, g in zip(sets, going) if not g), *singles[1:], *migs,
                 *(d for d, g in zip(sets, going) if g)]]
-              if len(devices) <= per_slice else [sets, singles])
-    specs += [{"devices": [_render_device(d, api_version) for d in group[i : i + per_slice]]}
+              if one else [sets, singles + migs])
+    specs += [{"devices": [render_device(d, api_version, weights) for d in group[i : i + per_slice]]}
               for group in groups for i in range(0, len(group), per_slice)]
     specs += [] if devices else [{"devices": []}]  # an empty pool is published too: "no devices here now"
-    return _slice_objects(specs, node_name, driver, api_version, generation, node_uid)
+    return specs
 
 
 def _slice_objects(specs: list[dict[str, Any]], node_name: str, driver: str, api_version: str, generation: int,
@@ -440,16 +363,3 @@ def _gpu_of(device: Device) -> tuple[int, ...]:
     """The whole GPU a single device stands for (none for a MIG device: no set holds a GPU in
     MIG mode, so a MIG device never meets another device)."""
     return tuple(gpu for gpu, mig in parse_name(device.name) or () if mig is None)
-
-
-def _render_device(device: Device, api_version: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"attributes": {k: dict(v) for k, v in device.attributes.items()}}
-    if device.capacity:
-        body["capacity"] = {k: {"value": v} for k, v in device.capacity.items()}
-    if device.consumes:
-        body["consumesCounters"] = consumes_counters(device.consumes)
-    if device.taints:
-        body["taints"] = [dict(t) for t in device.taints]
-    if api_version == "v1beta1":
-        return {"name": device.name, "basic": body}
-    return {"name": device.name, **body}

@@ -29,6 +29,7 @@ from agent.config import DEFAULT_DRIVER_NAME as DRIVER
 from agent.dra import counters as _counters
 from agent.dra import gpusets as _gpusets
 from agent.dra import slices as _slices
+from agent.dra.device_values import quantity_mib
 from agent.formats import format_cpulist
 from agent.topology.allocator import AllocationEngine
 from agent.topology.deviceids import DeviceTable
@@ -265,7 +266,7 @@ def earlier_publisher() -> Publisher:
                     "attributes": dict(sorted((n if "/" in n else f"{DRIVER}/{n}", v) for n, v in attrs.items())),
                     "consumesCounters": [{"counterSet": n, "counters": c} for n, c in uses.items()]}
                 if all(g.memory_mib for g in gpus):
-                    device["capacity"] = {"memory": {"value": _slices._quantity_mib(sum(g.memory_mib for g in gpus))}}
+                    device["capacity"] = {"memory": {"value": quantity_mib(sum(g.memory_mib for g in gpus))}}
                 out.append(device)
         return out
 

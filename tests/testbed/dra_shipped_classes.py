@@ -52,6 +52,23 @@ def set_alone(k: int) -> dict[str, Any]:
                                         "selectors": [{"cel": {"expression": count_expr(k)}}]}}
 
 
+def profile_expr(profile: str) -> str:
+    """A claim's selector on the MIG profile (docs/dra/mig.md's example claims)."""
+    return f'device.attributes["{D}"].profile == "{profile}"'
+
+
+def mig_request(profile: str, name: str = "mig") -> dict[str, Any]:
+    """A request for one MIG device of ``profile`` through the shipped MIG class."""
+    return {"name": name, "exactly": {"deviceClassName": f"mig.{D}", "allocationMode": "ExactCount", "count": 1,
+                                      "selectors": [{"cel": {"expression": profile_expr(profile)}}]}}
+
+
+def _profiles() -> set[str]:
+    from agent.hw.sim.mig_geometry import MIG_MODELS, geometry_for
+
+    return {p.name for m in MIG_MODELS for p in (geometry_for(m) or _NONE).profiles}
+
+
 def _attrs(d: Any) -> dict[str, Any]:
     return d.attributes.get(D, {}) if d.driver == D else {}
 
@@ -75,6 +92,8 @@ CEL: dict[str, Callable[[Any], bool]] = {
     **{expression(BY_NAME[f"set-of-{k}.{D}"]): (lambda d, k=k: is_set(d, k)) for k in SET_OF_SIZES},
     **{count_expr(k): (lambda d, k=k: _attrs(d).get("gpuCount") == k) for k in range(2, 65)},
 }
+_NONE: Any = type("NoGeometry", (), {"profiles": ()})()
+CEL.update({profile_expr(p): (lambda d, p=p: _attrs(d).get("profile") == p) for p in _profiles()})
 
 
 def check_expressions() -> list[str]:
