@@ -114,9 +114,6 @@ class Config:
     #: delete the node's ResourceSlices on a clean stop (default keep: a restarting agent
     #: must not make the node's GPUs vanish for the scheduler) (env DELETE_SLICES_ON_SHUTDOWN)
     delete_slices_on_shutdown: bool = False
-    #: dynamic MIG (dra.dynamicMig, --dynamic-mig): MIG devices cut on demand at prepare on
-    #: MIG-capable GPUs, destroyed at unprepare; off until it has met a real GPU
-    dynamic_mig: bool = False
     # --- per-node configs (issue 18), as NVIDIA's config-manager names and reads them
     #: directory of named config files (the ConfigMap, one key each); when set, the node's
     #: label ``node_label`` names the config to apply instead of ``--config``

@@ -48,7 +48,7 @@ class MigNode(Node):
 
     def __init__(self, topology: Topology, mig: MigDouble) -> None:
         super().__init__()
-        self.config = replace(self.config, dynamic_mig=True)
+        self.config = replace(self.config, dynamic_mig="on")
         self.topology = topology
         self.mig = mig
 
@@ -265,7 +265,7 @@ def test_a_dynamic_mig_name_that_is_no_slot_of_this_node_is_refused_saying_why(n
 
 
 def test_dynamic_mig_names_are_refused_while_dynamic_mig_is_off(node):
-    node.config = replace(node.config, dynamic_mig=False)
+    node.config = replace(node.config, dynamic_mig="off")
     node.start()
     c = node.put_claim("c", ["gpu-0-mig-1g10gb-0"])
     assert node.error(c).endswith("(request 'gpus'): a dynamic MIG device, and dynamic MIG is off on this node"

@@ -68,7 +68,7 @@ class Node:
         self.topology = mig_topology(mig_on=(0, 1), cc=(9, 0))
         self.gpus = double_for(self.topology)
         self.claims = Claims()
-        self.config = Config(mode="dra", node_name=NODE, dynamic_mig=True,
+        self.config = Config(mode="dra", node_name=NODE, dynamic_mig="on",
                              plugins_dir=os.path.join(root, "plugins"), cdi_dir=os.path.join(root, "cdi"))
         os.makedirs(self.config.cdi_dir)
         self.hand_made = {self.gpus.make_by_hand(*h) for h in HAND_MADE[:1]}

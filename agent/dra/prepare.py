@@ -123,7 +123,7 @@ class ClaimPreparer:
         #: must return at once
         self.on_prepared = on_prepared
         #: dynamic MIG: devices cut at prepare (``config.dynamic_mig``) through ``mig``
-        self.mig = MigLifecycle(mig, checkpoint, enabled=config.dynamic_mig)
+        self.mig = MigLifecycle(mig, checkpoint, enabled=config.dynamic_mig == "on")
         self._lock = threading.Lock()
 
     @property
