@@ -291,3 +291,18 @@ def test_a_checkpoint_of_format_1_still_answers_its_claim(node):
     assert len(plugin.checkpoint) == 1
     node.api.go_down()
     assert node.prepare(c) == first
+
+
+def test_a_fault_on_a_gpu_makes_the_dynamic_mig_device_cut_from_it_unhealthy_on_the_health_stream(node):
+    from test_dra_health_stream import Subscriber
+
+    from agent._proto import dra_health_v1beta1_pb2, dra_health_v1beta1_pb2_grpc
+
+    plugin = node.start()
+    c = node.put_claim("mig", ["gpu-2-mig-2g20gb-0"])
+    assert node.error(c) == ""
+    sub = Subscriber(node.channel(plugin.endpoint), dra_health_v1beta1_pb2, dra_health_v1beta1_pb2_grpc)
+    assert sub.health(sub.next(5.0))["gpu-2-mig-2g20gb-0"] == "HEALTHY"
+    node.health.mark_unhealthy(2, "XID 79")
+    health = sub.health(sub.next(1.0))
+    assert health["gpu-2-mig-2g20gb-0"] == "UNHEALTHY" and health["gpu-5"] == "HEALTHY"

@@ -209,13 +209,17 @@ class DraPlugin:
     # ------------------------------------------------------------------ lifecycle
     def _served_devices(self) -> dict[str, Any]:
         """The devices the health stream reports: the single GPUs and MIG devices, and the
-        GPU sets prepared claims of this node hold (which sets are published follows the
-        occupancy; a pod's set is what the kubelet asks about)."""
+        GPU sets and dynamic MIG devices prepared claims of this node hold (which are
+        published follows the occupancy; a pod's device is what the kubelet asks about)."""
         refs = self.preparer.devices
         out = dict(refs)
         for pool, name in sorted(self.checkpoint.devices()):
             if pool == self.node_name and name not in out and name in refs:
                 out[name] = refs[name]
+        topology = self.preparer.view.topology
+        for claim in self.checkpoint:
+            for name, ref in self.preparer.mig.cut_devices(claim, topology).items():
+                out.setdefault(name, ref)
         return out
 
     def start(self) -> None:
