@@ -207,7 +207,7 @@ class Daemon:
 
         daemon = cls(
             config, backend,
-            servers=servers_for(config.mode, agent_metrics),
+            servers=servers_for(config.mode, agent_metrics, mig=backend),
             watcher=watcher,
             # the running config's file: a node's own config (config_file_srcdir) may name one
             read_topology=lambda: read_topology(backend, sim, daemon.config.nccl_topology_file),

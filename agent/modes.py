@@ -8,13 +8,16 @@ daemon runs "the servers" without knowing which (mypy checks both against it her
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from agent.config import Config
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.health import HealthState
 from agent.metrics.self_metrics import AgentMetrics
 from agent.topology.model import Topology
+
+if TYPE_CHECKING:  # a device-plugin node never loads the DRA side
+    from agent.dra.mig_lifecycle import MigOperations
 
 
 class Servers(Protocol):
@@ -49,9 +52,10 @@ class Servers(Protocol):
 ServersFactory = Callable[[Topology, Config, HealthState, Callable[[], None]], Servers]
 
 
-def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
+def servers_for(mode: str, agent_metrics: AgentMetrics, mig: MigOperations | None = None) -> ServersFactory:
     """The real servers of ``mode``, reporting to ``agent_metrics``: the device plugins (the
-    devices they offer the kubelet included), or DRA."""
+    devices they offer the kubelet included), or DRA (its dynamic MIG devices cut through
+    ``mig``, the hardware backend's MigControl)."""
     if mode == "dra":
         # imported here: a device-plugin node never loads the DRA stubs and clients
         from agent.dra.servers import DraServers
@@ -59,7 +63,7 @@ def servers_for(mode: str, agent_metrics: AgentMetrics) -> ServersFactory:
         def dra(
             topology: Topology, config: Config, health: HealthState, on_kubelet_restart: Callable[[], None]
         ) -> DraServers:
-            return DraServers.from_config(topology, config, health, on_kubelet_restart, events=agent_metrics)
+            return DraServers.from_config(topology, config, health, on_kubelet_restart, events=agent_metrics, mig=mig)
 
         return dra
 

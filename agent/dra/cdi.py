@@ -9,7 +9,9 @@ Per claim we write ``<cdi_dir>/<vendor>-claim_<claim uid>.json`` with
   set's device holds the nodes of every member GPU);
 - spec-wide container edits, applied whenever any device of the claim is injected: the
   control nodes (``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ... where they exist),
-  ``NVIDIA_VISIBLE_DEVICES`` (and ``NVIDIA_IMEX_CHANNELS`` with the channels' nodes) and
+  ``NVIDIA_VISIBLE_DEVICES`` (a dynamic MIG device by its UUID whatever ``deviceIDStrategy``
+  says: its NVML index is not known before the topology is read again; and
+  ``NVIDIA_IMEX_CHANNELS`` with the channels' nodes) and
   the agent's ``GPU_TOPOLOGY_*`` variables for the claim's whole device set; and the
   claim's NCCL topology file (``<nccl.hostDir>/claim-<uid>.xml``, its GPUs and their nearest
   NICs) mounted read-only with ``NCCL_TOPO_FILE`` naming it, removed with the spec.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from agent.config import Config
 from agent.containers import (
@@ -37,7 +39,7 @@ from agent.containers import (
     container_facts,
     nccl_additions,
 )
-from agent.dra.devices import DeviceRef
+from agent.dra.devices import DeviceRef, parse_mig_slot_name
 from agent.files import remove_file, remove_stale_temps, write_json_atomic
 from agent.nccl.host_dir import NcclFile, NcclFiles, claim_key
 from agent.topology.model import Topology
@@ -104,6 +106,7 @@ class CdiSpecWriter:
                 raise ValueError(f"CDI device name {name!r} is not valid")
         facts = container_facts(self.topology, [p for d in devices for p in d.parts], self.config,
                                 additions=nccl_additions(nccl_file, self.config))
+        by_uuid = {p.uuid for d in devices if parse_mig_slot_name(d.name) is not None for p in d.parts}
         own = facts.own_nodes()
         nodes_of = {h.device.uuid: {n.path for n in h.nodes} for h in facts.devices}
         return {
@@ -119,7 +122,7 @@ class CdiSpecWriter:
                 for d in devices
             ],
             "containerEdits": {
-                "env": [f"{k}={v}" for k, v in _envs(facts).items()],
+                "env": [f"{k}={v}" for k, v in _envs(facts, by_uuid).items()],
                 "deviceNodes": [_node(n) for n in (*facts.common_nodes, *(c.node for c in facts.imex_channels))],
                 **({"mounts": [_mount(m) for m in facts.mounts]} if facts.mounts else {}),
             },
@@ -158,10 +161,12 @@ class CdiSpecWriter:
             self.nccl_files.remove(claim_key(claim_uid))
 
 
-def _envs(facts: ContainerFacts) -> dict[str, str]:
-    """``NVIDIA_VISIBLE_DEVICES`` (the IDs as ``deviceIDStrategy`` says) and the IMEX
-    channels, as NVIDIA's plugin sets them with ``envvar``, then the facts' own."""
-    envs = {VISIBLE_DEVICES_ENV: ",".join(facts.ids)}
+def _envs(facts: ContainerFacts, by_uuid: Collection[str] = ()) -> dict[str, str]:
+    """``NVIDIA_VISIBLE_DEVICES`` (the IDs as ``deviceIDStrategy`` says; the devices of
+    UUIDs ``by_uuid`` by UUID) and the IMEX channels, as NVIDIA's plugin sets them with
+    ``envvar``, then the facts' own."""
+    ids = [h.device.uuid if h.device.uuid in by_uuid else h.id for h in facts.devices]
+    envs = {VISIBLE_DEVICES_ENV: ",".join(ids)}
     if facts.imex_channels:
         envs[IMEX_CHANNELS_ENV] = ",".join(str(c.id) for c in facts.imex_channels)
     envs.update(facts.envs)

@@ -10,7 +10,16 @@ torn or hand-edited file is noticed: it is then set aside as
 again, it is recomputed from the API server and gets the same answer). The directory is the
 checkpoint's alone: the temp files of writes the agent was killed in are removed when it is
 loaded (at start), said with their number.
+
+**Write-ahead for dynamic MIG** (format 2): a claim whose devices are MIG instances cut at
+prepare is recorded *before* the agent acts. Its file then says the claim's ``phase``
+(``preparing``, ``prepared``, ``unpreparing``) and one :class:`MigRecord` per instance: the
+intent (GPU, profile, placement) written before ``create_mig``, the result (GPU instance,
+compute instance, UUID) after it; ``destroying`` written before ``destroy_mig``, the record
+dropped after it. What a crash leaves is resolved from these records alone
+(:mod:`agent.dra.mig_lifecycle`). Format 1 files (no MIG, always prepared) still load.
 """
+
 
 from __future__ import annotations
 
@@ -24,12 +33,23 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 from agent.errors import shorten
-from agent.files import remove_stale_temps, write_json_atomic
+from agent.files import remove_file, remove_stale_temps, write_json_atomic
 from agent.listeners import Listeners
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: the versions read: 1 is 2 without phases and MIG records
+READ_VERSIONS = (1, 2)
+
+#: A claim's phase: its MIG instances are being created (the prepare has not answered yet);
+#: it is prepared (the answer is ``devices``); its MIG instances are being destroyed.
+PREPARING, PREPARED, UNPREPARING = "preparing", "prepared", "unpreparing"
+PHASES = (PREPARING, PREPARED, UNPREPARING)
+#: A MIG record's state: about to be created (no result yet); created (``gi_id``, ``ci_id``,
+#: ``uuid`` say which instance); about to be destroyed (the instance named).
+CREATING, CREATED, DESTROYING = "creating", "created", "destroying"
+MIG_STATES = (CREATING, CREATED, DESTROYING)
 SUFFIX = ".json"
 
 
@@ -45,6 +65,37 @@ class PreparedDevice:
 
 
 @dataclass(frozen=True)
+class MigRecord:
+    """One MIG instance cut for a claim's device (dynamic MIG), as the write-ahead knows it:
+    GPU ``gpu``, profile ``profile`` on memory slices ``start`` .. ``start + size - 1``; with
+    ``state`` :data:`CREATED` or :data:`DESTROYING`, the instance (``gi_id``, ``ci_id``,
+    ``uuid``) the agent made. An instance is the agent's only while a record names it."""
+
+    device: str  # the DRA device name it serves
+    gpu: int
+    profile: str
+    start: int
+    size: int
+    state: str = CREATING
+    gi_id: int | None = None
+    ci_id: int | None = None
+    uuid: str = ""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MigRecord":
+        state = str(data["state"])
+        if state not in MIG_STATES:
+            raise ValueError(f"MIG record state {shorten(repr(state))}, expected one of {', '.join(MIG_STATES)}")
+        gi, ci = data.get("gi_id"), data.get("ci_id")
+        record = cls(str(data["device"]), int(data["gpu"]), str(data["profile"]), int(data["start"]),
+                     int(data["size"]), state, None if gi is None else int(gi), None if ci is None else int(ci),
+                     str(data.get("uuid", "")))
+        if state != CREATING and (record.gi_id is None or not record.uuid):
+            raise ValueError(f"MIG record of device {shorten(repr(record.device))} is {state} without its instance")
+        return record
+
+
+@dataclass(frozen=True)
 class PreparedClaim:
     uid: str
     namespace: str
@@ -53,16 +104,27 @@ class PreparedClaim:
     spec_path: str  # the CDI spec written for it
     #: how its devices are shared (agent.dra.claim_sharing.ClaimSharingState's JSON); None: not shared
     sharing: dict[str, Any] | None = None
+    phase: str = PREPARED
+    mig: tuple[MigRecord, ...] = ()  # the MIG instances cut for it (dynamic MIG)
+
+    @property
+    def prepared(self) -> bool:
+        """The prepare answered ``devices`` (a repeated prepare answers them again)."""
+        return self.phase == PREPARED
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["devices"] = [dict(asdict(d), cdi_ids=list(d.cdi_ids)) for d in self.devices]
         if self.sharing is None:
             del out["sharing"]  # the file of an unshared claim stays as earlier agents wrote it
+        out["mig"] = [asdict(m) for m in self.mig]
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "PreparedClaim":
+        phase = str(data.get("phase", PREPARED))  # format 1: no phase, always prepared
+        if phase not in PHASES:
+            raise ValueError(f"phase {shorten(repr(phase))}, expected one of {', '.join(PHASES)}")
         return cls(
             uid=str(data["uid"]),
             namespace=str(data["namespace"]),
@@ -73,6 +135,8 @@ class PreparedClaim:
             ),
             spec_path=str(data["spec_path"]),
             sharing=_sharing(data.get("sharing")),
+            phase=phase,
+            mig=tuple(MigRecord.from_json(m) for m in data.get("mig", ())),
         )
 
 
@@ -145,8 +209,8 @@ class Checkpoint:
         try:
             with open(path, encoding="utf-8") as fh:
                 doc = json.load(fh)
-            if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
-                raise ValueError(f"expected an object with version {FORMAT_VERSION}")
+            if not isinstance(doc, dict) or doc.get("version") not in READ_VERSIONS:
+                raise ValueError(f"expected an object with version {' or '.join(map(str, READ_VERSIONS))}")
             if doc.get("checksum") != _checksum(doc["claim"]):
                 raise ValueError("checksum mismatch")
             claim = PreparedClaim.from_json(doc["claim"])
@@ -188,14 +252,12 @@ class Checkpoint:
         self._notify()
 
     def remove(self, uid: str) -> PreparedClaim | None:
-        """Forget ``uid``; returns what was recorded (None when nothing was)."""
+        """Forget ``uid``; returns what was recorded (None when nothing was). OSError when
+        its file cannot be removed (it is then still recorded)."""
         with self._lock:
             claim = self._claims.get(uid)
             if claim is not None:
-                try:
-                    os.unlink(self.path_of(uid))
-                except FileNotFoundError:
-                    pass
+                remove_file(self.path_of(uid))
                 del self._claims[uid]
         if claim is not None:
             self._notify()

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
 from agent.containers import ContainerDevice
+from agent.records import MigPlacement, MigProfile
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
-    "DeviceRef", "DeviceRefs", "Part", "device_name", "gpus_of", "mig_slot_name", "parse_mig_slot_name",
-    "parse_name", "parse_set_name", "profile_label", "set_name",
+    "DeviceRef", "DeviceRefs", "MigSlot", "Part", "device_name", "gpus_of", "mig_slot", "mig_slot_name",
+    "parse_mig_slot_name", "parse_name", "parse_set_name", "profile_label", "set_name",
 ]
 
 #: One part of a device: (GPU index, MIG device index, or None for the whole GPU).
@@ -84,6 +85,43 @@ def parse_mig_slot_name(name: str) -> tuple[int, str, int] | None:
     if found is None:
         return None
     return int(found.group(1)), found.group(2), int(found.group(3))
+
+
+@dataclass(frozen=True)
+class MigSlot:
+    """What a dynamic MIG device name stands for on this node: ``profile`` of GPU ``gpu`` on
+    ``placement`` (one of the profile's legal placements)."""
+
+    name: str
+    gpu: Gpu
+    profile: MigProfile
+    placement: MigPlacement
+
+
+def mig_slot(topology: Topology, name: str) -> MigSlot:
+    """The slot a dynamic MIG device name (:func:`mig_slot_name`) stands for on
+    ``topology``; ValueError saying why it stands for none (not such a name, no such GPU, no
+    MIG geometry, no such profile, a placement the profile cannot take)."""
+    parsed = parse_mig_slot_name(name)
+    if parsed is None:
+        raise ValueError("not a dynamic MIG device name (gpu-<index>-mig-<profile>-<start slice>)")
+    index, label, start = parsed
+    if index >= topology.gpu_count:
+        raise ValueError(f"this node has no GPU {index}")
+    gpu = topology.gpus[index]
+    geometry = gpu.mig_geometry
+    if geometry is None or not geometry.profiles or gpu.mig_capable is False:
+        raise ValueError(f"GPU {index} ({gpu.uuid}, {gpu.name}) offers no MIG profiles")
+    profile = next((p for p in geometry.profiles if profile_label(p.name) == label), None)
+    if profile is None:
+        known = ", ".join(profile_label(p.name) for p in geometry.profiles)
+        raise ValueError(f"GPU {index} ({gpu.uuid}, {gpu.name}) has no MIG profile {label} (it has {known})")
+    placement = next((p for p in profile.placements if p.start == start), None)
+    if placement is None:
+        starts = ", ".join(str(p.start) for p in profile.placements)
+        raise ValueError(f"MIG profile {profile.name} of GPU {index} cannot start at memory slice {start}"
+                         f" (it starts at {starts or 'none'})")
+    return MigSlot(name, gpu, profile, placement)
 
 
 def parse_set_name(name: str) -> tuple[int, ...] | None:

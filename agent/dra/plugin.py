@@ -36,6 +36,7 @@ from agent.dra.cdi import remove_stale_spec_temps
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.claims import ClaimReader
 from agent.dra.health_stream import HEALTH_SERVICES, HealthStreams, HealthWatch
+from agent.dra.mig_lifecycle import MigOperations
 from agent.dra.placement import PlacementRanker
 from agent.dra.prepare import ClaimPreparer, ClaimRef, HealthView
 from agent.dra.view import DraView
@@ -126,6 +127,8 @@ class DraPlugin:
     daemon reads the topology again. ``on_placement`` is told the placement of each claim
     prepared anew (:mod:`agent.dra.placement`: ``device_plugin_choice``, ``other`` or
     ``unranked``; on the ranking thread, after the prepare answered, no lock held).
+    ``mig`` cuts the MIG instances of dynamic MIG devices (the backend's MigControl; None:
+    none can be cut); what a crash interrupted is settled at :meth:`start`.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class DraPlugin:
         on_kubelet_restart: Callable[[], None] | None = None,
         on_placement: Callable[[str], None] | None = None,
         node_name: str | None = None,
+        mig: MigOperations | None = None,
         poll_s: float = 0.5,
         max_workers: int = 8,
     ) -> None:
@@ -157,7 +161,7 @@ class DraPlugin:
         self.placements = PlacementRanker(on_placement)
         self.preparer = ClaimPreparer(
             view, config, health, claim_reader, self.checkpoint,
-            node_name=self.node_name, on_prepared=self.placements.submit,
+            node_name=self.node_name, on_prepared=self.placements.submit, mig=mig,
         )
         self.poll_s = poll_s
         self._v1 = DraV1Servicer(self.preparer)
@@ -205,22 +209,28 @@ class DraPlugin:
     # ------------------------------------------------------------------ lifecycle
     def _served_devices(self) -> dict[str, Any]:
         """The devices the health stream reports: the single GPUs and MIG devices, and the
-        GPU sets prepared claims of this node hold (which sets are published follows the
-        occupancy; a pod's set is what the kubelet asks about)."""
+        GPU sets and dynamic MIG devices prepared claims of this node hold (which are
+        published follows the occupancy; a pod's device is what the kubelet asks about)."""
         refs = self.preparer.devices
         out = dict(refs)
         for pool, name in sorted(self.checkpoint.devices()):
             if pool == self.node_name and name not in out and name in refs:
                 out[name] = refs[name]
+        topology = self.preparer.view.topology
+        for claim in self.checkpoint:
+            for name, ref in self.preparer.mig.cut_devices(claim, topology).items():
+                out.setdefault(name, ref)
         return out
 
     def start(self) -> None:
-        """Serve the DRA service, then the registration socket (the kubelet may dial the
-        endpoint as soon as it sees the registration socket), then watch both."""
+        """Settle what a crash interrupted (dynamic MIG), serve the DRA service, then the
+        registration socket (the kubelet may dial the endpoint as soon as it sees the
+        registration socket), then watch both."""
         os.makedirs(self.config.cdi_dir, exist_ok=True)
         removed = remove_stale_spec_temps(self.config.cdi_dir, self.driver_name)
         if removed:
             log.info("CDI directory %s: removed %d temp file(s) of interrupted writes", self.config.cdi_dir, removed)
+        self.preparer.recover()
         self._dra_server.start()
         try:
             self._reg_server.start()

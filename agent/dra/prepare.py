@@ -22,6 +22,12 @@ counters normally forbid such an allocation; this is the defence for the window 
 cover (docs/design/dra-gpu-sets.md): at worst a pod fails to start, retried by
 the kubelet until the other claim is unprepared, rather than two pods sharing a GPU.
 
+**Dynamic MIG** (``dynamicMig``): a device named for a MIG profile on a placement
+(:func:`agent.dra.devices.mig_slot_name`) is cut at prepare on exactly that placement and
+destroyed at unprepare, write-ahead in the checkpoint (:mod:`agent.dra.mig_lifecycle`); such
+a device conflicts with the whole GPU and with placements overlapping it. At start
+(:meth:`ClaimPreparer.recover`) what a crash interrupted is settled.
+
 Size: one job, preparing a claim and undoing it under one lock (the order of its steps is
 what keeps a crash from leaving half a claim); reading claims, their sharing, the CDI specs
 and the checkpoint are modules of their own.
@@ -31,19 +37,30 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 from agent.config import Config
+from agent.containers import ContainerDevice
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
-from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice, claim_uid_problem
+from agent.dra.checkpoint import (
+    PREPARED,
+    UNPREPARING,
+    Checkpoint,
+    PreparedClaim,
+    PreparedDevice,
+    claim_uid_problem,
+)
 from agent.dra.claim_sharing import ClaimSharing, SharedDevices
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
-from agent.dra.devices import DeviceRef
+from agent.dra.conflicts import Holders, held_elsewhere, holders_of, mig_conflicts, shared_gpus
+from agent.dra.devices import DeviceRef, MigSlot, parse_mig_slot_name
+from agent.dra.mig_lifecycle import MigLifecycle, MigOperations
 from agent.dra.placement import Prepared
 from agent.dra.view import DraView
 from agent.errors import shorten
 from agent.nccl.host_dir import nccl_files_for
+from agent.records import MigDevice
 from agent.sharing.timeslice import NvidiaSmiTimeSlice
 
 log = logging.getLogger(__name__)
@@ -100,6 +117,7 @@ class ClaimPreparer:
         *,
         node_name: str,
         on_prepared: Callable[[Prepared], None] | None = None,
+        mig: MigOperations | None = None,
     ) -> None:
         self.driver_name = config.driver_name
         self.cdi_dir = config.cdi_dir
@@ -117,6 +135,8 @@ class ClaimPreparer:
         # the claims' sharing: intervals set with nvidia-smi, one MPS daemon per shared entry
         self.sharing = ClaimSharing(config.driver_name, config.mps_root, config.mps_control_binary,
                                     NvidiaSmiTimeSlice(config.nvidia_smi))
+        #: dynamic MIG: devices cut at prepare (``config.dynamic_mig``) through ``mig``
+        self.mig = MigLifecycle(mig, checkpoint, enabled=config.dynamic_mig == "on")
         self._lock = threading.Lock()
 
     def resume(self) -> None:
@@ -156,7 +176,7 @@ class ClaimPreparer:
                 f" characters, a name at most {MAX_NAME_CHARS})"
             )
         done = self.checkpoint.get(ref.uid)
-        if done is not None:
+        if done is not None and done.prepared:
             return self._answer_again(done)
         try:
             obj = self.claims.get(ref.namespace, ref.name)
@@ -167,30 +187,36 @@ class ClaimPreparer:
         view = self.view  # one view for the whole prepare, whatever set_topology does meanwhile
         try:
             chosen = self._devices_of(ref, obj, view.devices)
-            plan = self.sharing.plan(str(ref), obj["status"]["allocation"], chosen)
+            # the claim's sharing checked before anything is cut: a MIG device not cut yet is
+            # planned as the MIG device it will be
+            plan = self.sharing.plan(str(ref), obj["status"]["allocation"], [(r, _planned(d)) for r, d in chosen])
+            requests = [r for r, _ in chosen]
         except ValueError as exc:
             return PrepareResult(error=str(exc))
         with self._lock:
             done = self.checkpoint.get(ref.uid)
-            if done is not None:  # a concurrent call prepared it meanwhile
+            if done is not None and done.prepared:  # a concurrent call prepared it meanwhile
                 return self._answer_again(done)
             # under the lock: two claims racing for one GPU are decided one after the other
             holders = self._holders()
-            if conflicts := _held_elsewhere(chosen, holders):
+            if conflicts := self._conflicts(ref, chosen, holders):
                 return PrepareResult(error=f"{ref}: cannot prepare " + shorten("; ".join(conflicts), MESSAGE_LIMIT))
-            written = self._share_and_write(ref, obj, chosen, plan)
+            try:
+                refs, prepared = self.mig.devices(str(ref), chosen, self._answer(ref, chosen))
+            except ValueError as exc:
+                return PrepareResult(error=str(exc))
+            except OSError as exc:
+                return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
+            if any(isinstance(d, MigSlot) for _, d in chosen):
+                try:  # planned again on the MIG devices cut (their UUIDs go to the MPS daemon)
+                    plan = self.sharing.plan(str(ref), obj["status"]["allocation"], list(zip(requests, refs)))
+                except ValueError as exc:
+                    return PrepareResult(error=str(exc))
+            written = self._share_and_write(ref, obj, list(zip(requests, refs)), plan)
             if isinstance(written, PrepareResult):
                 return written
             path, sharing = written
-            prepared = PreparedClaim(
-                uid=ref.uid, namespace=ref.namespace, name=ref.name, spec_path=path,
-                devices=tuple(
-                    PreparedDevice(request, self.node_name, d.name,
-                                   (cdi_device_id(self.driver_name, ref.uid, d.name),))
-                    for request, d in chosen
-                ),
-                sharing=sharing,
-            )
+            prepared = replace(prepared, spec_path=path, phase=PREPARED, sharing=sharing)
             try:
                 self.checkpoint.add(prepared)
             except OSError as exc:
@@ -201,8 +227,41 @@ class ClaimPreparer:
                 self.sharing.discard(str(ref), ref.uid, sharing)
                 return self._failed(ref, "record it in the checkpoint", self.checkpoint.path_of(ref.uid), exc)
         log.info("prepared %s: %s", ref, ", ".join(d.device for d in prepared.devices))
-        self._rank_later(ref, view, chosen, {gpu for gpu, _ in holders})
+        self._rank_later(ref, view, [(r.name, r) for r in refs], {gpu for gpu, _ in holders})
         return PrepareResult(devices=prepared.devices)
+
+    def _answer(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef | MigSlot]]) -> PreparedClaim:
+        """The claim prepared with ``chosen``, as the checkpoint records it."""
+        return PreparedClaim(
+            uid=ref.uid, namespace=ref.namespace, name=ref.name,
+            spec_path=spec_path(self.cdi_dir, self.driver_name, ref.uid),
+            devices=tuple(
+                PreparedDevice(request, self.node_name, d.name, (cdi_device_id(self.driver_name, ref.uid, d.name),))
+                for request, d in chosen
+            ),
+        )
+
+    def _conflicts(self, ref: ClaimRef, chosen: Sequence[tuple[str, DeviceRef | MigSlot]],
+                   holders: Holders) -> list[str]:
+        """What other prepared claims hold of ``chosen`` (GPUs, MIG devices, memory slices)."""
+        whole = [(r, d) for r, d in chosen if isinstance(d, DeviceRef)]
+        return held_elsewhere(whole, holders, _name_of) + mig_conflicts(
+            self.checkpoint, ref.uid, chosen, holders, _name_of, self.mig.switched_on)
+
+    def recover(self) -> None:
+        """At start, before serving: settle what a crash interrupted. A claim being
+        unprepared is unprepared (its instances destroyed, its spec removed: the kubelet's
+        retry then finds nothing to do); a claim being prepared keeps the instances made for
+        it (an intent adopted or dropped) for its next prepare or unprepare. MIG instances no
+        record names are logged and left alone."""
+        for claim in self.checkpoint:
+            ref = _claim_ref(claim)
+            if claim.phase == UNPREPARING:
+                error = self.unprepare(ref)
+                log.info("%s: its unprepare, interrupted, %s", ref, f"failed again: {error}" if error else "is done")
+            elif not claim.prepared:
+                self.mig.settle_preparing(claim)
+        self.mig.report_foreign(self.view.topology)
 
     def _rank_later(self, ref: ClaimRef, view: DraView, chosen: Sequence[tuple[str, DeviceRef]],
                     held: Collection[int]) -> None:
@@ -215,14 +274,9 @@ class ClaimPreparer:
         self.on_prepared(Prepared(str(ref), view.policy, tuple(p.gpu.index for p in parts),
                                   all(p.mig is None for p in parts), frozenset(held), unhealthy))
 
-    def _holders(self) -> dict[tuple[int, int | None], tuple[PreparedClaim, str]]:
+    def _holders(self) -> Holders:
         """(GPU index, MIG index or None) -> the prepared claim holding it and its device."""
-        holders: dict[tuple[int, int | None], tuple[PreparedClaim, str]] = {}
-        for claim in self.checkpoint:
-            for d in claim.devices:
-                for key in self.view.devices.parts(d.device):
-                    holders.setdefault(key, (claim, d.device))
-        return holders
+        return holders_of(self.checkpoint, self.view.devices)
 
     @staticmethod
     def _failed(ref: ClaimRef, what: str, path: str, exc: OSError) -> PrepareResult:
@@ -263,7 +317,9 @@ class ClaimPreparer:
     def _answer_again(self, done: PreparedClaim) -> PrepareResult:
         """The checkpointed answer; the spec is written again if it went missing."""
         if not self.cdi.has_spec(done.spec_path):
-            refs = [self.devices[d.device] for d in done.devices if d.device in self.devices]
+            cut = self.mig.cut_devices(done, self.view.topology)
+            refs = [self.devices[d.device] if d.device in self.devices else cut[d.device]
+                    for d in done.devices if d.device in self.devices or d.device in cut]
             if len(refs) != len(done.devices):
                 return PrepareResult(
                     error=f"{ClaimRef(done.namespace, done.uid, done.name)}: prepared before, but its devices"
@@ -278,7 +334,7 @@ class ClaimPreparer:
         return PrepareResult(devices=done.devices)
 
     def _devices_of(self, ref: ClaimRef, obj: Mapping[str, Any],
-                    devices: Mapping[str, DeviceRef]) -> list[tuple[str, DeviceRef]]:
+                    devices: Mapping[str, DeviceRef]) -> list[tuple[str, DeviceRef | MigSlot]]:
         """(request name, device) for each of this driver's allocation results; raises
         ValueError naming every device that cannot be prepared."""
         uid = _get(obj, "metadata", "uid")
@@ -300,7 +356,7 @@ class ClaimPreparer:
                 f"{ref}: no device of driver {self.driver_name} is allocated (drivers in"
                 f" status.allocation.devices.results: {shorten(', '.join(drivers), MESSAGE_LIMIT) or 'none'})"
             )
-        chosen: list[tuple[str, DeviceRef]] = []
+        chosen: list[tuple[str, DeviceRef | MigSlot]] = []
         problems: list[str] = []
         for r in ours:
             pool, name, request = str(r.get("pool", "")), str(r.get("device", "")), str(r.get("request", ""))
@@ -309,19 +365,26 @@ class ClaimPreparer:
             if pool != self.node_name:
                 problems.append(f"{what}: from another pool, this node serves pool {self.node_name!r}")
                 continue
-            device = devices.get(name)
+            device: DeviceRef | MigSlot | None = devices.get(name)
+            if device is None and parse_mig_slot_name(name) is not None:
+                try:
+                    device = self.mig.slot(self.view.topology, name)
+                except ValueError as exc:
+                    problems.append(f"{what}: {exc}")
+                    continue
             if device is None:
                 known = shorten(", ".join(devices), 200) or "no devices"
                 problems.append(f"{what}: unknown, this node has {known}")
                 continue
-            sick = [g for g in device.gpus if not self.health.is_healthy(g.index)]
+            gpus = (device.gpu,) if isinstance(device, MigSlot) else device.gpus
+            sick = [g for g in gpus if not self.health.is_healthy(g.index)]
             if sick:
-                member = "" if len(device.gpus) == 1 else "a GPU set whose member "
+                member = "" if len(gpus) == 1 else "a GPU set whose member "
                 problems.append(f"{what}: {member}" + ", ".join(f"GPU {g.index} ({g.uuid})" for g in sick)
                                 + (" is" if len(sick) == 1 else " are") + " unhealthy")
                 continue
             chosen.append((request, device))
-        problems += _shared_gpus(chosen)
+        problems += shared_gpus([(r, d) for r, d in chosen if isinstance(d, DeviceRef)])
         if problems:
             raise ValueError(f"{ref}: cannot prepare " + shorten("; ".join(problems), MESSAGE_LIMIT))
         return chosen
@@ -343,12 +406,30 @@ class ClaimPreparer:
             if error := self._remove_spec(ref, path):
                 return error
             try:
+                if done is not None and (error := self.mig.destroy(done)):
+                    return f"{ref}: {error}"
                 self.checkpoint.remove(ref.uid)
             except OSError as exc:
                 return f"{ref}: cannot update the checkpoint in {self.checkpoint.directory}: {exc.strerror or exc}"
         if done is not None:
             log.info("unprepared %s", ref)
         return ""
+
+
+def _claim_ref(claim: PreparedClaim) -> ClaimRef:
+    return ClaimRef(claim.namespace, claim.uid, claim.name)
+
+
+def _planned(device: DeviceRef | MigSlot) -> DeviceRef:
+    """``device``, or the MIG device a dynamic MIG slot will be once cut (its UUID unknown)."""
+    if isinstance(device, DeviceRef):
+        return device
+    mig = MigDevice("", device.gpu.index, 0, device.profile.name, device.profile.memory_mib)
+    return DeviceRef(device.name, (ContainerDevice(device.gpu, mig),))
+
+
+def _name_of(claim: PreparedClaim) -> str:
+    return str(_claim_ref(claim))
 
 
 def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
@@ -359,48 +440,6 @@ def _other_devices(obj: Mapping[str, Any], driver_name: str) -> list[str]:
         return []
     return [str(r.get("device", "")) for r in results
             if isinstance(r, Mapping) and r.get("driver") != driver_name and r.get("device")]
-
-
-def _held_elsewhere(chosen: Sequence[tuple[str, DeviceRef]],
-                    holders: Mapping[tuple[int, int | None], tuple[PreparedClaim, str]]) -> list[str]:
-    """A problem for each device holding a GPU (or MIG device) that another prepared claim
-    holds (``holders``: :meth:`ClaimPreparer._holders`), naming that claim and its device."""
-    problems = []
-    for request, device in chosen:
-        for p in device.parts:
-            mine = (p.gpu.index, p.mig.index if p.mig is not None else None)
-            clash = next((holders[k] for k in _clashing(mine, holders)), None)
-            if clash is not None:
-                other, theirs = clash
-                problems.append(
-                    f"device {device.name!r} (request {shorten(repr(request))}): GPU {p.gpu.index} ({p.gpu.uuid})"
-                    f" is held by {ClaimRef(other.namespace, other.uid, other.name)} through device {theirs!r}"
-                    " (prepared again once that claim is unprepared)")
-                break
-    return problems
-
-
-def _shared_gpus(chosen: Sequence[tuple[str, DeviceRef]]) -> list[str]:
-    """A problem for each device holding a GPU (or MIG device) an earlier device of the claim
-    holds (no allocator gives one out twice: the counters forbid it)."""
-    seen: dict[tuple[int, int | None], str] = {}
-    problems = []
-    for _, device in chosen:
-        keys = [(p.gpu.index, p.mig.index if p.mig is not None else None) for p in device.parts]
-        taken = [k for k in keys if k in seen]
-        if taken:
-            problems.append(f"device {device.name!r} holds GPU {taken[0][0]}, which device {seen[taken[0]]!r}"
-                            " of the same claim holds too")
-        for k in keys:
-            seen.setdefault(k, device.name)
-    return problems
-
-
-def _clashing(part: tuple[int, int | None], held: Collection[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
-    """The held parts ``part`` cannot share its GPU with: the same part; the whole GPU for a
-    MIG device; any part of the GPU for the whole GPU."""
-    gpu, mig = part
-    return [k for k in held if k[0] == gpu and (mig is None or k[1] is None or k[1] == mig)]
 
 
 def _get(obj: Any, *keys: str) -> Any:

@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 
 from agent.config import Config
 from agent.dra.claims import KubernetesClaimReader
+from agent.dra.mig_lifecycle import MigOperations
 from agent.dra.plugin import DraPlugin
 from agent.dra.publish_settings import PublisherEvents, PublishSettings
 from agent.dra.publisher import SlicePublisher
@@ -57,6 +58,7 @@ class DraServers:
         on_kubelet_restart: Callable[[], None],
         *,
         events: DraEvents,
+        mig: MigOperations | None = None,
     ) -> DraServers:
         """The real ones: ResourceClaims read and slices published with the client
         :func:`agent.kube.api_client` builds (``config.kubeconfig``, or the in-cluster
@@ -64,11 +66,12 @@ class DraServers:
         read, each claim's placement, and which DRA features the API server keeps, are
         reported to ``events`` (the agent's self-metrics); the publisher keeps the devices of
         prepared claims while the API server keeps no taints. Both serve one
-        :class:`agent.dra.view.DraView` of ``topology``."""
+        :class:`agent.dra.view.DraView` of ``topology``. ``mig`` (the backend's MigControl)
+        cuts the MIG instances of dynamic MIG devices."""
         view = DraView(topology)
         plugin = DraPlugin(
             config, view, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
-            on_kubelet_restart=on_kubelet_restart, on_placement=events.dra_claim_placement,
+            on_kubelet_restart=on_kubelet_restart, on_placement=events.dra_claim_placement, mig=mig,
         )
         publisher = SlicePublisher(lambda: api_client(config), view, PublishSettings.from_config(config),
                                    health=health, prepared=plugin.checkpoint, events=events)
