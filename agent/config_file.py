@@ -7,6 +7,9 @@ unchanged, plus our sections ``health:``, ``metrics:``, ``mode:``, ``dra:``, ``t
 ``nccl:``. Keys NVIDIA's device plugin
 parses for other components (GFD, GDS) are accepted and not acted on. Every error names the file, the key
 and what was expected (:class:`agent.errors.ConfigError`, one line).
+
+Size: one job, the file's schema section by section (each a short function); the values'
+parsers are :mod:`agent.config_values`.
 """
 
 from __future__ import annotations

@@ -46,10 +46,10 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config, describe_config, keep_start_settings
 from agent.errors import AgentError
-from agent.health import HealthState, HealthWatcher, Occurrence, lost_at_discovery
+from agent.health import HealthState, HealthWatcher, lost_at_discovery
 from agent.health.facts_check import FactsCheck
 from agent.health.node_publisher import NodeHealthPublisher
-from agent.health.sources import build_watcher
+from agent.health.sources import build_watcher, xid_counter
 from agent.http.endpoints import WaitingEndpoint
 from agent.hw.protocols import EventSource, Lifecycle
 from agent.labels.publishing import LabelPublisher
@@ -96,14 +96,6 @@ def _default_watcher(
     topology: Topology,
 ) -> HealthWatcher:
     return build_watcher(backend, health, config, topology, on_xid=on_xid)
-
-
-def _count_xid(metrics: MetricsService, occurrence: Occurrence) -> None:
-    """Every XID line or event seen on a GPU, fault or not, is counted; recoveries and the
-    repeated-XID faults (made of XIDs already counted) are not."""
-    o = occurrence
-    if o.xid is not None and len(o.gpus) == 1 and not o.recovered and not o.key.startswith("repeated-"):
-        metrics.count_xid(o.gpus[0], o.xid, o.count)
 
 
 class Daemon:
@@ -200,6 +192,7 @@ class Daemon:
                 active=os.path.basename(config.config_file or ""),
             )
             config_loader = node_config.load_active
+
         def watcher(backend_: EventSource, health: HealthState, cfg: Config,
                     on_xid: Callable[[int, int], None] | None, topology: Topology) -> HealthWatcher:
             return build_watcher(backend_, health, cfg, topology, on_xid=on_xid, simulated=sim is not None,
@@ -327,7 +320,7 @@ class Daemon:
         self._start_metrics(topology)
         metrics = self.metrics
         if metrics is not None:
-            self.health.add_occurrence_listener(lambda o: _count_xid(metrics, o))
+            self.health.add_occurrence_listener(xid_counter(metrics.count_xid))
         self._start_watcher(self.config)
         if self._node_health_factory is not None:
             self.node_health = self._node_health_factory(self.health, topology, self.config)

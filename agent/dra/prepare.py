@@ -165,16 +165,8 @@ class ClaimPreparer:
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, ref: ClaimRef) -> PrepareResult:
-        missing = [f for f in ("namespace", "uid", "name") if not getattr(ref, f)]
-        if missing:
-            return PrepareResult(error=f"{ref}: the claim's {', '.join(missing)} must not be empty")
-        if claim_uid_problem(ref.uid):
-            return PrepareResult(error=f"{ref}: {claim_uid_problem(ref.uid)}")
-        if len(ref.namespace) > MAX_NAMESPACE_CHARS or len(ref.name) > MAX_NAME_CHARS:
-            return PrepareResult(
-                error=f"{ref}: not a ResourceClaim name (a namespace has at most {MAX_NAMESPACE_CHARS}"
-                f" characters, a name at most {MAX_NAME_CHARS})"
-            )
+        if problem := _ref_problem(ref):
+            return PrepareResult(error=f"{ref}: {problem}")
         done = self.checkpoint.get(ref.uid)
         if done is not None and done.prepared:
             return self._answer_again(done)
@@ -418,6 +410,19 @@ class ClaimPreparer:
 
 def _claim_ref(claim: PreparedClaim) -> ClaimRef:
     return ClaimRef(claim.namespace, claim.uid, claim.name)
+
+
+def _ref_problem(ref: ClaimRef) -> str:
+    """Why the kubelet's ``ref`` names no claim that can exist ("" when it may)."""
+    missing = [f for f in ("namespace", "uid", "name") if not getattr(ref, f)]
+    if missing:
+        return f"the claim's {', '.join(missing)} must not be empty"
+    if claim_uid_problem(ref.uid):
+        return claim_uid_problem(ref.uid)
+    if len(ref.namespace) > MAX_NAMESPACE_CHARS or len(ref.name) > MAX_NAME_CHARS:
+        return (f"not a ResourceClaim name (a namespace has at most {MAX_NAMESPACE_CHARS}"
+                f" characters, a name at most {MAX_NAME_CHARS})")
+    return ""
 
 
 def _planned(device: DeviceRef | MigSlot) -> DeviceRef:

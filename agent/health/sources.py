@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 
 from agent.config import Config
 from agent.formats import parse_bus_id
-from agent.health.faults import Fault
+from agent.health.faults import Fault, Occurrence
 from agent.health.kernel_log import Inbox, KernelLogReader
 from agent.health.persist import StateFile, read_boot_id
 from agent.health.state import HealthState
@@ -17,7 +17,7 @@ from agent.health.watcher import HealthWatcher
 from agent.hw.protocols import EventSource
 from agent.topology.model import Topology
 
-__all__ = ["build_watcher", "state_file_of"]
+__all__ = ["build_watcher", "state_file_of", "xid_counter"]
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +60,15 @@ def build_watcher(
     return HealthWatcher(backend, state, config, on_xid=on_xid, bus_ids=bus_ids, kernel_log=reader,
                          state_file=state_file, facts=facts,
                          facts_interval_s=config.health_facts_interval_s)
+
+
+def xid_counter(count: Callable[[int, int, int], None]) -> Callable[[Occurrence], None]:
+    """An occurrence listener calling ``count(gpu, xid, n)`` for every XID line or event seen
+    on a GPU, fault or not (``DCGM_EXP_XID_ERRORS_TOTAL``); recoveries and the repeated-XID
+    faults (made of XIDs already counted) are not counted."""
+
+    def listener(o: Occurrence) -> None:
+        if o.xid is not None and len(o.gpus) == 1 and not o.recovered and not o.key.startswith("repeated-"):
+            count(o.gpus[0], o.xid, o.count)
+
+    return listener
