@@ -215,7 +215,7 @@ def test_every_alert_has_a_promtool_unit_test():
              if t["exp_alerts"]}
     assert alerts == fired == {"GpuAllocatedIdle", "GpuTemperatureHigh", "GpuDoubleBitEccError",
                                "GpuCriticalXid", "GpuDeviceUnhealthy", "GpuPodMisplaced",
-                               "GpuDraFeatureDropped"}
+                               "GpuDraFeatureDropped", "GpuNodeConditionFalse"}
 
 
 def test_prometheus_rule_object_wraps_exactly_the_plain_rule_file():

@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("allocate", help="show the preferred allocation for a request")
     p.add_argument(
         "--size", type=int, default=None, metavar="K",
-        help="number of devices to allocate (required, but with --mig-profile)",
+        help="number of devices to allocate (no default: required unless --mig-profile is given)",
     )
     _add_mig_flags(p)
     p.add_argument(
