@@ -97,7 +97,41 @@ class ApiCallError(AgentError):
         self.state = f"{status} {reason}" if status is not None else f"unreachable {reason}"
 
 
-class CustomObjects:
+class _LazyApi:
+    """A client built on first use by ``client_factory`` and dropped after a connection
+    failure, and the requests of one kubernetes API class (``API``) through :func:`call`: each
+    waits at most ``timeout_s``, every failure is one :class:`ApiCallError`."""
+
+    API = "CustomObjectsApi"
+
+    def __init__(self, client_factory: Callable[[], Any], *, timeout_s: float = 5.0) -> None:
+        self._client_factory = client_factory
+        self.timeout_s = timeout_s
+        self._client: Any = None
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a pool must not fail a shutdown
+                pass
+
+    def _call(self, what: str, method: str, *args: Any, missing_ok: bool = True,
+              **kwargs: Any) -> dict[str, Any] | None:
+        from kubernetes import client
+
+        if self._client is None:
+            try:
+                self._client = self._client_factory()
+            except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
+                raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
+        method_of = getattr(getattr(client, self.API)(self._client), method)
+        return call(what, method_of, *args, missing_ok=missing_ok, timeout_s=self.timeout_s,
+                    on_unreachable=self.close, **kwargs)
+
+
+class CustomObjects(_LazyApi):
     """Namespaced custom objects of one kind (``group``/``version``/``plural``). The client
     is built on first use by ``client_factory`` and dropped after a connection failure; each
     request waits at most ``timeout_s`` (callers on the daemon's main thread: a stop must not
@@ -105,10 +139,8 @@ class CustomObjects:
 
     def __init__(self, client_factory: Callable[[], Any], group: str, version: str, plural: str,
                  *, timeout_s: float = 5.0) -> None:
-        self._client_factory = client_factory
+        super().__init__(client_factory, timeout_s=timeout_s)
         self.group, self.version, self.plural = group, version, plural
-        self.timeout_s = timeout_s
-        self._client: Any = None
 
     @classmethod
     def from_config(cls, config: Config, group: str, version: str, plural: str) -> CustomObjects:
@@ -144,41 +176,17 @@ class CustomObjects:
                           self.group, self.version, namespace, self.plural, name, body=options)
         return done is not None
 
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a pool must not fail a shutdown
-                pass
-
-    def _call(self, what: str, method: str, *args: Any, missing_ok: bool = True,
-              **kwargs: Any) -> dict[str, Any] | None:
-        from kubernetes import client
-
-        if self._client is None:
-            try:
-                self._client = self._client_factory()
-            except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
-                raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
-        method_of = getattr(client.CustomObjectsApi(self._client), method)
-        return call(what, method_of, *args, missing_ok=missing_ok, timeout_s=self.timeout_s,
-                    on_unreachable=self.close, **kwargs)
 
 
-class CoreObjects:
+class CoreObjects(_LazyApi):
     """The ``core/v1`` requests of the Node health publisher (its Node's status, Events on it),
     as :class:`CustomObjects` is for custom objects: the client built on first use by
     ``client_factory`` and dropped after a connection failure, every failure one
     :class:`ApiCallError`. Patches are strategic merge patches (the Node status's
     ``conditions`` merge by ``type``)."""
 
+    API = "CoreV1Api"
     SMP = "application/strategic-merge-patch+json"
-
-    def __init__(self, client_factory: Callable[[], Any], *, timeout_s: float = 5.0) -> None:
-        self._client_factory = client_factory
-        self.timeout_s = timeout_s
-        self._client: Any = None
 
     def read_node_status(self, name: str) -> dict[str, Any]:
         return self._call(f"read Node {name} status", "read_node_status", name, missing_ok=False) or {}
@@ -200,26 +208,6 @@ class CoreObjects:
     def read_event(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._call(f"read Event {namespace}/{name}", "read_namespaced_event", name, namespace)
 
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a pool must not fail a shutdown
-                pass
-
-    def _call(self, what: str, method: str, *args: Any, missing_ok: bool = True,
-              **kwargs: Any) -> dict[str, Any] | None:
-        from kubernetes import client
-
-        if self._client is None:
-            try:
-                self._client = self._client_factory()
-            except Exception as exc:  # ConfigError: the kubeconfig or in-cluster files changed
-                raise ApiCallError(what, None, type(exc).__name__, f"cannot configure the client: {exc}") from None
-        method_of = getattr(client.CoreV1Api(self._client), method)
-        return call(what, method_of, *args, missing_ok=missing_ok, timeout_s=self.timeout_s,
-                    on_unreachable=self.close, **kwargs)
 
 
 def call(what: str, method: Callable[..., Any], *args: Any, missing_ok: bool = True, timeout_s: float = 10.0,
