@@ -40,6 +40,12 @@ GPUS = {i: Gpu(index=i, uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000", name="N
                pci_bus_id=f"00000000:{0x18 + i:02X}:00.0") for i in range(8)}
 
 
+def _settled(state: HealthState) -> HealthState:
+    """``state`` as the watcher leaves it after its start-up read (these tests are the watcher)."""
+    state.settled.set()
+    return state
+
+
 def xid79(gpu: int = 3, since: float = 0.0) -> Fault:
     return Fault(f"xid-79/gpu-{gpu}", FaultClass.NODE_REBOOT_REQUIRED, (gpu,), "Reboot the node.",
                  "XID 79: GPU has fallen off the bus", 79, since or time.time())
@@ -125,7 +131,7 @@ def test_a_message_of_many_faults_is_cut_at_1_kib_with_a_tail_saying_how_many_mo
 
 # ---------------------------------------------------------------------- the condition on the Node
 def test_condition_set_kept_across_a_message_change_and_cleared_to_true(api):
-    state = HealthState(8)
+    state = _settled(HealthState(8))
     pub = publisher(api, state)
     try:
         healthy = wait_condition(api, "True", "GPUsHealthy")
@@ -149,13 +155,13 @@ def test_condition_set_kept_across_a_message_change_and_cleared_to_true(api):
 
 
 def test_a_restarted_agent_keeps_the_standing_conditions_transition_time(api):
-    state = HealthState(8)
+    state = _settled(HealthState(8))
     state.set_fault(xid79(3))
     pub = publisher(api, state)
     before = wait_condition(api, "False")
     pub.stop()
     time.sleep(1.1)
-    again = HealthState(8)
+    again = _settled(HealthState(8))
     again.set_fault(xid79(3))  # re-derived by the sources at start
     pub = publisher(api, again)
     try:
@@ -167,7 +173,7 @@ def test_a_restarted_agent_keeps_the_standing_conditions_transition_time(api):
 
 # ---------------------------------------------------------------------- Events
 def test_events_of_one_fault_and_gpu_are_one_object_whose_count_grows(api):
-    state = HealthState(8)
+    state = _settled(HealthState(8))
     pub = publisher(api, state)
     try:
         state.record(xid13(0))
@@ -192,7 +198,7 @@ def test_events_of_one_fault_and_gpu_are_one_object_whose_count_grows(api):
 
 
 def test_a_storm_of_10000_occurrences_costs_a_handful_of_writes(api):
-    state = HealthState(8)
+    state = _settled(HealthState(8))
     pub = publisher(api, state)
     storm = Occurrence("xid-95/gpu-3", FaultClass.CONTACT_SUPPORT, (3,), "XID 95: uncontained ECC error",
                        "Reset the GPU.", 95)
@@ -219,7 +225,7 @@ def test_a_storm_of_10000_occurrences_costs_a_handful_of_writes(api):
 
 # ---------------------------------------------------------------------- outages
 def test_an_api_server_that_goes_away_gets_the_newest_state_when_it_returns(api, caplog):
-    state = HealthState(8)
+    state = _settled(HealthState(8))
     pub = publisher(api, state)
     try:
         wait_condition(api, "True")
@@ -273,7 +279,7 @@ def test_without_the_rbac_of_the_plain_manifests_the_write_is_forbidden_and_said
     access.add_token("t", service_account(NS, "gpu-topology-agent", NODE))
     with ApiServerStub(access=access) as stub:
         stub.add_node(NODE)
-        pub = NodeHealthPublisher(KubeNodeApi(CoreObjects(lambda: connect(stub, "t"))), HealthState(8), NODE, GPUS)
+        pub = NodeHealthPublisher(KubeNodeApi(CoreObjects(lambda: connect(stub, "t"))), _settled(HealthState(8)), NODE, GPUS)
         pub.start()
         try:
             assert stub.wait_until(lambda: stub.count("GET", "/status") >= 2, 10)
@@ -285,7 +291,7 @@ def test_without_the_rbac_of_the_plain_manifests_the_write_is_forbidden_and_said
 
 def test_dry_run_logs_what_it_would_write_and_off_builds_nothing(caplog):
     caplog.set_level(logging.INFO)
-    state = HealthState(8)
+    state = _settled(HealthState(8))
     assert NodeHealthPublisher.from_config(Config(node_condition="off", node_name=NODE), state, GPUS) is None
     pub = NodeHealthPublisher.from_config(Config(node_condition="dry-run", node_name=NODE), state, GPUS)
     assert pub is not None
@@ -377,3 +383,18 @@ def test_xid_lines_on_a_running_agent_set_the_condition_and_events_a_restart_kee
         wait_condition(api, "True", "GPUsHealthy", 60)
     finally:
         agent.stop()
+
+
+
+def test_the_first_condition_waits_for_the_health_sources_start_up_read(api):
+    state = HealthState(8)  # the watcher has not yet read the kernel log since boot
+    pub = publisher(api, state)
+    try:
+        time.sleep(1.0)
+        assert api.condition_history(NODE, "GPUHealthy") == []  # not True on an empty state
+        state.set_fault(xid79(3))  # the start-up read finds a fault before the agent started
+        state.settled.set()
+        wait_condition(api, "False", "NodeRebootRequired")
+        assert {c["status"] for c in api.condition_history(NODE, "GPUHealthy")} == {"False"}
+    finally:
+        pub.stop()

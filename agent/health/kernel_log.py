@@ -180,6 +180,9 @@ class KernelLogReader(Worker):
         self._said_malformed: set[str] = set()
         self._said_open = False
         self._skip_through = -1
+        #: set once every line there was at start has been read (or the log cannot be read):
+        #: the watcher's start-up read is then complete
+        self.caught_up = threading.Event()
 
     # ------------------------------------------------------------------ lines
     def _take(self, line: str, position: int | None) -> None:
@@ -212,6 +215,7 @@ class KernelLogReader(Worker):
                     log.error("cannot read the kernel log %s (%s): XID lines are not watched until it can"
                               " be read; retrying every %.0f s", self.path, exc.strerror or exc, self.retry_s)
                     self._said_open = True
+                self.caught_up.set()  # nothing to wait for: said, and retried
                 self._stop.wait(self.retry_s)
                 continue
             if self._said_open:
@@ -248,6 +252,7 @@ class KernelLogReader(Worker):
             try:
                 record = os.read(fd, 8192)  # one record per read
             except BlockingIOError:
+                self.caught_up.set()
                 select.select([fd], [], [], self.poll_s)
                 continue
             except OSError as exc:
@@ -265,6 +270,7 @@ class KernelLogReader(Worker):
             except BlockingIOError:
                 chunk = b""
             if not chunk:
+                self.caught_up.set()
                 if regular and self._replaced(fd, offset + len(partial)):
                     return  # reopened by _run: a new stream
                 self._stop.wait(self.poll_s)

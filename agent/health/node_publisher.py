@@ -47,6 +47,8 @@ CONDITION_MIN_INTERVAL_S = 0.5
 #: the condition is written at least this often (its lastHeartbeatTime), as
 #: node-problem-detector re-asserts its conditions
 HEARTBEAT_S = 300.0
+#: at most this long the first write waits for the health sources' start-up read
+SETTLE_WAIT_S = 10.0
 _BACKOFF = (1.0, 60.0)
 
 
@@ -85,6 +87,7 @@ class NodeHealthPublisher(Worker):
         self._written_at = 0.0
         self._transition = ""
         self._retry_at = 0.0
+        self._settle_by = 0.0
         self._backoff = Backoff(*_BACKOFF)
         self._outage = Outage(log, f"writing the {CONDITION_TYPE} condition and Events of Node {node}",
                               per_reason=True)
@@ -143,6 +146,12 @@ class NodeHealthPublisher(Worker):
     def round(self) -> float:
         """Write what is due; the seconds until something else will be."""
         now = self._clock()
+        if not self.state.settled.is_set():
+            # the start-up read first (a fault of the kernel log since boot would otherwise be
+            # written True, then False); a watcher that never settles does not hold it long
+            self._settle_by = self._settle_by or now + SETTLE_WAIT_S
+            if now < self._settle_by:
+                return min(0.2, self._settle_by - now)
         if now < self._retry_at:
             return self._retry_at - now
         try:

@@ -53,6 +53,9 @@ class HealthState:
         # Lock order: a leaf. Held only to read or change the state; listeners run after it
         # is released (they take their own locks, e.g. the device-plugin manager's).
         self._cond = threading.Condition()
+        #: set once the sources' start-up read is in the state (the kernel log since boot, the
+        #: first NVML round, the facts): the Node's condition is first written after it
+        self.settled = threading.Event()
         self._unhealthy: dict[int, str] = {i: r for i, r in (unhealthy or {}).items() if 0 <= i < gpu_count}
         self.generation = 0
         self._listeners = Listeners(log, "health")

@@ -189,6 +189,9 @@ class HealthWatcher(Worker):
         if self.config.xid_overrides != self._overrides:  # a reload changed them
             self.catalog, self._overrides = XidCatalog(dict(self.config.xid_overrides)), self.config.xid_overrides
         read_through = self._read_through()
+        # every line there was at start is in the inbox once the reader caught up: after this
+        # round the state holds what the sources knew at start (the Node's first write waits)
+        settled = self.kernel_log is None or self.kernel_log.caught_up.is_set()
         self.apply_kernel_log(self.inbox.drain())
         self._nvml_failed = True
         events = self.backend.wait_events(self.poll_ms)
@@ -203,6 +206,8 @@ class HealthWatcher(Worker):
         self._poll_facts()
         self.book.recover(self.config.health_recovery_s, self.backend.probe)
         self.book.show_marks()
+        if settled:
+            self.state.settled.set()
         if self.inbox.dropped != self._dropped:
             log.warning("kernel log: %d line(s) dropped in a storm of distinct lines (inbox full)",
                         self.inbox.dropped - self._dropped)
