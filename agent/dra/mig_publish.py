@@ -9,7 +9,9 @@ stay with the withdrawal taint ``<driver>/withdrawn`` (no new claim gets them, t
 still counts them) until it has been out for ``dra.gpuSetWithdrawalGraceSeconds``, as a GPU
 set leaving does (:mod:`agent.dra.withdrawal`); without a grace, one stays untainted while no
 held device overlaps it (then none can hold it: the counters kept them apart) and goes when
-one does. A MIG device of an unhealthy GPU carries its GPU's taint, or is left out where the
+one does. A MIG instance on a GPU offering placements that no prepared claim holds (made by
+hand) is never published: its slices are taken (:func:`agent.dra.migslots.layouts`). A MIG
+device of an unhealthy GPU carries its GPU's taint, or is left out where the
 server keeps no taints (:mod:`agent.dra.taints`); no new slot is chosen on such a GPU.
 """
 
@@ -28,6 +30,7 @@ from agent.dra.migslots import (
     counter_set_name,
     dynamic_gpus,
     gpu_counters,
+    instance_slots,
     layouts,
     slots_named,
 )
@@ -72,7 +75,7 @@ def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mappi
     geometries = dynamic_gpus(topology)
     if not geometries:
         return MigRendering(geometries, [], [])
-    lay = layouts(geometries, held)
+    lay = layouts(geometries, held, instance_slots(topology, geometries))
     chosen = chosen_slots(lay, avoid=set(marks.reasons))
     mine = slots_named(held, geometries)
     names = {s.name for s in [*chosen, *mine]}
