@@ -62,9 +62,11 @@ class RereadNode(Node):
 
 
 def memory_slices(device: dict, gpu: int) -> set[int]:
-    """The memory slices of GPU ``gpu`` a published device consumes."""
-    return {int(c.rsplit("-", 1)[1]) for use in device.get("consumesCounters", [])
-            if use["counterSet"] == f"gpu-{gpu}-counter-set" for c in use["counters"] if c.startswith("memory-slice-")}
+    """The memory slices of GPU ``gpu`` a published MIG device sits on (its attributes)."""
+    attrs = {k.rsplit("/", 1)[1]: next(iter(v.values())) for k, v in device.get("attributes", {}).items()}
+    if attrs.get("type") != "mig" or attrs.get("parentIndex") != gpu:
+        return set()
+    return set(range(attrs["placementStart"], attrs["placementStart"] + attrs["placementSize"]))
 
 
 def problems(devices: dict[str, dict], held: bool = True) -> list[str]:
@@ -78,7 +80,7 @@ def problems(devices: dict[str, dict], held: bool = True) -> list[str]:
         return out
     mine = devices.get(DEVICE)
     if mine is None or memory_slices(mine, 1) != {4, 5, 6, 7}:
-        out.append(f"{DEVICE} not published with its memory slices 4-7")
+        out.append(f"{DEVICE} not published on memory slices 4-7")
     out += [f"{n} overlaps {DEVICE}" for n, d in devices.items() if n != DEVICE and memory_slices(d, 1) & {4, 5, 6, 7}]
     return out
 

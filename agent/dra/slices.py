@@ -271,8 +271,11 @@ def render_slices(
            if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
     singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None,
                        mig.geometries)
+    if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
+        # one device slice: the MIG counters only where two devices meet (mig_publish's docstring)
+        mig = mig.meeting({g for d in singles for g in _gpu_of(d) if g in mig.geometries})
     # the full GPU of a GPU offering placements consumes all of its counter set (no MIG device beside it)
-    singles = [replace(d, shares=(mig.gpu_share(g[0]),)) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
+    singles = [replace(d, shares=mig.gpu_share(g[0])) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
                for d in singles]
     specs = _specs(topology, driver, api_version, sets, singles, mig, occupancy)
     return _slice_objects(specs, node_name, driver, api_version, generation, node_uid)
