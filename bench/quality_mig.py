@@ -122,7 +122,7 @@ def nvidia_slices(topology: Any) -> list[dict[str, Any]]:
              for i, geo in geos.items() for p in geo.profiles for pl in p.placements}
     migs = mig_devices(topology, D, marks, {}, [s.name for s in every.values()], None, graced=False)
     full = render_devices(topology, D, marks)
-    full = [replace(d, shares=(migs.gpu_share(int(d.name.split("-")[1])),)) for d in full]
+    full = [replace(d, shares=migs.gpu_share(int(d.name.split("-")[1]))) for d in full]
     devices = sorted([*full, *migs.devices], key=lambda d: _name_key(d.name))
     specs: list[dict[str, Any]] = counter_slices(migs)
     specs += [{"devices": [render_device(d, "v1") for d in devices[i : i + 64]]} for i in range(0, len(devices), 64)]

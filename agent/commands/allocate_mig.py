@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from agent.commands.slices import parse_in_use
-from agent.dra.migslots import MigSlot, by_size, dynamic_gpus, layouts, slot_order
+from agent.dra.migslots import MigSlot, by_size, dynamic_gpus, instance_slots, layouts, slot_order
 from agent.errors import UsageError
 from agent.topology.model import Topology
 
@@ -56,7 +56,7 @@ def run_mig(args: argparse.Namespace, topology: Topology) -> int:
         raise UsageError(f"--mig-profile {args.mig_profile!r}: no GPU of this machine offers it through dynamic MIG"
                          f" (offered: {', '.join(offered) or 'none: no GPU with a known MIG geometry'})")
     held = parse_in_use(args.in_use, topology, True)
-    layout_by_gpu = layouts(geometries, held)
+    layout_by_gpu = layouts(geometries, held, instance_slots(topology, geometries))
     ranked = slot_order(layout_by_gpu, args.mig_profile)
     room = {i: {p.name: n for p, n in zip(by_size(lay.geometry), lay.room())} for i, lay in layout_by_gpu.items()}
     if not ranked:

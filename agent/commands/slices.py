@@ -85,13 +85,21 @@ def parse_in_use(text: str, topology: Topology, dynamic_mig: bool = False) -> di
     """``--in-use``: device name -> its GPU indices, each GPU held once (or by MIG devices on
     placements that do not overlap); UsageError naming the first item that is none of this
     machine's GPUs or devices, or a device given twice (the list rule ``allocate --available``
-    follows too). With ``dynamic_mig``, dynamic MIG device names (``gpu-0-mig-3g40gb-4``) too."""
-    from agent.dra.devices import DeviceRefs, device_name, gpus_of, parse_mig_slot_name
+    follows too). With ``dynamic_mig``, dynamic MIG device names (``gpu-0-mig-3g40gb-4``) too,
+    and a MIG instance's UUID on a GPU offering them stands for its slot device (a claim holds it);
+    the other instances there are made by hand (their slices taken, :mod:`agent.dra.migslots`)."""
+    from agent.dra.devices import (
+        DeviceRefs,
+        device_name,
+        gpus_of,
+        mig_slot_name,
+        parse_mig_slot_name,
+    )
     from agent.dra.migslots import dynamic_gpus, resolve_slot
 
     geometries = dynamic_gpus(topology) if dynamic_mig else {}
 
-    refs = DeviceRefs(topology)
+    refs = DeviceRefs(topology, geometries)
     migs = {m.uuid: (g, m) for g in topology.gpus for m in g.mig_devices}
 
     def resolve(item: str) -> list[str]:
@@ -100,7 +108,10 @@ def parse_in_use(text: str, topology: Topology, dynamic_mig: bool = False) -> di
         if gpu is not None:
             return [device_name(gpu)]
         if item in migs:
-            return [device_name(*migs[item])]
+            g, m = migs[item]
+            if g.index in geometries and m.placement is not None:  # an instance held as its slot device
+                return [mig_slot_name(g.index, m.profile, m.placement.start)]
+            return [device_name(g, m)]
         if item in refs or resolve_slot(item, geometries) is not None:
             return [item]
         if parse_mig_slot_name(item) is not None:

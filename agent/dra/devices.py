@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Collection, Iterable, Iterator, Mapping
 
 from agent.containers import ContainerDevice
-from agent.records import MigPlacement, MigProfile
+from agent.records import MigGeometry, MigPlacement, MigProfile
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
-    "DeviceRef", "DeviceRefs", "MigSlot", "Part", "device_name", "gpus_of", "mig_slot", "mig_slot_name",
+    "DeviceRef", "DeviceRefs", "MigSlot", "Part", "device_name", "gpus_of", "match_slot", "mig_slot", "mig_slot_name",
     "parse_mig_slot_name", "parse_name", "parse_set_name", "profile_label", "set_name",
 ]
 
@@ -98,6 +98,25 @@ class MigSlot:
     placement: MigPlacement
 
 
+def match_slot(geometry: MigGeometry, label: str, start: int, index: int,
+               about: str = "") -> tuple[MigProfile, MigPlacement]:
+    """The profile (by :func:`profile_label`) and placement a slot name's ``label`` and
+    ``start`` stand for in GPU ``index``'s ``geometry``; ValueError saying why none (``about``:
+    more on the GPU for the message, `` (uuid, name)``).
+    The one match every reader of slot names uses (:func:`mig_slot`,
+    :func:`agent.dra.migslots.resolve_slot`)."""
+    profile = next((p for p in geometry.profiles if profile_label(p.name) == label), None)
+    if profile is None:
+        known = ", ".join(profile_label(p.name) for p in geometry.profiles)
+        raise ValueError(f"GPU {index}{about} has no MIG profile {label} (it has {known})")
+    placement = next((p for p in profile.placements if p.start == start), None)
+    if placement is None:
+        starts = ", ".join(str(p.start) for p in profile.placements)
+        raise ValueError(f"MIG profile {profile.name} of GPU {index} cannot start at memory slice {start}"
+                         f" (it starts at {starts or 'none'})")
+    return profile, placement
+
+
 def mig_slot(topology: Topology, name: str) -> MigSlot:
     """The slot a dynamic MIG device name (:func:`mig_slot_name`) stands for on
     ``topology``; ValueError saying why it stands for none (not such a name, no such GPU, no
@@ -112,15 +131,7 @@ def mig_slot(topology: Topology, name: str) -> MigSlot:
     geometry = gpu.mig_geometry
     if geometry is None or not geometry.profiles or gpu.mig_capable is False:
         raise ValueError(f"GPU {index} ({gpu.uuid}, {gpu.name}) offers no MIG profiles")
-    profile = next((p for p in geometry.profiles if profile_label(p.name) == label), None)
-    if profile is None:
-        known = ", ".join(profile_label(p.name) for p in geometry.profiles)
-        raise ValueError(f"GPU {index} ({gpu.uuid}, {gpu.name}) has no MIG profile {label} (it has {known})")
-    placement = next((p for p in profile.placements if p.start == start), None)
-    if placement is None:
-        starts = ", ".join(str(p.start) for p in profile.placements)
-        raise ValueError(f"MIG profile {profile.name} of GPU {index} cannot start at memory slice {start}"
-                         f" (it starts at {starts or 'none'})")
+    profile, placement = match_slot(geometry, label, start, index, f" ({gpu.uuid}, {gpu.name})")
     return MigSlot(name, gpu, profile, placement)
 
 
@@ -153,15 +164,17 @@ def parse_name(name: str) -> tuple[Part, ...] | None:
 
 class DeviceRefs(Mapping[str, DeviceRef]):
     """Every device the node offers through DRA, by name. Iterating lists the GPUs and MIG
-    devices in GPU index order; a set device is found by its name (any set of whole GPUs of
+    devices in GPU index order (no static MIG device of a GPU in ``dynamic``, those offering
+    dynamic MIG: :func:`agent.dra.migslots.dynamic_gpus`); a set device is found by its name (any set of whole GPUs of
     this node), since which sets are published follows the occupancy."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, dynamic: Collection[int] = ()) -> None:
         self.topology = topology
         self._singles: dict[str, DeviceRef] = {}
         for gpu in topology.gpus:
             if gpu.mig_enabled:
-                for mig in gpu.mig_devices:
+                # a GPU offering dynamic MIG: its MIG instances are its slot devices (or foreign)
+                for mig in gpu.mig_devices if gpu.index not in dynamic else ():
                     name = device_name(gpu, mig)
                     self._singles[name] = DeviceRef(name, (ContainerDevice(gpu, mig),))
             else:

@@ -115,6 +115,8 @@ class MigLifecycle:
         self.enabled = enabled  # dynamic MIG devices are prepared (``dra.dynamicMig``)
         #: GPUs whose MIG mode this agent switched on (the topology says so once read again)
         self.switched_on: set[int] = set()
+        #: the instances not made by the agent logged so far: (GPU, GPU instance id, UUID)
+        self._reported: set[tuple[int, int, str | None]] = set()
 
     # ------------------------------------------------------------------ ownership
     def _owned(self, uid: str, mine: Iterable[MigRecord] = ()) -> set[tuple[int, int]]:
@@ -361,8 +363,8 @@ class MigLifecycle:
                       " or unprepare", claim.uid, exc)
 
     def report_foreign(self, topology: Topology) -> None:
-        """Log once, per GPU in MIG mode, the instances no record names: never touched, and
-        their memory slices refused to every dynamic MIG device overlapping them."""
+        """Log, per GPU in MIG mode, the instances no record names not logged before: never
+        touched, their memory slices never offered nor cut (:mod:`agent.dra.migslots`)."""
         if self.ops is None or not self.enabled:
             return
         owned = self._owned("")
@@ -370,10 +372,12 @@ class MigLifecycle:
             if not gpu.mig_enabled or gpu.mig_geometry is None:
                 continue
             try:
-                foreign = [i for i in self.ops.mig_instances(gpu.index) if (gpu.index, i.gi_id) not in owned]
+                foreign = [i for i in self.ops.mig_instances(gpu.index) if (gpu.index, i.gi_id) not in owned
+                           and (gpu.index, i.gi_id, i.uuid) not in self._reported]
             except MigError as exc:
                 log.warning("GPU %d: cannot list its MIG instances (%s)", gpu.index, exc)
                 continue
+            self._reported |= {(gpu.index, i.gi_id, i.uuid) for i in foreign}
             if foreign:
                 log.info("GPU %d (%s): %d MIG instance(s) not made by the agent, left alone: %s", gpu.index, gpu.uuid,
                          len(foreign), ", ".join(f"{_where(i.profile, i.placement.start, i.placement.size)}"

@@ -9,14 +9,27 @@ stay with the withdrawal taint ``<driver>/withdrawn`` (no new claim gets them, t
 still counts them) until it has been out for ``dra.gpuSetWithdrawalGraceSeconds``, as a GPU
 set leaving does (:mod:`agent.dra.withdrawal`); without a grace, one stays untainted while no
 held device overlaps it (then none can hold it: the counters kept them apart) and goes when
-one does. A MIG device of an unhealthy GPU carries its GPU's taint, or is left out where the
+one does. A MIG instance on a GPU offering placements that no prepared claim holds (made by
+hand) is never published: its slices are taken (:func:`agent.dra.migslots.layouts`). A MIG
+device of an unhealthy GPU carries its GPU's taint, or is left out where the
 server keeps no taints (:mod:`agent.dra.taints`); no new slot is chosen on such a GPU.
+
+**Counters only where devices meet** (:meth:`MigRendering.meeting`), where all the node's
+devices fit one device slice: the scheduler compares every counter of the pool for each
+device it reserves and validates every consumption on every Filter, and a counter matters
+only between two devices that could be allocated together. Per GPU, a memory slice counter
+for each distinct largest group of published devices (the full GPU among them) covering one
+slice, consumed by that group: two devices overlapping share one, two on disjoint slices
+none; a compute counter only where its MIG devices could together exceed the GPU. Safe as
+:mod:`agent.dra.counters` says for the GPU counters: the scheduler looks an allocated device
+up in the slices it sees now, and in one device slice any two devices that overlap both
+consume a shared counter. Above one device slice every device consumes all of its counters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Collection, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Collection, Mapping, Sequence
 
 from agent.dra.counters import counter_set_name as gpus_counter_set
 from agent.dra.device_values import Device, gpu_attributes, make_device
@@ -28,6 +41,7 @@ from agent.dra.migslots import (
     counter_set_name,
     dynamic_gpus,
     gpu_counters,
+    instance_slots,
     layouts,
     slots_named,
 )
@@ -45,22 +59,81 @@ _SETS_PER_SLICE = 8
 @dataclass(frozen=True)
 class MigRendering:
     """The dynamic MIG part of a rendering: the GPUs offering placements (index -> geometry)
-    and their MIG devices in publication order."""
+    and their MIG devices in publication order, each on its slot; ``declared``: each GPU's
+    counters as its counter set declares them (None: all of :func:`gpu_counters`)."""
 
     geometries: Mapping[int, MigGeometry]
     devices: list[Device]
     gpus: list[int]  # the GPU of each device
+    slots: list[MigSlot] = field(default_factory=list)  # the slot of each device
+    declared: Mapping[int, Mapping[str, int]] | None = None
+
+    def counters(self, gpu: int) -> Mapping[str, int]:
+        """What GPU ``gpu``'s counter set declares (empty: no counter set)."""
+        return gpu_counters(self.geometries[gpu]) if self.declared is None else self.declared.get(gpu, {})
 
     def sharing(self, gpus: Collection[int], weights: Mapping[int, int]) -> list[Device]:
         """The devices, those on ``gpus`` also consuming their placement's size of their GPU's
         set counter (worth ``weights``: its memory slices), so a set holding the GPU and a
         MIG device on it exclude each other (:mod:`agent.dra.counters`)."""
-        return [replace(d, shares=(*d.shares, (gpus_counter_set(g), ((f"gpu-{g}", _size(d, weights[g])),))))
-                if g in gpus else d for d, g in zip(self.devices, self.gpus)]
+        def share(g: int, s: MigSlot) -> tuple[str, tuple[tuple[str, int], ...]]:
+            return gpus_counter_set(g), ((f"gpu-{g}", min(s.placement.size, weights[g])),)
 
-    def gpu_share(self, gpu: int) -> tuple[str, tuple[tuple[str, int], ...]]:
-        """What a full GPU consumes of its counter set: all of it."""
-        return counter_set_name(gpu), tuple(gpu_counters(self.geometries[gpu]).items())
+        return [replace(d, shares=(*d.shares, share(g, s))) if g in gpus else d
+                for d, g, s in zip(self.devices, self.gpus, self.slots)]
+
+    def gpu_share(self, gpu: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+        """What a full GPU consumes of its counter set: all of it (nothing where none is declared)."""
+        declared = self.counters(gpu)
+        return ((counter_set_name(gpu), tuple(declared.items())),) if declared else ()
+
+    def meeting(self, full: Collection[int]) -> MigRendering:
+        """This rendering with counters only where two devices meet (the devices of one device
+        slice: module docstring). ``full``: the GPUs whose full GPU is published beside."""
+        declared: dict[int, dict[str, int]] = {}
+        uses: dict[str, dict[str, int]] = {}
+        for gpu, geo in self.geometries.items():
+            mine = [(d.name, s) for d, g, s in zip(self.devices, self.gpus, self.slots) if g == gpu]
+            kept, consumed = _meeting_counters(geo, mine, gpu in full)
+            if kept:
+                declared[gpu] = kept
+            uses.update(consumed)
+        devices = [replace(d, shares=((counter_set_name(g), tuple(uses[d.name].items())),) if uses.get(d.name) else ())
+                   for d, g in zip(self.devices, self.gpus)]
+        return replace(self, devices=devices, declared=declared)
+
+
+def _meeting_counters(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
+                      full: bool) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """One GPU's counters where its published devices meet: (counter -> value, device name ->
+    what it consumes). A memory slice counter per distinct largest set of devices covering one
+    slice (two devices sharing a slice both consume the counter of a set holding that slice's
+    devices; two on disjoint slices share none), named after its lowest slice; a compute
+    counter only where the MIG devices using it could take more than the GPU has (the full
+    GPU meets every MIG device on the memory slices already)."""
+    cover: dict[frozenset[str], int] = {}
+    for i in range(geometry.memory_slices):
+        names = frozenset(n for n, s in devices if i in s.placement.slices) | ({""} if full else set())
+        if len(names) >= 2:
+            cover.setdefault(names, i)
+    largest = {c: i for c, i in cover.items() if not any(c < other for other in cover)}
+    counters = {f"memory-slice-{i}": 1 for i in sorted(largest.values())}
+    uses: dict[str, dict[str, int]] = {n: {} for n, _ in devices}
+    for c, i in largest.items():
+        for n in c - {""}:
+            uses[n][f"memory-slice-{i}"] = 1
+    cap = gpu_counters(geometry)
+    for name in (k for k in cap if not k.startswith("memory-slice-")):
+        using = [(n, s.uses(geometry).get(name, 0)) for n, s in devices if s.uses(geometry).get(name, 0)]
+        if sum(v for _, v in using) > cap[name]:
+            counters[name] = cap[name]
+            for n, v in using:
+                uses[n][name] = v
+    return counters, {n: dict(sorted(u.items(), key=lambda kv: _natural(kv[0]))) for n, u in uses.items()}
+
+
+def _natural(name: str) -> tuple[int, str]:
+    return len(name), name
 
 
 def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mapping[str, Collection[int]],
@@ -72,7 +145,7 @@ def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mappi
     geometries = dynamic_gpus(topology)
     if not geometries:
         return MigRendering(geometries, [], [])
-    lay = layouts(geometries, held)
+    lay = layouts(geometries, held, instance_slots(topology, geometries))
     chosen = chosen_slots(lay, avoid=set(marks.reasons))
     mine = slots_named(held, geometries)
     names = {s.name for s in [*chosen, *mine]}
@@ -86,6 +159,7 @@ def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mappi
     islands, cliques = island_ids(topology), clique_ids(topology)
     out: list[Device] = []
     on: list[int] = []
+    slots: list[MigSlot] = []
     seen: set[str] = set()
     for slot in [*chosen, *mine, *others, *withdrawing]:
         if slot.name in seen:
@@ -110,17 +184,13 @@ def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mappi
                                attributes | gpu_attributes(topology, gpu, islands[gpu.index], cliques[gpu.index]),
                                slot.profile.memory_mib, taints=taints, shares=(share,)))
         on.append(slot.gpu)
-    return MigRendering(geometries, out, on)
-
-
-def _size(device: Device, most: int) -> int:
-    """The memory slices a MIG device's placement takes (at most ``most``)."""
-    return min(most, sum(1 for k, _ in device.shares[0][1] if k.startswith("memory-slice-")))
+        slots.append(slot)
+    return MigRendering(geometries, out, on, slots)
 
 
 def counter_slices(rendering: MigRendering) -> list[dict[str, Any]]:
-    """The counter slices' bodies for the GPUs offering placements: one counter set a GPU,
-    eight a slice (always all of them: a set never moves between slices)."""
-    sets = [{"name": counter_set_name(i), "counters": {k: {"value": str(v)} for k, v in gpu_counters(geo).items()}}
-            for i, geo in sorted(rendering.geometries.items())]
+    """The counter slices' bodies for the GPUs offering placements: one counter set a GPU
+    that declares counters, eight a slice."""
+    sets = [{"name": counter_set_name(i), "counters": {k: {"value": str(v)} for k, v in counters.items()}}
+            for i in sorted(rendering.geometries) if (counters := rendering.counters(i))]
     return [{"sharedCounters": sets[i : i + _SETS_PER_SLICE]} for i in range(0, len(sets), _SETS_PER_SLICE)]

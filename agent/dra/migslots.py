@@ -2,9 +2,13 @@
 prepare), the counters that keep them apart, and the best-fit order they come in.
 
 **Which GPUs** (:func:`dynamic_gpus`): a GPU whose MIG geometry is known (``Gpu.mig_geometry``),
-not lost, and either in MIG mode with no MIG device made by hand (those stay static devices,
-never touched) or Hopper and newer with MIG mode off (prepare switches it on; an Ampere GPU
-needs a reset for that, so it offers placements only where MIG is already on).
+not lost, and either in MIG mode with every MIG instance on it on a known placement of a known
+profile, or Hopper and newer with MIG mode off (prepare switches it on; an Ampere GPU needs a
+reset for that, so it offers placements only where MIG is already on). A GPU in MIG mode with
+an instance discovery cannot place keeps its static MIG devices instead. On a dynamic GPU no
+instance is a static device (:class:`agent.dra.devices.DeviceRefs`): one a prepared claim
+holds is its slot device (published, consuming its slices); any other (made by hand, never
+touched) only takes its slices (:func:`layouts`): nothing overlapping it is offered.
 
 **Counters** (NVIDIA's DynamicMIG names, kubernetes-sigs/dra-driver-nvidia-gpu): one counter
 set per GPU, ``gpu-<index>-counter-set``, holding ``memory-slice-<i>`` (value 1 each,
@@ -37,13 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping
 
-from agent.dra.devices import mig_slot_name, parse_mig_slot_name, profile_label
-from agent.records import MigGeometry, MigPlacement, MigProfile
+from agent.dra.devices import match_slot, mig_slot_name, parse_mig_slot_name
+from agent.records import MigDevice, MigGeometry, MigPlacement, MigProfile
 from agent.topology.model import Topology
 
 __all__ = [
     "COMPUTE_COUNTERS", "SLOTS_PER_PROFILE", "GpuLayout", "MigSlot", "chosen_slots", "counter_set_name",
-    "by_size", "dynamic_gpus", "gpu_counters", "layouts", "resolve_slot", "slot_order",
+    "by_size", "dynamic_gpus", "gpu_counters", "instance_slots", "layouts", "resolve_slot", "slot_order",
 ]
 
 #: How many placements of each profile the node publishes for its current layout.
@@ -144,11 +148,26 @@ def dynamic_gpus(topology: Topology) -> dict[int, MigGeometry]:
         if geo is None or not geo.profiles or g.lost:
             continue
         cc = g.compute_capability
-        if g.mig_enabled and not g.mig_devices:
+        if g.mig_enabled and all(_instance_slot(g.index, geo, m) is not None for m in g.mig_devices):
             out[g.index] = geo
         elif not g.mig_enabled and cc is not None and cc[0] >= _FIRST_MIG_ARCHITECTURE_SWITCHED:
             out[g.index] = geo
     return out
+
+
+def _instance_slot(gpu: int, geometry: MigGeometry, mig: MigDevice) -> MigSlot | None:
+    """The slot a MIG instance on GPU ``gpu`` sits on (None: its placement or profile unknown)."""
+    if mig.placement is None:
+        return None
+    found = resolve_slot(mig_slot_name(gpu, mig.profile, mig.placement.start), {gpu: geometry})
+    return found if found is not None and found.placement == mig.placement else None
+
+
+def instance_slots(topology: Topology, geometries: Mapping[int, MigGeometry]) -> list[MigSlot]:
+    """The slots the MIG instances of the GPUs in ``geometries`` sit on now (cut for a
+    prepared claim, or made by hand)."""
+    return [s for i in sorted(geometries) for m in topology.gpus[i].mig_devices
+            if (s := _instance_slot(i, geometries[i], m)) is not None]
 
 
 def resolve_slot(name: str, geometries: Mapping[int, MigGeometry]) -> MigSlot | None:
@@ -158,12 +177,10 @@ def resolve_slot(name: str, geometries: Mapping[int, MigGeometry]) -> MigSlot | 
     if parsed is None or parsed[0] not in geometries:
         return None
     gpu, label, start = parsed
-    for profile in geometries[gpu].profiles:
-        if profile_label(profile.name) == label:
-            for placement in profile.placements:
-                if placement.start == start:
-                    return MigSlot(gpu, profile, placement)
-    return None
+    try:
+        return MigSlot(gpu, *match_slot(geometries[gpu], label, start, gpu))
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -174,6 +191,9 @@ class GpuLayout:
     geometry: MigGeometry
     whole: bool = False
     slots: list[MigSlot] = field(default_factory=list)
+    #: the names of ``slots`` that are MIG instances no prepared claim holds (made by hand):
+    #: taken, never published
+    foreign: set[str] = field(default_factory=set)
 
     def used(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -217,9 +237,12 @@ def by_size(geometry: MigGeometry) -> list[MigProfile]:
     return list(_shape(geometry).by_size)
 
 
-def layouts(geometries: Mapping[int, MigGeometry], held: Mapping[str, Collection[int]]) -> dict[int, GpuLayout]:
+def layouts(geometries: Mapping[int, MigGeometry], held: Mapping[str, Collection[int]],
+            instances: Iterable[MigSlot] = ()) -> dict[int, GpuLayout]:
     """The layout of every GPU offering placements, from what prepared claims hold (device
-    name -> GPU indices): a dynamic MIG device takes its slot, any other device its GPUs whole."""
+    name -> GPU indices): a dynamic MIG device takes its slot, any other device its GPUs whole;
+    and from the MIG instances there now (``instances``: :func:`instance_slots`), each one no
+    held device names foreign (its slot taken, never published)."""
     out = {i: GpuLayout(i, geo) for i, geo in geometries.items()}
     for name, gpus in held.items():
         slot = resolve_slot(name, geometries)
@@ -229,6 +252,10 @@ def layouts(geometries: Mapping[int, MigGeometry], held: Mapping[str, Collection
         for g in gpus:
             if g in out:
                 out[g].whole = True
+    for slot in instances:
+        if slot.name not in held and slot.gpu in out:
+            out[slot.gpu].slots.append(slot)
+            out[slot.gpu].foreign.add(slot.name)
     return out
 
 
@@ -267,7 +294,8 @@ def chosen_slots(layout_by_gpu: Mapping[int, GpuLayout], avoid: Collection[int] 
             names.setdefault(p.name, p)
     out: list[MigSlot] = []
     for name in names:
-        trial = {i: GpuLayout(i, lay.geometry, lay.whole, list(lay.slots)) for i, lay in layout_by_gpu.items()}
+        trial = {i: GpuLayout(i, lay.geometry, lay.whole, list(lay.slots), lay.foreign)
+                 for i, lay in layout_by_gpu.items()}
         for _ in range(per_profile):
             best = slot_order(trial, name, avoid)
             if not best:
@@ -280,7 +308,7 @@ def chosen_slots(layout_by_gpu: Mapping[int, GpuLayout], avoid: Collection[int] 
 def blocked(slot: MigSlot, layout: GpuLayout) -> bool:
     """Whether a held device overlaps ``slot`` (its counters could never be free with it)."""
     return layout.whole or any(set(s.placement.slices) & set(slot.placement.slices) for s in layout.slots
-                               if s.name != slot.name)
+                               if s.name != slot.name or s.name in layout.foreign)
 
 
 def slots_named(names: Iterable[str], geometries: Mapping[int, MigGeometry]) -> list[MigSlot]:

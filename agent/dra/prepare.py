@@ -162,6 +162,7 @@ class ClaimPreparer:
         cdi = CdiSpecWriter(view.topology, config, self.nccl_files)
         with self._lock:
             self.view, self.cdi = view, cdi
+            self.mig.report_foreign(view.topology)  # an instance made by hand since: said once
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, ref: ClaimRef) -> PrepareResult:

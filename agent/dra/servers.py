@@ -68,7 +68,7 @@ class DraServers:
         prepared claims while the API server keeps no taints. Both serve one
         :class:`agent.dra.view.DraView` of ``topology``. ``mig`` (the backend's MigControl)
         cuts the MIG instances of dynamic MIG devices."""
-        view = DraView(topology)
+        view = DraView(topology, config.dynamic_mig == "on")
         plugin = DraPlugin(
             config, view, health, KubernetesClaimReader(api_client(config), count_error=events.claim_read_error),
             on_kubelet_restart=on_kubelet_restart, on_placement=events.dra_claim_placement, mig=mig,
@@ -97,7 +97,7 @@ class DraServers:
         the daemon hands over a ``config`` that keeps them
         (:func:`agent.config.keep_start_settings`). Both get one new
         :class:`agent.dra.view.DraView` of ``topology``."""
-        view = DraView(topology)
+        view = DraView(topology, config.dynamic_mig == "on")
         self.plugin.set_topology(view, config)
         self.publisher.update(view=view)
 

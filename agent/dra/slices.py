@@ -146,13 +146,15 @@ def health_marks(topology: Topology, unhealthy: Collection[int] | Mapping[int, s
 
 def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
                    marks: HealthMarks | None = None, order: Sequence[int] | None = None,
-                   counters: Collection[int] = (), held_by_set: Collection[int] | None = None) -> list[Device]:
+                   counters: Collection[int] = (), held_by_set: Collection[int] | None = None,
+                   dynamic: Collection[int] = ()) -> list[Device]:
     """The node's single devices (full GPUs, MIG devices) in slice order (``order``: GPU
     indices, default :func:`agent.dra.gpusets.device_order`); a device of an unhealthy GPU
     is tainted, or left out, as ``marks`` says (default: the lost GPUs tainted
     ``NoSchedule``). ``counters``: the GPU indices whose full GPU consumes its own counter.
     ``held_by_set``: where given (a rendering with sets), every full GPU carries ``heldBySet``,
-    true for the GPU indices named."""
+    true for the GPU indices named. ``dynamic``: the GPUs offering dynamic MIG, whose MIG
+    instances are no static devices (:mod:`agent.dra.mig_publish` publishes them)."""
     marks = marks if marks is not None else health_marks(topology)
     islands = island_ids(topology)
     cliques = clique_ids(topology)
@@ -161,7 +163,7 @@ def render_devices(topology: Topology, driver: str = DEFAULT_DRIVER_NAME,
         gpu = topology.gpus[index]
         common = gpu_attributes(topology, gpu, islands[index], cliques[index])
         if gpu.mig_enabled:
-            for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
+            for mig in sorted(gpu.mig_devices, key=lambda m: m.index) if index not in dynamic else ():
                 name = device_name(gpu, mig)
                 shown, taints = marks.device(driver, name, (index,))
                 if shown:
@@ -264,12 +266,16 @@ def render_slices(
     sets: list[Device] = []
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = _set_devices(topology, policy, occupancy, free, driver, marks, graced=taint_effect is not None)
-    singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None)
     mig = (mig_devices(topology, driver, marks, occupancy.held, occupancy.singles, occupancy.expired,
                        graced=taint_effect is not None)
            if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
+    singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None,
+                       mig.geometries)
+    if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
+        # one device slice: the MIG counters only where two devices meet (mig_publish's docstring)
+        mig = mig.meeting({g for d in singles for g in _gpu_of(d) if g in mig.geometries})
     # the full GPU of a GPU offering placements consumes all of its counter set (no MIG device beside it)
-    singles = [replace(d, shares=(mig.gpu_share(g[0]),)) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
+    singles = [replace(d, shares=mig.gpu_share(g[0])) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
                for d in singles]
     specs = _specs(topology, driver, api_version, sets, singles, mig, occupancy)
     return _slice_objects(specs, node_name, driver, api_version, generation, node_uid)
@@ -332,16 +338,17 @@ def _slice_objects(specs: list[dict[str, Any]], node_name: str, driver: str, api
 
 
 def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequence[int], sets: Sequence[Device],
-             occupancy: Occupancy, graced: bool) -> list[Device]:
+             occupancy: Occupancy, graced: bool, dynamic: Collection[int] = ()) -> list[Device]:
     """The single devices in ``order``; a whole GPU consumes its counter only while one of
     ``sets`` holds it, or, where the sets and the singles have slices of their own, one of the
     sets published now (``occupancy.published``: the singles' slice is written first, so the
     scheduler may see it beside the sets of the publication before; :mod:`agent.dra.counters`). With sets, every
     whole GPU says whether a prepared claim holds it through a set, and (``graced``: the server
-    keeps taints) such a single is withdrawn as :class:`Occupancy` says."""
+    keeps taints) such a single is withdrawn as :class:`Occupancy` says. ``dynamic``: the GPUs
+    offering dynamic MIG (no static MIG device)."""
     covered = {g for d in sets for g in d.consumes}
     held = occupancy.via_sets if sets else None
-    singles = render_devices(topology, driver, marks, order, covered, held)
+    singles = render_devices(topology, driver, marks, order, covered, held, dynamic)
     if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:  # the singles' slice is written first
         covered |= {g for name in occupancy.published for g in parse_set_name(name) or ()}
         singles = [replace(d, consumes=tuple(g for g in _gpu_of(d) if g in covered)) for d in singles]

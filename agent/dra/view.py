@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from agent.dra.devices import DeviceRefs
 from agent.dra.gpusets import SetPolicy
+from agent.dra.migslots import dynamic_gpus
 from agent.topology.model import Topology
 
 __all__ = ["DraView"]
@@ -14,10 +15,11 @@ __all__ = ["DraView"]
 
 class DraView:
     """``topology``'s DRA devices by name (``devices``) and the device plugin's policy on its
-    whole GPUs (``policy``, which orders the singles and chooses the sets). Immutable once
+    whole GPUs (``policy``, which orders the singles and chooses the sets). With
+    ``dynamic_mig``, the GPUs offering dynamic MIG have no static MIG device. Immutable once
     built; thread-safe as its parts are."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, dynamic_mig: bool = False) -> None:
         self.topology = topology
-        self.devices = DeviceRefs(topology)
+        self.devices = DeviceRefs(topology, dynamic_gpus(topology) if dynamic_mig else ())
         self.policy = SetPolicy(topology)
