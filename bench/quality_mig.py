@@ -138,11 +138,15 @@ def _name_key(name: str) -> tuple[Any, ...]:
     return (name,) if parsed is None else (f"gpu-{parsed[0]}-mig-{parsed[1]}", parsed[2])
 
 
-def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool) -> Tally:
+def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, every: int = 1) -> Tally:
+    """One world's churn; the agent re-publishes before every ``every``-th claim (1: after each
+    allocation and release, as at every prepare and unprepare; more: claims the scheduler
+    allocates between two re-publications)."""
     tally = Tally()
     held: dict[str, tuple[int, ...]] = {}
     until: dict[str, int] = {}
     static = None if agent else nvidia_slices(topology)
+    slices: list[dict[str, Any]] = []
     in_pool: list[str] = []
     withdrawing: set[str] = set()
     sets: list[str] = []
@@ -151,7 +155,7 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool) -> 
     for step, (profile, hold) in enumerate(events):
         for name in [n for n, t in until.items() if t <= step]:
             del held[name], until[name]
-        if agent:
+        if agent and step % every == 0:
             slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True,
                                    occupancy=Occupancy(dict(held), sets, sorted(withdrawing), sorted(withdrawing),
                                                        in_pool))
@@ -160,7 +164,7 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool) -> 
             sets = sorted(d["name"] for d in devs if d["name"].startswith("gpuset-"))
             withdrawing = {d["name"] for d in devs if any(t.get("key") == key for t in d.get("taints", ()))}
             tally.devices.append(len(devs))
-        else:
+        elif not agent:
             slices = static or []
         model = AllocatorModel(slices, CLASSES, CEL, allocated=[(D, "node-1", n) for n in held])
         result = model.allocate([claim(f"c{step}", profile)], "node-1")
@@ -243,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--machine", default="dgx-h100")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--every", type=int, default=1,
+                    help="the agent re-publishes before every N-th claim (default 1: after each)")
     ap.add_argument("--quick", action="store_true", help="one seed, 60 events (a smoke run for CI)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seeds):
         events = trace(seed, args.events)
         for world, tally in (("NVIDIA order", run_allocator(topology, events, False)),
-                             ("agent", run_allocator(topology, events, True)),
+                             ("agent", run_allocator(topology, events, True, args.every)),
                              ("repacking bound", run_repack(topology, events))):
             t = totals[world]
             t.served += tally.served
