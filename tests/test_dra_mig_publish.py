@@ -220,7 +220,7 @@ def test_the_publisher_re_renders_the_mig_devices_at_prepare_and_keeps_the_one_a
             checkpoint.add(PreparedClaim("uid-1", "default", "c", (PreparedDevice("mig", "node-1", held, ("x",)),),
                                          str(tmp_path / "c.json")))
             assert server.wait_for(lambda s: held in {d["name"] for d in devices(s)}
-                                   and "gpu-3-mig-1g10gb-5" in {d["name"] for d in devices(s)}, 10.0)
+                                   and "gpu-3-mig-1g10gb-4" in {d["name"] for d in devices(s)}, 10.0)
             # the 1g published before stays (a claim the agent has not heard of may hold it)
             assert "gpu-0-mig-1g10gb-6" in {d["name"] for d in devices(server.slices())}
         finally:
@@ -267,3 +267,28 @@ def test_allocate_explains_a_mig_placement_as_json(capsys):
     assert doc["lost"]["4g.40gb"] == 1 and "7g.80gb" not in doc["lost"]
     assert doc["runners_up"][0]["lost"]["7g.80gb"] == 1
     assert cli.main(["allocate", "--mig-profile", "5g.1gb", "--simulate", "dgx-h100"]) == 2
+
+
+def test_a_profiles_second_placement_stays_clear_of_every_profiles_first_so_claims_between_renderings_fit(capsys):
+    import yaml
+
+    from agent import cli
+    from agent.dra.devices import parse_mig_slot_name
+
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--dynamic-mig", "--node-name", "n",
+                     "--in-use", "gpu-3-mig-1g10gb-6"]) == 0
+    names = [d["name"] for s in yaml.safe_load_all(capsys.readouterr().out) for d in s["spec"].get("devices", ())]
+    sizes = {"7g80gb": 8, "4g40gb": 4, "3g40gb": 4, "2g20gb": 2, "1g20gb": 2, "1g10gb": 1, "1g10gb-me": 1}
+    by_profile: dict[str, list[tuple[int, set[int]]]] = {}
+    for name in names:
+        parsed = parse_mig_slot_name(name)
+        if parsed is not None and name != "gpu-3-mig-1g10gb-6":  # the held one
+            gpu, label, start = parsed
+            by_profile.setdefault(label, []).append((gpu, set(range(start, start + sizes[label]))))
+    firsts = {label: slots[0] for label, slots in by_profile.items()}
+    assert firsts["1g10gb"][0] == 3  # best fit: the GPU already cut
+    for label, slots in by_profile.items():
+        assert len(slots) == 2, label
+        gpu, taken = slots[1]
+        clashes = [other for other, (g, s) in firsts.items() if g == gpu and s & taken]
+        assert not clashes, f"{label}'s second placement overlaps the first of {clashes}"

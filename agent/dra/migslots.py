@@ -285,24 +285,33 @@ def slot_order(layout_by_gpu: Mapping[int, GpuLayout], profile: str, avoid: Coll
 
 def chosen_slots(layout_by_gpu: Mapping[int, GpuLayout], avoid: Collection[int] = (),
                  per_profile: int = SLOTS_PER_PROFILE) -> list[MigSlot]:
-    """The slots to publish for the current layouts, largest profile first, per profile the
-    best :func:`slot_order` gives, then the best with that one taken, ... (at most
-    ``per_profile``); none on the GPUs in ``avoid`` (unhealthy)."""
+    """The slots to publish for the current layouts, largest profile first: in round one per
+    profile the best :func:`slot_order` gives; in each further round (at most
+    ``per_profile``) the best with every slot of the rounds before taken, of every profile (the
+    scheduler may place claims of several profiles before the next rendering: a profile's
+    next slot then stays free of the others' first ones), else the best with only that
+    profile's own taken; none on the GPUs in ``avoid`` (unhealthy)."""
     names: dict[str, MigProfile] = {}
     for layout in layout_by_gpu.values():
         for p in by_size(layout.geometry):
             names.setdefault(p.name, p)
-    out: list[MigSlot] = []
-    for name in names:
+
+    def trial_with(slots: Iterable[MigSlot]) -> dict[int, GpuLayout]:
         trial = {i: GpuLayout(i, lay.geometry, lay.whole, list(lay.slots), lay.foreign)
                  for i, lay in layout_by_gpu.items()}
-        for _ in range(per_profile):
-            best = slot_order(trial, name, avoid)
-            if not best:
-                break
-            out.append(best[0])
-            trial[best[0].gpu].slots.append(best[0])
-    return out
+        for slot in slots:
+            trial[slot.gpu].slots.append(slot)
+        return trial
+
+    by_profile: dict[str, list[MigSlot]] = {name: [] for name in names}
+    for _ in range(per_profile):
+        everyone = trial_with(s for chosen in by_profile.values() for s in chosen)
+        for name, chosen in by_profile.items():
+            best = slot_order(everyone, name, avoid) or slot_order(trial_with(chosen), name, avoid)
+            best = [b for b in best if b not in chosen]
+            if best:
+                chosen.append(best[0])
+    return [s for name in names for s in by_profile[name]]
 
 
 def blocked(slot: MigSlot, layout: GpuLayout) -> bool:
