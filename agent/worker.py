@@ -8,13 +8,14 @@ import threading
 
 class Worker:
     """Runs :meth:`_run` on one daemon thread named ``thread_name``. ``_run`` loops until
-    ``self._stop`` is set and waits on it (``self._stop.wait(s)``) rather than sleeping, so
-    :meth:`stop` returns promptly."""
+    ``self._stop`` is set and waits on it (``self._stop.wait(s)``, or :meth:`_nap` where
+    others may :meth:`wake` it) rather than sleeping, so :meth:`stop` returns promptly."""
 
     thread_name = "worker"
 
     def __init__(self) -> None:
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -33,9 +34,19 @@ class Worker:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the loop to end and wait up to ``timeout_s`` for it; idempotent."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+
+    def wake(self) -> None:
+        """End the loop's current :meth:`_nap` now (the owner has news)."""
+        self._wake.set()
+
+    def _nap(self, seconds: float) -> None:
+        """Wait up to ``seconds``, or until :meth:`wake` or :meth:`stop`."""
+        self._wake.wait(max(0.0, seconds))
+        self._wake.clear()
 
     def _run(self) -> None:
         raise NotImplementedError

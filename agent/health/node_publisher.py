@@ -23,7 +23,6 @@ write after the outage is the newest state.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
@@ -78,7 +77,6 @@ class NodeHealthPublisher(Worker):
         self._clock = clock
         self._wall = wall
         self.book = EventBook(node, gpus, clock=clock, wall=wall)
-        self._wake = threading.Event()
         self._stale = True
         self._read_back = False
         self._stored: dict[str, Any] | None = None  # the condition on the server at start
@@ -125,23 +123,17 @@ class NodeHealthPublisher(Worker):
     # ------------------------------------------------------------------ listeners (other threads)
     def _on_change(self) -> None:
         self._stale = True
-        self._wake.set()
+        self.wake()
 
     def _on_occurrence(self, occurrence: Occurrence) -> None:
         if self.book.add(occurrence):
-            self._wake.set()
+            self.wake()
 
     # ------------------------------------------------------------------ thread
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        super().stop(timeout_s)
-
     def _run(self) -> None:
         while not self._stop.is_set():
             wait_s = self.round()
-            self._wake.wait(max(0.0, wait_s))
-            self._wake.clear()
+            self._nap(wait_s)
 
     def round(self) -> float:
         """Write what is due; the seconds until something else will be."""

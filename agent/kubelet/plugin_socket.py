@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -134,7 +133,6 @@ class SocketKeeper(Worker):
         self._on_vanished = on_vanished
         self._on_served = on_served
         self._after_round = after_round
-        self._wake = threading.Event()
         self._kept: list[_Kept] = []  # the keeper's thread only, once started
         self._kubelet = _KubeletWatch()  # the keeper's thread only
         self._round_outage = Outage(log, f"{name} round", level=logging.ERROR, per_reason=True)
@@ -189,14 +187,9 @@ class SocketKeeper(Worker):
         before :meth:`start` or on the keeper's thread."""
         self.kubelet_dir = kubelet_dir
 
-    def wake(self) -> None:
-        """Run the next round now (the owner has news: a reload, a supervisor's change)."""
-        self._wake.set()
-
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop watching (the sockets keep serving: the owner stops them)."""
-        self._stop.set()
-        self._wake.set()
+        """Stop watching (the sockets keep serving: the owner stops them); :meth:`wake` runs
+        the next round now (the owner has news: a reload, a supervisor's change)."""
         super().stop(timeout_s)
 
     # ------------------------------------------------------------------ the thread
@@ -211,8 +204,7 @@ class SocketKeeper(Worker):
                 # said once per distinct failure, with its traceback (an unexpected one is a bug)
                 self._round_outage.failed(f"{type(exc).__name__}: {exc}", exc_info=True)
                 wait_s = self._round_backoff.next()
-            self._wake.wait(wait_s)
-            self._wake.clear()
+            self._nap(wait_s)
 
     def _round(self) -> None:
         if self._before_round is not None:
