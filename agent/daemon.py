@@ -300,6 +300,9 @@ class Daemon:
                 self.config = labelled
                 setup_logging(labelled)
         log.info("effective configuration: %s", json.dumps(describe_config(self.config), sort_keys=True))
+        if self.config.dynamic_mig == "on" and self.config.mode != "dra":
+            log.warning("dra.dynamicMig is on, but dynamic MIG needs --mode dra: ignored in %s mode",
+                        self.config.mode)
         if not self._init_nvml():
             return False
         topology = self.topology = self._read_topology()

@@ -573,3 +573,9 @@ def test_daemon_uses_the_collaborators_it_is_given(dirs):
         daemon.shutdown()
         kubelet.stop()
     assert sink.removed and backend.shut_down
+
+
+def test_dynamic_mig_outside_dra_mode_is_said_to_be_ignored(running, caplog):
+    with caplog.at_level(logging.WARNING, logger="agent.daemon"):
+        running(Config(dynamic_mig="on"))
+    assert any("dynamic MIG needs --mode dra: ignored in device-plugin mode" in r.message for r in caplog.records)
