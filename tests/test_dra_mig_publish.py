@@ -15,7 +15,8 @@ import random
 import pytest
 from k8s_binaries import missing_reason
 
-from agent.dra.devices import parse_mig_slot_name, profile_label
+from agent.dra.devices import parse_mig_slot_name, parse_set_name, profile_label
+from agent.dra.occupancy import Occupancy
 from agent.dra.slices import render_slices
 from agent.hw.sim.mig_geometry import geometry_for
 from tests.testbed.dra_allocator_model import AllocatorModel
@@ -118,10 +119,34 @@ def test_a_fault_on_a_gpu_taints_the_gpu_and_every_mig_device_on_it():
     held = {"gpu-4-mig-2g20gb-0": (4,)}
     slices = render_slices(topology, node_name="node-1", dynamic_mig=True, occupancy=_occupancy(held, in_pool=[
         "gpu-4-mig-3g40gb-4"]), unhealthy={4: "XID 79"})
-    on_4 = [d for d in devices(slices) if d["name"] == "gpu-4" or d["name"].startswith("gpu-4-mig-")]
+    whole = render_slices(topology, node_name="node-1", dynamic_mig=True, unhealthy={4: "XID 79"})
+    on_4 = [d for d in [*devices(slices), *devices(whole)] if d["name"] == "gpu-4" or d["name"].startswith("gpu-4-mig-")]
     assert {d["name"] for d in on_4} >= {"gpu-4", "gpu-4-mig-2g20gb-0", "gpu-4-mig-3g40gb-4"}
     assert all({"key": f"{D}/xid", "value": "79", "effect": "NoSchedule"} in d["taints"] for d in on_4)
     assert not any(d.get("taints") for d in devices(slices) if d["name"].startswith("gpu-5"))
+
+
+def test_the_full_gpu_of_a_gpu_a_mig_device_is_cut_from_is_withdrawn_until_the_gpu_is_whole_again():
+    topology = mig_topology("dgx-h100")
+    held = {"gpu-3-mig-1g10gb-6": (3,)}
+    withdrawn = f"{D}/withdrawn"
+    at_once = {d["name"]: d for d in devices(render_slices(topology, node_name="node-1", dynamic_mig=True,
+                                                            occupancy=_occupancy(held, in_pool=["gpu-3"])))}
+    assert "gpu-3" not in at_once and "gpu-2" in at_once and "gpu-3-mig-1g10gb-6" in at_once
+    sets = [parse_set_name(n) for n, d in at_once.items() if attr(d, "type") == "gpuset"]
+    assert sets and not [m for m in sets if 3 in m]
+
+    def graced(expired):
+        occupancy = Occupancy(dict(held), (), expired, (), ["gpu-3", "gpu-2"])
+        return {d["name"]: d for d in devices(render_slices(topology, node_name="node-1", dynamic_mig=True,
+                                                            occupancy=occupancy))}
+
+    lagging = graced([])["gpu-3"]  # in the pool now: tainted for the grace, as a set leaving
+    assert [t["key"] for t in lagging["taints"]] == [withdrawn]
+    assert "gpu-3" not in graced(["gpu-3"])
+    back = {d["name"] for d in devices(render_slices(topology, node_name="node-1", dynamic_mig=True,
+                                                      occupancy=_occupancy({}, in_pool=["gpu-3-mig-1g10gb-6"])))}
+    assert "gpu-3" in back
 
 
 def test_dynamic_mig_needs_resource_k8s_io_v1():
@@ -191,8 +216,6 @@ def _claim(name, profile):
 
 
 def _occupancy(held, in_pool=()):
-    from agent.dra.slices import Occupancy
-
     return Occupancy(dict(held), (), None, (), sorted(in_pool))
 
 

@@ -12,7 +12,9 @@ held device overlaps it (then none can hold it: the counters kept them apart) an
 one does. A MIG instance on a GPU offering placements that no prepared claim holds (made by
 hand) is never published: its slices are taken (:func:`agent.dra.migslots.layouts`). A MIG
 device of an unhealthy GPU carries its GPU's taint, or is left out where the
-server keeps no taints (:mod:`agent.dra.taints`); no new slot is chosen on such a GPU.
+server keeps no taints (:mod:`agent.dra.taints`); no new slot is chosen on such a GPU. The
+full GPU of a GPU a prepared claim holds a MIG device on (:func:`cut_gpus`) is withdrawn
+(:func:`agent.dra.slices.render_slices`): nobody can get it while the instance is held.
 
 **Counters only where devices meet** (:meth:`MigRendering.meeting`), where all the node's
 devices fit one device slice: the scheduler compares every counter of the pool for each
@@ -50,7 +52,7 @@ from agent.dra.withdrawal import withdrawal_taint
 from agent.records import MigGeometry
 from agent.topology.model import Topology
 
-__all__ = ["MigRendering", "counter_slices", "mig_devices"]
+__all__ = ["MigRendering", "counter_slices", "cut_gpus", "mig_devices"]
 
 #: ResourceSliceMaxCounterSets: a counter slice holds at most this many counter sets.
 _SETS_PER_SLICE = 8
@@ -186,6 +188,12 @@ def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mappi
         on.append(slot.gpu)
         slots.append(slot)
     return MigRendering(geometries, out, on, slots)
+
+
+def cut_gpus(held: Collection[str], geometries: Mapping[int, MigGeometry]) -> set[int]:
+    """The GPUs offering placements where a prepared claim holds a MIG device (``held``:
+    device names): their full GPU is withdrawn (:func:`agent.dra.slices.render_slices`)."""
+    return {s.gpu for s in slots_named(held, geometries)}
 
 
 def counter_slices(rendering: MigRendering) -> list[dict[str, Any]]:

@@ -117,12 +117,13 @@ from agent.dra.gpusets import (
     device_order,
     island_ids,
 )
-from agent.dra.mig_publish import MigRendering, counter_slices, mig_devices
+from agent.dra.mig_publish import MigRendering, counter_slices, cut_gpus, mig_devices
 from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
 from agent.dra.withdrawal import withdrawal_taint
 from agent.health import LOST_REASON
 from agent.kube import RESOURCE_GROUP
+from agent.records import MigGeometry
 from agent.topology.model import Gpu, MigDevice, Topology
 
 __all__ = [
@@ -338,23 +339,29 @@ def _slice_objects(specs: list[dict[str, Any]], node_name: str, driver: str, api
 
 
 def _singles(topology: Topology, driver: str, marks: HealthMarks, order: Sequence[int], sets: Sequence[Device],
-             occupancy: Occupancy, graced: bool, dynamic: Collection[int] = ()) -> list[Device]:
+             occupancy: Occupancy, graced: bool, dynamic: Mapping[int, MigGeometry] | None = None) -> list[Device]:
     """The single devices in ``order``; a whole GPU consumes its counter only while one of
     ``sets`` holds it, or, where the sets and the singles have slices of their own, one of the
     sets published now (``occupancy.published``: the singles' slice is written first, so the
     scheduler may see it beside the sets of the publication before; :mod:`agent.dra.counters`). With sets, every
     whole GPU says whether a prepared claim holds it through a set, and (``graced``: the server
     keeps taints) such a single is withdrawn as :class:`Occupancy` says. ``dynamic``: the GPUs
-    offering dynamic MIG (no static MIG device)."""
+    offering dynamic MIG (no static MIG device); the full GPU of one a prepared claim holds a MIG
+    device on is withdrawn the same way (at once without a grace or where the pool is not known)."""
+    dynamic = dynamic or {}
     covered = {g for d in sets for g in d.consumes}
     held = occupancy.via_sets if sets else None
     singles = render_devices(topology, driver, marks, order, covered, held, dynamic)
     if sets and len(sets) + len(singles) > MAX_DEVICES_WITH_COUNTERS:  # the singles' slice is written first
         covered |= {g for name in occupancy.published for g in parse_set_name(name) or ()}
         singles = [replace(d, consumes=tuple(g for g in _gpu_of(d) if g in covered)) for d in singles]
-    if not sets or not graced:
-        return singles
-    tainted, gone = occupancy.single_withdrawals(topology)
+    tainted, gone = occupancy.single_withdrawals(topology) if sets and graced else (set(), set())
+    # the full GPU of a GPU a MIG device is cut from: no claim can hold it (the counters kept them apart,
+    # so it goes at once without a grace) and the scheduler would walk it and its counters for nothing
+    cut = {device_name(topology.gpus[g]) for g in cut_gpus(occupancy.held, dynamic)} - set(occupancy.held)
+    lagging = (cut & set(occupancy.singles) - set(occupancy.expired)
+               if graced and occupancy.expired is not None and occupancy.singles is not None else set())
+    tainted, gone = tainted | lagging, gone | (cut - lagging)
     return [replace(d, taints=tuple([withdrawal_taint(driver), *d.taints][:MAX_TAINTS])) if d.name in tainted else d
             for d in singles if d.name not in gone]
 
