@@ -100,6 +100,13 @@ class MigDouble:
             raise MigInUse(f"GPU {index}: in use")
         g.mig_on = True
 
+    def disable_mig(self, index: int) -> None:
+        self.calls.append(("disable_mig", index))
+        g = self._gpu(index)
+        if g.instances:
+            raise MigInUse(f"GPU {index}: GPU instances remain")
+        g.mig_on = False
+
     # -- what tests set up and read
     def make_by_hand(self, index: int, profile: str, start: int) -> MigInstance:
         """An instance someone else made (nvidia-smi mig -cgi), not counted as a step."""

@@ -189,7 +189,7 @@ def test_an_ampere_gpu_with_mig_mode_off_is_refused_in_one_line_and_its_mode_lef
         n.close()
 
 
-def test_a_free_hopper_gpu_with_mig_mode_off_is_switched_on_but_not_while_a_claim_holds_it_whole():
+def test_a_free_hopper_gpu_with_mig_mode_off_is_switched_on_not_while_held_whole_and_off_again_when_its_last_instance_goes():
     topology = mig_topology(mig_on=())
     n = MigNode(topology, double_for(topology))
     try:
@@ -205,12 +205,16 @@ def test_a_free_hopper_gpu_with_mig_mode_off_is_switched_on_but_not_while_a_clai
         free = n.put_claim("free", ["gpu-4-mig-1g10gb-0"])
         assert n.error(free) == ""
         assert n.mig.gpus[4].mig_on and n.mig.layout(4) == {("1g.10gb", 0)}
-        assert n.unprepare(free).claims[uid(free)].error == ""
         later = n.put_claim("later", ["gpu-4"])  # published whole from the topology read before
         assert n.error(later) == (
             f"ResourceClaim default/later (uid {uid(later)}): cannot prepare device 'gpu-4' (request 'gpus'): GPU 4"
             f" ({topology.gpus[4].uuid}) is in MIG mode (switched on for dynamic MIG): a whole GPU needs MIG mode off"
             " (nvidia-smi -i 4 -mig 0)")
+        assert n.unprepare(free).claims[uid(free)].error == ""
+        # its last instance gone, the GPU the agent switched on is switched off again: whole,
+        # as its published full-GPU device says
+        assert not n.mig.gpus[4].mig_on and ("disable_mig", 4) in n.mig.calls
+        assert n.error(n.put_claim("later-again", ["gpu-4"])) == ""
         n.mig.gpus[6].busy = True
         busy = n.put_claim("busy", ["gpu-6-mig-1g10gb-0"])
         assert "GPU 6 (" in n.error(busy) and "has MIG mode off and runs processes" in n.error(busy)

@@ -260,6 +260,21 @@ def test_enable_mig_takes_effect_on_hopper_and_needs_a_reset_on_ampere_which_is_
         backend.enable_mig(1)
 
 
+def test_disable_mig_switches_a_hopper_gpu_back_once_empty_and_leaves_ampere_alone(open_backend):
+    sim, backend = open_backend({"model": H100}, {"model": "NVIDIA A100-SXM4-80GB", "mig": []})
+    lib = sim.lib
+    backend.enable_mig(0)
+    made = backend.create_mig(0, "1g.10gb", 0)
+    with pytest.raises(MigInUse, match="GPU 0: switching MIG mode off"):
+        backend.disable_mig(0)  # an instance is left
+    backend.destroy_mig(0, made.gi_id)
+    backend.disable_mig(0)
+    assert lib.nvmlDeviceGetMigMode(lib.nvmlDeviceGetHandleByIndex(0)) == [0, 0]
+    with pytest.raises(MigResetRequired, match="GPU 1: switching MIG mode off needs a GPU reset"):
+        backend.disable_mig(1)
+    assert lib.nvmlDeviceGetMigMode(lib.nvmlDeviceGetHandleByIndex(1)) == [1, 1]
+
+
 def test_enable_mig_on_a_hopper_gpu_running_processes_is_refused_as_in_use(open_backend):
     sim, backend = open_backend(
         {"model": H100, "processes": [{"pid": 4242, "used_memory_mib": 100}]}

@@ -17,14 +17,20 @@ record names it, so whatever point a crash hits:
 
 Every NVML step goes through :class:`MigOperations` (the hardware backend's MigControl,
 handed over by the daemon); its failures are :class:`agent.errors.MigError`. Not
-thread-safe: the preparer calls it under its lock.
+thread-safe: the preparer calls it under its lock. **MIG mode**: a Hopper-or-newer GPU with
+MIG off is switched on before its first instance is cut, and off again once its last
+instance is gone (only a GPU the agent switched on, only while this agent runs: a GPU left
+in MIG mode by a crash stays so, its placements still offered).
+
+Size: one job, the write-ahead life of the instances a claim cuts (cut, settle, destroy,
+recover); each step is short, and splitting them would split the one record they share.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Iterable, Protocol, Sequence
+from typing import Collection, Iterable, Protocol, Sequence
 
 from agent.containers import ContainerDevice
 from agent.dra.checkpoint import (
@@ -59,6 +65,8 @@ class MigOperations(Protocol):
     def destroy_mig(self, index: int, gi_id: int) -> None: ...
 
     def enable_mig(self, index: int) -> None: ...
+
+    def disable_mig(self, index: int) -> None: ...
 
 
 class MigRefused(Exception):
@@ -335,7 +343,8 @@ class MigLifecycle:
             return f"cannot settle its MIG instances: {exc}"
         claim = self._write(replace(claim, phase=UNPREPARING, mig=tuple(
             replace(r, state=DESTROYING) if r.state == CREATED else r for r in claim.mig)))
-        for record in claim.mig:
+        records = claim.mig
+        for record in records:
             where = _where(record.profile, record.start, record.size)
             try:
                 if self._present(record):
@@ -348,7 +357,24 @@ class MigLifecycle:
             except MigError as exc:
                 return f"cannot destroy MIG instance {where} of GPU {record.gpu} (GPU instance {record.gi_id}): {exc}"
             claim = self._write(replace(claim, mig=tuple(r for r in claim.mig if r is not record)))
+        self._switch_off({r.gpu for r in records})
         return ""
+
+    def _switch_off(self, gpus: Collection[int]) -> None:
+        """Switch MIG mode off again on those of ``gpus`` the agent switched on, once no GPU
+        instance is left on them: the GPU is whole again, as its published full-GPU device
+        says. A failure is logged; the GPU stays in MIG mode (its MIG devices still serve)."""
+        assert self.ops is not None
+        for gpu in sorted(set(gpus) & self.switched_on):
+            try:
+                if self.ops.mig_instances(gpu):
+                    continue
+                self.ops.disable_mig(gpu)
+            except MigError as exc:
+                log.warning("GPU %d keeps MIG mode on, its last MIG instance gone: %s", gpu, exc)
+                continue
+            self.switched_on.discard(gpu)
+            log.info("GPU %d: MIG mode switched off again (the agent switched it on; no MIG instance left)", gpu)
 
     # ------------------------------------------------------------------ start
     def settle_preparing(self, claim: PreparedClaim) -> None:

@@ -190,6 +190,11 @@ class MigControl(Protocol):
         the change would need a GPU reset (the agent never resets)."""
         ...
 
+    def disable_mig(self, index: int) -> None:
+        """Switch MIG mode off for GPU ``index``, which holds no GPU instance (what
+        :meth:`enable_mig` switched on, once its last instance is gone)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RemappedRows:

@@ -140,3 +140,7 @@ class NvmlBackend(NvmlCalls, Lifecycle, FactsReader, EventSource, Telemetry, Hea
     def enable_mig(self, index: int) -> None:
         """MIG mode on for a free GPU ``index`` (:meth:`NvmlMig.enable_mig`)."""
         self._mig.enable_mig(index)
+
+    def disable_mig(self, index: int) -> None:
+        """MIG mode off for GPU ``index`` holding no instance (:meth:`NvmlMig.disable_mig`)."""
+        self._mig.disable_mig(index)

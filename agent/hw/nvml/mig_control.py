@@ -282,3 +282,19 @@ class NvmlMig:
                     f"GPU {index}: {what}: the change is pending a GPU reset; "
                     "the agent never resets a GPU"
                 )
+
+    def disable_mig(self, index: int) -> None:
+        """MIG mode off for GPU ``index``, which holds no GPU instance (Hopper and newer: at
+        once; a GPU whose change would wait for a reset is left alone, MigResetRequired)."""
+        b = self._b
+        what = "switching MIG mode off"
+        with self._lock:
+            h = self._handle(index, what)
+            disable = b.const("NVML_DEVICE_MIG_DISABLE")
+            current, _ = self._do(what, "nvmlDeviceGetMigMode", h, index=index)
+            if int(current) == disable:
+                return
+            arch = b.call("nvmlDeviceGetArchitecture", h, gpu=index)
+            if arch is not None and int(arch) < b.const("NVML_DEVICE_ARCH_HOPPER"):
+                raise MigResetRequired(f"GPU {index}: {what} needs a GPU reset on this GPU (before Hopper)")
+            self._do(what, "nvmlDeviceSetMigMode", h, disable, index=index)
