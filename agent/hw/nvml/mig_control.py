@@ -260,41 +260,33 @@ class NvmlMig:
     def enable_mig(self, index: int) -> None:
         """MIG mode on for GPU ``index``. Before Hopper a change waits for a GPU reset: the
         mode is left alone and :class:`MigResetRequired` raised."""
+        self._set_mode(index, on=True)
+
+    def disable_mig(self, index: int) -> None:
+        """MIG mode off for GPU ``index``, which holds no GPU instance (as :meth:`enable_mig`:
+        at once on Hopper and newer, else MigResetRequired and the mode left alone)."""
+        self._set_mode(index, on=False)
+
+    def _set_mode(self, index: int, *, on: bool) -> None:
         b = self._b
-        what = "switching MIG mode on"
+        what = f"switching MIG mode {'on' if on else 'off'}"
         with self._lock:
             h = self._handle(index, what)
-            enable = b.const("NVML_DEVICE_MIG_ENABLE")
+            wanted = b.const("NVML_DEVICE_MIG_ENABLE" if on else "NVML_DEVICE_MIG_DISABLE")
             current, pending = self._do(what, "nvmlDeviceGetMigMode", h, index=index)
-            if int(current) == enable:
+            if int(current) == wanted:
                 return
             arch = b.call("nvmlDeviceGetArchitecture", h, gpu=index)
             before_hopper = arch is not None and int(arch) < b.const("NVML_DEVICE_ARCH_HOPPER")
-            if int(pending) == enable or before_hopper:
+            if int(pending) == wanted or before_hopper:
                 raise MigResetRequired(
                     f"GPU {index}: {what} needs a GPU reset on this GPU "
                     "(before Hopper); the agent never resets a GPU"
                 )
-            self._do(what, "nvmlDeviceSetMigMode", h, enable, index=index)
+            self._do(what, "nvmlDeviceSetMigMode", h, wanted, index=index)
             current, _ = self._do(what, "nvmlDeviceGetMigMode", h, index=index)
-            if int(current) != enable:
+            if int(current) != wanted:
                 raise MigResetRequired(
                     f"GPU {index}: {what}: the change is pending a GPU reset; "
                     "the agent never resets a GPU"
                 )
-
-    def disable_mig(self, index: int) -> None:
-        """MIG mode off for GPU ``index``, which holds no GPU instance (Hopper and newer: at
-        once; a GPU whose change would wait for a reset is left alone, MigResetRequired)."""
-        b = self._b
-        what = "switching MIG mode off"
-        with self._lock:
-            h = self._handle(index, what)
-            disable = b.const("NVML_DEVICE_MIG_DISABLE")
-            current, _ = self._do(what, "nvmlDeviceGetMigMode", h, index=index)
-            if int(current) == disable:
-                return
-            arch = b.call("nvmlDeviceGetArchitecture", h, gpu=index)
-            if arch is not None and int(arch) < b.const("NVML_DEVICE_ARCH_HOPPER"):
-                raise MigResetRequired(f"GPU {index}: {what} needs a GPU reset on this GPU (before Hopper)")
-            self._do(what, "nvmlDeviceSetMigMode", h, disable, index=index)
