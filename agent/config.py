@@ -364,6 +364,15 @@ def load_config(
     return config
 
 
+def state_dir_of(config: Config) -> str:
+    """The agent's own directory on the host, where its default files live (the health state,
+    the containers' NCCL files): in DRA mode the driver's plugin directory, else
+    ``gpu-topology-agent/`` beside the kubelet's device-plugin directory."""
+    if config.mode == "dra":
+        return os.path.join(config.plugins_dir, config.driver_name)
+    return os.path.join(os.path.dirname(config.kubelet_dir.rstrip("/")), "gpu-topology-agent")
+
+
 def probe_address_of(config: Config) -> str:
     """Where ``/health`` and ``/ready`` listen (their own listener, apart from ``/metrics``):
     ``config.probe_address``, or when it is empty the metrics address's host with the next

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Callable, Iterable
 
-from agent.config import Config
+from agent.config import Config, state_dir_of
 from agent.formats import parse_bus_id
 from agent.health.faults import Fault, Occurrence
 from agent.health.kernel_log import Inbox, KernelLogReader
@@ -24,11 +24,7 @@ log = logging.getLogger(__name__)
 
 def state_file_of(config: Config) -> str:
     """``health.stateFile``, or where it is by default (:class:`Config`'s ``health_state_file``)."""
-    if config.health_state_file:
-        return config.health_state_file
-    if config.mode == "dra":
-        return os.path.join(config.plugins_dir, config.driver_name, "health-state.json")
-    return os.path.join(os.path.dirname(config.kubelet_dir.rstrip("/")), "gpu-topology-agent", "health-state.json")
+    return config.health_state_file or os.path.join(state_dir_of(config), "health-state.json")
 
 
 def build_watcher(

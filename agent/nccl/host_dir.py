@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.config import Config
+from agent.config import Config, state_dir_of
 from agent.files import remove_file, remove_stale_temps, write_text_atomic
 from agent.nccl.container_file import nccl_topology_xml, nearest_nics
 from agent.nccl.node_file import NcclTopologyError, NodeFile, read_nccl_topology
@@ -100,11 +100,7 @@ def live_allocation_keys(pod_resources: Iterable[Any], resources: Iterable[str])
 
 def host_dir_of(config: Config) -> str:
     """``nccl.hostDir``, or where it is by default (:class:`Config`'s ``nccl_host_dir``)."""
-    if config.nccl_host_dir:
-        return config.nccl_host_dir
-    if config.mode == "dra":
-        return os.path.join(config.plugins_dir, config.driver_name, "nccl")
-    return os.path.join(os.path.dirname(config.kubelet_dir.rstrip("/")), "gpu-topology-agent", "nccl")
+    return config.nccl_host_dir or os.path.join(state_dir_of(config), "nccl")
 
 
 class NcclFiles:
