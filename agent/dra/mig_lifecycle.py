@@ -82,13 +82,14 @@ def describe(gpu: Gpu) -> str:
     return f"GPU {gpu.index} ({gpu.uuid})"
 
 
-def slot_ref(slot: MigSlot, record: MigRecord) -> DeviceRef:
-    """The device a container gets for ``slot`` cut as ``record`` says. The MIG device's
-    NVML index is not known before the topology is read again: the GPU instance id stands in
-    for it (the CDI spec names the device by UUID)."""
-    gi = record.gi_id if record.gi_id is not None else 0
-    mig = MigDevice(record.uuid, slot.gpu.index, gi, slot.profile.name, slot.profile.memory_mib,
-                    gi_id=record.gi_id, ci_id=record.ci_id)
+def slot_ref(slot: MigSlot, record: MigRecord | None = None) -> DeviceRef:
+    """The device a container gets for ``slot`` cut as ``record`` says (None: not cut yet,
+    the device it will be, its UUID unknown: what a claim's sharing is planned on). The MIG
+    device's NVML index is not known before the topology is read again: the GPU instance id
+    stands in for it (the CDI spec names the device by UUID)."""
+    gi_id = record.gi_id if record is not None else None
+    mig = MigDevice(record.uuid if record is not None else "", slot.gpu.index, gi_id or 0, slot.profile.name,
+                    slot.profile.memory_mib, gi_id=gi_id, ci_id=record.ci_id if record is not None else None)
     return DeviceRef(slot.name, (ContainerDevice(slot.gpu, mig),))
 
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 from agent.config import Config
-from agent.containers import ContainerDevice
 from agent.dra.cdi import CdiSpecWriter, cdi_device_id, spec_path
 from agent.dra.checkpoint import (
     PREPARED,
@@ -55,12 +54,11 @@ from agent.dra.claim_sharing import ClaimSharing, SharedDevices
 from agent.dra.claims import ClaimNotFound, ClaimReader, ClaimReadError
 from agent.dra.conflicts import Holders, held_elsewhere, holders_of, mig_conflicts, shared_gpus
 from agent.dra.devices import DeviceRef, MigSlot, parse_mig_slot_name
-from agent.dra.mig_lifecycle import MigLifecycle, MigOperations
+from agent.dra.mig_lifecycle import MigLifecycle, MigOperations, slot_ref
 from agent.dra.placement import Prepared
 from agent.dra.view import DraView
 from agent.errors import shorten
 from agent.nccl.host_dir import nccl_files_for
-from agent.records import MigDevice
 from agent.sharing.timeslice import NvidiaSmiTimeSlice
 
 log = logging.getLogger(__name__)
@@ -182,7 +180,8 @@ class ClaimPreparer:
             chosen = self._devices_of(ref, obj, view.devices)
             # the claim's sharing checked before anything is cut: a MIG device not cut yet is
             # planned as the MIG device it will be
-            plan = self.sharing.plan(str(ref), obj["status"]["allocation"], [(r, _planned(d)) for r, d in chosen])
+            planned = [(r, d if isinstance(d, DeviceRef) else slot_ref(d)) for r, d in chosen]
+            plan = self.sharing.plan(str(ref), obj["status"]["allocation"], planned)
             requests = [r for r, _ in chosen]
         except ValueError as exc:
             return PrepareResult(error=str(exc))
@@ -424,14 +423,6 @@ def _ref_problem(ref: ClaimRef) -> str:
         return (f"not a ResourceClaim name (a namespace has at most {MAX_NAMESPACE_CHARS}"
                 f" characters, a name at most {MAX_NAME_CHARS})")
     return ""
-
-
-def _planned(device: DeviceRef | MigSlot) -> DeviceRef:
-    """``device``, or the MIG device a dynamic MIG slot will be once cut (its UUID unknown)."""
-    if isinstance(device, DeviceRef):
-        return device
-    mig = MigDevice("", device.gpu.index, 0, device.profile.name, device.profile.memory_mib)
-    return DeviceRef(device.name, (ContainerDevice(device.gpu, mig),))
 
 
 def _name_of(claim: PreparedClaim) -> str:
