@@ -281,6 +281,7 @@ class Daemon:
         except OSError as exc:  # the real service reports this at its start; keep waiting
             log.error("cannot serve /health on %s while waiting: %s", self.config.metrics_address, exc.strerror or exc)
             return None
+        log.info("while waiting for NVML, /health answers 200, /ready and /metrics 503: %s", endpoint.describe())
         return endpoint
 
     def _wait_interruptible(self, seconds: float) -> bool:

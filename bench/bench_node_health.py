@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,12 +39,6 @@ FATAL_XIDS = (79, 48, 62, 64, 74, 95, 119, 120, 140)
 
 def xid_line(gpu: int, number: int) -> str:
     return f"NVRM: Xid (PCI:{BUS[gpu]}): {number}, pid=4242, name=python3, Ch 00000008\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_kib(pid: int) -> int:
@@ -92,8 +85,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "NODE_NAME", "CONFIG_FILE")}
     agent = subprocess.Popen(
         [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--kubelet-dir", os.path.join(root, "k"),
-         "--features-dir", os.path.join(root, "f"), "--metrics-address", f"127.0.0.1:{free_port()}",
-         "--probe-address", "127.0.0.1:0", "--pod-resources-socket", os.path.join(root, "podres.sock"),
+         "--features-dir", os.path.join(root, "f"), "--metrics-address", "127.0.0.1:0", "--pod-resources-socket", os.path.join(root, "podres.sock"),
          "--kernel-log", kernel_log, "--health-state-file", os.path.join(root, "state.json"),
          "--proc-root", proc_root, "--kubeconfig", kubeconfig, "--node-name", NODE, "--node-condition", "on"],
         cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, replace
 
 import pytest
-from agent_run import reap
+from agent_run import AgentRun, reap
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import eventually
@@ -83,14 +83,6 @@ def in_process_daemon(config, backend, **kwargs) -> Daemon:
                                                count_error=agent_metrics.label_write_error))
     return Daemon(config, backend, servers=servers_for(config.mode, agent_metrics),
                   read_topology=lambda: backend.topology, **kwargs)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
@@ -279,27 +271,25 @@ def test_after_a_reload_that_changes_the_devices_every_health_series_names_an_of
     config = tmp_path / "config.yaml"
     config.write_text(TIME_SLICED_4, encoding="utf-8")
     kubelet = KubeletStub(dirs["k"]).start()
-    port = free_port()
-    proc = agent_process([
-        "run", "--config", str(config), "--simulate", "dgx-h100", "--kubelet-dir", dirs["k"],
-        "--features-dir", dirs["features"], "--metrics-address", f"127.0.0.1:{port}",
+    agent = AgentRun([
+        "--config", str(config), "--simulate", "dgx-h100", "--kubelet-dir", dirs["k"],
+        "--features-dir", dirs["features"], "--metrics-address", "127.0.0.1:0",
         "--pod-resources-socket", os.path.join(dirs["k"], "podres.sock"),
-    ])
+    ], str(tmp_path / "agent.log"))
     try:
+        port, _ = agent.ports()
         assert kubelet.wait_for(lambda: len(offered(kubelet)) == 32, 20.0), "4 replicas of 8 GPUs"
         assert eventually(lambda: device_health_series(port) == offered(kubelet), 10.0)
         config.write_text("version: v1\n", encoding="utf-8")  # time-slicing off
-        proc.send_signal(signal.SIGHUP)
+        agent.signal(signal.SIGHUP)
         assert kubelet.wait_for(lambda: len(offered(kubelet)) == 8, 10.0)
         # the replicas' series are gone: the series are the devices offered, nothing else
         assert eventually(lambda: device_health_series(port) == offered(kubelet), 5.0), (
             sorted(device_health_series(port) - offered(kubelet))[:4])
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=15)
+        assert agent.stop() == 0, agent.log()[-3000:]
     finally:
-        reap(proc)
+        agent.kill()
         kubelet.stop()
-    assert proc.returncode == 0, stderr
 
 
 def test_bad_config_file_exits_2_with_one_line(dirs, tmp_path):
@@ -473,22 +463,22 @@ def test_missing_nvml_waits_without_fail_on_init_error_answering_only_health_unt
         spec = f.read() + "faults: {init_error: library_not_found}\n"  # a node without the driver
     path = tmp_path / "no-driver.yaml"
     path.write_text(spec, encoding="utf-8")
-    port = free_port()
-    proc = agent_process(["run", "--simulate", str(path), "--kubelet-dir", dirs["k"], "--features-dir",
-                          dirs["features"], "--metrics-address", f"127.0.0.1:{port}"],
-                         env={"FAIL_ON_INIT_ERROR": "false"})
+    agent = AgentRun(["--simulate", str(path), "--kubelet-dir", dirs["k"], "--features-dir",
+                      dirs["features"], "--metrics-address", "127.0.0.1:0"], str(tmp_path / "agent.log"),
+                     env={"FAIL_ON_INIT_ERROR": "false"})
     try:
+        port, probe_port = agent.ports()  # the listeners it serves while it waits
         # while it waits, liveness answers and readiness does not
         assert eventually(lambda: http_get(port, "/health")[0] == 200, 20.0), "no /health while waiting"
         answers = {path: http_get(port, path)[0] for path in ("/health", "/ready", "/metrics")}
-        assert proc.poll() is None, "the agent waits for NVML, it does not exit"
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=15)
+        probes = {path: http_get(probe_port, path)[0] for path in ("/health", "/ready")}
+        assert agent.proc.poll() is None, "the agent waits for NVML, it does not exit"
+        assert agent.stop() == 0, agent.log()[-3000:]
     finally:
-        reap(proc)
+        agent.kill()
     assert answers == {"/health": 200, "/ready": 503, "/metrics": 503}
-    assert proc.returncode == 0, stderr
-    assert "failOnInitError is false" in stderr
+    assert probes == {"/health": 200, "/ready": 503}
+    assert "failOnInitError is false" in agent.log()
     assert os.listdir(dirs["k"]) == [] and os.listdir(dirs["features"]) == []
 
 

@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from agent_run import reap
+from agent_run import AgentRun, reap
 from prometheus_client import CollectorRegistry
 from waiting import eventually
 
@@ -215,12 +214,6 @@ def agent_process(args: list[str], env: dict[str, str] | None = None) -> subproc
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def single_gpus(slices) -> list[str]:
     """The single-GPU devices of the pool (GPU sets and the counter slice aside)."""
     return [d["name"] for s in slices for d in s["spec"].get("devices", []) if not d["name"].startswith("gpuset-")]
@@ -231,9 +224,10 @@ DGX_H100_SLICES = 2
 
 
 def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_slices_on_sigterm(node):
-    port = free_port()
-    proc = agent_process(["--simulate", "dgx-h100", "--metrics-address", f"127.0.0.1:{port}", *node.args()])
+    agent = AgentRun(["--simulate", "dgx-h100", "--metrics-address", "127.0.0.1:0", *node.args()],
+                     os.path.join(node.root, "agent.log"))
     try:
+        port, _ = agent.ports()
         info = node.kubelet_registers()
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, node.dra_socket)
         assert list(info.supported_versions) == [
@@ -269,11 +263,9 @@ def test_a_real_agent_in_dra_mode_registers_publishes_prepares_and_keeps_its_sli
         assert node.prepare(other).claims[other["metadata"]["uid"]].error == ""
         assert eventually(lambda: 'gpu_agent_dra_claim_placements_total{placement="other"} 1.0' in scraped(), 10.0)
         assert 'gpu_agent_dra_claim_placements_total{placement="device_plugin_choice"} 1.0' in scraped()
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=20)
+        assert agent.stop(20) == 0, agent.log()[-3000:]
     finally:
-        reap(proc)
-    assert proc.returncode == 0, stderr
+        agent.kill()
     assert not os.path.exists(node.registration_socket) and not os.path.exists(node.dra_socket)
     assert os.listdir(node.dirs["k"]) == []
     assert len(node.api.slices()) == DGX_H100_SLICES, "a restarting agent keeps its slices (deleteSlicesOnShutdown false)"

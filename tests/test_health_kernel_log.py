@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +28,6 @@ BUS = ["0000:1b:00", "0000:43:00", "0000:52:00", "0000:61:00", "0000:9d:00", "00
 
 def xid(gpu: int, number: int, text: str = "pid=4242, name=python3, Ch 00000008") -> str:
     return f"NVRM: Xid (PCI:{BUS[gpu]}): {number}, {text}\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -66,15 +59,14 @@ class Node:
             fh.write("".join(lines))
 
     def agent(self) -> AgentRun:
-        self.port = _free_port()
         self.runs += 1
-        return AgentRun(["--simulate", "dgx-h100", "--config", self.config, "--kubelet-dir", self.kubelet_dir,
-                         "--features-dir", os.path.join(self.root, "features"),
-                         "--metrics-address", f"127.0.0.1:{self.port}", "--probe-address", "127.0.0.1:0",
-                         "--pod-resources-socket", os.path.join(self.root, "podres.sock"),
-                         "--kernel-log", self.kernel_log, "--health-state-file", self.state_file,
-                         "--proc-root", self.proc],
-                        os.path.join(self.root, f"agent-{self.runs}.log"))
+        self.run = AgentRun(["--simulate", "dgx-h100", "--config", self.config, "--kubelet-dir", self.kubelet_dir,
+                             "--features-dir", os.path.join(self.root, "features"), "--metrics-address", "127.0.0.1:0",
+                             "--pod-resources-socket", os.path.join(self.root, "podres.sock"),
+                             "--kernel-log", self.kernel_log, "--health-state-file", self.state_file,
+                             "--proc-root", self.proc],
+                            os.path.join(self.root, f"agent-{self.runs}.log"))
+        return self.run
 
     def unhealthy(self) -> set[int]:
         latest = self.kubelet.latest(RESOURCE)
@@ -85,7 +77,8 @@ class Node:
 
     def xid_counts(self) -> dict[tuple[str, str], float]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
+            port, _ = self.run.ports()  # the latest agent's
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
         except OSError:
             return {}

@@ -203,7 +203,7 @@ def test_the_daemonsets_command_serves_a_stand_in_kubelet_and_stops_on_sigterm(
             "-v", f"{kubelet_dir}:/var/lib/kubelet/device-plugins",
             "-v", f"{features}:/etc/kubernetes/node-feature-discovery/features.d",
             image, "run", "--simulate", "dgx-h100", "--node-name", "gpu-node-7",
-            "--metrics-address", f"127.0.0.1:{port}", check=False)
+            "--metrics-address", f"127.0.0.1:{port}", "--probe-address", "127.0.0.1:0", check=False)
         assert started.returncode == 0, started.stderr
         assert kubelet.wait_for(lambda: bool(kubelet.registered("nvidia.com/gpu")), timeout_s=120), (
             _docker("logs", name).stderr[-3000:])

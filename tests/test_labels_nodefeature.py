@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from agent_run import reap
+from agent_run import AgentRun, reap
 
 from tests.testbed.apiserver_auth import Access, service_account
 from tests.testbed.apiserver_stub import ApiServerStub
@@ -230,12 +229,6 @@ def test_an_api_server_that_goes_away_is_logged_once_and_the_labels_come_back(cl
     assert stderr.count(f"publishing the labels as NodeFeature {NAMESPACE}/{OBJECT} works again") == 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http_get(port: int, path: str) -> tuple[int, str]:
     """(status, body) of ``GET path``; (0, "") while nothing answers yet."""
     try:
@@ -256,11 +249,11 @@ def label_write_errors(port: int) -> float:
 
 def test_api_server_failures_are_counted_and_keep_the_agent_unready_until_a_write_works(cluster):
     kubelet = KubeletStub(cluster.kubelet_dir).start()  # the device plugins get registered
-    metrics_port, probe_port = free_port(), free_port()
     cluster.api.fail(500, path_contains="/nodefeatures", message="injected: etcd is sad")
-    proc = agent(sink_flags(cluster, "--label-interval-s", "0.1", "--metrics-address", f"127.0.0.1:{metrics_port}",
-                            "--probe-address", f"127.0.0.1:{probe_port}"))
+    run = AgentRun(sink_flags(cluster, "--label-interval-s", "0.1")[1:], os.path.join(cluster.root, "agent.log"))
+    proc = run.proc
     try:
+        metrics_port, probe_port = run.ports()
         deadline = time.monotonic() + 30
         while label_write_errors(metrics_port) < 3:  # three failed re-assertions, each counted
             assert time.monotonic() < deadline and proc.poll() is None, "label write errors not counted"
@@ -277,19 +270,22 @@ def test_api_server_failures_are_counted_and_keep_the_agent_unready_until_a_writ
         time.sleep(0.5)  # five re-assertions that work
         assert label_write_errors(metrics_port) == counted >= 3
     finally:
-        stderr = stop(proc)
+        stopped = run.stop(30)
+        run.kill()
         kubelet.stop()
+    stderr = run.log()
+    assert stopped == 0, stderr
     errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
     assert len(errors) == 1 and "HTTP 500 InternalError: injected: etcd is sad" in errors[0], stderr
 
 
 def test_a_failed_write_is_retried_with_backoff_so_the_node_is_ready_seconds_after_the_api_server_heals(cluster):
     kubelet = KubeletStub(cluster.kubelet_dir).start()
-    metrics_port, probe_port = free_port(), free_port()
     cluster.api.fail(500, path_contains="/nodefeatures", message="injected: etcd is sad")
-    proc = agent(sink_flags(cluster, "--label-interval-s", "60", "--metrics-address", f"127.0.0.1:{metrics_port}",
-                            "--probe-address", f"127.0.0.1:{probe_port}"))
+    run = AgentRun(sink_flags(cluster, "--label-interval-s", "60")[1:], os.path.join(cluster.root, "agent.log"))
+    proc = run.proc
     try:
+        metrics_port, probe_port = run.ports()
         deadline = time.monotonic() + 30
         while label_write_errors(metrics_port) < 2:  # the write at start and a retry, long before the interval
             assert time.monotonic() < deadline and proc.poll() is None, "a failed write was not tried again"
@@ -306,8 +302,11 @@ def test_a_failed_write_is_retried_with_backoff_so_the_node_is_ready_seconds_aft
         time.sleep(2.5)  # the backoff is over: the next write is an interval away
         assert (label_write_errors(metrics_port), cluster.api.count("GET", "/nodefeatures")) == (counted, reads)
     finally:
-        stderr = stop(proc)
+        stopped = run.stop(30)
+        run.kill()
         kubelet.stop()
+    stderr = run.log()
+    assert stopped == 0, stderr
     errors = [line for line in stderr.splitlines() if "publishing the labels as" in line and " failed: " in line]
     assert len(errors) == 1 and "retrying with backoff" in errors[0], stderr
     assert stderr.count(f"publishing the labels as NodeFeature {NAMESPACE}/{OBJECT} works again") == 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -162,18 +161,12 @@ def _metric(port: int, name: str) -> float | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_100_claim_prepare_with_the_api_server_down_logs_one_line_and_counts_100():
     node = Node()
-    port = _free_port()
-    agent = AgentRun(["--simulate", "dgx-h100", "--metrics-address", f"127.0.0.1:{port}", *node.args()],
+    agent = AgentRun(["--simulate", "dgx-h100", "--metrics-address", "127.0.0.1:0", *node.args()],
                      os.path.join(node.root, "agent.log"))
     try:
+        port, _ = agent.ports()
         node.kubelet_registers()
         assert node.api.wait_for(lambda s: len(s) > 0, 20.0), agent.log()[-3000:]
         node.api.go_down()

@@ -18,7 +18,6 @@ import random
 import select
 import shutil
 import signal
-import socket
 import struct
 import tempfile
 import threading
@@ -38,12 +37,6 @@ IN_CREATE = 0x100
 #: restart 0-80 ms later; RELOAD_RACE_ROUNDS=200 by hand).
 STRIKES = int(os.environ.get("RELOAD_RACE_STRIKES", "3"))
 ROUNDS = int(os.environ.get("RELOAD_RACE_ROUNDS", "5"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def status(port: int, path: str) -> int:
@@ -121,13 +114,12 @@ def node():
     made: list[AgentRun] = []
 
     def start() -> tuple[AgentRun, int]:
-        probe_port = free_port()
         run = AgentRun(["--simulate", "dgx-h100", "--kubelet-dir", kubelet_dir,
-                        "--features-dir", os.path.join(base, "features"),
-                        "--metrics-address", "127.0.0.1:0", "--probe-address", f"127.0.0.1:{probe_port}",
+                        "--features-dir", os.path.join(base, "features"), "--metrics-address", "127.0.0.1:0",
                         "--pod-resources-socket", os.path.join(kubelet_dir, "podres.sock")],
                        os.path.join(base, f"agent{len(made)}.log"))
         made.append(run)
+        _, probe_port = run.ports()
         assert kubelet.wait_for(lambda: len(kubelet.registered(RESOURCE)) >= 1, 30), run.log()[-3000:]
         return run, probe_port
 

@@ -333,31 +333,24 @@ def test_the_web_config_file_is_a_flag_an_environment_variable_and_a_config_fiel
 def agent_over_tls(pki, tmp_path):
     """``gpu-topology-agent run`` on a simulated machine, its metrics over TLS with basic
     auth (as a Secret volume holds the certificate); yields (metrics port, probe port)."""
-    from test_prometheus import free_port
+    from agent_run import AgentRun
 
     secret = SecretVolume(tmp_path / "tls", *pki.server_a)
     web = write_web_config(tmp_path / "web.yaml", tls_and_users(secret.cert, secret.key))
     kubelet_dir = tempfile.mkdtemp(prefix="wc", dir="/tmp")  # unix socket paths: keep it short
-    port, probe_port = free_port(), free_port()
-    log = open(tmp_path / "agent.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--kubelet-dir", kubelet_dir,
-         "--features-dir", str(tmp_path / "f"), "--pod-resources-socket", f"{kubelet_dir}/podres.sock",
-         "--metrics-address", f"127.0.0.1:{port}", "--probe-address", f"127.0.0.1:{probe_port}",
-         "--web-config-file", str(web), "--log-level", "WARNING"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=log,
-    )
+    agent = AgentRun(["--simulate", "dgx-h100", "--kubelet-dir", kubelet_dir, "--features-dir", str(tmp_path / "f"),
+                      "--pod-resources-socket", f"{kubelet_dir}/podres.sock", "--metrics-address", "127.0.0.1:0",
+                      "--web-config-file", str(web)], str(tmp_path / "agent.log"))
     try:
+        port, probe_port = agent.ports(60)
         deadline = time.monotonic() + 60
         while plain_get_or_none(probe_port, "/health") != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
+            assert agent.proc.poll() is None and time.monotonic() < deadline, agent.log()[-3000:]
             time.sleep(0.1)
         yield port, probe_port
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        if agent.stop(30) is None:
+            agent.kill()
         shutil.rmtree(kubelet_dir, ignore_errors=True)
 
 
