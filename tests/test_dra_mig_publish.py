@@ -53,7 +53,7 @@ def attr(device, name):
     return value
 
 
-def test_every_published_mig_device_sits_on_a_legal_placement_and_shares_a_counter_with_exactly_the_devices_it_overlaps():
+def test_every_published_mig_device_sits_on_a_legal_placement_and_counters_keep_it_apart_from_exactly_the_devices_it_overlaps():
     topology = mig_topology("dgx-h100")
     slices = render_slices(topology, node_name="node-1", dynamic_mig=True,
                            occupancy=_occupancy({"gpu-1-mig-3g40gb-0": (1,), "gpu-2": (2,)}))
@@ -69,7 +69,8 @@ def test_every_published_mig_device_sits_on_a_legal_placement_and_shares_a_count
         assert (attr(d, "profile"), attr(d, "parentIndex"), attr(d, "placementStart")) == (profile.name, gpu, start)
         assert all(key in declared for key in consumed(d))
     # counters only where two devices meet: two devices of a GPU whose memory slices overlap (the full GPU
-    # overlaps them all) share a memory counter, two on disjoint slices none
+    # overlaps them all) share a memory counter or take more of the GPU's counter together than it is worth,
+    # two on disjoint slices share none
     full = {d["name"]: set(range(8)) for d in devices(slices) if attr(d, "type") == "gpu"}
     on = {d["name"]: set(range(attr(d, "placementStart"), attr(d, "placementStart") + attr(d, "placementSize")))
           for d in migs} | full
@@ -79,23 +80,32 @@ def test_every_published_mig_device_sits_on_a_legal_placement_and_shares_a_count
               ((d["name"], d) for d in devices(slices)) if n in on}
     pairs = [(a, b) for a in on for b in on if a < b and gpu_of[a] == gpu_of[b]]
     assert pairs and any(not (on[a] & on[b]) for a, b in pairs) and any(on[a] & on[b] for a, b in pairs)
+    by_name = {d["name"]: d for d in devices(slices)}
+
+    def sized_apart(a: str, b: str) -> bool:
+        key = ("gpus-0", f"gpu-{gpu_of[a]}")
+        return consumed(by_name[a]).get(key, 0) + consumed(by_name[b]).get(key, 0) > declared.get(key, 0) > 0
+
     for a, b in pairs:
-        assert bool(memory[a] & memory[b]) == bool(on[a] & on[b]), (a, b)
+        assert (bool(memory[a] & memory[b]) or sized_apart(a, b)) == bool(on[a] & on[b]), (a, b)
+        assert not (memory[a] & memory[b]) or on[a] & on[b], (a, b)
+    assert any(sized_apart(a, b) and not memory[a] & memory[b] for a, b in pairs), "the GPU's counter keeps some apart"
     mig_counters = [k for k in declared if k[0].endswith("-counter-set")]
     assert len(mig_counters) < 8 * 8, "fewer counters than every memory slice of every GPU"
-    # no placement on the GPU held whole; the held MIG device stays published
+    # no placement on the GPU held whole; the held MIG device meets no device (its full GPU is withdrawn,
+    # nothing on its slices is published), so it is left out: the scheduler would convert it for nothing
     assert not [d for d in migs if attr(d, "parentIndex") == 2]
-    assert "gpu-1-mig-3g40gb-0" in {d["name"] for d in migs}
+    assert "gpu-1-mig-3g40gb-0" not in by_name and "gpu-1" not in by_name
+    assert not [d for d in migs if attr(d, "parentIndex") == 1 and attr(d, "placementStart") < 4]
 
 
-def test_the_full_gpu_consumes_every_counter_of_its_gpu_and_a_set_meets_a_mig_device_on_its_gpu_counter():
+def test_the_full_gpu_takes_all_of_its_gpu_counter_and_a_set_meets_a_mig_device_on_it():
     slices = render_slices(mig_topology("dgx-h100"), node_name="node-1", dynamic_mig=True)
     declared = counters_declared(slices)
     by_name = {d["name"]: d for d in devices(slices)}
-    full = consumed(by_name["gpu-0"])
-    assert {k: v for k, v in full.items() if k[0] == "gpu-0-counter-set"} == {
-        k: v for k, v in declared.items() if k[0] == "gpu-0-counter-set"}
-    assert full and all(v == 1 for k, v in full.items() if "memory-slice" in k[1])
+    # the full GPU and every MIG device on its GPU take their size of the GPU's counter, worth its 8
+    # memory slices: the full GPU excludes them all through it alone, no memory slice counter needed
+    assert consumed(by_name["gpu-0"]) == {("gpus-0", "gpu-0"): 8}
     sets = [d for d in by_name.values() if attr(d, "type") == "gpuset" and ("gpus-0", "gpu-0") in consumed(d)]
     migs = [d for d in by_name.values() if attr(d, "type") == "mig" and attr(d, "parentIndex") == 0]
     assert sets and migs
@@ -132,7 +142,11 @@ def test_the_full_gpu_of_a_gpu_a_mig_device_is_cut_from_is_withdrawn_until_the_g
     withdrawn = f"{D}/withdrawn"
     at_once = {d["name"]: d for d in devices(render_slices(topology, node_name="node-1", dynamic_mig=True,
                                                             occupancy=_occupancy(held, in_pool=["gpu-3"])))}
-    assert "gpu-3" not in at_once and "gpu-2" in at_once and "gpu-3-mig-1g10gb-6" in at_once
+    assert "gpu-3" not in at_once and "gpu-2" in at_once
+    # the MIG device the claim holds meets nothing published now: left out (the scheduler would convert it for
+    # nothing); what else GPU 3 offers is clear of its slice
+    assert "gpu-3-mig-1g10gb-6" not in at_once and not _meeting("gpu-3-mig-1g10gb-6", at_once)
+    assert any(n.startswith("gpu-3-mig-") for n in at_once)
     sets = [parse_set_name(n) for n, d in at_once.items() if attr(d, "type") == "gpuset"]
     assert sets and not [m for m in sets if 3 in m]
 
@@ -164,14 +178,16 @@ def test_a_churn_of_mixed_claims_never_over_commits_a_gpu_and_every_device_is_le
     rng = random.Random(7)
     held: dict[str, tuple[int, ...]] = {}  # device -> GPUs, as prepared claims hold them
     in_pool: set[str] = set()
-    served = 0
+    served = left_out = 0
     slices: list = []
     for step in range(160):
         if step % 4 == 0:  # the agent re-publishes now and then: claims in between meet the counters alone
             slices = render_slices(topology, node_name="node-1", dynamic_mig=True,
                                    occupancy=_occupancy(held, in_pool))
             in_pool = {d["name"] for d in devices(slices)}
-            assert held.keys() <= in_pool, "a device a claim holds was withdrawn"
+            # a device a claim holds stays, unless it meets no device published (then none needs its counters)
+            assert not [n for n in held.keys() - in_pool if _meeting(n, in_pool)], "a held device withdrawn"
+            left_out += len(held.keys() - in_pool)
         if held and rng.random() < 0.4:
             del held[rng.choice(sorted(held))]
             continue
@@ -185,6 +201,24 @@ def test_a_churn_of_mixed_claims_never_over_commits_a_gpu_and_every_device_is_le
         served += 1
         _check_layout(held, geometry)
     assert served > 50
+    assert left_out, "held devices meeting nothing were left out"
+
+
+def _meeting(name, published):
+    """The devices of ``published`` that stand for some of the memory slices of MIG device ``name``."""
+    gpu, label, start = parse_mig_slot_name(name)
+    geometry = geometry_for(mig_topology("dgx-h100").gpus[0].name)
+
+    def slices_of(n):
+        parsed = parse_mig_slot_name(n)
+        if parsed is None:
+            members = parse_set_name(n) or (int(n.split("-")[1]),)
+            return set(range(8)) if gpu in members else set()
+        g, lab, st = parsed
+        profile = next(p for p in geometry.profiles if profile_label(p.name) == lab)
+        return set(range(st, st + next(pl.size for pl in profile.placements if pl.start == st))) if g == gpu else set()
+
+    return [n for n in published if n != name and slices_of(n) & slices_of(name)]
 
 
 def _check_layout(held, geometry):
@@ -219,7 +253,7 @@ def _occupancy(held, in_pool=()):
     return Occupancy(dict(held), (), None, (), sorted(in_pool))
 
 
-def test_the_publisher_re_renders_the_mig_devices_at_prepare_and_keeps_the_one_a_claim_holds(tmp_path):
+def test_the_publisher_re_renders_the_mig_devices_at_prepare_around_the_one_a_claim_holds(tmp_path):
     from waiting import eventually
 
     from agent.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
@@ -242,8 +276,10 @@ def test_the_publisher_re_renders_the_mig_devices_at_prepare_and_keeps_the_one_a
             held = "gpu-3-mig-1g10gb-6"  # a claim holds a placement nobody chose: GPU 3 is now the cut one
             checkpoint.add(PreparedClaim("uid-1", "default", "c", (PreparedDevice("mig", "node-1", held, ("x",)),),
                                          str(tmp_path / "c.json")))
-            assert server.wait_for(lambda s: held in {d["name"] for d in devices(s)}
-                                   and "gpu-3-mig-1g10gb-4" in {d["name"] for d in devices(s)}, 10.0)
+            assert server.wait_for(lambda s: "gpu-3-mig-1g10gb-4" in {d["name"] for d in devices(s)}, 10.0)
+            # the held one meets nothing published any more: left out, nothing on its slice offered
+            now = {d["name"] for d in devices(server.slices())}
+            assert held not in now and not _meeting(held, now) and "gpu-3" not in now
             # the 1g published before stays (a claim the agent has not heard of may hold it)
             assert "gpu-0-mig-1g10gb-6" in {d["name"] for d in devices(server.slices())}
         finally:
@@ -259,7 +295,8 @@ def test_slices_previews_the_mig_devices_published_while_the_listed_ones_are_hel
                      "--in-use", "gpu-2-mig-3g40gb-0,gpu-5"]) == 0
     out = capsys.readouterr()
     names = [d["name"] for s in yaml.safe_load_all(out.out) for d in s["spec"].get("devices", ())]
-    assert "gpu-2-mig-3g40gb-0" in names and "gpu-2-mig-3g40gb-4" in names  # the cut GPU first for 3g
+    # the cut GPU first for 3g; the held one meets nothing published and is left out
+    assert "gpu-2-mig-3g40gb-0" not in names and "gpu-2-mig-3g40gb-4" in names
     assert names.index("gpu-2-mig-3g40gb-4") < min(i for i, n in enumerate(names) if "-mig-3g40gb-" in n
                                                    and n != "gpu-2-mig-3g40gb-4")
     assert not [n for n in names if n.startswith("gpu-5-mig-")]

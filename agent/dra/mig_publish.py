@@ -2,18 +2,23 @@
 their counter sets (the rule and the counters: :mod:`agent.dra.migslots`).
 
 **What is published** (:func:`mig_devices`), in this order: the slots chosen for the current
-layout (best first, :func:`agent.dra.migslots.chosen_slots`); the slots prepared claims hold;
-then the slots in the pool now that neither chose nor a claim holds, which a claim the agent
-has not heard of yet may hold: where the API server keeps taints and a grace is set, they
-stay with the withdrawal taint ``<driver>/withdrawn`` (no new claim gets them, the scheduler
-still counts them) until it has been out for ``dra.gpuSetWithdrawalGraceSeconds``, as a GPU
-set leaving does (:mod:`agent.dra.withdrawal`); without a grace, one stays untainted while no
-held device overlaps it (then none can hold it: the counters kept them apart) and goes when
-one does. A MIG instance on a GPU offering placements that no prepared claim holds (made by
-hand) is never published: its slices are taken (:func:`agent.dra.migslots.layouts`). A MIG
-device of an unhealthy GPU carries its GPU's taint, or is left out where the
-server keeps no taints (:mod:`agent.dra.taints`); no new slot is chosen on such a GPU. The
-full GPU of a GPU a prepared claim holds a MIG device on (:func:`cut_gpus`) is withdrawn
+layout (best first, :func:`agent.dra.migslots.chosen_slots`); the slots prepared claims hold
+that meet another published device (:meth:`MigRendering.lone_held`: one on a GPU whose full
+GPU is withdrawn, in no set, and overlapped by no MIG device published, is left out by the
+renderer: no device of the slices needs its counters, nothing can be allocated beside it
+that its counters would stop, and the scheduler would convert it on every Filter for
+nothing; on an unhealthy GPU it stays, carrying the GPU's taint); then the slots in the pool
+now that neither chose nor a claim holds, which a claim the agent has not heard of yet may
+hold: where the API server keeps taints and a grace is set, they stay with the withdrawal
+taint ``<driver>/withdrawn`` (no new claim gets them, the scheduler still counts them) until
+it has been out for ``dra.gpuSetWithdrawalGraceSeconds``, as a GPU set leaving does
+(:mod:`agent.dra.withdrawal`); without a grace, one stays untainted while no held device
+overlaps it (then none can hold it: the counters kept them apart) and goes when one does. A
+MIG instance on a GPU offering placements that no prepared claim holds (made by hand) is
+never published: its slices are taken (:func:`agent.dra.migslots.layouts`). A MIG device of
+an unhealthy GPU carries its GPU's taint, or is left out where the server keeps no taints
+(:mod:`agent.dra.taints`); no new slot is chosen on such a GPU. The full GPU of a GPU a
+prepared claim holds a MIG device on (:func:`cut_gpus`) is withdrawn
 (:func:`agent.dra.slices.render_slices`): nobody can get it while the instance is held.
 
 **Counters only where devices meet** (:meth:`MigRendering.meeting`), where all the node's
@@ -22,16 +27,25 @@ device it reserves and validates every consumption on every Filter, and a counte
 only between two devices that could be allocated together. Per GPU, a memory slice counter
 for each distinct largest group of published devices (the full GPU among them) covering one
 slice, consumed by that group: two devices overlapping share one, two on disjoint slices
-none; a compute counter only where its MIG devices could together exceed the GPU. Safe as
-:mod:`agent.dra.counters` says for the GPU counters: the scheduler looks an allocated device
-up in the slices it sees now, and in one device slice any two devices that overlap both
-consume a shared counter. Above one device slice every device consumes all of its counters.
+none; a compute counter only where its MIG devices could together exceed the GPU. Where two
+or more published devices stand for a GPU (its full GPU, sets holding it, its MIG devices:
+:attr:`MigRendering.sized`), each also consumes its size of the GPU's counter ``gpu-<i>`` in
+the sets' counter set, worth the GPU's memory slices (the full GPU and a set all of it, a MIG
+device its placement's slices): two devices whose sizes add up to more than the GPU can never
+be allocated together, so the full GPU consumes nothing of the GPU's own counter set, and a
+MIG device takes part in a memory slice counter (or a compute counter) only with another it
+could otherwise be allocated beside (a 7g.80gb meets every other device through ``gpu-<i>``
+alone, a 4g.40gb at 0 and a 3g.40gb at 4 share nothing, a 3g.40gb and a 2g.20gb at 4 share
+``memory-slice-4``). Safe as :mod:`agent.dra.counters` says for the GPU counters: the
+scheduler looks an allocated device up in the slices it sees now, and in one device slice any
+two devices that overlap either consume a shared counter or together more of ``gpu-<i>`` than
+it holds. Above one device slice every device consumes all of its counters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from agent.dra.counters import counter_set_name as gpus_counter_set
 from agent.dra.device_values import Device, gpu_attributes, make_device
@@ -69,6 +83,9 @@ class MigRendering:
     gpus: list[int]  # the GPU of each device
     slots: list[MigSlot] = field(default_factory=list)  # the slot of each device
     declared: Mapping[int, Mapping[str, int]] | None = None
+    #: GPUs whose devices also consume their size of the GPU's set counter (``gpu-<i>``,
+    #: worth its memory slices; :meth:`meeting`): their full GPU consumes none of its counter set
+    sized: frozenset[int] = frozenset()
 
     def counters(self, gpu: int) -> Mapping[str, int]:
         """What GPU ``gpu``'s counter set declares (empty: no counter set)."""
@@ -84,38 +101,71 @@ class MigRendering:
         return [replace(d, shares=(*d.shares, share(g, s))) if g in gpus else d
                 for d, g, s in zip(self.devices, self.gpus, self.slots)]
 
+    def leaving_out(self, names: Collection[str]) -> MigRendering:
+        """This rendering without the devices ``names``."""
+        keep = [i for i, d in enumerate(self.devices) if d.name not in names]
+        return replace(self, devices=[self.devices[i] for i in keep], gpus=[self.gpus[i] for i in keep],
+                       slots=[self.slots[i] for i in keep])
+
+    def lone_held(self, held: Collection[str], standing: Collection[int], unhealthy: Collection[int]) -> set[str]:
+        """The devices of ``held`` (prepared claims hold them) that meet no other published
+        device: on a GPU no device of ``standing`` (the GPUs the full GPUs and the sets
+        published stand for) holds and not ``unhealthy``, and overlapping no other MIG device
+        published (module docstring: they are left out)."""
+        out: set[str] = set()
+        for d, g, s in zip(self.devices, self.gpus, self.slots):
+            if d.name not in held or g in standing or g in unhealthy:
+                continue
+            if not any(o.name != d.name and og == g and set(os_.placement.slices) & set(s.placement.slices)
+                       for o, og, os_ in zip(self.devices, self.gpus, self.slots)):
+                out.add(d.name)
+        return out
+
     def gpu_share(self, gpu: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
-        """What a full GPU consumes of its counter set: all of it (nothing where none is declared)."""
-        declared = self.counters(gpu)
+        """What a full GPU consumes of its counter set: all of it (nothing where none is
+        declared, or where the GPU is :attr:`sized`: its set counter keeps it apart)."""
+        declared = {} if gpu in self.sized else self.counters(gpu)
         return ((counter_set_name(gpu), tuple(declared.items())),) if declared else ()
 
-    def meeting(self, full: Collection[int]) -> MigRendering:
+    def meeting(self, full: Collection[int], sized: Collection[int] = ()) -> MigRendering:
         """This rendering with counters only where two devices meet (the devices of one device
-        slice: module docstring). ``full``: the GPUs whose full GPU is published beside."""
+        slice: module docstring). ``full``: the GPUs whose full GPU is published beside;
+        ``sized``: the GPUs whose devices consume their size of the GPU's set counter too
+        (the renderer makes them: :attr:`sized`)."""
         declared: dict[int, dict[str, int]] = {}
         uses: dict[str, dict[str, int]] = {}
         for gpu, geo in self.geometries.items():
             mine = [(d.name, s) for d, g, s in zip(self.devices, self.gpus, self.slots) if g == gpu]
-            kept, consumed = _meeting_counters(geo, mine, gpu in full)
+            kept, consumed = _meeting_counters(geo, mine, gpu in full, gpu in sized)
             if kept:
                 declared[gpu] = kept
             uses.update(consumed)
         devices = [replace(d, shares=((counter_set_name(g), tuple(uses[d.name].items())),) if uses.get(d.name) else ())
                    for d, g in zip(self.devices, self.gpus)]
-        return replace(self, devices=devices, declared=declared)
+        return replace(self, devices=devices, declared=declared, sized=frozenset(sized))
 
 
 def _meeting_counters(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
-                      full: bool) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+                      full: bool, sized: bool = False) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """One GPU's counters where its published devices meet: (counter -> value, device name ->
     what it consumes). A memory slice counter per distinct largest set of devices covering one
     slice (two devices sharing a slice both consume the counter of a set holding that slice's
     devices; two on disjoint slices share none), named after its lowest slice; a compute
     counter only where the MIG devices using it could take more than the GPU has (the full
-    GPU meets every MIG device on the memory slices already)."""
+    GPU meets every MIG device on the memory slices already).
+
+    ``sized``: every device on the GPU also consumes its memory slices of the GPU's set
+    counter, worth all of them, and the full GPU (like a set holding the GPU) all of that
+    counter. Then two devices whose sizes add up to more than the GPU's memory slices can
+    never be allocated together, whatever else they consume: the full GPU needs no counter of
+    this set, and a MIG device takes part in a slice's counter (or a compute counter) only
+    with another it could otherwise be allocated beside."""
+    light = _light(geometry, devices) if sized else None
     cover: dict[frozenset[str], int] = {}
     for i in range(geometry.memory_slices):
-        names = frozenset(n for n, s in devices if i in s.placement.slices) | ({""} if full else set())
+        names = frozenset(n for n, s in devices if i in s.placement.slices) | ({""} if full and not sized else set())
+        if light is not None:
+            names = frozenset(n for n in names if light(n, names))
         if len(names) >= 2:
             cover.setdefault(names, i)
     largest = {c: i for c, i in cover.items() if not any(c < other for other in cover)}
@@ -127,11 +177,27 @@ def _meeting_counters(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlo
     cap = gpu_counters(geometry)
     for name in (k for k in cap if not k.startswith("memory-slice-")):
         using = [(n, s.uses(geometry).get(name, 0)) for n, s in devices if s.uses(geometry).get(name, 0)]
+        if light is not None:
+            users = frozenset(n for n, _ in using)
+            using = [(n, v) for n, v in using if light(n, users)]
         if sum(v for _, v in using) > cap[name]:
             counters[name] = cap[name]
             for n, v in using:
                 uses[n][name] = v
     return counters, {n: dict(sorted(u.items(), key=lambda kv: _natural(kv[0]))) for n, u in uses.items()}
+
+
+def _light(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]]) -> Callable[[str, frozenset[str]], bool]:
+    """``light(name, among)``: whether the device ``name`` could be allocated beside another of
+    ``among`` as far as the GPU's set counter goes (their memory slices add up to at most the
+    GPU's); one that could not is kept apart from all of them by that counter alone."""
+    size = {n: s.placement.size for n, s in devices}
+    total = geometry.memory_slices
+
+    def light(name: str, among: frozenset[str]) -> bool:
+        return any(size[name] + size[o] <= total for o in among if o != name)
+
+    return light
 
 
 def _natural(name: str) -> tuple[int, str]:

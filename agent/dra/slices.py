@@ -73,9 +73,9 @@ why, or is left out where the API server keeps no taints (:mod:`agent.dra.taints
 
 **Slices.** Devices in publication order (:mod:`agent.dra.gpusets`, for the occupancy
 given): the sets, largest first, then the single GPUs (MIG devices in their parent's place),
-then, in one slice, the sets being withdrawn; in one slice the first single GPU leads, before
-the sets; at most 128 devices a slice, 64 when any
-consumes counters or has a taint (the API's limit for slices using partitionable devices or
+then the dynamic MIG devices, then, in one slice, the sets being withdrawn; in one slice the
+first single GPU leads, then the dynamic MIG devices, before the sets; at most 128 devices a
+slice, 64 when any consumes counters or has a taint (the API's limit for slices using partitionable devices or
 taints); above one slice, the singles start a slice of their own, so a re-publication moves
 no single GPU between slices. Slice names are
 ``<node>-<driver>-<nnn>`` with a zero-padded number, so they sort in publication order (the
@@ -272,9 +272,17 @@ def render_slices(
            if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
     singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None,
                        mig.geometries)
+    # a MIG device a prepared claim holds that meets no other device is left out (mig_publish's docstring)
+    standing = {g for d in sets for g in d.consumes} | {g for d in singles for g in _gpu_of(d)}
+    mig = mig.leaving_out(mig.lone_held(occupancy.held, standing, marks.reasons))
     if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
-        # one device slice: the MIG counters only where two devices meet (mig_publish's docstring)
-        mig = mig.meeting({g for d in singles for g in _gpu_of(d) if g in mig.geometries})
+        # one device slice: the MIG counters only where two devices meet, and where two or more
+        # devices stand for a GPU, each consumes its size of the GPU's set counter, the full GPU all
+        # of it (mig_publish's docstring)
+        full = {g for d in singles for g in _gpu_of(d) if g in mig.geometries}
+        devices_on = [g for d in sets for g in d.consumes] + list(full) + mig.gpus
+        mig = mig.meeting(full, {g for g in mig.geometries if devices_on.count(g) >= 2})
+        singles = [replace(d, consumes=g) if (g := _gpu_of(d)) and g[0] in mig.sized else d for d in singles]
     # the full GPU of a GPU offering placements consumes all of its counter set (no MIG device beside it)
     singles = [replace(d, shares=mig.gpu_share(g[0])) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
                for d in singles]
@@ -297,18 +305,22 @@ def _specs(topology: Topology, driver: str, api_version: str, sets: list[Device]
     held = {g for d in sets for g in d.consumes}
     held |= set() if one else {g for name in occupancy.published for g in parse_set_name(name) or ()}
     weights = {g: geo.memory_slices for g, geo in mig.geometries.items()}
-    migs = mig.sharing(held, weights)
-    consumed = {g for d in [*sets, *singles] for g in d.consumes} | (held & set(mig.gpus))
+    migs = mig.sharing(held | mig.sized, weights)
+    consumed = {g for d in [*sets, *singles] for g in d.consumes} | (held & set(mig.gpus)) | mig.sized
     specs: list[dict[str, Any]] = (
-        [{"sharedCounters": declared_counter_sets(consumed or {topology.gpus[0].index}, weights)}] if sets else [])
+        [{"sharedCounters": declared_counter_sets(consumed or {topology.gpus[0].index}, weights)}]
+        if sets or mig.sized else [])
     specs += counter_slices(mig)
     # above one slice, the singles start a slice of their own: a re-publication with as many slices of
     # sets moves no device between slices (the publisher rewrites in place then); in one slice, the first
-    # single GPU leads (a one-GPU claim takes it without walking the sets) and the sets being withdrawn
-    # go last: no class selects them, and a claim that finds a device first never walks them
+    # single GPU leads (a one-GPU claim takes it without walking the sets), the MIG devices follow (a MIG
+    # claim walks no set and no other GPU: on a node offering dynamic MIG most claims are MIG claims;
+    # a set claim walks them instead), and the sets being withdrawn go last: no class selects them, and
+    # a claim that finds a device first never walks them. The order among the sets, among the singles
+    # and among the MIG devices is what decides the allocator's first fit, and it is kept.
     key = withdrawal_taint(driver)["key"]
     going = [any(t.get("key") == key for t in d.taints) for d in sets]
-    groups = ([[*singles[:1], *(d for d, g in zip(sets, going) if not g), *singles[1:], *migs,
+    groups = ([[*singles[:1], *migs, *(d for d, g in zip(sets, going) if not g), *singles[1:],
                 *(d for d, g in zip(sets, going) if g)]]
               if one else [sets, singles + migs])
     specs += [{"devices": [render_device(d, api_version, weights) for d in group[i : i + per_slice]]}
