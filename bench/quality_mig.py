@@ -151,27 +151,31 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
     withdrawing: set[str] = set()
     sets: list[str] = []
     key = withdrawal_taint(D)["key"]
-    start = time.perf_counter()
-    for step, (profile, hold) in enumerate(events):
-        for name in [n for n, t in until.items() if t <= step]:
-            del held[name], until[name]
-        if agent and step % every == 0:
-            slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True,
-                                   occupancy=Occupancy(dict(held), sets, sorted(withdrawing), sorted(withdrawing),
-                                                       in_pool))
-            devs = [d for s in slices for d in s["spec"].get("devices", ())]
-            in_pool = sorted(d["name"] for d in devs if not d["name"].startswith("gpuset-"))
-            sets = sorted(d["name"] for d in devs if d["name"].startswith("gpuset-"))
-            withdrawing = {d["name"] for d in devs if any(t.get("key") == key for t in d.get("taints", ()))}
-            tally.devices.append(len(devs))
-        elif not agent:
-            slices = static or []
+    waiting: list[tuple[str, int]] = []  # refused on a rendering older than an allocation: retried once
+    since = 0  # allocations since the last rendering
+
+    def render() -> None:
+        nonlocal slices, in_pool, sets, withdrawing, since
+        slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True,
+                               occupancy=Occupancy(dict(held), sets, sorted(withdrawing), sorted(withdrawing), in_pool))
+        devs = [d for s in slices for d in s["spec"].get("devices", ())]
+        in_pool = sorted(d["name"] for d in devs if not d["name"].startswith("gpuset-"))
+        sets = sorted(d["name"] for d in devs if d["name"].startswith("gpuset-"))
+        withdrawing = {d["name"] for d in devs if any(t.get("key") == key for t in d.get("taints", ()))}
+        tally.devices.append(len(devs))
+        since = 0
+
+    def place(step: int, profile: str, hold: int, retry: bool) -> None:
+        nonlocal since
         model = AllocatorModel(slices, CLASSES, CEL, allocated=[(D, "node-1", n) for n in held])
         result = model.allocate([claim(f"c{step}", profile)], "node-1")
         if result is None:
+            if agent and since and not retry:  # kube-scheduler requeues it on the next ResourceSlice update
+                waiting.append((profile, hold))
+                return
             tally.refused += 1
             tally.fragmentation += profile != "gpu" and fragmented(layout_of(topology, held), profile)
-            continue
+            return
         (((_, (_, _, name)),),) = result
         slot = resolve_slot(name, dynamic_gpus(topology))
         if not agent and slot is None and "-mig-" in name:
@@ -179,6 +183,27 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
         held[name] = (slot.gpu,) if slot is not None else (int(name.split("-")[1]),)
         until[name] = step + hold
         tally.served += 1
+        since += 1
+
+    start = time.perf_counter()
+    for step, (profile, hold) in enumerate(events):
+        if agent and step % every == 0 and waiting:
+            # the re-publication the window's prepares cause, before anything is released: the
+            # claims refused on the older rendering are tried once more, then refused for good
+            render()
+            for p, h in waiting:
+                place(step, p, h, retry=True)
+            waiting = []
+        for name in [n for n, t in until.items() if t <= step]:
+            del held[name], until[name]
+        if agent and step % every == 0:
+            render()
+        elif not agent:
+            slices = static or []
+        place(step, profile, hold, retry=False)
+    for p, h in waiting:  # the last window's
+        render()
+        place(len(events), p, h, retry=True)
     tally.seconds = time.perf_counter() - start
     return tally
 
