@@ -139,11 +139,15 @@ def _name_key(name: str) -> tuple[Any, ...]:
 
 
 def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, every: int = 1) -> Tally:
-    """One world's churn; the agent re-publishes before every ``every``-th claim (1: after each
-    allocation and release, as at every prepare and unprepare; more: claims the scheduler
-    allocates between two re-publications)."""
+    """One world's churn. The agent renders for the claims it has prepared, at every prepare
+    and unprepare; with ``every`` N > 1 its prepares lag the scheduler's allocations: the
+    claims allocated are prepared (and the slices re-rendered) before every N-th claim only,
+    so up to N claims are allocated on one rendering, while a release (an unprepare) re-renders
+    at once for the claims prepared by then (those allocated since stay in the pool as it saw
+    them: a claim the agent has not heard of may hold them)."""
     tally = Tally()
-    held: dict[str, tuple[int, ...]] = {}
+    held: dict[str, tuple[int, ...]] = {}  # allocated
+    prepared: set[str] = set()  # of those, the ones the agent knows
     until: dict[str, int] = {}
     static = None if agent else nvidia_slices(topology)
     slices: list[dict[str, Any]] = []
@@ -152,25 +156,23 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
     sets: list[str] = []
     key = withdrawal_taint(D)["key"]
     waiting: list[tuple[str, int]] = []  # refused on a rendering older than an allocation: retried once
-    since = 0  # allocations since the last rendering
 
     def render() -> None:
-        nonlocal slices, in_pool, sets, withdrawing, since
+        nonlocal slices, in_pool, sets, withdrawing
+        known = {n: g for n, g in held.items() if n in prepared}
         slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True,
-                               occupancy=Occupancy(dict(held), sets, sorted(withdrawing), sorted(withdrawing), in_pool))
+                               occupancy=Occupancy(known, sets, sorted(withdrawing), sorted(withdrawing), in_pool))
         devs = [d for s in slices for d in s["spec"].get("devices", ())]
         in_pool = sorted(d["name"] for d in devs if not d["name"].startswith("gpuset-"))
         sets = sorted(d["name"] for d in devs if d["name"].startswith("gpuset-"))
         withdrawing = {d["name"] for d in devs if any(t.get("key") == key for t in d.get("taints", ()))}
         tally.devices.append(len(devs))
-        since = 0
 
     def place(step: int, profile: str, hold: int, retry: bool) -> None:
-        nonlocal since
         model = AllocatorModel(slices, CLASSES, CEL, allocated=[(D, "node-1", n) for n in held])
         result = model.allocate([claim(f"c{step}", profile)], "node-1")
         if result is None:
-            if agent and since and not retry:  # kube-scheduler requeues it on the next ResourceSlice update
+            if agent and held.keys() - prepared and not retry:  # requeued on the next ResourceSlice update
                 waiting.append((profile, hold))
                 return
             tally.refused += 1
@@ -183,25 +185,31 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
         held[name] = (slot.gpu,) if slot is not None else (int(name.split("-")[1]),)
         until[name] = step + hold
         tally.served += 1
-        since += 1
 
     start = time.perf_counter()
     for step, (profile, hold) in enumerate(events):
-        if agent and step % every == 0 and waiting:
+        boundary = agent and step % every == 0
+        if boundary and waiting:
             # the re-publication the window's prepares cause, before anything is released: the
             # claims refused on the older rendering are tried once more, then refused for good
+            prepared.update(held)
             render()
             for p, h in waiting:
                 place(step, p, h, retry=True)
             waiting = []
-        for name in [n for n, t in until.items() if t <= step]:
+        released = [n for n, t in until.items() if t <= step]
+        for name in released:
             del held[name], until[name]
-        if agent and step % every == 0:
+            prepared.discard(name)
+        if boundary:
+            prepared.update(held)
+        if boundary or (agent and released):
             render()
         elif not agent:
             slices = static or []
         place(step, profile, hold, retry=False)
     for p, h in waiting:  # the last window's
+        prepared.update(held)
         render()
         place(len(events), p, h, retry=True)
     tally.seconds = time.perf_counter() - start
