@@ -311,7 +311,16 @@ def chosen_slots(layout_by_gpu: Mapping[int, GpuLayout], avoid: Collection[int] 
             best = [b for b in best if b not in chosen]
             if best:
                 chosen.append(best[0])
-    return [s for name in names for s in by_profile[name]]
+    return [s for p in sorted(names.values(), key=_publication_key) for s in by_profile[p.name]]
+
+
+def _publication_key(profile: MigProfile) -> tuple[int, int, bool, str]:
+    """Profiles in publication order: smallest first (a GPU holds more small instances than
+    large ones, so more claims ask for them, and the allocator evaluates a MIG claim's
+    selectors on every MIG device it walks), a media-extension variant after its plain
+    profile. The order among one profile's slots, which decides the placement, is the best fit."""
+    size = max((pl.size for pl in profile.placements), default=0)
+    return size, profile.compute_slices, "+" in profile.name, profile.name
 
 
 def blocked(slot: MigSlot, layout: GpuLayout) -> bool:
