@@ -173,6 +173,11 @@ class Config:
     #: prepare (docs/dra/mig.md): off (the default until it has met a real GPU) or on
     #: (env DRA_DYNAMIC_MIG)
     dynamic_mig: str = "off"
+    #: with dynamic MIG, how many placements of each profile a node publishes for its current
+    #: layout (1-8): more keep the best-fit placement when the scheduler allocates several
+    #: claims of a profile on a node before the agent re-publishes, and cost the scheduler
+    #: more work on every Filter (docs/dra/mig.md) (env DRA_MIG_PLACEMENTS_PER_PROFILE)
+    mig_placements_per_profile: int = 2
     # --- NCCL (issue 24; docs/nccl.md)
     #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""
@@ -233,6 +238,7 @@ ENV_FIELDS: Mapping[str, str] = {
     "DRA_GPU_SETS": "gpu_sets",
     "DRA_GPU_SET_WITHDRAWAL_GRACE_S": "gpu_set_withdrawal_grace_s",
     "DRA_DYNAMIC_MIG": "dynamic_mig",
+    "DRA_MIG_PLACEMENTS_PER_PROFILE": "mig_placements_per_profile",
     "MPS_ROOT": "mps_root",
     "MPS_CONTROL_BINARY": "mps_control_binary",
     "NVIDIA_SMI": "nvidia_smi",
@@ -400,7 +406,7 @@ def is_critical_xid(config: Config, xid: int) -> bool:
 START_ONLY_FIELDS = (
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig", "node_name",
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s", "dynamic_mig",
-    "metrics_address", "probe_address", "web_config_file",
+    "mig_placements_per_profile", "metrics_address", "probe_address", "web_config_file",
     "pod_resources_socket", "proc_root", "cri_socket", "sample_interval_s", "pod_resources_refresh_s",
     "idle_utilization_threshold_pct", "labels_sink", "features_dir", "feature_file", "pod_namespace",
     "pod_name", "pod_uid", "sysfs_root", "nccl_host_dir", "node_condition", "kernel_log", "health_state_file",

@@ -369,6 +369,7 @@ DRA_FILE_KEYS: Mapping[str, str] = {
     "gpuSets": "gpu_sets",
     "gpuSetWithdrawalGraceSeconds": "gpu_set_withdrawal_grace_s",
     "dynamicMig": "dynamic_mig",
+    "migPlacementsPerProfile": "mig_placements_per_profile",
 }
 
 

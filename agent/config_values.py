@@ -27,6 +27,8 @@ MODES = ("device-plugin", "dra")
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 #: dra.gpuSets: by the API server's version, always, never
 GPU_SETS_MODES = ("auto", "on", "off")
+#: dra.migPlacementsPerProfile: at most this many (8 placements hold every 1g of an H100 and more)
+MAX_MIG_PLACEMENTS_PER_PROFILE = 8
 #: dra.dynamicMig: MIG devices cut on demand, or not
 DYNAMIC_MIG_MODES = ("off", "on")
 LABEL_SINKS = ("file", "nodefeature")
@@ -168,16 +170,17 @@ def expect_xid_overrides(value: object, where: str) -> tuple[tuple[int, str], ..
     return tuple(sorted(out.items()))
 
 
-def expect_count(value: object, where: str, minimum: int = 1) -> int:
-    """A whole number >= ``minimum``."""
+def expect_count(value: object, where: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number >= ``minimum`` (and <= ``maximum`` when given)."""
+    expected = f"a whole number >= {minimum}" if maximum is None else f"a whole number from {minimum} to {maximum}"
     try:
         if isinstance(value, bool):
             raise TypeError
         number = int(str(value).strip())
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: expected a whole number >= {minimum}, got {got(value)}") from None
-    if number < minimum:
-        raise ValueError(f"{where}: expected a whole number >= {minimum}, got {got(value)}")
+        raise ValueError(f"{where}: expected {expected}, got {got(value)}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        raise ValueError(f"{where}: expected {expected}, got {got(value)}")
     return number
 
 
@@ -310,6 +313,7 @@ FIELD_PARSERS: Mapping[str, Callable[[Any, str], object]] = {
     "gpu_sets": lambda v, w: expect_choice(v, GPU_SETS_MODES, w),
     "gpu_set_withdrawal_grace_s": expect_number,
     "dynamic_mig": _dynamic_mig,
+    "mig_placements_per_profile": lambda v, w: expect_count(v, w, 1, MAX_MIG_PLACEMENTS_PER_PROFILE),
     "mps_root": expect_path,
     "mps_control_binary": expect_program,
     "nvidia_smi": expect_program,

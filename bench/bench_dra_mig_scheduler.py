@@ -1,7 +1,7 @@
 """The scheduler's work per pod with dynamic MIG published, beside whole GPUs only.
 
 Run: ``.venv/bin/python bench/bench_dra_mig_scheduler.py`` (``--nodes 100,500``,
-``--pods N``, ``--states S``, ``--seed S``, ``--quick``).
+``--pods N``, ``--states S``, ``--seed S``, ``--placements N``, ``--quick``).
 
 The model and the counts are ``bench/bench_dra_scheduler.py``'s (read its docstring): the
 allocator model's :class:`Work` per Filter, gathering as Kubernetes 1.37 does
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench_dra_scheduler import items, num_feasible_nodes_to_find  # noqa: E402
 from quality_mig import MIX, claim  # noqa: E402
 
-from agent.dra.migslots import dynamic_gpus, resolve_slot  # noqa: E402
+from agent.dra.migslots import SLOTS_PER_PROFILE, dynamic_gpus, resolve_slot  # noqa: E402
 from agent.dra.occupancy import Occupancy  # noqa: E402
 from agent.dra.slices import render_slices  # noqa: E402
 from tests.testbed.dra_allocator_model import AllocatorModel, ClusterGather, Work, gather_pools  # noqa: E402
@@ -44,7 +44,8 @@ from tests.testbed.mig_support import mig_topology  # noqa: E402
 D = "gpu.gpu-agent.io"
 
 
-def states(topology: Any, count: int, rng: random.Random, mig: bool) -> list[tuple[dict[str, tuple[int, ...]], list]]:
+def states(topology: Any, count: int, rng: random.Random, mig: bool,
+           placements: int = SLOTS_PER_PROFILE) -> list[tuple[dict[str, tuple[int, ...]], list]]:
     """``count`` node states: (held devices, the slices published for them)."""
     geos = dynamic_gpus(topology)
     total = sum(g.memory_slices for g in geos.values())
@@ -53,7 +54,7 @@ def states(topology: Any, count: int, rng: random.Random, mig: bool) -> list[tup
     for s in range(count):
         fill, held, in_pool = rng.uniform(0, 0.9), {}, []
         for step in range(200):
-            slices = render_slices(topology, node_name=f"state-{s}", driver=D, dynamic_mig=mig,
+            slices = render_slices(topology, node_name=f"state-{s}", driver=D, dynamic_mig=mig, mig_placements=placements,
                                    occupancy=Occupancy(dict(held), (), None, (), in_pool))
             in_pool = sorted(d["name"] for o in slices for d in o["spec"].get("devices", ()))
             used = sum(8 if resolve_slot(n, geos) is None else resolve_slot(n, geos).placement.size  # type: ignore[union-attr]
@@ -69,7 +70,7 @@ def states(topology: Any, count: int, rng: random.Random, mig: bool) -> list[tup
             (((_, (_, _, name)),),) = got
             slot = resolve_slot(name, geos)
             held[name] = (slot.gpu,) if slot is not None else (int(name.split("-")[1]),)
-        slices = render_slices(topology, node_name=f"state-{s}", driver=D, dynamic_mig=mig,
+        slices = render_slices(topology, node_name=f"state-{s}", driver=D, dynamic_mig=mig, mig_placements=placements,
                                occupancy=Occupancy(dict(held), (), None, (), in_pool))
         out.append((held, slices))
     return out
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=200)
     ap.add_argument("--states", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--placements", type=int, default=SLOTS_PER_PROFILE,
+                    help=f"dra.migPlacementsPerProfile of the dynamic MIG worlds (default {SLOTS_PER_PROFILE})")
     ap.add_argument("--quick", action="store_true", help="100 nodes, 3 states, 40 pods (a smoke run)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -118,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     topology = mig_topology("dgx-h100")
     rng = random.Random(args.seed)
     whole = states(topology, args.states, rng, mig=False)
-    migs = states(topology, args.states, rng, mig=True)
+    migs = states(topology, args.states, rng, mig=True, placements=args.placements)
     names, weights = zip(*MIX)
     mix = [rng.choices(names, weights)[0] for _ in range(args.pods)]
-    print(f"dgx-h100 (8 H100), {args.states} states, {args.pods} pods, Kubernetes 1.37 gathering;"
+    print(f"dgx-h100 (8 H100), {args.states} states, {args.pods} pods, Kubernetes 1.37 gathering,"
+          f" {args.placements} placement(s) per MIG profile;"
           f" devices per node: whole GPUs {_mean(whole)}, dynamic MIG {_mean(migs)}")
     print("nodes  world                            items/pod  counters/pod  unschedulable  x whole GPUs")
     for n in (int(x) for x in args.nodes.split(",")):

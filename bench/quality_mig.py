@@ -2,7 +2,7 @@
 the agent's best fit, and a repacking bound.
 
 Run: ``.venv/bin/python bench/quality_mig.py`` (``--events N``, ``--seeds K``, ``--machine M``,
-``--markdown``, ``--quick``).
+``--every N``, ``--placements N``, ``--markdown``, ``--quick``).
 
 A churn of claims (seeded): each event one claim arrives, a MIG profile (1g.10gb, 1g.20gb,
 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb) or a whole GPU, and holds it for a drawn number of events
@@ -15,9 +15,17 @@ state. A claim that does not fit is refused and gone. Worlds:
   placement of every profile of every GPU, the full GPUs beside them, one counter set per GPU
   (the same counters as the agent's), in device-name order, published once: the allocator's
   first fit is the lowest GPU and the lowest placement that fits;
-* ``agent``: the agent's slices (``render_slices(..., dynamic_mig=True)``, GPU sets on),
-  re-rendered for the claims held after every allocation and release, as the publisher does at
-  every prepare and unprepare; a device leaving is tainted for one rendering (the grace) first;
+* ``agent``: the agent's slices (``render_slices(..., dynamic_mig=True)``, GPU sets on,
+  ``--placements`` per profile), re-rendered for the claims held after every allocation and
+  release, as the publisher does at every prepare and unprepare; a device leaving is tainted
+  for one rendering (the grace) first. With ``--every N`` the agent's prepares lag the
+  scheduler: the claims allocated are prepared (and the slices re-rendered for them) before
+  every N-th claim only, so N claims are allocated on one rendering; a release re-renders at
+  once for the claims prepared by then (those allocated since stay as the pool showed them). A
+  claim refused while some allocation is not prepared yet is tried once more at the next
+  prepare's re-rendering, before that step's releases (kube-scheduler's DynamicResources
+  plugin requeues a pod it refused when a ResourceSlice is added or updated), and is refused
+  for good only then;
 * ``repacking bound``: no allocator, a reference: each GPU's instances may be re-placed at will
   at every claim (a claim fits a GPU when some legal layout holds its instances and the new
   one; a whole GPU needs an empty one); the claim goes to the fullest GPU it fits. No
@@ -48,7 +56,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 from agent.dra.device_values import render_device  # noqa: E402
 from agent.dra.devices import parse_mig_slot_name  # noqa: E402
 from agent.dra.mig_publish import counter_slices, mig_devices  # noqa: E402
-from agent.dra.migslots import GpuLayout, MigSlot, dynamic_gpus, gpu_counters, resolve_slot  # noqa: E402
+from agent.dra.migslots import (  # noqa: E402
+    SLOTS_PER_PROFILE,
+    GpuLayout,
+    MigSlot,
+    dynamic_gpus,
+    gpu_counters,
+    resolve_slot,
+)
 from agent.dra.occupancy import Occupancy  # noqa: E402
 from agent.dra.slices import health_marks, render_devices, render_slices  # noqa: E402
 from agent.dra.withdrawal import withdrawal_taint  # noqa: E402
@@ -138,7 +153,8 @@ def _name_key(name: str) -> tuple[Any, ...]:
     return (name,) if parsed is None else (f"gpu-{parsed[0]}-mig-{parsed[1]}", parsed[2])
 
 
-def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, every: int = 1) -> Tally:
+def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, every: int = 1,
+                  placements: int = SLOTS_PER_PROFILE) -> Tally:
     """One world's churn. The agent renders for the claims it has prepared, at every prepare
     and unprepare; with ``every`` N > 1 its prepares lag the scheduler's allocations: the
     claims allocated are prepared (and the slices re-rendered) before every N-th claim only,
@@ -160,7 +176,7 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
     def render() -> None:
         nonlocal slices, in_pool, sets, withdrawing
         known = {n: g for n, g in held.items() if n in prepared}
-        slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True,
+        slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True, mig_placements=placements,
                                occupancy=Occupancy(known, sets, sorted(withdrawing), sorted(withdrawing), in_pool))
         devs = [d for s in slices for d in s["spec"].get("devices", ())]
         in_pool = sorted(d["name"] for d in devs if not d["name"].startswith("gpuset-"))
@@ -281,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--machine", default="dgx-h100")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--every", type=int, default=1,
-                    help="the agent re-publishes before every N-th claim (default 1: after each)")
+                    help="the agent prepares (and re-publishes) before every N-th claim only: N claims are"
+                         " allocated on one rendering (default 1: after each)")
+    ap.add_argument("--placements", type=int, default=SLOTS_PER_PROFILE,
+                    help=f"dra.migPlacementsPerProfile of the agent's world (default {SLOTS_PER_PROFILE})")
     ap.add_argument("--quick", action="store_true", help="one seed, 60 events (a smoke run for CI)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seeds):
         events = trace(seed, args.events)
         for world, tally in (("NVIDIA order", run_allocator(topology, events, False)),
-                             ("agent", run_allocator(topology, events, True, args.every)),
+                             ("agent", run_allocator(topology, events, True, args.every, args.placements)),
                              ("repacking bound", run_repack(topology, events))):
             t = totals[world]
             t.served += tally.served

@@ -352,3 +352,67 @@ def test_a_profiles_second_placement_stays_clear_of_every_profiles_first_so_clai
         gpu, taken = slots[1]
         clashes = [other for other, (g, s) in firsts.items() if g == gpu and s & taken]
         assert not clashes, f"{label}'s second placement overlaps the first of {clashes}"
+
+
+@pytest.mark.parametrize("placements", [1, 3])
+def test_the_placements_published_per_profile_follow_dra_mig_placements_per_profile(capsys, tmp_path, placements):
+    import yaml
+
+    from agent import cli
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"version: v1\ndra:\n  migPlacementsPerProfile: {placements}\n")
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--dynamic-mig", "--config", str(config)]) == 0
+    names = [d["name"] for s in yaml.safe_load_all(capsys.readouterr().out) for d in s["spec"].get("devices", ())]
+    per_profile: dict[str, list[str]] = {}
+    for n in names:
+        if (parsed := parse_mig_slot_name(n)) is not None:
+            per_profile.setdefault(parsed[1], []).append(n)
+    assert set(per_profile) == {profile_label(p) for p in ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb",
+                                                           "4g.40gb", "7g.80gb")}
+    # as many as asked where the free GPUs hold them (one 1g.10gb+me a GPU, but eight free GPUs)
+    assert {len(v) for v in per_profile.values()} == {placements}
+    # smallest profile first: a MIG claim's selectors run on every MIG device it walks
+    first = [parse_mig_slot_name(n)[1] for n in names if parse_mig_slot_name(n) is not None][::placements]
+    assert first[:3] == [profile_label("1g.10gb"), profile_label("1g.10gb+me"), profile_label("1g.20gb")]
+
+
+@pytest.mark.parametrize("where, how", [
+    ("flag", lambda tmp: ["--mig-placements-per-profile", "0"]),
+    ("file", lambda tmp: ["--config", _write(tmp / "c.yaml", "version: v1\ndra: {migPlacementsPerProfile: many}\n")]),
+])
+def test_a_bad_mig_placements_per_profile_is_one_line_naming_it(capsys, tmp_path, where, how):
+    from agent import cli
+
+    assert cli.main(["slices", "--simulate", "dgx-h100", "--dynamic-mig", *how(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("migPlacementsPerProfile" in err[0] or "--mig-placements-per-profile" in err[0]), err
+    assert "expected a whole number from 1 to 8" in err[0]
+
+
+def test_the_publisher_publishes_as_many_placements_as_the_environment_says(tmp_path):
+    from waiting import eventually
+
+    from agent.config import load_config
+    from agent.dra.publish_settings import PublishSettings
+    from agent.dra.publisher import SlicePublisher
+    from agent.dra.view import DraView
+    from tests.testbed.apiserver_stub import ApiServerStub
+
+    config = load_config(None, {"NODE_NAME": "node-1", "DRA_DYNAMIC_MIG": "on", "DRA_MIG_PLACEMENTS_PER_PROFILE": "1",
+                                "DRA_DRIVER_NAME": D}, {})
+    with ApiServerStub() as server:
+        server.add_node("node-1")
+        pub = SlicePublisher(server.api_client, DraView(mig_topology("dgx-h100"), True), PublishSettings.from_config(config))
+        pub.start()
+        try:
+            assert eventually(pub.ready, 30)
+            migs = [parse_mig_slot_name(d["name"]) for d in devices(server.slices()) if "-mig-" in d["name"]]
+            assert len(migs) == len({label for _, label, _ in migs}) == 7, migs
+        finally:
+            pub.stop()
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)

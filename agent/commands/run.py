@@ -13,7 +13,12 @@ from typing import Callable, Mapping
 
 from agent.commands._common import add_simulate_flag
 from agent.config import Config, default_environ, load_config
-from agent.config_values import DYNAMIC_MIG_MODES, GPU_SETS_MODES, TAINT_EFFECTS
+from agent.config_values import (
+    DYNAMIC_MIG_MODES,
+    GPU_SETS_MODES,
+    MAX_MIG_PLACEMENTS_PER_PROFILE,
+    TAINT_EFFECTS,
+)
 from agent.containers import check_imex_channels
 from agent.errors import AgentError, UsageError
 from agent.files import nearest_existing
@@ -185,6 +190,12 @@ def _add_dra_flags(p: argparse.ArgumentParser) -> None:
                      default=None, help="publish MIG profiles on placements of MIG-capable GPUs as devices, cut"
                                         " at prepare (docs/dra/mig.md); --dynamic-mig alone is on"
                                         f" (default: {_DEFAULTS.dynamic_mig}; env DRA_DYNAMIC_MIG)")
+    dra.add_argument("--mig-placements-per-profile", metavar="N", dest="mig_placements_per_profile", default=None,
+                     help="with dynamic MIG, the placements of each profile published for the current layout"
+                          f" (1-{MAX_MIG_PLACEMENTS_PER_PROFILE}): more keep the best fit when the scheduler"
+                          " allocates several claims on a node before the agent re-publishes, and cost the"
+                          " scheduler more work per pod (docs/dra/mig.md)"
+                          f" (default: {_DEFAULTS.mig_placements_per_profile}; env DRA_MIG_PLACEMENTS_PER_PROFILE)")
 
 
 def _add_nccl_flags(p: argparse.ArgumentParser) -> None:
@@ -238,6 +249,7 @@ FLAG_FIELDS = (
     "label_interval_s", "proc_root", "cri_socket", "mps_root", "mps_control_binary", "nvidia_smi",
     "mode", "driver_name", "plugins_registry_dir", "plugins_dir", "cdi_dir", "kubeconfig",
     "delete_slices_on_shutdown", "taint_effect", "gpu_sets", "gpu_set_withdrawal_grace_s", "dynamic_mig",
+    "mig_placements_per_profile",
     "no_timestamp", "labels_sink", "pod_namespace", "pod_name", "pod_uid",
     "config_file_srcdir", "default_config", "node_label", "fallback_strategies", "imex_channel_ids",
     "imex_required", "nccl_topology_file", "nccl_pod_files", "nccl_host_dir", "nccl_mount_path", "nccl_ib_hca",

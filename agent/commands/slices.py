@@ -60,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dynamic-mig", choices=("off", "on"), nargs="?", const="on", dest="dynamic_mig", default=None,
                    help="publish MIG profiles on placements of MIG-capable GPUs as devices (v1 only;"
                         " docs/dra/mig.md); --dynamic-mig alone is on (default: the config's dra.dynamicMig, off)")
+    p.add_argument("--mig-placements-per-profile", metavar="N", dest="mig_placements_per_profile", default=None,
+                   help="with --dynamic-mig, the placements of each profile published (default: the config's"
+                        " dra.migPlacementsPerProfile, 2)")
     p.set_defaults(func=run)
 
 
@@ -169,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     if args.api_version not in API_VERSIONS:
         raise UsageError(f"--api-version {args.api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     server = parse_server_version(args.server_version) if args.server_version is not None else NEWEST_KNOWN
-    config = load_config(args.config, dict(default_environ()), {"dynamic_mig": args.dynamic_mig})
+    flags = {"dynamic_mig": args.dynamic_mig, "mig_placements_per_profile": args.mig_placements_per_profile}
+    config = load_config(args.config, dict(default_environ()), flags)
     node = check_node_name(args.node_name or config.node_name or socket.gethostname().lower())
     topology = load_topology(args.simulate)
     dynamic_mig = config.dynamic_mig == "on"
@@ -180,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     fresh = () if config.gpu_set_withdrawal_grace_s > 0 else None
     slices = render_slices(topology, node_name=node, driver=config.driver_name, api_version=args.api_version,
                            occupancy=Occupancy(held, (), fresh, (), fresh), with_sets=with_sets,
-                           dynamic_mig=dynamic_mig)
+                           dynamic_mig=dynamic_mig, mig_placements=config.mig_placements_per_profile)
     sys.stdout.write(dump_yaml(slices))
     if dynamic_mig:
         _say_dynamic_mig(topology, args.api_version)

@@ -51,6 +51,7 @@ from agent.dra.counters import counter_set_name as gpus_counter_set
 from agent.dra.device_values import Device, gpu_attributes, make_device
 from agent.dra.gpusets import clique_ids, island_ids
 from agent.dra.migslots import (
+    SLOTS_PER_PROFILE,
     MigSlot,
     blocked,
     chosen_slots,
@@ -205,16 +206,18 @@ def _natural(name: str) -> tuple[int, str]:
 
 
 def mig_devices(topology: Topology, driver: str, marks: HealthMarks, held: Mapping[str, Collection[int]],
-                in_pool: Collection[str] | None, expired: Collection[str] | None, graced: bool) -> MigRendering:
+                in_pool: Collection[str] | None, expired: Collection[str] | None, graced: bool,
+                per_profile: int = SLOTS_PER_PROFILE) -> MigRendering:
     """The MIG devices to publish (module docstring). ``held``: every device prepared claims
     hold (name -> GPU indices); ``in_pool``: the devices in the pool now (None: not known);
     ``expired``: those whose withdrawal taint has been out for the grace (None: no grace);
-    ``graced``: the API server keeps taints."""
+    ``graced``: the API server keeps taints; ``per_profile``: the placements chosen for each
+    profile (``dra.migPlacementsPerProfile``)."""
     geometries = dynamic_gpus(topology)
     if not geometries:
         return MigRendering(geometries, [], [])
     lay = layouts(geometries, held, instance_slots(topology, geometries))
-    chosen = chosen_slots(lay, avoid=set(marks.reasons))
+    chosen = chosen_slots(lay, avoid=set(marks.reasons), per_profile=per_profile)
     mine = slots_named(held, geometries)
     names = {s.name for s in [*chosen, *mine]}
     others = [s for s in slots_named(sorted(in_pool or ()), geometries) if s.name not in names]

@@ -30,10 +30,11 @@ there, compared largest profile first (7g, then 4g, 3g, ...): the least loss of 
 large profiles first, so a GPU already cut is preferred to an intact one (which would lose
 its 7g) and, on a GPU, the placement that splits no free aligned block a 3g or 4g needs;
 then the fullest GPU (fewest free memory slices after it: best fit); then GPU index and
-placement. Per profile the node publishes :data:`SLOTS_PER_PROFILE` such candidates, each
-chosen as if the ones before it were taken (so claims allocated before the next
-re-publication find disjoint placements), not every placement of every profile: the
-scheduler pays for every device it walks. docs/dra/mig.md shows the rule on the bench.
+placement. Per profile the node publishes ``dra.migPlacementsPerProfile`` (default
+:data:`SLOTS_PER_PROFILE`) such candidates, each chosen as if the ones before it were taken
+(so claims allocated before the next re-publication find disjoint placements), not every
+placement of every profile: the scheduler pays for every device it walks. docs/dra/mig.md
+shows the rule on the bench.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ __all__ = [
     "by_size", "dynamic_gpus", "gpu_counters", "instance_slots", "layouts", "resolve_slot", "slot_order",
 ]
 
-#: How many placements of each profile the node publishes for its current layout.
+#: How many placements of each profile the node publishes for its current layout, by default
+#: (``dra.migPlacementsPerProfile``).
 SLOTS_PER_PROFILE = 2
 #: NVIDIA's compute counters (the names of kubernetes-sigs/dra-driver-nvidia-gpu) and the
 #: :class:`~agent.records.MigProfile` field each counts.
@@ -285,7 +287,8 @@ def slot_order(layout_by_gpu: Mapping[int, GpuLayout], profile: str, avoid: Coll
 
 def chosen_slots(layout_by_gpu: Mapping[int, GpuLayout], avoid: Collection[int] = (),
                  per_profile: int = SLOTS_PER_PROFILE) -> list[MigSlot]:
-    """The slots to publish for the current layouts, largest profile first: in round one per
+    """The slots to publish for the current layouts, in publication order (smallest profile
+    first, :func:`_publication_key`; chosen largest profile first): in round one per
     profile the best :func:`slot_order` gives; in each further round (at most
     ``per_profile``) the best with every slot of the rounds before taken, of every profile (the
     scheduler may place claims of several profiles before the next rendering: a profile's

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Protocol
 
 from agent.config import DEFAULT_DRIVER_NAME, Config
+from agent.dra.migslots import SLOTS_PER_PROFILE
 
 __all__ = ["HealthSource", "PreparedDevices", "PublishSettings", "PublisherEvents"]
 
@@ -62,7 +63,8 @@ class PublishSettings:
     vanish), ``dra.gpuSets`` (:func:`agent.dra.gpusets.gpu_sets_decision`), the grace period
     of a set's withdrawal (``dra.gpuSetWithdrawalGraceSeconds``, :mod:`agent.dra.withdrawal`;
     0: withdrawn at once), whether MIG-capable GPUs offer MIG devices cut on demand
-    (``dra.dynamicMig``, :mod:`agent.dra.mig_publish`), the capped exponential backoff after a
+    (``dra.dynamicMig``, :mod:`agent.dra.mig_publish`) and how many placements of each profile
+    (``dra.migPlacementsPerProfile``), the capped exponential backoff after a
     failure and the period of a full resync."""
 
     node_name: str
@@ -72,6 +74,7 @@ class PublishSettings:
     gpu_sets: str = "auto"
     withdrawal_grace_s: float = 60.0
     dynamic_mig: bool = False
+    mig_placements: int = SLOTS_PER_PROFILE
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     resync_s: float = 300.0
@@ -79,4 +82,5 @@ class PublishSettings:
     @classmethod
     def from_config(cls, config: Config) -> PublishSettings:
         return cls(config.node_name, config.driver_name, config.taint_effect, config.delete_slices_on_shutdown,
-                   config.gpu_sets, config.gpu_set_withdrawal_grace_s, config.dynamic_mig == "on")
+                   config.gpu_sets, config.gpu_set_withdrawal_grace_s, config.dynamic_mig == "on",
+                   config.mig_placements_per_profile)

@@ -244,7 +244,8 @@ class SlicePublisher(Worker):
                              with_sets=bool(self.gpu_sets) and self.kept[PARTITIONABLE_DEVICES],
                              taint_effect=self.settings.taint_effect if taints else None,
                              keep=() if taints else prepared, policy=view.policy,
-                             dynamic_mig=self.settings.dynamic_mig and self.kept[PARTITIONABLE_DEVICES])
+                             dynamic_mig=self.settings.dynamic_mig and self.kept[PARTITIONABLE_DEVICES],
+                             mig_placements=self.settings.mig_placements)
 
     # ------------------------------------------------------------------ thread
     def _on_health_change(self) -> None:

@@ -118,6 +118,7 @@ from agent.dra.gpusets import (
     island_ids,
 )
 from agent.dra.mig_publish import MigRendering, counter_slices, cut_gpus, mig_devices
+from agent.dra.migslots import SLOTS_PER_PROFILE
 from agent.dra.occupancy import NOTHING_HELD, Occupancy
 from agent.dra.taints import MAX_TAINTS, HealthMarks
 from agent.dra.withdrawal import withdrawal_taint
@@ -246,6 +247,7 @@ def render_slices(
     keep: Collection[str] = (),
     policy: SetPolicy | None = None,
     dynamic_mig: bool = False,
+    mig_placements: int = SLOTS_PER_PROFILE,
 ) -> list[dict[str, Any]]:
     """The node's ResourceSlice objects for ``resource.k8s.io/<api_version>``: one pool named
     after the node, owned by the Node when its UID is known. With ``with_sets`` (the default)
@@ -258,7 +260,8 @@ def render_slices(
     published now; the single GPUs and the sets follow it (:mod:`agent.dra.gpusets`).
     ``policy``: the topology's :class:`agent.dra.gpusets.SetPolicy`, built when not given.
     ``dynamic_mig`` (``v1`` only): the MIG devices of :mod:`agent.dra.mig_publish` after the
-    single GPUs, and their counter slices after the sets' (module docstring)."""
+    single GPUs, and their counter slices after the sets' (module docstring), ``mig_placements``
+    of each profile."""
     if api_version not in API_VERSIONS:
         raise ValueError(f"api version {api_version!r}: expected one of {', '.join(API_VERSIONS)}")
     marks = health_marks(topology, unhealthy, taint_effect, keep)
@@ -268,7 +271,7 @@ def render_slices(
     if with_sets and api_version in SETS_API_VERSIONS and topology.gpu_count >= 2:
         sets = _set_devices(topology, policy, occupancy, free, driver, marks, graced=taint_effect is not None)
     mig = (mig_devices(topology, driver, marks, occupancy.held, occupancy.singles, occupancy.expired,
-                       graced=taint_effect is not None)
+                       graced=taint_effect is not None, per_profile=mig_placements)
            if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
     singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None,
                        mig.geometries)
