@@ -765,7 +765,7 @@ def test_the_config_file_sets_the_dra_settings_and_names_a_bad_key(tmp_path):
     path.write_text("version: v1\ndra:\n  driver: gpu.example.com\n")
     with pytest.raises(ConfigError, match=r"config.yaml: dra.driver: unknown key \(expected one of driverName, "
                                           r"pluginsRegistryDir, pluginsDir, cdiDir, kubeconfig, deleteSlicesOnShutdown, taintEffect, gpuSets,"
-                                          r" gpuSetWithdrawalGraceSeconds, dynamicMig\)"):
+                                          r" gpuSetWithdrawalGraceSeconds, dynamicMig, migPlacementsPerProfile\)"):
         load_config(str(path), {}, {})
     path.write_text("version: v1\nmode: DRA-please\n")
     with pytest.raises(ConfigError, match=r"config.yaml: mode: expected one of device-plugin, dra, got 'DRA-please'"):
