@@ -413,6 +413,23 @@ def test_the_publisher_publishes_as_many_placements_as_the_environment_says(tmp_
             pub.stop()
 
 
+def test_a_held_mig_device_meeting_nothing_stays_published_where_the_devices_take_several_slices():
+    topology = mig_topology("dgx-h100")
+    held = {"gpu-1-mig-3g40gb-0": (1,)}
+
+    def published(placements):
+        slices = render_slices(topology, node_name="node-1", dynamic_mig=True, mig_placements=placements,
+                               occupancy=_occupancy(held))
+        return len([s for s in slices if s["spec"].get("devices")]), {d["name"] for d in devices(slices)}
+
+    one, names = published(2)
+    assert one == 1 and "gpu-1-mig-3g40gb-0" not in names and not _meeting("gpu-1-mig-3g40gb-0", names)
+    # eight placements of seven profiles, the singles and the sets: more than 64 devices, two slices a view
+    # may take from two publications: the held device keeps its counters in the pool
+    several, names = published(8)
+    assert several > 1 and "gpu-1-mig-3g40gb-0" in names
+
+
 def _write(path, text):
     path.write_text(text)
     return str(path)

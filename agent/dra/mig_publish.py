@@ -5,9 +5,10 @@ their counter sets (the rule and the counters: :mod:`agent.dra.migslots`).
 layout (best first, :func:`agent.dra.migslots.chosen_slots`); the slots prepared claims hold
 that meet another published device (:meth:`MigRendering.lone_held`: one on a GPU whose full
 GPU is withdrawn, in no set, and overlapped by no MIG device published, is left out by the
-renderer: no device of the slices needs its counters, nothing can be allocated beside it
-that its counters would stop, and the scheduler would convert it on every Filter for
-nothing; on an unhealthy GPU it stays, carrying the GPU's taint); then the slots in the pool
+renderer where the node's devices fit one device slice, so that every view of the pool has
+one publication's devices: no device of the slices needs its counters, nothing can be
+allocated beside it that its counters would stop, and the scheduler would convert it on
+every Filter for nothing; on an unhealthy GPU it stays, carrying the GPU's taint); then the slots in the pool
 now that neither chose nor a claim holds, which a claim the agent has not heard of yet may
 hold: where the API server keeps taints and a grace is set, they stay with the withdrawal
 taint ``<driver>/withdrawn`` (no new claim gets them, the scheduler still counts them) until

@@ -275,9 +275,12 @@ def render_slices(
            if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
     singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None,
                        mig.geometries)
-    # a MIG device a prepared claim holds that meets no other device is left out (mig_publish's docstring)
+    # a MIG device a prepared claim holds that meets no other device is left out where the devices fit one
+    # slice: every view of the pool then has one publication's devices (mig_publish's docstring)
     standing = {g for d in sets for g in d.consumes} | {g for d in singles for g in _gpu_of(d)}
-    mig = mig.leaving_out(mig.lone_held(occupancy.held, standing, marks.reasons))
+    lone = mig.lone_held(occupancy.held, standing, marks.reasons)
+    if len(sets) + len(singles) + len(mig.devices) - len(lone) <= MAX_DEVICES_WITH_COUNTERS:
+        mig = mig.leaving_out(lone)
     if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
         # one device slice: the MIG counters only where two devices meet, and where two or more
         # devices stand for a GPU, each consumes its size of the GPU's set counter, the full GPU all
