@@ -175,18 +175,26 @@ def test_a_reload_whose_socket_is_cleared_at_every_bind_for_a_while_is_served_on
             if name != "kubelet.sock":
                 os.unlink(os.path.join(kubelet_dir, name))
 
+    def failures() -> int:
+        return len([line for line in run.lines(f"serving {RESOURCE} on ") if " failed: " in line])
+
     watch = StagedSocketWatch(kubelet_dir, run.proc.pid, clear)
     try:
-        before = len(kubelet.registered(RESOURCE))
-        watch.arm(5)  # more than a start binds again by itself: the kubelet watch serves it later
-        run.signal(signal.SIGHUP)
-        assert serving_again(kubelet, run, probe_port, before, 15.0), run.log()[-3000:]
-        assert watch.struck == 5, watch.struck
+        # the watch must stop the agent between its bind and its rename; on a loaded machine it can
+        # wake after the rename, and that reload is served unstruck: reload again, a few times at most
+        for _ in range(3):
+            before, struck, failed = len(kubelet.registered(RESOURCE)), watch.struck, failures()
+            watch.arm(5)  # more than a start binds again by itself: the kubelet watch serves it later
+            run.signal(signal.SIGHUP)
+            assert serving_again(kubelet, run, probe_port, before, 15.0), run.log()[-3000:]
+            watch.arm(0)
+            if watch.struck - struck == 5:
+                break
+        assert watch.struck - struck == 5, watch.struck
         assert status(probe_port, "/health") == 200
     finally:
         watch.close()
-    failed = run.lines(f"serving {RESOURCE} on ")
-    assert len([line for line in failed if " failed: " in line]) == 1, run.log()[-3000:]
+    assert failures() - failed == 1, run.log()[-3000:]
     assert len(run.lines(f"serving {RESOURCE} on {kubelet_dir}")) >= 1
 
 

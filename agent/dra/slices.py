@@ -275,25 +275,31 @@ def render_slices(
            if dynamic_mig and api_version in SETS_API_VERSIONS else MigRendering({}, [], []))
     singles = _singles(topology, driver, marks, policy.single_order(free), sets, occupancy, taint_effect is not None,
                        mig.geometries)
-    # a MIG device a prepared claim holds that meets no other device is left out where the devices fit one
-    # slice: every view of the pool then has one publication's devices (mig_publish's docstring)
-    standing = {g for d in sets for g in d.consumes} | {g for d in singles for g in _gpu_of(d)}
-    lone = mig.lone_held(occupancy.held, standing, marks.reasons)
-    if len(sets) + len(singles) + len(mig.devices) - len(lone) <= MAX_DEVICES_WITH_COUNTERS:
-        mig = mig.leaving_out(lone)
-    if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
-        # one device slice: the MIG counters only where two devices meet, and where two or more
-        # devices stand for a GPU, each consumes its size of the GPU's set counter, the full GPU all
-        # of it (mig_publish's docstring)
-        full = {g for d in singles for g in _gpu_of(d) if g in mig.geometries}
-        devices_on = [g for d in sets for g in d.consumes] + list(full) + mig.gpus
-        mig = mig.meeting(full, {g for g in mig.geometries if devices_on.count(g) >= 2})
-        singles = [replace(d, consumes=g) if (g := _gpu_of(d)) and g[0] in mig.sized else d for d in singles]
+    mig, singles = _mig_in_one_slice(mig, sets, singles, occupancy, marks)
     # the full GPU of a GPU offering placements consumes all of its counter set (no MIG device beside it)
     singles = [replace(d, shares=mig.gpu_share(g[0])) if (g := _gpu_of(d)) and g[0] in mig.geometries else d
                for d in singles]
     specs = _specs(topology, driver, api_version, sets, singles, mig, occupancy)
     return _slice_objects(specs, node_name, driver, api_version, generation, node_uid)
+
+
+def _mig_in_one_slice(mig: MigRendering, sets: list[Device], singles: list[Device], occupancy: Occupancy,
+                      marks: HealthMarks) -> tuple[MigRendering, list[Device]]:
+    """The MIG devices and the singles where all the devices fit one slice, so that every view of
+    the pool has one publication's devices (mig_publish's docstring): a MIG device a prepared
+    claim holds that meets no other device left out; the MIG counters only where two devices
+    meet; where two or more devices stand for a GPU, each consuming its size of the GPU's set
+    counter, the full GPU all of it. Unchanged above one slice."""
+    standing = {g for d in sets for g in d.consumes} | {g for d in singles for g in _gpu_of(d)}
+    lone = mig.lone_held(occupancy.held, standing, marks.reasons)
+    if len(sets) + len(singles) + len(mig.devices) - len(lone) <= MAX_DEVICES_WITH_COUNTERS:
+        mig = mig.leaving_out(lone)
+    if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
+        full = {g for d in singles for g in _gpu_of(d) if g in mig.geometries}
+        devices_on = [g for d in sets for g in d.consumes] + list(full) + mig.gpus
+        mig = mig.meeting(full, {g for g in mig.geometries if devices_on.count(g) >= 2})
+        singles = [replace(d, consumes=g) if (g := _gpu_of(d)) and g[0] in mig.sized else d for d in singles]
+    return mig, singles
 
 
 def _specs(topology: Topology, driver: str, api_version: str, sets: list[Device], singles: list[Device],
