@@ -293,6 +293,8 @@ def test_a_stale_plain_manifest_is_reported(tmp_path: Path) -> None:
     ("dra.taintEffect=PreferNoSchedule", "dra.taintEffect"),
     ("dra.gpuSets=maybe", "dra.gpuSets"),
     ("dra.gpuSetWithdrawalGraceSeconds=-1", "dra.gpuSetWithdrawalGraceSeconds"),
+    ("dra.dynamicMig=maybe", "dra.dynamicMig"),
+    ("dra.migPlacementsPerProfile=9", "dra.migPlacementsPerProfile"),
 ])
 def test_schema_refuses_a_misspelt_or_wrong_value(setting: str, complaint: str) -> None:
     result = template_text({}, extra=("--set", setting))
@@ -488,6 +490,21 @@ def test_the_withdrawal_grace_value_reaches_the_agent_and_60_is_its_own_default(
     assert not [a for a in container(render({"mode": "dra"}))["args"] if a.startswith("--gpu-set-withdrawal")]
 
 
+@pytest.mark.parametrize("setting", ["on", True])
+def test_dynamic_mig_reaches_the_agent_with_the_mig_privileges_and_only_then(setting: Any) -> None:
+    on = render({"mode": "dra", "dra": {"dynamicMig": setting, "migPlacementsPerProfile": 1}})
+    assert {"--dynamic-mig=on", "--mig-placements-per-profile=1"} <= set(container(on)["args"])
+    assert container(on)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert {k: v for k, v in env_of(on).items() if k.startswith("NVIDIA_MIG_")} == {
+        "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all"}
+    assert "--mig-placements-per-profile" not in " ".join(
+        container(render({"mode": "dra", "dra": {"dynamicMig": "on"}}))["args"]), "2 is the agent's own default"
+    for off in (render({"mode": "dra"}), render({"mode": "dra", "dra": {"dynamicMig": False}}), render({})):
+        assert not [a for a in container(off)["args"] if "mig-placements" in a or "dynamic-mig" in a]
+        assert container(off)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert not [k for k in env_of(off) if k.startswith("NVIDIA_MIG_")]
+
+
 def test_monitoring_objects_only_where_the_cluster_serves_their_crds() -> None:
     served = kinds(render({}))
     assert {"ServiceMonitor", "PrometheusRule"} <= set(served)
@@ -577,6 +594,7 @@ def test_a_changed_config_changes_the_pod_template() -> None:
     ({"config": {"map": {"a": "version: v1\n"}, "default": "b"}}, 'config.default: "b" is not a config in config.map (it has: a)'),
     ({"config": {"default": "b"}}, 'config.default: "b" is not a config in config.map (it has: default)'),
     ({"metrics": {"tls": {"enabled": True}}}, "metrics.tls.secretName: metrics.tls.enabled needs"),
+    ({"dra": {"dynamicMig": "on"}}, "dra.dynamicMig: on needs mode: dra"),
     ({"metrics": {"tls": {"basicAuthUsers": {"u": BCRYPT}}}}, "metrics.tls.basicAuthUsers: basic auth needs"),
 ])
 def test_values_that_cannot_work_together_fail_naming_the_value(values: dict[str, Any], message: str) -> None:
