@@ -20,6 +20,7 @@ failure. :func:`resource_versions` is the one ``resource.k8s.io`` discovery and
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any, Callable, Collection
 
@@ -34,6 +35,17 @@ RESOURCE_VERSIONS = ("v1", "v1beta2", "v1beta1")
 SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
+def _in_cluster_missing(environ: Any) -> str | None:
+    """Why the in-cluster configuration cannot load, by the first checks of kubernetes'
+    ``InClusterConfigLoader`` (the service's host and port variables); None: it may."""
+    host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT")
+    if host is None or port is None:
+        return "Service host/port is not set."
+    if not host or not port:
+        return "Service host/port is set but empty."
+    return None
+
+
 def api_client(config: Config) -> Any:
     """A ``kubernetes.client.ApiClient`` from ``config.kubeconfig``, or the in-cluster
     configuration when it is empty. Raises ConfigError naming what is wrong.
@@ -43,7 +55,15 @@ def api_client(config: Config) -> Any:
     NodePrepareResources again), and
     urllib3's retries would each log a warning of their own (three per request with the
     API server down) and hold the caller meanwhile. Callers log one line per change of
-    state instead."""
+    state instead.
+
+    Without ``--kubeconfig`` and without the service's host and port in the environment (not
+    in a pod), it fails before importing the client library, as its in-cluster loader would:
+    that import takes a second or more on a busy node, and a node-local agent asks here at
+    start whether it has an API server at all."""
+    if not config.kubeconfig and (missing := _in_cluster_missing(os.environ)):
+        raise ConfigError(f"no --kubeconfig given and no in-cluster configuration ({missing}); "
+                          "run in a pod with a service account or pass --kubeconfig FILE")
     from kubernetes import client
     from kubernetes import config as kube_config
 

@@ -356,3 +356,27 @@ def test_a_nodefeature_sink_that_cannot_work_fails_at_start_with_one_line(cluste
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2, stderr
     assert says in stderr and stderr.count("\n") <= 3 and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("env, says", [
+    ({}, "Service host/port is not set."),
+    ({"KUBERNETES_SERVICE_HOST": "", "KUBERNETES_SERVICE_PORT": "443"}, "Service host/port is set but empty."),
+])
+def test_without_an_api_server_the_client_library_is_not_even_imported(env, says):
+    """Outside a pod and without --kubeconfig, the answer "no API server" comes before the
+    kubernetes client's import, which takes a second or more on a busy node, at every start
+    of an agent with a node name (the GPUHealthy condition asks) and before its SIGTERM is
+    handled."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom agent.config import Config\nfrom agent.errors import ConfigError\n"
+              "from agent.kube import api_client\n"
+              "try:\n    api_client(Config())\nexcept ConfigError as exc:\n    print(exc)\n"
+              "print('imported' if 'kubernetes' in sys.modules else 'not imported')\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE_")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**clean, "PYTHONPATH": ROOT, **env},
+                         capture_output=True, text=True, timeout=60)
+    said, imported = out.stdout.strip().splitlines()
+    assert said.startswith("no --kubeconfig given and no in-cluster configuration") and says in said, out
+    assert imported == "not imported"

@@ -64,6 +64,9 @@ class StateFile:
         self.path = path
         self.boot_id = boot_id
         self._said_write = False
+        #: the file holds what this boot must not keep (another boot's, unreadable, foreign):
+        #: the watcher writes its own at once (:meth:`load` sets it)
+        self.outdated = False
 
     def load(self) -> SavedHealth:
         """What the last run of this boot saved; empty for another boot or no file."""
@@ -78,6 +81,7 @@ class StateFile:
         try:
             if doc.get("boot_id", "") != self.boot_id:
                 log.info("health state %s is of another boot: its faults are cleared by the reboot", self.path)
+                self.outdated = True
                 return SavedHealth()
             kernel_log = doc.get("kernel_log") or {}
             return SavedHealth([_fault_of(f) for f in doc.get("faults", [])],

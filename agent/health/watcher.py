@@ -133,6 +133,8 @@ class HealthWatcher(Worker):
         if self.state_file is None:
             return
         self._saved = self.state_file.load()
+        # another boot's file says faults this boot does not have: the first round writes this boot's
+        self.book.changed = self.book.changed or self.state_file.outdated
         for fault in self._saved.faults:
             self.book.restore(fault, quiet=not fault.key.startswith("recovery-action/"))
         self.book.show_marks()
