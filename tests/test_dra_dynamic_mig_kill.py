@@ -17,7 +17,8 @@ import threading
 import grpc
 import pytest
 from agent_run import reap
-from test_dra_daemon import ROOT, Node
+from mig_node import MigNode
+from test_dra_daemon import ROOT
 from waiting import eventually
 
 SPEC = """\
@@ -30,25 +31,15 @@ gpus:
 DEVICE = "gpu-1-mig-3g40gb-4"
 
 
-class KillNode(Node):
+class KillNode(MigNode):
     def __init__(self) -> None:
-        super().__init__()
-        self.spec = os.path.join(self.root, "spec.yaml")
-        with open(self.spec, "w", encoding="utf-8") as fh:
-            fh.write(SPEC)
-        self.state = os.path.join(self.root, "mig-state.json")
+        super().__init__(SPEC)
         self.mark = os.path.join(self.root, "paused")
 
-    def env(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ, PYTHONPATH=ROOT, GPU_AGENT_SIM_STATE=self.state, MIG_PAUSE_MARK=self.mark, **extra)
-        for var in ("CONFIG_FILE", "KUBECONFIG", "AGENT_MODE", "NODE_NAME", "DRA_DYNAMIC_MIG"):
-            env.pop(var, None)
-        return env
-
     def agent(self, pause: str = "") -> subprocess.Popen[str]:
-        args = ["--simulate", self.spec, "--dynamic-mig", "on", "--metrics-address", "127.0.0.1:0", *self.args()]
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "mig_pause_launcher.py"), *args],
-                                cwd=ROOT, env=self.env(MIG_PAUSE=pause), stdout=subprocess.PIPE,
+        launcher = os.path.join(ROOT, "tests", "mig_pause_launcher.py")
+        proc = subprocess.Popen([sys.executable, launcher, *self.run_args()],
+                                cwd=ROOT, env=self.env(MIG_PAUSE=pause, MIG_PAUSE_MARK=self.mark), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         self.kubelet_registers()
         return proc

@@ -16,7 +16,8 @@ import time
 
 import pytest
 from agent_run import reap
-from test_dra_daemon import ROOT, Node
+from mig_node import MigNode
+from test_dra_daemon import ROOT
 from waiting import eventually
 
 SPEC = """\
@@ -30,22 +31,14 @@ DEVICE = "gpu-1-mig-3g40gb-4"
 HAND_MADE = {0: {0}, 4: {4, 5, 6, 7}}  # the hand-made instances of GPU 0: start -> memory slices
 
 
-class RereadNode(Node):
+class RereadNode(MigNode):
     def __init__(self) -> None:
-        super().__init__()
-        self.spec = os.path.join(self.root, "spec.yaml")
-        with open(self.spec, "w", encoding="utf-8") as fh:
-            fh.write(SPEC)
-        self.state = os.path.join(self.root, "mig-state.json")
+        super().__init__(SPEC)
         self.log = os.path.join(self.root, "agent.log")
 
     def agent(self) -> subprocess.Popen[str]:
-        env = dict(os.environ, PYTHONPATH=ROOT, GPU_AGENT_SIM_STATE=self.state)
-        for var in ("CONFIG_FILE", "KUBECONFIG", "AGENT_MODE", "NODE_NAME", "DRA_DYNAMIC_MIG"):
-            env.pop(var, None)
-        args = ["--simulate", self.spec, "--dynamic-mig", "on", "--metrics-address", "127.0.0.1:0", *self.args()]
         with open(self.log, "w", encoding="utf-8") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "agent", "run", *args], cwd=ROOT, env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "agent", "run", *self.run_args()], cwd=ROOT, env=self.env(),
                                     stdout=subprocess.DEVNULL, stderr=log, text=True)
         self.kubelet_registers()
         return proc
