@@ -15,6 +15,7 @@ import uuid as uuid_mod
 from dataclasses import replace
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mig_double import Crash, MigDouble
@@ -162,12 +163,8 @@ def test_an_intent_whose_instance_was_made_is_adopted_at_start_and_destroyed_at_
         node = Node(root)
         preparer = node.agent()
         node.gpus.crash_at = 3  # step 1: before the create, 2: GPU instance made, 3: compute instance made
-        try:
+        with pytest.raises(Crash):
             preparer.prepare(node.claims.ref("a"))
-        except Crash:
-            pass
-        else:
-            raise AssertionError("no crash")
         (made,) = node.instances() - node.hand_made
         assert (made.profile, made.placement.start) == ("3g.40gb", 0)
         preparer = node.agent()
@@ -187,12 +184,8 @@ def test_an_instance_made_by_hand_on_an_intents_placement_after_the_agent_destro
         preparer = node.agent()
         assert preparer.prepare(node.claims.ref("a")).error == ""
         node.gpus.crash_at = node.gpus.steps + 2  # after the destroy's effect
-        try:
+        with pytest.raises(Crash):
             preparer.unprepare(node.claims.ref("a"))
-        except Crash:
-            pass
-        else:
-            raise AssertionError("no crash")
         again = node.gpus.make_by_hand(0, "3g.40gb", 0)
         preparer = node.agent()
         assert len(preparer.checkpoint) == 0, "the interrupted unprepare finished at start"
@@ -205,12 +198,8 @@ def test_a_gpu_instance_whose_compute_instance_the_crash_cut_short_is_destroyed_
         node = Node(root)
         preparer = node.agent()
         node.gpus.crash_at = 2  # the GPU instance made, not its compute instance
-        try:
+        with pytest.raises(Crash):
             preparer.prepare(node.claims.ref("a"))
-        except Crash:
-            pass
-        else:
-            raise AssertionError("no crash")
         (half,) = node.instances() - node.hand_made
         assert half.uuid is None
         preparer = node.agent()
