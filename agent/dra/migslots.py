@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping
 
+from agent.config import Config
 from agent.dra.devices import match_slot, mig_slot_name, parse_mig_slot_name
 from agent.records import MigDevice, MigGeometry, MigPlacement, MigProfile
 from agent.topology.model import Topology
@@ -52,8 +53,8 @@ __all__ = [
 ]
 
 #: How many placements of each profile the node publishes for its current layout, by default
-#: (``dra.migPlacementsPerProfile``).
-SLOTS_PER_PROFILE = 2
+#: (``dra.migPlacementsPerProfile``'s default).
+SLOTS_PER_PROFILE: int = Config.mig_placements_per_profile
 #: NVIDIA's compute counters (the names of kubernetes-sigs/dra-driver-nvidia-gpu) and the
 #: :class:`~agent.records.MigProfile` field each counts.
 COMPUTE_COUNTERS = (
