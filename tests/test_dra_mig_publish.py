@@ -11,11 +11,13 @@ The allocation bodies run against two backends (the ``allocator`` fixture, as
 from __future__ import annotations
 
 import random
+from itertools import combinations
 
 import pytest
 from k8s_binaries import missing_reason
 
 from agent.dra.devices import parse_mig_slot_name, parse_set_name, profile_label
+from agent.dra.migslots import COMPUTE_COUNTERS, gpu_counters
 from agent.dra.occupancy import Occupancy
 from agent.dra.slices import render_slices
 from agent.hw.sim.mig_geometry import geometry_for
@@ -69,27 +71,24 @@ def test_every_published_mig_device_sits_on_a_legal_placement_and_counters_keep_
         assert (attr(d, "profile"), attr(d, "parentIndex"), attr(d, "placementStart")) == (profile.name, gpu, start)
         assert all(key in declared for key in consumed(d))
     # counters only where two devices meet: two devices of a GPU whose memory slices overlap (the full GPU
-    # overlaps them all) share a memory counter or take more of the GPU's counter together than it is worth,
-    # two on disjoint slices share none
+    # overlaps them all) take more of some counter together than it is worth, two on disjoint slices never do
     full = {d["name"]: set(range(8)) for d in devices(slices) if attr(d, "type") == "gpu"}
     on = {d["name"]: set(range(attr(d, "placementStart"), attr(d, "placementStart") + attr(d, "placementSize")))
           for d in migs} | full
     gpu_of = {d["name"]: attr(d, "parentIndex") if attr(d, "type") == "mig" else attr(d, "index")
               for d in devices(slices) if d["name"] in on}
-    memory = {n: {k for k in consumed(d) if "memory-slice" in k[1]} for n, d in
-              ((d["name"], d) for d in devices(slices)) if n in on}
     pairs = [(a, b) for a in on for b in on if a < b and gpu_of[a] == gpu_of[b]]
     assert pairs and any(not (on[a] & on[b]) for a, b in pairs) and any(on[a] & on[b] for a, b in pairs)
     by_name = {d["name"]: d for d in devices(slices)}
 
-    def sized_apart(a: str, b: str) -> bool:
-        key = ("gpus-0", f"gpu-{gpu_of[a]}")
-        return consumed(by_name[a]).get(key, 0) + consumed(by_name[b]).get(key, 0) > declared.get(key, 0) > 0
+    def apart(a: str, b: str) -> set:
+        """The counters two devices together take more of than declared."""
+        ca, cb = consumed(by_name[a]), consumed(by_name[b])
+        return {k for k in ca.keys() & cb.keys() if ca[k] + cb[k] > declared[k]}
 
     for a, b in pairs:
-        assert (bool(memory[a] & memory[b]) or sized_apart(a, b)) == bool(on[a] & on[b]), (a, b)
-        assert not (memory[a] & memory[b]) or on[a] & on[b], (a, b)
-    assert any(sized_apart(a, b) and not memory[a] & memory[b] for a, b in pairs), "the GPU's counter keeps some apart"
+        assert bool(apart(a, b)) == bool(on[a] & on[b]), (a, b)
+    assert any(("gpus-0", f"gpu-{gpu_of[a]}") in apart(a, b) for a, b in pairs), "the GPU's counter keeps some apart"
     mig_counters = [k for k in declared if k[0].endswith("-counter-set")]
     assert len(mig_counters) < 8 * 8, "fewer counters than every memory slice of every GPU"
     # no placement on the GPU held whole; the held MIG device meets no device (its full GPU is withdrawn,
@@ -103,15 +102,88 @@ def test_the_full_gpu_takes_all_of_its_gpu_counter_and_a_set_meets_a_mig_device_
     slices = render_slices(mig_topology("dgx-h100"), node_name="node-1", dynamic_mig=True)
     declared = counters_declared(slices)
     by_name = {d["name"]: d for d in devices(slices)}
-    # the full GPU and every MIG device on its GPU take their size of the GPU's counter, worth its 8
-    # memory slices: the full GPU excludes them all through it alone, no memory slice counter needed
-    assert consumed(by_name["gpu-0"]) == {("gpus-0", "gpu-0"): 8}
+    # the full GPU, a set holding it and every MIG device on its GPU consume the GPU's counter alone: the full
+    # GPU and the set all of it, a MIG device a weight (on an intact GPU one counter keeps them all apart)
+    worth = declared[("gpus-0", "gpu-0")]
+    assert consumed(by_name["gpu-0"]) == {("gpus-0", "gpu-0"): worth}
     sets = [d for d in by_name.values() if attr(d, "type") == "gpuset" and ("gpus-0", "gpu-0") in consumed(d)]
     migs = [d for d in by_name.values() if attr(d, "type") == "mig" and attr(d, "parentIndex") == 0]
     assert sets and migs
-    for d in migs:  # the GPU's counter is worth its memory slices: a set takes all, a MIG device its size
-        assert consumed(d)[("gpus-0", "gpu-0")] == attr(d, "placementSize")
-    assert declared[("gpus-0", "gpu-0")] == consumed(sets[0])[("gpus-0", "gpu-0")] == 8
+    assert consumed(sets[0])[("gpus-0", "gpu-0")] == worth
+    for d in migs:
+        assert set(consumed(d)) == {("gpus-0", "gpu-0")} and 0 < consumed(d)[("gpus-0", "gpu-0")] <= worth
+    assert not [k for k in declared if k[0] == "gpu-0-counter-set"]
+
+
+@pytest.mark.parametrize("placements", [1, 2, 3])
+def test_a_group_of_devices_on_a_gpu_fits_the_counters_exactly_when_the_gpu_can_hold_it(placements):
+    """Every group of the devices published on a GPU (its MIG devices, the held ones among them, its full GPU,
+    the sets holding it), over random layouts: it fits the declared counters, as the scheduler checks them, iff
+    its memory slices are disjoint (the full GPU and a set take them all) and its engines fit the GPU. A counter
+    is worth the same in every rendering: the publisher rewrites slices in place, so the scheduler may join the
+    devices of one rendering to the counters of the one before."""
+    topology = mig_topology("dgx-h100")
+    geometry = geometry_for(topology.gpus[0].name)
+    engines = {n: v for n, v in gpu_counters(geometry).items() if not n.startswith("memory-slice-")}
+    rng = random.Random(placements)
+    one_counter = several = 0
+    worth: dict[tuple[str, str], int] = {}
+    for state in range(12):
+        held: dict[str, tuple[int, ...]] = {}
+        slices = render_slices(topology, node_name="node-1", dynamic_mig=True, mig_placements=placements)
+        for step in range(rng.randrange(0, 30)):
+            model = AllocatorModel(slices, CLASSES, CEL, allocated=[(D, "node-1", n) for n in held])
+            got = model.allocate([_claim(f"c{step}", rng.choice(PROFILES))], "node-1")
+            if got is not None:
+                (((_, (_, _, name)),),) = got
+                held[name] = (int(name.split("-")[1]),)
+            slices = render_slices(topology, node_name="node-1", dynamic_mig=True, mig_placements=placements,
+                                   occupancy=_occupancy(held, {d["name"] for d in devices(slices)}))
+            for k, v in counters_declared(slices).items():
+                assert worth.setdefault(k, v) == v, (k, v, worth[k])
+        declared = counters_declared(slices)
+        for gpu in range(8):
+            on = _on_gpu(devices(slices), gpu, geometry)
+            if len(on) < 2:
+                continue
+            own = {k for k in declared if k == ("gpus-0", f"gpu-{gpu}") or k[0] == f"gpu-{gpu}-counter-set"}
+            if any(k[0] == f"gpu-{gpu}-counter-set" for k in own):
+                several += 1
+            else:
+                one_counter += 1
+            names = sorted(on)
+            sizes = range(2, len(names) + 1) if len(names) <= 12 else range(2, 5)
+            for size in sizes:
+                for group in combinations(names, size):
+                    use: dict[tuple[str, str], int] = {}
+                    for n in group:
+                        for k, v in on[n][2].items():
+                            if k in own:
+                                use[k] = use.get(k, 0) + v
+                    fits = all(v <= declared[k] for k, v in use.items())
+                    slices_used = [s for n in group for s in on[n][0]]
+                    legal = len(slices_used) == len(set(slices_used)) and all(
+                        sum(on[n][1].get(e, 0) for n in group) <= cap for e, cap in engines.items())
+                    assert fits == legal, (state, gpu, group, use, {k: declared[k] for k in own})
+    assert one_counter and several, (one_counter, several)
+
+
+def _on_gpu(published, gpu, geometry):
+    """name -> (memory slices, engines used, counters consumed) of the devices standing for GPU ``gpu``."""
+    out = {}
+    for d in published:
+        if attr(d, "type") == "mig":
+            if attr(d, "parentIndex") != gpu:
+                continue
+            profile = next(p for p in geometry.profiles if p.name == attr(d, "profile"))
+            slots = range(attr(d, "placementStart"), attr(d, "placementStart") + attr(d, "placementSize"))
+            engines = {n: int(getattr(profile, a)) for n, a in COMPUTE_COUNTERS}
+        elif gpu in (parse_set_name(d["name"]) or ((attr(d, "index"),) if attr(d, "type") == "gpu" else ())):
+            slots, engines = range(geometry.memory_slices), {}
+        else:
+            continue
+        out[d["name"]] = (list(slots), engines, consumed(d))
+    return out
 
 
 def test_a_mig_claim_goes_to_the_gpu_already_cut_on_the_placement_that_keeps_a_3g_free():

@@ -296,8 +296,10 @@ def _mig_in_one_slice(mig: MigRendering, sets: list[Device], singles: list[Devic
         mig = mig.leaving_out(lone)
     if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
         full = {g for d in singles for g in _gpu_of(d) if g in mig.geometries}
+        in_sets = {g for d in sets for g in d.consumes}
         devices_on = [g for d in sets for g in d.consumes] + list(full) + mig.gpus
-        mig = mig.meeting(full, {g for g in mig.geometries if devices_on.count(g) >= 2})
+        sized = {g for g in mig.geometries if devices_on.count(g) >= 2}
+        mig = mig.meeting(full, sized, sized - full - in_sets)
         singles = [replace(d, consumes=g) if (g := _gpu_of(d)) and g[0] in mig.sized else d for d in singles]
     return mig, singles
 
@@ -316,7 +318,7 @@ def _specs(topology: Topology, driver: str, api_version: str, sets: list[Device]
     # MIG device its share of its GPU's wherever its full GPU would
     held = {g for d in sets for g in d.consumes}
     held |= set() if one else {g for name in occupancy.published for g in parse_set_name(name) or ()}
-    weights = {g: geo.memory_slices for g, geo in mig.geometries.items()}
+    weights = {g: mig.worth(g) for g in mig.geometries}
     migs = mig.sharing(held | mig.sized, weights)
     consumed = {g for d in [*sets, *singles] for g in d.consumes} | (held & set(mig.gpus)) | mig.sized
     specs: list[dict[str, Any]] = (
