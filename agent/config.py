@@ -177,7 +177,7 @@ class Config:
     #: layout (1-8): more keep the best-fit placement when the scheduler allocates several
     #: claims of a profile on a node before the agent re-publishes, and cost the scheduler
     #: more work on every Filter (docs/dra/mig.md) (env DRA_MIG_PLACEMENTS_PER_PROFILE)
-    mig_placements_per_profile: int = 2
+    mig_placements_per_profile: int = 1
     # --- NCCL (issue 24; docs/nccl.md)
     #: the node's topology as an NCCL topology file laid over NVML's GPUs by bus ID ("" none)
     nccl_topology_file: str = ""

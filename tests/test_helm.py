@@ -492,13 +492,13 @@ def test_the_withdrawal_grace_value_reaches_the_agent_and_60_is_its_own_default(
 
 @pytest.mark.parametrize("setting", ["on", True])
 def test_dynamic_mig_reaches_the_agent_with_the_mig_privileges_and_only_then(setting: Any) -> None:
-    on = render({"mode": "dra", "dra": {"dynamicMig": setting, "migPlacementsPerProfile": 1}})
-    assert {"--dynamic-mig=on", "--mig-placements-per-profile=1"} <= set(container(on)["args"])
+    on = render({"mode": "dra", "dra": {"dynamicMig": setting, "migPlacementsPerProfile": 2}})
+    assert {"--dynamic-mig=on", "--mig-placements-per-profile=2"} <= set(container(on)["args"])
     assert container(on)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     assert {k: v for k, v in env_of(on).items() if k.startswith("NVIDIA_MIG_")} == {
         "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all"}
     assert "--mig-placements-per-profile" not in " ".join(
-        container(render({"mode": "dra", "dra": {"dynamicMig": "on"}}))["args"]), "2 is the agent's own default"
+        container(render({"mode": "dra", "dra": {"dynamicMig": "on"}}))["args"]), "1 is the agent's own default"
     for off in (render({"mode": "dra"}), render({"mode": "dra", "dra": {"dynamicMig": False}}), render({})):
         assert not [a for a in container(off)["args"] if "mig-placements" in a or "dynamic-mig" in a]
         assert container(off)["securityContext"]["capabilities"] == {"drop": ["ALL"]}

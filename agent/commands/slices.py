@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         " docs/dra/mig.md); --dynamic-mig alone is on (default: the config's dra.dynamicMig, off)")
     p.add_argument("--mig-placements-per-profile", metavar="N", dest="mig_placements_per_profile", default=None,
                    help="with --dynamic-mig, the placements of each profile published (default: the config's"
-                        " dra.migPlacementsPerProfile, 2)")
+                        " dra.migPlacementsPerProfile, 1)")
     p.set_defaults(func=run)
 
 
