@@ -18,7 +18,11 @@ state. A claim that does not fit is refused and gone. Worlds:
 * ``agent``: the agent's slices (``render_slices(..., dynamic_mig=True)``, GPU sets on,
   ``--placements`` per profile), re-rendered for the claims held after every allocation and
   release, as the publisher does at every prepare and unprepare; a device leaving is tainted
-  for one rendering (the grace) first. With ``--every N`` the agent's prepares lag the
+  first and goes once the agent has prepared every claim allocated before the taint was
+  published (the grace, ``dra.gpuSetWithdrawalGraceSeconds``, outlasts the lag between an
+  allocation and its prepare: a claim holding the device is known by then; a grace of one
+  rendering, the model before, let the scheduler allocate a withdrawn device's slices to a
+  second claim under ``--every 3``). With ``--every N`` the agent's prepares lag the
   scheduler: the claims allocated are prepared (and the slices re-rendered for them) before
   every N-th claim only, so N claims are allocated on one rendering; a release re-renders at
   once for the claims prepared by then (those allocated since stay as the pool showed them). A
@@ -32,6 +36,8 @@ state. A claim that does not fit is refused and gone. Worlds:
   allocator that never moves an instance does better on the fragmentation count; served
   claims are not a strict bound (its greedy choice of GPU is not optimal either).
 
+Every allocation is checked against the GPUs (:func:`over_committed`: no memory slice, GPU or
+engine given twice); a world that over-commits stops the run with an error naming the claim.
 Counted per world: claims served; refusals; **fragmentation refusals**: a MIG claim refused
 while some GPU, not held whole, had as many free memory slices as the profile's placement
 takes and as many free compute slices as it uses (the repacking bound's own count is the
@@ -113,6 +119,22 @@ def layout_of(topology: Any, held: dict[str, tuple[int, ...]]) -> dict[int, GpuL
     return out
 
 
+def over_committed(topology: Any, held: dict[str, tuple[int, ...]]) -> str | None:
+    """What the allocations ``held`` over-commit (None: nothing): a GPU held twice whole, a MIG
+    device on a GPU held whole, two MIG devices on one memory slice, an engine over the GPU's."""
+    whole: list[int] = [g for n, gpus in held.items() if resolve_slot(n, dynamic_gpus(topology)) is None for g in gpus]
+    if len(whole) != len(set(whole)):
+        return f"a GPU held whole twice: {sorted(held)}"
+    for i, lay in layout_of(topology, held).items():
+        taken = [k for s in lay.slots for k in s.placement.slices]
+        if lay.slots and lay.whole:
+            return f"GPU {i} held whole beside its MIG devices {[s.name for s in lay.slots]}"
+        cap = gpu_counters(lay.geometry)
+        if len(taken) != len(set(taken)) or not all(v <= cap.get(k, v) for k, v in lay.used().items()):
+            return f"GPU {i}: {[s.name for s in lay.slots]} overlap or take more than the GPU has"
+    return None
+
+
 def fragmented(layouts: dict[int, GpuLayout], profile: str) -> bool:
     """Some GPU not held whole had as many free memory slices as ``profile``'s placements
     take and as many free compute slices as it uses (nvidia-smi's g)."""
@@ -172,16 +194,26 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
     sets: list[str] = []
     key = withdrawal_taint(D)["key"]
     waiting: list[tuple[str, int]] = []  # refused on a rendering older than an allocation: retried once
+    tainted_at: dict[str, int] = {}  # withdrawing device -> the step its withdrawal taint was first published
+    prepares: list[int] = [-1]  # the steps the agent prepared every claim allocated by then
 
-    def render() -> None:
+    def render(step: int) -> None:
         nonlocal slices, in_pool, sets, withdrawing
         known = {n: g for n, g in held.items() if n in prepared}
+        # the grace outlasts the lag: a device goes once the agent has prepared every claim allocated
+        # before its taint was published (a claim holding it would be known by then)
+        expired = sorted(n for n in withdrawing if tainted_at[n] < prepares[-1])
         slices = render_slices(topology, node_name="node-1", driver=D, dynamic_mig=True, mig_placements=placements,
-                               occupancy=Occupancy(known, sets, sorted(withdrawing), sorted(withdrawing), in_pool))
+                               occupancy=Occupancy(known, sets, expired, sorted(withdrawing), in_pool))
         devs = [d for s in slices for d in s["spec"].get("devices", ())]
         in_pool = sorted(d["name"] for d in devs if not d["name"].startswith("gpuset-"))
         sets = sorted(d["name"] for d in devs if d["name"].startswith("gpuset-"))
         withdrawing = {d["name"] for d in devs if any(t.get("key") == key for t in d.get("taints", ()))}
+        for n in list(tainted_at):
+            if n not in withdrawing:
+                del tainted_at[n]
+        for n in withdrawing:
+            tainted_at.setdefault(n, step)
         tally.devices.append(len(devs))
 
     def place(step: int, profile: str, hold: int, retry: bool) -> None:
@@ -199,17 +231,21 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
         if not agent and slot is None and "-mig-" in name:
             raise AssertionError(name)
         held[name] = (slot.gpu,) if slot is not None else (int(name.split("-")[1]),)
+        if (wrong := over_committed(topology, held)) is not None:
+            raise AssertionError(f"{'agent' if agent else 'NVIDIA order'}, claim {step}: {wrong}")
         until[name] = step + hold
         tally.served += 1
 
     start = time.perf_counter()
     for step, (profile, hold) in enumerate(events):
         boundary = agent and step % every == 0
+        if boundary:
+            prepares.append(step)
         if boundary and waiting:
             # the re-publication the window's prepares cause, before anything is released: the
             # claims refused on the older rendering are tried once more, then refused for good
             prepared.update(held)
-            render()
+            render(step)
             for p, h in waiting:
                 place(step, p, h, retry=True)
             waiting = []
@@ -220,13 +256,13 @@ def run_allocator(topology: Any, events: list[tuple[str, int]], agent: bool, eve
         if boundary:
             prepared.update(held)
         if boundary or (agent and released):
-            render()
+            render(step)
         elif not agent:
             slices = static or []
         place(step, profile, hold, retry=False)
     for p, h in waiting:  # the last window's
         prepared.update(held)
-        render()
+        render(len(events))
         place(len(events), p, h, retry=True)
     tally.seconds = time.perf_counter() - start
     return tally

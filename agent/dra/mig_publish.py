@@ -102,8 +102,9 @@ class MigRendering:
     gpus: list[int]  # the GPU of each device
     slots: list[MigSlot] = field(default_factory=list)  # the slot of each device
     declared: Mapping[int, Mapping[str, int]] | None = None
-    #: GPUs whose devices also consume their size of the GPU's set counter (``gpu-<i>``,
-    #: worth its memory slices; :meth:`meeting`): their full GPU consumes none of its counter set
+    #: GPUs whose devices also consume their weight or size of the GPU's set counter
+    #: (``gpu-<i>``, worth :meth:`worth`; :meth:`meeting`): their full GPU consumes none of its
+    #: counter set
     sized: frozenset[int] = frozenset()
     #: device name -> what it consumes of its GPU's set counter where that counter alone keeps
     #: the GPU's devices apart (:func:`_weights`; elsewhere its size times :data:`SCALE`)
