@@ -71,7 +71,7 @@ def meeting_gpus(holdings: Iterable[Collection[int]]) -> set[int]:
 def consumes_counters(gpus: Iterable[int], weights: Mapping[int, int] | None = None) -> list[dict[str, Any]]:
     """A device's ``consumesCounters`` for the GPU indices ``gpus``, all of each GPU's counter
     (``weights``: its value where not 1, a GPU offering dynamic MIG: its memory slices times
-    :data:`agent.dra.mig_publish.SCALE`)."""
+    :data:`agent.dra.mig_counters.SCALE`)."""
     uses: dict[str, dict[str, Any]] = {}
     for i in gpus:
         uses.setdefault(counter_set_name(i), {})[f"gpu-{i}"] = {"value": str((weights or {}).get(i, 1))}

@@ -20,7 +20,9 @@ a GPU); a compute counter the memory slices alone keep from over-committing is l
 is NVIDIA's ``memory`` counter (the memory slices say the same): the scheduler compares every
 counter of the pool for every device it reserves. A MIG device consumes the
 memory slices of its placement and its profile's compute counts; the full GPU consumes all
-of them, so a whole-GPU claim and a MIG claim never share a GPU.
+of them, so a whole-GPU claim and a MIG claim never share a GPU. These are the GPU's own
+counts (:func:`gpu_counters`, what the layouts here add up); the slices declare each memory
+slice worth more, and consume fewer counters where they can (:mod:`agent.dra.mig_publish`).
 
 **Best fit** (:func:`slot_order`): the scheduler takes the first device that fits, so the
 order is the placement. A candidate (profile, GPU, placement) free in the GPU's current
