@@ -122,7 +122,8 @@ def layout_of(topology: Any, held: dict[str, tuple[int, ...]]) -> dict[int, GpuL
 def over_committed(topology: Any, held: dict[str, tuple[int, ...]]) -> str | None:
     """What the allocations ``held`` over-commit (None: nothing): a GPU held twice whole, a MIG
     device on a GPU held whole, two MIG devices on one memory slice, an engine over the GPU's."""
-    whole: list[int] = [g for n, gpus in held.items() if resolve_slot(n, dynamic_gpus(topology)) is None for g in gpus]
+    geos = dynamic_gpus(topology)
+    whole: list[int] = [g for n, gpus in held.items() if resolve_slot(n, geos) is None for g in gpus]
     if len(whole) != len(set(whole)):
         return f"a GPU held whole twice: {sorted(held)}"
     for i, lay in layout_of(topology, held).items():

@@ -10,7 +10,7 @@ where they overlap or together need more of an engine than the GPU has; a group 
 be allocated together exactly when no two conflict, and the counters say exactly that:
 
 - **One weighted counter** where the conflicts allow it (a *threshold graph*:
-  :func:`weights`): where two or more published devices stand for a GPU (its full GPU, sets
+  :func:`weights`, :func:`_threshold`): where two or more published devices stand for a GPU (its full GPU, sets
   holding it, its MIG devices: ``MigRendering.sized``), each MIG device consumes a weight of
   the GPU's counter ``gpu-<i>`` in the sets' counter set, the full GPU and a set all of it.
   On an intact GPU at one placement a profile (1g at 6, 2g at 4, 3g at 4, 4g at 0, 7g, full)
@@ -86,13 +86,25 @@ def _engine_peaks(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
     return {k: max((sum(uses[n].get(k, 0) for n in g) for g in groups), default=0) for k in engines}
 
 
-def weights(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
-             groups_out: list[list[str]] | None = None) -> dict[str, int] | None:
+def weights(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]]) -> dict[str, int] | None:
     """Devices of one GPU kept apart by one counter worth :func:`worth` (``T``): device name
     -> its weight, such that a group of the devices fits the counter exactly when no two of
-    them conflict (:func:`_conflicts`) and, where ``groups_out`` is None, the group's engines
-    fit the GPU (otherwise the largest groups that fit are appended to it for the caller to
-    check); None where no such weights exist within ``T``.
+    them conflict (:func:`_conflicts`) and the group's engines fit the GPU; None where no such
+    weights exist within ``T`` (:func:`_threshold`) or some group that fits would take more of
+    an engine than the GPU has."""
+    found = _threshold(geometry, devices, _conflicts(geometry, devices))
+    if found is None:
+        return None
+    weight, groups = found
+    cap = gpu_counters(geometry)
+    return None if any(v > cap[k] for k, v in _engine_peaks(geometry, devices, groups).items()) else weight
+
+
+def _threshold(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]], conflict: Callable[[str, str], bool]
+               ) -> tuple[dict[str, int], list[list[str]]] | None:
+    """(device name -> weight, the largest groups that fit) for one counter worth ``T``
+    (:func:`worth`) that a group of ``devices`` fits exactly when no two of them ``conflict``;
+    None where no such weights exist within ``T``.
 
     Weights exist exactly when the conflicts form a *threshold graph* (Chvatal and Hammer,
     1977): the devices can be taken away one by one, each conflicting with none or with all of
@@ -102,7 +114,6 @@ def weights(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
     then fits exactly when it holds at most one dominating device and no isolated one before
     it (when no two conflict), provided two dominating devices exceed ``T`` (the isolated ones
     weigh less than half of it). The full GPU and a set take all of ``T``."""
-    conflict = _conflicts(geometry, devices)
     left, taken = [n for n, _ in devices], []  # taken: (name, dominating), first taken first
     while left:
         for n in left:
@@ -128,18 +139,14 @@ def weights(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
         return None
     groups = [[n for n, d in order if not d]]  # the largest groups that fit: see above
     groups += [[n, *(m for m, d in order[i + 1 :] if not d)] for i, (n, d) in enumerate(order) if d]
-    if groups_out is not None:
-        groups_out += groups
-    elif any(v > gpu_counters(geometry)[k] for k, v in _engine_peaks(geometry, devices, groups).items()):
-        return None
-    return weight
+    return weight, groups
 
 
 def apart(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]]
-           ) -> tuple[dict[str, int], dict[str, dict[str, int]]] | None:
+          ) -> tuple[dict[str, int], dict[str, dict[str, int]]] | None:
     """One GPU's MIG devices, where nothing else stands for the GPU, kept apart by one counter
     per group of devices that conflict (a connected part of :func:`_conflicts`), weighted as
-    :func:`weights` says and named after the group's lowest memory slice; a device
+    :func:`_threshold` says and named after the group's lowest memory slice; a device
     conflicting with none consumes nothing. (counter -> value, device name -> what it
     consumes), or None where a group has no such weights or the engines of the groups' largest
     fitting parts, added up, could exceed the GPU (then :func:`meeting_counters` does it)."""
@@ -152,15 +159,16 @@ def apart(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]]
     uses: dict[str, dict[str, int]] = {n: {} for n, _ in devices}
     peaks = {k: 0 for k in gpu_counters(geometry) if not k.startswith("memory-slice-")}
     for part in parts:
-        groups: list[list[str]] = [[n for n, _ in part]] if len(part) == 1 else []
+        groups = [[n for n, _ in part]]
         if len(part) >= 2:
-            found = weights(geometry, part, groups)
+            found = _threshold(geometry, part, conflict)
             if found is None:
                 return None
             name = f"memory-slice-{min(i for _, s in part for i in s.placement.slices)}"
             counters[name] = worth(geometry)
-            for n, w in found.items():
+            for n, w in found[0].items():
                 uses[n][name] = w
+            groups = found[1]
         for k, v in _engine_peaks(geometry, part, groups).items():
             peaks[k] += v
     if any(v > gpu_counters(geometry)[k] for k, v in peaks.items()):
@@ -169,7 +177,7 @@ def apart(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]]
 
 
 def meeting_counters(geometry: MigGeometry, devices: Sequence[tuple[str, MigSlot]],
-                      full: bool, sized: bool = False) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+                     full: bool, sized: bool = False) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """One GPU's counters where its published devices meet: (counter -> value, device name ->
     what it consumes). A memory slice counter per distinct largest set of devices covering one
     slice (two devices sharing a slice both consume the counter of a set holding that slice's

@@ -90,8 +90,8 @@ class MigRendering:
     def sharing(self, gpus: Collection[int], weights: Mapping[int, int]) -> list[Device]:
         """The devices, those on ``gpus`` also consuming their :attr:`weight` (else their
         placement's size times :data:`agent.dra.mig_counters.SCALE`) of their GPU's set
-        counter (worth ``weights``: :meth:`worth`), so a set holding the GPU and a MIG device on it exclude each other
-        (:mod:`agent.dra.counters`)."""
+        counter (worth ``weights``: :meth:`worth`), so a set holding the GPU and a MIG device on
+        it exclude each other (:mod:`agent.dra.counters`)."""
         def share(name: str, g: int, s: MigSlot) -> tuple[str, tuple[tuple[str, int], ...]]:
             weight = self.weight.get(name, s.placement.size * SCALE)
             return gpus_counter_set(g), ((f"gpu-{g}", min(weight, weights[g])),)
@@ -135,7 +135,8 @@ class MigRendering:
         slice: module docstring). ``full``: the GPUs whose full GPU is published beside;
         ``sized``: the GPUs whose devices consume their size of the GPU's set counter too
         (the renderer makes them: :attr:`sized`); ``alone``: those of them only MIG devices
-        stand for (no full GPU, no set), whose devices :func:`agent.dra.mig_counters.apart` may keep apart instead."""
+        stand for (no full GPU, no set), whose devices :func:`agent.dra.mig_counters.apart` may
+        keep apart instead."""
         declared: dict[int, dict[str, int]] = {}
         uses: dict[str, dict[str, int]] = {}
         weight: dict[str, int] = {}

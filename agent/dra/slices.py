@@ -288,18 +288,19 @@ def _mig_in_one_slice(mig: MigRendering, sets: list[Device], singles: list[Devic
     """The MIG devices and the singles where all the devices fit one slice, so that every view of
     the pool has one publication's devices (mig_publish's docstring): a MIG device a prepared
     claim holds that meets no other device left out; the MIG counters only where two devices
-    meet; where two or more devices stand for a GPU, each consuming its size of the GPU's set
-    counter, the full GPU all of it. Unchanged above one slice."""
+    meet (:mod:`agent.dra.mig_counters`): where two or more devices stand for a GPU, each MIG
+    device consuming its weight or size of the GPU's set counter and the full GPU all of it,
+    unless only MIG devices stand for it. Unchanged above one slice."""
     standing = {g for d in sets for g in d.consumes} | {g for d in singles for g in _gpu_of(d)}
     lone = mig.lone_held(occupancy.held, standing, marks.reasons)
     if len(sets) + len(singles) + len(mig.devices) - len(lone) <= MAX_DEVICES_WITH_COUNTERS:
         mig = mig.leaving_out(lone)
     if mig.devices and len(sets) + len(singles) + len(mig.devices) <= MAX_DEVICES_WITH_COUNTERS:
         full = {g for d in singles for g in _gpu_of(d) if g in mig.geometries}
-        in_sets = {g for d in sets for g in d.consumes}
-        devices_on = [g for d in sets for g in d.consumes] + list(full) + mig.gpus
+        in_sets = [g for d in sets for g in d.consumes]
+        devices_on = in_sets + list(full) + mig.gpus
         sized = {g for g in mig.geometries if devices_on.count(g) >= 2}
-        mig = mig.meeting(full, sized, sized - full - in_sets)
+        mig = mig.meeting(full, sized, sized - full - set(in_sets))
         singles = [replace(d, consumes=g) if (g := _gpu_of(d)) and g[0] in mig.sized else d for d in singles]
     return mig, singles
 
